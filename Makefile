@@ -1,0 +1,36 @@
+# The two set-up commands of the README. Each creates .venv when it is missing and installs the
+# project into it, so both work on a fresh machine.
+#   make demo   the main job (today: a receiver reserves pages, a sender pushes a prompt's KV into them)
+#   make test   the CPU test suite (what CI runs); Triton kernels run in Triton's interpreter
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Where the system Python already has torch (GPU hosts ship a CUDA build), the venv reuses it;
+# elsewhere the CPU build is installed first so that pip never pulls a multi-GB CUDA wheel.
+SYSTEM_TORCH := $(shell python3 -c "import torch" >/dev/null 2>&1 && echo --system-site-packages)
+
+.PHONY: venv demo test test-gpu test-multigpu bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(SYSTEM_TORCH) $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test,bench]"
+	touch $@
+
+demo: venv
+	$(PY) -m disagg.cluster.demo
+
+test: venv
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q
+
+# On a GPU host (after `source .whl/gpu-env.sh`), with the system python:
+test-gpu:
+	python3 -m pytest -q -m gpu tests
+
+test-multigpu:
+	python3 -m pytest -q -m multigpu tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,75 @@
+"""Project exception types.
+
+Every error that disagg raises on purpose derives from `DisaggError`, so a caller can catch the
+project's errors apart from bugs. Errors caused by bad caller input also derive from the matching
+builtin (`ValueError`, `TypeError`) so generic handlers keep working. Imported by every layer;
+imports nothing.
+"""
+
+from __future__ import annotations
+
+
+class DisaggError(Exception):
+    """Base class of every error raised on purpose by disagg."""
+
+
+class ConfigError(DisaggError, ValueError):
+    """A configuration value is invalid; the message names the field path."""
+
+
+class CacheError(DisaggError, ValueError):
+    """A page-table operation was misused (bad id, length, batch or map). State is unchanged."""
+
+
+class SequenceNotFound(CacheError):
+    """The sequence id is not in the cache."""
+
+
+class SequenceExists(CacheError):
+    """The sequence id is already in the cache."""
+
+
+class ForwardStateError(CacheError):
+    """begin_forward/end_forward called out of order (a forward is open, or none is)."""
+
+
+class PositionMapError(CacheError):
+    """A compressed position map is malformed or does not cover the tokens it must."""
+
+
+class OutOfPages(DisaggError, RuntimeError):
+    """The cache has too few free pages for the request. State is unchanged; callers queue or preempt.
+
+    Attributes:
+        num_needed: pages the operation needed.
+        num_free: pages free when it was refused.
+    """
+
+    def __init__(self, message: str, *, num_needed: int, num_free: int) -> None:
+        super().__init__(message)
+        self.num_needed = num_needed
+        self.num_free = num_free
+
+
+class HeapError(DisaggError, RuntimeError):
+    """A symmetric-heap operation failed (bootstrap, collective mismatch, closed heap, timeout)."""
+
+
+class TransferError(DisaggError, RuntimeError):
+    """Moving one request's KV from a source PE to a destination PE failed.
+
+    Attributes:
+        request_id: the request (sequence) whose KV was being moved, or None for heap-wide work.
+        src_pe: the sending PE.
+        dst_pe: the receiving PE.
+    """
+
+    def __init__(self, message: str, *, request_id: int | str | None, src_pe: int, dst_pe: int) -> None:
+        super().__init__(f"{message} (request {request_id}, PE {src_pe} -> PE {dst_pe})")
+        self.request_id = request_id
+        self.src_pe = src_pe
+        self.dst_pe = dst_pe
+
+
+class SignalTimeout(TransferError, TimeoutError):
+    """A wait on a doorbell word did not see the expected value before its timeout."""

@@ -1,0 +1,1 @@
+"""disagg.transfer: symmetric heaps (NVSHMEM on GPUs, shared memory on CPU) and the KV pusher."""
