@@ -1,1 +1,21 @@
-"""disagg.kernels: Triton kernels for the paged KV cache and their pure-torch references."""
+"""disagg.kernels: Triton kernels for the paged KV cache and their pure-torch references.
+
+Launchers (each checks its inputs, then runs Triton on CUDA tensors, the torch reference in
+`disagg.kernels.reference` on CPU tensors, or the Triton kernel in Triton's interpreter when
+`TRITON_INTERPRET=1`):
+
+    append_kv(k, v, kv_layer, slots)                        new K/V -> local pages
+    append_push_kv(k, v, kv_layer, slots, dst_layers, dst_slots, dst_index)
+                                                            ... and into receivers' pages, one pass
+    paged_decode(q, kv_layer, page_indptr, page_indices, last_page_len, sm_scale) -> o
+    paged_prefill(q, kv_layer, qo_indptr, page_indptr, page_indices, last_page_len, sm_scale,
+                  causal=True) -> o
+    copy_slots(src, src_slots, dst, dst_slots)              slot runs between caches (peer views ok)
+
+`kv_layer` is `[num_pages, 2, H_kv, page_size, head_dim]` (index 0 of the 2-axis is K). Importing
+this package imports torch and triton; `import disagg` does not import it.
+"""
+
+from disagg.kernels.append import append_kv, append_push_kv, build_dst_table
+
+__all__ = ["append_kv", "append_push_kv", "build_dst_table"]

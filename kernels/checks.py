@@ -1,0 +1,265 @@
+"""Input checks shared by the kernel launchers (after flashinfer's `check_shape_dtype_device`).
+
+Each check raises before anything is launched, naming the argument and stating what was expected
+and what was got (shape, dtype, device; never a tensor's repr). Shape, dtype, device and stride
+checks read only metadata. Value checks (`check_*_values`) read index values and therefore sync a
+CUDA device; launchers call them only when `dispatch.should_check_values` allows, and each does
+one device-to-host copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _names(dtypes: Sequence[torch.dtype]) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    tensor: object,
+    *,
+    dims: str,
+    shape: Sequence[int | None],
+    dtypes: Sequence[torch.dtype] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Check a tensor's shape (None matches any size), dtype and device.
+
+    Args:
+        name: the argument's name, used in the message.
+        tensor: the value passed.
+        dims: the expected shape in words, e.g. "[num_tokens, num_kv_heads, head_dim]".
+        shape: expected sizes, None where any size is allowed.
+        dtypes: allowed dtypes, or None for any.
+        device: the device it must live on, or None for any.
+
+    Returns:
+        The tensor, for chaining.
+
+    Raises:
+        TypeError: not a tensor, or a dtype outside `dtypes`.
+        ValueError: wrong number of dims, a size mismatch, or another device.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor {dims}, got {type(tensor).__name__}")
+    got = tuple(tensor.shape)
+    if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got)):
+        want = tuple("*" if w is None else w for w in shape)
+        raise ValueError(f"{name}: expected shape {dims} = {want}, got {got}")
+    if dtypes is not None and tensor.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in ({_names(dtypes)}), got {tensor.dtype}")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {tensor.device}")
+    return tensor
+
+
+def check_index(name: str, tensor: object, *, length: int | None, device: torch.device) -> torch.Tensor:
+    """Check a 1-D contiguous int32/int64 index tensor (page table, slots) on `device`."""
+    dims = "[n]" if length is None else f"[{length}]"
+    check_tensor(name, tensor, dims=dims, shape=(length,), dtypes=INDEX_DTYPES, device=device)
+    if tensor.numel() > 1 and tensor.stride(0) != 1:
+        raise ValueError(f"{name}: expected a contiguous index tensor, got stride {tensor.stride()}")
+    return tensor
+
+
+def check_rows(name: str, tensor: torch.Tensor) -> None:
+    """Check that the last dim of `tensor` is contiguous (kernels read head_dim rows as vectors)."""
+    if tensor.stride(-1) != 1:
+        raise ValueError(f"{name}: expected stride 1 along head_dim, got strides {tensor.stride()}")
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What a launcher needs to know about a `[num_pages, 2, H_kv, P, D]` cache (or a stack of them).
+
+    `stride_page` and `stride_lead` are in elements; inside a page the layout is packed
+    (`[2, H_kv, P, D]` contiguous), which every kernel relies on.
+    """
+
+    num_pages: int
+    num_kv_heads: int
+    page_size: int
+    head_dim: int
+    dtype: torch.dtype
+    stride_page: int
+    num_lead: int = 1
+    stride_lead: int = 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def same_layout(self, other: "KVGeometry") -> bool:
+        """Same heads, page size, head_dim and dtype (num_pages and strides may differ)."""
+        return (self.num_kv_heads, self.page_size, self.head_dim, self.dtype) == (
+            other.num_kv_heads, other.page_size, other.head_dim, other.dtype
+        )
+
+
+def check_kv_layer(name: str, kv: object, *, lead_ok: bool = False) -> KVGeometry:
+    """Check a paged cache view and return its geometry.
+
+    Args:
+        name: argument name for messages.
+        kv: `[num_pages, 2, H_kv, P, D]`, or with `lead_ok` any `[..., num_pages, 2, H_kv, P, D]`
+            whose leading dims collapse into one stride (e.g. a whole `[num_layers, ...]` cache).
+        lead_ok: allow leading dims.
+
+    Raises:
+        TypeError: not a tensor, or a dtype outside float16/bfloat16/float32/float8_e4m3fn.
+        ValueError: wrong rank, axis 1 not of size 2, or a page that is not packed.
+    """
+    dims = "[..., num_pages, 2, num_kv_heads, page_size, head_dim]" if lead_ok else (
+        "[num_pages, 2, num_kv_heads, page_size, head_dim]")
+    if not isinstance(kv, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor {dims}, got {type(kv).__name__}")
+    if kv.dim() < 5 or (kv.dim() > 5 and not lead_ok):
+        raise ValueError(f"{name}: expected shape {dims}, got {tuple(kv.shape)}")
+    check_tensor(name, kv, dims=dims, shape=(None,) * (kv.dim() - 4) + (2, None, None, None),
+                 dtypes=KV_DTYPES)
+    _, num_kv_heads, page_size, head_dim = kv.shape[-4:]
+    packed = (num_kv_heads * page_size * head_dim, page_size * head_dim, head_dim, 1)
+    if tuple(kv.stride()[-4:]) != packed:
+        raise ValueError(
+            f"{name}: expected each page packed ([2, H_kv, P, D] contiguous, strides {packed}), "
+            f"got strides {tuple(kv.stride()[-4:])}"
+        )
+    num_lead, stride_lead = _collapse_lead(name, kv)
+    return KVGeometry(kv.shape[-5], num_kv_heads, page_size, head_dim, kv.dtype,
+                      kv.stride(-5), num_lead, stride_lead)
+
+
+def _collapse_lead(name: str, kv: torch.Tensor) -> tuple[int, int]:
+    """Count and stride of the dims before num_pages, which must collapse into one stride."""
+    lead_shape, lead_strides = kv.shape[:-5], kv.stride()[:-5]
+    if not lead_shape:
+        return 1, 0
+    num_lead = 1
+    for size in lead_shape:
+        num_lead *= size
+    dims = [(n, s) for n, s in zip(lead_shape, lead_strides) if n != 1]
+    stride = dims[-1][1] if dims else 0
+    for (_, outer), (inner_n, inner) in zip(dims, dims[1:]):
+        if outer != inner * inner_n:
+            raise ValueError(
+                f"{name}: expected leading dims {tuple(lead_shape)} to collapse into one stride, "
+                f"got strides {tuple(lead_strides)}"
+            )
+    return num_lead, stride
+
+
+def check_same_device(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> torch.device:
+    """Check that all tensors live on the first one's device; return it."""
+    device = tensors[0].device
+    for name, tensor in zip(names[1:], tensors[1:]):
+        if tensor.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (like {names[0]}), got {tensor.device}")
+    return device
+
+
+def _to_host(values: list[torch.Tensor]) -> list[int]:
+    """One device-to-host copy of several int64 scalars."""
+    return [int(v) for v in torch.stack([v.to(torch.int64) for v in values]).tolist()]
+
+
+def check_slot_values(name: str, slots: torch.Tensor, num_slots: int) -> None:
+    """Check every slot is -1 (skip) or in [0, num_slots).
+
+    Raises:
+        ValueError: a slot out of range; the message gives the first offending position.
+    """
+    if slots.numel() == 0:
+        return
+    bad = (slots < -1) | (slots >= num_slots)
+    any_bad, first = _to_host([bad.any(), bad.to(torch.int8).argmax()])
+    if any_bad:
+        value = int(slots[first])
+        raise ValueError(
+            f"{name}: expected slots in [-1, {num_slots}) (-1 skips), got {value} at position {first}"
+        )
+
+
+def check_page_table_values(
+    page_indptr: torch.Tensor,
+    page_indices: torch.Tensor,
+    last_page_len: torch.Tensor,
+    *,
+    num_pages: int,
+    page_size: int,
+) -> torch.Tensor:
+    """Check a CSR page table against a cache of `num_pages` pages of `page_size` slots.
+
+    Returns:
+        kv_lens: `[B]` int64, tokens of each sequence (0 for a sequence with no page).
+
+    Raises:
+        ValueError: indptr not starting at 0, decreasing, or past `len(page_indices)`; a page id
+            outside [0, num_pages); a last_page_len outside [1, page_size] for a sequence that
+            has pages.
+    """
+    num_pages_per_seq = (page_indptr[1:] - page_indptr[:-1]).to(torch.int64)
+    kv_lens = torch.where(
+        num_pages_per_seq > 0,
+        (num_pages_per_seq - 1) * page_size + last_page_len.to(torch.int64),
+        torch.zeros_like(num_pages_per_seq),
+    )
+    has = num_pages_per_seq > 0
+    zero = torch.zeros((), dtype=torch.int64, device=page_indptr.device)
+    bad_len = has & ((last_page_len < 1) | (last_page_len > page_size))
+    stats = [
+        page_indptr[0], page_indptr[-1], (num_pages_per_seq < 0).any(),
+        page_indices.min() if page_indices.numel() else zero,
+        page_indices.max() if page_indices.numel() else zero,
+        bad_len.any(), bad_len.to(torch.int8).argmax() if bad_len.numel() else zero,
+    ]
+    first, last, decreasing, lo, hi, any_bad_len, bad_seq = _to_host(stats)
+    if first != 0 or decreasing or last > page_indices.numel():
+        raise ValueError(
+            f"page_indptr: expected non-decreasing offsets from 0 to at most "
+            f"len(page_indices)={page_indices.numel()}, got first={first}, last={last}, "
+            f"decreasing={bool(decreasing)}"
+        )
+    if lo < 0 or hi >= num_pages:
+        raise ValueError(
+            f"page_indices: expected page ids in [0, {num_pages}), got min {lo}, max {hi}"
+        )
+    if any_bad_len:
+        raise ValueError(
+            f"last_page_len: expected values in [1, {page_size}] for sequences with pages, got "
+            f"{int(last_page_len[bad_seq])} for sequence {bad_seq}"
+        )
+    return kv_lens
+
+
+def check_qo_indptr_values(qo_indptr: torch.Tensor, num_tokens: int, kv_lens: torch.Tensor) -> None:
+    """Check ragged query offsets: 0 .. num_tokens, non-decreasing, each q_len <= its kv_len.
+
+    Raises:
+        ValueError: naming qo_indptr, with the first offending sequence.
+    """
+    q_lens = (qo_indptr[1:] - qo_indptr[:-1]).to(torch.int64)
+    over = q_lens > kv_lens
+    zero = torch.zeros((), dtype=torch.int64, device=qo_indptr.device)
+    first, last, decreasing, any_over, seq = _to_host([
+        qo_indptr[0], qo_indptr[-1], (q_lens < 0).any(), over.any(),
+        over.to(torch.int8).argmax() if over.numel() else zero,
+    ])
+    if first != 0 or last != num_tokens or decreasing:
+        raise ValueError(
+            f"qo_indptr: expected non-decreasing offsets from 0 to num_tokens={num_tokens}, got "
+            f"first={first}, last={last}, decreasing={bool(decreasing)}"
+        )
+    if any_over:
+        raise ValueError(
+            f"qo_indptr: sequence {seq} has {int(q_lens[seq])} queries but only "
+            f"{int(kv_lens[seq])} tokens in its pages; append the new tokens' KV before prefill"
+        )

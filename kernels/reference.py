@@ -1,0 +1,127 @@
+"""Pure-torch references of every kernel in `disagg.kernels`.
+
+They define what the Triton kernels compute: the launchers run them for CPU tensors (unless
+`TRITON_INTERPRET=1`) and the tests compare the kernels against them. Plain loops over sequences,
+float32 math, no performance intent. They take already-validated arguments (the launchers check)
+and float scales. Slot -1 means "skip this token"; a slot is `page_id * page_size + offset`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from disagg.kernels.fp8 import FP8_DTYPE, quantize
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    return quantize(x, scale) if dtype == FP8_DTYPE else x.to(dtype)
+
+
+def _from_cache(x: torch.Tensor, scale: float) -> torch.Tensor:
+    y = x.to(torch.float32)
+    return y * scale if x.dtype == FP8_DTYPE else y
+
+
+def _write_slots(kv_layer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_scale: float, v_scale: float) -> None:
+    """kv_layer[page, 0|1, :, offset, :] = k|v for every token whose slot is not -1."""
+    page_size = kv_layer.shape[-2]
+    keep = slots >= 0
+    slots = slots[keep].to(torch.int64)
+    pages, offsets = slots // page_size, slots % page_size
+    kv_layer[pages, 0, :, offsets] = _to_cache(k[keep], kv_layer.dtype, k_scale)
+    kv_layer[pages, 1, :, offsets] = _to_cache(v[keep], kv_layer.dtype, v_scale)
+
+
+def append_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor,
+              k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write `k`, `v` `[T, H_kv, D]` into `kv_layer` `[N, 2, H_kv, P, D]` at `slots` `[T]`."""
+    _write_slots(kv_layer, slots, k, v, k_scale, v_scale)
+
+
+def append_push_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor,
+                   dst_layers: Sequence[torch.Tensor], dst_slots: torch.Tensor,
+                   dst_index: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """`append_kv` locally, and token t also into `dst_layers[dst_index[t]]` at `dst_slots[t]`."""
+    _write_slots(kv_layer, slots, k, v, k_scale, v_scale)
+    for receiver, dst in enumerate(dst_layers):
+        mine = dst_index == receiver
+        _write_slots(dst, torch.where(mine, dst_slots, -1), k, v, k_scale, v_scale)
+
+
+def copy_slots(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor,
+               dst_slots: torch.Tensor) -> None:
+    """dst[..., slot d] = src[..., slot s] for every pair where neither slot is -1, all leading dims."""
+    page_size = src.shape[-2]
+    keep = (src_slots >= 0) & (dst_slots >= 0)
+    s, d = src_slots[keep].to(torch.int64), dst_slots[keep].to(torch.int64)
+    dst[..., d // page_size, :, :, d % page_size, :] = src[..., s // page_size, :, :, s % page_size, :]
+
+
+def gather_kv(kv_layer: torch.Tensor, pages: torch.Tensor, kv_len: int, k_scale: float,
+              v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K and V as float32 `[H_kv, kv_len, D]`, dequantized."""
+    num_kv_heads, page_size, head_dim = kv_layer.shape[-3:]
+    blocks = kv_layer[pages.to(torch.int64)]  # [n, 2, H, P, D]
+    k = blocks[:, 0].permute(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :kv_len]
+    v = blocks[:, 1].permute(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :kv_len]
+    return _from_cache(k, k_scale), _from_cache(v, v_scale)
+
+
+def _kv_lens(page_indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int) -> list[int]:
+    num_pages = (page_indptr[1:] - page_indptr[:-1]).tolist()
+    return [(n - 1) * page_size + int(last) if n > 0 else 0
+            for n, last in zip(num_pages, last_page_len.tolist())]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+            causal_offset: int | None) -> torch.Tensor:
+    """q `[M, H_q, D]`, k/v `[H_kv, L, D]` float32 -> `[M, H_q, D]` float32 (GQA by repetition)."""
+    group = q.shape[1] // k.shape[0]
+    k = k.repeat_interleave(group, dim=0)
+    v = v.repeat_interleave(group, dim=0)
+    scores = torch.einsum("mhd,hld->hml", q.to(torch.float32), k) * sm_scale
+    if causal_offset is not None:
+        rows = torch.arange(q.shape[0]).unsqueeze(1) + causal_offset
+        scores = scores.masked_fill(torch.arange(k.shape[1]).unsqueeze(0) > rows, -math.inf)
+    if k.shape[1] == 0:
+        return torch.zeros(q.shape, dtype=torch.float32)
+    return torch.einsum("hml,hld->mhd", torch.softmax(scores, dim=-1), v)
+
+
+def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, page_indptr: torch.Tensor,
+                 page_indices: torch.Tensor, last_page_len: torch.Tensor, sm_scale: float,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """One query per sequence: q `[B, H_q, D]` -> o `[B, H_q, D]` (q's dtype); empty sequence -> 0."""
+    out = torch.empty_like(q)
+    kv_lens = _kv_lens(page_indptr, last_page_len, kv_layer.shape[-2])
+    for b, kv_len in enumerate(kv_lens):
+        pages = page_indices[int(page_indptr[b]):int(page_indptr[b + 1])]
+        k, v = gather_kv(kv_layer, pages, kv_len, k_scale, v_scale)
+        out[b] = _attend(q[b:b + 1], k, v, sm_scale, None)[0].to(q.dtype)
+    return out
+
+
+def paged_prefill(q: torch.Tensor, kv_layer: torch.Tensor, qo_indptr: torch.Tensor,
+                  page_indptr: torch.Tensor, page_indices: torch.Tensor,
+                  last_page_len: torch.Tensor, sm_scale: float, causal: bool = True,
+                  k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Ragged queries q `[T, H_q, D]` over paged KV that already holds them -> o `[T, H_q, D]`.
+
+    With `causal`, query i of a sequence of q_len queries and kv_len keys sees keys 0 ..
+    kv_len - q_len + i.
+    """
+    out = torch.empty_like(q)
+    kv_lens = _kv_lens(page_indptr, last_page_len, kv_layer.shape[-2])
+    for b, kv_len in enumerate(kv_lens):
+        start, end = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        if end == start:
+            continue
+        pages = page_indices[int(page_indptr[b]):int(page_indptr[b + 1])]
+        k, v = gather_kv(kv_layer, pages, kv_len, k_scale, v_scale)
+        offset = kv_len - (end - start) if causal else None
+        out[start:end] = _attend(q[start:end], k, v, sm_scale, offset).to(q.dtype)
+    return out
