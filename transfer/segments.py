@@ -1,0 +1,166 @@
+"""Coalesce (local slot -> remote slot) lists into contiguous byte runs of the KV tensor.
+
+Used by the KV pusher for peers that are not load/store reachable (another node, or forced): one
+host-initiated put per run, never one per page or per token. Pure numpy; no device work.
+
+Layout (DESIGN §2): ``kv [num_layers, num_pages, 2, H, P, D]``, contiguous. Within one layer a
+page is ``2*H*P*D`` contiguous elements, so
+
+    whole pages, consecutive on both sides  -> ONE run (k pages * page bytes)
+    part of one page (o .. o+n tokens)      -> 2*H runs of n*D elements (one per K/V and head)
+
+A run never crosses a layer: layer ``l``'s runs are layer 0's shifted by ``l`` layer strides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Shape of a KV tensor ``[num_layers, num_pages, 2, num_kv_heads, page_size, head_dim]``."""
+
+    num_layers: int
+    num_pages: int
+    num_kv_heads: int
+    page_size: int
+    head_dim: int
+    itemsize: int
+
+    @classmethod
+    def of(cls, shape: tuple[int, ...], itemsize: int) -> KVGeometry:
+        if len(shape) != 6 or shape[2] != 2:
+            raise ValueError(f"KV tensor must be [num_layers, num_pages, 2, H, P, D], got shape {tuple(shape)}")
+        layers, pages, _, heads, page_size, head_dim = (int(s) for s in shape)
+        return cls(layers, pages, heads, page_size, head_dim, itemsize)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def page_elems(self) -> int:
+        return 2 * self.num_kv_heads * self.page_size * self.head_dim
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.num_pages * self.page_elems * self.itemsize
+
+
+@dataclass(frozen=True)
+class LayerSegments:
+    """Byte runs of one layer (layer 0); `for_layer` shifts them to any layer.
+
+    Attributes:
+        runs: int64 ``[num_runs, 3]`` rows ``(src_byte, dst_byte, num_bytes)`` from the KV
+            tensor's first byte, for layer 0.
+        layer_bytes: bytes of one layer (the shift between layers).
+    """
+
+    runs: np.ndarray
+    layer_bytes: int
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.runs[:, 2].sum()) if len(self.runs) else 0
+
+    def for_layer(self, layer: int) -> np.ndarray:
+        """int64 ``[num_runs, 3]`` for ``layer``."""
+        shifted = self.runs.copy()
+        shifted[:, :2] += layer * self.layer_bytes
+        return shifted
+
+    def for_layers(self, num_layers: int) -> np.ndarray:
+        """int64 ``[num_layers * num_runs, 3]``: every layer's runs, layer-major."""
+        if not len(self.runs):
+            return self.runs.copy()
+        return np.concatenate([self.for_layer(layer) for layer in range(num_layers)])
+
+
+def slot_runs(src_slots: np.ndarray, dst_slots: np.ndarray,
+              page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split slot pairs into maximal runs that are consecutive on both sides within one page.
+
+    Args:
+        src_slots: int ``[n]`` local slots (no -1).
+        dst_slots: int ``[n]`` remote slots, pair ``i`` is ``src_slots[i] -> dst_slots[i]``.
+        page_size: tokens per page.
+
+    Returns:
+        ``(src_start, dst_start, length)``, int64 ``[num_runs]`` each, ordered by source slot.
+    """
+    order = np.argsort(src_slots, kind="stable")
+    src = np.asarray(src_slots, dtype=np.int64)[order]
+    dst = np.asarray(dst_slots, dtype=np.int64)[order]
+    if not len(src):
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    breaks = ((src[1:] != src[:-1] + 1) | (dst[1:] != dst[:-1] + 1)
+              | (src[1:] % page_size == 0) | (dst[1:] % page_size == 0))
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    lengths = np.diff(np.concatenate((starts, [len(src)])))
+    return src[starts], dst[starts], lengths
+
+
+def coalesce(src_slots: np.ndarray, dst_slots: np.ndarray, geometry: KVGeometry) -> LayerSegments:
+    """Byte runs that move K/V of ``src_slots`` into ``dst_slots`` of the same-shaped tensor.
+
+    Args:
+        src_slots: int ``[n]`` local slots, each in ``[0, num_pages * page_size)``.
+        dst_slots: int ``[n]`` remote slots, same range.
+        geometry: the KV tensor's shape (identical on both sides).
+
+    Returns:
+        The runs for layer 0 (`LayerSegments.for_layer` gives any other layer).
+
+    Raises:
+        ValueError: lengths differ or a slot is out of range.
+    """
+    g = geometry
+    src_slots = np.asarray(src_slots, dtype=np.int64)
+    dst_slots = np.asarray(dst_slots, dtype=np.int64)
+    if src_slots.shape != dst_slots.shape or src_slots.ndim != 1:
+        raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got {src_slots.shape} and {dst_slots.shape}")
+    for name, slots in (("src_slots", src_slots), ("dst_slots", dst_slots)):
+        if len(slots) and (slots.min() < 0 or slots.max() >= g.num_slots):
+            raise ValueError(f"{name} must be in [0, {g.num_slots}), got range [{slots.min()}, {slots.max()}]")
+    src0, dst0, length = slot_runs(src_slots, dst_slots, g.page_size)
+    full = length == g.page_size
+    runs = [_full_page_runs(src0[full] // g.page_size, dst0[full] // g.page_size, g),
+            _partial_page_runs(src0[~full], dst0[~full], length[~full], g)]
+    merged = np.concatenate(runs) * np.array([g.itemsize, g.itemsize, g.itemsize], dtype=np.int64)
+    return LayerSegments(runs=merged.reshape(-1, 3), layer_bytes=g.layer_bytes)
+
+
+def _full_page_runs(src_pages: np.ndarray, dst_pages: np.ndarray, g: KVGeometry) -> np.ndarray:
+    """Merge whole pages that are consecutive on both sides: rows in elements."""
+    if not len(src_pages):
+        return np.zeros((0, 3), dtype=np.int64)
+    breaks = (src_pages[1:] != src_pages[:-1] + 1) | (dst_pages[1:] != dst_pages[:-1] + 1)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    counts = np.diff(np.concatenate((starts, [len(src_pages)])))
+    return np.stack([src_pages[starts] * g.page_elems, dst_pages[starts] * g.page_elems,
+                     counts * g.page_elems], axis=1)
+
+
+def _partial_page_runs(src0: np.ndarray, dst0: np.ndarray, length: np.ndarray,
+                       g: KVGeometry) -> np.ndarray:
+    """One row per (run, K/V, head): ``length * head_dim`` elements each."""
+    if not len(src0):
+        return np.zeros((0, 3), dtype=np.int64)
+    head_elems = g.page_size * g.head_dim
+    # [2*H] offsets of each (K/V, head) row block inside a page
+    block = np.arange(2 * g.num_kv_heads, dtype=np.int64) * head_elems
+
+    def start(slots: np.ndarray) -> np.ndarray:
+        base = (slots // g.page_size) * g.page_elems + (slots % g.page_size) * g.head_dim
+        return (base[:, None] + block[None, :]).reshape(-1)
+
+    size = np.repeat(length * g.head_dim, 2 * g.num_kv_heads)
+    return np.stack([start(src0), start(dst0), size], axis=1)
