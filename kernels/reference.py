@@ -85,10 +85,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
     v = v.repeat_interleave(group, dim=0)
     scores = torch.einsum("mhd,hld->hml", q.to(torch.float32), k) * sm_scale
     if causal_offset is not None:
-        rows = torch.arange(q.shape[0]).unsqueeze(1) + causal_offset
-        scores = scores.masked_fill(torch.arange(k.shape[1]).unsqueeze(0) > rows, -math.inf)
+        rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + causal_offset
+        keys = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
+        scores = scores.masked_fill(keys > rows, -math.inf)
     if k.shape[1] == 0:
-        return torch.zeros(q.shape, dtype=torch.float32)
+        return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     return torch.einsum("hml,hld->mhd", torch.softmax(scores, dim=-1), v)
 
 

@@ -1,0 +1,257 @@
+"""Paged decode attention: one new query per sequence over its paged KV, GQA-grouped, split-K.
+
+Called by the decode step of the model runner, once per layer, usually inside a CUDA graph.
+Flash-decoding / PagedAttention V2: program (kv_head, seq, split) loads each K/V tile of its
+share of the sequence once for all `H_q / H_kv` query heads of the group (padded to tl.dot's
+16 rows) and writes a partial output and its log-sum-exp; a merge kernel combines the splits.
+Each sequence is cut into `num_splits` equal shares (rounded to the tile), so long and short
+sequences in one batch both spread over the GPU, and an empty share merges with weight 0.
+With one split the first kernel writes the output directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from disagg.kernels import checks, dispatch, reference
+from disagg.kernels.fp8 import load_scale, resolve_scales
+from disagg.kernels.paged_tile import NEG_BIG, attend_tile, kv_rows
+
+# Split heuristic: aim for about this many programs per SM, never fewer than this many tokens
+# per split, and at most this many splits.
+PROGRAMS_PER_SM = 4
+MIN_SPLIT_TOKENS = 128
+MAX_SPLITS = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+@triton.jit
+def paged_decode_kernel(
+    q_ptr, kv_ptr, page_indptr_ptr, page_indices_ptr, last_page_len_ptr,
+    o_ptr, o_part_ptr, lse_part_ptr, k_scale, v_scale, qk_scale,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_page, num_splits,
+    GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Program (h, b, s): kv head h, sequence b, split s of num_splits. Rows of the query tile are
+    # the GROUP q heads h*GROUP .. h*GROUP+GROUP-1, padded to BLOCK_G (masked). Split s covers
+    # tokens [s*chunk, min((s+1)*chunk, kv_len)), chunk = ceil(kv_len/num_splits) rounded up to
+    # BLOCK_N; an empty range writes lse = -inf. Masks: token tail, row and head_dim padding.
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    split = tl.program_id(2)
+    page_start = tl.load(page_indptr_ptr + seq)
+    num_pages = tl.load(page_indptr_ptr + seq + 1) - page_start
+    kv_len = tl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + tl.load(last_page_len_ptr + seq), 0)
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    row_ok = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=row_ok, other=0.0)
+    scale = qk_scale * load_scale(k_scale, SCALE_IS_TENSOR)
+    kv_head_offset = kv_head * (PAGE_SIZE * HEAD_DIM)
+    v_shift = NUM_KV_HEADS * PAGE_SIZE * HEAD_DIM
+
+    m_i = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + tl.arange(0, BLOCK_N)
+        tok_ok = tok < hi
+        rows = kv_rows(page_indices_ptr, page_start, tok, tok_ok, kv_head_offset, stride_page,
+                       PAGE_SIZE, HEAD_DIM)
+        tile_ok = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(kv_ptr + rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
+        v = tl.load(kv_ptr + v_shift + rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
+        acc, l_i, m_i = attend_tile(acc, l_i, m_i, q, k, v, scale, tok_ok[None, :], True,
+                                    DOT_PRECISION)
+
+    has = l_i > 0.0
+    out = acc * (load_scale(v_scale, SCALE_IS_TENSOR) / tl.where(has, l_i, 1.0))[:, None]
+    if DIRECT:
+        o_offs = seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_ok)
+    else:
+        part = (seq * (NUM_KV_HEADS * GROUP) + heads).to(tl.int64) * num_splits + split
+        tl.store(o_part_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(lse_part_ptr + part, lse, mask=g < GROUP)
+
+
+@triton.jit
+def paged_decode_merge_kernel(
+    o_part_ptr, lse_part_ptr, o_ptr, num_splits, stride_ob, stride_oh,
+    NUM_QO_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Program (h, b): q head h of sequence b; combines its num_splits partial outputs, weighted
+    # by 2^(lse - max lse). Empty splits (lse = -inf) weigh 0; an all-empty row gives 0, not NaN.
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < num_splits
+    part = (seq * NUM_QO_HEADS + head).to(tl.int64) * num_splits + s
+    lse = tl.load(lse_part_ptr + part, mask=s_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    w = tl.exp2(lse - lse_max)
+    parts = tl.load(o_part_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                    mask=s_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    parts = tl.where(w[:, None] > 0.0, parts, 0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    o_offs = seq.to(tl.int64) * stride_ob + head * stride_oh + d
+    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Splits per sequence: enough programs to fill `num_sms` SMs, none shorter than
+    MIN_SPLIT_TOKENS tokens, at most MAX_SPLITS. Pure host arithmetic (no device sync)."""
+    programs = max(1, batch_size * num_kv_heads)
+    by_sms = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
+    by_len = triton.cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
+    return max(1, min(by_sms, by_len, MAX_SPLITS))
+
+
+def decode_workspace_numel(batch_size: int, num_qo_heads: int, head_dim: int, num_splits: int) -> int:
+    """float32 elements of the `workspace` that `paged_decode` needs (0 for one split)."""
+    if num_splits <= 1:
+        return 0
+    return batch_size * num_qo_heads * num_splits * (head_dim + 1)
+
+
+def _block_n(head_dim: int) -> int:
+    return 32 if head_dim > 128 else 64
+
+
+def _check_decode_inputs(q, kv_layer, page_indptr, page_indices, last_page_len, out):
+    geo = checks.check_kv_layer("kv_layer", kv_layer)
+    device = kv_layer.device
+    checks.check_tensor("q", q, dims="[batch_size, num_qo_heads, head_dim]",
+                        shape=(None, None, geo.head_dim), dtypes=checks.ATTN_DTYPES, device=device)
+    checks.check_rows("q", q)
+    batch_size, num_qo_heads = q.shape[:2]
+    if num_qo_heads % geo.num_kv_heads:
+        raise ValueError(f"q: expected num_qo_heads divisible by num_kv_heads={geo.num_kv_heads}, "
+                         f"got {num_qo_heads}")
+    if geo.dtype != torch.float8_e4m3fn and q.dtype != geo.dtype:
+        raise TypeError(f"q: expected the cache's dtype {geo.dtype}, got {q.dtype}")
+    checks.check_index("page_indptr", page_indptr, length=batch_size + 1, device=device)
+    checks.check_index("page_indices", page_indices, length=None, device=device)
+    checks.check_index("last_page_len", last_page_len, length=batch_size, device=device)
+    if out is not None:
+        checks.check_tensor("out", out, dims="like q", shape=tuple(q.shape), dtypes=(q.dtype,),
+                            device=device)
+        checks.check_rows("out", out)
+    return geo
+
+
+def paged_decode(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    page_indptr: torch.Tensor,
+    page_indices: torch.Tensor,
+    last_page_len: torch.Tensor,
+    sm_scale: float,
+    *,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    workspace: torch.Tensor | None = None,
+    check_indices: bool | None = None,
+) -> torch.Tensor:
+    """Attention of one new query per sequence over its paged KV.
+
+    Sequence b owns pages `page_indices[page_indptr[b]:page_indptr[b+1]]`, all full except the
+    last, which holds `last_page_len[b]` tokens (a sequence with no page attends to nothing and
+    gets 0).
+
+    Args:
+        q: `[B, H_q, D]` float16/bfloat16/float32 (the cache's dtype unless the cache is fp8);
+            head_dim contiguous. `H_q % H_kv == 0`.
+        kv_layer: `[num_pages, 2, H_kv, P, D]`, pages packed.
+        page_indptr: `[B+1]` int32/int64. page_indices: `[nnz_pages]`. last_page_len: `[B]`.
+        sm_scale: softmax scale, usually `D ** -0.5`.
+        k_scale, v_scale: fp8 caches only (float or 1-element float32 tensor).
+        out: optional `[B, H_q, D]` output buffer of q's dtype.
+        num_splits: splits per sequence; default from `choose_num_splits`.
+        max_seq_len: longest sequence in the batch, for the split heuristic; without it the bound
+            `nnz_pages * P` is used (no device sync either way).
+        workspace: float32, at least `decode_workspace_numel(...)` elements; allocated when None.
+            Pass `out`, `num_splits` and `workspace` to make the call capturable in a CUDA graph.
+        check_indices: range-check the page table (a host sync on CUDA); see
+            `disagg.kernels.dispatch.should_check_values`.
+
+    Returns:
+        o: `[B, H_q, D]`, q's dtype (`out` when given).
+    """
+    geo = _check_decode_inputs(q, kv_layer, page_indptr, page_indices, last_page_len, out)
+    scales = resolve_scales(geo.dtype, kv_layer.device, k_scale, v_scale)
+    if dispatch.should_check_values(kv_layer.device, check_indices):
+        checks.check_page_table_values(page_indptr, page_indices, last_page_len,
+                                       num_pages=geo.num_pages, page_size=geo.page_size)
+    out = torch.empty_like(q) if out is None else out
+    batch_size, num_qo_heads, head_dim = q.shape
+    if batch_size == 0:
+        return out
+    if not dispatch.use_triton(kv_layer):
+        out.copy_(reference.paged_decode(q, kv_layer, page_indptr, page_indices, last_page_len,
+                                         sm_scale, *scales.host()))
+        return out
+    if num_splits is None:
+        longest = max_seq_len if max_seq_len is not None else page_indices.numel() * geo.page_size
+        num_splits = choose_num_splits(batch_size, geo.num_kv_heads, longest,
+                                       dispatch.device_sms(q.device))
+    if not 1 <= num_splits <= 65535:
+        raise ValueError(f"num_splits: expected 1..65535, got {num_splits}")
+    need = decode_workspace_numel(batch_size, num_qo_heads, head_dim, num_splits)
+    if workspace is None:
+        workspace = torch.empty(max(need, 1), dtype=torch.float32, device=q.device)
+    elif workspace.dtype != torch.float32 or workspace.numel() < need or workspace.device != q.device:
+        raise ValueError(
+            f"workspace: expected float32 on {q.device} with >= {need} elements, got "
+            f"{workspace.dtype} with {workspace.numel()} on {workspace.device}"
+        )
+    _launch(q, kv_layer, page_indptr, page_indices, last_page_len, out, workspace, geo, scales,
+            sm_scale, num_splits)
+    return out
+
+
+def _launch(q, kv_layer, page_indptr, page_indices, last_page_len, out, workspace, geo, scales,
+            sm_scale, num_splits):
+    batch_size, num_qo_heads, head_dim = q.shape
+    group = num_qo_heads // geo.num_kv_heads
+    num_parts = batch_size * num_qo_heads * num_splits
+    o_part, lse_part = workspace[: num_parts * head_dim], workspace[num_parts * head_dim:]
+    block_d = triton.next_power_of_2(head_dim)
+    dispatch.runnable(paged_decode_kernel)[(geo.num_kv_heads, batch_size, num_splits)](
+        q, kv_layer, page_indptr, page_indices, last_page_len, out, o_part, lse_part,
+        scales.k, scales.v, sm_scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), geo.stride_page, num_splits,
+        GROUP=group, NUM_KV_HEADS=geo.num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=geo.page_size,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=_block_n(head_dim),
+        DIRECT=num_splits == 1, SCALE_IS_TENSOR=scales.is_tensor,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    if num_splits > 1:
+        dispatch.runnable(paged_decode_merge_kernel)[(num_qo_heads, batch_size)](
+            o_part, lse_part, out, num_splits, out.stride(0), out.stride(1),
+            NUM_QO_HEADS=num_qo_heads, HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        )

@@ -1,0 +1,219 @@
+"""Paged prefill attention: ragged queries (prompts or prompt chunks) over paged KV, causal, GQA.
+
+Called by the prefill step of the model runner (and the colocated engine's chunked prefill),
+once per layer, after `append_kv` has written the new tokens' K/V: the pages already hold the
+whole sequence, history first. Query i of a sequence with q_len queries and kv_len keys sits at
+key position `kv_len - q_len + i` and, when causal, sees keys up to it.
+
+Program (q head, q block) owns BLOCK_M consecutive queries of one sequence. The grid has
+`ceil(T / BLOCK_M) + B` q blocks, an upper bound on the blocks of any ragged batch of T tokens
+and B sequences, so it needs no host knowledge of the lengths (and stays CUDA-graph safe); each
+program finds its sequence from `qo_indptr` with a prefix sum, and spare programs exit. Blocks
+run heaviest first (the last block of a sequence sees the most keys).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from disagg.kernels import checks, dispatch, reference
+from disagg.kernels.fp8 import load_scale, resolve_scales
+from disagg.kernels.paged_tile import NEG_BIG, attend_tile, kv_rows
+
+SEARCH_BLOCK = 256  # sequences scanned per step when a program looks for its q block
+
+
+@triton.jit
+def _find_q_block(qo_indptr_ptr, batch_size, block, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
+    """(sequence, index of its first q block) owning global q block `block`; sequence ==
+    batch_size when `block` is past the last one."""
+    num_before = 0
+    blocks_before = 0
+    carry = 0
+    for c in range(0, batch_size, BLOCK_B):
+        i = c + tl.arange(0, BLOCK_B)
+        ok = i < batch_size
+        q_lens = tl.load(qo_indptr_ptr + i + 1, mask=ok, other=0) - tl.load(qo_indptr_ptr + i, mask=ok, other=0)
+        n = tl.cdiv(q_lens, BLOCK_M)
+        ends = tl.cumsum(n, 0) + carry  # global q-block index one past each sequence
+        done = ok & (ends <= block)
+        num_before += tl.sum(done.to(tl.int32), 0)
+        blocks_before = tl.maximum(blocks_before, tl.max(tl.where(done, ends, 0), 0))
+        carry += tl.sum(n, 0)
+    return num_before, blocks_before
+
+
+@triton.jit
+def paged_prefill_kernel(
+    q_ptr, kv_ptr, qo_indptr_ptr, page_indptr_ptr, page_indices_ptr, last_page_len_ptr, o_ptr,
+    k_scale, v_scale, qk_scale, batch_size,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_page,
+    GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr, CAUSAL: tl.constexpr,
+    SCALE_IS_TENSOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Program (h, j): q head h, global q block num_programs(1)-1-j (heaviest first). Rows are
+    # queries m0 .. m0+BLOCK_M-1 of the owning sequence (masked past q_len). Keys [0, full_hi)
+    # are visible to every row (no mask); keys [full_hi, hi) get the causal and length mask.
+    head = tl.program_id(0)
+    block = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq, first_block = _find_q_block(qo_indptr_ptr, batch_size, block, BLOCK_M, BLOCK_B)
+    if seq >= batch_size:
+        return
+    q_start = tl.load(qo_indptr_ptr + seq)
+    q_len = tl.load(qo_indptr_ptr + seq + 1) - q_start
+    page_start = tl.load(page_indptr_ptr + seq)
+    num_pages = tl.load(page_indptr_ptr + seq + 1) - page_start
+    kv_len = tl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + tl.load(last_page_len_ptr + seq), 0)
+    m0 = (block - first_block) * BLOCK_M
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    row_ok = (rows < q_len)[:, None] & (d < HEAD_DIM)[None, :]
+    q_offs = (q_start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok, other=0.0)
+    scale = qk_scale * load_scale(k_scale, SCALE_IS_TENSOR)
+    kv_head_offset = (head // GROUP) * (PAGE_SIZE * HEAD_DIM)
+    v_shift = NUM_KV_HEADS * PAGE_SIZE * HEAD_DIM
+    shift = kv_len - q_len  # row r sees keys <= shift + r
+    if CAUSAL:
+        hi = tl.minimum(shift + m0 + BLOCK_M, kv_len)
+        full_hi = tl.maximum(tl.minimum(shift + m0 + 1, kv_len), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = kv_len
+        full_hi = kv_len // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    d_ok = (d < HEAD_DIM)[None, :]
+    for start in range(0, full_hi, BLOCK_N):
+        tok = start + tl.arange(0, BLOCK_N)
+        kv = kv_ptr + kv_rows(page_indices_ptr, page_start, tok, tok < full_hi, kv_head_offset,
+                              stride_page, PAGE_SIZE, HEAD_DIM)[:, None] + d[None, :]
+        if BLOCK_D == HEAD_DIM:
+            k = tl.load(kv)
+            v = tl.load(kv + v_shift)
+        else:
+            k = tl.load(kv, mask=d_ok, other=0.0)
+            v = tl.load(kv + v_shift, mask=d_ok, other=0.0)
+        acc, l_i, m_i = attend_tile(acc, l_i, m_i, q, k, v, scale, True, False, DOT_PRECISION)
+    for start in range(full_hi, hi, BLOCK_N):
+        tok = start + tl.arange(0, BLOCK_N)
+        tok_ok = tok < kv_len
+        kv = kv_ptr + kv_rows(page_indices_ptr, page_start, tok, tok_ok, kv_head_offset,
+                              stride_page, PAGE_SIZE, HEAD_DIM)[:, None] + d[None, :]
+        k = tl.load(kv, mask=tok_ok[:, None] & d_ok, other=0.0)
+        v = tl.load(kv + v_shift, mask=tok_ok[:, None] & d_ok, other=0.0)
+        visible = tok_ok[None, :]
+        if CAUSAL:
+            visible = visible & (tok[None, :] <= shift + rows[:, None])
+        acc, l_i, m_i = attend_tile(acc, l_i, m_i, q, k, v, scale, visible, True, DOT_PRECISION)
+
+    has = l_i > 0.0
+    out = acc * (load_scale(v_scale, SCALE_IS_TENSOR) / tl.where(has, l_i, 1.0))[:, None]
+    o_offs = (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_ok)
+
+
+def _config(head_dim: int, device: torch.device) -> dict:
+    """Tile sizes and launch options: Hopper-sized on CUDA, small tiles for the interpreter."""
+    if device.type != "cuda":
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    if head_dim > 128:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+
+
+def _check_prefill_inputs(q, kv_layer, qo_indptr, page_indptr, page_indices, last_page_len, out):
+    geo = checks.check_kv_layer("kv_layer", kv_layer)
+    device = kv_layer.device
+    checks.check_tensor("q", q, dims="[num_tokens, num_qo_heads, head_dim]",
+                        shape=(None, None, geo.head_dim), dtypes=checks.ATTN_DTYPES, device=device)
+    checks.check_rows("q", q)
+    if q.shape[1] % geo.num_kv_heads:
+        raise ValueError(f"q: expected num_qo_heads divisible by num_kv_heads={geo.num_kv_heads}, "
+                         f"got {q.shape[1]}")
+    if geo.dtype != torch.float8_e4m3fn and q.dtype != geo.dtype:
+        raise TypeError(f"q: expected the cache's dtype {geo.dtype}, got {q.dtype}")
+    checks.check_index("qo_indptr", qo_indptr, length=None, device=device)
+    batch_size = qo_indptr.numel() - 1
+    if batch_size < 0:
+        raise ValueError("qo_indptr: expected shape [batch_size + 1], got an empty tensor")
+    checks.check_index("page_indptr", page_indptr, length=batch_size + 1, device=device)
+    checks.check_index("page_indices", page_indices, length=None, device=device)
+    checks.check_index("last_page_len", last_page_len, length=batch_size, device=device)
+    if out is not None:
+        checks.check_tensor("out", out, dims="like q", shape=tuple(q.shape), dtypes=(q.dtype,),
+                            device=device)
+        checks.check_rows("out", out)
+    return geo
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    page_indptr: torch.Tensor,
+    page_indices: torch.Tensor,
+    last_page_len: torch.Tensor,
+    sm_scale: float,
+    causal: bool = True,
+    *,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    check_indices: bool | None = None,
+) -> torch.Tensor:
+    """Attention of ragged query runs over paged KV that already holds them.
+
+    Args:
+        q: `[T, H_q, D]` float16/bfloat16/float32 (the cache's dtype unless the cache is fp8);
+            rows `qo_indptr[b]:qo_indptr[b+1]` are sequence b's newest q_len tokens, in order.
+        kv_layer: `[num_pages, 2, H_kv, P, D]`, pages packed; `H_q % H_kv == 0`.
+        qo_indptr: `[B+1]` int32/int64. page_indptr: `[B+1]`. page_indices: `[nnz_pages]`.
+        last_page_len: `[B]`; kv_len of sequence b is `(pages_b - 1) * P + last_page_len[b]`
+            and must be >= its q_len (history + the new tokens).
+        sm_scale: softmax scale, usually `D ** -0.5`.
+        causal: query i sees keys 0 .. kv_len - q_len + i; otherwise all kv_len keys.
+        k_scale, v_scale: fp8 caches only (float or 1-element float32 tensor).
+        out: optional `[T, H_q, D]` output buffer of q's dtype (CUDA-graph capture needs it).
+        check_indices: range-check the page table and q_len <= kv_len (a host sync on CUDA); see
+            `disagg.kernels.dispatch.should_check_values`.
+
+    Returns:
+        o: `[T, H_q, D]`, q's dtype (`out` when given).
+    """
+    geo = _check_prefill_inputs(q, kv_layer, qo_indptr, page_indptr, page_indices, last_page_len, out)
+    scales = resolve_scales(geo.dtype, kv_layer.device, k_scale, v_scale)
+    if dispatch.should_check_values(kv_layer.device, check_indices):
+        kv_lens = checks.check_page_table_values(page_indptr, page_indices, last_page_len,
+                                                 num_pages=geo.num_pages, page_size=geo.page_size)
+        checks.check_qo_indptr_values(qo_indptr, q.shape[0], kv_lens)
+    out = torch.empty_like(q) if out is None else out
+    num_tokens, num_qo_heads, head_dim = q.shape
+    batch_size = qo_indptr.numel() - 1
+    if num_tokens == 0:
+        return out
+    if not dispatch.use_triton(kv_layer):
+        out.copy_(reference.paged_prefill(q, kv_layer, qo_indptr, page_indptr, page_indices,
+                                          last_page_len, sm_scale, causal, *scales.host()))
+        return out
+    config = _config(head_dim, q.device)
+    grid = (num_qo_heads, triton.cdiv(num_tokens, config["BLOCK_M"]) + batch_size)
+    dispatch.runnable(paged_prefill_kernel)[grid](
+        q, kv_layer, qo_indptr, page_indptr, page_indices, last_page_len, out,
+        scales.k, scales.v, sm_scale * math.log2(math.e), batch_size,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), geo.stride_page,
+        GROUP=num_qo_heads // geo.num_kv_heads, NUM_KV_HEADS=geo.num_kv_heads, HEAD_DIM=head_dim,
+        PAGE_SIZE=geo.page_size, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_B=min(SEARCH_BLOCK, triton.next_power_of_2(max(batch_size, 1))),
+        CAUSAL=bool(causal), SCALE_IS_TENSOR=scales.is_tensor,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
+    )
+    return out

@@ -1,0 +1,119 @@
+"""paged_decode against the torch reference: GQA, page sizes, splits (empty ones too), fp8, errors.
+
+Tolerances: float32 runs IEEE dots, so 1e-5; float16 rounds q, K, V and P to 11 bits, so
+atol 2e-3 / rtol 1e-2 on outputs of magnitude ~1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg.kernels import paged_decode, reference
+
+FP8 = torch.float8_e4m3fn
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=1e-2)}
+# one token, partial last page, exact page boundary, a longer one; 0 = a sequence with no page
+LENGTHS = [1, 7, 16, 45]
+
+
+def _run(device, page_table, dtype, num_kv_heads, group, head_dim, page_size, lengths,
+         num_splits=None, cache_dtype=None, scales=None):
+    cache_dtype = cache_dtype or dtype
+    num_pages = sum((n + page_size - 1) // page_size for n in lengths) + 3
+    kv = torch.randn(num_pages, 2, num_kv_heads, page_size, head_dim).to(cache_dtype).to(device)
+    table = page_table(lengths, page_size, num_pages, device=device)
+    q = torch.randn(len(lengths), num_kv_heads * group, head_dim).to(dtype).to(device)
+    scales = scales or {}
+    out = paged_decode(q, kv, table.page_indptr, table.page_indices, table.last_page_len,
+                       head_dim ** -0.5, num_splits=num_splits, **scales)
+    want = reference.paged_decode(q.cpu(), kv.cpu(), table.page_indptr.cpu(),
+                                  table.page_indices.cpu(), table.last_page_len.cpu(),
+                                  head_dim ** -0.5, *scales.values())
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.cpu(), want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,page_size", [
+    (2, 4, 64, 4),    # GQA 4
+    (1, 1, 32, 1),    # MHA, one token per page
+    (1, 8, 128, 16),  # GQA 8
+    (2, 2, 48, 3),    # head_dim and page size not powers of two
+])
+def test_decode_matches_reference(device, page_table, dtype, num_kv_heads, group, head_dim,
+                                  page_size, num_splits):
+    _run(device, page_table, dtype, num_kv_heads, group, head_dim, page_size, LENGTHS,
+         num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7])
+def test_decode_splits_with_empty_shares(device, page_table, num_splits):
+    """A short and an empty sequence next to a long one: most of their splits are empty."""
+    _run(device, page_table, torch.float32, 1, 4, 32, 8, [200, 2, 0, 65], num_splits=num_splits)
+
+
+def test_decode_large_group(device, page_table):
+    """32 q heads per kv head: the group fills more than tl.dot's 16 rows."""
+    _run(device, page_table, torch.float16, 1, 32, 32, 4, [9, 20])
+
+
+@pytest.mark.parametrize("scales", [dict(k_scale=0.5, v_scale=2.0), None])
+def test_decode_fp8_cache(device, page_table, scales):
+    _run(device, page_table, torch.float16, 2, 2, 32, 4, [5, 33], cache_dtype=FP8, scales=scales)
+
+
+def test_decode_fp8_tensor_scales(device, page_table):
+    scale = lambda x: torch.tensor([x], dtype=torch.float32, device=device)
+    kv = torch.randn(4, 2, 1, 4, 32).to(FP8).to(device)
+    table = page_table([13], 4, 4, device=device)
+    q = torch.randn(1, 2, 32, dtype=torch.float16, device=device)
+    args = (q, kv, table.page_indptr, table.page_indices, table.last_page_len, 0.2)
+    got = paged_decode(*args, k_scale=scale(0.25), v_scale=scale(3.0))
+    want = paged_decode(*args, k_scale=0.25, v_scale=3.0)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_decode_out_and_workspace(device, page_table):
+    table = page_table([30, 3], 4, 10, device=device)
+    kv = torch.randn(10, 2, 1, 4, 32, device=device)
+    q = torch.randn(2, 2, 32, device=device)
+    out = torch.full_like(q, float("nan"))
+    workspace = torch.full((2 * 2 * 4 * 33,), float("nan"), device=device)
+    got = paged_decode(q, kv, table.page_indptr, table.page_indices, table.last_page_len, 0.1,
+                       out=out, num_splits=4, workspace=workspace)
+    assert got is out
+    want = reference.paged_decode(q.cpu(), kv.cpu(), table.page_indptr.cpu(),
+                                  table.page_indices.cpu(), table.last_page_len.cpu(), 0.1)
+    torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="workspace"):
+        paged_decode(q, kv, table.page_indptr, table.page_indices, table.last_page_len, 0.1,
+                     num_splits=4, workspace=workspace[:10])
+
+
+def test_decode_bad_inputs(device, page_table):
+    table = page_table([5, 9], 4, 6, device=device)
+    kv = torch.randn(6, 2, 2, 4, 32, device=device)
+    q = torch.randn(2, 6, 32, device=device)
+    args = [q, kv, table.page_indptr, table.page_indices, table.last_page_len, 0.1]
+    with pytest.raises(ValueError, match="num_qo_heads divisible"):
+        paged_decode(q[:, :3], *args[1:])
+    with pytest.raises(ValueError, match="q: expected shape"):
+        paged_decode(q[..., :16], *args[1:])
+    with pytest.raises(TypeError, match="q: expected the cache's dtype"):
+        paged_decode(q.half(), *args[1:])
+    with pytest.raises(TypeError, match="page_indices: expected dtype"):
+        paged_decode(*args[:3], table.page_indices.float(), *args[4:])
+    with pytest.raises(ValueError, match="last_page_len: expected shape"):
+        paged_decode(*args[:4], table.last_page_len[:1], 0.1)
+    bad_pages = table.page_indices.clone()
+    bad_pages[1] = 6
+    with pytest.raises(ValueError, match=r"page_indices: expected page ids in \[0, 6\)"):
+        paged_decode(*args[:3], bad_pages, *args[4:])
+    bad_last = table.last_page_len.clone()
+    bad_last[0] = 5
+    with pytest.raises(ValueError, match="last_page_len: expected values in"):
+        paged_decode(*args[:4], bad_last, 0.1)
+    with pytest.raises(ValueError, match="page_indptr"):
+        paged_decode(q, kv, table.page_indptr.flip(0), *args[3:])
