@@ -1,0 +1,219 @@
+"""The KV pusher in one process (two shm PEs, one thread each) with hand-built plans.
+
+The end-to-end tests through `PagedKVCache` and real processes are in `test_shm_processes.py`;
+here each path and each misuse is pinned down exactly: what lands where, what is refused, and
+that a refused call leaves both caches untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from heap_threads import collective
+
+from disagg.errors import ForwardStateError, TransferError
+from disagg.plan import ForwardPlan
+from disagg.transfer import DoorbellTable, KVPusher
+
+LAYERS, PAGES, HEADS, PAGE, DIM = 3, 8, 2, 4, 8
+SHAPE = (LAYERS, PAGES, 2, HEADS, PAGE, DIM)
+I32 = np.int32
+
+
+def make_plan(seqs: list[dict], copies: tuple = ((), (), ()), forks: tuple = ((), ())) -> ForwardPlan:
+    """A plan for the pusher: ``seqs`` entries ``{seq, slots, push_slots?, pe?, complete?}``."""
+    lengths = [len(s["slots"]) for s in seqs]
+    qo_indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(I32)
+    push_slots = np.concatenate([s.get("push_slots", [-1] * n) for s, n in zip(seqs, lengths)]).astype(I32)
+    push_pes = np.concatenate([[s["pe"] if s.get("push_slots") is not None else -1] * n
+                               for s, n in zip(seqs, lengths)]).astype(I32)
+    sends = [s for s in seqs if "pe" in s]
+    return ForwardPlan(
+        seq_ids=tuple(s["seq"] for s in seqs), qo_indptr=qo_indptr,
+        page_indptr=np.zeros(len(seqs) + 1, I32), page_indices=np.zeros(0, I32),
+        last_page_len=np.ones(len(seqs), I32),
+        append_slots=np.concatenate([s["slots"] for s in seqs]).astype(I32),
+        positions=np.concatenate([np.arange(n) for n in lengths]).astype(I32),
+        push_slots=push_slots, push_pes=push_pes,
+        copy_local_slots=np.asarray(copies[0], I32), copy_remote_slots=np.asarray(copies[1], I32),
+        copy_pes=np.asarray(copies[2], I32),
+        fork_src_slots=np.asarray(forks[0], I32), fork_dst_slots=np.asarray(forks[1], I32),
+        send_seq_ids=np.array([s["seq"] for s in sends], np.int64),
+        send_pes=np.array([s["pe"] for s in sends], I32),
+        send_complete=np.array([s.get("complete", True) for s in sends], bool))
+
+
+@pytest.fixture
+def pair(heap_pair):
+    """(sender heap, receiver heap, sender kv, receiver kv), both randomly filled."""
+    h0, h1 = heap_pair
+    kv0, kv1 = collective([lambda: h0.alloc(SHAPE, torch.float16), lambda: h1.alloc(SHAPE, torch.float16)])
+    kv0.copy_(torch.randn(SHAPE).half())
+    kv1.copy_(torch.randn(SHAPE).half())
+    return h0, h1, kv0, kv1
+
+
+def layer_kv(num_tokens: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(layer)
+    x = torch.randn(2, num_tokens, HEADS, DIM, generator=gen).half()
+    return x[0], x[1]
+
+
+def written(kv: torch.Tensor, slots: np.ndarray, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V `[n, H, D]` at ``slots`` of ``layer``."""
+    slots = torch.from_numpy(np.asarray(slots, dtype=np.int64))
+    return kv[layer, slots // PAGE, 0, :, slots % PAGE], kv[layer, slots // PAGE, 1, :, slots % PAGE]
+
+
+def run(pusher: KVPusher, plan: ForwardPlan) -> None:
+    pusher.begin_forward(plan)
+    for layer in range(LAYERS):
+        pusher.push_layer_async(layer, *layer_kv(plan.num_tokens, layer))
+    pusher.end_forward()
+
+
+@pytest.mark.parametrize("force_segment_puts", [False, True], ids=["peer-store", "segment-puts"])
+def test_push_lands_bit_exact_at_the_receiver_slots_only(pair, force_segment_puts):
+    h0, h1, kv0, kv1 = pair
+    before0, before1 = kv0.clone(), kv1.clone()
+    doorbells = DoorbellTable(h1)
+    ticket = doorbells.arm(request_id=7)
+    local, remote = np.array([9, 10, 11, 12, 13, 20]), np.array([0, 1, 2, 3, 4, 30])
+    pusher = KVPusher(h0, kv0, force_segment_puts=force_segment_puts)
+    pusher.attach_doorbell(7, ticket)
+    run(pusher, make_plan([dict(seq=7, slots=local, push_slots=remote, pe=1)]))
+    assert doorbells.is_rung(ticket) and doorbells.poll() == [ticket]
+    for layer in range(LAYERS):
+        k, v = layer_kv(len(local), layer)
+        for kv, slots in ((kv0, local), (kv1, remote)):
+            got_k, got_v = written(kv, slots, layer)
+            assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    for kv, before, slots in ((kv0, before0, local), (kv1, before1, remote)):
+        touched = torch.zeros(LAYERS, PAGES * PAGE, dtype=torch.bool)
+        touched[:, torch.from_numpy(slots)] = True
+        untouched = ~touched.view(LAYERS, PAGES, 1, 1, PAGE, 1).expand(SHAPE)
+        assert torch.equal(kv[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("force_segment_puts", [False, True], ids=["peer-store", "segment-puts"])
+def test_existing_kv_goes_page_to_page_and_forks_apply_first(pair, force_segment_puts):
+    h0, h1, kv0, kv1 = pair
+    doorbells = DoorbellTable(h1)
+    ticket = doorbells.arm(request_id=3)
+    pusher = KVPusher(h0, kv0, force_segment_puts=force_segment_puts)
+    pusher.attach_doorbell(3, ticket)
+    existing_src, existing_dst = np.arange(4, 10), np.arange(16, 22)  # a page and a half
+    fork_src, fork_dst = np.array([4, 5]), np.array([28, 29])
+    fork_k, fork_v = written(kv0, fork_src, 1)
+    plan = make_plan([dict(seq=3, slots=np.array([10, 11]), push_slots=np.array([22, 23]), pe=1)],
+                     copies=(existing_src, existing_dst, [1] * 6), forks=(fork_src, fork_dst))
+    expected = [written(kv0, existing_src, layer) for layer in range(LAYERS)]
+    run(pusher, plan)
+    assert doorbells.is_rung(ticket)
+    for layer in range(LAYERS):
+        got_k, got_v = written(kv1, existing_dst, layer)
+        assert torch.equal(got_k, expected[layer][0]) and torch.equal(got_v, expected[layer][1])
+    k, v = written(kv0, fork_dst, 1)
+    assert torch.equal(k, fork_k) and torch.equal(v, fork_v)
+
+
+def test_two_sequences_in_one_batch_ring_only_when_complete(pair):
+    h0, h1, kv0, kv1 = pair
+    doorbells = DoorbellTable(h1)
+    t_a, t_b = doorbells.arm("a"), doorbells.arm("b")
+    pusher = KVPusher(h0, kv0)
+    pusher.attach_doorbell(1, t_a)
+    pusher.attach_doorbell(2, t_b)
+    run(pusher, make_plan([dict(seq=1, slots=[0, 1], push_slots=[8, 9], pe=1, complete=True),
+                           dict(seq=2, slots=[4, 5, 6], push_slots=[12, 13, 14], pe=1, complete=False)]))
+    assert doorbells.is_rung(t_a) and not doorbells.is_rung(t_b)
+    run(pusher, make_plan([dict(seq=2, slots=[7], push_slots=[15], pe=1, complete=True)]))
+    assert doorbells.is_rung(t_b)
+    assert doorbells.is_rung(t_a)  # still rung; release hands the word out again at a new epoch
+    doorbells.release(t_a)
+
+
+def test_plan_without_transfers_is_a_local_append(pair):
+    h0, _, kv0, _ = pair
+    pusher = KVPusher(h0, kv0)
+    plan = make_plan([dict(seq=1, slots=np.array([3, 17]))])
+    run(pusher, plan)
+    k, v = layer_kv(2, 2)
+    got_k, got_v = written(kv0, [3, 17], 2)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def _misuse_cases():
+    ok = dict(seq=5, slots=[0, 1], push_slots=[4, 5], pe=1)
+    return {
+        "pe out of range": (make_plan([dict(ok, pe=3)]), TransferError, r"receiver PE must be in \[0, 2\).*got 3"),
+        "pe is the sender": (make_plan([dict(ok, pe=0)]), TransferError, "not the sender, got 0"),
+        "map and tokens disagree": (
+            make_plan([dict(ok, push_slots=[4, -1])]), TransferError, "push map and tokens disagree at token 1"),
+        "remote slot past the heap geometry": (
+            make_plan([dict(ok, push_slots=[4, PAGES * PAGE])]), TransferError, "different geometries"),
+        "local slot past the heap geometry": (
+            make_plan([dict(ok, slots=[0, PAGES * PAGE + 3])]), ValueError, "different geometries"),
+        "copy slot past the heap geometry": (
+            make_plan([ok], copies=([0], [999], [1])), TransferError, "different geometries"),
+        "push lengths differ from tokens": (
+            dataclasses.replace(make_plan([ok]), push_slots=np.array([4], I32)), ValueError, "expected 2 entries"),
+        "no doorbell for a completed send": (make_plan([dict(ok, seq=6)]), TransferError, "no doorbell ticket"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_misuse_cases()))
+def test_misuse_raises_naming_request_and_pes_and_writes_nothing(pair, case):
+    h0, h1, kv0, kv1 = pair
+    plan, error, match = _misuse_cases()[case]
+    before0, before1 = kv0.clone(), kv1.clone()
+    pusher = KVPusher(h0, kv0)
+    pusher.attach_doorbell(5, DoorbellTable(h1).arm(5))
+    with pytest.raises(error, match=match) as err:
+        pusher.begin_forward(plan)
+    if isinstance(err.value, TransferError):
+        assert err.value.request_id in (5, 6) and err.value.src_pe == 0
+        assert f"request {err.value.request_id}, PE 0 -> PE" in str(err.value)
+    assert torch.equal(kv0, before0) and torch.equal(kv1, before1)
+    run(pusher, make_plan([dict(seq=5, slots=[0, 1], push_slots=[4, 5], pe=1)]))  # still usable
+
+
+def test_doorbell_of_another_pe_and_closed_heap_are_refused(pair):
+    h0, h1, kv0, _ = pair
+    pusher = KVPusher(h0, kv0)
+    ticket = DoorbellTable(h1).arm(5)
+    with pytest.raises(TransferError, match=r"other than the sender \(request 5, PE 0 -> PE 0\)"):
+        pusher.attach_doorbell(5, DoorbellTable(h0).arm(5))
+    pusher.attach_doorbell(5, ticket)
+    h0.close()
+    with pytest.raises(TransferError, match=r"heap is closed \(request 5, PE 0 -> PE 1\)"):
+        pusher.begin_forward(make_plan([dict(seq=5, slots=[0], push_slots=[4], pe=1)]))
+
+
+def test_forward_order_is_enforced(pair):
+    h0, h1, kv0, _ = pair
+    pusher = KVPusher(h0, kv0)
+    plan = make_plan([dict(seq=1, slots=[0, 1])])
+    with pytest.raises(ForwardStateError):
+        pusher.push_layer_async(0, *layer_kv(2, 0))
+    pusher.begin_forward(plan)
+    with pytest.raises(ForwardStateError):
+        pusher.begin_forward(plan)
+    pusher.push_layer_async(0, *layer_kv(2, 0))
+    with pytest.raises(ForwardStateError, match="layer 0 was already pushed"):
+        pusher.push_layer_async(0, *layer_kv(2, 0))
+    with pytest.raises(ValueError, match=r"layer must be in \[0, 3\)"):
+        pusher.push_layer_async(3, *layer_kv(2, 0))
+    with pytest.raises(ForwardStateError, match=r"layers \[1, 2\] were not pushed"):
+        pusher.end_forward()
+
+
+def test_kv_must_be_heap_memory_of_the_kv_layout(pair):
+    h0, *_ = pair
+    with pytest.raises(ValueError, match="not memory of this heap"):
+        KVPusher(h0, torch.zeros(SHAPE, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"\[num_layers, num_pages, 2, H, P, D\]"):
+        KVPusher(h0, torch.zeros(4, 4))

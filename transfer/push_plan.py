@@ -1,0 +1,196 @@
+"""Turn one `ForwardPlan` into the KV pusher's work, after checking it against the heap.
+
+Called by `KVPusher.begin_forward` on the host, before anything is launched, so a bad plan
+raises and leaves every cache untouched. Splits the plan's transfers by path:
+
+    receiver load/store reachable   -> fused append+push per layer (dst_index/dst_slots), and
+                                       copy_slots for KV that existed at mark_send
+    receiver not reachable / forced -> coalesced segment puts from the local pages, per layer,
+                                       and for the existing KV, every layer
+
+Pure numpy (the pusher moves the arrays to the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+
+from disagg.errors import TransferError
+from disagg.plan import ForwardPlan
+from disagg.transfer.doorbell import DoorbellTicket
+from disagg.transfer.segments import KVGeometry, LayerSegments, coalesce
+
+
+@dataclass(frozen=True)
+class PushWork:
+    """One forward's transfers, split by path.
+
+    Attributes:
+        append_slots: int32 ``[T]`` local slot of each new token (-1: not stored).
+        peer_pes: receivers written by the fused kernel; ``dst_index`` indexes this tuple.
+        dst_index: int32 ``[T]`` position in ``peer_pes`` of each token's receiver, -1 if none.
+        dst_slots: int32 ``[T]`` receiver slot for the fused kernel, -1 if none.
+        segment_pushes: receiver PE -> runs from local to remote pages of this forward's tokens.
+        peer_copies: receiver PE -> (local slots, remote slots) int32 of existing KV.
+        segment_copies: receiver PE -> runs of existing KV (every layer).
+        rings: doorbells to ring after this forward's last write.
+    """
+
+    append_slots: np.ndarray
+    peer_pes: tuple[int, ...] = ()
+    dst_index: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    dst_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    segment_pushes: dict[int, LayerSegments] = field(default_factory=dict)
+    peer_copies: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    segment_copies: dict[int, LayerSegments] = field(default_factory=dict)
+    rings: tuple[DoorbellTicket, ...] = ()
+
+    @property
+    def has_transfers(self) -> bool:
+        return bool(self.peer_pes or self.segment_pushes or self.peer_copies
+                    or self.segment_copies or self.rings)
+
+
+def request_of_token(plan: ForwardPlan, token: int) -> int:
+    """The sequence id that appends token row ``token`` of the batch."""
+    return plan.seq_ids[int(np.searchsorted(plan.qo_indptr, token, side="right")) - 1]
+
+
+def _request_to(plan: ForwardPlan, pe: int) -> int | None:
+    sends = [int(s) for s, p in zip(plan.send_seq_ids, plan.send_pes) if int(p) == pe]
+    return sends[0] if len(sends) == 1 else None
+
+
+def _fail(message: str, request: int | None, rank: int, pe: int) -> TransferError:
+    return TransferError(message, request_id=request, src_pe=rank, dst_pe=pe)
+
+
+def check_plan(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int,
+               doorbells: Mapping[int, DoorbellTicket]) -> None:
+    """Raise TransferError/ValueError when ``plan`` cannot run on this heap and KV tensor.
+
+    Checks lengths, slot ranges against the KV geometry (both sides share it), PE range,
+    push map vs tokens (slot and PE both set or both -1, each token's PE is its sequence's
+    receiver), and that every completed send has a doorbell ticket for its receiver.
+    """
+    num_tokens = plan.num_tokens
+    for name in ("append_slots", "push_slots", "push_pes"):
+        if len(getattr(plan, name)) != num_tokens:
+            raise ValueError(f"plan.{name}: expected {num_tokens} entries (qo_indptr[-1]), got {len(getattr(plan, name))}")
+    for group in (("copy_local_slots", "copy_remote_slots", "copy_pes"),
+                  ("fork_src_slots", "fork_dst_slots"), ("send_seq_ids", "send_pes", "send_complete")):
+        lengths = {name: len(getattr(plan, name)) for name in group}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"plan: {', '.join(group)} must have one length, got {lengths}")
+    for name in ("append_slots", "fork_src_slots", "fork_dst_slots"):
+        slots = getattr(plan, name)
+        if len(slots) and (slots.min() < -1 or slots.max() >= geo.num_slots):
+            raise ValueError(f"plan.{name} must be in [-1, {geo.num_slots}) for a KV tensor of "
+                             f"{geo.num_pages} pages x {geo.page_size}, got [{slots.min()}, {slots.max()}]: "
+                             "plan and heap come from different geometries")
+    _check_pushes(plan, geo, rank, world_size)
+    _check_copies(plan, geo, rank, world_size)
+    _check_sends(plan, rank, world_size, doorbells)
+
+
+def _check_pe(pe: int, rank: int, world_size: int, request: int | None) -> None:
+    if not 0 <= pe < world_size or pe == rank:
+        raise _fail(f"receiver PE must be in [0, {world_size}) and not the sender, got {pe}",
+                    request, rank, pe)
+
+
+def _check_pushes(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int) -> None:
+    slots, pes = plan.push_slots, plan.push_pes
+    bad = np.flatnonzero((slots >= 0) != (pes >= 0))
+    if len(bad):
+        t = int(bad[0])
+        raise _fail(f"push map and tokens disagree at token {t}: push_slots={slots[t]}, push_pes={pes[t]} "
+                    "(both must be -1 or both set)", request_of_token(plan, t), rank, int(pes[t]))
+    sent = np.flatnonzero(pes >= 0)
+    for pe in np.unique(pes[sent]).tolist():
+        _check_pe(int(pe), rank, world_size, request_of_token(plan, int(sent[pes[sent] == pe][0])))
+    out = sent[(slots[sent] < 0) | (slots[sent] >= geo.num_slots)]
+    if len(out):
+        t = int(out[0])
+        raise _fail(f"push slot {slots[t]} of token {t} is outside the receiver's [0, {geo.num_slots}): "
+                    "plan and heap come from different geometries", request_of_token(plan, t), rank, int(pes[t]))
+    receiver_of = {int(s): int(p) for s, p in zip(plan.send_seq_ids, plan.send_pes)}
+    for b, seq in enumerate(plan.seq_ids):
+        rows = pes[plan.qo_indptr[b]:plan.qo_indptr[b + 1]]
+        rows = rows[rows >= 0]
+        if len(rows) and (seq not in receiver_of or np.any(rows != receiver_of[seq])):
+            raise _fail(f"tokens of sequence {seq} are pushed to PE(s) {sorted(set(rows.tolist()))} but its "
+                        f"send record names {receiver_of.get(seq)}", seq, rank, int(rows[0]))
+
+
+def _check_copies(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int) -> None:
+    for pe in np.unique(plan.copy_pes).tolist():
+        _check_pe(int(pe), rank, world_size, _request_to(plan, int(pe)))
+    for name in ("copy_local_slots", "copy_remote_slots"):
+        slots = getattr(plan, name)
+        if len(slots) and (slots.min() < 0 or slots.max() >= geo.num_slots):
+            pe = int(plan.copy_pes[int(np.argmax((slots < 0) | (slots >= geo.num_slots)))])
+            raise _fail(f"plan.{name} must be in [0, {geo.num_slots}), got [{slots.min()}, {slots.max()}]: "
+                        "plan and heap come from different geometries", _request_to(plan, pe), rank, pe)
+
+
+def _check_sends(plan: ForwardPlan, rank: int, world_size: int,
+                 doorbells: Mapping[int, DoorbellTicket]) -> None:
+    for seq, pe, complete in zip(plan.send_seq_ids.tolist(), plan.send_pes.tolist(),
+                                 plan.send_complete.tolist()):
+        _check_pe(pe, rank, world_size, seq)
+        if not complete:
+            continue
+        ticket = doorbells.get(seq)
+        if ticket is None:
+            raise _fail("this forward completes the request's KV but no doorbell ticket is attached "
+                        "(KVPusher.attach_doorbell)", seq, rank, pe)
+        if ticket.pe != pe:
+            raise _fail(f"the doorbell ticket belongs to PE {ticket.pe}, not the receiver", seq, rank, pe)
+
+
+def build_push_work(plan: ForwardPlan, geo: KVGeometry, rank: int,
+                    reachable: Callable[[int], bool],
+                    doorbells: Mapping[int, DoorbellTicket]) -> PushWork:
+    """Split a checked plan's transfers by path (see the module docstring).
+
+    Args:
+        plan: a plan that passed `check_plan`.
+        geo: the KV tensor's geometry.
+        rank: this PE.
+        reachable: whether a PE takes the fused store path (else segment puts).
+        doorbells: attached tickets by sequence id.
+
+    Raises:
+        TransferError: a token sent through segment puts has no local slot to read from.
+    """
+    pes = plan.push_pes
+    peer_pes = tuple(int(pe) for pe in np.unique(pes[pes >= 0]) if reachable(int(pe)))
+    dst_index = np.full(plan.num_tokens, -1, dtype=np.int32)
+    for i, pe in enumerate(peer_pes):
+        dst_index[pes == pe] = i
+    dst_slots = np.where(dst_index >= 0, plan.push_slots, -1).astype(np.int32)
+    segment_pushes = {}
+    for pe in (int(p) for p in np.unique(pes[pes >= 0]) if not reachable(int(p))):
+        mine = np.flatnonzero(pes == pe)
+        unstored = mine[plan.append_slots[mine] < 0]
+        if len(unstored):
+            raise _fail(f"token {int(unstored[0])} has no local slot, so a segment put cannot read it",
+                        request_of_token(plan, int(unstored[0])), rank, pe)
+        segment_pushes[pe] = coalesce(plan.append_slots[mine], plan.push_slots[mine], geo)
+    peer_copies, segment_copies = {}, {}
+    for pe in (int(p) for p in np.unique(plan.copy_pes)):
+        mine = plan.copy_pes == pe
+        local, remote = plan.copy_local_slots[mine], plan.copy_remote_slots[mine]
+        if reachable(pe):
+            peer_copies[pe] = (local.astype(np.int32), remote.astype(np.int32))
+        else:
+            segment_copies[pe] = coalesce(local, remote, geo)
+    rings = tuple(doorbells[int(seq)] for seq, complete in zip(plan.send_seq_ids, plan.send_complete)
+                  if complete)
+    return PushWork(append_slots=plan.append_slots.astype(np.int32), peer_pes=peer_pes,
+                    dst_index=dst_index, dst_slots=dst_slots, segment_pushes=segment_pushes,
+                    peer_copies=peer_copies, segment_copies=segment_copies, rings=rings)

@@ -1,0 +1,264 @@
+"""The KV pusher: a worker's writer of new K/V, locally and into receivers' pages, layer by layer.
+
+The prefill worker's model runner drives it once per forward (its own process, its own GPU):
+
+    pusher.attach_doorbell(seq_id, ticket)      # once per request, after cache.disagg_mark_send
+    plan = cache.begin_forward(seq_ids, lengths)
+    pusher.begin_forward(plan)                  # checks; fork copies; existing KV page to page
+    for layer in range(num_layers):
+        k, v = ...                              # this layer's new K/V, on the current stream
+        pusher.push_layer_async(layer, k, v)    # ONE fused append+push launch (transfer stream)
+        pusher.wait_layer(layer)                # before attention reads the local pages
+        ...
+    pusher.end_forward()                        # rings the doorbells of completed requests
+    cache.end_forward()
+
+On CUDA the pushes run on a transfer stream that waits (CUDA events) for each layer's K/V, so the
+caller's next kernels queue without a host sync; `k`/`v` are recorded on that stream so the
+allocator does not reuse them early. Receivers that `SymmetricHeap.peer` cannot reach (another
+node), or every receiver when ``force_segment_puts``, take coalesced segment puts from the local
+pages instead: one put per contiguous run per layer. On CPU (shm heap) everything runs inline.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from disagg.errors import ForwardStateError, TransferError
+from disagg.kernels import append_kv, append_push_kv, build_dst_table, copy_slots
+from disagg.plan import ForwardPlan
+from disagg.transfer.doorbell import DoorbellTicket, ring_async
+from disagg.transfer.heap import SymmetricHeap
+from disagg.transfer.push_plan import PushWork, build_push_work, check_plan
+from disagg.transfer.segments import KVGeometry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Forward:
+    """Device-side state of the open forward."""
+
+    plan: ForwardPlan
+    work: PushWork
+    append_slots: torch.Tensor
+    dst_index: torch.Tensor | None = None
+    dst_slots: torch.Tensor | None = None
+    dst_table: torch.Tensor | None = None
+    layer_events: dict[int, torch.cuda.Event] = field(default_factory=dict)
+
+
+class KVPusher:
+    """Writes one worker's KV cache and pushes it to receivers; see the module docstring.
+
+    Args:
+        heap: this PE's symmetric heap.
+        kv: ``[num_layers, num_pages, 2, H_kv, P, D]`` from ``heap.alloc``, contiguous.
+        force_segment_puts: send to every receiver with segment puts even when it is load/store
+            reachable (the path of peers on other nodes, testable on one node).
+    """
+
+    def __init__(self, heap: SymmetricHeap, kv: torch.Tensor, *, force_segment_puts: bool = False) -> None:
+        if kv.dim() != 6 or kv.shape[2] != 2 or not kv.is_contiguous():
+            raise ValueError(f"kv: expected a contiguous [num_layers, num_pages, 2, H, P, D] tensor, "
+                             f"got shape {tuple(kv.shape)} strides {kv.stride()}")
+        heap.peer(kv, heap.rank)  # raises unless kv is this heap's memory
+        self.heap = heap
+        self.kv = kv
+        self.geometry = KVGeometry.of(tuple(kv.shape), kv.element_size())
+        self.force_segment_puts = force_segment_puts
+        self._stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
+        self._peer_kv: dict[int, torch.Tensor | None] = {}
+        self._doorbells: dict[int, DoorbellTicket] = {}
+        self._forward: _Forward | None = None
+
+    # ------------------------------------------------------------------ requests
+    def attach_doorbell(self, seq_id: int, ticket: DoorbellTicket) -> None:
+        """Ring ``ticket`` after the forward that writes the last token of ``seq_id``'s remote map."""
+        if not 0 <= ticket.pe < self.heap.world_size or ticket.pe == self.heap.rank:
+            raise TransferError(f"doorbell ticket names PE {ticket.pe}, expected a receiver in "
+                                f"[0, {self.heap.world_size}) other than the sender",
+                                request_id=seq_id, src_pe=self.heap.rank, dst_pe=ticket.pe)
+        self._doorbells[seq_id] = ticket
+        logger.debug("request %s: PE %d -> PE %d, doorbell word %d epoch %d",
+                     seq_id, self.heap.rank, ticket.pe, ticket.index, ticket.epoch)
+
+    def detach_doorbell(self, seq_id: int) -> DoorbellTicket | None:
+        """Forget ``seq_id``'s ticket (an aborted request); return it, or None if none."""
+        return self._doorbells.pop(seq_id, None)
+
+    # ------------------------------------------------------------------ forward
+    def begin_forward(self, plan: ForwardPlan) -> None:
+        """Check ``plan``, apply its fork copies, and start its page-to-page copies.
+
+        Raises:
+            ForwardStateError: a forward is already open.
+            TransferError, ValueError: the plan does not fit this heap and KV tensor, or the heap
+                is closed (nothing was written).
+        """
+        if self._forward is not None:
+            raise ForwardStateError("KVPusher.begin_forward: the previous forward was not ended")
+        rank = self.heap.rank
+        if self.heap.closed and plan.has_transfers:
+            raise TransferError("the heap is closed", request_id=int(plan.send_seq_ids[0]),
+                                src_pe=rank, dst_pe=int(plan.send_pes[0]))
+        check_plan(plan, self.geometry, rank, self.heap.world_size, self._doorbells)
+        work = build_push_work(plan, self.geometry, rank, self._reachable, self._doorbells)
+        fwd = _Forward(plan=plan, work=work, append_slots=self._to_device(work.append_slots))
+        if work.peer_pes:
+            fwd.dst_index = self._to_device(work.dst_index)
+            fwd.dst_slots = self._to_device(work.dst_slots)
+            fwd.dst_table = build_dst_table(self.kv[0], [self._peer_kv[pe][0] for pe in work.peer_pes])
+        if len(plan.fork_src_slots):
+            copy_slots(self.kv, self._to_device(plan.fork_src_slots), self.kv,
+                       self._to_device(plan.fork_dst_slots))
+        if work.peer_copies or work.segment_copies:
+            with self._on_transfer_stream():
+                self._copy_existing(work)
+        self._forward = fwd
+
+    def push_layer_async(self, layer: int, k: torch.Tensor, v: torch.Tensor, *,
+                         k_scale: float | torch.Tensor | None = None,
+                         v_scale: float | torch.Tensor | None = None) -> torch.cuda.Event | None:
+        """Write ``layer``'s new K/V locally and to every receiver of the open forward.
+
+        Args:
+            layer: ``0 <= layer < num_layers``, each once per forward.
+            k: ``[T, H_kv, D]`` new keys (T = plan.num_tokens), the cache's dtype (or any
+                float dtype with an fp8 cache and scales), on the KV tensor's device.
+            v: ``[T, H_kv, D]`` new values, like ``k``.
+            k_scale, v_scale: fp8 caches only (see `disagg.kernels.append_kv`).
+
+        Returns:
+            On CUDA with transfers: the event after which the layer's local and remote writes are
+            done (`wait_layer` makes the current stream wait on it). None otherwise (CPU work is
+            finished on return; without transfers the append ran on the current stream).
+        """
+        fwd = self._check_layer(layer)
+        work = fwd.work
+        if not work.has_transfers:
+            append_kv(k, v, self.kv[layer], fwd.append_slots, k_scale=k_scale, v_scale=v_scale,
+                      check_indices=False)
+            fwd.layer_events[layer] = None
+            return None
+        with self._on_transfer_stream() as stream:
+            if work.peer_pes:
+                dst_layers = [self._peer_kv[pe][layer] for pe in work.peer_pes]
+                append_push_kv(k, v, self.kv[layer], fwd.append_slots, dst_layers, fwd.dst_slots,
+                               fwd.dst_index, k_scale=k_scale, v_scale=v_scale,
+                               dst_table=fwd.dst_table, check_indices=False)
+            else:
+                append_kv(k, v, self.kv[layer], fwd.append_slots, k_scale=k_scale, v_scale=v_scale,
+                          check_indices=False)
+            for pe, runs in work.segment_pushes.items():
+                self.heap.put_segments_async(self.kv, pe, runs.for_layer(layer), stream)
+            event = None
+            if stream is not None:
+                k.record_stream(stream)
+                v.record_stream(stream)
+                event = torch.cuda.Event()
+                event.record(stream)
+        fwd.layer_events[layer] = event
+        return event
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the current stream wait until ``layer``'s writes are done (no host sync)."""
+        if self._forward is None:
+            raise ForwardStateError("KVPusher.wait_layer: no forward is open")
+        event = self._forward.layer_events.get(layer)
+        if event is not None:
+            torch.cuda.current_stream(self.kv.device).wait_event(event)
+
+    def end_forward(self) -> torch.cuda.Event | None:
+        """Ring the doorbells of requests this forward completed; close the forward.
+
+        Returns:
+            On CUDA with transfers: an event after the rings (all of this forward's transfer
+            work); the current stream already waits for the local writes. None otherwise.
+
+        Raises:
+            ForwardStateError: no forward is open, or a layer was not pushed.
+        """
+        fwd = self._forward
+        if fwd is None:
+            raise ForwardStateError("KVPusher.end_forward: no forward is open")
+        missing = [layer for layer in range(self.geometry.num_layers) if layer not in fwd.layer_events]
+        if missing:
+            raise ForwardStateError(f"KVPusher.end_forward: layers {missing} were not pushed in this forward")
+        event = None
+        if fwd.work.has_transfers:
+            self.wait_layer(self.geometry.num_layers - 1)
+            with self._on_transfer_stream() as stream:
+                for ticket in fwd.work.rings:
+                    ring_async(self.heap, ticket, stream)
+                if stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+        for seq, complete in zip(fwd.plan.send_seq_ids.tolist(), fwd.plan.send_complete.tolist()):
+            if complete:
+                ticket = self._doorbells.pop(seq)
+                logger.debug("request %s: PE %d -> PE %d rang doorbell word %d epoch %d",
+                             seq, self.heap.rank, ticket.pe, ticket.index, ticket.epoch)
+        self._forward = None
+        return event
+
+    def synchronize(self) -> None:
+        """Block the host until every transfer issued so far is done (tests, shutdown)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    # ------------------------------------------------------------------ internals
+    def _reachable(self, pe: int) -> bool:
+        if pe not in self._peer_kv:
+            self._peer_kv[pe] = None if self.force_segment_puts else self.heap.peer(self.kv, pe)
+        return self._peer_kv[pe] is not None
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        return tensor.to(self.kv.device, non_blocking=True) if self.kv.is_cuda else tensor
+
+    def _copy_existing(self, work: PushWork) -> None:
+        """KV present at mark_send: page to page, every layer (transfer stream or inline)."""
+        for pe, (local, remote) in work.peer_copies.items():
+            copy_slots(self.kv, self._to_device(local), self._peer_kv[pe], self._to_device(remote))
+        for pe, runs in work.segment_copies.items():
+            self.heap.put_segments_async(self.kv, pe, runs.for_layers(self.geometry.num_layers),
+                                         self._stream)
+
+    def _check_layer(self, layer: int) -> _Forward:
+        fwd = self._forward
+        if fwd is None:
+            raise ForwardStateError("KVPusher.push_layer_async: no forward is open (begin_forward)")
+        if not 0 <= layer < self.geometry.num_layers:
+            raise ValueError(f"layer must be in [0, {self.geometry.num_layers}), got {layer}")
+        if layer in fwd.layer_events:
+            raise ForwardStateError(f"KVPusher.push_layer_async: layer {layer} was already pushed in this forward")
+        return fwd
+
+    def _on_transfer_stream(self) -> _TransferStream:
+        return _TransferStream(self._stream, self.kv.device)
+
+
+class _TransferStream:
+    """Context: on CUDA, run on the transfer stream after the current stream's work so far."""
+
+    def __init__(self, stream: torch.cuda.Stream | None, device: torch.device) -> None:
+        self._stream = stream
+        self._device = device
+        self._ctx = None
+
+    def __enter__(self) -> torch.cuda.Stream | None:
+        if self._stream is None:
+            return None
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        self._ctx = torch.cuda.stream(self._stream)
+        self._ctx.__enter__()
+        return self._stream
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc_info)
