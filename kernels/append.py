@@ -23,6 +23,9 @@ from disagg.kernels.fp8 import Scales, load_scale, quantize_fp8, resolve_scales
 
 # A receiver's cache offset must keep 16-element alignment so stores stay vectorized.
 DST_ALIGN_ELEMENTS = 16
+# Elements of K (and of V) one program moves, and its warps (tuned on one H200).
+TILE_ELEMENTS = 4096
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -101,7 +104,7 @@ def _launch(k, v, kv_layer, slots, geo: checks.KVGeometry, scales: Scales, push_
     num_tokens = k.shape[0]
     block_h = min(triton.next_power_of_2(geo.num_kv_heads), 8)
     block_d = triton.next_power_of_2(geo.head_dim)
-    block_t = max(1, min(16, 4096 // (block_h * block_d)))
+    block_t = max(1, min(64, TILE_ELEMENTS // (block_h * block_d)))
     dst_slots, dst_index, dst_table = push_args if push_args is not None else (slots, slots, slots)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(geo.num_kv_heads, block_h))
     dispatch.runnable(append_kv_kernel)[grid](
@@ -110,7 +113,7 @@ def _launch(k, v, kv_layer, slots, geo: checks.KVGeometry, scales: Scales, push_
         NUM_HEADS=geo.num_kv_heads, HEAD_DIM=geo.head_dim, PAGE_SIZE=geo.page_size,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
         PUSH=push_args is not None, QUANT=scales.is_fp8, SCALE_IS_TENSOR=scales.is_tensor,
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )
 
 

@@ -26,6 +26,9 @@ from disagg.kernels.paged_tile import NEG_BIG, attend_tile, kv_rows
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
+# Launch options (tuned on one H200; see benchmarks/bench_kernels.py --sweep). BLOCK_N is the
+# tokens per K/V tile, halved for head_dim > 128 to bound registers.
+BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
 
@@ -134,7 +137,7 @@ def decode_workspace_numel(batch_size: int, num_qo_heads: int, head_dim: int, nu
 
 
 def _block_n(head_dim: int) -> int:
-    return 32 if head_dim > 128 else 64
+    return BLOCK_N // 2 if head_dim > 128 else BLOCK_N
 
 
 def _check_decode_inputs(q, kv_layer, page_indptr, page_indices, last_page_len, out):

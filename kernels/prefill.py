@@ -25,6 +25,12 @@ from disagg.kernels.fp8 import load_scale, resolve_scales
 from disagg.kernels.paged_tile import NEG_BIG, attend_tile, kv_rows
 
 SEARCH_BLOCK = 256  # sequences scanned per step when a program looks for its q block
+# Launch options on CUDA by head_dim bound (tuned on one H200; see benchmarks/bench_kernels.py).
+CUDA_CONFIGS = {
+    128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    256: dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
+}
+INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
 @triton.jit
@@ -124,10 +130,8 @@ def paged_prefill_kernel(
 def _config(head_dim: int, device: torch.device) -> dict:
     """Tile sizes and launch options: Hopper-sized on CUDA, small tiles for the interpreter."""
     if device.type != "cuda":
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    if head_dim > 128:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+        return dict(INTERPRETER_CONFIG)
+    return dict(CUDA_CONFIGS[128 if head_dim <= 128 else 256])
 
 
 def _check_prefill_inputs(q, kv_layer, qo_indptr, page_indptr, page_indices, last_page_len, out):

@@ -1,0 +1,287 @@
+"""Benchmark the paged-cache kernels on one GPU; every figure comes with its anchor from the same run.
+
+    python3 benchmarks/bench_kernels.py --out results/bench_kernels.json [--sweep] [--only decode]
+
+Anchors: the GPU's own device-to-device copy bandwidth (bytes read + written), and torch's
+`scaled_dot_product_attention` on the same shapes stored densely. Each timing captures the calls
+in a CUDA graph (as the decode engine runs them) and takes the median of replays timed with CUDA
+events; inputs rotate over enough copies that their total exceeds L2, so small cases are not
+measured out of cache. `--sweep` also times launch-option variants of each kernel (tuning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from disagg.kernels import append as append_mod
+from disagg.kernels import copy as copy_mod
+from disagg.kernels import decode as decode_mod
+from disagg.kernels import prefill as prefill_mod
+from disagg.kernels import (append_kv, copy_slots, decode_workspace_numel, paged_decode,
+                            paged_prefill)
+
+CUDA = torch.device("cuda")
+L2_ROTATION_BYTES = 512 << 20  # rotate inputs until this much data is touched per graph
+GiB = 1 << 30
+
+
+def graph_seconds(calls, reps: int = 20) -> float:
+    """Median seconds per call of `calls` (run in sequence) captured in one CUDA graph."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    del graph
+    return statistics.median(times) / len(calls)
+
+
+def copies_for(num_bytes: int) -> int:
+    return max(1, math.ceil(L2_ROTATION_BYTES / max(num_bytes, 1)))
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s (read + write) of a 1 GiB buffer."""
+    src = torch.randn(GiB // 4, device=CUDA)
+    dst = torch.empty_like(src)
+    seconds = graph_seconds([lambda: dst.copy_(src)])
+    return 2 * GiB / seconds
+
+
+def paged_batch(batch, ctx, num_kv_heads, head_dim, page_size, dtype, copies):
+    """A cache holding `copies` disjoint batches of `batch` x `ctx` tokens on shuffled pages."""
+    pages_per_seq = ctx // page_size
+    num_pages = batch * pages_per_seq * copies
+    kv = torch.randn(num_pages, 2, num_kv_heads, page_size, head_dim, device=CUDA)
+    kv = (kv * 8).to(dtype) if dtype == torch.float8_e4m3fn else kv.to(dtype)
+    perm = torch.randperm(num_pages, device=CUDA).to(torch.int32)
+    tables = []
+    for c in range(copies):
+        indices = perm[c * batch * pages_per_seq:(c + 1) * batch * pages_per_seq]
+        indptr = torch.arange(0, batch + 1, device=CUDA, dtype=torch.int32) * pages_per_seq
+        last = torch.full((batch,), page_size, device=CUDA, dtype=torch.int32)
+        tables.append((indptr, indices.contiguous(), last))
+    return kv, tables
+
+
+def bench_decode(batch, ctx, dtype=torch.bfloat16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                 page_size=16, num_splits=None):
+    kv_bytes = batch * ctx * num_kv_heads * head_dim * 2 * torch.finfo(dtype).bits // 8
+    copies = copies_for(kv_bytes)
+    kv, tables = paged_batch(batch, ctx, num_kv_heads, head_dim, page_size, dtype, copies)
+    qdtype = torch.bfloat16
+    qs = [torch.randn(batch, num_qo_heads, head_dim, device=CUDA, dtype=qdtype) for _ in tables]
+    outs = [torch.empty_like(q) for q in qs]
+    splits = num_splits or decode_mod.choose_num_splits(
+        batch, num_kv_heads, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
+    ws = [torch.empty(max(1, decode_workspace_numel(batch, num_qo_heads, head_dim, splits)),
+                      device=CUDA) for _ in tables]
+    scales = dict(k_scale=0.125, v_scale=0.125) if dtype == torch.float8_e4m3fn else {}
+    calls = [lambda q=q, t=t, o=o, w=w: paged_decode(
+        q, kv, *t, head_dim ** -0.5, out=o, num_splits=splits, workspace=w, check_indices=False,
+        **scales) for q, t, o, w in zip(qs, tables, outs, ws)]
+    seconds = graph_seconds(calls)
+    io_bytes = kv_bytes + 2 * batch * num_qo_heads * head_dim * 2
+    del kv
+    return dict(seconds=seconds, bytes_per_s=io_bytes / seconds, num_splits=splits)
+
+
+def bench_sdpa_decode(batch, ctx, num_qo_heads=32, num_kv_heads=8, head_dim=128):
+    kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * 2
+    copies = copies_for(kv_bytes)
+    shape = (batch, num_kv_heads, ctx, head_dim)
+    sets = [(torch.randn(batch, num_qo_heads, 1, head_dim, device=CUDA, dtype=torch.bfloat16),
+             torch.randn(shape, device=CUDA, dtype=torch.bfloat16),
+             torch.randn(shape, device=CUDA, dtype=torch.bfloat16)) for _ in range(copies)]
+    calls = [lambda s=s: F.scaled_dot_product_attention(*s, enable_gqa=True) for s in sets]
+    seconds = graph_seconds(calls)
+    return dict(seconds=seconds, bytes_per_s=kv_bytes / seconds)
+
+
+def bench_prefill(num_seqs=8, seq_len=2048, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                  page_size=16, dtype=torch.bfloat16):
+    kv, (table,) = paged_batch(num_seqs, seq_len, num_kv_heads, head_dim, page_size, dtype, 1)
+    q = torch.randn(num_seqs * seq_len, num_qo_heads, head_dim, device=CUDA, dtype=dtype)
+    out = torch.empty_like(q)
+    qo_indptr = torch.arange(0, num_seqs + 1, device=CUDA, dtype=torch.int32) * seq_len
+    seconds = graph_seconds([lambda: paged_prefill(q, kv, qo_indptr, *table, head_dim ** -0.5,
+                                                   out=out, check_indices=False)], reps=10)
+    flops = 2 * num_seqs * num_qo_heads * seq_len * seq_len * head_dim  # causal half of 4*S^2*D
+    return dict(seconds=seconds, flops_per_s=flops / seconds)
+
+
+def bench_sdpa_prefill(backend, num_seqs=8, seq_len=2048, num_qo_heads=32, head_dim=128):
+    shape = (num_seqs, num_qo_heads, seq_len, head_dim)
+    q, k, v = (torch.randn(shape, device=CUDA, dtype=torch.bfloat16) for _ in range(3))
+
+    def call():
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    seconds = graph_seconds([call], reps=10)
+    flops = 2 * num_seqs * num_qo_heads * seq_len * seq_len * head_dim
+    return dict(seconds=seconds, flops_per_s=flops / seconds)
+
+
+def bench_append(num_tokens=65536, num_kv_heads=8, head_dim=128, page_size=16):
+    num_pages = num_tokens // page_size * 2
+    kv = torch.empty(num_pages, 2, num_kv_heads, page_size, head_dim, device=CUDA, dtype=torch.bfloat16)
+    pages = torch.randperm(num_pages, device=CUDA)[: num_tokens // page_size]
+    slots = (pages[:, None] * page_size + torch.arange(page_size, device=CUDA)).flatten()
+    k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, device=CUDA, dtype=torch.bfloat16)
+            for _ in range(2))
+    seconds = graph_seconds([lambda: append_kv(k, v, kv, slots, check_indices=False)])
+    moved = 2 * 2 * num_tokens * num_kv_heads * head_dim * 2  # K and V, read + written
+    return dict(seconds=seconds, bytes_per_s=moved / seconds)
+
+
+def bench_copy_slots(num_layers=32, num_kv_heads=8, page_size=16, head_dim=128):
+    page_bytes = num_layers * 2 * num_kv_heads * page_size * head_dim * 2
+    num_copied = GiB // page_bytes
+    shape = (num_layers, 2 * num_copied, 2, num_kv_heads, page_size, head_dim)
+    src = torch.randn(shape, device=CUDA, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    offsets = torch.arange(page_size, device=CUDA)
+    pick = lambda: (torch.randperm(2 * num_copied, device=CUDA)[:num_copied, None] * page_size + offsets).flatten()
+    src_slots, dst_slots = pick(), pick()
+    seconds = graph_seconds([lambda: copy_slots(src, src_slots, dst, dst_slots, check_indices=False)])
+    return dict(seconds=seconds, bytes_per_s=2 * GiB / seconds)
+
+
+def figure(name, ours, anchor, unit, target, anchor_name, **extra):
+    return dict(name=name, ours=ours, anchor=anchor, ratio=ours / anchor, unit=unit,
+                target=target, anchor_name=anchor_name, **extra)
+
+
+def run_decode(copy_bw):
+    figs = []
+    for batch, ctx, target in ((64, 4096, 0.80), (8, 1024, 0.60)):
+        ours = bench_decode(batch, ctx)
+        figs.append(figure(f"decode bf16 B={batch} ctx={ctx} bandwidth", ours["bytes_per_s"] / 1e12,
+                           copy_bw / 1e12, "TB/s", target, "device copy", num_splits=ours["num_splits"],
+                           seconds=ours["seconds"]))
+    for batch, ctx in ((64, 4096), (8, 1024), (32, 32768)):
+        ours = bench_decode(batch, ctx)
+        sdpa = bench_sdpa_decode(batch, ctx)
+        figs.append(figure(f"decode bf16 B={batch} ctx={ctx} speed vs SDPA dense", 1 / ours["seconds"],
+                           1 / sdpa["seconds"], "calls/s", None, "SDPA default (dense, enable_gqa)",
+                           ours_us=ours["seconds"] * 1e6, sdpa_us=sdpa["seconds"] * 1e6,
+                           sdpa_TBps=sdpa["bytes_per_s"] / 1e12, num_splits=ours["num_splits"]))
+    bf16 = bench_decode(64, 4096)
+    fp8 = bench_decode(64, 4096, dtype=torch.float8_e4m3fn)
+    figs.append(figure("decode fp8 B=64 ctx=4096 speed vs bf16", 1 / fp8["seconds"], 1 / bf16["seconds"],
+                       "calls/s", 1.6, "our bf16 decode", fp8_us=fp8["seconds"] * 1e6,
+                       bf16_us=bf16["seconds"] * 1e6))
+    return figs
+
+
+def run_prefill():
+    ours = bench_prefill()
+    figs = []
+    for backend, label, target in ((SDPBackend.FLASH_ATTENTION, "SDPA flash", 1.0), (None, "SDPA default", 0.8)):
+        sdpa = bench_sdpa_prefill(backend)
+        figs.append(figure(f"prefill causal 8x2048 vs {label}", ours["flops_per_s"] / 1e12,
+                           sdpa["flops_per_s"] / 1e12, "TFLOP/s", target, f"{label} (dense, MHA-expanded)"))
+    return figs
+
+
+def run_copies(copy_bw):
+    append = bench_append()
+    copy = bench_copy_slots()
+    return [figure("append_kv 65536 tokens bandwidth", append["bytes_per_s"] / 1e12, copy_bw / 1e12,
+                   "TB/s", 0.70, "device copy"),
+            figure("copy_slots 1 GiB in 16-token pages bandwidth", copy["bytes_per_s"] / 1e12,
+                   copy_bw / 1e12, "TB/s", 0.85, "device copy")]
+
+
+class _Rows(list):
+    """Sweep rows, each printed as soon as it is measured (a killed run keeps what it printed)."""
+
+    def append(self, row):
+        print(json.dumps(row), flush=True)
+        super().append(row)
+
+
+def sweep():
+    """Time launch-option variants; returns rows of (kernel, options, figure)."""
+    rows = _Rows()
+    for warps, stages, block_n in ((4, 2, 64), (4, 3, 64), (8, 2, 64), (4, 2, 128), (4, 3, 32), (8, 3, 128)):
+        decode_mod.NUM_WARPS, decode_mod.NUM_STAGES, decode_mod.BLOCK_N = warps, stages, block_n
+        for batch, ctx, splits in ((64, 4096, 1), (64, 4096, 2), (64, 4096, 4), (8, 1024, 4),
+                                   (8, 1024, 8), (8, 1024, 16), (32, 32768, 2), (32, 32768, 4)):
+            r = bench_decode(batch, ctx, num_splits=splits)
+            rows.append(dict(kernel="decode", warps=warps, stages=stages, block_n=block_n, batch=batch,
+                             ctx=ctx, splits=splits, us=r["seconds"] * 1e6, TBps=r["bytes_per_s"] / 1e12))
+        r = bench_decode(64, 4096, dtype=torch.float8_e4m3fn, num_splits=2)
+        rows.append(dict(kernel="decode_fp8", warps=warps, stages=stages, block_n=block_n,
+                         us=r["seconds"] * 1e6, TBps=r["bytes_per_s"] / 1e12))
+    for config in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
+                   (128, 64, 8, 4), (128, 128, 8, 2), (64, 128, 4, 3)):
+        prefill_mod.CUDA_CONFIGS[128] = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), config))
+        r = bench_prefill()
+        rows.append(dict(kernel="prefill", config=config, TFLOPs=r["flops_per_s"] / 1e12))
+    for tile in (2048, 4096, 8192, 16384):
+        for warps in (4, 8):
+            append_mod.TILE_ELEMENTS, append_mod.NUM_WARPS = tile, warps
+            rows.append(dict(kernel="append", tile=tile, warps=warps, TBps=bench_append()["bytes_per_s"] / 1e12))
+            copy_mod.TILE_ELEMENTS, copy_mod.NUM_WARPS = tile, warps
+            for block_slots in (16, 32):
+                copy_mod.BLOCK_SLOTS = block_slots
+                rows.append(dict(kernel="copy", tile=tile, warps=warps, block_slots=block_slots,
+                                 TBps=bench_copy_slots()["bytes_per_s"] / 1e12))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/bench_kernels.json"))
+    parser.add_argument("--only", default="decode,prefill,copies", help="comma list of sections")
+    parser.add_argument("--sweep", action="store_true", help="also time launch-option variants")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    sections = set(args.only.split(","))
+    copy_bw = copy_bandwidth()
+    figs = []
+    print(f"device copy bandwidth {copy_bw / 1e12:.3f} TB/s", flush=True)
+    if "decode" in sections:
+        figs += run_decode(copy_bw)
+    if "prefill" in sections:
+        figs += run_prefill()
+    if "copies" in sections:
+        figs += run_copies(copy_bw)
+    import triton
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                  copy_bandwidth_TBps=copy_bw / 1e12, figures=figs,
+                  sweep=sweep() if args.sweep else None)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"{'figure':58s} {'ours':>9s} {'anchor':>9s} {'ratio':>6s} {'target':>6s}")
+    for f in figs:
+        target = "" if f["target"] is None else f"{f['target']:.2f}"
+        print(f"{f['name']:58s} {f['ours']:9.3f} {f['anchor']:9.3f} {f['ratio']:6.2f} {target:>6s} {f['unit']}")
+
+
+if __name__ == "__main__":
+    main()
