@@ -73,3 +73,7 @@ class TransferError(DisaggError, RuntimeError):
 
 class SignalTimeout(TransferError, TimeoutError):
     """A wait on a doorbell word did not see the expected value before its timeout."""
+
+
+class CacheIntegrityError(DisaggError, RuntimeError):
+    """The page-table bookkeeping broke one of its invariants (a bug, not caller misuse)."""

@@ -10,8 +10,10 @@ Index ranges, for a batch of B sequences appending T tokens in all:
     page_indptr   [B+1]   pages of sequence i are page_indices[page_indptr[i]:page_indptr[i+1]]
     page_indices  [nnz]   page ids, in sequence order, AFTER the append (attention follows it)
     last_page_len [B]     tokens in each sequence's last page after the append (1..page_size)
-    append_slots  [T]     where each new token's K/V goes: page_id * page_size + offset
-    positions     [T]     each new token's position in its sequence (for RoPE)
+    append_slots  [T]     where each new token's K/V goes: page_id * page_size + offset; -1 for a
+                          token that a sliding window drops before it is written (TVM)
+    positions     [T]     each new token's position in its sequence (for RoPE); for a sliding
+                          window, its position inside the cache (TVM's RoPE position)
     push_slots    [T]     receiver slot of each new token, -1 when the token is not sent
     push_pes      [T]     receiver PE of each new token, -1 when the token is not sent
     copy_local_slots / copy_remote_slots / copy_pes  [M]
@@ -24,12 +26,23 @@ Index ranges, for a batch of B sequences appending T tokens in all:
     send_seq_ids / send_pes / send_complete  [S]
                           sequences whose KV moves in this forward (pushes or copies), their
                           receiver PE, and whether this forward writes the last token of their
-                          remote map (the pusher rings the receiver's doorbell after it)
+                          remote map (the pusher rings the receiver's doorbell after it);
+                          in the order of the `disagg_mark_send` calls
+    sink_size / sliding_window_offset  [B]
+                          sliding windows only: page-table slots [sink_size, sliding_window_offset)
+                          of sequence i (counted over its pages, page_size per page) are dead (the
+                          hole between attention sinks and the window; TVM's fields, flattened
+                          over prefix blocks); both 0 when there is no hole. None in plans not
+                          made by the cache means no sequence has a hole.
+
+Ordering that consumers rely on: fork copies run (for every layer) before the forward's appends;
+no slot a `copy_local_slots` entry reads is written by the same forward, so the pusher may copy
+those at any point of it; `send_seq_ids` is int64 (sequence ids), `send_complete` bool.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,6 +68,8 @@ class ForwardPlan:
     send_seq_ids: np.ndarray
     send_pes: np.ndarray
     send_complete: np.ndarray
+    sink_size: np.ndarray | None = field(default=None)
+    sliding_window_offset: np.ndarray | None = field(default=None)
 
     @property
     def batch_size(self) -> int:

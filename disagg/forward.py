@@ -1,0 +1,160 @@
+"""Builds the arrays of a `ForwardPlan` once `PagedKVCache` has reserved a batch's pages.
+
+Everything here is vectorized over the batch: one `np.concatenate` of the cached per-sequence
+page tables, cumsums for the indptrs, and one gather for the slots. Only sliding-window sequences
+and sequences marked for sending take a per-sequence step. Called by `disagg.cache` in the process
+that owns the cache; it reads sequences and blocks and mutates nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from disagg import sliding
+from disagg.blocks import Block, Sequence
+
+
+class WindowedAppend:
+    """What `build_plan` needs about one sliding-window sequence of the batch.
+
+    Attributes:
+        index: its index in the batch.
+        block: its last block, after the reservation.
+        prefix_pages: pages of its prefix blocks.
+        last_len_before: the last block's `seq_length` before the reservation.
+    """
+
+    __slots__ = ("index", "block", "prefix_pages", "last_len_before")
+
+    def __init__(self, index: int, block: Block, prefix_pages: int, last_len_before: int) -> None:
+        self.index = index
+        self.block = block
+        self.prefix_pages = prefix_pages
+        self.last_len_before = last_len_before
+
+
+def page_tables(seqs: list[Sequence], lens_after: np.ndarray, page_size: int) -> tuple[np.ndarray, ...]:
+    """CSR page tables of the batch after the append.
+
+    Args:
+        seqs: the batch, B sequences (reservation done).
+        lens_after: ``[B]`` int64 sequence lengths after the append.
+        page_size: tokens per page.
+
+    Returns:
+        ``(page_indptr [B+1], page_indices [nnz], last_page_len [B])``, int32; `last_page_len`
+        assumes identity slot offsets (windowed sequences are fixed up by `fix_windowed`).
+    """
+    tables = [s.table for s in seqs]
+    counts = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    page_indptr = np.zeros(len(tables) + 1, dtype=np.int32)
+    np.cumsum(counts, out=page_indptr[1:])
+    page_indices = np.concatenate(tables) if tables else np.empty(0, dtype=np.int32)
+    last_page_len = ((lens_after - 1) % page_size + 1).astype(np.int32)
+    return page_indptr, page_indices, last_page_len
+
+
+def append_slots(
+    qo_indptr: np.ndarray,
+    lens: np.ndarray,
+    len_before: np.ndarray,
+    page_indptr: np.ndarray,
+    page_indices: np.ndarray,
+    page_size: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Slots and positions of every appended token, assuming identity slot offsets.
+
+    Args:
+        qo_indptr: ``[B+1]`` int32 token ranges.
+        lens: ``[B]`` int64 append lengths.
+        len_before: ``[B]`` int64 sequence lengths before the append.
+        page_indptr, page_indices: the batch's page tables after the append.
+        page_size: tokens per page.
+
+    Returns:
+        ``(append_slots [T], positions [T])`` int32.
+    """
+    num_tokens = int(qo_indptr[-1])
+    if num_tokens == len(lens):  # decode: one token per sequence
+        positions = len_before
+        page_base = page_indptr[:-1]
+    else:
+        owner = np.repeat(np.arange(len(lens)), lens)
+        positions = np.arange(num_tokens, dtype=np.int64) - qo_indptr[:-1][owner] + len_before[owner]
+        page_base = page_indptr[:-1][owner]
+    pages = np.take(page_indices, page_base + positions // page_size, mode="clip")
+    slots = pages.astype(np.int64) * page_size + positions % page_size
+    return slots.astype(np.int32), positions.astype(np.int32)
+
+
+def fix_windowed(
+    windowed: list[WindowedAppend],
+    seqs: list[Sequence],
+    qo_indptr: np.ndarray,
+    page_size: int,
+    slots: np.ndarray,
+    last_page_len: np.ndarray,
+    sink_size: np.ndarray,
+    window_offset: np.ndarray,
+) -> None:
+    """Overwrite the slots, last page lengths and holes of sliding-window sequences, in place."""
+    for item in windowed:
+        i, block = item.index, item.block
+        offsets = sliding.append_offsets(block, item.last_len_before, int(qo_indptr[i + 1] - qo_indptr[i]))
+        table = seqs[i].table
+        table_offsets = item.prefix_pages * page_size + offsets
+        safe = np.where(offsets < 0, 0, table_offsets)
+        seq_slots = table[safe // page_size].astype(np.int64) * page_size + safe % page_size
+        slots[qo_indptr[i] : qo_indptr[i + 1]] = np.where(offsets < 0, -1, seq_slots)
+        used = item.prefix_pages * page_size + block.num_used_slots
+        last_page_len[i] = (used - 1) % page_size + 1
+        prefix_length = item.prefix_pages * page_size
+        sink_size[i], window_offset[i] = sliding.hole(prefix_length, block)
+
+
+def push_targets(
+    send_index: dict[int, int],
+    senders: dict[int, Sequence],
+    qo_indptr: np.ndarray,
+    positions: np.ndarray,
+    push_slots: np.ndarray,
+    push_pes: np.ndarray,
+) -> dict[int, bool]:
+    """Fill the receiver slot and PE of every pushed token, in place.
+
+    Args:
+        send_index: batch index of each sender in the batch (seq id -> index).
+        senders: sequences marked for sending (seq id -> sequence).
+        qo_indptr: ``[B+1]`` int32 token ranges.
+        positions: ``[T]`` int32 positions of the appended tokens.
+        push_slots, push_pes: ``[T]`` int32, -1 filled; written for pushed tokens.
+
+    Returns:
+        For each sender that pushes in this forward: whether it writes its map's last token.
+    """
+    pushed = {}
+    for seq_id, i in send_index.items():
+        send = senders[seq_id].send
+        lo, hi = int(qo_indptr[i]), int(qo_indptr[i + 1])
+        map_index = positions[lo:hi].astype(np.int64) - send.begin
+        sent = map_index >= 0
+        if not sent.any():
+            continue
+        remote = np.full(hi - lo, -1, dtype=np.int32)
+        remote[sent] = send.remote_slots[map_index[sent]]
+        push_slots[lo:hi] = remote
+        push_pes[lo:hi] = np.where(remote >= 0, send.recver_pe, -1)
+        pushed[seq_id] = int(map_index[-1]) == len(send.remote_slots) - 1
+    return pushed
+
+
+def fork_copy_slots(copies: list[tuple[int, int, int]], page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Expand ``(src_page, dst_page, length)`` fork copies into ``[F]`` int32 src and dst slots."""
+    if not copies:
+        empty = np.empty(0, dtype=np.int32)
+        return empty, empty.copy()
+    src_pages, dst_pages, lengths = (np.asarray(col, dtype=np.int64) for col in zip(*copies))
+    within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    src = np.repeat(src_pages * page_size, lengths) + within
+    dst = np.repeat(dst_pages * page_size, lengths) + within
+    return src.astype(np.int32), dst.astype(np.int32)
