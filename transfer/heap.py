@@ -221,11 +221,14 @@ def check_alloc_records(records: np.ndarray, rank: int, shape: Sequence[int],
             "the same shapes and dtypes in the same order")
 
 
-def new_unique_id(backend: str) -> bytes:
+def new_unique_id(backend: str, *, size_bytes: int | None = None) -> bytes:
     """Make the bootstrap id of a new heap job; call once, on rank 0, and send it to every rank.
 
     Args:
         backend: ``"nvshmem"`` or ``"shm"``.
+        size_bytes: optional, nvshmem only: the ``size_bytes`` rank 0 will pass to `open_heap`.
+            NVSHMEM reads its options when the id is made, so this is when rank 0's symmetric
+            heap size is set (see `disagg.transfer.nvshmem_heap.new_nvshmem_unique_id`).
 
     Returns:
         Opaque bytes for `open_heap(uid=...)` (128 bytes for nvshmem, 16 for shm).
@@ -235,7 +238,7 @@ def new_unique_id(backend: str) -> bytes:
         return new_shm_unique_id()
     if backend == "nvshmem":
         from disagg.transfer.nvshmem_heap import new_nvshmem_unique_id
-        return new_nvshmem_unique_id()
+        return new_nvshmem_unique_id(size_bytes)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 

@@ -31,6 +31,8 @@ UID_BYTES = 128
 # Heap headroom beyond size_bytes: signal/record arrays, allocation alignment, NVSHMEM's own use.
 HEADROOM_BYTES = 256 << 20
 _active: dict[str, NvshmemHeap] = {}
+# NVSHMEM reads its environment once per process, at the first get_unique_id or init.
+_frozen_symmetric_size: dict[str, str | None] = {}
 
 
 def _nvshmem():
@@ -43,10 +45,29 @@ def _nvshmem():
     return core, bindings
 
 
-def new_nvshmem_unique_id() -> bytes:
-    """Rank 0: a fresh NVSHMEM unique id as 128 bytes (send them to every rank)."""
+def new_nvshmem_unique_id(size_bytes: int | None = None) -> bytes:
+    """Rank 0: a fresh NVSHMEM unique id as 128 bytes (send them to every rank).
+
+    NVSHMEM reads its options here, in this process, once: pass the ``size_bytes`` that
+    `open_heap` will get so that NVSHMEM_SYMMETRIC_SIZE is set in time (without it the heap still
+    grows on demand through CUDA VMM, from NVSHMEM's default initial size).
+    """
+    if size_bytes is not None:
+        _set_symmetric_size(size_bytes)
+    _frozen_symmetric_size.setdefault("value", os.environ.get("NVSHMEM_SYMMETRIC_SIZE"))
     core, _ = _nvshmem()
     return core.get_unique_id()._data.view(np.int8).tobytes()
+
+
+def _set_symmetric_size(size_bytes: int) -> None:
+    """Size the symmetric heap before NVSHMEM reads its options (once per process)."""
+    wanted = str(size_bytes + HEADROOM_BYTES)
+    if "value" not in _frozen_symmetric_size:
+        os.environ["NVSHMEM_SYMMETRIC_SIZE"] = wanted
+    elif _frozen_symmetric_size["value"] != wanted:
+        logger.info("NVSHMEM read its options when this process made the unique id: "
+                    "NVSHMEM_SYMMETRIC_SIZE stays %s (wanted %s); the heap grows on demand",
+                    _frozen_symmetric_size["value"], wanted)
 
 
 class NvshmemHeap(SymmetricHeap):
@@ -87,7 +108,8 @@ class NvshmemHeap(SymmetricHeap):
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
-        os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(size_bytes + HEADROOM_BYTES)
+        _set_symmetric_size(size_bytes)
+        _frozen_symmetric_size.setdefault("value", os.environ.get("NVSHMEM_SYMMETRIC_SIZE"))
         core, _ = _nvshmem()
         from cuda.core import Device  # nvshmem4py's own dependency
 

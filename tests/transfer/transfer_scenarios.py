@@ -18,6 +18,17 @@ import torch
 STATE: dict[str, Any] = {}
 
 
+class ScenarioRunner:
+    """Actor body for Ray (wrapped with ``ray.remote`` by the test): runs steps in its process."""
+
+    def run(self, step: str, kwargs: dict) -> Any:
+        return globals()[step](**kwargs)
+
+    def new_uid(self, backend: str, size_bytes: int | None = None) -> bytes:
+        from disagg.transfer import new_unique_id
+        return new_unique_id(backend, size_bytes=size_bytes)
+
+
 def worker_loop(rank: int, inbox, outbox) -> None:
     """Spawned worker: run steps from ``inbox`` until None; answer ``(rank, ok, value)``."""
     while True:
@@ -98,6 +109,13 @@ def run_forward(seq_ids: list[int], lengths: list[int], *, end: bool = True) -> 
         finish_forward()
 
 
+def use_segment_puts(force: bool, rank: int | None = None) -> None:
+    """Sender: rebuild the pusher, forcing (or not) segment puts to every receiver."""
+    from disagg.transfer import KVPusher
+
+    STATE["pusher"] = KVPusher(STATE["heap"], STATE["kv"], force_segment_puts=force)
+
+
 def finish_forward(rank: int | None = None) -> None:
     """Sender: end the open forward (rings the doorbells of completed requests)."""
     STATE["pusher"].end_forward()
@@ -144,7 +162,7 @@ def wait_error(request_id: int, timeout_s: float, rank: int | None = None) -> di
 
 def check_received(begins: dict[int, int], timeout_s: float = 30.0, rank: int | None = None) -> dict:
     """Receiver: wait for the doorbells of ``begins`` (request -> first sent position), then
-    compare the whole KV tensor with the set-up snapshot plus the expected K/V at the reserved
+    compare the whole KV tensor with the snapshot (set-up, or the last passing check) plus the expected K/V at the reserved
     slots. Returns ``{"equal": bool, "mismatched_elements": int, ...}``."""
     g, kv = STATE["geometry"], STATE["kv"]
     expected = STATE["snapshot"].clone()
@@ -159,10 +177,12 @@ def check_received(begins: dict[int, int], timeout_s: float = 30.0, rank: int | 
             expected[layer, pages, 0, :, offsets] = k
             expected[layer, pages, 1, :, offsets] = v
     got = kv.cpu()
-    diff = got.view(torch.uint8) != expected.view(torch.uint8)
-    return {"equal": bool(torch.equal(got.view(torch.uint8), expected.view(torch.uint8))),
-            "mismatched_bytes": int(diff.sum()), "num_slots_received": {
-                r: len(STATE["cache"].slots(STATE["received"][r][0])) for r in begins}}
+    equal = bool(torch.equal(got.view(torch.uint8), expected.view(torch.uint8)))
+    if equal:
+        STATE["snapshot"] = expected  # later checks compare against what has landed so far
+    return {"equal": equal,
+            "mismatched_bytes": int((got.view(torch.uint8) != expected.view(torch.uint8)).sum()),
+            "num_slots_received": {r: len(STATE["cache"].slots(STATE["received"][r][0])) for r in begins}}
 
 
 def sender_unchanged_outside(rank: int | None = None) -> bool:

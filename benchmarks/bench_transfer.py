@@ -1,0 +1,374 @@
+"""Benchmark KV transfer between two GPUs (two Ray actors, one GPU each); JSON out.
+
+    source .whl/gpu-env.sh && python3 benchmarks/bench_transfer.py --out results/bench_transfer.json
+
+Workload: an 8B model's KV (32 layers, 8 KV heads, head_dim 128, 16-token pages, bf16); 1 GiB of
+it (8192 tokens) scattered over random pages on both sides. Each figure comes with its anchor
+from the same run:
+- push: KVPusher's fused append+push, all 32 layers, vs a contiguous peer `copy_` of 1 GiB
+  (target ratio >= 0.90); the same data as one 256-byte row per token, K/V and head (TVM's
+  granularity, via torch `index_copy_` into the peer view); the forced segment-put path;
+  NCCL send/recv of each layer's pages per request (vLLM's P2P-NCCL connector's way).
+- doorbell: one-way latency, host-polled and device-waited (`signal_wait_until_on_stream`).
+- overlap: a 32-layer compute loop sized like an 8B prefill of 4096 tokens, local append only
+  (anchor) vs with the per-layer push (target overhead <= 3%), and vs per-layer NCCL sends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GiB = 1 << 30
+LAYERS, HEADS, DIM, PAGE, PAGES = 32, 8, 128, 16, 1024
+PUSH_TOKENS, PREFILL_TOKENS = 8192, 4096
+HIDDEN, Q_HEADS, FFN = 4096, 32, 14336
+GPU_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+HEAP_BYTES = 3 * GiB + (256 << 20)  # KV (2 GiB) + the anchor's 1 GiB
+PING_WORD, PONG_WORD, GATE_WORD = 4093, 4094, 4095  # signal words kept out of the doorbell table
+
+
+def scattered_plan(num_tokens: int, seq_id: int, seed: int):
+    """A one-sequence ForwardPlan: tokens on random local pages, pushed to random remote pages."""
+    from disagg.plan import ForwardPlan
+
+    rng = np.random.default_rng(seed)
+    num_pages = num_tokens // PAGE
+    offsets = np.arange(num_tokens) % PAGE
+
+    def slots() -> np.ndarray:
+        return (np.repeat(rng.permutation(PAGES)[:num_pages], PAGE) * PAGE + offsets).astype(np.int32)
+
+    i32 = np.int32
+    return ForwardPlan(
+        seq_ids=(seq_id,), qo_indptr=np.array([0, num_tokens], i32),
+        page_indptr=np.array([0, num_pages], i32), page_indices=np.zeros(num_pages, i32),
+        last_page_len=np.array([PAGE], i32), append_slots=slots(),
+        positions=np.arange(num_tokens, dtype=i32), push_slots=slots(),
+        push_pes=np.ones(num_tokens, i32), copy_local_slots=np.zeros(0, i32),
+        copy_remote_slots=np.zeros(0, i32), copy_pes=np.zeros(0, i32),
+        fork_src_slots=np.zeros(0, i32), fork_dst_slots=np.zeros(0, i32),
+        send_seq_ids=np.array([seq_id], np.int64), send_pes=np.array([1], i32),
+        send_complete=np.array([True]))
+
+
+def timed(fn, iters: int, warmup: int = 1) -> float:
+    """Median wall seconds of ``fn()`` (which must leave the GPU idle when it returns)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class BenchWorker:
+    """One GPU's side (rank 0 sends/prefills, rank 1 receives); wrapped by ``ray.remote``."""
+
+    def new_uid(self) -> bytes:
+        from disagg.transfer import new_unique_id
+        return new_unique_id("nvshmem", size_bytes=HEAP_BYTES)
+
+    def free_port(self) -> int:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def setup(self, uid: bytes, rank: int, port: int) -> str:
+        import torch.distributed as dist
+
+        from disagg.transfer import DoorbellTable, open_heap
+
+        self.rank, self.peer_pe = rank, 1 - rank
+        self.heap = open_heap("nvshmem", uid=uid, rank=rank, world_size=2, size_bytes=HEAP_BYTES)
+        self.kv = self.heap.alloc((LAYERS, PAGES, 2, HEADS, PAGE, DIM), torch.bfloat16)
+        self.anchor = self.heap.alloc((GiB,), torch.uint8)
+        self.doorbells = DoorbellTable(self.heap)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                device_id=torch.device("cuda", 0))
+        gen = torch.Generator(device="cuda").manual_seed(rank)
+        self.ks = [torch.randn(PUSH_TOKENS, HEADS, DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
+                   for _ in range(LAYERS)]
+        self.vs = [torch.randn_like(k) for k in self.ks]
+        self.heap.barrier()
+        return torch.cuda.get_device_name()
+
+    def arm(self, count: int) -> list:
+        return [self.doorbells.arm(i) for i in range(count)]
+
+    # ------------------------------------------------------------------ bandwidth
+    def push_bandwidth(self, tickets: list, force: bool, contiguous: bool, iters: int) -> float:
+        """Seconds for the pusher to move one 8192-token request, every layer, to PE 1."""
+        from disagg.transfer import KVPusher
+
+        pusher = KVPusher(self.heap, self.kv, force_segment_puts=force)
+        plan = scattered_plan(PUSH_TOKENS, seq_id=1, seed=0)
+        if contiguous:
+            plan = _contiguous(plan)
+        tickets = list(tickets)
+
+        def once() -> None:
+            pusher.attach_doorbell(1, tickets.pop())
+            pusher.begin_forward(plan)
+            for layer in range(LAYERS):
+                pusher.push_layer_async(layer, self.ks[layer], self.vs[layer])
+            pusher.end_forward()
+            pusher.synchronize()
+            torch.cuda.synchronize()
+
+        return timed(once, iters)
+
+    def anchor_copy(self, iters: int) -> float:
+        """Seconds for a contiguous 1 GiB `copy_` into the peer's memory (the anchor)."""
+        src = torch.randint(0, 255, (GiB,), dtype=torch.uint8, device="cuda")
+        dst = self.heap.peer(self.anchor, self.peer_pe)
+
+        def once() -> None:
+            dst.copy_(src)
+            torch.cuda.synchronize()
+
+        return timed(once, iters)
+
+    def rows_256b(self, iters: int) -> float:
+        """Seconds to move the same request as one 256-byte row per (token, K/V, head)."""
+        plan = scattered_plan(PUSH_TOKENS, seq_id=1, seed=0)
+        slots = torch.from_numpy(plan.push_slots.astype(np.int64)).cuda()
+        page_row = (slots // PAGE) * (2 * HEADS * PAGE) + slots % PAGE  # [T] row of (K, head 0)
+        heads = torch.arange(HEADS, device="cuda") * PAGE
+        rows_k = (page_row[:, None] + heads[None, :]).reshape(-1)
+        rows_v = rows_k + HEADS * PAGE
+        peer_kv = self.heap.peer(self.kv, self.peer_pe)
+
+        def once() -> None:
+            for layer in range(LAYERS):
+                dst = peer_kv[layer].view(-1, DIM)
+                dst.index_copy_(0, rows_k, self.ks[layer].view(-1, DIM))
+                dst.index_copy_(0, rows_v, self.vs[layer].view(-1, DIM))
+            torch.cuda.synchronize()
+
+        return timed(once, iters)
+
+    def nccl_layers(self, iters: int) -> float:
+        """Seconds for per-layer NCCL send (rank 0) / recv (rank 1) of the request's pages."""
+        import torch.distributed as dist
+
+        plan = scattered_plan(PUSH_TOKENS, seq_id=1, seed=0)
+        slots = plan.append_slots if self.rank == 0 else plan.push_slots
+        pages = torch.from_numpy(slots[::PAGE] // PAGE).long().cuda()
+        buf = torch.empty((len(pages), 2, HEADS, PAGE, DIM), dtype=torch.bfloat16, device="cuda")
+
+        def once() -> None:
+            for layer in range(LAYERS):
+                if self.rank == 0:
+                    torch.index_select(self.kv[layer], 0, pages, out=buf)
+                    dist.send(buf, dst=1)
+                else:
+                    dist.recv(buf, src=0)
+                    self.kv[layer].index_copy_(0, pages, buf)
+            torch.cuda.synchronize()
+
+        return timed(once, iters)
+
+    # ------------------------------------------------------------------ doorbell latency
+    def pingpong_host(self, rounds: int) -> float:
+        """One-way seconds: ring the peer on a stream, the peer's host polls, rings back."""
+        stream = torch.cuda.Stream()
+        self.heap.barrier()
+        start = time.perf_counter()
+        for i in range(1, rounds + 1):
+            if self.rank == 0:
+                self.heap.set_signal_async(PING_WORD, i, self.peer_pe, stream)
+                self.heap.wait_signal(PING_WORD, i, timeout_s=10)
+            else:
+                self.heap.wait_signal(PING_WORD, i, timeout_s=10)
+                self.heap.set_signal_async(PING_WORD, i, self.peer_pe, stream)
+        return (time.perf_counter() - start) / (2 * rounds)
+
+    def pingpong_device_enqueue(self, rounds: int) -> None:
+        """Queue ``rounds`` device-side ping-pongs behind a gate (rank 0 opens it)."""
+        self._pp_stream = torch.cuda.Stream()
+        s = self._pp_stream
+        if self.rank == 0:
+            self.heap.wait_signal_async(GATE_WORD, 1, s)
+        for i in range(1, rounds + 1):
+            if self.rank == 0:
+                self.heap.set_signal_async(PONG_WORD, i, self.peer_pe, s)
+                self.heap.wait_signal_async(PONG_WORD, i, s)
+            else:
+                self.heap.wait_signal_async(PONG_WORD, i, s)
+                self.heap.set_signal_async(PONG_WORD, i, self.peer_pe, s)
+
+    def pingpong_device_run(self, rounds: int) -> float:
+        start = time.perf_counter()
+        if self.rank == 0:
+            self.heap.set_signal_async(GATE_WORD, 1, self.rank, torch.cuda.Stream())
+        self._pp_stream.synchronize()
+        return (time.perf_counter() - start) / (2 * rounds)
+
+    # ------------------------------------------------------------------ overlap
+    def overlap(self, variant: str, tickets: list, iters: int) -> float:
+        """Seconds of a 32-layer 8B-sized prefill of 4096 tokens on rank 0 (rank 1: NCCL recvs)."""
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        from disagg.kernels import append_kv
+        from disagg.transfer import KVPusher
+
+        plan = scattered_plan(PREFILL_TOKENS, seq_id=2, seed=1)
+        pages = torch.from_numpy((plan.append_slots if self.rank == 0 else plan.push_slots)[::PAGE] // PAGE)
+        pages = pages.long().cuda()
+        buf = torch.empty((len(pages), 2, HEADS, PAGE, DIM), dtype=torch.bfloat16, device="cuda")
+        if self.rank == 1:
+            assert variant == "nccl"
+            return timed(lambda: self._recv_layers(buf, pages), iters)
+        w = _weights()
+        slots = torch.from_numpy(plan.append_slots).cuda()
+        pusher, side, tickets = KVPusher(self.heap, self.kv), torch.cuda.Stream(), list(tickets)
+        x0 = torch.randn(PREFILL_TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+        def once() -> None:
+            if variant.startswith("push"):
+                pusher.attach_doorbell(2, tickets.pop())
+                pusher.begin_forward(plan)
+            x = x0
+            for layer in range(LAYERS):
+                qkv = x @ w["qkv"]
+                q = qkv[:, :HIDDEN].view(-1, Q_HEADS, DIM)
+                k = qkv[:, HIDDEN:HIDDEN + HEADS * DIM].view(-1, HEADS, DIM)
+                v = qkv[:, HIDDEN + HEADS * DIM:].view(-1, HEADS, DIM)
+                if variant.startswith("push"):
+                    pusher.push_layer_async(layer, k, v)
+                    if variant == "push":  # attention reads the local pages: wait for them
+                        pusher.wait_layer(layer)
+                else:
+                    append_kv(k, v, self.kv[layer], slots, check_indices=False)
+                if variant == "nccl":
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        torch.index_select(self.kv[layer], 0, pages, out=buf)
+                        dist.send(buf, dst=1)
+                o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                   v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+                x = o[0].transpose(0, 1).reshape(-1, HIDDEN) @ w["o"]
+                h = x @ w["gate_up"]
+                x = (F.silu(h[:, :FFN]) * h[:, FFN:]) @ w["down"]
+            if variant.startswith("push"):
+                pusher.end_forward()
+            side.synchronize()
+            pusher.synchronize()
+            torch.cuda.synchronize()
+
+        return timed(once, iters)
+
+    def _recv_layers(self, buf: torch.Tensor, pages: torch.Tensor) -> None:
+        import torch.distributed as dist
+        for layer in range(LAYERS):
+            dist.recv(buf, src=0)
+            self.kv[layer].index_copy_(0, pages, buf)
+        torch.cuda.synchronize()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+        self.heap.close()
+
+
+def _contiguous(plan):
+    """The plan with both sides' pages made consecutive (one run per layer)."""
+    import dataclasses
+    consecutive = np.arange(plan.num_tokens, dtype=np.int32)
+    return dataclasses.replace(plan, append_slots=consecutive, push_slots=consecutive)
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    """One layer's weights of an 8B Llama (shared by the 32 layers: same FLOPs)."""
+    def w(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) / rows ** 0.5
+    return {"qkv": w(HIDDEN, HIDDEN + 2 * HEADS * DIM), "o": w(HIDDEN, HIDDEN),
+            "gate_up": w(HIDDEN, 2 * FFN), "down": w(FFN, HIDDEN)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/bench_transfer.json"))
+    parser.add_argument("--iters", type=int, default=5)
+    args = parser.parse_args()
+    import ray
+
+    ray.init(num_gpus=2, include_dashboard=False,
+             runtime_env={"env_vars": dict(GPU_ENV, PYTHONPATH=os.environ.get("PYTHONPATH", ""))})
+    worker = ray.remote(num_gpus=1)(BenchWorker)
+    pair = [worker.remote() for _ in range(2)]
+
+    def both(method: str, *per_rank_args, timeout: float = 300.0) -> list:
+        return ray.get([getattr(a, method).remote(*args) for a, args in zip(pair, per_rank_args)], timeout=timeout)
+
+    def on(rank: int, method: str, *args, timeout: float = 300.0):
+        return ray.get(getattr(pair[rank], method).remote(*args), timeout=timeout)
+
+    uid, port = on(0, "new_uid"), on(0, "free_port")
+    device = both("setup", (uid, 0, port), (uid, 1, port))[0]
+    n = args.iters
+    tickets = on(1, "arm", 4 * (n + 1) + 4 * (n + 1))
+    gbps = lambda seconds, nbytes=GiB: nbytes / seconds / 1e9  # noqa: E731
+    anchor = on(0, "anchor_copy", n)
+    push = on(0, "push_bandwidth", tickets[:n + 1], False, False, n)
+    rows = on(0, "rows_256b", n)
+    segments = on(0, "push_bandwidth", tickets[n + 1:n + 3], True, False, 1)
+    segments_contiguous = on(0, "push_bandwidth", tickets[n + 3:n + 5], True, True, 1)
+    nccl = both("nccl_layers", (n,), (n,))[0]
+    host_latency = both("pingpong_host", (200,), (200,))[0]
+    both("pingpong_device_enqueue", (500,), (500,))
+    device_latency = both("pingpong_device_run", (500,), (500,))[0]
+    rest = tickets[n + 5:]
+    base = on(0, "overlap", "local", [], n)
+    with_push = on(0, "overlap", "push", rest[:n + 1], n)
+    with_push_free = on(0, "overlap", "push_nowait", rest[n + 1:2 * n + 2], n)
+    with_nccl = both("overlap", ("nccl", [], n), ("nccl", [], n))[0]
+    both("close", (), ())
+    ray.shutdown()
+
+    push_bytes = LAYERS * PREFILL_TOKENS * 2 * HEADS * DIM * 2
+    result = {
+        "device": device, "workload": {"layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM, "page_size": PAGE,
+                                       "dtype": "bfloat16", "push_tokens": PUSH_TOKENS, "push_bytes": GiB,
+                                       "prefill_tokens": PREFILL_TOKENS},
+        "push_gbps": gbps(push), "anchor_peer_copy_gbps": gbps(anchor), "push_vs_anchor": anchor / push,
+        "rows_256b_gbps": gbps(rows), "segment_puts_scattered_gbps": gbps(segments),
+        "segment_puts_contiguous_gbps": gbps(segments_contiguous), "nccl_per_layer_gbps": gbps(nccl),
+        "doorbell_one_way_us": {"host_polled": host_latency * 1e6, "device_waited": device_latency * 1e6},
+        "prefill_ms": {"local_append": base * 1e3, "push_wait_per_layer": with_push * 1e3,
+                       "push_no_wait": with_push_free * 1e3, "nccl_per_layer": with_nccl * 1e3},
+        "prefill_overhead": {"push_wait_per_layer": with_push / base - 1, "push_no_wait": with_push_free / base - 1,
+                             "nccl_per_layer": with_nccl / base - 1},
+        "prefill_push_bytes": push_bytes,
+    }
+    result["table"] = [
+        ["push 1 GiB scattered (GB/s)", gbps(push), gbps(anchor), anchor / push, ">= 0.90"],
+        ["256-byte rows (GB/s)", gbps(rows), gbps(anchor), anchor / rows, "comparison"],
+        ["segment puts, scattered pages (GB/s)", gbps(segments), gbps(anchor), anchor / segments, "comparison"],
+        ["segment puts, contiguous pages (GB/s)", gbps(segments_contiguous), gbps(anchor),
+         anchor / segments_contiguous, "comparison"],
+        ["NCCL send/recv per layer (GB/s)", gbps(nccl), gbps(anchor), anchor / nccl, "comparison"],
+        ["prefill 4096 tok + push, wait per layer (ms)", with_push * 1e3, base * 1e3, with_push / base, "<= 1.03"],
+        ["prefill 4096 tok + push, no wait (ms)", with_push_free * 1e3, base * 1e3, with_push_free / base, "<= 1.03"],
+        ["prefill 4096 tok + NCCL per layer (ms)", with_nccl * 1e3, base * 1e3, with_nccl / base, "comparison"],
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2), flush=True)
+
+
+if __name__ == "__main__":
+    main()
