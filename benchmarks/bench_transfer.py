@@ -218,58 +218,22 @@ class BenchWorker:
 
     # ------------------------------------------------------------------ overlap
     def overlap(self, variant: str, tickets: list, iters: int) -> float:
-        """Seconds of a 32-layer 8B-sized prefill of 4096 tokens on rank 0 (rank 1: NCCL recvs)."""
-        import torch.distributed as dist
-        import torch.nn.functional as F
+        """Seconds of a 32-layer 8B-sized prefill of 4096 tokens on rank 0 (rank 1: NCCL recvs).
 
-        from disagg.kernels import append_kv
-        from disagg.transfer import KVPusher
-
+        Variants: ``local`` (append_kv only: the anchor), ``push`` (KVPusher, attention waits for
+        each layer's write as a real model's paged attention must), ``push_nowait`` (no wait:
+        the best case), ``nccl`` (local append + each layer's pages sent with NCCL on a side
+        stream, received and scattered by rank 1).
+        """
         plan = scattered_plan(PREFILL_TOKENS, seq_id=2, seed=1)
         pages = torch.from_numpy((plan.append_slots if self.rank == 0 else plan.push_slots)[::PAGE] // PAGE)
         pages = pages.long().cuda()
         buf = torch.empty((len(pages), 2, HEADS, PAGE, DIM), dtype=torch.bfloat16, device="cuda")
         if self.rank == 1:
-            assert variant == "nccl"
+            assert variant == "nccl", "rank 1 only takes part in the NCCL variant"
             return timed(lambda: self._recv_layers(buf, pages), iters)
-        w = _weights()
-        slots = torch.from_numpy(plan.append_slots).cuda()
-        pusher, side, tickets = KVPusher(self.heap, self.kv), torch.cuda.Stream(), list(tickets)
-        x0 = torch.randn(PREFILL_TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
-
-        def once() -> None:
-            if variant.startswith("push"):
-                pusher.attach_doorbell(2, tickets.pop())
-                pusher.begin_forward(plan)
-            x = x0
-            for layer in range(LAYERS):
-                qkv = x @ w["qkv"]
-                q = qkv[:, :HIDDEN].view(-1, Q_HEADS, DIM)
-                k = qkv[:, HIDDEN:HIDDEN + HEADS * DIM].view(-1, HEADS, DIM)
-                v = qkv[:, HIDDEN + HEADS * DIM:].view(-1, HEADS, DIM)
-                if variant.startswith("push"):
-                    pusher.push_layer_async(layer, k, v)
-                    if variant == "push":  # attention reads the local pages: wait for them
-                        pusher.wait_layer(layer)
-                else:
-                    append_kv(k, v, self.kv[layer], slots, check_indices=False)
-                if variant == "nccl":
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        torch.index_select(self.kv[layer], 0, pages, out=buf)
-                        dist.send(buf, dst=1)
-                o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                   v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
-                x = o[0].transpose(0, 1).reshape(-1, HIDDEN) @ w["o"]
-                h = x @ w["gate_up"]
-                x = (F.silu(h[:, :FFN]) * h[:, FFN:]) @ w["down"]
-            if variant.startswith("push"):
-                pusher.end_forward()
-            side.synchronize()
-            pusher.synchronize()
-            torch.cuda.synchronize()
-
-        return timed(once, iters)
+        step = _PrefillStep(self, variant, plan, pages, buf, list(tickets))
+        return timed(step.run, iters)
 
     def _recv_layers(self, buf: torch.Tensor, pages: torch.Tensor) -> None:
         import torch.distributed as dist
@@ -282,6 +246,64 @@ class BenchWorker:
         import torch.distributed as dist
         dist.destroy_process_group()
         self.heap.close()
+
+
+class _PrefillStep:
+    """One synthetic 8B prefill of 4096 tokens with the KV written the way ``variant`` says."""
+
+    def __init__(self, worker: BenchWorker, variant: str, plan, pages: torch.Tensor,
+                 buf: torch.Tensor, tickets: list) -> None:
+        from disagg.transfer import KVPusher
+
+        self.worker, self.variant, self.plan, self.pages, self.buf = worker, variant, plan, pages, buf
+        self.tickets = tickets
+        self.weights = _weights()
+        self.slots = torch.from_numpy(plan.append_slots).cuda()
+        self.pusher = KVPusher(worker.heap, worker.kv)
+        self.side = torch.cuda.Stream()
+        self.x0 = torch.randn(PREFILL_TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+    def run(self) -> None:
+        pushing = self.variant.startswith("push")
+        if pushing:
+            self.pusher.attach_doorbell(2, self.tickets.pop())
+            self.pusher.begin_forward(self.plan)
+        x = self.x0
+        for layer in range(LAYERS):
+            x = self.layer(layer, x)
+        if pushing:
+            self.pusher.end_forward()
+        self.side.synchronize()
+        self.pusher.synchronize()
+        torch.cuda.synchronize()
+
+    def layer(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        from disagg.kernels import append_kv
+
+        w = self.weights
+        qkv = x @ w["qkv"]
+        q = qkv[:, :HIDDEN].view(-1, Q_HEADS, DIM)
+        k = qkv[:, HIDDEN:HIDDEN + HEADS * DIM].view(-1, HEADS, DIM)
+        v = qkv[:, HIDDEN + HEADS * DIM:].view(-1, HEADS, DIM)
+        if self.variant.startswith("push"):
+            self.pusher.push_layer_async(layer, k, v)
+            if self.variant == "push":
+                self.pusher.wait_layer(layer)
+        else:
+            append_kv(k, v, self.worker.kv[layer], self.slots, check_indices=False)
+        if self.variant == "nccl":
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                torch.index_select(self.worker.kv[layer], 0, self.pages, out=self.buf)
+                dist.send(self.buf, dst=1)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+        x = o[0].transpose(0, 1).reshape(-1, HIDDEN) @ w["o"]
+        h = x @ w["gate_up"]
+        return (F.silu(h[:, :FFN]) * h[:, FFN:]) @ w["down"]
 
 
 def _contiguous(plan):
@@ -299,6 +321,63 @@ def _weights() -> dict[str, torch.Tensor]:
             "gate_up": w(HIDDEN, 2 * FFN), "down": w(FFN, HIDDEN)}
 
 
+def measure(pair: list, iters: int) -> dict:
+    """Run every measurement on the two workers; return raw seconds (and the device name)."""
+    import ray
+
+    def both(method: str, *per_rank_args, timeout: float = 300.0) -> list:
+        return ray.get([getattr(a, method).remote(*args) for a, args in zip(pair, per_rank_args)], timeout=timeout)
+
+    def on(rank: int, method: str, *args, timeout: float = 300.0):
+        return ray.get(getattr(pair[rank], method).remote(*args), timeout=timeout)
+
+    n = iters
+    uid, port = on(0, "new_uid"), on(0, "free_port")
+    t = {"device": both("setup", (uid, 0, port), (uid, 1, port))[0]}
+    tickets = on(1, "arm", 8 * (n + 1))
+    t["anchor"] = on(0, "anchor_copy", n)
+    t["push"] = on(0, "push_bandwidth", tickets[:n + 1], False, False, n)
+    t["rows"] = on(0, "rows_256b", n)
+    t["segments"] = on(0, "push_bandwidth", tickets[n + 1:n + 3], True, False, 1)
+    t["segments_contiguous"] = on(0, "push_bandwidth", tickets[n + 3:n + 5], True, True, 1)
+    t["nccl"] = both("nccl_layers", (n,), (n,))[0]
+    t["host_latency"] = both("pingpong_host", (200,), (200,))[0]
+    both("pingpong_device_enqueue", (500,), (500,))
+    t["device_latency"] = both("pingpong_device_run", (500,), (500,))[0]
+    rest = tickets[n + 5:]
+    t["base"] = on(0, "overlap", "local", [], n)
+    t["with_push"] = on(0, "overlap", "push", rest[:n + 1], n)
+    t["with_push_free"] = on(0, "overlap", "push_nowait", rest[n + 1:2 * n + 2], n)
+    t["with_nccl"] = both("overlap", ("nccl", [], n), ("nccl", [], n))[0]
+    both("close", (), ())
+    return t
+
+
+def report(t: dict) -> dict:
+    """Seconds -> the JSON result, with the table (metric, ours, anchor, ratio, target)."""
+    gbps = lambda seconds: GiB / seconds / 1e9  # noqa: E731
+    anchor, base = gbps(t["anchor"]), t["base"] * 1e3
+    rows = [("push 1 GiB scattered over 16-token pages, 32 layers (GB/s)", gbps(t["push"]), anchor, ">= 0.90"),
+            ("same bytes as 256-byte rows, torch index_copy_ (GB/s)", gbps(t["rows"]), anchor, "comparison"),
+            ("forced segment puts, scattered pages (GB/s)", gbps(t["segments"]), anchor, "comparison"),
+            ("forced segment puts, contiguous pages (GB/s)", gbps(t["segments_contiguous"]), anchor, "comparison"),
+            ("NCCL send/recv per layer per request (GB/s)", gbps(t["nccl"]), anchor, "comparison"),
+            ("prefill 4096 tok + push, attention waits per layer (ms)", t["with_push"] * 1e3, base, "<= 1.03"),
+            ("prefill 4096 tok + push, no wait (ms)", t["with_push_free"] * 1e3, base, "<= 1.03"),
+            ("prefill 4096 tok + NCCL send per layer (ms)", t["with_nccl"] * 1e3, base, "comparison")]
+    return {
+        "device": t["device"],
+        "workload": {"layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM, "page_size": PAGE, "dtype": "bfloat16",
+                     "push_tokens": PUSH_TOKENS, "push_bytes": GiB, "prefill_tokens": PREFILL_TOKENS},
+        "anchors": {"bandwidth": "contiguous 1 GiB peer copy_ (same run)",
+                    "prefill": "same loop with local append_kv only"},
+        "doorbell_one_way_us": {"host_polled": t["host_latency"] * 1e6, "device_waited": t["device_latency"] * 1e6},
+        "table": [{"metric": m, "ours": ours, "anchor": ref, "ratio": ours / ref, "target": target}
+                  for m, ours, ref, target in rows],
+        "seconds": {k: v for k, v in t.items() if k != "device"},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/bench_transfer.json"))
@@ -309,62 +388,10 @@ def main() -> None:
     ray.init(num_gpus=2, include_dashboard=False,
              runtime_env={"env_vars": dict(GPU_ENV, PYTHONPATH=os.environ.get("PYTHONPATH", ""))})
     worker = ray.remote(num_gpus=1)(BenchWorker)
-    pair = [worker.remote() for _ in range(2)]
-
-    def both(method: str, *per_rank_args, timeout: float = 300.0) -> list:
-        return ray.get([getattr(a, method).remote(*args) for a, args in zip(pair, per_rank_args)], timeout=timeout)
-
-    def on(rank: int, method: str, *args, timeout: float = 300.0):
-        return ray.get(getattr(pair[rank], method).remote(*args), timeout=timeout)
-
-    uid, port = on(0, "new_uid"), on(0, "free_port")
-    device = both("setup", (uid, 0, port), (uid, 1, port))[0]
-    n = args.iters
-    tickets = on(1, "arm", 4 * (n + 1) + 4 * (n + 1))
-    gbps = lambda seconds, nbytes=GiB: nbytes / seconds / 1e9  # noqa: E731
-    anchor = on(0, "anchor_copy", n)
-    push = on(0, "push_bandwidth", tickets[:n + 1], False, False, n)
-    rows = on(0, "rows_256b", n)
-    segments = on(0, "push_bandwidth", tickets[n + 1:n + 3], True, False, 1)
-    segments_contiguous = on(0, "push_bandwidth", tickets[n + 3:n + 5], True, True, 1)
-    nccl = both("nccl_layers", (n,), (n,))[0]
-    host_latency = both("pingpong_host", (200,), (200,))[0]
-    both("pingpong_device_enqueue", (500,), (500,))
-    device_latency = both("pingpong_device_run", (500,), (500,))[0]
-    rest = tickets[n + 5:]
-    base = on(0, "overlap", "local", [], n)
-    with_push = on(0, "overlap", "push", rest[:n + 1], n)
-    with_push_free = on(0, "overlap", "push_nowait", rest[n + 1:2 * n + 2], n)
-    with_nccl = both("overlap", ("nccl", [], n), ("nccl", [], n))[0]
-    both("close", (), ())
-    ray.shutdown()
-
-    push_bytes = LAYERS * PREFILL_TOKENS * 2 * HEADS * DIM * 2
-    result = {
-        "device": device, "workload": {"layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM, "page_size": PAGE,
-                                       "dtype": "bfloat16", "push_tokens": PUSH_TOKENS, "push_bytes": GiB,
-                                       "prefill_tokens": PREFILL_TOKENS},
-        "push_gbps": gbps(push), "anchor_peer_copy_gbps": gbps(anchor), "push_vs_anchor": anchor / push,
-        "rows_256b_gbps": gbps(rows), "segment_puts_scattered_gbps": gbps(segments),
-        "segment_puts_contiguous_gbps": gbps(segments_contiguous), "nccl_per_layer_gbps": gbps(nccl),
-        "doorbell_one_way_us": {"host_polled": host_latency * 1e6, "device_waited": device_latency * 1e6},
-        "prefill_ms": {"local_append": base * 1e3, "push_wait_per_layer": with_push * 1e3,
-                       "push_no_wait": with_push_free * 1e3, "nccl_per_layer": with_nccl * 1e3},
-        "prefill_overhead": {"push_wait_per_layer": with_push / base - 1, "push_no_wait": with_push_free / base - 1,
-                             "nccl_per_layer": with_nccl / base - 1},
-        "prefill_push_bytes": push_bytes,
-    }
-    result["table"] = [
-        ["push 1 GiB scattered (GB/s)", gbps(push), gbps(anchor), anchor / push, ">= 0.90"],
-        ["256-byte rows (GB/s)", gbps(rows), gbps(anchor), anchor / rows, "comparison"],
-        ["segment puts, scattered pages (GB/s)", gbps(segments), gbps(anchor), anchor / segments, "comparison"],
-        ["segment puts, contiguous pages (GB/s)", gbps(segments_contiguous), gbps(anchor),
-         anchor / segments_contiguous, "comparison"],
-        ["NCCL send/recv per layer (GB/s)", gbps(nccl), gbps(anchor), anchor / nccl, "comparison"],
-        ["prefill 4096 tok + push, wait per layer (ms)", with_push * 1e3, base * 1e3, with_push / base, "<= 1.03"],
-        ["prefill 4096 tok + push, no wait (ms)", with_push_free * 1e3, base * 1e3, with_push_free / base, "<= 1.03"],
-        ["prefill 4096 tok + NCCL per layer (ms)", with_nccl * 1e3, base * 1e3, with_nccl / base, "comparison"],
-    ]
+    try:
+        result = report(measure([worker.remote() for _ in range(2)], args.iters))
+    finally:
+        ray.shutdown()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2), flush=True)

@@ -237,6 +237,10 @@ class KVPusher:
             raise ValueError(f"layer must be in [0, {self.geometry.num_layers}), got {layer}")
         if layer in fwd.layer_events:
             raise ForwardStateError(f"KVPusher.push_layer_async: layer {layer} was already pushed in this forward")
+        if self.heap.closed and fwd.work.has_transfers:
+            plan = fwd.plan
+            raise TransferError("the heap was closed during the forward", request_id=int(plan.send_seq_ids[0]),
+                                src_pe=self.heap.rank, dst_pe=int(plan.send_pes[0]))
         return fwd
 
     def _on_transfer_stream(self) -> _TransferStream:
