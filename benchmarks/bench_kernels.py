@@ -25,7 +25,7 @@ from disagg.kernels import append as append_mod
 from disagg.kernels import copy as copy_mod
 from disagg.kernels import decode as decode_mod
 from disagg.kernels import prefill as prefill_mod
-from disagg.kernels import (append_kv, copy_slots, decode_workspace_numel, paged_decode,
+from disagg.kernels import (append_kv, copy_slots, decode_workspace, paged_decode,
                             paged_prefill)
 
 CUDA = torch.device("cuda")
@@ -60,11 +60,26 @@ def copies_for(num_bytes: int) -> int:
     return max(1, math.ceil(L2_ROTATION_BYTES / max(num_bytes, 1)))
 
 
+def warm_up(seconds: float = 2.0) -> None:
+    """Keep the GPU busy until its clocks have ramped up (idle H200s sit at a few hundred MHz)."""
+    src = torch.randn(GiB // 4, device=CUDA)
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        for _ in range(20):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) > seconds * 1e3:
+            return
+
+
 def copy_bandwidth() -> float:
     """Device copy bandwidth in bytes/s (read + write) of a 1 GiB buffer."""
     src = torch.randn(GiB // 4, device=CUDA)
     dst = torch.empty_like(src)
-    seconds = graph_seconds([lambda: dst.copy_(src)])
+    seconds = graph_seconds([lambda: dst.copy_(src)] * 4, reps=30)
     return 2 * GiB / seconds
 
 
@@ -94,8 +109,7 @@ def bench_decode(batch, ctx, dtype=torch.bfloat16, num_qo_heads=32, num_kv_heads
     outs = [torch.empty_like(q) for q in qs]
     splits = num_splits or decode_mod.choose_num_splits(
         batch, num_kv_heads, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
-    ws = [torch.empty(max(1, decode_workspace_numel(batch, num_qo_heads, head_dim, splits)),
-                      device=CUDA) for _ in tables]
+    ws = [decode_workspace(batch, num_qo_heads, head_dim, splits, CUDA) for _ in tables]
     scales = dict(k_scale=0.125, v_scale=0.125) if dtype == torch.float8_e4m3fn else {}
     calls = [lambda q=q, t=t, o=o, w=w: paged_decode(
         q, kv, *t, head_dim ** -0.5, out=o, num_splits=splits, workspace=w, check_indices=False,
@@ -224,33 +238,35 @@ class _Rows(list):
         super().append(row)
 
 
+DECODE_SWEEP = [  # (MIN_ROWS, MIN_ROWS_FP8, NUM_WARPS, NUM_STAGES, BLOCK_N)
+    (16, 64, 4, 2, 64), (16, 64, 4, 3, 64), (64, 64, 4, 2, 64), (64, 64, 8, 2, 64),
+    (16, 64, 4, 3, 32), (64, 64, 4, 3, 32), (16, 64, 8, 3, 128), (64, 64, 8, 2, 128),
+    (16, 16, 8, 2, 64),
+]
+PREFILL_SWEEP = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2), (128, 128, 4, 2),
+                 (64, 128, 8, 2), (128, 128, 8, 1), (64, 64, 4, 2)]
+
+
 def sweep():
-    """Time launch-option variants; returns rows of (kernel, options, figure)."""
+    """Time launch-option variants of decode and prefill; each row is printed as measured."""
     rows = _Rows()
-    for warps, stages, block_n in ((4, 2, 64), (4, 3, 64), (8, 2, 64), (4, 2, 128), (4, 3, 32), (8, 3, 128)):
+    for rows16, rows8, warps, stages, block_n in DECODE_SWEEP:
+        decode_mod.MIN_ROWS, decode_mod.MIN_ROWS_FP8 = rows16, rows8
         decode_mod.NUM_WARPS, decode_mod.NUM_STAGES, decode_mod.BLOCK_N = warps, stages, block_n
-        for batch, ctx, splits in ((64, 4096, 1), (64, 4096, 2), (64, 4096, 4), (8, 1024, 4),
-                                   (8, 1024, 8), (8, 1024, 16), (32, 32768, 2), (32, 32768, 4)):
+        opts = dict(rows=rows16, rows_fp8=rows8, warps=warps, stages=stages, block_n=block_n)
+        for batch, ctx, splits in ((64, 4096, 1), (64, 4096, 2), (8, 1024, 8), (8, 1024, 16),
+                                   (8, 1024, 32), (32, 32768, 2)):
             r = bench_decode(batch, ctx, num_splits=splits)
-            rows.append(dict(kernel="decode", warps=warps, stages=stages, block_n=block_n, batch=batch,
-                             ctx=ctx, splits=splits, us=r["seconds"] * 1e6, TBps=r["bytes_per_s"] / 1e12))
-        r = bench_decode(64, 4096, dtype=torch.float8_e4m3fn, num_splits=2)
-        rows.append(dict(kernel="decode_fp8", warps=warps, stages=stages, block_n=block_n,
-                         us=r["seconds"] * 1e6, TBps=r["bytes_per_s"] / 1e12))
-    for config in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
-                   (128, 64, 8, 4), (128, 128, 8, 2), (64, 128, 4, 3)):
+            rows.append(dict(kernel="decode", **opts, batch=batch, ctx=ctx, splits=splits,
+                             us=r["seconds"] * 1e6, TBps=r["bytes_per_s"] / 1e12))
+        for splits in (1, 2):
+            r = bench_decode(64, 4096, dtype=torch.float8_e4m3fn, num_splits=splits)
+            rows.append(dict(kernel="decode_fp8", **opts, splits=splits, us=r["seconds"] * 1e6,
+                             TBps=r["bytes_per_s"] / 1e12))
+    for config in PREFILL_SWEEP:
         prefill_mod.CUDA_CONFIGS[128] = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), config))
         r = bench_prefill()
         rows.append(dict(kernel="prefill", config=config, TFLOPs=r["flops_per_s"] / 1e12))
-    for tile in (2048, 4096, 8192, 16384):
-        for warps in (4, 8):
-            append_mod.TILE_ELEMENTS, append_mod.NUM_WARPS = tile, warps
-            rows.append(dict(kernel="append", tile=tile, warps=warps, TBps=bench_append()["bytes_per_s"] / 1e12))
-            copy_mod.TILE_ELEMENTS, copy_mod.NUM_WARPS = tile, warps
-            for block_slots in (16, 32):
-                copy_mod.BLOCK_SLOTS = block_slots
-                rows.append(dict(kernel="copy", tile=tile, warps=warps, block_slots=block_slots,
-                                 TBps=bench_copy_slots()["bytes_per_s"] / 1e12))
     return rows
 
 
@@ -262,6 +278,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     sections = set(args.only.split(","))
+    warm_up()
     copy_bw = copy_bandwidth()
     figs = []
     print(f"device copy bandwidth {copy_bw / 1e12:.3f} TB/s", flush=True)

@@ -18,7 +18,8 @@ this package imports torch and triton; `import disagg` does not import it.
 
 from disagg.kernels.append import append_kv, append_push_kv, build_dst_table
 from disagg.kernels.copy import copy_slots
-from disagg.kernels.decode import choose_num_splits, decode_workspace_numel, paged_decode
+from disagg.kernels.decode import (choose_num_splits, decode_workspace, decode_workspace_numel,
+                                   paged_decode)
 from disagg.kernels.prefill import paged_prefill
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "build_dst_table",
     "choose_num_splits",
     "copy_slots",
+    "decode_workspace",
     "decode_workspace_numel",
     "paged_decode",
     "paged_prefill",

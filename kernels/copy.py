@@ -16,7 +16,7 @@ import triton.language as tl
 from disagg.kernels import checks, dispatch, reference
 
 # Elements one program moves per loop step; a power of two.
-TILE_ELEMENTS = 8192
+TILE_ELEMENTS = 2048
 BLOCK_SLOTS = 16
 NUM_WARPS = 8
 

@@ -2,11 +2,13 @@
 
 Called by the decode step of the model runner, once per layer, usually inside a CUDA graph.
 Flash-decoding / PagedAttention V2: program (kv_head, seq, split) loads each K/V tile of its
-share of the sequence once for all `H_q / H_kv` query heads of the group (padded to tl.dot's
-16 rows) and writes a partial output and its log-sum-exp; a merge kernel combines the splits.
-Each sequence is cut into `num_splits` equal shares (rounded to the tile), so long and short
-sequences in one batch both spread over the GPU, and an empty share merges with weight 0.
-With one split the first kernel writes the output directly.
+share of the sequence once for all `H_q / H_kv` query heads of the group (padded to the
+dot's minimum rows) and writes a partial output and its log-sum-exp. The last split program of a
+(sequence, kv head) to finish, counted with an atomic in the workspace, merges the partials
+(no second launch: at small batch a merge kernel costs as much as the attention), then resets
+its counter for the next launch. Each sequence is cut into `num_splits` equal shares (rounded
+to the tile), so long and short sequences in one batch both spread over the GPU; an empty share
+has lse = -inf and merges with weight 0. With one split the program writes the output directly.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import triton.language as tl
 
 from disagg.kernels import checks, dispatch, reference
 from disagg.kernels.fp8 import load_scale, resolve_scales
-from disagg.kernels.paged_tile import NEG_BIG, attend_tile, kv_rows
+from disagg.kernels.paged_tile import NEG_BIG, attend_tile, kv_rows, prepare_q
 
 # Split heuristic: aim for about this many programs per SM, never fewer than this many tokens
 # per split, and at most this many splits.
@@ -31,22 +33,28 @@ MAX_SPLITS = 64
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
+# Query-tile rows: the GQA group padded to at least this many. fp8 caches use 64 so Triton picks
+# Hopper's wgmma, which reads the (transposed) V operand from shared memory after the float16
+# conversion; with 16 rows it re-lays the fp8 tile out with one shared-memory byte load per value.
+MIN_ROWS = 16
+MIN_ROWS_FP8 = 64
 
 
 @triton.jit
 def paged_decode_kernel(
     q_ptr, kv_ptr, page_indptr_ptr, page_indices_ptr, last_page_len_ptr,
-    o_ptr, o_part_ptr, lse_part_ptr, k_scale, v_scale, qk_scale,
+    o_ptr, o_part_ptr, lse_part_ptr, lock_ptr, k_scale, v_scale, qk_scale,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_page, num_splits,
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, KV_FP8: tl.constexpr,
+    SCALE_IS_TENSOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Program (h, b, s): kv head h, sequence b, split s of num_splits. Rows of the query tile are
     # the GROUP q heads h*GROUP .. h*GROUP+GROUP-1, padded to BLOCK_G (masked). Split s covers
     # tokens [s*chunk, min((s+1)*chunk, kv_len)), chunk = ceil(kv_len/num_splits) rounded up to
     # BLOCK_N; an empty range writes lse = -inf. Masks: token tail, row and head_dim padding.
+    # The last of the num_splits programs of (h, b) merges them (see _merge_splits).
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -63,7 +71,7 @@ def paged_decode_kernel(
     row_ok = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=row_ok, other=0.0)
-    scale = qk_scale * load_scale(k_scale, SCALE_IS_TENSOR)
+    q, scale = prepare_q(q, qk_scale, load_scale(k_scale, SCALE_IS_TENSOR), KV_FP8)
     kv_head_offset = kv_head * (PAGE_SIZE * HEAD_DIM)
     v_shift = NUM_KV_HEADS * PAGE_SIZE * HEAD_DIM
 
@@ -87,37 +95,47 @@ def paged_decode_kernel(
         o_offs = seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_ok)
     else:
-        part = (seq * (NUM_KV_HEADS * GROUP) + heads).to(tl.int64) * num_splits + split
-        tl.store(o_part_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok)
+        base = (seq * (NUM_KV_HEADS * GROUP) + heads).to(tl.int64) * num_splits
+        tl.store(o_part_ptr + (base + split)[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(lse_part_ptr + part, lse, mask=g < GROUP)
+        tl.store(lse_part_ptr + base + split, lse, mask=g < GROUP)
+        # Every thread's partial stores happen before the (release) arrival; the last arrival
+        # (acquire) sees all num_splits partials of this (sequence, kv head).
+        tl.debug_barrier()
+        lock = lock_ptr + seq * NUM_KV_HEADS + kv_head
+        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            _merge_splits(o_ptr, o_part_ptr, lse_part_ptr, base, seq, heads, g < GROUP, d,
+                          num_splits, stride_ob, stride_oh, HEAD_DIM, BLOCK_G, BLOCK_D)
+            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def paged_decode_merge_kernel(
-    o_part_ptr, lse_part_ptr, o_ptr, num_splits, stride_ob, stride_oh,
-    NUM_QO_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    # Program (h, b): q head h of sequence b; combines its num_splits partial outputs, weighted
-    # by 2^(lse - max lse). Empty splits (lse = -inf) weigh 0; an all-empty row gives 0, not NaN.
-    head = tl.program_id(0)
-    seq = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    s_ok = s < num_splits
-    part = (seq * NUM_QO_HEADS + head).to(tl.int64) * num_splits + s
-    lse = tl.load(lse_part_ptr + part, mask=s_ok, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w = tl.exp2(lse - lse_max)
-    parts = tl.load(o_part_ptr + part[:, None] * HEAD_DIM + d[None, :],
-                    mask=s_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    parts = tl.where(w[:, None] > 0.0, parts, 0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    o_offs = seq.to(tl.int64) * stride_ob + head * stride_oh + d
-    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+def _merge_splits(o_ptr, o_part_ptr, lse_part_ptr, base, seq, heads, g_ok, d, num_splits,
+                  stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """o[seq, heads] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), streamed over splits.
+
+    Empty splits (lse = -inf) weigh 0; a sequence with no key gives 0, never NaN. Partials are
+    read with .cg (L2, not this SM's L1) since other programs wrote them during this launch.
+    """
+    row_ok = g_ok[:, None] & (d < HEAD_DIM)[None, :]
+    m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(lse_part_ptr + base + s, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(o_part_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=row_ok,
+                       other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + part * w[:, None]
+        total = total * alpha + w
+        m = m_new
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    o_offs = seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_ok)
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -130,10 +148,22 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_
 
 
 def decode_workspace_numel(batch_size: int, num_qo_heads: int, head_dim: int, num_splits: int) -> int:
-    """float32 elements of the `workspace` that `paged_decode` needs (0 for one split)."""
+    """float32 elements of the `workspace` that `paged_decode` needs (0 for one split): partial
+    outputs, their log-sum-exps, and one int32 arrival counter per (sequence, head)."""
     if num_splits <= 1:
         return 0
-    return batch_size * num_qo_heads * num_splits * (head_dim + 1)
+    return batch_size * num_qo_heads * (num_splits * (head_dim + 1) + 1)
+
+
+def decode_workspace(batch_size: int, num_qo_heads: int, head_dim: int, num_splits: int,
+                     device: torch.device | str) -> torch.Tensor:
+    """A zero-filled workspace for `paged_decode(..., num_splits=num_splits, workspace=...)`.
+
+    Allocate it once (outside any CUDA-graph capture) and reuse it for every call with at most
+    these sizes on one stream: each launch leaves its arrival counters at zero again.
+    """
+    numel = max(1, decode_workspace_numel(batch_size, num_qo_heads, head_dim, num_splits))
+    return torch.zeros(numel, dtype=torch.float32, device=device)
 
 
 def _block_n(head_dim: int) -> int:
@@ -195,8 +225,10 @@ def paged_decode(
         num_splits: splits per sequence; default from `choose_num_splits`.
         max_seq_len: longest sequence in the batch, for the split heuristic; without it the bound
             `nnz_pages * P` is used (no device sync either way).
-        workspace: float32, at least `decode_workspace_numel(...)` elements; allocated when None.
-            Pass `out`, `num_splits` and `workspace` to make the call capturable in a CUDA graph.
+        workspace: from `decode_workspace(...)` (float32, at least `decode_workspace_numel(...)`
+            elements, its counters zero as that function leaves them); allocated when None. Pass
+            `out`, `num_splits` and `workspace` to make the call capturable in a CUDA graph. One
+            call at a time per workspace (calls on one stream are fine).
         check_indices: range-check the page table (a host sync on CUDA); see
             `disagg.kernels.dispatch.should_check_values`.
 
@@ -224,7 +256,7 @@ def paged_decode(
         raise ValueError(f"num_splits: expected 1..65535, got {num_splits}")
     need = decode_workspace_numel(batch_size, num_qo_heads, head_dim, num_splits)
     if workspace is None:
-        workspace = torch.empty(max(need, 1), dtype=torch.float32, device=q.device)
+        workspace = decode_workspace(batch_size, num_qo_heads, head_dim, num_splits, q.device)
     elif workspace.dtype != torch.float32 or workspace.numel() < need or workspace.device != q.device:
         raise ValueError(
             f"workspace: expected float32 on {q.device} with >= {need} elements, got "
@@ -240,21 +272,18 @@ def _launch(q, kv_layer, page_indptr, page_indices, last_page_len, out, workspac
     batch_size, num_qo_heads, head_dim = q.shape
     group = num_qo_heads // geo.num_kv_heads
     num_parts = batch_size * num_qo_heads * num_splits
-    o_part, lse_part = workspace[: num_parts * head_dim], workspace[num_parts * head_dim:]
-    block_d = triton.next_power_of_2(head_dim)
+    o_part = workspace[: num_parts * head_dim]
+    lse_part = workspace[num_parts * head_dim: num_parts * (head_dim + 1)]
+    locks = workspace[num_parts * (head_dim + 1):].view(torch.int32)
+    min_rows = MIN_ROWS_FP8 if scales.is_fp8 and q.is_cuda else MIN_ROWS
     dispatch.runnable(paged_decode_kernel)[(geo.num_kv_heads, batch_size, num_splits)](
-        q, kv_layer, page_indptr, page_indices, last_page_len, out, o_part, lse_part,
+        q, kv_layer, page_indptr, page_indices, last_page_len, out, o_part, lse_part, locks,
         scales.k, scales.v, sm_scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), geo.stride_page, num_splits,
         GROUP=group, NUM_KV_HEADS=geo.num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=geo.page_size,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=_block_n(head_dim),
-        DIRECT=num_splits == 1, SCALE_IS_TENSOR=scales.is_tensor,
+        BLOCK_G=max(min_rows, triton.next_power_of_2(group)),
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=_block_n(head_dim),
+        DIRECT=num_splits == 1, KV_FP8=scales.is_fp8, SCALE_IS_TENSOR=scales.is_tensor,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
-    if num_splits > 1:
-        dispatch.runnable(paged_decode_merge_kernel)[(num_qo_heads, batch_size)](
-            o_part, lse_part, out, num_splits, out.stride(0), out.stride(1),
-            NUM_QO_HEADS=num_qo_heads, HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
-        )

@@ -25,6 +25,23 @@ def kv_rows(page_indices_ptr, page_start, tok, tok_ok, kv_head_offset, stride_pa
 
 
 @triton.jit
+def prepare_q(q, qk_scale, k_scale, KV_FP8: tl.constexpr):
+    """The query tile in the dtype the dots run in, and the factor that turns q.k into base-2 logits.
+
+    16/32-bit caches: q as is, factor `qk_scale * k_scale`. fp8 caches: the dots run in float16
+    (e4m3 widens to float16 in one instruction; the conversion to bfloat16 costs a further one
+    per element): q is pre-multiplied by qk_scale, clamped to float16's range, and converted;
+    the factor is k_scale alone.
+    """
+    if KV_FP8:
+        q = q.to(tl.float32) * qk_scale
+        q = tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(tl.float16)
+        return q, k_scale
+    else:
+        return q, qk_scale * k_scale
+
+
+@triton.jit
 def attend_tile(acc, l_i, m_i, q, k, v, qk_scale, visible, HAS_MASK: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
     """Fold one K/V tile into the running (acc, l_i, m_i) of a query tile.

@@ -27,7 +27,7 @@ from disagg.kernels.paged_tile import NEG_BIG, attend_tile, kv_rows
 SEARCH_BLOCK = 256  # sequences scanned per step when a program looks for its q block
 # Launch options on CUDA by head_dim bound (tuned on one H200; see benchmarks/bench_kernels.py).
 CUDA_CONFIGS = {
-    128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
     256: dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
 }
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)

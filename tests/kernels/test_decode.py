@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagg.kernels import paged_decode, reference
+from disagg.kernels import decode_workspace, paged_decode, reference
 
 FP8 = torch.float8_e4m3fn
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=1e-2)}
@@ -75,21 +75,23 @@ def test_decode_fp8_tensor_scales(device, page_table):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-def test_decode_out_and_workspace(device, page_table):
+def test_decode_out_and_workspace_reused(device, page_table):
+    """A caller's out and workspace; the workspace serves consecutive calls (counters reset)."""
     table = page_table([30, 3], 4, 10, device=device)
     kv = torch.randn(10, 2, 1, 4, 32, device=device)
-    q = torch.randn(2, 2, 32, device=device)
-    out = torch.full_like(q, float("nan"))
-    workspace = torch.full((2 * 2 * 4 * 33,), float("nan"), device=device)
-    got = paged_decode(q, kv, table.page_indptr, table.page_indices, table.last_page_len, 0.1,
-                       out=out, num_splits=4, workspace=workspace)
-    assert got is out
-    want = reference.paged_decode(q.cpu(), kv.cpu(), table.page_indptr.cpu(),
-                                  table.page_indices.cpu(), table.last_page_len.cpu(), 0.1)
-    torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5)
+    out = torch.full((2, 2, 32), float("nan"), device=device)
+    workspace = decode_workspace(2, 2, 32, 4, device)
+    workspace[: 2 * 2 * 4 * 33] = float("nan")  # partials need no initial value, counters do
+    tables = (table.page_indptr, table.page_indices, table.last_page_len)
+    for _ in range(2):
+        q = torch.randn(2, 2, 32, device=device)
+        got = paged_decode(q, kv, *tables, 0.1, out=out, num_splits=4, workspace=workspace)
+        assert got is out
+        want = reference.paged_decode(q.cpu(), kv.cpu(), *(t.cpu() for t in tables), 0.1)
+        torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5)
+    assert workspace[2 * 2 * 4 * 33:].view(torch.int32).eq(0).all()
     with pytest.raises(ValueError, match="workspace"):
-        paged_decode(q, kv, table.page_indptr, table.page_indices, table.last_page_len, 0.1,
-                     num_splits=4, workspace=workspace[:10])
+        paged_decode(q, kv, *tables, 0.1, num_splits=4, workspace=workspace[:10])
 
 
 def test_decode_bad_inputs(device, page_table):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from disagg.kernels import (append_kv, append_push_kv, build_dst_table, copy_slots,
-                            decode_workspace_numel, paged_decode, paged_prefill, reference)
+                            decode_workspace, paged_decode, paged_prefill, reference)
 
 pytestmark = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn
@@ -129,7 +129,7 @@ def test_cuda_graph_capture_and_replay(page_table):
     qo_indptr = torch.tensor([0, 300, 377, 1401], device=CUDA, dtype=torch.int32)
     q_prefill = torch.empty(1401, 8, 128, device=CUDA, dtype=torch.bfloat16)
     o_decode, o_prefill = torch.empty_like(q_decode), torch.empty_like(q_prefill)
-    workspace = torch.empty(decode_workspace_numel(3, 8, 128, 4), device=CUDA)
+    workspace = decode_workspace(3, 8, 128, 4, CUDA)
     tables = (table.page_indptr, table.page_indices, table.last_page_len)
 
     def step():
