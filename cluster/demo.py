@@ -85,12 +85,14 @@ class DemoWorker:
         from disagg.transfer import new_unique_id
         return new_unique_id(backend, size_bytes=heap_bytes)
 
-    def setup(self, cfg: DemoConfig, backend: str, uid: bytes, rank: int) -> str:
+    def setup(self, cfg_dict: dict, backend: str, uid: bytes, rank: int) -> str:
         import torch
 
         from disagg.cache import PagedKVCache
         from disagg.transfer import DoorbellTable, KVPusher, open_heap
 
+        # The config travels as a plain dict: pydantic classes of a __main__ module don't unpickle.
+        cfg = DemoConfig.model_validate(cfg_dict)
         self.cfg, m, c = cfg, cfg.model, cfg.cache
         device = "cuda" if backend == "nvshmem" else None
         self.heap = open_heap(backend, uid=uid, rank=rank, world_size=2, size_bytes=cfg.transfer.heap_bytes,
@@ -216,7 +218,8 @@ def run(cfg: DemoConfig) -> dict:
         actor = ray.remote(num_gpus=num_gpus, num_cpus=0)(DemoWorker)
         decode, prefill = actor.remote(), actor.remote()  # PE 0 decodes, PE 1 prefills
         uid = ray.get(decode.new_uid.remote(backend, cfg.transfer.heap_bytes))
-        devices = ray.get([decode.setup.remote(cfg, backend, uid, 0), prefill.setup.remote(cfg, backend, uid, 1)])
+        devices = ray.get([w.setup.remote(cfg.model_dump(), backend, uid, pe)
+                           for pe, w in enumerate((decode, prefill))])
         print(f"backend {backend}: decode worker PE 0 on {devices[0]}, prefill worker PE 1 on {devices[1]}")
         recv = ray.get(decode.prepare_recv.remote(cfg.prompts))
         for request, info in recv.items():
