@@ -261,4 +261,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the importable module, so Ray pickles the actor class by reference, not by value.
+    from disagg.cluster.demo import main as module_main
+    sys.exit(module_main())
