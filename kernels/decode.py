@@ -32,7 +32,7 @@ MAX_SPLITS = 64
 # tokens per K/V tile, halved for head_dim > 128 to bound registers.
 BLOCK_N = 64
 NUM_WARPS = 4
-NUM_STAGES = 2
+NUM_STAGES = 3
 # Query-tile rows: the GQA group padded to at least this many. fp8 caches use 64 so Triton picks
 # Hopper's wgmma, which reads the (transposed) V operand from shared memory after the float16
 # conversion; with 16 rows it re-lays the fp8 tile out with one shared-memory byte load per value.
