@@ -3,7 +3,7 @@
 Everything here is vectorized over the batch: one `np.concatenate` of the cached per-sequence
 page tables, cumsums for the indptrs, and one gather for the slots. Only sliding-window sequences
 and sequences marked for sending take a per-sequence step. Called by `disagg.cache` in the process
-that owns the cache; it reads sequences and blocks and mutates nothing.
+that owns the cache; it reads sequences and blocks, and only drains the pending copies.
 """
 
 from __future__ import annotations
@@ -11,26 +11,66 @@ from __future__ import annotations
 import numpy as np
 
 from disagg import sliding
-from disagg.blocks import Block, Sequence
+from disagg.blocks import Sequence
+from disagg.copies import PendingCopies
+from disagg.plan import ForwardPlan
+from disagg.reserve import WindowedAppend
 
 
-class WindowedAppend:
-    """What `build_plan` needs about one sliding-window sequence of the batch.
+def build_plan(
+    ids: list[int],
+    seqs: list[Sequence],
+    lens: np.ndarray,
+    len_before: np.ndarray,
+    windowed: list[WindowedAppend],
+    page_size: int,
+    senders: dict[int, Sequence],
+    copies: PendingCopies | None,
+) -> ForwardPlan:
+    """Assemble the plan of a batch whose slots `disagg.reserve.reserve_batch` just reserved.
 
-    Attributes:
-        index: its index in the batch.
-        block: its last block, after the reservation.
-        prefix_pages: pages of its prefix blocks.
-        last_len_before: the last block's `seq_length` before the reservation.
+    Args:
+        ids, seqs: the batch's B ids and sequences.
+        lens: ``[B]`` int64 append lengths.
+        len_before: ``[B]`` int64 lengths before the append.
+        windowed: the batch's sliding-window sequences.
+        page_size: tokens per page.
+        senders: sequences marked for sending (seq id -> sequence), in mark order.
+        copies: pending copies to drain into the plan; None leaves them pending.
+
+    Returns:
+        The `ForwardPlan` (see `disagg.plan` for every array's shape).
     """
-
-    __slots__ = ("index", "block", "prefix_pages", "last_len_before")
-
-    def __init__(self, index: int, block: Block, prefix_pages: int, last_len_before: int) -> None:
-        self.index = index
-        self.block = block
-        self.prefix_pages = prefix_pages
-        self.last_len_before = last_len_before
+    batch = len(seqs)
+    qo_indptr = np.zeros(batch + 1, dtype=np.int32)
+    np.cumsum(lens, out=qo_indptr[1:])
+    page_indptr, page_indices, last_page_len = page_tables(seqs, len_before + lens, page_size)
+    slots, positions = append_slots(qo_indptr, lens, len_before, page_indptr, page_indices, page_size)
+    sink_size = np.zeros(batch, dtype=np.int32)
+    window_offset = np.zeros(batch, dtype=np.int32)
+    if windowed:
+        fix_windowed(windowed, seqs, qo_indptr, page_size, slots, last_page_len, sink_size, window_offset)
+    num_tokens = int(qo_indptr[-1])
+    push_slots = np.full(num_tokens, -1, dtype=np.int32)
+    push_pes = np.full(num_tokens, -1, dtype=np.int32)
+    pushed = {}
+    if senders:
+        send_index = {seq_id: i for i, seq_id in enumerate(ids) if seq_id in senders}
+        pushed = push_targets(send_index, senders, qo_indptr, positions, push_slots, push_pes)
+    return ForwardPlan(
+        seq_ids=tuple(ids),
+        qo_indptr=qo_indptr,
+        page_indptr=page_indptr,
+        page_indices=page_indices,
+        last_page_len=last_page_len,
+        append_slots=slots,
+        positions=positions,
+        push_slots=push_slots,
+        push_pes=push_pes,
+        sink_size=sink_size,
+        sliding_window_offset=window_offset,
+        **(copies.drain(senders, pushed) if copies is not None else PendingCopies.none()),
+    )
 
 
 def page_tables(seqs: list[Sequence], lens_after: np.ndarray, page_size: int) -> tuple[np.ndarray, ...]:
@@ -146,15 +186,3 @@ def push_targets(
         push_pes[lo:hi] = np.where(remote >= 0, send.recver_pe, -1)
         pushed[seq_id] = int(map_index[-1]) == len(send.remote_slots) - 1
     return pushed
-
-
-def fork_copy_slots(copies: list[tuple[int, int, int]], page_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Expand ``(src_page, dst_page, length)`` fork copies into ``[F]`` int32 src and dst slots."""
-    if not copies:
-        empty = np.empty(0, dtype=np.int32)
-        return empty, empty.copy()
-    src_pages, dst_pages, lengths = (np.asarray(col, dtype=np.int64) for col in zip(*copies))
-    within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    src = np.repeat(src_pages * page_size, lengths) + within
-    dst = np.repeat(dst_pages * page_size, lengths) + within
-    return src.astype(np.int32), dst.astype(np.int32)

@@ -63,7 +63,8 @@ def _check_blocks(cache: PagedKVCache) -> dict[int, Block]:
     for idx, block in live.items():
         _require(
             block.external_ref_cnt == refs[idx],
-            f"block {idx}: external_ref_cnt {block.external_ref_cnt}, but {refs[idx]} children + sequences point at it",
+            f"block {idx}: external_ref_cnt {block.external_ref_cnt}, but {refs[idx]} children + "
+            "sequences point at it",
         )
         if block.parent_idx != -1:
             parent = blocks[block.parent_idx]
@@ -81,7 +82,8 @@ def _check_blocks(cache: PagedKVCache) -> dict[int, Block]:
         if refs[idx] > 1 or any(b.parent_idx == idx for b in live.values()):
             _require(
                 block.seq_length > 0 and block.seq_length % cache.page_size == 0 and not block.slid,
-                f"block {idx} has children, so it must hold whole unslid pages; it holds {block.seq_length} positions",
+                f"block {idx} has children, so it must hold whole unslid pages; it holds "
+                f"{block.seq_length} positions",
             )
     for seq in cache._seqs.values():
         _require(
@@ -106,7 +108,10 @@ def _check_pages(cache: PagedKVCache, live: dict[int, Block]) -> set[int]:
     _require(not owned & parked, f"pages both owned and parked: {sorted(owned & parked)[:8]}")
     _require(not free & parked, f"pages both free and parked: {sorted(free & parked)[:8]}")
     total = len(owned) + len(free) + len(parked)
-    _require(total == cache.num_pages, f"{total} pages accounted for, cache has {cache.num_pages}: some page leaked")
+    _require(
+        total == cache.num_pages,
+        f"{total} pages accounted for, cache has {cache.num_pages}: some page leaked",
+    )
     return owned
 
 
@@ -114,32 +119,52 @@ def _check_sequence(cache: PagedKVCache, seq: Sequence) -> None:
     trace = cache._blocks.trace(seq.last_block_idx)
     last = trace[-1]
     length = sum(block.seq_length for block in trace)
-    _require(seq.seq_length == length, f"sequence {seq.seq_id}: seq_length {seq.seq_length}, blocks hold {length}")
+    _require(
+        seq.seq_length == length, f"sequence {seq.seq_id}: seq_length {seq.seq_length}, blocks hold {length}"
+    )
     pages = cache._blocks.trace_pages(seq.last_block_idx)
     _require(
         np.array_equal(seq.table, pages),
-        f"sequence {seq.seq_id}: cached page table {seq.table.tolist()[:8]}... differs from its blocks' {pages.tolist()[:8]}...",
+        f"sequence {seq.seq_id}: cached page table {seq.table.tolist()[:8]}... differs from its "
+        f"blocks' {pages.tolist()[:8]}...",
     )
     slots = cache.slots(seq.seq_id)
-    _require(slots.size == seq.seq_length, f"sequence {seq.seq_id}: {slots.size} slots for {seq.seq_length} tokens")
+    _require(
+        slots.size == seq.seq_length, f"sequence {seq.seq_id}: {slots.size} slots for {seq.seq_length} tokens"
+    )
     _require(np.unique(slots).size == slots.size, f"sequence {seq.seq_id}: two positions share a slot")
     prefix = seq.seq_length - last.seq_length
-    _require(last.sliding_window_offset >= last.sink_length, f"sequence {seq.seq_id}: window offset before its sinks")
+    _require(
+        last.sliding_window_offset >= last.sink_length,
+        f"sequence {seq.seq_id}: window offset before its sinks",
+    )
     if not seq.windowed:
         _require(not last.slid, f"sequence {seq.seq_id}: its last block slid without a window")
-        _require(seq.send is None or seq.send.num_pending <= max(seq.seq_length - seq.send.begin, 0),
-                 f"sequence {seq.seq_id}: pending copies past its length")
+        _require(
+            seq.send is None or seq.send.num_pending <= max(seq.seq_length - seq.send.begin, 0),
+            f"sequence {seq.seq_id}: pending copies past its length",
+        )
         return
-    _require(seq.seq_id in cache._windowed, f"sequence {seq.seq_id} has a window but is not listed as windowed")
-    _require(seq.sliding_window_size > prefix, f"sequence {seq.seq_id}: window {seq.sliding_window_size} <= prefix {prefix}")
+    _require(
+        seq.seq_id in cache._windowed, f"sequence {seq.seq_id} has a window but is not listed as windowed"
+    )
+    _require(
+        seq.sliding_window_size > prefix,
+        f"sequence {seq.seq_id}: window {seq.sliding_window_size} <= prefix {prefix}",
+    )
     sinks = max(seq.attn_sink_size - prefix, 0)
     _require(
         seq.last_block_attn_sink_size == sinks,
         f"sequence {seq.seq_id}: last_block_attn_sink_size {seq.last_block_attn_sink_size}, expected {sinks}",
     )
     if last.slid:
-        _require(last.sink_length == sinks, f"sequence {seq.seq_id}: pinned sinks {last.sink_length}, expected {sinks}")
-        _require(last.seq_length > last.sink_length, f"sequence {seq.seq_id}: slid block without window positions")
+        _require(
+            last.sink_length == sinks,
+            f"sequence {seq.seq_id}: pinned sinks {last.sink_length}, expected {sinks}",
+        )
+        _require(
+            last.seq_length > last.sink_length, f"sequence {seq.seq_id}: slid block without window positions"
+        )
     _require(seq.send is None, f"sequence {seq.seq_id} has a window and a send map")
 
 
@@ -157,16 +182,21 @@ def _check_copies(cache: PagedKVCache, owned: set[int]) -> None:
     pool, page_size = cache._pool, cache.page_size
     usable = owned | set(pool.deferred)
     touched = set()
-    for src, dst, length in cache._fork_copies:
+    for src, dst, length in cache._copies.fork:
         _require(0 < length < page_size, f"fork copy {src}->{dst} of {length} slots")
         _require(src in usable and dst in usable, f"fork copy {src}->{dst} touches a free page")
         touched.update((src, dst))
     for seq in cache._senders.values():
         local, _ = seq.send.pending_copies()
         pages = set((local // page_size).tolist())
-        _require(pages <= usable, f"sequence {seq.seq_id}: pending send copies read free pages {sorted(pages - usable)}")
+        _require(
+            pages <= usable,
+            f"sequence {seq.seq_id}: pending send copies read free pages {sorted(pages - usable)}",
+        )
         touched |= pages
-    _require(touched == pool.touched, f"touched pages {sorted(pool.touched)} != pending copies' {sorted(touched)}")
+    _require(
+        touched == pool.touched, f"touched pages {sorted(pool.touched)} != pending copies' {sorted(touched)}"
+    )
     if cache._open is None:
         stale = set(pool.deferred) - touched
         _require(not stale, f"parked pages {sorted(stale)} are touched by no pending copy")

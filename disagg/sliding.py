@@ -7,8 +7,9 @@ positions slide off, and pages that hold only slid-off positions go back to the 
 Between the sinks and the window the page table may hold a hole of dead slots (at most one page
 and a bit); plans describe it with `sink_size` / `sliding_window_offset`.
 
-Functions here mutate the block, sequence and page pool handed to them; the cache calls them from
-`begin_forward`, `disagg_prepare_recv` and `popn`.
+Functions here mutate the block, sequence and page pool handed to them; `disagg.reserve` calls
+them for every reservation (`begin_forward`, `disagg_prepare_recv`), `disagg.prefix` for `popn`,
+and `disagg.forward` to place a windowed sequence's new tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _slide_target(seq: Sequence, block: Block, new_seq_length: int, page_size: int) -> tuple[int, int, int, int]:
+def _slide_target(
+    seq: Sequence, block: Block, new_seq_length: int, page_size: int
+) -> tuple[int, int, int, int]:
     """Where a slide to `new_seq_length` would leave the block.
 
     Returns:
@@ -55,7 +58,9 @@ def simulate_reserve(
     real = min(need, max(num_free, 0))
     free = num_free - real
     lowest = free
-    slide, _, num_sink_pages, window_slot = _slide_target(seq, block, seq.seq_length + append_length, page_size)
+    slide, _, num_sink_pages, window_slot = _slide_target(
+        seq, block, seq.seq_length + append_length, page_size
+    )
     erased_lo = num_sink_pages
     erased_hi = num_sink_pages + max(window_slot // page_size - num_sink_pages, 0) if slide else erased_lo
     # Page list after the append: [existing cur][real][temporary need - real]; erase [lo, hi).
@@ -98,7 +103,10 @@ def slide(pool: PagePool, seq: Sequence, block: Block, page_size: int) -> None:
         del block.page_ids[num_sink_pages:first_page]
         pool.give(p for p in erased if p != TEMP_PAGE_ID)
         first_page = num_sink_pages
-    assert first_page in (num_sink_pages - 1, num_sink_pages), "window starts in the last sink page or the next"
+    assert first_page in (
+        num_sink_pages - 1,
+        num_sink_pages,
+    ), "window starts in the last sink page or the next"
     seq.seq_length = seq.sliding_window_size
     block.seq_length -= length_to_slide
     block.sliding_window_offset = first_page * page_size + in_page

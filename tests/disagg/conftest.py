@@ -17,7 +17,7 @@ def cache_state(cache: PagedKVCache) -> tuple:
         tuple((seq_id, seq.state()) for seq_id, seq in cache._seqs.items()),
         tuple(sorted(cache._windowed)),
         tuple(cache._senders),
-        tuple(cache._fork_copies),
+        tuple(cache._copies.fork),
         cache._open,
     )
 

@@ -203,3 +203,36 @@ def test_begin_forward_drains_copies_of_sequences_outside_the_batch() -> None:
     assert plan.fork_dst_slots.tolist() == [4, 5]
     assert plan.append_slots.tolist() == [8]
     assert forward(cache, [], []).num_tokens == 0
+
+
+def test_copy_chain_through_a_removed_sequence_is_kept_and_its_page_parked() -> None:
+    cache = PagedKVCache(num_pages=16, page_size=4)
+    cache.add_sequence(0)
+    forward(cache, [0], [6])  # pages 0, 1
+    cache.fork_sequence(0, 1, 5)  # pending copy: page 1 slot 0 -> fresh page 2
+    cache.fork_sequence(1, 2, 5)  # pending copy: page 2 slot 0 -> fresh page 3 (reads the first)
+    # Removing seq 1 frees page 2, but the second copy still reads it: both copies stay, and
+    # page 2 is parked instead of going back on the free stack.
+    cache.remove_sequence(1)
+    cache.check_integrity()
+    assert cache.num_free_pages == 16 - 4
+    assert cache.slots(2).tolist() == [0, 1, 2, 3, 12]
+    plan = cache.begin_forward([2], [1])
+    assert plan.fork_src_slots.tolist() == [4, 8]
+    assert plan.fork_dst_slots.tolist() == [8, 12]
+    assert plan.append_slots.tolist() == [13]
+    cache.end_forward()  # the copies ran: page 2 goes back on top of the stack
+    cache.check_integrity()
+    cache.add_sequence(3)
+    assert forward(cache, [3], [1]).page_indices.tolist() == [2]
+
+
+def test_removing_a_fork_child_drops_its_copy() -> None:
+    cache = PagedKVCache(num_pages=8, page_size=4)
+    cache.add_sequence(0)
+    forward(cache, [0], [3])
+    cache.fork_sequence(0, 1)  # copy of 3 slots into page 1
+    cache.remove_sequence(1)  # nobody can read page 1: the copy is dropped, page 1 freed now
+    cache.check_integrity()
+    assert cache.num_free_pages == 7
+    assert forward(cache, [0], [1]).fork_src_slots.size == 0

@@ -56,9 +56,9 @@ def test_compress_exact(slots: list[int], cmap: list[int]) -> None:
     assert posmap.num_tokens(cmap) == len(slots)
 
 
-run_lists = st.lists(
-    st.tuples(st.integers(-1, 5000), st.integers(1, 40)), min_size=0, max_size=20
-).map(lambda runs: [s for begin, n in runs for s in (range(begin, begin + n) if begin >= 0 else [-1] * n)])
+run_lists = st.lists(st.tuples(st.integers(-1, 5000), st.integers(1, 40)), min_size=0, max_size=20).map(
+    lambda runs: [s for begin, n in runs for s in (range(begin, begin + n) if begin >= 0 else [-1] * n)]
+)
 
 
 @settings(max_examples=150, deadline=None)

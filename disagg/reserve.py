@@ -1,0 +1,130 @@
+"""Reserving a batch's slots (TVM's ReserveAppendLengthInSeq over a whole batch).
+
+First the whole batch's page demand is counted against the free stack (raising `OutOfPages`
+with nothing changed); then pages are taken in TVM's order. Without sliding windows in the batch
+this is one `take` and a loop over only the sequences that need a page (about 1 in page_size on
+the decode path); with windows it walks the batch in order, since a slide frees pages that later
+sequences of the same batch may take. Called by `disagg.cache`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from disagg import sliding
+from disagg.blocks import Block, BlockPool, Sequence
+from disagg.errors import OutOfPages
+from disagg.pages import PagePool
+
+
+class WindowedAppend:
+    """What the plan builder needs about one sliding-window sequence of the batch.
+
+    Attributes:
+        index: its index in the batch.
+        block: its last block, after the reservation.
+        prefix_pages: pages of its prefix blocks.
+        last_len_before: the last block's `seq_length` before the reservation.
+    """
+
+    __slots__ = ("index", "block", "prefix_pages", "last_len_before")
+
+    def __init__(self, index: int, block: Block, prefix_pages: int, last_len_before: int) -> None:
+        self.index = index
+        self.block = block
+        self.prefix_pages = prefix_pages
+        self.last_len_before = last_len_before
+
+
+def reserve_batch(
+    blocks: BlockPool, pool: PagePool, seqs: list[Sequence], lens: np.ndarray, page_size: int, op: str
+) -> tuple[np.ndarray, list[WindowedAppend]]:
+    """Reserve ``lens[i]`` slots at the end of ``seqs[i]`` for every i, or raise with nothing changed.
+
+    Args:
+        seqs: the batch, B distinct sequences.
+        lens: ``[B]`` int64 append lengths (>= 1).
+        op: the caller's name, for the error message.
+
+    Returns:
+        ``(len_before [B] int64, windowed)``: lengths before the append, and the sliding-window
+        sequences of the batch.
+
+    Raises:
+        OutOfPages: the batch needs more pages than are free (at its peak, for windowed batches).
+    """
+    count = len(seqs)
+    len_before = np.fromiter((s.seq_length for s in seqs), dtype=np.int64, count=count)
+    num_pages = np.fromiter((len(s.table) for s in seqs), dtype=np.int64, count=count)
+    # Without a window, a sequence's pages cover exactly ceil(seq_length / page_size).
+    need = (len_before + lens + page_size - 1) // page_size - num_pages
+    if any(s.sliding_window_size > 0 for s in seqs):
+        need_list = need.tolist()
+        _check_in_order(blocks, pool, seqs, lens.tolist(), need_list, page_size, op)
+        return len_before, _reserve_in_order(blocks, pool, seqs, lens.tolist(), need_list, page_size)
+    total = int(need.sum())
+    if total > pool.num_free:
+        raise OutOfPages(
+            f"{op}: the batch needs {total} new pages, {pool.num_free} are free",
+            num_needed=total,
+            num_free=pool.num_free,
+        )
+    taken = pool.take(total)
+    block_of = blocks.blocks
+    at = 0
+    for i in np.flatnonzero(need).tolist():
+        seq = seqs[i]
+        k = int(need[i])
+        block_of[seq.last_block_idx].page_ids.extend(taken[at : at + k])
+        seq.extend_table(taken[at : at + k])
+        at += k
+    for seq, length in zip(seqs, lens.tolist()):
+        seq.seq_length += length
+        block_of[seq.last_block_idx].seq_length += length
+    return len_before, []
+
+
+def _check_in_order(
+    blocks: BlockPool,
+    pool: PagePool,
+    seqs: list[Sequence],
+    lens: list[int],
+    need: list[int],
+    page_size: int,
+    op: str,
+) -> None:
+    free = lowest = pool.num_free
+    for seq, length, k in zip(seqs, lens, need):
+        if seq.windowed:
+            block = blocks.blocks[seq.last_block_idx]
+            low, free = sliding.simulate_reserve(seq, block, length, page_size, free, pool.touched)
+            lowest = min(lowest, low)
+        else:
+            free -= k
+            lowest = min(lowest, free)
+    if lowest < 0:
+        raise OutOfPages(
+            f"{op}: the batch needs {pool.num_free - lowest} pages at its peak, {pool.num_free} are free",
+            num_needed=pool.num_free - lowest,
+            num_free=pool.num_free,
+        )
+
+
+def _reserve_in_order(
+    blocks: BlockPool, pool: PagePool, seqs: list[Sequence], lens: list[int], need: list[int], page_size: int
+) -> list[WindowedAppend]:
+    windowed = []
+    for i, (seq, length, k) in enumerate(zip(seqs, lens, need)):
+        block = blocks.blocks[seq.last_block_idx]
+        if not seq.windowed:
+            pages = pool.take(k)
+            block.page_ids.extend(pages)
+            seq.extend_table(pages)
+            seq.seq_length += length
+            block.seq_length += length
+            continue
+        prefix_pages = len(seq.table) - len(block.page_ids)
+        windowed.append(WindowedAppend(i, block, prefix_pages, block.seq_length))
+        sliding.reserve(pool, seq, block, length, page_size)
+        seq.set_table(np.concatenate((seq.table[:prefix_pages], np.asarray(block.page_ids, dtype=np.int32))))
+    return windowed
