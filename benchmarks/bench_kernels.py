@@ -249,21 +249,20 @@ class _Rows(list):
         super().append(row)
 
 
-DECODE_SWEEP = [  # (MIN_ROWS, MIN_ROWS_FP8, NUM_WARPS, NUM_STAGES, BLOCK_N)
-    (16, 64, 4, 3, 64), (16, 16, 4, 3, 32), (16, 16, 4, 2, 32), (16, 64, 4, 2, 32),
+DECODE_SWEEP = [  # (NUM_WARPS, NUM_STAGES, BLOCK_N, BLOCK_N_FP8)
+    (4, 3, 64, 32), (4, 3, 64, 16), (8, 3, 64, 32), (4, 4, 64, 32), (2, 3, 64, 32),
 ]
-PREFILL_SWEEP = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2)]
+PREFILL_SWEEP = [(128, 128, 8, 2), (128, 64, 8, 2)]
 
 
 def sweep():
     """Time launch-option variants of decode and prefill; each row is printed as measured."""
     rows = _Rows()
-    for rows16, rows8, warps, stages, block_n in DECODE_SWEEP:
-        decode_mod.MIN_ROWS, decode_mod.MIN_ROWS_FP8 = rows16, rows8
-        decode_mod.NUM_WARPS, decode_mod.NUM_STAGES, decode_mod.BLOCK_N = warps, stages, block_n
-        opts = dict(rows=rows16, rows_fp8=rows8, warps=warps, stages=stages, block_n=block_n)
-        for batch, ctx, splits in ((64, 4096, 1), (64, 4096, 2), (8, 1024, 8), (8, 1024, 16),
-                                   (8, 1024, 32), (32, 32768, 2)):
+    for warps, stages, block_n, block_n_fp8 in DECODE_SWEEP:
+        decode_mod.NUM_WARPS, decode_mod.NUM_STAGES = warps, stages
+        decode_mod.BLOCK_N, decode_mod.BLOCK_N_FP8 = block_n, block_n_fp8
+        opts = dict(warps=warps, stages=stages, block_n=block_n, block_n_fp8=block_n_fp8)
+        for batch, ctx, splits in ((64, 4096, 2), (8, 1024, 8)):
             r = bench_decode(batch, ctx, num_splits=splits)
             rows.append(dict(kernel="decode", **opts, batch=batch, ctx=ctx, splits=splits,
                              us=r["seconds"] * 1e6, TBps=r["bytes_per_s"] / 1e12))

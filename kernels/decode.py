@@ -3,7 +3,7 @@
 Called by the decode step of the model runner, once per layer, usually inside a CUDA graph.
 Flash-decoding / PagedAttention V2: program (kv_head, seq, split) loads each K/V tile of its
 share of the sequence once for all `H_q / H_kv` query heads of the group (padded to the
-dot's minimum rows) and writes a partial output and its log-sum-exp. The last split program of a
+dot's minimum of 16 rows) and writes a partial output and its log-sum-exp. The last split program of a
 (sequence, kv head) to finish, counted with an atomic in the workspace, merges the partials
 (no second launch: at small batch a merge kernel costs as much as the attention), then resets
 its counter for the next launch. Each sequence is cut into `num_splits` equal shares (rounded
@@ -29,15 +29,16 @@ PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
 # Launch options (tuned on one H200; see benchmarks/bench_kernels.py --sweep). BLOCK_N is the
-# tokens per K/V tile, halved for head_dim > 128 to bound registers.
+# tokens per K/V tile, halved for head_dim > 128 to bound registers. fp8 caches use smaller
+# tiles: Triton re-lays V's fp8 tile out for the (transposed) dot operand with one shared-memory
+# byte load per value, which costs registers; 32-token tiles keep occupancy up (measured 259 us
+# against 300+ us with 64 at B=64 x 4096). Padding the group to 64 rows instead (wgmma, no byte
+# loads) measured slower still, so the query tile stays at the dot's minimum of 16 rows.
 BLOCK_N = 64
+BLOCK_N_FP8 = 32
 NUM_WARPS = 4
 NUM_STAGES = 3
-# Query-tile rows: the GQA group padded to at least this many. fp8 caches use 64 so Triton picks
-# Hopper's wgmma, which reads the (transposed) V operand from shared memory after the float16
-# conversion; with 16 rows it re-lays the fp8 tile out with one shared-memory byte load per value.
 MIN_ROWS = 16
-MIN_ROWS_FP8 = 64
 
 
 @triton.jit
@@ -166,8 +167,9 @@ def decode_workspace(batch_size: int, num_qo_heads: int, head_dim: int, num_spli
     return torch.zeros(numel, dtype=torch.float32, device=device)
 
 
-def _block_n(head_dim: int) -> int:
-    return BLOCK_N // 2 if head_dim > 128 else BLOCK_N
+def _block_n(head_dim: int, is_fp8: bool) -> int:
+    block_n = BLOCK_N_FP8 if is_fp8 else BLOCK_N
+    return block_n // 2 if head_dim > 128 else block_n
 
 
 def _check_decode_inputs(q, kv_layer, page_indptr, page_indices, last_page_len, out):
@@ -275,14 +277,13 @@ def _launch(q, kv_layer, page_indptr, page_indices, last_page_len, out, workspac
     o_part = workspace[: num_parts * head_dim]
     lse_part = workspace[num_parts * head_dim: num_parts * (head_dim + 1)]
     locks = workspace[num_parts * (head_dim + 1):].view(torch.int32)
-    min_rows = MIN_ROWS_FP8 if scales.is_fp8 and q.is_cuda else MIN_ROWS
     dispatch.runnable(paged_decode_kernel)[(geo.num_kv_heads, batch_size, num_splits)](
         q, kv_layer, page_indptr, page_indices, last_page_len, out, o_part, lse_part, locks,
         scales.k, scales.v, sm_scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), geo.stride_page, num_splits,
         GROUP=group, NUM_KV_HEADS=geo.num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=geo.page_size,
-        BLOCK_G=max(min_rows, triton.next_power_of_2(group)),
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=_block_n(head_dim),
+        BLOCK_G=max(MIN_ROWS, triton.next_power_of_2(group)),
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=_block_n(head_dim, scales.is_fp8),
         DIRECT=num_splits == 1, KV_FP8=scales.is_fp8, SCALE_IS_TENSOR=scales.is_tensor,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
