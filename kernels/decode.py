@@ -250,23 +250,31 @@ def paged_decode(
         out.copy_(reference.paged_decode(q, kv_layer, page_indptr, page_indices, last_page_len,
                                          sm_scale, *scales.host()))
         return out
+    num_splits, workspace = _splits_and_workspace(q, geo, page_indices.numel(), num_splits,
+                                                  max_seq_len, workspace)
+    _launch(q, kv_layer, page_indptr, page_indices, last_page_len, out, workspace, geo, scales,
+            sm_scale, num_splits)
+    return out
+
+
+def _splits_and_workspace(q, geo, num_page_ids, num_splits, max_seq_len, workspace):
+    """The split count (given, or from the heuristic) and a workspace big enough for it."""
+    batch_size, num_qo_heads, head_dim = q.shape
     if num_splits is None:
-        longest = max_seq_len if max_seq_len is not None else page_indices.numel() * geo.page_size
+        longest = max_seq_len if max_seq_len is not None else num_page_ids * geo.page_size
         num_splits = choose_num_splits(batch_size, geo.num_kv_heads, longest,
                                        dispatch.device_sms(q.device))
     if not 1 <= num_splits <= 65535:
         raise ValueError(f"num_splits: expected 1..65535, got {num_splits}")
     need = decode_workspace_numel(batch_size, num_qo_heads, head_dim, num_splits)
     if workspace is None:
-        workspace = decode_workspace(batch_size, num_qo_heads, head_dim, num_splits, q.device)
-    elif workspace.dtype != torch.float32 or workspace.numel() < need or workspace.device != q.device:
+        return num_splits, decode_workspace(batch_size, num_qo_heads, head_dim, num_splits, q.device)
+    if workspace.dtype != torch.float32 or workspace.numel() < need or workspace.device != q.device:
         raise ValueError(
             f"workspace: expected float32 on {q.device} with >= {need} elements, got "
             f"{workspace.dtype} with {workspace.numel()} on {workspace.device}"
         )
-    _launch(q, kv_layer, page_indptr, page_indices, last_page_len, out, workspace, geo, scales,
-            sm_scale, num_splits)
-    return out
+    return num_splits, workspace
 
 
 def _launch(q, kv_layer, page_indptr, page_indices, last_page_len, out, workspace, geo, scales,

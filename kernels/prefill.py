@@ -54,6 +54,19 @@ def _find_q_block(qo_indptr_ptr, batch_size, block, BLOCK_M: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _key_ranges(shift, m0, kv_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """(full_hi, hi): keys [0, full_hi) are visible to every row m0 .. m0+BLOCK_M-1 (a multiple
+    of BLOCK_N, no mask needed); keys [full_hi, hi) need the causal/length mask; none beyond."""
+    if CAUSAL:
+        hi = tl.minimum(shift + m0 + BLOCK_M, kv_len)
+        full_hi = tl.maximum(tl.minimum(shift + m0 + 1, kv_len), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = kv_len
+        full_hi = kv_len // BLOCK_N * BLOCK_N
+    return full_hi, hi
+
+
+@triton.jit
 def paged_prefill_kernel(
     q_ptr, kv_ptr, qo_indptr_ptr, page_indptr_ptr, page_indices_ptr, last_page_len_ptr, o_ptr,
     k_scale, v_scale, qk_scale, batch_size,
@@ -87,12 +100,7 @@ def paged_prefill_kernel(
     kv_head_offset = (head // GROUP) * (PAGE_SIZE * HEAD_DIM)
     v_shift = NUM_KV_HEADS * PAGE_SIZE * HEAD_DIM
     shift = kv_len - q_len  # row r sees keys <= shift + r
-    if CAUSAL:
-        hi = tl.minimum(shift + m0 + BLOCK_M, kv_len)
-        full_hi = tl.maximum(tl.minimum(shift + m0 + 1, kv_len), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = kv_len
-        full_hi = kv_len // BLOCK_N * BLOCK_N
+    full_hi, hi = _key_ranges(shift, m0, kv_len, BLOCK_M, BLOCK_N, CAUSAL)
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
