@@ -129,6 +129,30 @@ class BenchWorker:
 
         return timed(once, iters)
 
+    def kernels_only(self, iters: int) -> dict[str, float]:
+        """Seconds of the same 1 GiB through the kernels alone (no pusher): the fused
+        append_push_kv per layer, and copy_slots page to page into the peer (all layers)."""
+        from disagg.kernels import append_push_kv, build_dst_table, copy_slots
+
+        plan = scattered_plan(PUSH_TOKENS, seq_id=1, seed=0)
+        slots = torch.from_numpy(plan.append_slots).cuda()
+        dst_slots = torch.from_numpy(plan.push_slots).cuda()
+        dst_index = torch.zeros_like(dst_slots)
+        peer = self.heap.peer(self.kv, self.peer_pe)
+        table = build_dst_table(self.kv[0], [peer[0]])
+
+        def fused() -> None:
+            for layer in range(LAYERS):
+                append_push_kv(self.ks[layer], self.vs[layer], self.kv[layer], slots, [peer[layer]], dst_slots,
+                               dst_index, dst_table=table, check_indices=False)
+            torch.cuda.synchronize()
+
+        def pages() -> None:
+            copy_slots(self.kv, slots, peer, dst_slots, check_indices=False)
+            torch.cuda.synchronize()
+
+        return {"fused_kernel": timed(fused, iters), "copy_slots_pages": timed(pages, iters)}
+
     def anchor_copy(self, iters: int) -> float:
         """Seconds for a contiguous 1 GiB `copy_` into the peer's memory (the anchor)."""
         src = torch.randint(0, 255, (GiB,), dtype=torch.uint8, device="cuda")
@@ -338,6 +362,7 @@ def measure(pair: list, iters: int) -> dict:
     t["anchor"] = on(0, "anchor_copy", n)
     t["push"] = on(0, "push_bandwidth", tickets[:n + 1], False, False, n)
     t["rows"] = on(0, "rows_256b", n)
+    t.update(on(0, "kernels_only", n))
     t["segments"] = on(0, "push_bandwidth", tickets[n + 1:n + 3], True, False, 1)
     t["segments_contiguous"] = on(0, "push_bandwidth", tickets[n + 3:n + 5], True, True, 1)
     t["nccl"] = both("nccl_layers", (n,), (n,))[0]
@@ -358,6 +383,9 @@ def report(t: dict) -> dict:
     gbps = lambda seconds: GiB / seconds / 1e9  # noqa: E731
     anchor, base = gbps(t["anchor"]), t["base"] * 1e3
     rows = [("push 1 GiB scattered over 16-token pages, 32 layers (GB/s)", gbps(t["push"]), anchor, ">= 0.90"),
+            ("  fused append_push_kv kernels alone, no pusher (GB/s)", gbps(t["fused_kernel"]), anchor, "diagnosis"),
+            ("  copy_slots page to page into the peer, all layers (GB/s)", gbps(t["copy_slots_pages"]), anchor,
+             "diagnosis"),
             ("same bytes as 256-byte rows, torch index_copy_ (GB/s)", gbps(t["rows"]), anchor, "comparison"),
             ("forced segment puts, scattered pages (GB/s)", gbps(t["segments"]), anchor, "comparison"),
             ("forced segment puts, contiguous pages (GB/s)", gbps(t["segments_contiguous"]), anchor, "comparison"),

@@ -73,6 +73,7 @@ class KVPusher:
         self.force_segment_puts = force_segment_puts
         self._stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
         self._peer_kv: dict[int, torch.Tensor | None] = {}
+        self._dst_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self._doorbells: dict[int, DoorbellTicket] = {}
         self._forward: _Forward | None = None
 
@@ -108,14 +109,16 @@ class KVPusher:
                                 src_pe=rank, dst_pe=int(plan.send_pes[0]))
         check_plan(plan, self.geometry, rank, self.heap.world_size, self._doorbells)
         work = build_push_work(plan, self.geometry, rank, self._reachable, self._doorbells)
-        fwd = _Forward(plan=plan, work=work, append_slots=self._to_device(work.append_slots))
         if work.peer_pes:
-            fwd.dst_index = self._to_device(work.dst_index)
-            fwd.dst_slots = self._to_device(work.dst_slots)
-            fwd.dst_table = build_dst_table(self.kv[0], [self._peer_kv[pe][0] for pe in work.peer_pes])
+            append_slots, dst_index, dst_slots = self._to_device(work.append_slots, work.dst_index,
+                                                                 work.dst_slots)
+            fwd = _Forward(plan=plan, work=work, append_slots=append_slots, dst_index=dst_index,
+                           dst_slots=dst_slots, dst_table=self._dst_table(work.peer_pes))
+        else:
+            fwd = _Forward(plan=plan, work=work, append_slots=self._to_device(work.append_slots)[0])
         if len(plan.fork_src_slots):
-            copy_slots(self.kv, self._to_device(plan.fork_src_slots), self.kv,
-                       self._to_device(plan.fork_dst_slots))
+            fork_src, fork_dst = self._to_device(plan.fork_src_slots, plan.fork_dst_slots)
+            copy_slots(self.kv, fork_src, self.kv, fork_dst, check_indices=False)
         if work.peer_copies or work.segment_copies:
             with self._on_transfer_stream():
                 self._copy_existing(work)
@@ -217,14 +220,27 @@ class KVPusher:
             self._peer_kv[pe] = None if self.force_segment_puts else self.heap.peer(self.kv, pe)
         return self._peer_kv[pe] is not None
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        return tensor.to(self.kv.device, non_blocking=True) if self.kv.is_cuda else tensor
+    def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """int32 index arrays -> tensors on the KV device (CUDA: one pinned H2D copy for all)."""
+        packed = np.concatenate([np.asarray(a, dtype=np.int32) for a in arrays])
+        if self.kv.is_cuda:
+            host = torch.from_numpy(packed).pin_memory()
+            packed_dev = host.to(self.kv.device, non_blocking=True)
+        else:
+            packed_dev = torch.from_numpy(packed)
+        return list(torch.split(packed_dev, [len(a) for a in arrays]))
+
+    def _dst_table(self, peer_pes: tuple[int, ...]) -> torch.Tensor:
+        """The fused kernel's receiver offsets for ``peer_pes`` (built once per receiver set)."""
+        if peer_pes not in self._dst_tables:
+            self._dst_tables[peer_pes] = build_dst_table(self.kv[0], [self._peer_kv[pe][0] for pe in peer_pes])
+        return self._dst_tables[peer_pes]
 
     def _copy_existing(self, work: PushWork) -> None:
         """KV present at mark_send: page to page, every layer (transfer stream or inline)."""
         for pe, (local, remote) in work.peer_copies.items():
-            copy_slots(self.kv, self._to_device(local), self._peer_kv[pe], self._to_device(remote))
+            local_dev, remote_dev = self._to_device(local, remote)
+            copy_slots(self.kv, local_dev, self._peer_kv[pe], remote_dev, check_indices=False)
         for pe, runs in work.segment_copies.items():
             self.heap.put_segments_async(self.kv, pe, runs.for_layers(self.geometry.num_layers),
                                          self._stream)
