@@ -29,6 +29,17 @@ PAGE_SIZE = 16
 DECODE_TARGET_MS = 1.0
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def percentiles(seconds: list[float]) -> dict[str, float]:
     ms = np.asarray(seconds) * 1e3
     return {
@@ -131,7 +142,7 @@ def main() -> None:
         "benchmark": "bench_cache",
         "anchor": "numpy floor of a plan: concatenate page tables, cumsum lengths, gather new slots",
         "machine": {
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": cpu_model(),
             "cpu_count": os.cpu_count(),
             "python": platform.python_version(),
             "numpy": np.__version__,

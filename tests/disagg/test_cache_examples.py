@@ -9,8 +9,10 @@ most recently freed page is reused first. Block indices come from a stack the sa
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from disagg.cache import PagedKVCache
+from disagg.errors import OutOfPages
 
 
 def forward(cache: PagedKVCache, seq_ids: list[int], lens: list[int]):
@@ -236,3 +238,28 @@ def test_removing_a_fork_child_drops_its_copy() -> None:
     cache.check_integrity()
     assert cache.num_free_pages == 7
     assert forward(cache, [0], [1]).fork_src_slots.size == 0
+
+
+def test_copy_source_page_is_parked_across_prepare_recv_until_drained() -> None:
+    cache = PagedKVCache(num_pages=4, page_size=4)
+    cache.add_sequence(0)
+    forward(cache, [0], [3])  # page 0
+    cache.fork_sequence(0, 1)  # pending copy: page 0 slots 0..2 -> page 1
+    cache.remove_sequence(0)  # page 0 is the copy's source: parked, not free
+    cache.check_integrity()
+    assert cache.num_free_pages == 2
+    cache.add_sequence(2)
+    assert cache.disagg_prepare_recv(2, 8) == [1, 8, 8]  # pages 2, 3; page 0 is not handed out
+    cache.end_forward()
+    cache.add_sequence(3)
+    with pytest.raises(OutOfPages):
+        cache.disagg_prepare_recv(3, 1)
+    plan = cache.begin_forward([1], [1])  # prepare_recv did not drain: this plan carries the copy
+    assert plan.fork_src_slots.tolist() == [0, 1, 2]
+    assert plan.fork_dst_slots.tolist() == [4, 5, 6]
+    assert cache.num_free_pages == 0  # still parked while the copy's forward is open
+    cache.end_forward()
+    cache.check_integrity()
+    assert cache.num_free_pages == 1
+    assert cache.disagg_prepare_recv(3, 1) == [1, 0, 1]
+    cache.end_forward()
