@@ -108,26 +108,29 @@ class BenchWorker:
         return [self.doorbells.arm(i) for i in range(count)]
 
     # ------------------------------------------------------------------ bandwidth
-    def push_bandwidth(self, tickets: list, force: bool, contiguous: bool, iters: int) -> float:
-        """Seconds for the pusher to move one 8192-token request, every layer, to PE 1."""
+    def push_bandwidth(self, tickets: list, force: bool, contiguous: bool, iters: int) -> dict[str, float]:
+        """Seconds for the pusher to move one 8192-token request, every layer, to PE 1
+        (``total``), and the host's share: begin_forward .. end_forward returning (``host``)."""
         from disagg.transfer import KVPusher
 
         pusher = KVPusher(self.heap, self.kv, force_segment_puts=force)
         plan = scattered_plan(PUSH_TOKENS, seq_id=1, seed=0)
         if contiguous:
             plan = _contiguous(plan)
-        tickets = list(tickets)
+        tickets, host = list(tickets), []
 
         def once() -> None:
+            start = time.perf_counter()
             pusher.attach_doorbell(1, tickets.pop())
             pusher.begin_forward(plan)
             for layer in range(LAYERS):
                 pusher.push_layer_async(layer, self.ks[layer], self.vs[layer])
             pusher.end_forward()
+            host.append(time.perf_counter() - start)
             pusher.synchronize()
             torch.cuda.synchronize()
 
-        return timed(once, iters)
+        return {"total": timed(once, iters), "host": statistics.median(host[1:])}
 
     def kernels_only(self, iters: int) -> dict[str, float]:
         """Seconds of the same 1 GiB through the kernels alone (no pusher): the fused
@@ -151,7 +154,19 @@ class BenchWorker:
             copy_slots(self.kv, slots, peer, dst_slots, check_indices=False)
             torch.cuda.synchronize()
 
-        return {"fused_kernel": timed(fused, iters), "copy_slots_pages": timed(pages, iters)}
+        graph = torch.cuda.CUDAGraph()
+        fused()
+        with torch.cuda.graph(graph):
+            for layer in range(LAYERS):
+                append_push_kv(self.ks[layer], self.vs[layer], self.kv[layer], slots, [peer[layer]], dst_slots,
+                               dst_index, dst_table=table, check_indices=False)
+
+        def replay() -> None:
+            graph.replay()
+            torch.cuda.synchronize()
+
+        return {"fused_kernel": timed(fused, iters), "fused_kernel_graph": timed(replay, iters),
+                "copy_slots_pages": timed(pages, iters)}
 
     def anchor_copy(self, iters: int) -> float:
         """Seconds for a contiguous 1 GiB `copy_` into the peer's memory (the anchor)."""
@@ -360,11 +375,12 @@ def measure(pair: list, iters: int) -> dict:
     t = {"device": both("setup", (uid, 0, port), (uid, 1, port))[0]}
     tickets = on(1, "arm", 8 * (n + 1))
     t["anchor"] = on(0, "anchor_copy", n)
-    t["push"] = on(0, "push_bandwidth", tickets[:n + 1], False, False, n)
+    push = on(0, "push_bandwidth", tickets[:n + 1], False, False, n)
+    t["push"], t["push_host"] = push["total"], push["host"]
     t["rows"] = on(0, "rows_256b", n)
     t.update(on(0, "kernels_only", n))
-    t["segments"] = on(0, "push_bandwidth", tickets[n + 1:n + 3], True, False, 1)
-    t["segments_contiguous"] = on(0, "push_bandwidth", tickets[n + 3:n + 5], True, True, 1)
+    t["segments"] = on(0, "push_bandwidth", tickets[n + 1:n + 3], True, False, 1)["total"]
+    t["segments_contiguous"] = on(0, "push_bandwidth", tickets[n + 3:n + 5], True, True, 1)["total"]
     t["nccl"] = both("nccl_layers", (n,), (n,))[0]
     t["host_latency"] = both("pingpong_host", (200,), (200,))[0]
     both("pingpong_device_enqueue", (500,), (500,))
@@ -384,6 +400,8 @@ def report(t: dict) -> dict:
     anchor, base = gbps(t["anchor"]), t["base"] * 1e3
     rows = [("push 1 GiB scattered over 16-token pages, 32 layers (GB/s)", gbps(t["push"]), anchor, ">= 0.90"),
             ("  fused append_push_kv kernels alone, no pusher (GB/s)", gbps(t["fused_kernel"]), anchor, "diagnosis"),
+            ("  the same 32 launches replayed as one CUDA graph (GB/s)", gbps(t["fused_kernel_graph"]), anchor,
+             "diagnosis"),
             ("  copy_slots page to page into the peer, all layers (GB/s)", gbps(t["copy_slots_pages"]), anchor,
              "diagnosis"),
             ("same bytes as 256-byte rows, torch index_copy_ (GB/s)", gbps(t["rows"]), anchor, "comparison"),
@@ -400,6 +418,7 @@ def report(t: dict) -> dict:
         "anchors": {"bandwidth": "contiguous 1 GiB peer copy_ (same run)",
                     "prefill": "same loop with local append_kv only"},
         "doorbell_one_way_us": {"host_polled": t["host_latency"] * 1e6, "device_waited": t["device_latency"] * 1e6},
+        "push_host_us_per_layer": t["push_host"] / LAYERS * 1e6,
         "table": [{"metric": m, "ours": ours, "anchor": ref, "ratio": ours / ref, "target": target}
                   for m, ours, ref, target in rows],
         "seconds": {k: v for k, v in t.items() if k != "device"},

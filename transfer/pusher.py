@@ -72,7 +72,13 @@ class KVPusher:
         self.geometry = KVGeometry.of(tuple(kv.shape), kv.element_size())
         self.force_segment_puts = force_segment_puts
         self._stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
+        # Reused every forward (fewer host calls per layer): "K/V ready" on the caller's stream,
+        # "layer written" on the transfer stream.
+        num_events = self.geometry.num_layers + 1 if kv.is_cuda else 0
+        self._ready_events = [torch.cuda.Event() for _ in range(num_events)]
+        self._done_events = [torch.cuda.Event() for _ in range(num_events)]
         self._peer_kv: dict[int, torch.Tensor | None] = {}
+        self._peer_layers: dict[int, list[torch.Tensor]] = {}
         self._dst_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self._doorbells: dict[int, DoorbellTicket] = {}
         self._forward: _Forward | None = None
@@ -120,7 +126,7 @@ class KVPusher:
             fork_src, fork_dst = self._to_device(plan.fork_src_slots, plan.fork_dst_slots)
             copy_slots(self.kv, fork_src, self.kv, fork_dst, check_indices=False)
         if work.peer_copies or work.segment_copies:
-            with self._on_transfer_stream():
+            with self._on_transfer_stream(self.geometry.num_layers):
                 self._copy_existing(work)
         self._forward = fwd
 
@@ -138,8 +144,9 @@ class KVPusher:
 
         Returns:
             On CUDA with transfers: the event after which the layer's local and remote writes are
-            done (`wait_layer` makes the current stream wait on it). None otherwise (CPU work is
-            finished on return; without transfers the append ran on the current stream).
+            done (`wait_layer` makes the current stream wait on it); it is recorded again when the
+            same layer is pushed in a later forward. None otherwise (CPU work is finished on
+            return; without transfers the append ran on the current stream).
         """
         fwd = self._check_layer(layer)
         work = fwd.work
@@ -148,9 +155,9 @@ class KVPusher:
                       check_indices=False)
             fwd.layer_events[layer] = None
             return None
-        with self._on_transfer_stream() as stream:
+        with self._on_transfer_stream(layer) as stream:
             if work.peer_pes:
-                dst_layers = [self._peer_kv[pe][layer] for pe in work.peer_pes]
+                dst_layers = [self._peer_layers[pe][layer] for pe in work.peer_pes]
                 append_push_kv(k, v, self.kv[layer], fwd.append_slots, dst_layers, fwd.dst_slots,
                                fwd.dst_index, k_scale=k_scale, v_scale=v_scale,
                                dst_table=fwd.dst_table, check_indices=False)
@@ -163,7 +170,7 @@ class KVPusher:
             if stream is not None:
                 k.record_stream(stream)
                 v.record_stream(stream)
-                event = torch.cuda.Event()
+                event = self._done_events[layer]
                 event.record(stream)
         fwd.layer_events[layer] = event
         return event
@@ -195,11 +202,11 @@ class KVPusher:
         event = None
         if fwd.work.has_transfers:
             self.wait_layer(self.geometry.num_layers - 1)
-            with self._on_transfer_stream() as stream:
+            with self._on_transfer_stream(self.geometry.num_layers) as stream:
                 for ticket in fwd.work.rings:
                     ring_async(self.heap, ticket, stream)
                 if stream is not None:
-                    event = torch.cuda.Event()
+                    event = self._done_events[self.geometry.num_layers]
                     event.record(stream)
         for seq, complete in zip(fwd.plan.send_seq_ids.tolist(), fwd.plan.send_complete.tolist()):
             if complete:
@@ -217,7 +224,9 @@ class KVPusher:
     # ------------------------------------------------------------------ internals
     def _reachable(self, pe: int) -> bool:
         if pe not in self._peer_kv:
-            self._peer_kv[pe] = None if self.force_segment_puts else self.heap.peer(self.kv, pe)
+            peer_kv = None if self.force_segment_puts else self.heap.peer(self.kv, pe)
+            self._peer_kv[pe] = peer_kv
+            self._peer_layers[pe] = list(peer_kv.unbind(0)) if peer_kv is not None else []
         return self._peer_kv[pe] is not None
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
@@ -259,22 +268,27 @@ class KVPusher:
                                 src_pe=self.heap.rank, dst_pe=int(plan.send_pes[0]))
         return fwd
 
-    def _on_transfer_stream(self) -> _TransferStream:
-        return _TransferStream(self._stream, self.kv.device)
+    def _on_transfer_stream(self, slot: int) -> _TransferStream:
+        """Context for transfer work; ``slot`` picks the reusable "ready" event (layer, or L)."""
+        ready = self._ready_events[slot] if self._stream is not None else None
+        return _TransferStream(self._stream, self.kv.device, ready)
 
 
 class _TransferStream:
     """Context: on CUDA, run on the transfer stream after the current stream's work so far."""
 
-    def __init__(self, stream: torch.cuda.Stream | None, device: torch.device) -> None:
+    def __init__(self, stream: torch.cuda.Stream | None, device: torch.device,
+                 ready: torch.cuda.Event | None) -> None:
         self._stream = stream
         self._device = device
+        self._ready = ready
         self._ctx = None
 
     def __enter__(self) -> torch.cuda.Stream | None:
         if self._stream is None:
             return None
-        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        self._ready.record(torch.cuda.current_stream(self._device))
+        self._stream.wait_event(self._ready)
         self._ctx = torch.cuda.stream(self._stream)
         self._ctx.__enter__()
         return self._stream
