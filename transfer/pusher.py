@@ -77,6 +77,7 @@ class KVPusher:
         num_events = self.geometry.num_layers + 1 if kv.is_cuda else 0
         self._ready_events = [torch.cuda.Event() for _ in range(num_events)]
         self._done_events = [torch.cuda.Event() for _ in range(num_events)]
+        self._kv_layers = list(kv.unbind(0))  # per-layer views, made once (indexing costs host time)
         self._peer_kv: dict[int, torch.Tensor | None] = {}
         self._peer_layers: dict[int, list[torch.Tensor]] = {}
         self._dst_tables: dict[tuple[int, ...], torch.Tensor] = {}
@@ -151,18 +152,18 @@ class KVPusher:
         fwd = self._check_layer(layer)
         work = fwd.work
         if not work.has_transfers:
-            append_kv(k, v, self.kv[layer], fwd.append_slots, k_scale=k_scale, v_scale=v_scale,
+            append_kv(k, v, self._kv_layers[layer], fwd.append_slots, k_scale=k_scale, v_scale=v_scale,
                       check_indices=False)
             fwd.layer_events[layer] = None
             return None
         with self._on_transfer_stream(layer) as stream:
             if work.peer_pes:
                 dst_layers = [self._peer_layers[pe][layer] for pe in work.peer_pes]
-                append_push_kv(k, v, self.kv[layer], fwd.append_slots, dst_layers, fwd.dst_slots,
+                append_push_kv(k, v, self._kv_layers[layer], fwd.append_slots, dst_layers, fwd.dst_slots,
                                fwd.dst_index, k_scale=k_scale, v_scale=v_scale,
                                dst_table=fwd.dst_table, check_indices=False)
             else:
-                append_kv(k, v, self.kv[layer], fwd.append_slots, k_scale=k_scale, v_scale=v_scale,
+                append_kv(k, v, self._kv_layers[layer], fwd.append_slots, k_scale=k_scale, v_scale=v_scale,
                           check_indices=False)
             for pe, runs in work.segment_pushes.items():
                 self.heap.put_segments_async(self.kv, pe, runs.for_layer(layer), stream)

@@ -98,8 +98,8 @@ def test_open_unlinks_every_file_once_all_pes_mapped_them():
 def test_open_refuses_mismatched_sizes_and_cleans_up():
     uid = new_unique_id("shm")
     results = collective([
-        lambda: _error(lambda: open_heap("shm", uid=uid, rank=0, world_size=2, size_bytes=1 << 20, timeout_s=5)),
-        lambda: _error(lambda: open_heap("shm", uid=uid, rank=1, world_size=2, size_bytes=2 << 20, timeout_s=5)),
+        lambda: _error(lambda: open_heap("shm", uid=uid, rank=0, world_size=2, size_bytes=1 << 20, timeout_s=1)),
+        lambda: _error(lambda: open_heap("shm", uid=uid, rank=1, world_size=2, size_bytes=2 << 20, timeout_s=1)),
     ])
     assert any(isinstance(e, HeapError) and "size_bytes or num_signals differ" in str(e) for e in results)
     assert shm_leftovers(uid) == []
