@@ -5,7 +5,8 @@
 Cases: a decode batch of 256 sequences of about 4096 tokens (page size 16; lengths staggered so
 that, as in serving, about 1 in 16 sequences needs a new page per step), the worst decode step
 (every sequence needs a page at once), and a prefill batch of 16 x 2048 tokens into fresh
-sequences. Figures are medians (with p90/p99) of many timed calls. Anchor, from the same run: the
+sequences; plus the decode batch with every sequence windowed, or marked to send (the
+per-sequence paths). Figures are medians (with p90/p99) of many timed calls. Anchor, from the same run: the
 least numpy work any plan builder must do (concatenate the batch's page tables, cumsum their
 lengths, gather the new tokens' slots with precomputed indices); the ratio is what the rest of
 the bookkeeping (lookups, checks, page allocation, positions, transfer arrays) costs on top.
@@ -73,19 +74,32 @@ def anchor_seconds(cache: PagedKVCache, seq_ids: list[int], num_new: int, reps: 
     return times
 
 
-def bench_decode(num_seqs: int, seq_len: int, reps: int, aligned: bool) -> dict:
-    """Decode steps over `num_seqs` sequences of about `seq_len` tokens."""
+def bench_decode(num_seqs: int, seq_len: int, reps: int, aligned: bool = False, mode: str = "plain") -> dict:
+    """Decode steps over `num_seqs` sequences of about `seq_len` tokens.
+
+    Modes: "plain"; "windowed" (every sequence has a sliding window of `seq_len` with 4 sinks, so
+    each step slides); "sending" (every sequence is marked to send to a receiver, so each step
+    also fills push arrays).
+    """
     pages_per_seq = (seq_len + reps + PAGE_SIZE) // PAGE_SIZE + 1
     cache = PagedKVCache(num_pages=num_seqs * pages_per_seq, page_size=PAGE_SIZE)
     seq_ids = list(range(num_seqs))
     for seq_id in seq_ids:
         cache.add_sequence(seq_id)
+        if mode == "windowed":
+            cache.enable_sliding_window(seq_id, seq_len, 4)
     # Aligned: every sequence fills its last page together (worst step every 16th call);
     # staggered: sequence i is i % 16 tokens short, so ~1/16 of them need a page per step.
     lens = [seq_len if aligned else seq_len - (i % PAGE_SIZE) for i in seq_ids]
     cache.begin_forward(seq_ids, lens)
     cache.end_forward()
     ones = [1] * num_seqs
+    if mode == "sending":
+        map_len = seq_len + reps + 1
+        for seq_id in seq_ids:
+            cache.disagg_mark_send(seq_id, 0, [1, seq_id * map_len, map_len], recver_pe=1)
+        cache.begin_forward(seq_ids, ones)  # drains the page-to-page copies of the prompts
+        cache.end_forward()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -127,6 +141,8 @@ def main() -> None:
     cases = {
         "decode 256 x ~4096 tok, page 16": bench_decode(256, 4096, args.reps, aligned=False),
         "decode 256 x 4096 tok, every seq takes a page": bench_decode(256, 4096, args.reps, aligned=True),
+        "decode 256 x ~4096 tok, sliding windows": bench_decode(256, 4096, args.reps, mode="windowed"),
+        "decode 256 x ~4096 tok, all marked to send": bench_decode(256, 4096, args.reps, mode="sending"),
         "prefill 16 x 2048 tok, page 16": bench_prefill(16, 2048, max(args.reps // 10, 20)),
     }
     figures = []

@@ -49,14 +49,24 @@ def build_plan(
     sink_size = np.zeros(batch, dtype=np.int32)
     window_offset = np.zeros(batch, dtype=np.int32)
     if windowed:
-        fix_windowed(windowed, seqs, qo_indptr, page_size, slots, last_page_len, sink_size, window_offset)
+        fix_windowed(
+            windowed,
+            qo_indptr,
+            page_indptr,
+            page_indices,
+            page_size,
+            slots,
+            last_page_len,
+            sink_size,
+            window_offset,
+        )
     num_tokens = int(qo_indptr[-1])
     push_slots = np.full(num_tokens, -1, dtype=np.int32)
     push_pes = np.full(num_tokens, -1, dtype=np.int32)
     pushed = {}
     if senders:
         send_index = {seq_id: i for i, seq_id in enumerate(ids) if seq_id in senders}
-        pushed = push_targets(send_index, senders, qo_indptr, positions, push_slots, push_pes)
+        pushed = push_targets(send_index, senders, qo_indptr, len_before, push_slots, push_pes)
     return ForwardPlan(
         seq_ids=tuple(ids),
         qo_indptr=qo_indptr,
@@ -129,60 +139,85 @@ def append_slots(
 
 def fix_windowed(
     windowed: list[WindowedAppend],
-    seqs: list[Sequence],
     qo_indptr: np.ndarray,
+    page_indptr: np.ndarray,
+    page_indices: np.ndarray,
     page_size: int,
     slots: np.ndarray,
     last_page_len: np.ndarray,
     sink_size: np.ndarray,
     window_offset: np.ndarray,
 ) -> None:
-    """Overwrite the slots, last page lengths and holes of sliding-window sequences, in place."""
-    for item in windowed:
-        i, block = item.index, item.block
-        offsets = sliding.append_offsets(block, item.last_len_before, int(qo_indptr[i + 1] - qo_indptr[i]))
-        table = seqs[i].table
-        table_offsets = item.prefix_pages * page_size + offsets
-        safe = np.where(offsets < 0, 0, table_offsets)
-        seq_slots = table[safe // page_size].astype(np.int64) * page_size + safe % page_size
-        slots[qo_indptr[i] : qo_indptr[i + 1]] = np.where(offsets < 0, -1, seq_slots)
-        used = item.prefix_pages * page_size + block.num_used_slots
-        last_page_len[i] = (used - 1) % page_size + 1
-        prefix_length = item.prefix_pages * page_size
-        sink_size[i], window_offset[i] = sliding.hole(prefix_length, block)
+    """Overwrite the slots, last page lengths and holes of sliding-window sequences, in place.
+
+    Vectorized over all windowed sequences of the batch; see `sliding.append_offsets` for the
+    three cases (written into the sinks, dropped, written into the window).
+    """
+    index = np.array([w.index for w in windowed], dtype=np.int64)
+    prefix_slots = np.array([w.prefix_pages for w in windowed], dtype=np.int64) * page_size
+    before = np.array([w.last_len_before for w in windowed], dtype=np.int64)
+    length = np.array([w.block.seq_length for w in windowed], dtype=np.int64)
+    sink = np.array([w.block.sink_length for w in windowed], dtype=np.int64)
+    start = np.array([w.block.sliding_window_offset for w in windowed], dtype=np.int64)
+    lens = (qo_indptr[index + 1] - qo_indptr[index]).astype(np.int64)
+    owner = np.repeat(np.arange(len(windowed)), lens)
+    j = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    offsets = sliding.append_offsets(
+        before[owner] + j, length[owner] - lens[owner] + j, sink[owner], start[owner]
+    )
+    table_slots = np.where(offsets < 0, 0, prefix_slots[owner] + offsets)
+    pages = page_indices[page_indptr[index][owner] + table_slots // page_size].astype(np.int64)
+    written = pages * page_size + table_slots % page_size
+    slots[qo_indptr[index][owner] + j] = np.where(offsets < 0, -1, written)
+    used = prefix_slots + length - sink + start
+    last_page_len[index] = (used - 1) % page_size + 1
+    has_hole = start > sink
+    sink_size[index] = np.where(has_hole, prefix_slots + sink, 0)
+    window_offset[index] = np.where(has_hole, prefix_slots + start, 0)
 
 
 def push_targets(
     send_index: dict[int, int],
     senders: dict[int, Sequence],
     qo_indptr: np.ndarray,
-    positions: np.ndarray,
+    len_before: np.ndarray,
     push_slots: np.ndarray,
     push_pes: np.ndarray,
 ) -> dict[int, bool]:
     """Fill the receiver slot and PE of every pushed token, in place.
 
+    Senders never have a sliding window, so a token's position is its sequence's length before the
+    append plus its index in the append. One slice of each sender's map, one concatenate.
+
     Args:
         send_index: batch index of each sender in the batch (seq id -> index).
         senders: sequences marked for sending (seq id -> sequence).
         qo_indptr: ``[B+1]`` int32 token ranges.
-        positions: ``[T]`` int32 positions of the appended tokens.
+        len_before: ``[B]`` int64 sequence lengths before the append.
         push_slots, push_pes: ``[T]`` int32, -1 filled; written for pushed tokens.
 
     Returns:
         For each sender that pushes in this forward: whether it writes its map's last token.
     """
-    pushed = {}
-    for seq_id, i in send_index.items():
-        send = senders[seq_id].send
-        lo, hi = int(qo_indptr[i]), int(qo_indptr[i + 1])
-        map_index = positions[lo:hi].astype(np.int64) - send.begin
-        sent = map_index >= 0
-        if not sent.any():
-            continue
-        remote = np.full(hi - lo, -1, dtype=np.int32)
-        remote[sent] = send.remote_slots[map_index[sent]]
-        push_slots[lo:hi] = remote
-        push_pes[lo:hi] = np.where(remote >= 0, send.recver_pe, -1)
-        pushed[seq_id] = int(map_index[-1]) == len(send.remote_slots) - 1
-    return pushed
+    if not send_index:
+        return {}
+    sends = [senders[seq_id].send for seq_id in send_index]
+    rows = np.fromiter(send_index.values(), dtype=np.int64, count=len(sends))
+    begin = np.array([send.begin for send in sends], dtype=np.int64)
+    map_len = np.array([len(send.remote_slots) for send in sends], dtype=np.int64)
+    lens = (qo_indptr[rows + 1] - qo_indptr[rows]).astype(np.int64)
+    first = len_before[rows] - begin  # map index of each sender's first new token
+    skip = np.clip(-first, 0, lens)  # its tokens before `begin` are not sent
+    count = lens - skip
+    starts = np.maximum(first, 0).tolist()
+    parts = [send.remote_slots[lo : lo + n] for send, lo, n in zip(sends, starts, count.tolist()) if n > 0]
+    if not parts:
+        return {}
+    remote = np.concatenate(parts)
+    within = np.arange(remote.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    tokens = np.repeat(qo_indptr[rows] + skip, count) + within
+    pes = np.repeat(np.array([send.recver_pe for send in sends], dtype=np.int32), count)
+    push_slots[tokens] = remote
+    push_pes[tokens] = np.where(remote >= 0, pes, -1)
+    complete = (first + lens == map_len).tolist()
+    return {seq_id: done for seq_id, done, n in zip(send_index, complete, count.tolist()) if n > 0}

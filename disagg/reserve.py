@@ -93,6 +93,12 @@ def _check_in_order(
     page_size: int,
     op: str,
 ) -> None:
+    gross = sum(
+        sliding.gross_need(blocks.blocks[s.last_block_idx], n, page_size) if s.windowed else k
+        for s, n, k in zip(seqs, lens, need)
+    )
+    if gross <= pool.num_free:
+        return  # every page comes straight off the stack; slides only give pages back
     free = lowest = pool.num_free
     for seq, length, k in zip(seqs, lens, need):
         if seq.windowed:
@@ -123,8 +129,12 @@ def _reserve_in_order(
             seq.seq_length += length
             block.seq_length += length
             continue
-        prefix_pages = len(seq.table) - len(block.page_ids)
+        num_before = len(block.page_ids)
+        prefix_pages = len(seq.table) - num_before
         windowed.append(WindowedAppend(i, block, prefix_pages, block.seq_length))
-        sliding.reserve(pool, seq, block, length, page_size)
-        seq.set_table(np.concatenate((seq.table[:prefix_pages], np.asarray(block.page_ids, dtype=np.int32))))
+        if sliding.reserve(pool, seq, block, length, page_size):
+            own = np.asarray(block.page_ids, dtype=np.int32)
+            seq.set_table(np.concatenate((seq.table[:prefix_pages], own)))
+        elif len(block.page_ids) > num_before:
+            seq.extend_table(block.page_ids[num_before:])
     return windowed

@@ -71,37 +71,57 @@ def simulate_reserve(
     return min(lowest, free), free
 
 
-def reserve(pool: PagePool, seq: Sequence, block: Block, append_length: int, page_size: int) -> None:
+def gross_need(block: Block, append_length: int, page_size: int) -> int:
+    """Pages a reservation takes before its slide gives any back (an upper bound of its demand)."""
+    return max(_ceil_div(block.num_used_slots + append_length, page_size) - len(block.page_ids), 0)
+
+
+def reserve(pool: PagePool, seq: Sequence, block: Block, append_length: int, page_size: int) -> bool:
     """Grow a windowed sequence's last block by `append_length` positions, then slide (TVM order).
 
     New pages come from the free stack; when it is empty, temporary placeholders are borrowed and
     replaced after the slide gave pages back. The caller checked feasibility with `simulate_reserve`.
+
+    Returns:
+        Whether pages were removed from the block or borrowed (else new pages were only appended).
     """
     cur = len(block.page_ids)
     target = _ceil_div(block.num_used_slots + append_length, page_size)
+    borrowed = False
     for _ in range(cur, target):
-        block.page_ids.append(TEMP_PAGE_ID if pool.num_free == 0 else pool.take(1)[0])
+        if pool.num_free == 0:
+            block.page_ids.append(TEMP_PAGE_ID)
+            borrowed = True
+        else:
+            block.page_ids.append(pool.take(1)[0])
     block.seq_length += append_length
     seq.seq_length += append_length
-    slide(pool, seq, block, page_size)
-    for i, page in enumerate(block.page_ids):
-        if page == TEMP_PAGE_ID:
-            block.page_ids[i] = pool.take(1)[0]
+    erased = slide(pool, seq, block, page_size)
+    if borrowed:
+        for i, page in enumerate(block.page_ids):
+            if page == TEMP_PAGE_ID:
+                block.page_ids[i] = pool.take(1)[0]
+    return borrowed or erased
 
 
-def slide(pool: PagePool, seq: Sequence, block: Block, page_size: int) -> None:
-    """Slide `seq` back to its window size, freeing pages that hold only slid-off positions."""
+def slide(pool: PagePool, seq: Sequence, block: Block, page_size: int) -> bool:
+    """Slide `seq` back to its window size, freeing pages that hold only slid-off positions.
+
+    Returns:
+        Whether pages were removed from the block.
+    """
     length_to_slide, sink, num_sink_pages, window_slot = _slide_target(seq, block, seq.seq_length, page_size)
     if length_to_slide == 0:
-        return
+        return False
     if sink != block.sink_length:
         assert block.sliding_window_offset == 0, "a block's sinks are pinned only on its first slide"
         block.sink_length = block.sliding_window_offset = sink
     first_page, in_page = divmod(window_slot, page_size)
-    if first_page > num_sink_pages:
-        erased = block.page_ids[num_sink_pages:first_page]
+    erased = first_page > num_sink_pages
+    if erased:
+        pages = block.page_ids[num_sink_pages:first_page]
         del block.page_ids[num_sink_pages:first_page]
-        pool.give(p for p in erased if p != TEMP_PAGE_ID)
+        pool.give(p for p in pages if p != TEMP_PAGE_ID)
         first_page = num_sink_pages
     assert first_page in (
         num_sink_pages - 1,
@@ -112,26 +132,25 @@ def slide(pool: PagePool, seq: Sequence, block: Block, page_size: int) -> None:
     block.sliding_window_offset = first_page * page_size + in_page
     assert block.seq_length >= block.sink_length, "a slide never eats into the sinks"
     assert _ceil_div(block.num_used_slots, page_size) == len(block.page_ids), "pages cover used slots"
+    return erased
 
 
-def append_offsets(block: Block, last_len_before: int, append_length: int) -> np.ndarray:
-    """In-block slot offsets of the tokens just reserved, -1 for tokens that slid off unwritten.
+def append_offsets(
+    before: np.ndarray, pos_in_block: np.ndarray, sink: np.ndarray, window_start: np.ndarray
+) -> np.ndarray:
+    """In-block slot offsets of tokens just reserved, -1 for tokens that slid off unwritten.
 
-    Args:
-        block: the last block after `reserve`.
-        last_len_before: the block's `seq_length` before the reservation.
-        append_length: tokens appended.
+    Args (all ``[T]`` int64, one entry per appended token of a windowed sequence):
+        before: the token's in-block position counted before the slide (old length + j).
+        pos_in_block: its in-block position after the slide (new length - append + j).
+        sink: its block's `sink_length` after the reservation.
+        window_start: its block's `sliding_window_offset` after the reservation.
 
     Returns:
-        ``[append_length]`` int64 in-block slot offsets (TVM's three cases: written into the sinks,
-        dropped because the window already slid past it, or written into the window).
+        ``[T]`` int64 in-block slot offsets, TVM's three cases: written into the sinks (position
+        still below the sinks), dropped (the window already slid past it), or in the window.
     """
-    j = np.arange(append_length, dtype=np.int64)
-    sink = block.sink_length
-    before = last_len_before + j
-    pos_in_block = block.seq_length - append_length + j
-    offsets = pos_in_block - sink + block.sliding_window_offset
-    offsets = np.where(before < sink, before, offsets)
+    offsets = np.where(before < sink, before, pos_in_block - sink + window_start)
     return np.where((before >= sink) & (pos_in_block < sink), -1, offsets)
 
 
@@ -159,10 +178,3 @@ def truncate(block: Block, new_length: int) -> None:
     if block.slid and new_length <= block.sink_length:
         block.sink_length = block.sliding_window_offset = 0
     block.seq_length = new_length
-
-
-def hole(prefix_length: int, block: Block) -> tuple[int, int]:
-    """Dead page-table slots ``[begin, end)`` between sinks and window, ``(0, 0)`` when none."""
-    if block.sliding_window_offset <= block.sink_length:
-        return 0, 0
-    return prefix_length + block.sink_length, prefix_length + block.sliding_window_offset
