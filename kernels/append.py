@@ -8,18 +8,27 @@ in another process's file (the CPU shm heap). One launch serves every receiver i
 kernel adds a per-receiver element offset (`build_dst_table`) to the local cache's pointer.
 Both run on the caller's current stream, capture-safe when no values are checked (`check_indices`)
 and, for the push, when `dst_table` is prebuilt.
+
+`prepare_append_push` is the per-forward form for a layer loop: it checks everything that is the
+same for all layers once (geometry, receivers, index values, offset table) and returns a
+`PreparedAppend` whose per-layer call checks only k/v against what it has seen and launches the
+compiled kernel directly (a few microseconds of host time instead of ~100: the one-shot
+launchers' checks plus Triton's argument binding would otherwise bound a layer-wise push by the
+CPU rather than by NVLink).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from disagg.kernels import checks, dispatch, reference
-from disagg.kernels.fp8 import Scales, load_scale, quantize_fp8, resolve_scales
+from disagg.kernels.fp8 import FP8_DTYPE, Scales, load_scale, quantize_fp8, resolve_scales
 
 # A receiver's cache offset must keep 16-element alignment so stores stay vectorized.
 DST_ALIGN_ELEMENTS = 16
@@ -85,34 +94,27 @@ def append_kv_kernel(
         _store_tile(kv_ptr, remote + v_shift, v, remote_ok, vs, QUANT)
 
 
-def _check_new_kv(k: torch.Tensor, v: torch.Tensor, geo: checks.KVGeometry,
-                  device: torch.device) -> int:
-    """Check k, v `[T, H_kv, D]` against the cache; return T."""
-    dims = "[num_tokens, num_kv_heads, head_dim]"
-    shape = (None, geo.num_kv_heads, geo.head_dim)
-    checks.check_tensor("k", k, dims=dims, shape=shape, dtypes=checks.ATTN_DTYPES, device=device)
-    checks.check_tensor("v", v, dims=dims, shape=(k.shape[0],) + shape[1:], dtypes=(k.dtype,),
-                        device=device)
-    if geo.dtype != torch.float8_e4m3fn and k.dtype != geo.dtype:
-        raise TypeError(f"k: expected the cache's dtype {geo.dtype}, got {k.dtype}")
-    checks.check_rows("k", k)
-    checks.check_rows("v", v)
-    return k.shape[0]
-
-
-def _launch(k, v, kv_layer, slots, geo: checks.KVGeometry, scales: Scales, push_args) -> None:
+def _launch_args(k: torch.Tensor, v: torch.Tensor, geo: checks.KVGeometry, scales: Scales,
+                 push: bool) -> tuple[tuple[int, int, int], tuple]:
+    """The grid, and the kernel's arguments after the 9 tensors and scales (sizes, strides,
+    constexprs) in signature order, for new K/V `k`, `v` `[T, H_kv, D]`."""
     num_tokens = k.shape[0]
     block_h = min(triton.next_power_of_2(geo.num_kv_heads), 8)
     block_d = triton.next_power_of_2(geo.head_dim)
     block_t = max(1, min(64, TILE_ELEMENTS // (block_h * block_d)))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(geo.num_kv_heads, block_h), 1)
+    tail = (num_tokens, k.stride(0), k.stride(1), v.stride(0), v.stride(1), geo.stride_page,
+            geo.num_kv_heads, geo.head_dim, geo.page_size, block_t, block_h, block_d,
+            push, scales.is_fp8, scales.is_tensor)
+    return grid, tail
+
+
+def _launch(k, v, kv_layer, slots, geo: checks.KVGeometry, scales: Scales, push_args) -> None:
+    """Triton's usual launch (binds and specializes the arguments on every call)."""
     dst_slots, dst_index, dst_table = push_args if push_args is not None else (slots, slots, slots)
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(geo.num_kv_heads, block_h))
+    grid, tail = _launch_args(k, v, geo, scales, push_args is not None)
     dispatch.runnable(append_kv_kernel)[grid](
-        k, v, kv_layer, slots, dst_slots, dst_index, dst_table, scales.k, scales.v,
-        num_tokens, k.stride(0), k.stride(1), v.stride(0), v.stride(1), geo.stride_page,
-        NUM_HEADS=geo.num_kv_heads, HEAD_DIM=geo.head_dim, PAGE_SIZE=geo.page_size,
-        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
-        PUSH=push_args is not None, QUANT=scales.is_fp8, SCALE_IS_TENSOR=scales.is_tensor,
+        k, v, kv_layer, slots, dst_slots, dst_index, dst_table, scales.k, scales.v, *tail,
         num_warps=NUM_WARPS,
     )
 
@@ -145,7 +147,7 @@ def append_kv(
         TypeError, ValueError: see `disagg.kernels.checks`; nothing is written then.
     """
     geo = checks.check_kv_layer("kv_layer", kv_layer)
-    num_tokens = _check_new_kv(k, v, geo, kv_layer.device)
+    num_tokens = checks.check_new_kv(k, v, geo, kv_layer.device)
     checks.check_index("slots", slots, length=num_tokens, device=kv_layer.device)
     scales = resolve_scales(geo.dtype, kv_layer.device, k_scale, v_scale)
     if dispatch.should_check_values(kv_layer.device, check_indices):
@@ -189,47 +191,6 @@ def build_dst_table(kv_layer: torch.Tensor, dst_layers: Sequence[torch.Tensor]) 
     return torch.tensor(offsets or [0], dtype=torch.int64, device=kv_layer.device)
 
 
-def _check_receivers(kv_layer: torch.Tensor, geo: checks.KVGeometry,
-                     dst_layers: Sequence[torch.Tensor]) -> list[checks.KVGeometry]:
-    """Each receiver view must match the local cache's layout and page stride."""
-    if isinstance(dst_layers, torch.Tensor) or not isinstance(dst_layers, Sequence):
-        raise TypeError(f"dst_layers: expected a sequence of tensors, got {type(dst_layers).__name__}")
-    geos = []
-    for i, dst in enumerate(dst_layers):
-        name = f"dst_layers[{i}]"
-        dst_geo = checks.check_kv_layer(name, dst)
-        if not dst_geo.same_layout(geo) or dst_geo.stride_page != geo.stride_page:
-            raise ValueError(
-                f"{name}: expected kv_layer's geometry (H_kv={geo.num_kv_heads}, P={geo.page_size}, "
-                f"D={geo.head_dim}, {geo.dtype}, page stride {geo.stride_page}), got "
-                f"(H_kv={dst_geo.num_kv_heads}, P={dst_geo.page_size}, D={dst_geo.head_dim}, "
-                f"{dst_geo.dtype}, page stride {dst_geo.stride_page})"
-            )
-        if dst.device.type != kv_layer.device.type:
-            raise ValueError(f"{name}: expected a {kv_layer.device.type} tensor, got {dst.device}")
-        geos.append(dst_geo)
-    return geos
-
-
-def _check_push_values(dst_slots: torch.Tensor, dst_index: torch.Tensor,
-                       geos: list[checks.KVGeometry]) -> None:
-    """dst_index in [-1, R); each pushed token's dst slot in [-1, its receiver's num_slots)."""
-    if dst_index.numel() == 0:
-        return
-    checks.check_slot_values("dst_index", dst_index, len(geos))
-    limits = torch.tensor([g.num_slots for g in geos] or [0], dtype=torch.int64,
-                          device=dst_index.device)
-    receiver = dst_index.clamp(min=0).to(torch.int64)
-    bad = (dst_slots < -1) | ((dst_index >= 0) & (dst_slots >= limits[receiver]))
-    if bool(bad.any()):
-        t = int(bad.to(torch.int8).argmax())
-        r = int(dst_index[t])
-        raise ValueError(
-            f"dst_slots: expected -1 or a slot of receiver {r} in [0, {geos[r].num_slots if r >= 0 else 0}),"
-            f" got {int(dst_slots[t])} at position {t}"
-        )
-
-
 def append_push_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -266,18 +227,18 @@ def append_push_kv(
     """
     geo = checks.check_kv_layer("kv_layer", kv_layer)
     device = kv_layer.device
-    num_tokens = _check_new_kv(k, v, geo, device)
+    num_tokens = checks.check_new_kv(k, v, geo, device)
     checks.check_index("slots", slots, length=num_tokens, device=device)
     checks.check_index("dst_slots", dst_slots, length=num_tokens, device=device)
     checks.check_index("dst_index", dst_index, length=num_tokens, device=device)
-    geos = _check_receivers(kv_layer, geo, dst_layers)
+    geos = checks.check_receivers("dst_layers", kv_layer, geo, dst_layers)
     if dst_table is not None:
         checks.check_tensor("dst_table", dst_table, dims="[num_receivers]",
                             shape=(max(len(geos), 1),), dtypes=(torch.int64,), device=device)
     scales = resolve_scales(geo.dtype, device, k_scale, v_scale)
     if dispatch.should_check_values(device, check_indices):
         checks.check_slot_values("slots", slots, geo.num_slots)
-        _check_push_values(dst_slots, dst_index, geos)
+        checks.check_push_values(dst_slots, dst_index, geos)
     if num_tokens == 0:
         return
     if not dispatch.use_triton(kv_layer):
@@ -287,3 +248,277 @@ def append_push_kv(
     if dst_table is None:
         dst_table = build_dst_table(kv_layer, dst_layers)
     _launch(k, v, kv_layer, slots, geo, scales, (dst_slots, dst_index, dst_table))
+
+
+_UNIT_SCALES = Scales(1.0, 1.0, is_fp8=False, is_tensor=False)
+_ALIGN_BYTES = 16  # Triton specializes pointer arguments on 16-byte alignment
+
+
+def prepare_append_push(
+    kv: torch.Tensor,
+    slots: torch.Tensor | np.ndarray,
+    dst_kv: Sequence[torch.Tensor] = (),
+    dst_slots: torch.Tensor | np.ndarray | None = None,
+    dst_index: torch.Tensor | np.ndarray | None = None,
+    *,
+    check_indices: bool | None = None,
+) -> PreparedAppend:
+    """Check one forward's append (and push) once; return its per-layer launcher.
+
+    Everything that is the same for every layer of a forward is checked and resolved here: the
+    caches' geometry, the receivers, the index arrays and their values, the receiver offset
+    table. The returned `PreparedAppend` is then called once per layer with that layer's K/V
+    and writes what `append_push_kv` (or, without receivers, `append_kv`) would, with a few
+    microseconds of host time.
+
+    Args:
+        kv: `[L, num_pages, 2, H_kv, P, D]` local cache, every layer (pages packed, layers at
+            one stride, e.g. a contiguous heap allocation).
+        slots: `[T]` int32/int64 local slot of each new token, -1 skips it.
+        dst_kv: R receiver caches `[L, num_pages_r, 2, H_kv, P, D]` with kv's dtype, page layout
+            and page stride (peer views of other GPUs, or CPU tensors mapping another process's
+            memory); empty for a local append only.
+        dst_slots: `[T]` int32/int64 receiver slot of each token, -1 = not sent (receivers only).
+        dst_index: `[T]` int32/int64 index into dst_kv, -1 = not sent (receivers only).
+        check_indices: for index tensors: range-check their values (a host sync on CUDA); see
+            `dispatch.should_check_values`. Numpy index arrays are always checked, on the host,
+            then copied to kv's device in one transfer (pinned, on the current stream).
+
+    Returns:
+        The `PreparedAppend` of this forward.
+
+    Raises:
+        TypeError, ValueError: bad geometry, dtypes, devices or index values; nothing is written.
+    """
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 6:
+        got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
+        raise ValueError(f"kv: expected shape [num_layers, num_pages, 2, num_kv_heads, page_size, "
+                         f"head_dim], got {got}")
+    geo = checks.check_kv_layer("kv", kv, lead_ok=True)
+    geos = checks.check_receivers("dst_kv", kv, geo, dst_kv, local="kv", stacked=True)
+    if bool(geos) != (dst_slots is not None) or bool(geos) != (dst_index is not None):
+        raise ValueError("dst_slots, dst_index: expected both with receivers (dst_kv) and neither "
+                         f"without, got {len(geos)} receivers, dst_slots "
+                         f"{'set' if dst_slots is not None else 'None'}, dst_index "
+                         f"{'set' if dst_index is not None else 'None'}")
+    indices = _prepare_indices(kv, geo, dst_kv, geos, slots, dst_slots, dst_index, check_indices)
+    return PreparedAppend(kv, geo, list(dst_kv), geos, indices)
+
+
+def _prepare_indices(kv, geo, dst_kv, geos, slots, dst_slots, dst_index,
+                     check_indices) -> list[torch.Tensor]:
+    """Check the index arrays (shapes, dtypes, values) and build the receiver offset table;
+    return `[slots]`, or with receivers `[slots, dst_slots, dst_index, table]`, on kv's device."""
+    names = ("slots", "dst_slots", "dst_index")[:3 if geos else 1]
+    given = (slots, dst_slots, dst_index)[:len(names)]
+    on_host = [isinstance(x, np.ndarray) for x in given]
+    if any(on_host) and not all(on_host):
+        raise TypeError(f"{', '.join(names)}: expected all numpy arrays or all tensors, got "
+                        f"{', '.join(type(x).__name__ for x in given)}")
+    host = all(on_host)
+    where = torch.device("cpu") if host else kv.device
+    tensors = [torch.from_numpy(x) if host else x for x in given]
+    num_tokens = checks.check_index("slots", tensors[0], length=None, device=where).shape[0]
+    for name, tensor in zip(names[1:], tensors[1:]):
+        checks.check_index(name, tensor, length=num_tokens, device=where)
+    if host or dispatch.should_check_values(kv.device, check_indices):
+        checks.check_slot_values("slots", tensors[0], geo.num_slots)
+        if geos:
+            checks.check_push_values(tensors[1], tensors[2], geos)
+    if geos:
+        tensors.append(_offset_table(kv, geo, dst_kv, geos))
+    if not kv.is_cuda:
+        return tensors
+    if host:
+        return _to_device(tensors, kv.device)
+    return tensors[:3] + _to_device(tensors[3:], kv.device)
+
+
+def _offset_table(kv: torch.Tensor, geo: checks.KVGeometry, dst_kv: Sequence[torch.Tensor],
+                  geos: list[checks.KVGeometry]) -> torch.Tensor:
+    """Element offsets of each receiver's layer l from local layer l (as `build_dst_table`).
+
+    Returns:
+        CPU int64 `[1, R']` when they are the same for every layer (receivers with kv's layer
+        stride, as on a symmetric heap), else `[L, R']`; R' = R rounded up to even (16-byte rows).
+    """
+    elem = kv.element_size()
+    columns = []
+    for i, (dst, dst_geo) in enumerate(zip(dst_kv, geos)):
+        distance, step = dst.data_ptr() - kv.data_ptr(), dst_geo.stride_lead - geo.stride_lead
+        if distance % (elem * DST_ALIGN_ELEMENTS) or step % DST_ALIGN_ELEMENTS:
+            raise ValueError(
+                f"dst_kv[{i}]: expected every layer {DST_ALIGN_ELEMENTS * elem}-byte aligned "
+                f"relative to kv's, got a distance of {distance} bytes and a layer stride of "
+                f"{dst_geo.stride_lead} elements (kv: {geo.stride_lead})"
+            )
+        columns.append([distance // elem + layer * step for layer in range(geo.num_lead)])
+    rows = [list(row) for row in zip(*columns)]
+    if all(row == rows[0] for row in rows):
+        rows = rows[:1]
+    pad = [0] * (len(columns) % 2)
+    return torch.tensor([row + pad for row in rows], dtype=torch.int64)
+
+
+def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """CPU int tensors -> int64 views on `device` from one pinned, non-blocking copy; each view
+    starts 16 bytes aligned."""
+    starts = [0]
+    for tensor in tensors:
+        starts.append(starts[-1] + tensor.numel() + tensor.numel() % 2)
+    host = torch.zeros(starts[-1], dtype=torch.int64, pin_memory=True)
+    for tensor, start in zip(tensors, starts):
+        host[start:start + tensor.numel()] = tensor.reshape(-1)
+    packed = host.to(device, non_blocking=True)
+    return [packed[start:start + t.numel()].view(t.shape) for t, start in zip(tensors, starts)]
+
+
+def _aligned(tensor: torch.Tensor | float) -> bool:
+    """Whether a tensor's data is 16-byte aligned (what Triton specializes pointers on)."""
+    return isinstance(tensor, torch.Tensor) and tensor.data_ptr() % _ALIGN_BYTES == 0
+
+
+def _variant_key(k: object, v: object) -> tuple | None:
+    """What the checks read of k and v and what the compiled kernel is specialized on."""
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return None
+    try:
+        return (k.shape, v.shape, k.dtype, v.dtype, k.device, v.device, k.stride(), v.stride(),
+                k.data_ptr() % _ALIGN_BYTES == 0, v.data_ptr() % _ALIGN_BYTES == 0)
+    except RuntimeError:  # a tensor without storage (meta): the full checks say what is wrong
+        return None
+
+
+class PreparedAppend:
+    """One forward's `append_push_kv` (or `append_kv`), checked once; call it once per layer.
+
+    Made by `prepare_append_push`. A call checks only what may change from layer to layer: the
+    layer number, k/v's shape, dtype, device, strides and alignment, and the scales, by looking
+    them up among the combinations already seen (a dict lookup). A new combination gets
+    `append_push_kv`'s full checks and, on CUDA, its compiled kernel (`dispatch.compiled_launcher`);
+    then every call with it launches that kernel directly. CPU caches run Triton's interpreter or
+    the torch reference, as the one-shot launchers do. A refused call writes nothing. Calls make
+    no allocation, host sync or stream switch, so they may be captured in a CUDA graph.
+
+    Attributes:
+        num_layers: L.
+        num_tokens: T, new tokens per layer.
+        num_receivers: R.
+        device: the cache's device.
+    """
+
+    def __init__(self, kv: torch.Tensor, geo: checks.KVGeometry, dst_kv: list[torch.Tensor],
+                 geos: list[checks.KVGeometry], indices: list[torch.Tensor]) -> None:
+        self.num_layers, self.num_tokens, self.num_receivers = geo.num_lead, indices[0].shape[0], len(geos)
+        self.device = kv.device
+        self._geo, self._fp8 = geo, geo.dtype == FP8_DTYPE
+        self._layers = kv.unbind(0)
+        self._slots = indices[0]
+        if geos:
+            self._dst_slots, self._dst_index, table = indices[1:]
+            self._tables = list(table.unbind(0)) if len(table) > 1 else [table[0]] * self.num_layers
+        else:  # unused by the kernel without receivers (PUSH=False)
+            self._dst_slots = self._dst_index = self._slots
+            self._tables = [self._slots] * self.num_layers
+        self._reference = not dispatch.use_triton(kv)
+        self._kernel = None if self._reference else dispatch.runnable(append_kv_kernel)
+        self._dst_layers = [list(views) for views in zip(*(d.unbind(0) for d in dst_kv))] \
+            if self._reference and geos else None
+        self._stream_of = dispatch.stream_handle_getter() if kv.is_cuda else None
+        self._layer_keys = [(_aligned(layer), _aligned(table)) for layer, table in zip(self._layers, self._tables)]
+        self._variants: dict[tuple, tuple] = {}
+
+    def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor, *,
+                 k_scale: float | torch.Tensor | None = None,
+                 v_scale: float | torch.Tensor | None = None,
+                 stream: torch.cuda.Stream | None = None) -> None:
+        """Write layer `layer`'s new K/V into kv and the receivers, as `append_push_kv` would.
+
+        Args:
+            layer: `0 <= layer < L`.
+            k: `[T, H_kv, D]` float16/bfloat16/float32 (the cache's dtype unless it is fp8),
+                head_dim contiguous, on the cache's device.
+            v: `[T, H_kv, D]`, like k.
+            k_scale, v_scale: fp8 caches only, as in `append_kv`.
+            stream: CUDA stream to launch on (default: the current stream of the cache's
+                device); no stream switch is made either way.
+
+        Raises:
+            TypeError, ValueError: a layer out of range, k/v of another shape, dtype or device
+                than prepared, bad scales, a stream of another device; nothing is written.
+        """
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            layer = self._check_layer(layer)
+        if k_scale is None and v_scale is None and not self._fp8:
+            scales, scale_key = _UNIT_SCALES, None
+        else:
+            scales = resolve_scales(self._geo.dtype, self.device, k_scale, v_scale)
+            scale_key = (scales.is_tensor, _aligned(scales.k), _aligned(scales.v))
+        if stream is not None:
+            self._check_stream(stream)
+        key = _variant_key(k, v)
+        if key is not None:
+            key += (self._layer_keys[layer], scale_key)
+        variant = self._variants.get(key)
+        if variant is None:
+            variant = self._new_variant(key, layer, k, v, scales)
+        runner, grid, tail = variant
+        if runner is not None:
+            runner(k, v, self._layers[layer], self._slots, self._dst_slots, self._dst_index,
+                   self._tables[layer], scales.k, scales.v, *tail,
+                   stream=self._stream_of(self.device.index) if stream is None else stream.cuda_stream)
+        elif self.num_tokens:
+            self._launch_slow(layer, k, v, scales, grid, tail, stream)
+
+    def _new_variant(self, key: tuple | None, layer: int, k: torch.Tensor, v: torch.Tensor,
+                     scales: Scales) -> tuple:
+        """Full checks of k/v, and the launch arguments (and compiled kernel) for their kind."""
+        num_tokens = checks.check_new_kv(k, v, self._geo, self.device)
+        if num_tokens != self.num_tokens:
+            raise ValueError(f"k: expected {self.num_tokens} tokens (the length of the prepared "
+                             f"slots), got {num_tokens}")
+        grid, tail = _launch_args(k, v, self._geo, scales, self.num_receivers > 0)
+        runner = None
+        if self.device.type == "cuda" and not self._reference and num_tokens:
+            with torch.cuda.device(self.device):
+                runner = dispatch.compiled_launcher(self._kernel, grid, self._args(layer, k, v, scales) + tail,
+                                                    {"num_warps": NUM_WARPS})
+        variant = (runner, grid, tail)
+        if key is not None:
+            self._variants[key] = variant
+        return variant
+
+    def _args(self, layer: int, k: torch.Tensor, v: torch.Tensor, scales: Scales) -> tuple:
+        return (k, v, self._layers[layer], self._slots, self._dst_slots, self._dst_index,
+                self._tables[layer], scales.k, scales.v)
+
+    def _launch_slow(self, layer, k, v, scales, grid, tail, stream) -> None:
+        """The torch reference, or Triton's usual launch (interpreter, or no compiled kernel)."""
+        if self._reference:
+            if self._dst_layers is not None:
+                reference.append_push_kv(k, v, self._layers[layer], self._slots, self._dst_layers[layer],
+                                         self._dst_slots, self._dst_index, *scales.host())
+            else:
+                reference.append_kv(k, v, self._layers[layer], self._slots, *scales.host())
+            return
+        if stream is None:
+            self._kernel[grid](*self._args(layer, k, v, scales), *tail, num_warps=NUM_WARPS)
+            return
+        with torch.cuda.stream(stream):
+            self._kernel[grid](*self._args(layer, k, v, scales), *tail, num_warps=NUM_WARPS)
+
+    def _check_layer(self, layer: object) -> int:
+        try:
+            index = operator.index(layer)
+        except TypeError:
+            raise TypeError(f"layer: expected an int, got {type(layer).__name__}") from None
+        if not 0 <= index < self.num_layers:
+            raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {index}")
+        return index
+
+    def _check_stream(self, stream: object) -> None:
+        if self.device.type != "cuda":
+            raise ValueError(f"stream: expected None for a {self.device.type} cache, got {stream!r}")
+        index = getattr(stream, "device_index", None)
+        if index != self.device.index or not hasattr(stream, "cuda_stream"):
+            raise ValueError(f"stream: expected a torch.cuda.Stream of {self.device}, got {stream!r}")

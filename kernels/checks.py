@@ -157,6 +157,93 @@ def _collapse_lead(name: str, kv: torch.Tensor) -> tuple[int, int]:
     return num_lead, stride
 
 
+def check_new_kv(k: object, v: object, geo: KVGeometry, device: torch.device) -> int:
+    """Check new keys/values `[T, H_kv, D]` against a cache of geometry `geo`; return T.
+
+    Raises:
+        TypeError: not tensors, a dtype outside float16/bfloat16/float32, v's dtype not k's, or
+            (caches other than fp8) not the cache's dtype.
+        ValueError: a shape other than `[T, H_kv, D]` (v: k's T), another device, or head_dim
+            not contiguous.
+    """
+    dims = "[num_tokens, num_kv_heads, head_dim]"
+    shape = (None, geo.num_kv_heads, geo.head_dim)
+    check_tensor("k", k, dims=dims, shape=shape, dtypes=ATTN_DTYPES, device=device)
+    check_tensor("v", v, dims=dims, shape=(k.shape[0],) + shape[1:], dtypes=(k.dtype,), device=device)
+    if geo.dtype != torch.float8_e4m3fn and k.dtype != geo.dtype:
+        raise TypeError(f"k: expected the cache's dtype {geo.dtype}, got {k.dtype}")
+    check_rows("k", k)
+    check_rows("v", v)
+    return k.shape[0]
+
+
+def check_receivers(name: str, kv: torch.Tensor, geo: KVGeometry, dst: object, *,
+                    local: str = "kv_layer", stacked: bool = False) -> list[KVGeometry]:
+    """Check receiver caches against the local cache `kv` (geometry `geo`); return theirs.
+
+    Args:
+        name: the argument's name, e.g. "dst_layers".
+        kv: the local cache, `[num_pages, 2, H_kv, P, D]` or, with `stacked`, `[L, ...]`.
+        geo: `kv`'s geometry.
+        dst: a sequence of R receiver caches shaped like `kv` (num_pages may differ).
+        local: `kv`'s argument name, for messages.
+        stacked: receivers are `[L, num_pages_r, 2, H_kv, P, D]` stacks with kv's L.
+
+    Raises:
+        TypeError: `dst` not a sequence of tensors, or a receiver of another dtype.
+        ValueError: another page layout or page stride, another number of layers, or another
+            device type.
+    """
+    if isinstance(dst, torch.Tensor) or not isinstance(dst, Sequence):
+        raise TypeError(f"{name}: expected a sequence of tensors, got {type(dst).__name__}")
+    geos = []
+    for i, tensor in enumerate(dst):
+        item = f"{name}[{i}]"
+        if stacked and isinstance(tensor, torch.Tensor) and tensor.dim() != kv.dim():
+            raise ValueError(f"{item}: expected shape [num_layers, num_pages, 2, num_kv_heads, "
+                             f"page_size, head_dim], got {tuple(tensor.shape)}")
+        dst_geo = check_kv_layer(item, tensor, lead_ok=stacked)
+        if not dst_geo.same_layout(geo) or dst_geo.stride_page != geo.stride_page:
+            raise ValueError(
+                f"{item}: expected {local}'s geometry (H_kv={geo.num_kv_heads}, "
+                f"P={geo.page_size}, D={geo.head_dim}, {geo.dtype}, page stride {geo.stride_page}), "
+                f"got (H_kv={dst_geo.num_kv_heads}, P={dst_geo.page_size}, D={dst_geo.head_dim}, "
+                f"{dst_geo.dtype}, page stride {dst_geo.stride_page})"
+            )
+        if stacked and dst_geo.num_lead != geo.num_lead:
+            raise ValueError(f"{item}: expected {geo.num_lead} layers (as {local}), "
+                             f"got {dst_geo.num_lead}")
+        if tensor.device.type != kv.device.type:
+            raise ValueError(f"{item}: expected a {kv.device.type} tensor, got {tensor.device}")
+        geos.append(dst_geo)
+    return geos
+
+
+def check_push_values(dst_slots: torch.Tensor, dst_index: torch.Tensor,
+                      geos: Sequence[KVGeometry]) -> None:
+    """Check dst_index in [-1, R) and each pushed token's dst slot in [-1, its receiver's num_slots).
+
+    Reads values (a host sync on CUDA, like `check_slot_values`).
+
+    Raises:
+        ValueError: naming dst_index or dst_slots, with the first offending position.
+    """
+    if dst_index.numel() == 0:
+        return
+    check_slot_values("dst_index", dst_index, len(geos))
+    limits = torch.tensor([g.num_slots for g in geos] or [0], dtype=torch.int64,
+                          device=dst_index.device)
+    receiver = dst_index.clamp(min=0).to(torch.int64)
+    bad = (dst_slots < -1) | ((dst_index >= 0) & (dst_slots >= limits[receiver]))
+    any_bad, t = _to_host([bad.any(), bad.to(torch.int8).argmax()])
+    if any_bad:
+        r = int(dst_index[t])
+        raise ValueError(
+            f"dst_slots: expected -1 or a slot of receiver {r} in "
+            f"[0, {geos[r].num_slots if r >= 0 else 0}), got {int(dst_slots[t])} at position {t}"
+        )
+
+
 def check_same_device(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> torch.device:
     """Check that all tensors live on the first one's device; return it."""
     device = tensors[0].device

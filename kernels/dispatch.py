@@ -21,8 +21,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from typing import Callable, Sequence
 
 import torch
+from triton.runtime import driver
 from triton.runtime.interpreter import InterpretedFunction
 
 logger = logging.getLogger(__name__)
@@ -91,3 +93,40 @@ def device_sms(device: torch.device) -> int:
         return 132
     index = device.index if device.index is not None else torch.cuda.current_device()
     return num_sms(index)
+
+
+def compiled_launcher(kernel, grid: Sequence[int], args: Sequence[object],
+                      options: dict[str, object]) -> Callable[..., None] | None:
+    """The compiled `kernel` for `args`, as a raw launcher `launch(*args, stream=handle)`.
+
+    Uses what Triton 3.6 and 3.9 both provide: `JITFunction.warmup(*args, grid=, **options)`
+    compiles (or finds in Triton's caches) the kernel for the arguments' specialization without
+    launching it and returns the `CompiledKernel`; `CompiledKernel[grid]` is its launcher, which
+    takes every argument positionally (constexprs included, in signature order) and a raw stream
+    handle. The launcher does not re-derive the specialization: the caller must pass arguments
+    that specialize like `args` (same dtypes, same 16-byte alignment of every pointer, same int
+    values' divisibility by 16 and equality to 1) and must launch on the device current now.
+
+    Args:
+        kernel: a `@triton.jit` function.
+        grid: up to 3 program counts.
+        args: every kernel argument, in signature order, constexprs included.
+        options: launch options such as `num_warps`.
+
+    Returns:
+        The launcher, or None when there is no compiled kernel to launch directly (Triton's
+        interpreter; a JIT cache hook that declined to compile): launch the usual way then.
+    """
+    if isinstance(kernel, InterpretedFunction):
+        return None
+    compiled = kernel.warmup(*args, grid=tuple(grid), **options)
+    if compiled is not None and hasattr(compiled, "result"):  # async compile mode: a future
+        compiled = compiled.result()
+    if compiled is None:
+        return None
+    return compiled[tuple(grid) + (1,) * (3 - len(grid))]
+
+
+def stream_handle_getter() -> Callable[[int], int]:
+    """Triton's own "current stream of device i" (a raw handle, no Stream object made)."""
+    return driver.active.get_current_stream

@@ -18,38 +18,53 @@ caller's next kernels queue without a host sync; `k`/`v` are recorded on that st
 allocator does not reuse them early. Receivers that `SymmetricHeap.peer` cannot reach (another
 node), or every receiver when ``force_segment_puts``, take coalesced segment puts from the local
 pages instead: one put per contiguous run per layer. On CPU (shm heap) everything runs inline.
+
+Host time per layer is what bounds a layer-wise push (a layer's 32 MiB cross NVLink in ~100 us):
+`begin_forward` does everything that is per forward (plan checks, index arrays to the device in one
+copy, the fused kernel's receiver table and compiled kernel: `disagg.kernels.append.
+prepare_append_push`), so `push_layer_async` only records two reused events, makes the transfer
+stream wait, and launches the prepared kernel on that stream (no stream context switch, no
+allocation, no host sync).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from disagg.errors import ForwardStateError, TransferError
-from disagg.kernels import append_kv, append_push_kv, build_dst_table, copy_slots
+from disagg.kernels import copy_slots
+from disagg.kernels.append import PreparedAppend, prepare_append_push
 from disagg.plan import ForwardPlan
 from disagg.transfer.doorbell import DoorbellTicket, ring_async
 from disagg.transfer.heap import SymmetricHeap
 from disagg.transfer.push_plan import PushWork, build_push_work, check_plan
-from disagg.transfer.segments import KVGeometry
+from disagg.transfer.segments import KVGeometry, LayerSegments
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Forward:
-    """Device-side state of the open forward."""
+    """State of the open forward.
+
+    Attributes:
+        append: the per-layer fused append(+push) launcher, checked and resolved once.
+        segment_pushes: (receiver PE, runs) for receivers reached by segment puts.
+        pushed: per layer, whether it was pushed in this forward.
+        events: per layer, its "written" event (CUDA with transfers), else None.
+    """
 
     plan: ForwardPlan
     work: PushWork
-    append_slots: torch.Tensor
-    dst_index: torch.Tensor | None = None
-    dst_slots: torch.Tensor | None = None
-    dst_table: torch.Tensor | None = None
-    layer_events: dict[int, torch.cuda.Event] = field(default_factory=dict)
+    append: PreparedAppend
+    segment_pushes: list[tuple[int, LayerSegments]]
+    pushed: list[bool]
+    events: list[torch.cuda.Event | None]
 
 
 class KVPusher:
@@ -72,15 +87,13 @@ class KVPusher:
         self.geometry = KVGeometry.of(tuple(kv.shape), kv.element_size())
         self.force_segment_puts = force_segment_puts
         self._stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
+        self._device_index = kv.device.index if kv.is_cuda else None
         # Reused every forward (fewer host calls per layer): "K/V ready" on the caller's stream,
         # "layer written" on the transfer stream.
         num_events = self.geometry.num_layers + 1 if kv.is_cuda else 0
         self._ready_events = [torch.cuda.Event() for _ in range(num_events)]
         self._done_events = [torch.cuda.Event() for _ in range(num_events)]
-        self._kv_layers = list(kv.unbind(0))  # per-layer views, made once (indexing costs host time)
         self._peer_kv: dict[int, torch.Tensor | None] = {}
-        self._peer_layers: dict[int, list[torch.Tensor]] = {}
-        self._dst_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self._doorbells: dict[int, DoorbellTicket] = {}
         self._forward: _Forward | None = None
 
@@ -116,18 +129,17 @@ class KVPusher:
                                 src_pe=rank, dst_pe=int(plan.send_pes[0]))
         check_plan(plan, self.geometry, rank, self.heap.world_size, self._doorbells)
         work = build_push_work(plan, self.geometry, rank, self._reachable, self._doorbells)
-        if work.peer_pes:
-            append_slots, dst_index, dst_slots = self._to_device(work.append_slots, work.dst_index,
-                                                                 work.dst_slots)
-            fwd = _Forward(plan=plan, work=work, append_slots=append_slots, dst_index=dst_index,
-                           dst_slots=dst_slots, dst_table=self._dst_table(work.peer_pes))
-        else:
-            fwd = _Forward(plan=plan, work=work, append_slots=self._to_device(work.append_slots)[0])
+        peers = [self._peer_kv[pe] for pe in work.peer_pes]
+        append = prepare_append_push(self.kv, work.append_slots, peers,
+                                     work.dst_slots if peers else None, work.dst_index if peers else None)
+        num_layers = self.geometry.num_layers
+        fwd = _Forward(plan=plan, work=work, append=append, segment_pushes=list(work.segment_pushes.items()),
+                       pushed=[False] * num_layers, events=[None] * num_layers)
         if len(plan.fork_src_slots):
             fork_src, fork_dst = self._to_device(plan.fork_src_slots, plan.fork_dst_slots)
             copy_slots(self.kv, fork_src, self.kv, fork_dst, check_indices=False)
         if work.peer_copies or work.segment_copies:
-            with self._on_transfer_stream(self.geometry.num_layers):
+            with self._on_transfer_stream(num_layers):
                 self._copy_existing(work)
         self._forward = fwd
 
@@ -149,40 +161,35 @@ class KVPusher:
             same layer is pushed in a later forward. None otherwise (CPU work is finished on
             return; without transfers the append ran on the current stream).
         """
-        fwd = self._check_layer(layer)
-        work = fwd.work
-        if not work.has_transfers:
-            append_kv(k, v, self._kv_layers[layer], fwd.append_slots, k_scale=k_scale, v_scale=v_scale,
-                      check_indices=False)
-            fwd.layer_events[layer] = None
+        fwd, layer = self._check_layer(layer)
+        stream = self._stream
+        if stream is None or not fwd.work.has_transfers:  # CPU (inline), or a local append only
+            fwd.append(layer, k, v, k_scale=k_scale, v_scale=v_scale)
+            for pe, runs in fwd.segment_pushes:
+                self.heap.put_segments_async(self.kv, pe, runs.for_layer(layer), None)
+            fwd.pushed[layer] = True
             return None
-        with self._on_transfer_stream(layer) as stream:
-            if work.peer_pes:
-                dst_layers = [self._peer_layers[pe][layer] for pe in work.peer_pes]
-                append_push_kv(k, v, self._kv_layers[layer], fwd.append_slots, dst_layers, fwd.dst_slots,
-                               fwd.dst_index, k_scale=k_scale, v_scale=v_scale,
-                               dst_table=fwd.dst_table, check_indices=False)
-            else:
-                append_kv(k, v, self._kv_layers[layer], fwd.append_slots, k_scale=k_scale, v_scale=v_scale,
-                          check_indices=False)
-            for pe, runs in work.segment_pushes.items():
-                self.heap.put_segments_async(self.kv, pe, runs.for_layer(layer), stream)
-            event = None
-            if stream is not None:
-                k.record_stream(stream)
-                v.record_stream(stream)
-                event = self._done_events[layer]
-                event.record(stream)
-        fwd.layer_events[layer] = event
+        ready = self._ready_events[layer]
+        ready.record(torch.cuda.current_stream(self._device_index))
+        stream.wait_event(ready)
+        fwd.append(layer, k, v, k_scale=k_scale, v_scale=v_scale, stream=stream)
+        for pe, runs in fwd.segment_pushes:
+            self.heap.put_segments_async(self.kv, pe, runs.for_layer(layer), stream)
+        k.record_stream(stream)
+        v.record_stream(stream)
+        event = self._done_events[layer]
+        event.record(stream)
+        fwd.pushed[layer] = True
+        fwd.events[layer] = event
         return event
 
     def wait_layer(self, layer: int) -> None:
         """Make the current stream wait until ``layer``'s writes are done (no host sync)."""
         if self._forward is None:
             raise ForwardStateError("KVPusher.wait_layer: no forward is open")
-        event = self._forward.layer_events.get(layer)
+        event = self._forward.events[self._layer_index(layer)]
         if event is not None:
-            torch.cuda.current_stream(self.kv.device).wait_event(event)
+            torch.cuda.current_stream(self._device_index).wait_event(event)
 
     def end_forward(self) -> torch.cuda.Event | None:
         """Ring the doorbells of requests this forward completed; close the forward.
@@ -197,7 +204,7 @@ class KVPusher:
         fwd = self._forward
         if fwd is None:
             raise ForwardStateError("KVPusher.end_forward: no forward is open")
-        missing = [layer for layer in range(self.geometry.num_layers) if layer not in fwd.layer_events]
+        missing = [layer for layer, pushed in enumerate(fwd.pushed) if not pushed]
         if missing:
             raise ForwardStateError(f"KVPusher.end_forward: layers {missing} were not pushed in this forward")
         event = None
@@ -225,9 +232,7 @@ class KVPusher:
     # ------------------------------------------------------------------ internals
     def _reachable(self, pe: int) -> bool:
         if pe not in self._peer_kv:
-            peer_kv = None if self.force_segment_puts else self.heap.peer(self.kv, pe)
-            self._peer_kv[pe] = peer_kv
-            self._peer_layers[pe] = list(peer_kv.unbind(0)) if peer_kv is not None else []
+            self._peer_kv[pe] = None if self.force_segment_puts else self.heap.peer(self.kv, pe)
         return self._peer_kv[pe] is not None
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
@@ -240,12 +245,6 @@ class KVPusher:
             packed_dev = torch.from_numpy(packed)
         return list(torch.split(packed_dev, [len(a) for a in arrays]))
 
-    def _dst_table(self, peer_pes: tuple[int, ...]) -> torch.Tensor:
-        """The fused kernel's receiver offsets for ``peer_pes`` (built once per receiver set)."""
-        if peer_pes not in self._dst_tables:
-            self._dst_tables[peer_pes] = build_dst_table(self.kv[0], [self._peer_kv[pe][0] for pe in peer_pes])
-        return self._dst_tables[peer_pes]
-
     def _copy_existing(self, work: PushWork) -> None:
         """KV present at mark_send: page to page, every layer (transfer stream or inline)."""
         for pe, (local, remote) in work.peer_copies.items():
@@ -255,19 +254,29 @@ class KVPusher:
             self.heap.put_segments_async(self.kv, pe, runs.for_layers(self.geometry.num_layers),
                                          self._stream)
 
-    def _check_layer(self, layer: int) -> _Forward:
+    def _check_layer(self, layer: int) -> tuple[_Forward, int]:
         fwd = self._forward
         if fwd is None:
             raise ForwardStateError("KVPusher.push_layer_async: no forward is open (begin_forward)")
-        if not 0 <= layer < self.geometry.num_layers:
-            raise ValueError(f"layer must be in [0, {self.geometry.num_layers}), got {layer}")
-        if layer in fwd.layer_events:
+        layer = self._layer_index(layer)
+        if fwd.pushed[layer]:
             raise ForwardStateError(f"KVPusher.push_layer_async: layer {layer} was already pushed in this forward")
         if self.heap.closed and fwd.work.has_transfers:
             plan = fwd.plan
             raise TransferError("the heap was closed during the forward", request_id=int(plan.send_seq_ids[0]),
                                 src_pe=self.heap.rank, dst_pe=int(plan.send_pes[0]))
-        return fwd
+        return fwd, layer
+
+    def _layer_index(self, layer: int) -> int:
+        if type(layer) is int and 0 <= layer < self.geometry.num_layers:
+            return layer
+        try:
+            index = operator.index(layer)
+        except TypeError:
+            raise TypeError(f"layer: expected an int, got {type(layer).__name__}") from None
+        if not 0 <= index < self.geometry.num_layers:
+            raise ValueError(f"layer must be in [0, {self.geometry.num_layers}), got {index}")
+        return index
 
     def _on_transfer_stream(self, slot: int) -> _TransferStream:
         """Context for transfer work; ``slot`` picks the reusable "ready" event (layer, or L)."""

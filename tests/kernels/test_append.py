@@ -1,11 +1,14 @@
-"""append_kv / append_push_kv against the torch reference: bit-exact, skips, fp8, bad input."""
+"""append_kv / append_push_kv against the torch reference: bit-exact, skips, fp8, bad input; the
+prepared per-layer launcher (`prepare_append_push`) against the one-shot one, and its misuse."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from disagg.kernels import append_kv, append_push_kv, build_dst_table, reference
+from disagg.kernels.append import prepare_append_push
 
 FP8 = torch.float8_e4m3fn
 
@@ -152,3 +155,136 @@ def test_cpu_without_interpreter_runs_reference(monkeypatch):
     k = torch.randn(1, 1, 16)
     append_kv(k, -k, kv, torch.tensor([6]))
     assert torch.equal(kv[1, 0, 0, 2], k[0, 0]) and torch.equal(kv[1, 1, 0, 2], -k[0, 0])
+
+
+# ---------------------------------------------------------------- prepared (per-forward) launcher
+def _stacks(device, cache_dtype, layers=3, heads=2, page=4, dim=32, receivers=(5, 9)):
+    """A local [L, 6, ...] cache and receiver stacks of other page counts (so other layer strides)."""
+    geometry = (2, heads, page, dim)
+    make = lambda pages: torch.randn(layers, pages, *geometry).to(cache_dtype).to(device)  # noqa: E731
+    return make(6), [make(n) for n in receivers]
+
+
+def _push_indices():
+    slots = np.array([3, -1, 7, 0, 22, 9, 14], dtype=np.int32)
+    dst_index = np.array([0, 1, -1, 1, 0, 0, 1], dtype=np.int32)
+    dst_slots = np.array([19, 35, 4, 0, -1, 2, 8], dtype=np.int64)
+    return slots, dst_slots, dst_index
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, FP8])
+@pytest.mark.parametrize("host_indices", [True, False], ids=["numpy", "tensors"])
+def test_prepared_writes_the_same_bytes_as_the_one_shot_launcher(device, cache_dtype, host_indices):
+    kv, dsts = _stacks(device, cache_dtype)
+    want_kv, want_dsts = kv.clone(), [d.clone() for d in dsts]
+    slots, dst_slots, dst_index = _push_indices()
+    as_dev = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    indices = (slots, dst_slots, dst_index) if host_indices else tuple(map(as_dev, (slots, dst_slots, dst_index)))
+    prepared = prepare_append_push(kv, indices[0], dsts, *indices[1:])
+    assert (prepared.num_layers, prepared.num_tokens, prepared.num_receivers) == (3, 7, 2)
+    for layer in (2, 0, 1):
+        k, v = _new_kv(7, 2, 32, cache_dtype, device, stride_pad=1)
+        prepared(layer, k, v, **_scales(cache_dtype))
+        append_push_kv(k, v, want_kv[layer], as_dev(slots), [d[layer] for d in want_dsts], as_dev(dst_slots),
+                       as_dev(dst_index), **_scales(cache_dtype))
+    assert _same_bits(kv.cpu(), want_kv.cpu())
+    for got, want in zip(dsts, want_dsts):
+        assert _same_bits(got.cpu(), want.cpu())
+
+
+def test_prepared_without_receivers_is_append_kv_and_takes_tensor_scales(device):
+    kv = torch.zeros(2, 4, 2, 1, 4, 16, dtype=FP8, device=device)
+    want = kv.clone()
+    slots = torch.tensor([5, 0, 9], device=device)
+    prepared = prepare_append_push(kv, slots)
+    scale = lambda x: torch.tensor([x], dtype=torch.float32, device=device)  # noqa: E731
+    k, v = _new_kv(3, 1, 16, FP8, device)
+    prepared(1, k, v, k_scale=scale(2.0), v_scale=scale(0.5))
+    append_kv(k, v, want[1], slots, k_scale=scale(2.0), v_scale=scale(0.5))
+    assert _same_bits(kv.cpu(), want.cpu()) and kv[1].float().abs().sum() > 0
+
+
+def test_prepared_follows_k_v_of_other_strides_and_alignment(device):
+    """k/v as a 2-byte-offset view and as a slice of a fused projection: each new kind is checked
+    and launched with its own specialization, every layer lands right."""
+    kv, dsts = _stacks(device, torch.float16, layers=4, dim=16, receivers=(6,))
+    slots = torch.tensor([0, 5, 11], device=device)
+    prepared = prepare_append_push(kv, slots, dsts, torch.tensor([1, 2, 3], device=device),
+                                   torch.tensor([0, 0, 0], device=device))
+    flat = torch.randn(1 + 3 * 2 * 16, device=device).half()
+    fused = torch.randn(3, 5, 16, device=device).half()
+    kinds = [(flat[1:].view(3, 2, 16), flat[1:].view(3, 2, 16) * 2), (fused[:, 1:3], fused[:, 3:5])]
+    for layer, (k, v) in enumerate(kinds + kinds[::-1]):
+        prepared(layer, k, v)
+        assert torch.equal(kv[layer, 1, 0, :, 1], k[1]) and torch.equal(kv[layer, 1, 1, :, 1], v[1])
+        assert torch.equal(dsts[0][layer, 0, 0, :, 3], k[2]) and torch.equal(dsts[0][layer, 0, 1, :, 1], v[0])
+
+
+def _layer_misuses(device):
+    k = torch.randn(3, 2, 16, device=device)
+    return {
+        "layer past the end": ((3, k, k), {}, ValueError, r"layer: expected an int in \[0, 3\), got 3"),
+        "negative layer": ((-1, k, k), {}, ValueError, r"layer: expected an int in \[0, 3\), got -1"),
+        "layer not an int": (("1", k, k), {}, TypeError, "layer: expected an int, got str"),
+        "other token count": ((0, k[:2], k[:2]), {}, ValueError, "k: expected 3 tokens .*got 2"),
+        "other heads": ((0, k[:, :1], k[:, :1]), {}, ValueError, r"k: expected shape .*got \(3, 1, 16\)"),
+        "v of another shape": ((0, k, k[:2]), {}, ValueError, r"v: expected shape"),
+        "other dtype": ((0, k.half(), k.half()), {}, TypeError, "k: expected the cache's dtype"),
+        "v of another dtype": ((0, k, k.double()), {}, TypeError, r"v: expected dtype in \(float32\)"),
+        "other device": ((0, k.to("meta"), k.to("meta")), {}, ValueError, "k: expected a tensor on"),
+        "not a tensor": ((0, k.tolist(), k), {}, TypeError, "k: expected a torch.Tensor"),
+        "head_dim not contiguous": ((0, k.transpose(0, 2).contiguous().transpose(0, 2), k), {}, ValueError,
+                                    "k: expected stride 1 along head_dim"),
+        "scale for a float cache": ((0, k, k), {"k_scale": 2.0}, ValueError, "k_scale: scales apply"),
+        "stream on a CPU cache": ((0, k, k), {"stream": object()}, ValueError, "stream: expected"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_layer_misuses(torch.device("cpu"))))
+def test_prepared_layer_misuse_raises_and_writes_nothing(device, case):
+    kv, dsts = _stacks(device, torch.float32, layers=3, dim=16, receivers=(4,))
+    before = [kv.clone(), dsts[0].clone()]
+    slots = np.array([1, 2, 3], dtype=np.int32)
+    prepared = prepare_append_push(kv, slots, dsts, np.array([4, 5, 6]), np.zeros(3, np.int32))
+    args, kwargs, error, match = _layer_misuses(device)[case]
+    if case == "stream on a CPU cache" and device.type == "cuda":
+        kwargs = {"stream": torch.cuda.Stream(device=device).cuda_stream}  # a raw handle, not a Stream
+    prepared(1, torch.ones(3, 2, 16, device=device), torch.ones(3, 2, 16, device=device))  # a kind seen before
+    before[0][1, 0, :, :, 1:4] = 1.0
+    before[1][1, 1, :, :, 0:3] = 1.0
+    with pytest.raises(error, match=match):
+        prepared(*args, **kwargs)
+    assert torch.equal(kv, before[0]) and torch.equal(dsts[0], before[1])
+
+
+def test_prepare_misuse_raises_naming_the_argument(device):
+    kv, dsts = _stacks(device, torch.float32, layers=2, dim=16, receivers=(4,))
+    before = kv.clone()
+    s, d, i = np.array([0, 1]), np.array([2, 3]), np.array([0, 0])
+    cases = [
+        ((kv[0], s), ValueError, r"kv: expected shape \[num_layers"),
+        ((kv, s, dsts, torch.from_numpy(d).to(device), i), TypeError, "expected all numpy arrays or all tensors"),
+        ((kv, s, dsts), ValueError, "dst_slots, dst_index: expected both with receivers"),
+        ((kv, s, [], d, i), ValueError, "expected both with receivers"),
+        ((kv, np.array([0, 24]), dsts, d, i), ValueError, r"slots: expected slots in \[-1, 24\)"),
+        ((kv, s, dsts, np.array([2, 16]), i), ValueError, r"dst_slots: expected -1 or a slot of receiver 0 in \[0, 16\)"),
+        ((kv, s, dsts, d, np.array([0, 1])), ValueError, r"dst_index: expected slots in \[-1, 1\)"),
+        ((kv, s, dsts, d[:1], i), ValueError, r"dst_slots: expected shape \[2\]"),
+        ((kv, s.astype(np.float32), dsts, d, i), TypeError, "slots: expected dtype"),
+        ((kv, s, [dsts[0][:1]], d, i), ValueError, r"dst_kv\[0\]: expected 2 layers"),
+        ((kv, s, [dsts[0].half()], d, i), ValueError, r"dst_kv\[0\]: expected kv's geometry"),
+        ((kv, s, dsts[0], d, i), TypeError, "dst_kv: expected a sequence of tensors"),
+    ]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match):
+            prepare_append_push(*args)
+    assert torch.equal(kv, before)
+
+
+def test_prepared_with_no_tokens_checks_and_writes_nothing(device):
+    kv = torch.zeros(2, 2, 2, 1, 4, 16, device=device)
+    prepared = prepare_append_push(kv, np.zeros(0, np.int32))
+    prepared(1, torch.ones(0, 1, 16, device=device), torch.ones(0, 1, 16, device=device))
+    with pytest.raises(ValueError, match="k: expected 0 tokens"):
+        prepared(0, torch.ones(1, 1, 16, device=device), torch.ones(1, 1, 16, device=device))
+    assert kv.count_nonzero() == 0

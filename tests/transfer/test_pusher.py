@@ -211,6 +211,32 @@ def test_forward_order_is_enforced(pair):
         pusher.end_forward()
 
 
+@pytest.mark.parametrize("force_segment_puts", [False, True], ids=["peer-store", "segment-puts"])
+def test_bad_layer_input_raises_writes_nothing_and_the_layer_can_be_pushed_after(pair, force_segment_puts):
+    h0, h1, kv0, kv1 = pair
+    pusher = KVPusher(h0, kv0, force_segment_puts=force_segment_puts)
+    pusher.attach_doorbell(5, DoorbellTable(h1).arm(5))
+    pusher.begin_forward(make_plan([dict(seq=5, slots=[0, 1], push_slots=[4, 5], pe=1)]))
+    before0, before1 = kv0.clone(), kv1.clone()
+    k, v = layer_kv(2, 0)
+    bad = [((0, k[:1], v[:1]), ValueError, "k: expected 2 tokens"),
+           ((0, k.float(), v.float()), TypeError, "k: expected the cache's dtype"),
+           ((0, k, v[:, :1]), ValueError, "v: expected shape"),
+           ((0, k, v), ValueError, "k_scale: scales apply"),
+           ((-1, k, v), ValueError, r"layer must be in \[0, 3\), got -1"),
+           ((0.0, k, v), TypeError, "layer: expected an int, got float")]
+    for (layer, *kv), error, match in bad:
+        kwargs = {"k_scale": 2.0} if match.startswith("k_scale") else {}
+        with pytest.raises(error, match=match):
+            pusher.push_layer_async(layer, *kv, **kwargs)
+    assert torch.equal(kv0, before0) and torch.equal(kv1, before1)
+    for layer in (np.int64(0), 1, 2):  # numpy ints are layers too
+        pusher.push_layer_async(layer, *layer_kv(2, int(layer)))
+    pusher.end_forward()
+    got_k, _ = written(kv1, [4, 5], 0)
+    assert torch.equal(got_k, k)
+
+
 def test_kv_must_be_heap_memory_of_the_kv_layout(pair):
     h0, *_ = pair
     with pytest.raises(ValueError, match="not memory of this heap"):
