@@ -422,6 +422,7 @@ class PreparedAppend:
             self._tables = [self._slots] * self.num_layers
         self._reference = not dispatch.use_triton(kv)
         self._kernel = None if self._reference else dispatch.runnable(append_kv_kernel)
+        self._compile = kv.is_cuda and not self._reference  # launch compiled kernels directly
         self._dst_layers = [list(views) for views in zip(*(d.unbind(0) for d in dst_kv))] \
             if self._reference and geos else None
         self._stream_of = dispatch.stream_handle_getter() if kv.is_cuda else None
@@ -479,7 +480,7 @@ class PreparedAppend:
                              f"slots), got {num_tokens}")
         grid, tail = _launch_args(k, v, self._geo, scales, self.num_receivers > 0)
         runner = None
-        if self.device.type == "cuda" and not self._reference and num_tokens:
+        if self._compile and num_tokens:
             with torch.cuda.device(self.device):
                 runner = dispatch.compiled_launcher(self._kernel, grid, self._args(layer, k, v, scales) + tail,
                                                     {"num_warps": NUM_WARPS})
