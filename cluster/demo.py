@@ -104,7 +104,8 @@ class DemoWorker:
         self.doorbells = DoorbellTable(self.heap)
         self.pusher = KVPusher(self.heap, self.kv)
         self.tickets: dict[int, object] = {}
-        return str(self.kv.device)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return f"{self.kv.device} (physical GPU {visible})" if device and visible else str(self.kv.device)
 
     def prepare_recv(self, prompts: list[int]) -> dict[int, dict]:
         """Decode side: reserve pages and arm a doorbell per request; return maps and tickets."""
@@ -228,7 +229,8 @@ def run(cfg: DemoConfig) -> dict:
         for request, slots in sent["local_slots"].items():
             print(f"  request {request}: prefill slots {_runs(slots)}")
         print(f"pushed {sent['tokens']} tokens x {cfg.model.num_layers} layers "
-              f"({sent['bytes'] / 1e6:.2f} MB) in {sent['seconds'] * 1e3:.1f} ms")
+              f"({sent['bytes'] / 1e6:.2f} MB) in {sent['seconds'] * 1e3:.1f} ms "
+              "(a first forward: kernel compilation included)")
         got = ray.get(decode.receive_and_decode.remote(cfg.prompts))
         print(f"decode worker: K/V mismatched bytes {got['mismatched_bytes']}, "
               f"paged decode vs dense attention max abs err {got['decode_max_abs_err']:.2e}")
