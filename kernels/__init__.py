@@ -7,6 +7,9 @@ Launchers (each checks its inputs, then runs Triton on CUDA tensors, the torch r
     append_kv(k, v, kv_layer, slots)                        new K/V -> local pages
     append_push_kv(k, v, kv_layer, slots, dst_layers, dst_slots, dst_index)
                                                             ... and into receivers' pages, one pass
+    prepare_append_push(kv, slots, dst_kv, dst_slots, dst_index) -> PreparedAppend
+                                                            the same, checked once per forward and
+                                                            launched per layer with no re-checks
     paged_decode(q, kv_layer, page_indptr, page_indices, last_page_len, sm_scale) -> o
     paged_prefill(q, kv_layer, qo_indptr, page_indptr, page_indices, last_page_len, sm_scale,
                   causal=True) -> o
@@ -16,13 +19,15 @@ Launchers (each checks its inputs, then runs Triton on CUDA tensors, the torch r
 this package imports torch and triton; `import disagg` does not import it.
 """
 
-from disagg.kernels.append import append_kv, append_push_kv, build_dst_table
+from disagg.kernels.append import (PreparedAppend, append_kv, append_push_kv, build_dst_table,
+                                   prepare_append_push)
 from disagg.kernels.copy import copy_slots
 from disagg.kernels.decode import (choose_num_splits, decode_workspace, decode_workspace_numel,
                                    paged_decode)
 from disagg.kernels.prefill import paged_prefill
 
 __all__ = [
+    "PreparedAppend",
     "append_kv",
     "append_push_kv",
     "build_dst_table",
@@ -32,4 +37,5 @@ __all__ = [
     "decode_workspace_numel",
     "paged_decode",
     "paged_prefill",
+    "prepare_append_push",
 ]
