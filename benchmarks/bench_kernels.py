@@ -1,12 +1,12 @@
 """Benchmark the paged-cache kernels on one GPU; every figure comes with its anchor from the same run.
 
-    python3 benchmarks/bench_kernels.py --out results/bench_kernels.json [--sweep] [--only decode]
+    python3 benchmarks/bench_kernels.py --out results/bench_kernels.json [--only decode]
 
 Anchors: the GPU's own device-to-device copy bandwidth (bytes read + written), and torch's
 `scaled_dot_product_attention` on the same shapes stored densely. Each timing captures the calls
 in a CUDA graph (as the decode engine runs them) and takes the median of replays timed with CUDA
 events; inputs rotate over enough copies that their total exceeds L2, so small cases are not
-measured out of cache. `--sweep` also times launch-option variants of each kernel (tuning).
+measured out of cache. Launch options are tuned with `benchmarks/sweep_kernels.py`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from disagg.kernels import append as append_mod
 from disagg.kernels import copy as copy_mod
 from disagg.kernels import decode as decode_mod
-from disagg.kernels import prefill as prefill_mod
 from disagg.kernels import (append_kv, copy_slots, decode_workspace, paged_decode,
                             paged_prefill)
 
@@ -144,13 +143,13 @@ def bench_sdpa_decode(batch, ctx, num_qo_heads=32, num_kv_heads=8, head_dim=128)
 
 
 def bench_prefill(num_seqs=8, seq_len=2048, num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                  page_size=16, dtype=torch.bfloat16):
+                  page_size=16, dtype=torch.bfloat16, reps=10):
     kv, (table,) = paged_batch(num_seqs, seq_len, num_kv_heads, head_dim, page_size, dtype, 1)
     q = torch.randn(num_seqs * seq_len, num_qo_heads, head_dim, device=CUDA, dtype=dtype)
     out = torch.empty_like(q)
     qo_indptr = torch.arange(0, num_seqs + 1, device=CUDA, dtype=torch.int32) * seq_len
     seconds = graph_seconds([lambda: paged_prefill(q, kv, qo_indptr, *table, head_dim ** -0.5,
-                                                   out=out, check_indices=False)], reps=10)
+                                                   out=out, check_indices=False)], reps=reps)
     flops = 2 * num_seqs * num_qo_heads * seq_len * seq_len * head_dim  # causal half of 4*S^2*D
     return dict(seconds=seconds, flops_per_s=flops / seconds)
 
@@ -241,47 +240,10 @@ def run_copies(copy_bw):
                    copy_bw / 1e12, "TB/s", 0.85, "device copy")]
 
 
-class _Rows(list):
-    """Sweep rows, each printed as soon as it is measured (a killed run keeps what it printed)."""
-
-    def append(self, row):
-        print(json.dumps(row), flush=True)
-        super().append(row)
-
-
-DECODE_SWEEP = [  # (NUM_WARPS, NUM_STAGES, BLOCK_N, BLOCK_N_FP8)
-    (4, 3, 64, 32), (4, 3, 64, 16), (8, 3, 64, 32), (4, 4, 64, 32), (2, 3, 64, 32),
-]
-PREFILL_SWEEP = [(128, 128, 8, 2), (128, 64, 8, 2)]
-
-
-def sweep():
-    """Time launch-option variants of decode and prefill; each row is printed as measured."""
-    rows = _Rows()
-    for warps, stages, block_n, block_n_fp8 in DECODE_SWEEP:
-        decode_mod.NUM_WARPS, decode_mod.NUM_STAGES = warps, stages
-        decode_mod.BLOCK_N, decode_mod.BLOCK_N_FP8 = block_n, block_n_fp8
-        opts = dict(warps=warps, stages=stages, block_n=block_n, block_n_fp8=block_n_fp8)
-        for batch, ctx, splits in ((64, 4096, 2), (8, 1024, 8)):
-            r = bench_decode(batch, ctx, num_splits=splits)
-            rows.append(dict(kernel="decode", **opts, batch=batch, ctx=ctx, splits=splits,
-                             us=r["seconds"] * 1e6, TBps=r["bytes_per_s"] / 1e12))
-        for splits in (1, 2):
-            r = bench_decode(64, 4096, dtype=torch.float8_e4m3fn, num_splits=splits)
-            rows.append(dict(kernel="decode_fp8", **opts, splits=splits, us=r["seconds"] * 1e6,
-                             TBps=r["bytes_per_s"] / 1e12))
-    for config in PREFILL_SWEEP:
-        prefill_mod.CUDA_CONFIGS[128] = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), config))
-        r = bench_prefill()
-        rows.append(dict(kernel="prefill", config=config, TFLOPs=r["flops_per_s"] / 1e12))
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/bench_kernels.json"))
     parser.add_argument("--only", default="decode,prefill,copies", help="comma list of sections")
-    parser.add_argument("--sweep", action="store_true", help="also time launch-option variants")
     args = parser.parse_args()
     torch.manual_seed(0)
     sections = set(args.only.split(","))
@@ -299,8 +261,7 @@ def main() -> None:
         figs += run_copies(copy_bw)
     import triton
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                  copy_bandwidth_TBps={k: v / 1e12 for k, v in copy.items()}, figures=figs,
-                  sweep=sweep() if args.sweep else None)
+                  copy_bandwidth_TBps={k: v / 1e12 for k, v in copy.items()}, figures=figs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"{'figure':58s} {'ours':>9s} {'anchor':>9s} {'ratio':>6s} {'target':>6s}")

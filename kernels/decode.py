@@ -3,7 +3,8 @@
 Called by the decode step of the model runner, once per layer, usually inside a CUDA graph.
 Flash-decoding / PagedAttention V2: program (kv_head, seq, split) loads each K/V tile of its
 share of the sequence once for all `H_q / H_kv` query heads of the group (padded to the
-dot's minimum of 16 rows) and writes a partial output and its log-sum-exp. The last split program of a
+dot's minimum of 16 rows) and writes a partial output and its log-sum-exp (fp8 tiles are
+loaded as int32 words and widened to float16 in registers). The last split program of a
 (sequence, kv head) to finish, counted with an atomic in the workspace, merges the partials
 (no second launch: at small batch a merge kernel costs as much as the attention), then resets
 its counter for the next launch. Each sequence is cut into `num_splits` equal shares (rounded
@@ -20,24 +21,30 @@ import triton
 import triton.language as tl
 
 from disagg.kernels import checks, dispatch, reference
-from disagg.kernels.fp8 import load_scale, resolve_scales
-from disagg.kernels.paged_tile import NEG_BIG, attend_tile, kv_rows, prepare_q
+from disagg.kernels.fp8 import fp8_words_to_f16, load_scale, resolve_scales
+from disagg.kernels.paged_tile import (NEG_BIG, check_sm_scale, kv_rows, load_words, prepare_q,
+                                       softmax_step)
 
 # Split heuristic: aim for about this many programs per SM, never fewer than this many tokens
-# per split, and at most this many splits.
-PROGRAMS_PER_SM = 4
-MIN_SPLIT_TOKENS = 128
+# per split, and at most this many splits. Measured on one H200 (bf16, 8 kv heads; runs differ
+# by up to ~15% with the random page layout): B=8 x 1024 15.1-16.9 us with 4 splits against
+# 16.5-19.7 with 8 and 21-29 with 16-32; B=32 x 32768 952-1106 us with 4 splits against
+# 1072-1196 with 3; B=64 x 4096 keeps 2.
+PROGRAMS_PER_SM = 6
+MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
-# Launch options (tuned on one H200; see benchmarks/bench_kernels.py --sweep). BLOCK_N is the
-# tokens per K/V tile, halved for head_dim > 128 to bound registers. fp8 caches use smaller
-# tiles: Triton re-lays V's fp8 tile out for the (transposed) dot operand with one shared-memory
-# byte load per value, which costs registers; 32-token tiles keep occupancy up (measured 259 us
-# against 300+ us with 64 at B=64 x 4096). Padding the group to 64 rows instead (wgmma, no byte
-# loads) measured slower still, so the query tile stays at the dot's minimum of 16 rows.
-BLOCK_N = 64
-BLOCK_N_FP8 = 32
-NUM_WARPS = 4
-NUM_STAGES = 3
+# Launch options by cache dtype, measured on one H200 (benchmarks/sweep_kernels.py): BLOCK_N
+# tokens per K/V tile (halved for head_dim > 128 to bound registers), warps, pipeline stages,
+# and DEFER_SUM (keep the softmax row sums per column, reduce them once after the loop; see
+# `softmax_step`). 16-bit at B=64 x 4096: 3 stages, no deferral, 246-252 us (deferral 261-317).
+# fp8 (K/V widened in registers, see `_attend_range`) at B=64 x 4096: 2 stages with deferral,
+# 203-209 us; 3 stages 253-306, 32- or 128-token tiles 222-276, registers capped at 80/96
+# 222-234, no deferral 212, register double-buffering instead of Triton's pipelining 239-263,
+# the previous fp8 path (cast at the dot, byte-wise operand loads) 264.
+CONFIGS = {
+    "16bit": dict(BLOCK_N=64, num_warps=4, num_stages=3, DEFER_SUM=False),
+    "fp8": dict(BLOCK_N=64, num_warps=4, num_stages=2, DEFER_SUM=True),
+}
 MIN_ROWS = 16
 
 
@@ -49,7 +56,8 @@ def paged_decode_kernel(
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, KV_FP8: tl.constexpr,
-    SCALE_IS_TENSOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SCALE_IS_TENSOR: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_WORDS: tl.constexpr,
+    WIDEN_ASM: tl.constexpr, DEFER_SUM: tl.constexpr,
 ):
     # Program (h, b, s): kv head h, sequence b, split s of num_splits. Rows of the query tile are
     # the GROUP q heads h*GROUP .. h*GROUP+GROUP-1, padded to BLOCK_G (masked). Split s covers
@@ -73,22 +81,10 @@ def paged_decode_kernel(
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=row_ok, other=0.0)
     q, scale = prepare_q(q, qk_scale, load_scale(k_scale, SCALE_IS_TENSOR), KV_FP8)
-    kv_head_offset = kv_head * (PAGE_SIZE * HEAD_DIM)
-    v_shift = NUM_KV_HEADS * PAGE_SIZE * HEAD_DIM
-
-    m_i = tl.full([BLOCK_G], NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        tok = start + tl.arange(0, BLOCK_N)
-        tok_ok = tok < hi
-        rows = kv_rows(page_indices_ptr, page_start, tok, tok_ok, kv_head_offset, stride_page,
-                       PAGE_SIZE, HEAD_DIM)
-        tile_ok = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(kv_ptr + rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
-        v = tl.load(kv_ptr + v_shift + rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
-        acc, l_i, m_i = attend_tile(acc, l_i, m_i, q, k, v, scale, tok_ok[None, :], True,
-                                    DOT_PRECISION)
+    acc, l_i, m_i = _attend_range(q, scale, kv_ptr, page_indices_ptr, page_start, lo, hi,
+                                  kv_head * (PAGE_SIZE * HEAD_DIM), stride_page, d,
+                                  NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_G, BLOCK_D, BLOCK_N,
+                                  DOT_PRECISION, FP8_WORDS, WIDEN_ASM, DEFER_SUM)
 
     has = l_i > 0.0
     out = acc * (load_scale(v_scale, SCALE_IS_TENSOR) / tl.where(has, l_i, 1.0))[:, None]
@@ -109,6 +105,45 @@ def paged_decode_kernel(
             _merge_splits(o_ptr, o_part_ptr, lse_part_ptr, base, seq, heads, g < GROUP, d,
                           num_splits, stride_ob, stride_oh, HEAD_DIM, BLOCK_G, BLOCK_D)
             tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _attend_range(q, scale, kv_ptr, page_indices_ptr, page_start, lo, hi, kv_head_offset,
+                  stride_page, d, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_WORDS: tl.constexpr,
+                  WIDEN_ASM: tl.constexpr, DEFER_SUM: tl.constexpr):
+    """Online softmax of the query tile over tokens [lo, hi): (acc, l_i, m_i), unnormalized.
+
+    FP8_WORDS (fp8 cache, BLOCK_D == HEAD_DIM): K and V tiles are loaded as int32 words and
+    widened to float16 in registers (`fp8_words_to_f16`), so they reach the dots' shared-memory
+    operands as 16-bit data; other tiles are cast at the dot.
+    """
+    v_shift = NUM_KV_HEADS * PAGE_SIZE * HEAD_DIM
+    m_i = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    if DEFER_SUM:
+        l_i = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + tl.arange(0, BLOCK_N)
+        tok_ok = tok < hi
+        rows = kv_rows(page_indices_ptr, page_start, tok, tok_ok, kv_head_offset, stride_page,
+                       PAGE_SIZE, HEAD_DIM)
+        if FP8_WORDS:
+            k = fp8_words_to_f16(load_words(kv_ptr, rows, tok_ok, BLOCK_D), WIDEN_ASM)
+            v = fp8_words_to_f16(load_words(kv_ptr + v_shift, rows, tok_ok, BLOCK_D), WIDEN_ASM)
+        else:
+            tile_ok = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
+            k = tl.load(kv_ptr + rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
+            v = tl.load(kv_ptr + v_shift + rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, q, k, v, tok_ok, scale, DEFER_SUM,
+                                     DOT_PRECISION)
+    if DEFER_SUM:
+        return acc, tl.sum(l_i, 1), m_i
+    else:
+        return acc, l_i, m_i
 
 
 @triton.jit
@@ -167,9 +202,18 @@ def decode_workspace(batch_size: int, num_qo_heads: int, head_dim: int, num_spli
     return torch.zeros(numel, dtype=torch.float32, device=device)
 
 
-def _block_n(head_dim: int, is_fp8: bool) -> int:
-    block_n = BLOCK_N_FP8 if is_fp8 else BLOCK_N
-    return block_n // 2 if head_dim > 128 else block_n
+def _config(head_dim: int, is_fp8: bool, on_gpu: bool) -> dict:
+    """Launch options for a head_dim and cache dtype (BLOCK_N halved past head_dim 128).
+
+    fp8 word loads need whole rows (head_dim a power of two); their widening is inline PTX on
+    the GPU and shifts in the interpreter.
+    """
+    config = dict(CONFIGS["fp8" if is_fp8 else "16bit"])
+    if head_dim > 128:
+        config["BLOCK_N"] = max(16, config["BLOCK_N"] // 2)
+    config["FP8_WORDS"] = is_fp8 and head_dim == triton.next_power_of_2(head_dim)
+    config["WIDEN_ASM"] = on_gpu
+    return config
 
 
 def _check_decode_inputs(q, kv_layer, page_indptr, page_indices, last_page_len, out):
@@ -238,6 +282,7 @@ def paged_decode(
         o: `[B, H_q, D]`, q's dtype (`out` when given).
     """
     geo = _check_decode_inputs(q, kv_layer, page_indptr, page_indices, last_page_len, out)
+    sm_scale = check_sm_scale(sm_scale)
     scales = resolve_scales(geo.dtype, kv_layer.device, k_scale, v_scale)
     if dispatch.should_check_values(kv_layer.device, check_indices):
         checks.check_page_table_values(page_indptr, page_indices, last_page_len,
@@ -291,8 +336,8 @@ def _launch(q, kv_layer, page_indptr, page_indices, last_page_len, out, workspac
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), geo.stride_page, num_splits,
         GROUP=group, NUM_KV_HEADS=geo.num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=geo.page_size,
         BLOCK_G=max(MIN_ROWS, triton.next_power_of_2(group)),
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=_block_n(head_dim, scales.is_fp8),
+        BLOCK_D=triton.next_power_of_2(head_dim),
         DIRECT=num_splits == 1, KV_FP8=scales.is_fp8, SCALE_IS_TENSOR=scales.is_tensor,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        **_config(head_dim, scales.is_fp8, q.is_cuda),
     )

@@ -94,3 +94,38 @@ def quantize_fp8(x, scale):
     """fp32 `x / scale` (IEEE division, as torch), clamped to e4m3's finite range."""
     y = tl.math.div_rn(x.to(tl.float32), scale)
     return tl.minimum(tl.maximum(y, -448.0), 448.0)
+
+
+@triton.jit
+def fp8_words_to_f16(w, USE_ASM: tl.constexpr):
+    """int32 words `[R, W]`, each four e4m3 bytes, widened to float16 `[R, 4W]` (byte j of word
+    i is column 4i+j, the order of the bytes in memory).
+
+    Why: a K/V tile cast to float16 at the dot lets Triton move the cast behind the
+    shared-memory round trip of the dot operand, and an fp8 V operand (transposed for P @ V)
+    is then read back one byte per value. Words widened where they land reach shared memory as
+    16-bit data, which `ldmatrix` reads (transposed) whole. USE_ASM: two
+    `cvt.rn.f16x2.e4m3x2` per word (CUDA, opaque to Triton's layout passes); else the bytes are
+    picked out with shifts (the interpreter, for tests).
+    """
+    if USE_ASM:
+        e0, e1, e2, e3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
+            "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
+            "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1)
+    else:
+        e0 = _byte_to_f16(w, 0)
+        e1 = _byte_to_f16(w, 8)
+        e2 = _byte_to_f16(w, 16)
+        e3 = _byte_to_f16(w, 24)
+    # join appends its pair as the minor dimension: join(join(e0, e2), join(e1, e3))[.., i, p]
+    # is e(2i + p), so the flattened row reads e0 e1 e2 e3.
+    return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), [w.shape[0], w.shape[1] * 4])
+
+
+@triton.jit
+def _byte_to_f16(w, shift: tl.constexpr):
+    byte = ((w >> shift) & 0xFF).to(tl.uint8)
+    return byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)

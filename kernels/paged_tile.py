@@ -9,8 +9,23 @@ tile against a K tile, running max/sum update, and the P @ V accumulation. Score
 
 from __future__ import annotations
 
+import math
+
 import triton
 import triton.language as tl
+
+def check_sm_scale(sm_scale: float) -> float:
+    """`sm_scale` as a float. The kernels apply it after the row max (fused into the exponent's
+    argument), which needs it positive; a softmax scale is positive anyway.
+
+    Raises:
+        ValueError: not a positive finite number.
+    """
+    value = float(sm_scale)
+    if not (value > 0.0 and math.isfinite(value)):
+        raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale}")
+    return value
+
 
 # Finite floor of the running max (see attend_tile).
 NEG_BIG = tl.constexpr(-1.0e30)
@@ -48,14 +63,47 @@ def attend_tile(acc, l_i, m_i, q, k, v, qk_scale, visible, HAS_MASK: tl.constexp
 
     q `[M, BLOCK_D]`, k/v `[N, BLOCK_D]` (any float dtype; cast to q's), visible `[M, N]` bool
     (used when HAS_MASK). m_i starts at a large negative finite value, so a fully masked row keeps
-    alpha = 1 and p = 0 instead of exp2(-inf - -inf) = NaN.
+    alpha = 1 and p = 0 instead of exp2(-inf - -inf) = NaN. qk_scale > 0, so the scale is applied
+    after the row max and fused into the exponent's argument (one FMA per score).
     """
-    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
     if HAS_MASK:
         qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def load_words(ptr, rows, tok_ok, BLOCK_D: tl.constexpr):
+    """fp8 rows at element offsets `rows` `[BLOCK_N]` from `ptr` as int32 words
+    `[BLOCK_N, BLOCK_D // 4]`, four bytes each (0 for masked tokens)."""
+    w = tl.arange(0, BLOCK_D // 4)
+    words = (ptr + rows[:, None]).to(tl.pointer_type(tl.int32), bitcast=True)
+    return tl.load(words + w[None, :], mask=tok_ok[:, None], other=0)
+
+
+@triton.jit
+def softmax_step(acc, l_i, m_i, q, k, v, tok_ok, qk_scale, DEFER_SUM: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """`attend_tile` for decode: tokens masked by `tok_ok` `[N]`; with DEFER_SUM, l_i is
+    `[M, N]` and holds per-column sums (rescaled like acc), reduced by the caller at the end.
+
+    A decode tile's columns are spread over the warps, so each per-tile row reduction crosses
+    warps (shared memory and a barrier); deferring the sum leaves the row max as the only one.
+    """
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+    qk = tl.where(tok_ok[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    if DEFER_SUM:
+        l_i = l_i * alpha[:, None] + p
+    else:
+        l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+

@@ -22,10 +22,12 @@ import triton.language as tl
 
 from disagg.kernels import checks, dispatch, reference
 from disagg.kernels.fp8 import load_scale, resolve_scales
-from disagg.kernels.paged_tile import NEG_BIG, attend_tile, kv_rows
+from disagg.kernels.paged_tile import NEG_BIG, attend_tile, check_sm_scale, kv_rows
 
 SEARCH_BLOCK = 256  # sequences scanned per step when a program looks for its q block
-# Launch options on CUDA by head_dim bound (tuned on one H200; see benchmarks/bench_kernels.py).
+# Launch options on CUDA by head_dim bound (tuned on one H200, benchmarks/sweep_kernels.py; causal
+# 8 x 2048, 32/8 heads, D=128: 128x128 tiles, 8 warps, 2 stages 325-329 TFLOP/s; 3 stages 315,
+# 128x64 tiles 281, 64x64 tiles with 4 warps 298, 64x128 198).
 CUDA_CONFIGS = {
     128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
     256: dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
@@ -202,6 +204,7 @@ def paged_prefill(
         o: `[T, H_q, D]`, q's dtype (`out` when given).
     """
     geo = _check_prefill_inputs(q, kv_layer, qo_indptr, page_indptr, page_indices, last_page_len, out)
+    sm_scale = check_sm_scale(sm_scale)
     scales = resolve_scales(geo.dtype, kv_layer.device, k_scale, v_scale)
     if dispatch.should_check_values(kv_layer.device, check_indices):
         kv_lens = checks.check_page_table_values(page_indptr, page_indices, last_page_len,

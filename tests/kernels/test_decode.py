@@ -59,9 +59,12 @@ def test_decode_large_group(device, page_table):
     _run(device, page_table, torch.float16, 1, 32, 32, 4, [9, 20])
 
 
+@pytest.mark.parametrize("head_dim", [32, 48])
 @pytest.mark.parametrize("scales", [dict(k_scale=0.5, v_scale=2.0), None])
-def test_decode_fp8_cache(device, page_table, scales):
-    _run(device, page_table, torch.float16, 2, 2, 32, 4, [5, 33], cache_dtype=FP8, scales=scales)
+def test_decode_fp8_cache(device, page_table, scales, head_dim):
+    """head_dim 32 takes the word loads (K/V widened in registers), 48 the cast at the dot."""
+    _run(device, page_table, torch.float16, 2, 2, head_dim, 4, [5, 33], cache_dtype=FP8,
+         scales=scales)
 
 
 def test_decode_fp8_tensor_scales(device, page_table):
@@ -119,3 +122,6 @@ def test_decode_bad_inputs(device, page_table):
         paged_decode(*args[:4], bad_last, 0.1)
     with pytest.raises(ValueError, match="page_indptr"):
         paged_decode(q, kv, table.page_indptr.flip(0), *args[3:])
+    for bad_scale in (0.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="sm_scale: expected a positive finite float"):
+            paged_decode(*args[:5], bad_scale)

@@ -80,3 +80,5 @@ def test_prefill_bad_inputs(device, page_table):
         paged_prefill(q, torch.randn(4, 2, 3, 4, 32, device=device), qo, *args)
     with pytest.raises(TypeError, match="q: expected the cache's dtype"):
         paged_prefill(q.half(), kv, qo, *args)
+    with pytest.raises(ValueError, match="sm_scale: expected a positive finite float"):
+        paged_prefill(q, kv, qo, *args[:3], -0.1)

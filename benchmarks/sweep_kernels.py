@@ -1,0 +1,191 @@
+"""Tuning sweep of the attention kernels' launch options on one GPU (not the reported benchmark).
+
+    python3 benchmarks/sweep_kernels.py --groups fp8,bf16,small,long,prefill --out results/sweep.json
+    (optionally first, in parallel: the same with --compile-only --shard i/n, to fill Triton's cache)
+
+Each group times variants of one case against the same inputs (built once), every timing a
+CUDA-graph replay median as in `bench_kernels.py`; a row is printed as soon as it is measured, so
+a run stopped at its time limit keeps what it printed. A variant overrides entries of
+`decode.CONFIGS` / `prefill.CUDA_CONFIGS` for its call only; the winners are copied into those
+tables by hand, with the measurement that chose them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from disagg.kernels import decode as decode_mod
+from disagg.kernels import prefill as prefill_mod
+from disagg.kernels import decode_workspace, paged_decode
+
+import bench_kernels as bk
+
+FP8 = torch.float8_e4m3fn
+# (BLOCK_N, num_warps, num_stages, extra CONFIGS entries[, splits]): the last round of each case
+# (earlier rounds tried kernel variants since removed; decode.py's CONFIGS comment has the figures).
+FP8_VARIANTS = [  # fp8 decode, B=64 x 4096
+    (64, 4, 2, dict(), 2),
+    (64, 4, 3, dict(), 2),
+    (64, 4, 2, dict(maxnreg=96), 2),
+    (32, 4, 2, dict(), 2),
+    (128, 4, 2, dict(), 2),
+    (64, 4, 2, dict(DEFER_SUM=False), 2),
+]
+BF16_VARIANTS = [  # bf16 decode, B=64 x 4096
+    (64, 4, 3, dict(DEFER_SUM=False)),
+    (64, 4, 3, dict(DEFER_SUM=True)),
+]
+SMALL_VARIANTS = [  # bf16 decode, B=8 x 1024
+    (64, 4, 3, dict(), 2),
+    (64, 4, 3, dict(), 4),
+    (64, 4, 3, dict(), 8),
+    (64, 4, 3, dict(DEFER_SUM=True), 4),
+    (64, 4, 2, dict(), 4),
+    (128, 4, 2, dict(), 4),
+]
+LONG_VARIANTS = [  # bf16 decode, B=32 x 32768
+    (64, 4, 3, dict(DEFER_SUM=False)),
+    (64, 4, 3, dict(DEFER_SUM=True)),
+]
+PREFILL_VARIANTS = [  # BLOCK_M, BLOCK_N, num_warps, num_stages
+    (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3),
+]
+
+
+class Rows(list):
+    """Rows printed as measured."""
+
+    def append(self, row):
+        print(json.dumps(row), flush=True)
+        super().append(row)
+
+
+@contextlib.contextmanager
+def decode_config(kind: str, block_n: int, warps: int, stages: int, extra: dict):
+    saved = dict(decode_mod.CONFIGS[kind])
+    decode_mod.CONFIGS[kind] = dict(saved, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **extra)
+    try:
+        yield
+    finally:
+        decode_mod.CONFIGS[kind] = saved
+
+
+class DecodeCase:
+    """Inputs of one decode shape, rotated over enough copies to exceed L2, built once."""
+
+    def __init__(self, batch, ctx, dtype, max_splits, num_qo_heads=32, num_kv_heads=8,
+                 head_dim=128, page_size=16):
+        kv_bytes = batch * ctx * num_kv_heads * head_dim * 2 * torch.finfo(dtype).bits // 8
+        self.kv, self.tables = bk.paged_batch(batch, ctx, num_kv_heads, head_dim, page_size, dtype,
+                                              bk.copies_for(kv_bytes))
+        self.qs = [torch.randn(batch, num_qo_heads, head_dim, device=bk.CUDA, dtype=torch.bfloat16)
+                   for _ in self.tables]
+        self.outs = [torch.empty_like(q) for q in self.qs]
+        self.ws = [decode_workspace(batch, num_qo_heads, head_dim, max_splits, bk.CUDA)
+                   for _ in self.tables]
+        self.scales = dict(k_scale=0.125, v_scale=0.125) if dtype == FP8 else {}
+        self.io_bytes = kv_bytes + 2 * batch * num_qo_heads * head_dim * 2
+        self.sm_scale = head_dim ** -0.5
+
+    def time(self, splits: int, reps: int = 30) -> dict:
+        calls = [lambda q=q, t=t, o=o, w=w: paged_decode(
+            q, self.kv, *t, self.sm_scale, out=o, num_splits=splits, workspace=w,
+            check_indices=False, **self.scales) for q, t, o, w in zip(self.qs, self.tables, self.outs, self.ws)]
+        seconds = bk.graph_seconds(calls, reps=reps)
+        return dict(us=seconds * 1e6, TBps=self.io_bytes / seconds / 1e12)
+
+    def check(self, splits: int) -> float:
+        """Relative error of copy 0 against the same kernel with the table's defaults (sanity)."""
+        from disagg.kernels import reference
+        q, t = self.qs[0], self.tables[0]
+        got = paged_decode(q[:2], self.kv, t[0][:3], t[1], t[2][:2], self.sm_scale,
+                           num_splits=splits, check_indices=False, **self.scales)
+        want = reference.paged_decode(q[:2], self.kv, t[0][:3], t[1], t[2][:2], self.sm_scale,
+                                      *self.scales.values())
+        return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+CASES = {  # group -> (batch, ctx, dtype, CONFIGS key, variants, splits tried per variant)
+    "fp8": (64, 4096, FP8, "fp8", FP8_VARIANTS, (1, 2)),
+    "bf16": (64, 4096, torch.bfloat16, "16bit", BF16_VARIANTS, (1, 2)),
+    "small": (8, 1024, torch.bfloat16, "16bit", SMALL_VARIANTS, ()),
+    "long": (32, 32768, torch.bfloat16, "16bit", LONG_VARIANTS, (3, 4)),
+}
+
+
+def jobs(groups):
+    """Flat (group, variant, splits) list in a fixed order (shards of it compile in parallel)."""
+    out = []
+    for group in groups:
+        if group == "prefill":
+            out += [("prefill", config, None) for config in PREFILL_VARIANTS]
+            continue
+        variants, splits_list = CASES[group][4], CASES[group][5]
+        for variant in variants:
+            for splits in (splits_list if len(variant) == 4 else (variant[4],)):
+                out.append((group, variant, splits))
+    return out
+
+
+def run_job(rows, cases, group, variant, splits, compile_only):
+    """Time (or, with compile_only, just run once) one variant; failures become error rows."""
+    if group == "prefill":
+        saved = prefill_mod.CUDA_CONFIGS[128]
+        prefill_mod.CUDA_CONFIGS[128] = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), variant))
+        try:
+            r = bk.bench_prefill(reps=1 if compile_only else 10)
+            rows.append(dict(group="prefill", config=variant, TFLOPs=round(r["flops_per_s"] / 1e12, 1)))
+        except Exception as exc:  # a variant that fails to compile is reported, not fatal
+            rows.append(dict(group="prefill", config=variant, error=repr(exc)[:300]))
+        finally:
+            prefill_mod.CUDA_CONFIGS[128] = saved
+        return
+    batch, ctx, dtype, kind = CASES[group][:4]
+    if group not in cases:
+        cases.clear()  # one case's memory at a time
+        cases[group] = DecodeCase(batch, ctx, dtype, 32)
+    case = cases[group]
+    block_n, warps, stages, extra = variant[:4]
+    row = dict(group=group, block_n=block_n, warps=warps, stages=stages, extra=extra, splits=splits)
+    try:
+        with decode_config(kind, block_n, warps, stages, extra):
+            row["rel_err"] = round(case.check(splits), 5)
+            if not compile_only:
+                row.update({k: round(v, 3) for k, v in case.time(splits).items()})
+    except Exception as exc:
+        row["error"] = repr(exc)[:300]
+    rows.append(row)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", default="fp8,bf16,small,long,prefill")
+    parser.add_argument("--out", type=Path, default=Path("results/sweep_kernels.json"))
+    parser.add_argument("--compile-only", action="store_true",
+                        help="run each variant once (fills Triton's cache), no timing")
+    parser.add_argument("--shard", default="0/1", help="i/n: take every n-th job from the i-th")
+    args = parser.parse_args()
+    index, count = (int(x) for x in args.shard.split("/"))
+    todo = jobs(args.groups.split(","))[index::count]
+    torch.manual_seed(0)
+    rows = Rows()
+    start = time.time()
+    if not args.compile_only:
+        bk.warm_up()
+        rows.append(dict(group="copy", TBps=round(bk.copy_bandwidth()["anchor"] / 1e12, 3)))
+    cases = {}
+    for group, variant, splits in todo:
+        run_job(rows, cases, group, variant, splits, args.compile_only)
+    rows.append(dict(group="done", seconds=round(time.time() - start, 1)))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
