@@ -244,6 +244,39 @@ def check_push_values(dst_slots: torch.Tensor, dst_index: torch.Tensor,
         )
 
 
+def check_attention_q(q: object, geo: KVGeometry, device: torch.device, dims: str) -> None:
+    """Check an attention query `[rows, num_qo_heads, head_dim]` against the cache it reads.
+
+    Raises:
+        ValueError/TypeError: naming q, when its head_dim, heads (a multiple of the cache's KV
+            heads), dtype (the cache's, or any attention dtype over an fp8 cache), device or
+            row layout do not fit.
+    """
+    check_tensor("q", q, dims=dims, shape=(None, None, geo.head_dim), dtypes=ATTN_DTYPES, device=device)
+    check_rows("q", q)
+    if q.shape[1] % geo.num_kv_heads:
+        raise ValueError(f"q: expected num_qo_heads divisible by num_kv_heads={geo.num_kv_heads}, "
+                         f"got {q.shape[1]}")
+    if geo.dtype != torch.float8_e4m3fn and q.dtype != geo.dtype:
+        raise TypeError(f"q: expected the cache's dtype {geo.dtype}, got {q.dtype}")
+
+
+def check_page_table(page_indptr: object, page_indices: object, last_page_len: object,
+                     batch_size: int, device: torch.device) -> None:
+    """Check the CSR page table's shapes, dtypes and device (values: `check_page_table_values`)."""
+    check_index("page_indptr", page_indptr, length=batch_size + 1, device=device)
+    check_index("page_indices", page_indices, length=None, device=device)
+    check_index("last_page_len", last_page_len, length=batch_size, device=device)
+
+
+def check_out(out: object | None, q: torch.Tensor) -> None:
+    """Check an optional output buffer: q's shape, dtype and device, rows laid out like q's."""
+    if out is None:
+        return
+    check_tensor("out", out, dims="like q", shape=tuple(q.shape), dtypes=(q.dtype,), device=q.device)
+    check_rows("out", out)
+
+
 def check_same_device(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> torch.device:
     """Check that all tensors live on the first one's device; return it."""
     device = tensors[0].device

@@ -219,22 +219,9 @@ def _config(head_dim: int, is_fp8: bool, on_gpu: bool) -> dict:
 def _check_decode_inputs(q, kv_layer, page_indptr, page_indices, last_page_len, out):
     geo = checks.check_kv_layer("kv_layer", kv_layer)
     device = kv_layer.device
-    checks.check_tensor("q", q, dims="[batch_size, num_qo_heads, head_dim]",
-                        shape=(None, None, geo.head_dim), dtypes=checks.ATTN_DTYPES, device=device)
-    checks.check_rows("q", q)
-    batch_size, num_qo_heads = q.shape[:2]
-    if num_qo_heads % geo.num_kv_heads:
-        raise ValueError(f"q: expected num_qo_heads divisible by num_kv_heads={geo.num_kv_heads}, "
-                         f"got {num_qo_heads}")
-    if geo.dtype != torch.float8_e4m3fn and q.dtype != geo.dtype:
-        raise TypeError(f"q: expected the cache's dtype {geo.dtype}, got {q.dtype}")
-    checks.check_index("page_indptr", page_indptr, length=batch_size + 1, device=device)
-    checks.check_index("page_indices", page_indices, length=None, device=device)
-    checks.check_index("last_page_len", last_page_len, length=batch_size, device=device)
-    if out is not None:
-        checks.check_tensor("out", out, dims="like q", shape=tuple(q.shape), dtypes=(q.dtype,),
-                            device=device)
-        checks.check_rows("out", out)
+    checks.check_attention_q(q, geo, device, "[batch_size, num_qo_heads, head_dim]")
+    checks.check_page_table(page_indptr, page_indices, last_page_len, q.shape[0], device)
+    checks.check_out(out, q)
     return geo
 
 

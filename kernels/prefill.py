@@ -147,25 +147,13 @@ def _config(head_dim: int, device: torch.device) -> dict:
 def _check_prefill_inputs(q, kv_layer, qo_indptr, page_indptr, page_indices, last_page_len, out):
     geo = checks.check_kv_layer("kv_layer", kv_layer)
     device = kv_layer.device
-    checks.check_tensor("q", q, dims="[num_tokens, num_qo_heads, head_dim]",
-                        shape=(None, None, geo.head_dim), dtypes=checks.ATTN_DTYPES, device=device)
-    checks.check_rows("q", q)
-    if q.shape[1] % geo.num_kv_heads:
-        raise ValueError(f"q: expected num_qo_heads divisible by num_kv_heads={geo.num_kv_heads}, "
-                         f"got {q.shape[1]}")
-    if geo.dtype != torch.float8_e4m3fn and q.dtype != geo.dtype:
-        raise TypeError(f"q: expected the cache's dtype {geo.dtype}, got {q.dtype}")
+    checks.check_attention_q(q, geo, device, "[num_tokens, num_qo_heads, head_dim]")
     checks.check_index("qo_indptr", qo_indptr, length=None, device=device)
     batch_size = qo_indptr.numel() - 1
     if batch_size < 0:
         raise ValueError("qo_indptr: expected shape [batch_size + 1], got an empty tensor")
-    checks.check_index("page_indptr", page_indptr, length=batch_size + 1, device=device)
-    checks.check_index("page_indices", page_indices, length=None, device=device)
-    checks.check_index("last_page_len", last_page_len, length=batch_size, device=device)
-    if out is not None:
-        checks.check_tensor("out", out, dims="like q", shape=tuple(q.shape), dtypes=(q.dtype,),
-                            device=device)
-        checks.check_rows("out", out)
+    checks.check_page_table(page_indptr, page_indices, last_page_len, batch_size, device)
+    checks.check_out(out, q)
     return geo
 
 
