@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # elsewhere the CPU build is installed first so that pip never pulls a multi-GB CUDA wheel.
 SYSTEM_TORCH := $(shell python3 -c "import torch" >/dev/null 2>&1 && echo --system-site-packages)
 
-.PHONY: venv demo test test-gpu test-multigpu bench clean
+.PHONY: venv demo test test-gpu test-multigpu clean
 
 venv: $(VENV)/.installed
 
