@@ -281,8 +281,10 @@ def prepare_append_push(
         dst_slots: `[T]` int32/int64 receiver slot of each token, -1 = not sent (receivers only).
         dst_index: `[T]` int32/int64 index into dst_kv, -1 = not sent (receivers only).
         check_indices: for index tensors: range-check their values (a host sync on CUDA); see
-            `dispatch.should_check_values`. Numpy index arrays are always checked, on the host,
-            then copied to kv's device in one transfer (pinned, on the current stream).
+            `dispatch.should_check_values`. Numpy index arrays are checked on the host unless
+            this is False (a caller that validated them already, as `KVPusher` does with
+            `push_plan.check_plan`), then copied to kv's device in one transfer (pinned, on the
+            current stream).
 
     Returns:
         The `PreparedAppend` of this forward.
@@ -321,7 +323,7 @@ def _prepare_indices(kv, geo, dst_kv, geos, slots, dst_slots, dst_index,
     num_tokens = checks.check_index("slots", tensors[0], length=None, device=where).shape[0]
     for name, tensor in zip(names[1:], tensors[1:]):
         checks.check_index(name, tensor, length=num_tokens, device=where)
-    if host or dispatch.should_check_values(kv.device, check_indices):
+    if check_indices is not False if host else dispatch.should_check_values(kv.device, check_indices):
         checks.check_slot_values("slots", tensors[0], geo.num_slots)
         if geos:
             checks.check_push_values(tensors[1], tensors[2], geos)

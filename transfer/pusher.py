@@ -130,8 +130,10 @@ class KVPusher:
         check_plan(plan, self.geometry, rank, self.heap.world_size, self._doorbells)
         work = build_push_work(plan, self.geometry, rank, self._reachable, self._doorbells)
         peers = [self._peer_kv[pe] for pe in work.peer_pes]
+        # check_plan has range-checked every slot against this geometry: not again per forward.
         append = prepare_append_push(self.kv, work.append_slots, peers,
-                                     work.dst_slots if peers else None, work.dst_index if peers else None)
+                                     work.dst_slots if peers else None, work.dst_index if peers else None,
+                                     check_indices=False)
         num_layers = self.geometry.num_layers
         fwd = _Forward(plan=plan, work=work, append=append, segment_pushes=list(work.segment_pushes.items()),
                        pushed=[False] * num_layers, events=[None] * num_layers)
