@@ -102,33 +102,50 @@ def _check_pe(pe: int, rank: int, world_size: int, request: int | None) -> None:
                     request, rank, pe)
 
 
+def distinct(values: np.ndarray) -> list[int]:
+    """Sorted distinct values of an int array (no sort for the usual one-receiver case)."""
+    if not len(values):
+        return []
+    lo, hi = int(values.min()), int(values.max())
+    return [lo] if lo == hi else [int(x) for x in np.unique(values)]
+
+
 def _check_pushes(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int) -> None:
     slots, pes = plan.push_slots, plan.push_pes
-    bad = np.flatnonzero((slots >= 0) != (pes >= 0))
+    sent_mask = pes >= 0
+    bad = np.flatnonzero((slots >= 0) != sent_mask)
     if len(bad):
         t = int(bad[0])
         raise _fail(f"push map and tokens disagree at token {t}: push_slots={slots[t]}, push_pes={pes[t]} "
                     "(both must be -1 or both set)", request_of_token(plan, t), rank, int(pes[t]))
-    sent = np.flatnonzero(pes >= 0)
-    for pe in np.unique(pes[sent]).tolist():
-        _check_pe(int(pe), rank, world_size, request_of_token(plan, int(sent[pes[sent] == pe][0])))
-    out = sent[(slots[sent] < 0) | (slots[sent] >= geo.num_slots)]
+    sent = np.flatnonzero(sent_mask)
+    if not len(sent):
+        return
+    for pe in distinct(pes[sent]):
+        _check_pe(pe, rank, world_size, request_of_token(plan, int(sent[pes[sent] == pe][0])))
+    out = sent[slots[sent] >= geo.num_slots]
     if len(out):
         t = int(out[0])
         raise _fail(f"push slot {slots[t]} of token {t} is outside the receiver's [0, {geo.num_slots}): "
                     "plan and heap come from different geometries", request_of_token(plan, t), rank, int(pes[t]))
+    # Each pushed token goes to its sequence's receiver (vectorized over the batch: decode
+    # batches hold hundreds of sequences).
     receiver_of = {int(s): int(p) for s, p in zip(plan.send_seq_ids, plan.send_pes)}
-    for b, seq in enumerate(plan.seq_ids):
+    expected = np.array([receiver_of.get(int(seq), -1) for seq in plan.seq_ids], dtype=np.int64)
+    expected = np.repeat(expected, np.diff(plan.qo_indptr))
+    wrong = np.flatnonzero(sent_mask & (pes != expected))
+    if len(wrong):
+        t = int(wrong[0])
+        seq = request_of_token(plan, t)
+        b = plan.seq_ids.index(seq)
         rows = pes[plan.qo_indptr[b]:plan.qo_indptr[b + 1]]
-        rows = rows[rows >= 0]
-        if len(rows) and (seq not in receiver_of or np.any(rows != receiver_of[seq])):
-            raise _fail(f"tokens of sequence {seq} are pushed to PE(s) {sorted(set(rows.tolist()))} but its "
-                        f"send record names {receiver_of.get(seq)}", seq, rank, int(rows[0]))
+        raise _fail(f"tokens of sequence {seq} are pushed to PE(s) {sorted(set(rows[rows >= 0].tolist()))} but "
+                    f"its send record names {receiver_of.get(seq)}", seq, rank, int(pes[t]))
 
 
 def _check_copies(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int) -> None:
-    for pe in np.unique(plan.copy_pes).tolist():
-        _check_pe(int(pe), rank, world_size, _request_to(plan, int(pe)))
+    for pe in distinct(plan.copy_pes):
+        _check_pe(pe, rank, world_size, _request_to(plan, pe))
     for name in ("copy_local_slots", "copy_remote_slots"):
         slots = getattr(plan, name)
         if len(slots) and (slots.min() < 0 or slots.max() >= geo.num_slots):
@@ -168,13 +185,17 @@ def build_push_work(plan: ForwardPlan, geo: KVGeometry, rank: int,
         TransferError: a token sent through segment puts has no local slot to read from.
     """
     pes = plan.push_pes
-    peer_pes = tuple(int(pe) for pe in np.unique(pes[pes >= 0]) if reachable(int(pe)))
-    dst_index = np.full(plan.num_tokens, -1, dtype=np.int32)
-    for i, pe in enumerate(peer_pes):
-        dst_index[pes == pe] = i
+    receivers = distinct(pes[pes >= 0])
+    peer_pes = tuple(pe for pe in receivers if reachable(pe))
+    if len(peer_pes) == 1:
+        dst_index = np.where(pes == peer_pes[0], 0, -1).astype(np.int32)
+    else:
+        dst_index = np.full(plan.num_tokens, -1, dtype=np.int32)
+        for i, pe in enumerate(peer_pes):
+            dst_index[pes == pe] = i
     dst_slots = np.where(dst_index >= 0, plan.push_slots, -1).astype(np.int32)
     segment_pushes = {}
-    for pe in (int(p) for p in np.unique(pes[pes >= 0]) if not reachable(int(p))):
+    for pe in (pe for pe in receivers if pe not in peer_pes):
         mine = np.flatnonzero(pes == pe)
         unstored = mine[plan.append_slots[mine] < 0]
         if len(unstored):
@@ -182,7 +203,7 @@ def build_push_work(plan: ForwardPlan, geo: KVGeometry, rank: int,
                         request_of_token(plan, int(unstored[0])), rank, pe)
         segment_pushes[pe] = coalesce(plan.append_slots[mine], plan.push_slots[mine], geo)
     peer_copies, segment_copies = {}, {}
-    for pe in (int(p) for p in np.unique(plan.copy_pes)):
+    for pe in distinct(plan.copy_pes):
         mine = plan.copy_pes == pe
         local, remote = plan.copy_local_slots[mine], plan.copy_remote_slots[mine]
         if reachable(pe):
