@@ -8,9 +8,9 @@ receiver is GPU 1's memory reached through CUDA peer access from this process ra
 NVSHMEM peer view in another process: the same NVLink stores, without Ray in the loop, so many
 launch configurations can be timed in one run. Every variant is 32 launches replayed as one CUDA
 graph; each row gives GB/s and its ratio to a contiguous 1 GiB peer `copy_` timed in the same run.
-Rows: the kernel's tile size (elements of K per program) x warps, for the fused write (local +
-remote), the remote write alone (local slots -1) and the local write alone, plus `copy_slots`
-page to page.
+Rows: the default launch on one stream and alternating between two streams (as `KVPusher` does);
+the kernel's tile size (elements of K per program) x warps, for the fused write (local + remote),
+the remote write alone (local slots -1) and the local write alone; `copy_slots` page to page.
 """
 
 from __future__ import annotations
@@ -78,26 +78,44 @@ def run(iters: int) -> dict:
             append_push_kv(ks[layer], vs[layer], kv[layer], local_slots, [peer[layer]], dst_slots,
                            remote_index, dst_table=table, check_indices=False)
 
+    side = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def layers_two_streams(local_slots, remote_index) -> None:
+        """As KVPusher issues them: layers alternate between two streams (fork/join)."""
+        main = torch.cuda.current_stream()
+        for stream in side:
+            stream.wait_stream(main)
+        for layer in range(LAYERS):
+            with torch.cuda.stream(side[layer % 2]):
+                append_push_kv(ks[layer], vs[layer], kv[layer], local_slots, [peer[layer]], dst_slots,
+                               remote_index, dst_table=table, check_indices=False)
+        for stream in side:
+            main.wait_stream(stream)
+
     rows = [{"variant": "peer copy_ 1 GiB (anchor)", "seconds": anchor}]
+    rows.append({"variant": f"fused, default {append.LAUNCH['push']}, one stream",
+                 "seconds": _graph_seconds(lambda: layers(slots, dst_index), iters)})
+    rows.append({"variant": f"fused, default {append.LAUNCH['push']}, two streams",
+                 "seconds": _graph_seconds(lambda: layers_two_streams(slots, dst_index), iters)})
     rows.append({"variant": "copy_slots page to page, all layers",
                  "seconds": _graph_seconds(lambda: copy_slots(kv, slots, peer, dst_slots, check_indices=False), iters)})
-    defaults = (append.TILE_ELEMENTS, append.NUM_WARPS)
+    defaults = append.LAUNCH["push"]
     try:
-        for tile in (4096, 8192, 16384, 32768):
+        for tile in (2048, 4096, 8192, 16384):
             for warps in (4, 8, 16):
-                append.TILE_ELEMENTS, append.NUM_WARPS = tile, warps
+                append.LAUNCH["push"] = (tile, warps)
                 for name, local, remote in (("fused", slots, dst_index), ("remote only", no_slots, dst_index),
                                             ("local only", slots, torch.full_like(dst_index, -1))):
                     seconds = _graph_seconds(lambda: layers(local, remote), iters)
                     rows.append({"variant": f"{name} tile={tile} warps={warps}", "seconds": seconds})
     finally:
-        append.TILE_ELEMENTS, append.NUM_WARPS = defaults
+        append.LAUNCH["push"] = defaults
     for row in rows:
         row["GB/s"] = GiB / row["seconds"] / 1e9
         row["ratio_to_anchor"] = anchor / row["seconds"]
     return {"workload": {"layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM, "page_size": PAGE,
                          "tokens": TOKENS, "bytes": GiB, "dtype": "bfloat16"},
-            "defaults": {"TILE_ELEMENTS": defaults[0], "NUM_WARPS": defaults[1]}, "rows": rows}
+            "defaults": {"tile_elements": defaults[0], "num_warps": defaults[1]}, "rows": rows}
 
 
 def main() -> None:

@@ -32,9 +32,13 @@ from disagg.kernels.fp8 import FP8_DTYPE, Scales, load_scale, quantize_fp8, reso
 
 # A receiver's cache offset must keep 16-element alignment so stores stay vectorized.
 DST_ALIGN_ELEMENTS = 16
-# Elements of K (and of V) one program moves, and its warps (tuned on one H200).
-TILE_ELEMENTS = 16384
-NUM_WARPS = 4
+# (elements of K, and of V, one program moves; its warps), by kernel variant. "append": tuned on
+# one H200 (benchmarks/bench_kernels.py: 65,536 tokens at 0.91 of copy bandwidth). "push": the
+# fused append+push, tuned over NVLink between two H200s (benchmarks/sweep_push.py, 1 GiB over
+# 16-token pages, ratio to a contiguous peer copy_ in the same run): 4096 x 16 warps 0.893
+# (remote stores alone 0.907), 4096 x 4 0.854, 8192 x 4..16 0.851-0.861, 16384 x 4..16
+# 0.859-0.863, 32768 x 4 0.495 (spills). Small programs leave short tails at each launch's end.
+LAUNCH = {"append": (16384, 4), "push": (4096, 16)}
 
 
 @triton.jit
@@ -95,27 +99,28 @@ def append_kv_kernel(
 
 
 def _launch_args(k: torch.Tensor, v: torch.Tensor, geo: checks.KVGeometry, scales: Scales,
-                 push: bool) -> tuple[tuple[int, int, int], tuple]:
-    """The grid, and the kernel's arguments after the 9 tensors and scales (sizes, strides,
-    constexprs) in signature order, for new K/V `k`, `v` `[T, H_kv, D]`."""
+                 push: bool) -> tuple[tuple[int, int, int], tuple, int]:
+    """The grid, the kernel's arguments after the 9 tensors and scales (sizes, strides,
+    constexprs) in signature order, and the warps, for new K/V `k`, `v` `[T, H_kv, D]`."""
     num_tokens = k.shape[0]
+    tile_elements, num_warps = LAUNCH["push" if push else "append"]
     block_h = min(triton.next_power_of_2(geo.num_kv_heads), 8)
     block_d = triton.next_power_of_2(geo.head_dim)
-    block_t = max(1, min(64, TILE_ELEMENTS // (block_h * block_d)))
+    block_t = max(1, min(64, tile_elements // (block_h * block_d)))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(geo.num_kv_heads, block_h), 1)
     tail = (num_tokens, k.stride(0), k.stride(1), v.stride(0), v.stride(1), geo.stride_page,
             geo.num_kv_heads, geo.head_dim, geo.page_size, block_t, block_h, block_d,
             push, scales.is_fp8, scales.is_tensor)
-    return grid, tail
+    return grid, tail, num_warps
 
 
 def _launch(k, v, kv_layer, slots, geo: checks.KVGeometry, scales: Scales, push_args) -> None:
     """Triton's usual launch (binds and specializes the arguments on every call)."""
     dst_slots, dst_index, dst_table = push_args if push_args is not None else (slots, slots, slots)
-    grid, tail = _launch_args(k, v, geo, scales, push_args is not None)
+    grid, tail, num_warps = _launch_args(k, v, geo, scales, push_args is not None)
     dispatch.runnable(append_kv_kernel)[grid](
         k, v, kv_layer, slots, dst_slots, dst_index, dst_table, scales.k, scales.v, *tail,
-        num_warps=NUM_WARPS,
+        num_warps=num_warps,
     )
 
 
@@ -391,6 +396,26 @@ def _variant_key(k: object, v: object) -> tuple | None:
         return None
 
 
+# Compiled launchers by specialization, shared by every PreparedAppend of the process: a forward
+# of a shape seen before finds its launcher here instead of asking Triton's JIT again
+# (`JITFunction.warmup` binds and hashes the arguments: ~100 us of host time per forward).
+_RUNNERS: dict[tuple, object] = {}
+
+
+def _compiled(kernel, device: torch.device, grid: tuple, args: tuple, tail: tuple, num_warps: int):
+    """`dispatch.compiled_launcher` for these arguments, cached on what Triton specializes on:
+    tensor dtypes and 16-byte alignment, the scalar arguments and constexprs (`tail`), warps."""
+    spec = tuple((a.dtype, _aligned(a)) if isinstance(a, torch.Tensor) else type(a) for a in args)
+    key = (device.index, grid, tail, num_warps, spec)
+    runner = _RUNNERS.get(key)
+    if runner is None:
+        with torch.cuda.device(device):
+            runner = dispatch.compiled_launcher(kernel, grid, args + tail, {"num_warps": num_warps})
+        if runner is not None:
+            _RUNNERS[key] = runner
+    return runner
+
+
 class PreparedAppend:
     """One forward's `append_push_kv` (or `append_kv`), checked once; call it once per layer.
 
@@ -465,13 +490,13 @@ class PreparedAppend:
         variant = self._variants.get(key)
         if variant is None:
             variant = self._new_variant(key, layer, k, v, scales)
-        runner, grid, tail = variant
+        runner, grid, tail, num_warps = variant
         if runner is not None:
             runner(k, v, self._layers[layer], self._slots, self._dst_slots, self._dst_index,
                    self._tables[layer], scales.k, scales.v, *tail,
                    stream=self._stream_of(self.device.index) if stream is None else stream.cuda_stream)
         elif self.num_tokens:
-            self._launch_slow(layer, k, v, scales, grid, tail, stream)
+            self._launch_slow(layer, k, v, scales, grid, tail, num_warps, stream)
 
     def _new_variant(self, key: tuple | None, layer: int, k: torch.Tensor, v: torch.Tensor,
                      scales: Scales) -> tuple:
@@ -480,13 +505,12 @@ class PreparedAppend:
         if num_tokens != self.num_tokens:
             raise ValueError(f"k: expected {self.num_tokens} tokens (the length of the prepared "
                              f"slots), got {num_tokens}")
-        grid, tail = _launch_args(k, v, self._geo, scales, self.num_receivers > 0)
+        grid, tail, num_warps = _launch_args(k, v, self._geo, scales, self.num_receivers > 0)
         runner = None
         if self._compile and num_tokens:
-            with torch.cuda.device(self.device):
-                runner = dispatch.compiled_launcher(self._kernel, grid, self._args(layer, k, v, scales) + tail,
-                                                    {"num_warps": NUM_WARPS})
-        variant = (runner, grid, tail)
+            runner = _compiled(self._kernel, self.device, grid, self._args(layer, k, v, scales), tail,
+                               num_warps)
+        variant = (runner, grid, tail, num_warps)
         if key is not None:
             self._variants[key] = variant
         return variant
@@ -495,7 +519,7 @@ class PreparedAppend:
         return (k, v, self._layers[layer], self._slots, self._dst_slots, self._dst_index,
                 self._tables[layer], scales.k, scales.v)
 
-    def _launch_slow(self, layer, k, v, scales, grid, tail, stream) -> None:
+    def _launch_slow(self, layer, k, v, scales, grid, tail, num_warps, stream) -> None:
         """The torch reference, or Triton's usual launch (interpreter, or no compiled kernel)."""
         if self._reference:
             if self._dst_layers is not None:
@@ -505,10 +529,10 @@ class PreparedAppend:
                 reference.append_kv(k, v, self._layers[layer], self._slots, *scales.host())
             return
         if stream is None:
-            self._kernel[grid](*self._args(layer, k, v, scales), *tail, num_warps=NUM_WARPS)
+            self._kernel[grid](*self._args(layer, k, v, scales), *tail, num_warps=num_warps)
             return
         with torch.cuda.stream(stream):
-            self._kernel[grid](*self._args(layer, k, v, scales), *tail, num_warps=NUM_WARPS)
+            self._kernel[grid](*self._args(layer, k, v, scales), *tail, num_warps=num_warps)
 
     def _check_layer(self, layer: object) -> int:
         try:
