@@ -13,9 +13,13 @@ The prefill worker's model runner drives it once per forward (its own process, i
     pusher.end_forward()                        # rings the doorbells of completed requests
     cache.end_forward()
 
-On CUDA the pushes run on a transfer stream that waits (CUDA events) for each layer's K/V, so the
-caller's next kernels queue without a host sync; `k`/`v` are recorded on that stream so the
-allocator does not reuse them early. Receivers that `SymmetricHeap.peer` cannot reach (another
+On CUDA the pushes run on transfer streams that wait (CUDA events) for each layer's K/V, so the
+caller's next kernels queue without a host sync; `k`/`v` are recorded on those streams so the
+allocator does not reuse them early. Layers alternate between two transfer streams: when layers
+queue faster than NVLink drains them (a prompt whose K/V is all ready, a chunk of many layers),
+layer l+1's programs start while layer l's last ones finish instead of after them (each launch's
+tail would otherwise idle the link for a few microseconds per layer). Everything that must follow
+all layers (the doorbells) waits on both. Receivers that `SymmetricHeap.peer` cannot reach (another
 node), or every receiver when ``force_segment_puts``, take coalesced segment puts from the local
 pages instead: one put per contiguous run per layer. On CPU (shm heap) everything runs inline.
 
@@ -86,7 +90,10 @@ class KVPusher:
         self.kv = kv
         self.geometry = KVGeometry.of(tuple(kv.shape), kv.element_size())
         self.force_segment_puts = force_segment_puts
-        self._stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
+        # Two transfer streams, alternated by layer (see the module docstring); [0] also carries
+        # the copies of existing KV and the doorbells.
+        self._streams = [torch.cuda.Stream(kv.device) for _ in range(2)] if kv.is_cuda else []
+        self._stream = self._streams[0] if kv.is_cuda else None
         self._device_index = kv.device.index if kv.is_cuda else None
         # Reused every forward (fewer host calls per layer): "K/V ready" on the caller's stream,
         # "layer written" on the transfer stream.
@@ -164,13 +171,13 @@ class KVPusher:
             return; without transfers the append ran on the current stream).
         """
         fwd, layer = self._check_layer(layer)
-        stream = self._stream
-        if stream is None or not fwd.work.has_transfers:  # CPU (inline), or a local append only
+        if self._stream is None or not fwd.work.has_transfers:  # CPU (inline), or a local append only
             fwd.append(layer, k, v, k_scale=k_scale, v_scale=v_scale)
             for pe, runs in fwd.segment_pushes:
                 self.heap.put_segments_async(self.kv, pe, runs.for_layer(layer), None)
             fwd.pushed[layer] = True
             return None
+        stream = self._streams[layer % 2]
         ready = self._ready_events[layer]
         ready.record(torch.cuda.current_stream(self._device_index))
         stream.wait_event(ready)
@@ -211,7 +218,9 @@ class KVPusher:
             raise ForwardStateError(f"KVPusher.end_forward: layers {missing} were not pushed in this forward")
         event = None
         if fwd.work.has_transfers:
-            self.wait_layer(self.geometry.num_layers - 1)
+            last = self.geometry.num_layers - 1
+            for layer in range(max(0, last - 1), last + 1):  # each transfer stream's last layer
+                self.wait_layer(layer)
             with self._on_transfer_stream(self.geometry.num_layers) as stream:
                 for ticket in fwd.work.rings:
                     ring_async(self.heap, ticket, stream)
@@ -228,8 +237,8 @@ class KVPusher:
 
     def synchronize(self) -> None:
         """Block the host until every transfer issued so far is done (tests, shutdown)."""
-        if self._stream is not None:
-            self._stream.synchronize()
+        for stream in self._streams:
+            stream.synchronize()
 
     # ------------------------------------------------------------------ internals
     def _reachable(self, pe: int) -> bool:
