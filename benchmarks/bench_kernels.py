@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from disagg.kernels import append as append_mod
@@ -130,6 +132,65 @@ def bench_decode(batch, ctx, dtype=torch.bfloat16, num_qo_heads=32, num_kv_heads
     return dict(seconds=seconds, bytes_per_s=io_bytes / seconds, num_splits=splits)
 
 
+@triton.jit
+def stream_kv_kernel(kv_ptr, page_indptr_ptr, page_indices_ptr, out_ptr, stride_page, num_splits,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, WORDS: tl.constexpr):
+    # The decode kernel's memory traffic and nothing else: program (kv head, sequence, split)
+    # reads the K and V rows of its share of full pages (through the page table when PAGED,
+    # else pages page_start.. in order) and writes one sum. The floor any decode kernel of this
+    # grid and size can reach. WORDS: the cache is viewed as int32 words (fp8: 4 per word),
+    # summed as integers so that no conversion competes with the loads.
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    split = tl.program_id(2)
+    page_start = tl.load(page_indptr_ptr + seq)
+    kv_len = (tl.load(page_indptr_ptr + seq + 1) - page_start) * PAGE_SIZE
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_len)
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.int32 if WORDS else tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + tl.arange(0, BLOCK_N)
+        tok_ok = tok < hi
+        if PAGED:
+            page = tl.load(page_indices_ptr + page_start + tok // PAGE_SIZE, mask=tok_ok, other=0)
+        else:
+            page = page_start + tok // PAGE_SIZE
+        rows = (page.to(tl.int64) * stride_page + kv_head * (PAGE_SIZE * HEAD_DIM)
+                + (tok % PAGE_SIZE) * HEAD_DIM)
+        k = tl.load(kv_ptr + rows[:, None] + d[None, :], mask=tok_ok[:, None], other=0.0)
+        v = tl.load(kv_ptr + NUM_KV_HEADS * PAGE_SIZE * HEAD_DIM + rows[:, None] + d[None, :],
+                    mask=tok_ok[:, None], other=0.0)
+        if WORDS:
+            acc += k + v
+        else:
+            acc += k.to(tl.float32) + v.to(tl.float32)
+    pid = (seq * NUM_KV_HEADS + kv_head) * num_splits + split
+    tl.store(out_ptr + pid, tl.sum(tl.sum(acc, 1), 0).to(tl.float32))
+
+
+def bench_stream_floor(batch, ctx, dtype=torch.bfloat16, num_kv_heads=8, head_dim=128,
+                       page_size=16, num_splits=4, paged=True, block_n=64, num_warps=4,
+                       num_stages=3):
+    """`stream_kv_kernel` over the decode benchmark's cache and tables (same rotation)."""
+    kv_bytes = batch * ctx * num_kv_heads * head_dim * 2 * torch.finfo(dtype).bits // 8
+    kv, tables = paged_batch(batch, ctx, num_kv_heads, head_dim, page_size, dtype,
+                             copies_for(kv_bytes))
+    words = dtype == torch.float8_e4m3fn
+    if words:
+        kv = kv.view(torch.int32)
+    outs = [torch.empty(num_kv_heads * batch * num_splits, device=CUDA) for _ in tables]
+    calls = [lambda t=t, o=o: stream_kv_kernel[(num_kv_heads, batch, num_splits)](
+        kv, t[0], t[1], o, kv.stride(0), num_splits, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=kv.shape[-1], PAGE_SIZE=page_size, BLOCK_N=block_n, PAGED=paged, WORDS=words,
+        num_warps=num_warps, num_stages=num_stages) for t, o in zip(tables, outs)]
+    seconds = graph_seconds(calls)
+    del kv
+    return dict(seconds=seconds, bytes_per_s=kv_bytes / seconds)
+
+
 def bench_sdpa_decode(batch, ctx, num_qo_heads=32, num_kv_heads=8, head_dim=128):
     kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * 2
     copies = copies_for(kv_bytes)
@@ -206,6 +267,13 @@ def run_decode(copy_bw):
         figs.append(figure(f"decode bf16 B={batch} ctx={ctx} bandwidth", ours["bytes_per_s"] / 1e12,
                            copy_bw / 1e12, "TB/s", target, "device copy", num_splits=ours["num_splits"],
                            seconds=ours["seconds"]))
+    splits = figs[-1]["num_splits"]
+    floor = bench_stream_floor(8, 1024, num_splits=splits)
+    figs.append(figure("stream floor B=8 ctx=1024 (KV read only, same grid) bandwidth",
+                       floor["bytes_per_s"] / 1e12, copy_bw / 1e12, "TB/s", None, "device copy",
+                       seconds=floor["seconds"], num_splits=splits))
+    figs.append(figure("decode bf16 B=8 ctx=1024 speed vs stream floor", 1 / figs[1]["seconds"],
+                       1 / floor["seconds"], "calls/s", None, "stream floor (same grid)"))
     for batch, ctx in ((64, 4096), (8, 1024), (32, 32768)):
         ours = bench_decode(batch, ctx)
         sdpa = bench_sdpa_decode(batch, ctx)
@@ -259,7 +327,6 @@ def main() -> None:
         figs += run_prefill()
     if "copies" in sections:
         figs += run_copies(copy_bw)
-    import triton
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   copy_bandwidth_TBps={k: v / 1e12 for k, v in copy.items()}, figures=figs)
     args.out.parent.mkdir(parents=True, exist_ok=True)

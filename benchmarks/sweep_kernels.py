@@ -29,29 +29,55 @@ import bench_kernels as bk
 FP8 = torch.float8_e4m3fn
 # (BLOCK_N, num_warps, num_stages, extra CONFIGS entries[, splits]): the last round of each case
 # (earlier rounds tried kernel variants since removed; decode.py's CONFIGS comment has the figures).
+SWAP = dict(SWAP_AB=True)
+SWAP_T = dict(SWAP_AB=True, PV_T=True)
 FP8_VARIANTS = [  # fp8 decode, B=64 x 4096
     (64, 4, 2, dict(), 2),
-    (64, 4, 3, dict(), 2),
-    (64, 4, 2, dict(maxnreg=96), 2),
-    (32, 4, 2, dict(), 2),
-    (128, 4, 2, dict(), 2),
-    (64, 4, 2, dict(DEFER_SUM=False), 2),
+    (64, 4, 5, dict(), 2),
+    (64, 4, 2, SWAP_T, 2),
+    (64, 4, 4, SWAP_T, 2),
+    (64, 4, 5, SWAP_T, 2),
+    (64, 4, 2, dict(SWAP_T, K_WORDS=False), 2),
+    (64, 4, 3, dict(SWAP_T, K_WORDS=False), 2),
+    (64, 4, 5, dict(SWAP_T, K_WORDS=False), 2),
+    (64, 4, 5, dict(SWAP_T, K_WORDS=False), 4),
+    (128, 8, 3, dict(SWAP_T, K_WORDS=False), 2),
+    (128, 4, 3, dict(SWAP_T, K_WORDS=False), 2),
+    (64, 4, 2, dict(SWAP, K_WORDS=False), 2),
+    (64, 4, 2, dict(SWAP_T, K_WORDS=False, V_WORDS=False), 2),
+    (64, 4, 5, dict(SWAP_T, K_WORDS=False, DEFER_SUM=False), 2),
 ]
 BF16_VARIANTS = [  # bf16 decode, B=64 x 4096
-    (64, 4, 3, dict(DEFER_SUM=False)),
-    (64, 4, 3, dict(DEFER_SUM=True)),
+    (64, 4, 3, dict(), 2),
+    (64, 4, 3, SWAP_T, 2),
+    (128, 8, 3, SWAP_T, 2),
 ]
 SMALL_VARIANTS = [  # bf16 decode, B=8 x 1024
-    (64, 4, 3, dict(), 2),
     (64, 4, 3, dict(), 4),
-    (64, 4, 3, dict(), 8),
-    (64, 4, 3, dict(DEFER_SUM=True), 4),
-    (64, 4, 2, dict(), 4),
-    (128, 4, 2, dict(), 4),
+    (64, 4, 3, dict(PDL=True), 4),
+    (64, 4, 3, dict(PDL=True), 8),
+    (64, 4, 3, dict(PDL=True), 2),
+    (64, 4, 3, SWAP_T, 4),
+    (32, 4, 3, dict(), 8),
+    (32, 4, 3, dict(PDL=True), 8),
 ]
 LONG_VARIANTS = [  # bf16 decode, B=32 x 32768
-    (64, 4, 3, dict(DEFER_SUM=False)),
-    (64, 4, 3, dict(DEFER_SUM=True)),
+    (64, 4, 3, dict()),
+    (64, 4, 3, SWAP_T),
+]
+# Stream floors (benchmarks/bench_kernels.py stream_kv_kernel): (batch, ctx, dtype, splits,
+# paged, BLOCK_N, num_warps, num_stages).
+FLOOR_VARIANTS = [
+    (8, 1024, torch.bfloat16, 4, True, 64, 4, 3),
+    (8, 1024, torch.bfloat16, 4, False, 64, 4, 3),
+    (8, 1024, torch.bfloat16, 2, True, 64, 4, 3),
+    (8, 1024, torch.bfloat16, 8, True, 64, 4, 3),
+    (8, 1024, torch.bfloat16, 8, True, 32, 4, 3),
+    (8, 1024, torch.bfloat16, 16, True, 32, 4, 3),
+    (64, 4096, torch.bfloat16, 2, True, 64, 4, 3),
+    (64, 4096, FP8, 2, True, 64, 4, 3),
+    (64, 4096, FP8, 2, True, 128, 4, 3),
+    (64, 4096, FP8, 2, True, 128, 8, 3),
 ]
 PREFILL_VARIANTS = [  # BLOCK_M, BLOCK_N, num_warps, num_stages
     (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3),
@@ -115,7 +141,7 @@ CASES = {  # group -> (batch, ctx, dtype, CONFIGS key, variants, splits tried pe
     "fp8": (64, 4096, FP8, "fp8", FP8_VARIANTS, (1, 2)),
     "bf16": (64, 4096, torch.bfloat16, "16bit", BF16_VARIANTS, (1, 2)),
     "small": (8, 1024, torch.bfloat16, "16bit", SMALL_VARIANTS, ()),
-    "long": (32, 32768, torch.bfloat16, "16bit", LONG_VARIANTS, (3, 4)),
+    "long": (32, 32768, torch.bfloat16, "16bit", LONG_VARIANTS, (4,)),
 }
 
 
@@ -125,6 +151,9 @@ def jobs(groups):
     for group in groups:
         if group == "prefill":
             out += [("prefill", config, None) for config in PREFILL_VARIANTS]
+            continue
+        if group == "floor":
+            out += [("floor", config, None) for config in FLOOR_VARIANTS]
             continue
         variants, splits_list = CASES[group][4], CASES[group][5]
         for variant in variants:
@@ -146,6 +175,14 @@ def run_job(rows, cases, group, variant, splits, compile_only):
         finally:
             prefill_mod.CUDA_CONFIGS[128] = saved
         return
+    if group == "floor":
+        batch, ctx, dtype, splits, paged, block_n, warps, stages = variant
+        r = bk.bench_stream_floor(batch, ctx, dtype, num_splits=splits, paged=paged,
+                                  block_n=block_n, num_warps=warps, num_stages=stages)
+        rows.append(dict(group="floor", batch=batch, ctx=ctx, dtype=str(dtype), splits=splits,
+                         paged=paged, block_n=block_n, warps=warps, stages=stages,
+                         us=round(r["seconds"] * 1e6, 3), TBps=round(r["bytes_per_s"] / 1e12, 3)))
+        return
     batch, ctx, dtype, kind = CASES[group][:4]
     if group not in cases:
         cases.clear()  # one case's memory at a time
@@ -155,12 +192,45 @@ def run_job(rows, cases, group, variant, splits, compile_only):
     row = dict(group=group, block_n=block_n, warps=warps, stages=stages, extra=extra, splits=splits)
     try:
         with decode_config(kind, block_n, warps, stages, extra):
+            before = _compiled_kernels()
             row["rel_err"] = round(case.check(splits), 5)
+            row.update(_resources([k for k in _compiled_kernels() if k not in before]))
             if not compile_only:
                 row.update({k: round(v, 3) for k, v in case.time(splits).items()})
     except Exception as exc:
         row["error"] = repr(exc)[:300]
     rows.append(row)
+
+
+PTX_OPS = ("ld.global", "cp.async.ca", "cp.async.cg", "st.shared", "ld.shared", "ldmatrix",
+           "mma.sync", "wgmma.mma_async", "bar.sync", "cvt.rn.f16x2.e4m3x2", "shfl.sync")
+DUMP_DIR = None  # --dump: where each new kernel's TTGIR and PTX are written
+
+
+def _compiled_kernels() -> list:
+    """Every compiled specialization of the decode kernel (Triton 3.6 and 3.9 caches)."""
+    found = []
+    for entry in getattr(decode_mod.paged_decode_kernel, "device_caches", {}).values():
+        cache = entry[0] if isinstance(entry, tuple) else entry
+        if isinstance(cache, dict):
+            found += [k for k in cache.values() if hasattr(k, "asm")]
+    return found
+
+
+def _resources(kernels: list) -> dict:
+    """Registers, spills, shared memory and PTX op counts of the kernel(s) a variant compiled."""
+    if not kernels:
+        return {}
+    k = kernels[-1]
+    ptx = k.asm.get("ptx", "")
+    out = dict(regs=k.n_regs, spills=k.n_spills, shared=k.metadata.shared,
+               ops={op: ptx.count(op) for op in PTX_OPS})
+    if DUMP_DIR is not None:
+        name = f"decode_{abs(hash(ptx)) % 10**8}"
+        for ext in ("ttgir", "ptx"):
+            (DUMP_DIR / f"{name}.{ext}").write_text(str(k.asm.get(ext, "")))
+        out["dump"] = name
+    return out
 
 
 def main() -> None:
@@ -170,7 +240,13 @@ def main() -> None:
     parser.add_argument("--compile-only", action="store_true",
                         help="run each variant once (fills Triton's cache), no timing")
     parser.add_argument("--shard", default="0/1", help="i/n: take every n-th job from the i-th")
+    parser.add_argument("--dump", type=Path, default=None,
+                        help="folder for each new decode kernel's TTGIR and PTX")
     args = parser.parse_args()
+    if args.dump is not None:
+        global DUMP_DIR
+        DUMP_DIR = args.dump
+        DUMP_DIR.mkdir(parents=True, exist_ok=True)
     index, count = (int(x) for x in args.shard.split("/"))
     todo = jobs(args.groups.split(","))[index::count]
     torch.manual_seed(0)

@@ -22,8 +22,9 @@ import triton.language as tl
 
 from disagg.kernels import checks, dispatch, reference
 from disagg.kernels.fp8 import fp8_words_to_f16, load_scale, resolve_scales
-from disagg.kernels.paged_tile import (NEG_BIG, check_sm_scale, kv_rows, load_words, prepare_q,
-                                       softmax_step)
+from disagg.kernels.paged_tile import (HAS_PDL, NEG_BIG, check_sm_scale, gdc_launch_dependents,
+                                       gdc_wait, kv_rows, load_words, prepare_q, softmax_step,
+                                       softmax_step_t)
 
 # Split heuristic: aim for about this many programs per SM, never fewer than this many tokens
 # per split, and at most this many splits. Measured on one H200 (bf16, 8 kv heads; runs differ
@@ -56,8 +57,9 @@ def paged_decode_kernel(
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, KV_FP8: tl.constexpr,
-    SCALE_IS_TENSOR: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_WORDS: tl.constexpr,
-    WIDEN_ASM: tl.constexpr, DEFER_SUM: tl.constexpr,
+    SCALE_IS_TENSOR: tl.constexpr, DOT_PRECISION: tl.constexpr, K_WORDS: tl.constexpr,
+    V_WORDS: tl.constexpr, WIDEN_ASM: tl.constexpr, DEFER_SUM: tl.constexpr,
+    SWAP_AB: tl.constexpr, PV_T: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (h, b, s): kv head h, sequence b, split s of num_splits. Rows of the query tile are
     # the GROUP q heads h*GROUP .. h*GROUP+GROUP-1, padded to BLOCK_G (masked). Split s covers
@@ -74,6 +76,11 @@ def paged_decode_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, kv_len)
 
+    if PDL:
+        # Programmatic dependent launch: the page table is the host's, written before the
+        # graph; q and the cache (this step's token was just appended) come from the kernels
+        # before this one, so everything past here waits for them.
+        gdc_wait()
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g
@@ -84,7 +91,10 @@ def paged_decode_kernel(
     acc, l_i, m_i = _attend_range(q, scale, kv_ptr, page_indices_ptr, page_start, lo, hi,
                                   kv_head * (PAGE_SIZE * HEAD_DIM), stride_page, d,
                                   NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_G, BLOCK_D, BLOCK_N,
-                                  DOT_PRECISION, FP8_WORDS, WIDEN_ASM, DEFER_SUM)
+                                  DOT_PRECISION, K_WORDS, V_WORDS, WIDEN_ASM, DEFER_SUM,
+                                  SWAP_AB, PV_T)
+    if PDL:
+        gdc_launch_dependents()
 
     has = l_i > 0.0
     out = acc * (load_scale(v_scale, SCALE_IS_TENSOR) / tl.where(has, l_i, 1.0))[:, None]
@@ -111,39 +121,63 @@ def paged_decode_kernel(
 def _attend_range(q, scale, kv_ptr, page_indices_ptr, page_start, lo, hi, kv_head_offset,
                   stride_page, d, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_WORDS: tl.constexpr,
-                  WIDEN_ASM: tl.constexpr, DEFER_SUM: tl.constexpr):
+                  BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, K_WORDS: tl.constexpr,
+                  V_WORDS: tl.constexpr, WIDEN_ASM: tl.constexpr, DEFER_SUM: tl.constexpr,
+                  SWAP_AB: tl.constexpr, PV_T: tl.constexpr):
     """Online softmax of the query tile over tokens [lo, hi): (acc, l_i, m_i), unnormalized.
 
-    FP8_WORDS (fp8 cache, BLOCK_D == HEAD_DIM): K and V tiles are loaded as int32 words and
-    widened to float16 in registers (`fp8_words_to_f16`), so they reach the dots' shared-memory
-    operands as 16-bit data; other tiles are cast at the dot.
+    K_WORDS / V_WORDS (fp8 cache, BLOCK_D == HEAD_DIM): that tile is loaded as int32 words and
+    widened to float16 in registers (`fp8_words_to_f16`), so it reaches the dots' shared-memory
+    operands as 16-bit data; other tiles are cast at the dot. SWAP_AB: the scores are computed
+    transposed, `k @ q^T` `[BLOCK_N, BLOCK_G]`, so tokens fill the MMA's M dimension (wgmma
+    needs 64 rows; the GQA group pads only N) and K is its A operand; PV_T: likewise
+    `v^T @ p^T` `[BLOCK_D, BLOCK_G]` for the output (transposed back at the end).
     """
     v_shift = NUM_KV_HEADS * PAGE_SIZE * HEAD_DIM
     m_i = tl.full([BLOCK_G], NEG_BIG, tl.float32)
     if DEFER_SUM:
-        l_i = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+        if SWAP_AB:
+            l_i = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+        else:
+            l_i = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
     else:
         l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if SWAP_AB:
+        q = tl.trans(q)
+    if PV_T:
+        acc = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         tok = start + tl.arange(0, BLOCK_N)
         tok_ok = tok < hi
         rows = kv_rows(page_indices_ptr, page_start, tok, tok_ok, kv_head_offset, stride_page,
                        PAGE_SIZE, HEAD_DIM)
-        if FP8_WORDS:
-            k = fp8_words_to_f16(load_words(kv_ptr, rows, tok_ok, BLOCK_D), WIDEN_ASM)
-            v = fp8_words_to_f16(load_words(kv_ptr + v_shift, rows, tok_ok, BLOCK_D), WIDEN_ASM)
+        k = _load_tile(kv_ptr, rows, tok_ok, d, HEAD_DIM, BLOCK_D, K_WORDS, WIDEN_ASM)
+        v = _load_tile(kv_ptr + v_shift, rows, tok_ok, d, HEAD_DIM, BLOCK_D, V_WORDS, WIDEN_ASM)
+        if SWAP_AB:
+            acc, l_i, m_i = softmax_step_t(acc, l_i, m_i, q, k, v, tok_ok, scale, DEFER_SUM,
+                                           PV_T, DOT_PRECISION)
         else:
-            tile_ok = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
-            k = tl.load(kv_ptr + rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
-            v = tl.load(kv_ptr + v_shift + rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, q, k, v, tok_ok, scale, DEFER_SUM,
-                                     DOT_PRECISION)
+            acc, l_i, m_i = softmax_step(acc, l_i, m_i, q, k, v, tok_ok, scale, DEFER_SUM,
+                                         DOT_PRECISION)
+    if PV_T:
+        acc = tl.trans(acc)
     if DEFER_SUM:
-        return acc, tl.sum(l_i, 1), m_i
+        l_i = tl.sum(l_i, 0 if SWAP_AB else 1)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _load_tile(ptr, rows, tok_ok, d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               WORDS: tl.constexpr, WIDEN_ASM: tl.constexpr):
+    """K or V rows at element offsets `rows` `[BLOCK_N]` from `ptr`: `[BLOCK_N, BLOCK_D]`, 0 where
+    masked; fp8 rows as int32 words widened to float16 in registers when WORDS, else as stored."""
+    if WORDS:
+        return fp8_words_to_f16(load_words(ptr, rows, tok_ok, BLOCK_D), WIDEN_ASM)
     else:
-        return acc, l_i, m_i
+        tile_ok = tok_ok[:, None] & (d < HEAD_DIM)[None, :]
+        return tl.load(ptr + rows[:, None] + d[None, :], mask=tile_ok, other=0.0)
 
 
 @triton.jit
@@ -206,13 +240,21 @@ def _config(head_dim: int, is_fp8: bool, on_gpu: bool) -> dict:
     """Launch options for a head_dim and cache dtype (BLOCK_N halved past head_dim 128).
 
     fp8 word loads need whole rows (head_dim a power of two); their widening is inline PTX on
-    the GPU and shifts in the interpreter.
+    the GPU and shifts in the interpreter. PDL only on the GPU, where Triton has it.
     """
     config = dict(CONFIGS["fp8" if is_fp8 else "16bit"])
     if head_dim > 128:
         config["BLOCK_N"] = max(16, config["BLOCK_N"] // 2)
-    config["FP8_WORDS"] = is_fp8 and head_dim == triton.next_power_of_2(head_dim)
+    words_ok = is_fp8 and head_dim == triton.next_power_of_2(head_dim)
+    config["K_WORDS"] = words_ok and config.pop("K_WORDS", True)
+    config["V_WORDS"] = words_ok and config.pop("V_WORDS", True)
     config["WIDEN_ASM"] = on_gpu
+    config.setdefault("SWAP_AB", False)
+    config.setdefault("PV_T", False)
+    pdl = config.pop("PDL", False) and on_gpu and HAS_PDL
+    config["PDL"] = pdl
+    if pdl:
+        config["launch_pdl"] = True
     return config
 
 

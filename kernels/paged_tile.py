@@ -14,6 +14,20 @@ import math
 import triton
 import triton.language as tl
 
+try:  # Programmatic dependent launch (Triton >= 3.4 on sm_90+); absent: launches stay plain.
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_PDL = True
+except ImportError:
+    HAS_PDL = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
 def check_sm_scale(sm_scale: float) -> float:
     """`sm_scale` as a float. The kernels apply it after the row max (fused into the exponent's
     argument), which needs it positive; a softmax scale is positive anyway.
@@ -107,3 +121,27 @@ def softmax_step(acc, l_i, m_i, q, k, v, tok_ok, qk_scale, DEFER_SUM: tl.constex
     acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
+
+
+@triton.jit
+def softmax_step_t(acc, l_i, m_i, q_t, k, v, tok_ok, qk_scale, DEFER_SUM: tl.constexpr,
+                   PV_T: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """`softmax_step` with the scores transposed: q_t `[BLOCK_D, M]`, scores `k @ q_t`
+    `[N, M]` (tokens are the MMA's rows). acc is `[BLOCK_D, M]` when PV_T (`v^T @ p^T`), else
+    `[M, BLOCK_D]`; with DEFER_SUM, l_i is `[N, M]`."""
+    s = tl.dot(k.to(q_t.dtype), q_t, input_precision=DOT_PRECISION)
+    s = tl.where(tok_ok[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale - m_new[None, :])
+    if DEFER_SUM:
+        l_i = l_i * alpha[None, :] + p
+    else:
+        l_i = l_i * alpha + tl.sum(p, 0)
+    if PV_T:
+        acc = tl.dot(tl.trans(v.to(q_t.dtype)), p.to(q_t.dtype), acc * alpha[None, :],
+                     input_precision=DOT_PRECISION)
+    else:
+        acc = tl.dot(tl.trans(p.to(q_t.dtype)), v.to(q_t.dtype), acc * alpha[:, None],
+                     input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
