@@ -19,6 +19,7 @@ CPU rather than by NVLink).
 
 from __future__ import annotations
 
+import copy
 import operator
 from typing import Sequence
 
@@ -303,19 +304,20 @@ def prepare_append_push(
                          f"head_dim], got {got}")
     geo = checks.check_kv_layer("kv", kv, lead_ok=True)
     geos = checks.check_receivers("dst_kv", kv, geo, dst_kv, local="kv", stacked=True)
-    if bool(geos) != (dst_slots is not None) or bool(geos) != (dst_index is not None):
-        raise ValueError("dst_slots, dst_index: expected both with receivers (dst_kv) and neither "
-                         f"without, got {len(geos)} receivers, dst_slots "
-                         f"{'set' if dst_slots is not None else 'None'}, dst_index "
-                         f"{'set' if dst_index is not None else 'None'}")
     indices = _prepare_indices(kv, geo, dst_kv, geos, slots, dst_slots, dst_index, check_indices)
     return PreparedAppend(kv, geo, list(dst_kv), geos, indices)
 
 
 def _prepare_indices(kv, geo, dst_kv, geos, slots, dst_slots, dst_index,
-                     check_indices) -> list[torch.Tensor]:
+                     check_indices, with_table: bool = True) -> list[torch.Tensor]:
     """Check the index arrays (shapes, dtypes, values) and build the receiver offset table;
-    return `[slots]`, or with receivers `[slots, dst_slots, dst_index, table]`, on kv's device."""
+    return `[slots]`, or with receivers `[slots, dst_slots, dst_index, table]` (no table unless
+    `with_table`), on kv's device."""
+    if bool(geos) != (dst_slots is not None) or bool(geos) != (dst_index is not None):
+        raise ValueError("dst_slots, dst_index: expected both with receivers (dst_kv) and neither "
+                         f"without, got {len(geos)} receivers, dst_slots "
+                         f"{'set' if dst_slots is not None else 'None'}, dst_index "
+                         f"{'set' if dst_index is not None else 'None'}")
     names = ("slots", "dst_slots", "dst_index")[:3 if geos else 1]
     given = (slots, dst_slots, dst_index)[:len(names)]
     on_host = [isinstance(x, np.ndarray) for x in given]
@@ -332,13 +334,13 @@ def _prepare_indices(kv, geo, dst_kv, geos, slots, dst_slots, dst_index,
         checks.check_slot_values("slots", tensors[0], geo.num_slots)
         if geos:
             checks.check_push_values(tensors[1], tensors[2], geos)
-    if geos:
+    if geos and with_table:
         tensors.append(_offset_table(kv, geo, dst_kv, geos))
     if not kv.is_cuda:
         return tensors
     if host:
         return _to_device(tensors, kv.device)
-    return tensors[:3] + _to_device(tensors[3:], kv.device)
+    return tensors[:3] + (_to_device(tensors[3:], kv.device) if len(tensors) > 3 else [])
 
 
 def _offset_table(kv: torch.Tensor, geo: checks.KVGeometry, dst_kv: Sequence[torch.Tensor],
@@ -436,25 +438,57 @@ class PreparedAppend:
 
     def __init__(self, kv: torch.Tensor, geo: checks.KVGeometry, dst_kv: list[torch.Tensor],
                  geos: list[checks.KVGeometry], indices: list[torch.Tensor]) -> None:
-        self.num_layers, self.num_tokens, self.num_receivers = geo.num_lead, indices[0].shape[0], len(geos)
+        # What depends on the caches and receivers only (shared with `rebind`'s copies).
+        self.num_layers, self.num_receivers = geo.num_lead, len(geos)
         self.device = kv.device
-        self._geo, self._fp8 = geo, geo.dtype == FP8_DTYPE
+        self._kv, self._dst_kv, self._geo, self._geos = kv, dst_kv, geo, geos
+        self._fp8 = geo.dtype == FP8_DTYPE
         self._layers = kv.unbind(0)
-        self._slots = indices[0]
-        if geos:
-            self._dst_slots, self._dst_index, table = indices[1:]
-            self._tables = list(table.unbind(0)) if len(table) > 1 else [table[0]] * self.num_layers
-        else:  # unused by the kernel without receivers (PUSH=False)
-            self._dst_slots = self._dst_index = self._slots
-            self._tables = [self._slots] * self.num_layers
         self._reference = not dispatch.use_triton(kv)
         self._kernel = None if self._reference else dispatch.runnable(append_kv_kernel)
         self._compile = kv.is_cuda and not self._reference  # launch compiled kernels directly
         self._dst_layers = [list(views) for views in zip(*(d.unbind(0) for d in dst_kv))] \
             if self._reference and geos else None
         self._stream_of = dispatch.stream_handle_getter() if kv.is_cuda else None
-        self._layer_keys = [(_aligned(layer), _aligned(table)) for layer, table in zip(self._layers, self._tables)]
+        if geos:
+            table = indices[3]
+            self._tables = list(table.unbind(0)) if len(table) > 1 else [table[0]] * self.num_layers
+            self._layer_keys = [(_aligned(layer), _aligned(t)) for layer, t in zip(self._layers, self._tables)]
+        else:
+            self._layer_keys = [(_aligned(layer),) for layer in self._layers]
         self._variants: dict[tuple, tuple] = {}
+        self._bind(indices[:3])
+
+    def _bind(self, indices: list[torch.Tensor]) -> None:
+        """Take one forward's index tensors (`[slots]` or `[slots, dst_slots, dst_index]`)."""
+        self.num_tokens = indices[0].shape[0]
+        self._slots = indices[0]
+        if self.num_receivers:
+            self._dst_slots, self._dst_index = indices[1:3]
+        else:  # unused by the kernel without receivers (PUSH=False)
+            self._dst_slots = self._dst_index = self._slots
+            self._tables = [self._slots] * self.num_layers
+        # Triton specializes pointers on 16-byte alignment: part of every variant's key.
+        self._index_key = tuple(_aligned(t) for t in indices)
+
+    def rebind(self, slots: torch.Tensor | np.ndarray, dst_slots: torch.Tensor | np.ndarray | None = None,
+               dst_index: torch.Tensor | np.ndarray | None = None, *,
+               check_indices: bool | None = None) -> PreparedAppend:
+        """This append for another forward: the same caches and receivers, new index arrays.
+
+        The result shares everything that does not depend on the indices (checked geometry,
+        layer views, the receiver offset table on the device, compiled launch variants), so a
+        forward after the first costs only the index checks and one host-to-device copy.
+        Arguments as in `prepare_append_push`; `self` stays valid and unchanged.
+
+        Raises:
+            TypeError, ValueError: as `prepare_append_push` for the index arrays.
+        """
+        indices = _prepare_indices(self._kv, self._geo, self._dst_kv, self._geos, slots, dst_slots,
+                                   dst_index, check_indices, with_table=False)
+        other = copy.copy(self)
+        other._bind(indices)
+        return other
 
     def __call__(self, layer: int, k: torch.Tensor, v: torch.Tensor, *,
                  k_scale: float | torch.Tensor | None = None,
@@ -486,7 +520,7 @@ class PreparedAppend:
             self._check_stream(stream)
         key = _variant_key(k, v)
         if key is not None:
-            key += (self._layer_keys[layer], scale_key)
+            key += (self._layer_keys[layer], self._index_key, scale_key)
         variant = self._variants.get(key)
         if variant is None:
             variant = self._new_variant(key, layer, k, v, scales)

@@ -288,3 +288,44 @@ def test_prepared_with_no_tokens_checks_and_writes_nothing(device):
     with pytest.raises(ValueError, match="k: expected 0 tokens"):
         prepared(0, torch.ones(1, 1, 16, device=device), torch.ones(1, 1, 16, device=device))
     assert kv.count_nonzero() == 0
+
+
+@pytest.mark.parametrize("receivers", [(5, 9), ()], ids=["push", "append-only"])
+def test_rebind_writes_what_a_fresh_prepare_writes_and_leaves_the_original_intact(device, receivers):
+    """A forward after the first rebinds the prepared append to its own indices (shared geometry,
+    offset table and kernels): the bytes equal a fresh prepare's, a token count of its own is
+    taken, and the original still writes at its own slots."""
+    kv, dsts = _stacks(device, torch.float16, receivers=receivers)
+    want_kv, want_dsts = kv.clone(), [d.clone() for d in dsts]
+    first = _push_indices() if receivers else (_push_indices()[0], None, None)
+    prepared = prepare_append_push(kv, first[0], dsts, *first[1:])
+    second = (np.array([1, 2, 20, 21], np.int32),) + (
+        (np.array([3, 4, 5, 6], np.int64), np.array([1, 0, -1, 1], np.int32)) if receivers else (None, None))
+    fresh = prepare_append_push(want_kv, second[0], want_dsts, *second[1:])
+    rebound = prepared.rebind(*second)
+    assert (rebound.num_tokens, prepared.num_tokens) == (4, 7)
+    for layer in (1, 0, 2):
+        k, v = _new_kv(4, 2, 32, torch.float16, device)
+        rebound(layer, k, v)
+        fresh(layer, k, v)
+    assert _same_bits(kv.cpu(), want_kv.cpu())
+    for got, want in zip(dsts, want_dsts):
+        assert _same_bits(got.cpu(), want.cpu())
+    k, v = _new_kv(7, 2, 32, torch.float16, device)
+    prepared(0, k, v)
+    assert torch.equal(kv[0, 0, 0, :, 3], k[0]) and torch.equal(kv[0, 3, 1, :, 2], v[6])
+
+
+def test_rebind_misuse_raises_and_writes_nothing(device):
+    kv, dsts = _stacks(device, torch.float32, layers=2, dim=16, receivers=(4,))
+    before = [kv.clone(), dsts[0].clone()]
+    prepared = prepare_append_push(kv, np.array([0, 1]), dsts, np.array([2, 3]), np.array([0, 0]))
+    cases = [((np.array([0, 1]),), ValueError, "dst_slots, dst_index: expected both with receivers"),
+             ((np.array([0, 24]), np.array([2, 3]), np.array([0, 0])), ValueError, r"slots: expected slots in \[-1, 24\)"),
+             ((np.array([0, 1]), np.array([2, 16]), np.array([0, 0])), ValueError, r"dst_slots: expected -1 or a slot"),
+             ((np.array([0, 1]), np.array([2]), np.array([0, 0])), ValueError, r"dst_slots: expected shape \[2\]")]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match):
+            prepared.rebind(*args)
+    assert torch.equal(kv, before[0]) and torch.equal(dsts[0], before[1])
+    assert prepared.num_tokens == 2
