@@ -40,6 +40,7 @@ GPU_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM
 HEAP_BYTES = 3 * GiB + (256 << 20)  # KV (2 GiB) + the anchor's 1 GiB
 PING_WORD, PONG_WORD, GATE_WORD = 4093, 4094, 4095  # signal words kept out of the doorbell table
 BACK_TO_BACK = 8  # forwards per steady-state push measurement
+PROFILED_FORWARDS = 40
 
 
 def scattered_plan(num_tokens: int, seq_id: int, seed: int):
@@ -116,7 +117,7 @@ class BenchWorker:
 
     # ------------------------------------------------------------------ bandwidth
     def push_bandwidth(self, tickets: list, force: bool, contiguous: bool, iters: int,
-                       back_to_back: int = 0, profile: bool = False) -> dict:
+                       back_to_back: int = 0, profile: bool = False, caller_stream: bool = False) -> dict:
         """Seconds for the pusher to move one 8192-token request, every layer, to PE 1.
 
         ``total``: one forward from an idle GPU (its host work before the first launch, mostly
@@ -125,11 +126,12 @@ class BenchWorker:
         ``back_to_back``: ``steady``, seconds per forward over that many forwards issued
         without a sync in between (a serving loop: each forward's host work overlaps the
         previous one's transfers). With ``profile``: ``profile``, the cProfile table (by
-        cumulative time) of five forwards' host calls.
+        cumulative time) of five forwards' host calls. ``caller_stream``: the pusher's
+        ``append_on_caller_stream`` mode.
         """
         from disagg.transfer import KVPusher
 
-        pusher = KVPusher(self.heap, self.kv, force_segment_puts=force)
+        pusher = KVPusher(self.heap, self.kv, force_segment_puts=force, append_on_caller_stream=caller_stream)
         plan = scattered_plan(PUSH_TOKENS, seq_id=1, seed=0)
         if contiguous:
             plan = _contiguous(plan)
@@ -163,24 +165,13 @@ class BenchWorker:
                 torch.cuda.synchronize()
             result["steady"] = timed(many, iters) / back_to_back
         if profile:
-            import cProfile
-            import io
-            import pstats
-            profiler = cProfile.Profile()
-            for _ in range(5):
-                profiler.enable()
-                forward()
-                profiler.disable()
-                pusher.synchronize()  # outside the profile
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
-            result["profile"] = text.getvalue()
+            result["profile"] = _profile_forwards(forward, pusher, PROFILED_FORWARDS)
         return result
 
     @staticmethod
     def tickets_for_push(iters: int, back_to_back: int, profile: bool) -> int:
         """Doorbell tickets one push_bandwidth call uses."""
-        return (iters + 1) * (1 + back_to_back) + (5 if profile else 0)
+        return (iters + 1) * (1 + back_to_back) + (PROFILED_FORWARDS if profile else 0)
 
     def kernels_only(self, iters: int) -> dict[str, float]:
         """Seconds of the same 1 GiB through the kernels alone (no pusher): the fused
@@ -326,7 +317,9 @@ class BenchWorker:
 
         Variants: ``local`` (append_kv only: the anchor), ``push`` (KVPusher, attention waits for
         each layer's write as a real model's paged attention must), ``push_nowait`` (no wait:
-        the best case), ``nccl`` (local append + each layer's pages sent with NCCL on a side
+        attention over the new K/V directly, as for a prompt without a cached prefix),
+        ``push_caller_stream`` (the local append on the compute stream, the receivers' stores on
+        the transfer stream: paged attention needs no wait), ``nccl`` (local append + each layer's pages sent with NCCL on a side
         stream, received and scattered by rank 1).
         """
         plan = scattered_plan(PREFILL_TOKENS, seq_id=2, seed=1)
@@ -363,7 +356,7 @@ class _PrefillStep:
         self.tickets = tickets
         self.weights = _weights()
         self.slots = torch.from_numpy(plan.append_slots).cuda()
-        self.pusher = KVPusher(worker.heap, worker.kv)
+        self.pusher = KVPusher(worker.heap, worker.kv, append_on_caller_stream=variant == "push_caller_stream")
         self.side = torch.cuda.Stream()
         self.x0 = torch.randn(PREFILL_TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
 
@@ -394,8 +387,8 @@ class _PrefillStep:
         v = qkv[:, HIDDEN + HEADS * DIM:].view(-1, HEADS, DIM)
         if self.variant.startswith("push"):
             self.pusher.push_layer_async(layer, k, v)
-            if self.variant == "push":
-                self.pusher.wait_layer(layer)
+            if self.variant != "push_nowait":
+                self.pusher.wait_layer(layer)  # a no-op with push_caller_stream
         else:
             append_kv(k, v, self.worker.kv[layer], self.slots, check_indices=False)
         if self.variant == "nccl":
@@ -408,6 +401,25 @@ class _PrefillStep:
         x = o[0].transpose(0, 1).reshape(-1, HIDDEN) @ w["o"]
         h = x @ w["gate_up"]
         return (F.silu(h[:, :FFN]) * h[:, FFN:]) @ w["down"]
+
+
+def _profile_forwards(forward, pusher, count: int) -> list[str]:
+    """cProfile of ``count`` forwards' host calls (the GPU drained between them, outside the
+    profile): the 40 functions of highest cumulative time, in microseconds per forward (the
+    profiler's own overhead inflates these; compare them with each other)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(count):
+        profiler.enable()
+        forward()
+        profiler.disable()
+        pusher.synchronize()
+    rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: -item[1][3])[:40]
+    per = 1e6 / count
+    return [f"{ct * per:9.1f} cum {tt * per:9.1f} own {nc / count:6.1f} calls  {Path(file).name}:{line}({name})"
+            for (file, line, name), (_, nc, tt, ct, _) in rows]
 
 
 def _host_per_layer(launch, iters: int) -> float:
@@ -452,13 +464,16 @@ def measure(pair: list, iters: int) -> dict:
     n = iters
     uid, port = on(0, "new_uid"), on(0, "free_port")
     t = {"device": both("setup", (uid, 0, port), (uid, 1, port))[0]}
-    tickets = on(1, "arm", BenchWorker.tickets_for_push(n, BACK_TO_BACK, True) + 8 * (n + 1))
+    tickets = on(1, "arm", 2 * BenchWorker.tickets_for_push(n, BACK_TO_BACK, True) + 8 * (n + 1))
     t["anchor"] = on(0, "anchor_copy", n)
     used = BenchWorker.tickets_for_push(n, BACK_TO_BACK, True)
     push = on(0, "push_bandwidth", tickets[:used], False, False, n, BACK_TO_BACK, True)
     tickets = tickets[used:]
     t["push"], t["push_host"], t["push_layer_host"] = push["total"], push["host"], push["layer_host"]
     t["push_steady"], t["push_begin"] = push["steady"], push["begin"]
+    split = on(0, "push_bandwidth", tickets[:used - PROFILED_FORWARDS], False, False, n, BACK_TO_BACK, False, True)
+    tickets = tickets[used - PROFILED_FORWARDS:]
+    t["push_steady_caller_stream"] = split["steady"]
     profile = push["profile"]
     t["rows"] = on(0, "rows_256b", n)
     t.update(on(0, "kernels_only", n))
@@ -472,6 +487,7 @@ def measure(pair: list, iters: int) -> dict:
     t["base"] = on(0, "overlap", "local", [], n)
     t["with_push"] = on(0, "overlap", "push", rest[:n + 1], n)
     t["with_push_free"] = on(0, "overlap", "push_nowait", rest[n + 1:2 * n + 2], n)
+    t["with_push_caller_stream"] = on(0, "overlap", "push_caller_stream", rest[2 * n + 2:3 * n + 3], n)
     t["with_nccl"] = both("overlap", ("nccl", [], n), ("nccl", [], n))[0]
     both("close", (), ())
     t["profile"] = profile
@@ -487,6 +503,8 @@ def report(t: dict) -> dict:
              gbps(t["push_steady"]), anchor, ">= 0.90"),
             ("  the same, one forward from an idle GPU, host work on the clock (GB/s)", gbps(t["push"]), anchor,
              "diagnosis"),
+            ("  the same back to back, local append on the caller's stream (GB/s)",
+             gbps(t["push_steady_caller_stream"]), anchor, ">= 0.90"),
             ("  begin_forward host time vs the forward's GPU time (us)", t["push_begin"] * 1e6,
              t["fused_kernel_graph"] * 1e6, "diagnosis"),
             ("  push_layer_async host time per layer vs GPU time per layer (us)", t["push_layer_host"] * 1e6,
@@ -509,6 +527,8 @@ def report(t: dict) -> dict:
             ("NCCL send/recv per layer per request (GB/s)", gbps(t["nccl"]), anchor, "comparison"),
             ("prefill 4096 tok + push, attention waits per layer (ms)", t["with_push"] * 1e3, base, "<= 1.03"),
             ("prefill 4096 tok + push, no wait (ms)", t["with_push_free"] * 1e3, base, "<= 1.03"),
+            ("prefill 4096 tok + push, local append on the compute stream (ms)", t["with_push_caller_stream"] * 1e3,
+             base, "<= 1.03"),
             ("prefill 4096 tok + NCCL send per layer (ms)", t["with_nccl"] * 1e3, base, "comparison")]
     return {
         "device": t["device"],

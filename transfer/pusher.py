@@ -23,6 +23,16 @@ all layers (the doorbells) waits on both. Receivers that `SymmetricHeap.peer` ca
 node), or every receiver when ``force_segment_puts``, take coalesced segment puts from the local
 pages instead: one put per contiguous run per layer. On CPU (shm heap) everything runs inline.
 
+Where the local pages are written: by default the fused launch on the transfer stream writes
+them along with the receivers' pages (each K/V tile loaded once), so a caller that reads this
+layer's pages (paged attention over a cached prefix or earlier chunks) waits in `wait_layer`
+until the launch, NVLink stores included, is done. A caller that does this every layer can pass
+``append_on_caller_stream=True``: the local append then runs on the caller's stream (ordered
+before its attention, no wait at all) and a second launch on the transfer stream stores to the
+receivers only, reading k/v a second time (a local read of a few percent of the layer's bytes).
+A prompt with no cached prefix attends over its new K/V directly and never waits: keep the
+default. The benchmark measures both (`benchmarks/bench_transfer.py`, overlap rows).
+
 Host time per layer is what bounds a layer-wise push (a layer's 32 MiB cross NVLink in ~100 us):
 `begin_forward` does everything that is per forward (plan checks, index arrays to the device in one
 copy, the fused kernel's receiver table and compiled kernel: `disagg.kernels.append.
@@ -57,7 +67,10 @@ class _Forward:
     """State of the open forward.
 
     Attributes:
-        append: the per-layer fused append(+push) launcher, checked and resolved once.
+        append: the per-layer launcher on the transfer stream, checked and resolved once: the
+            fused append+push, or (``append_on_caller_stream``) the receivers' stores alone;
+            None when there is nothing to launch there.
+        local: ``append_on_caller_stream`` only: the local append on the caller's stream.
         segment_pushes: (receiver PE, runs) for receivers reached by segment puts.
         pushed: per layer, whether it was pushed in this forward.
         events: per layer, its "written" event (CUDA with transfers), else None.
@@ -65,7 +78,8 @@ class _Forward:
 
     plan: ForwardPlan
     work: PushWork
-    append: PreparedAppend
+    append: PreparedAppend | None
+    local: PreparedAppend | None
     segment_pushes: list[tuple[int, LayerSegments]]
     pushed: list[bool]
     events: list[torch.cuda.Event | None]
@@ -79,9 +93,12 @@ class KVPusher:
         kv: ``[num_layers, num_pages, 2, H_kv, P, D]`` from ``heap.alloc``, contiguous.
         force_segment_puts: send to every receiver with segment puts even when it is load/store
             reachable (the path of peers on other nodes, testable on one node).
+        append_on_caller_stream: write the local pages with a separate append on the caller's
+            stream (see the module docstring); default: one fused launch on the transfer stream.
     """
 
-    def __init__(self, heap: SymmetricHeap, kv: torch.Tensor, *, force_segment_puts: bool = False) -> None:
+    def __init__(self, heap: SymmetricHeap, kv: torch.Tensor, *, force_segment_puts: bool = False,
+                 append_on_caller_stream: bool = False) -> None:
         if kv.dim() != 6 or kv.shape[2] != 2 or not kv.is_contiguous():
             raise ValueError(f"kv: expected a contiguous [num_layers, num_pages, 2, H, P, D] tensor, "
                              f"got shape {tuple(kv.shape)} strides {kv.stride()}")
@@ -90,6 +107,7 @@ class KVPusher:
         self.kv = kv
         self.geometry = KVGeometry.of(tuple(kv.shape), kv.element_size())
         self.force_segment_puts = force_segment_puts
+        self.append_on_caller_stream = append_on_caller_stream
         # Two transfer streams, alternated by layer (see the module docstring); [0] also carries
         # the copies of existing KV and the doorbells.
         self._streams = [torch.cuda.Stream(kv.device) for _ in range(2)] if kv.is_cuda else []
@@ -101,6 +119,7 @@ class KVPusher:
         self._ready_events = [torch.cuda.Event() for _ in range(num_events)]
         self._done_events = [torch.cuda.Event() for _ in range(num_events)]
         self._peer_kv: dict[int, torch.Tensor | None] = {}
+        self._appends: dict[tuple[str, tuple[int, ...]], PreparedAppend] = {}
         self._doorbells: dict[int, DoorbellTicket] = {}
         self._forward: _Forward | None = None
 
@@ -136,13 +155,10 @@ class KVPusher:
                                 src_pe=rank, dst_pe=int(plan.send_pes[0]))
         check_plan(plan, self.geometry, rank, self.heap.world_size, self._doorbells)
         work = build_push_work(plan, self.geometry, rank, self._reachable, self._doorbells)
-        peers = [self._peer_kv[pe] for pe in work.peer_pes]
-        # check_plan has range-checked every slot against this geometry: not again per forward.
-        append = prepare_append_push(self.kv, work.append_slots, peers,
-                                     work.dst_slots if peers else None, work.dst_index if peers else None,
-                                     check_indices=False)
+        append, local = self._prepare_appends(work)
         num_layers = self.geometry.num_layers
-        fwd = _Forward(plan=plan, work=work, append=append, segment_pushes=list(work.segment_pushes.items()),
+        fwd = _Forward(plan=plan, work=work, append=append, local=local,
+                       segment_pushes=list(work.segment_pushes.items()),
                        pushed=[False] * num_layers, events=[None] * num_layers)
         if len(plan.fork_src_slots):
             fork_src, fork_dst = self._to_device(plan.fork_src_slots, plan.fork_dst_slots)
@@ -171,8 +187,11 @@ class KVPusher:
             return; without transfers the append ran on the current stream).
         """
         fwd, layer = self._check_layer(layer)
+        if fwd.local is not None:  # checks k/v; a refused call has written nothing anywhere
+            fwd.local(layer, k, v, k_scale=k_scale, v_scale=v_scale)
         if self._stream is None or not fwd.work.has_transfers:  # CPU (inline), or a local append only
-            fwd.append(layer, k, v, k_scale=k_scale, v_scale=v_scale)
+            if fwd.append is not None:
+                fwd.append(layer, k, v, k_scale=k_scale, v_scale=v_scale)
             for pe, runs in fwd.segment_pushes:
                 self.heap.put_segments_async(self.kv, pe, runs.for_layer(layer), None)
             fwd.pushed[layer] = True
@@ -181,7 +200,8 @@ class KVPusher:
         ready = self._ready_events[layer]
         ready.record(torch.cuda.current_stream(self._device_index))
         stream.wait_event(ready)
-        fwd.append(layer, k, v, k_scale=k_scale, v_scale=v_scale, stream=stream)
+        if fwd.append is not None:
+            fwd.append(layer, k, v, k_scale=k_scale, v_scale=v_scale, stream=stream)
         for pe, runs in fwd.segment_pushes:
             self.heap.put_segments_async(self.kv, pe, runs.for_layer(layer), stream)
         k.record_stream(stream)
@@ -193,10 +213,19 @@ class KVPusher:
         return event
 
     def wait_layer(self, layer: int) -> None:
-        """Make the current stream wait until ``layer``'s writes are done (no host sync)."""
+        """Make the current stream wait until ``layer``'s local pages are written (no host sync).
+
+        With the fused launch that is its whole launch, receivers' stores included; with
+        ``append_on_caller_stream`` the local append is already ordered on the caller's stream
+        and nothing is waited for.
+        """
         if self._forward is None:
             raise ForwardStateError("KVPusher.wait_layer: no forward is open")
-        event = self._forward.events[self._layer_index(layer)]
+        layer = self._layer_index(layer)
+        if not self.append_on_caller_stream:
+            self._wait_event(self._forward.events[layer])
+
+    def _wait_event(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
             torch.cuda.current_stream(self._device_index).wait_event(event)
 
@@ -218,9 +247,12 @@ class KVPusher:
             raise ForwardStateError(f"KVPusher.end_forward: layers {missing} were not pushed in this forward")
         event = None
         if fwd.work.has_transfers:
+            # The caller's stream waits for each transfer stream's last layer: after
+            # end_forward, nothing this forward launched is still reading its index tensors
+            # (freed to the caller stream's allocator) or writing.
             last = self.geometry.num_layers - 1
-            for layer in range(max(0, last - 1), last + 1):  # each transfer stream's last layer
-                self.wait_layer(layer)
+            for layer in range(max(0, last - 1), last + 1):
+                self._wait_event(fwd.events[layer])
             with self._on_transfer_stream(self.geometry.num_layers) as stream:
                 for ticket in fwd.work.rings:
                     ring_async(self.heap, ticket, stream)
@@ -241,6 +273,34 @@ class KVPusher:
             stream.synchronize()
 
     # ------------------------------------------------------------------ internals
+    def _prepare_appends(self, work: PushWork) -> tuple[PreparedAppend | None, PreparedAppend | None]:
+        """(launcher on the transfer stream, local append on the caller's stream) of a forward.
+
+        check_plan has range-checked every slot against this geometry: not again here.
+        """
+        peers = work.peer_pes
+        if not self.append_on_caller_stream:
+            return self._prepared("fused", peers, work.append_slots, work.dst_slots, work.dst_index), None
+        local = self._prepared("local", (), work.append_slots, None, None)
+        if not peers:
+            return None, local
+        no_local = np.full_like(work.append_slots, -1)
+        return self._prepared("remote", peers, no_local, work.dst_slots, work.dst_index), local
+
+    def _prepared(self, role: str, peer_pes: tuple[int, ...], slots: np.ndarray,
+                  dst_slots: np.ndarray | None, dst_index: np.ndarray | None) -> PreparedAppend:
+        """A PreparedAppend for this forward's indices: the first for (role, receivers) is built
+        and kept, later forwards rebind it (shared geometry checks, offset table, kernels)."""
+        if not peer_pes:
+            dst_slots = dst_index = None
+        base = self._appends.get((role, peer_pes))
+        if base is not None:
+            return base.rebind(slots, dst_slots, dst_index, check_indices=False)
+        base = prepare_append_push(self.kv, slots, [self._peer_kv[pe] for pe in peer_pes], dst_slots,
+                                   dst_index, check_indices=False)
+        self._appends[(role, peer_pes)] = base
+        return base
+
     def _reachable(self, pe: int) -> bool:
         if pe not in self._peer_kv:
             self._peer_kv[pe] = None if self.force_segment_puts else self.heap.peer(self.kv, pe)

@@ -53,10 +53,14 @@ def send(actors, receiver_reqs: list[dict], sender_reqs: list[dict], ring: bool 
     step(actors, 0, "prefill", requests=requests, ring=ring)
 
 
-@pytest.mark.parametrize("force_segment_puts", [False, True], ids=["peer-store", "segment-puts"])
-def test_prefill_push_lands_bit_exact(actors, force_segment_puts):
-    step(actors, 0, "use_segment_puts", force=force_segment_puts)
-    rid = 100 + int(force_segment_puts)
+MODES = {"fused": {}, "caller-stream-append": {"append_on_caller_stream": True},
+         "segment-puts": {"force_segment_puts": True}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_prefill_push_lands_bit_exact(actors, mode):
+    step(actors, 0, "use_pusher", **MODES[mode])
+    rid = 100 + list(MODES).index(mode)
     send(actors, [dict(request_id=rid, seq_id=rid, length=1000)],
          [dict(request_id=rid, seq_id=rid, prompt_len=1000)])
     result = step(actors, 1, "check_received", begins={rid: 0})

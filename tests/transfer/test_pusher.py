@@ -19,6 +19,9 @@ from disagg.plan import ForwardPlan
 from disagg.transfer import DoorbellTable, KVPusher
 
 LAYERS, PAGES, HEADS, PAGE, DIM = 3, 8, 2, 4, 8
+# How the pusher reaches the receiver: KVPusher keyword arguments by path.
+MODES = {"fused": {}, "caller-stream-append": {"append_on_caller_stream": True},
+         "segment-puts": {"force_segment_puts": True}}
 SHAPE = (LAYERS, PAGES, 2, HEADS, PAGE, DIM)
 I32 = np.int32
 
@@ -75,14 +78,14 @@ def run(pusher: KVPusher, plan: ForwardPlan) -> None:
     pusher.end_forward()
 
 
-@pytest.mark.parametrize("force_segment_puts", [False, True], ids=["peer-store", "segment-puts"])
-def test_push_lands_bit_exact_at_the_receiver_slots_only(pair, force_segment_puts):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_push_lands_bit_exact_at_the_receiver_slots_only(pair, mode):
     h0, h1, kv0, kv1 = pair
     before0, before1 = kv0.clone(), kv1.clone()
     doorbells = DoorbellTable(h1)
     ticket = doorbells.arm(request_id=7)
     local, remote = np.array([9, 10, 11, 12, 13, 20]), np.array([0, 1, 2, 3, 4, 30])
-    pusher = KVPusher(h0, kv0, force_segment_puts=force_segment_puts)
+    pusher = KVPusher(h0, kv0, **MODES[mode])
     pusher.attach_doorbell(7, ticket)
     run(pusher, make_plan([dict(seq=7, slots=local, push_slots=remote, pe=1)]))
     assert doorbells.is_rung(ticket) and doorbells.poll() == [ticket]
@@ -98,12 +101,12 @@ def test_push_lands_bit_exact_at_the_receiver_slots_only(pair, force_segment_put
         assert torch.equal(kv[untouched], before[untouched])
 
 
-@pytest.mark.parametrize("force_segment_puts", [False, True], ids=["peer-store", "segment-puts"])
-def test_existing_kv_goes_page_to_page_and_forks_apply_first(pair, force_segment_puts):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_existing_kv_goes_page_to_page_and_forks_apply_first(pair, mode):
     h0, h1, kv0, kv1 = pair
     doorbells = DoorbellTable(h1)
     ticket = doorbells.arm(request_id=3)
-    pusher = KVPusher(h0, kv0, force_segment_puts=force_segment_puts)
+    pusher = KVPusher(h0, kv0, **MODES[mode])
     pusher.attach_doorbell(3, ticket)
     existing_src, existing_dst = np.arange(4, 10), np.arange(16, 22)  # a page and a half
     fork_src, fork_dst = np.array([4, 5]), np.array([28, 29])
@@ -136,9 +139,10 @@ def test_two_sequences_in_one_batch_ring_only_when_complete(pair):
     doorbells.release(t_a)
 
 
-def test_plan_without_transfers_is_a_local_append(pair):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_plan_without_transfers_is_a_local_append(pair, mode):
     h0, _, kv0, _ = pair
-    pusher = KVPusher(h0, kv0)
+    pusher = KVPusher(h0, kv0, **MODES[mode])
     plan = make_plan([dict(seq=1, slots=np.array([3, 17]))])
     run(pusher, plan)
     k, v = layer_kv(2, 2)
@@ -211,10 +215,10 @@ def test_forward_order_is_enforced(pair):
         pusher.end_forward()
 
 
-@pytest.mark.parametrize("force_segment_puts", [False, True], ids=["peer-store", "segment-puts"])
-def test_bad_layer_input_raises_writes_nothing_and_the_layer_can_be_pushed_after(pair, force_segment_puts):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_bad_layer_input_raises_writes_nothing_and_the_layer_can_be_pushed_after(pair, mode):
     h0, h1, kv0, kv1 = pair
-    pusher = KVPusher(h0, kv0, force_segment_puts=force_segment_puts)
+    pusher = KVPusher(h0, kv0, **MODES[mode])
     pusher.attach_doorbell(5, DoorbellTable(h1).arm(5))
     pusher.begin_forward(make_plan([dict(seq=5, slots=[0, 1], push_slots=[4, 5], pe=1)]))
     before0, before1 = kv0.clone(), kv1.clone()

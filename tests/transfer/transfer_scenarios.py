@@ -111,9 +111,16 @@ def run_forward(seq_ids: list[int], lengths: list[int], *, end: bool = True) -> 
 
 def use_segment_puts(force: bool, rank: int | None = None) -> None:
     """Sender: rebuild the pusher, forcing (or not) segment puts to every receiver."""
+    use_pusher(force_segment_puts=force)
+
+
+def use_pusher(force_segment_puts: bool = False, append_on_caller_stream: bool = False,
+               rank: int | None = None) -> None:
+    """Sender: rebuild the pusher with these `KVPusher` options."""
     from disagg.transfer import KVPusher
 
-    STATE["pusher"] = KVPusher(STATE["heap"], STATE["kv"], force_segment_puts=force)
+    STATE["pusher"] = KVPusher(STATE["heap"], STATE["kv"], force_segment_puts=force_segment_puts,
+                               append_on_caller_stream=append_on_caller_stream)
 
 
 def finish_forward(rank: int | None = None) -> None:
