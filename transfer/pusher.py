@@ -181,9 +181,9 @@ class KVPusher:
             k_scale, v_scale: fp8 caches only (see `disagg.kernels.append_kv`).
 
         Returns:
-            On CUDA with transfers: the event after which the layer's local and remote writes are
-            done (`wait_layer` makes the current stream wait on it); it is recorded again when the
-            same layer is pushed in a later forward. None otherwise (CPU work is finished on
+            On CUDA with transfers: the event after which the layer's writes are done, local and
+            remote (with ``append_on_caller_stream``, the local ones are ordered on the caller's
+            stream instead); it is recorded again when the same layer is pushed in a later forward. None otherwise (CPU work is finished on
             return; without transfers the append ran on the current stream).
         """
         fwd, layer = self._check_layer(layer)
