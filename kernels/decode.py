@@ -10,6 +10,8 @@ loaded as int32 words and widened to float16 in registers). The last split progr
 its counter for the next launch. Each sequence is cut into `num_splits` equal shares (rounded
 to the tile), so long and short sequences in one batch both spread over the GPU; an empty share
 has lse = -inf and merges with weight 0. With one split the program writes the output directly.
+Small grids (latency-bound) launch with programmatic dependent launch: each program reads its
+page-table bounds before waiting on the previous kernel (see `PDL_MAX_PROGRAMS_PER_SM`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import triton.language as tl
 from disagg.kernels import checks, dispatch, reference
 from disagg.kernels.fp8 import fp8_words_to_f16, load_scale, resolve_scales
 from disagg.kernels.paged_tile import (HAS_PDL, NEG_BIG, check_sm_scale, gdc_launch_dependents,
-                                       gdc_wait, kv_rows, load_words, prepare_q, softmax_step,
+                                       gdc_wait, kv_rows, prefetch_l1, load_words, prepare_q, softmax_step,
                                        softmax_step_t)
 
 # Split heuristic: aim for about this many programs per SM, never fewer than this many tokens
@@ -37,15 +39,28 @@ MAX_SPLITS = 64
 # Launch options by cache dtype, measured on one H200 (benchmarks/sweep_kernels.py): BLOCK_N
 # tokens per K/V tile (halved for head_dim > 128 to bound registers), warps, pipeline stages,
 # and DEFER_SUM (keep the softmax row sums per column, reduce them once after the loop; see
-# `softmax_step`). 16-bit at B=64 x 4096: 3 stages, no deferral, 246-252 us (deferral 261-317).
-# fp8 (K/V widened in registers, see `_attend_range`) at B=64 x 4096: 2 stages with deferral,
-# 203-209 us; 3 stages 253-306, 32- or 128-token tiles 222-276, registers capped at 80/96
-# 222-234, no deferral 212, register double-buffering instead of Triton's pipelining 239-263,
-# the previous fp8 path (cast at the dot, byte-wise operand loads) 264.
+# `softmax_step`). 16-bit at B=64 x 4096: 3 stages, no deferral, 246-255 us (deferral 261-317;
+# SWAP_AB+PV_T 278; 1 warp x 32 tokens 254).
+# fp8 (K/V widened in registers, see `_attend_range`) at B=64 x 4096, 2 splits: 2 warps, 5
+# stages, deferral: 172 us in the sweep, 179 in bench_kernels.py (stream floor, a kernel that
+# only reads the same KV with the same grid: 143). Fewer
+# warps per program leave room for more programs per SM, which is what the fp8 path is short
+# of: 4 warps 201-210 at 2-6 stages, 8 warps 260, 1 warp x 32 tokens 169-191 (noisier),
+# 2 warps x 32 tokens 252, 2 warps x 128 tokens 215, no deferral 207. Tokens as the MMA's rows
+# (SWAP_AB, wgmma) were slower on Triton 3.6: 222-234 (both tiles widened as words), 240-278
+# (K cast by Triton into the wgmma register operand), 355 (V too), 361 (8 warps x 128 tokens).
+# Earlier: registers capped at 80/96 222-234, register double-buffering 239-263, cast at the
+# dot with byte-wise operand loads 264.
 CONFIGS = {
     "16bit": dict(BLOCK_N=64, num_warps=4, num_stages=3, DEFER_SUM=False),
-    "fp8": dict(BLOCK_N=64, num_warps=4, num_stages=2, DEFER_SUM=True),
+    "fp8": dict(BLOCK_N=64, num_warps=2, num_stages=5, DEFER_SUM=True),
 }
+# Programmatic dependent launch (PDL == 2, see the kernel) for grids of at most this many
+# programs per SM, i.e. latency-bound launches. B=8 x 1024 bf16, 4 splits, decode calls back
+# to back in a graph (sweep, second pass over the same inputs): 14.3 us with it, 14.7 with the
+# trigger alone, 15.2 without (first passes 16.1-16.6 for all three; bench_kernels.py 16.1); at
+# B=64 x 4096 (8 programs per SM) it cost 254 -> 270 us, so big grids launch plainly.
+PDL_MAX_PROGRAMS_PER_SM = 2
 MIN_ROWS = 16
 
 
@@ -79,7 +94,15 @@ def paged_decode_kernel(
     if PDL:
         # Programmatic dependent launch: the page table is the host's, written before the
         # graph; q and the cache (this step's token was just appended) come from the kernels
-        # before this one, so everything past here waits for them.
+        # before this one, so everything past here waits for them. PDL == 2 also pulls the
+        # lines holding this split's first and last page ids into L1 while the previous
+        # kernel finishes (the first K/V load otherwise waits on them after the wait).
+        if PDL == 2:
+            first = tl.minimum(lo // PAGE_SIZE, tl.maximum(num_pages - 1, 0))
+            last = tl.minimum((hi - 1) // PAGE_SIZE, tl.maximum(num_pages - 1, 0))
+            ends = tl.where(tl.arange(0, 2) == 0, first, tl.maximum(last, first))
+            ids = tl.where(num_pages > 0, page_indices_ptr + page_start + ends, page_indptr_ptr)
+            prefetch_l1(ids)
         gdc_wait()
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -236,11 +259,12 @@ def decode_workspace(batch_size: int, num_qo_heads: int, head_dim: int, num_spli
     return torch.zeros(numel, dtype=torch.float32, device=device)
 
 
-def _config(head_dim: int, is_fp8: bool, on_gpu: bool) -> dict:
+def _config(head_dim: int, is_fp8: bool, on_gpu: bool, pdl: bool) -> dict:
     """Launch options for a head_dim and cache dtype (BLOCK_N halved past head_dim 128).
 
     fp8 word loads need whole rows (head_dim a power of two); their widening is inline PTX on
-    the GPU and shifts in the interpreter. PDL only on the GPU, where Triton has it.
+    the GPU and shifts in the interpreter. `pdl`: launch with programmatic dependent launch
+    (GPU only, where Triton has it).
     """
     config = dict(CONFIGS["fp8" if is_fp8 else "16bit"])
     if head_dim > 128:
@@ -251,9 +275,9 @@ def _config(head_dim: int, is_fp8: bool, on_gpu: bool) -> dict:
     config["WIDEN_ASM"] = on_gpu
     config.setdefault("SWAP_AB", False)
     config.setdefault("PV_T", False)
-    pdl = config.pop("PDL", False) and on_gpu and HAS_PDL
-    config["PDL"] = pdl
-    if pdl:
+    level = int(config.pop("PDL", 2 if pdl else 0)) if on_gpu and HAS_PDL else 0
+    config["PDL"] = level
+    if level:
         config["launch_pdl"] = True
     return config
 
@@ -359,6 +383,8 @@ def _launch(q, kv_layer, page_indptr, page_indices, last_page_len, out, workspac
     o_part = workspace[: num_parts * head_dim]
     lse_part = workspace[num_parts * head_dim: num_parts * (head_dim + 1)]
     locks = workspace[num_parts * (head_dim + 1):].view(torch.int32)
+    programs = geo.num_kv_heads * batch_size * num_splits
+    pdl = q.is_cuda and programs <= PDL_MAX_PROGRAMS_PER_SM * dispatch.device_sms(q.device)
     dispatch.runnable(paged_decode_kernel)[(geo.num_kv_heads, batch_size, num_splits)](
         q, kv_layer, page_indptr, page_indices, last_page_len, out, o_part, lse_part, locks,
         scales.k, scales.v, sm_scale * math.log2(math.e),
@@ -368,5 +394,5 @@ def _launch(q, kv_layer, page_indptr, page_indices, last_page_len, out, workspac
         BLOCK_D=triton.next_power_of_2(head_dim),
         DIRECT=num_splits == 1, KV_FP8=scales.is_fp8, SCALE_IS_TENSOR=scales.is_tensor,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **_config(head_dim, scales.is_fp8, q.is_cuda),
+        **_config(head_dim, scales.is_fp8, q.is_cuda, pdl),
     )

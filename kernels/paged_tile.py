@@ -46,6 +46,13 @@ NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def prefetch_l1(ptrs):
+    """Hint the lines holding `ptrs` (a small tensor of global pointers) into L1 (CUDA only)."""
+    tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def kv_rows(page_indices_ptr, page_start, tok, tok_ok, kv_head_offset, stride_page,
             PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Element offsets `[BLOCK_N]` (int64) of the K rows of tokens `tok` (0 where masked)."""
