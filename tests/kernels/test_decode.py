@@ -125,3 +125,25 @@ def test_decode_bad_inputs(device, page_table):
     for bad_scale in (0.0, -0.1, float("nan")):
         with pytest.raises(ValueError, match="sm_scale: expected a positive finite float"):
             paged_decode(*args[:5], bad_scale)
+
+
+# Launch variants that decode.CONFIGS can select (off by default; benchmarks/sweep_kernels.py
+# times them): each must stay correct, so a tuning round can switch one on.
+VARIANTS = {
+    "swap-ab": dict(SWAP_AB=True),
+    "swap-ab-pv-t": dict(SWAP_AB=True, PV_T=True),
+    "swap-ab-deferred-sum": dict(SWAP_AB=True, DEFER_SUM=True),
+    "fp8-k-cast-at-dot": dict(K_WORDS=False),
+    "fp8-v-cast-at-dot": dict(V_WORDS=False),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_decode_launch_variants_match_reference(device, page_table, monkeypatch, variant):
+    from disagg.kernels import decode as decode_mod
+
+    for key in ("16bit", "fp8"):
+        monkeypatch.setitem(decode_mod.CONFIGS, key, dict(decode_mod.CONFIGS[key], **VARIANTS[variant]))
+    fp8 = variant.startswith("fp8")
+    _run(device, page_table, torch.float16, 2, 4, 32, 4, [5, 40], num_splits=2,
+         cache_dtype=FP8 if fp8 else None, scales=dict(k_scale=0.5, v_scale=2.0) if fp8 else None)
