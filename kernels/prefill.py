@@ -33,6 +33,8 @@ CUDA_CONFIGS = {
     256: dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
 }
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+# float32 q (IEEE dots on float32 tiles) doubles every tile's bytes: halve both tile sizes so the
+# pipelined K/V tiles still fit in shared memory (128 x 128 float32 tiles over-ran an H200's).
 
 
 @triton.jit
@@ -137,11 +139,16 @@ def paged_prefill_kernel(
     tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_ok)
 
 
-def _config(head_dim: int, device: torch.device) -> dict:
-    """Tile sizes and launch options: Hopper-sized on CUDA, small tiles for the interpreter."""
+def _config(head_dim: int, device: torch.device, q_dtype: torch.dtype) -> dict:
+    """Tile sizes and launch options: Hopper-sized on CUDA (halved for float32 queries), small
+    tiles for the interpreter."""
     if device.type != "cuda":
         return dict(INTERPRETER_CONFIG)
-    return dict(CUDA_CONFIGS[128 if head_dim <= 128 else 256])
+    config = dict(CUDA_CONFIGS[128 if head_dim <= 128 else 256])
+    if q_dtype == torch.float32:
+        config["BLOCK_M"] //= 2
+        config["BLOCK_N"] //= 2
+    return config
 
 
 def _check_prefill_inputs(q, kv_layer, qo_indptr, page_indptr, page_indices, last_page_len, out):
@@ -207,7 +214,7 @@ def paged_prefill(
         out.copy_(reference.paged_prefill(q, kv_layer, qo_indptr, page_indptr, page_indices,
                                           last_page_len, sm_scale, causal, *scales.host()))
         return out
-    config = _config(head_dim, q.device)
+    config = _config(head_dim, q.device, q.dtype)
     grid = (num_qo_heads, triton.cdiv(num_tokens, config["BLOCK_M"]) + batch_size)
     dispatch.runnable(paged_prefill_kernel)[grid](
         q, kv_layer, qo_indptr, page_indptr, page_indices, last_page_len, out,
