@@ -62,9 +62,6 @@ CONFIGS = {
 # B=64 x 4096 (8 programs per SM) it cost 254 -> 270 us, so big grids launch plainly.
 PDL_MAX_PROGRAMS_PER_SM = 2
 MIN_ROWS = 16
-# Rows of (head, split) partials the merging program loads at once (x head_dim fp32 values in
-# registers; it bounds the merge's registers, which the main loop's allocation covers).
-MERGE_ROWS = 32
 
 
 @triton.jit
@@ -77,8 +74,7 @@ def paged_decode_kernel(
     BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, KV_FP8: tl.constexpr,
     SCALE_IS_TENSOR: tl.constexpr, DOT_PRECISION: tl.constexpr, K_WORDS: tl.constexpr,
     V_WORDS: tl.constexpr, WIDEN_ASM: tl.constexpr, DEFER_SUM: tl.constexpr,
-    SWAP_AB: tl.constexpr, PV_T: tl.constexpr, PDL: tl.constexpr, MERGE_GROUP: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
+    SWAP_AB: tl.constexpr, PV_T: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (h, b, s): kv head h, sequence b, split s of num_splits. Rows of the query tile are
     # the GROUP q heads h*GROUP .. h*GROUP+GROUP-1, padded to BLOCK_G (masked). Split s covers
@@ -139,9 +135,8 @@ def paged_decode_kernel(
         lock = lock_ptr + seq * NUM_KV_HEADS + kv_head
         arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
         if arrived == num_splits - 1:
-            _merge_splits(o_ptr, o_part_ptr, lse_part_ptr, seq, kv_head, num_splits, stride_ob,
-                          stride_oh, NUM_KV_HEADS * GROUP, GROUP, HEAD_DIM, BLOCK_D, MERGE_GROUP,
-                          MERGE_CHUNK)
+            _merge_splits(o_ptr, o_part_ptr, lse_part_ptr, base, seq, heads, g < GROUP, d,
+                          num_splits, stride_ob, stride_oh, HEAD_DIM, BLOCK_G, BLOCK_D)
             tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 
@@ -209,49 +204,31 @@ def _load_tile(ptr, rows, tok_ok, d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constex
 
 
 @triton.jit
-def _merge_splits(o_ptr, o_part_ptr, lse_part_ptr, seq, kv_head, num_splits, stride_ob, stride_oh,
-                  NUM_QO_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, GROUP_P2: tl.constexpr, CHUNK: tl.constexpr):
-    """o[seq, heads of kv_head] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max).
+def _merge_splits(o_ptr, o_part_ptr, lse_part_ptr, base, seq, heads, g_ok, d, num_splits,
+                  stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """o[seq, heads] = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), streamed over splits.
 
-    The partials of CHUNK splits of every head of the group are loaded at once, one round trip
-    to L2 per chunk (a loop of one load per split costs a round trip each: at small batch the
-    merge is the kernel's tail). Empty splits (lse = -inf) weigh 0; a sequence with no key gives
-    0, never NaN. Partials are read with .cg (L2, not this SM's L1) since other programs wrote
-    them during this launch.
+    Empty splits (lse = -inf) weigh 0; a sequence with no key gives 0, never NaN. Partials are
+    read with .cg (L2, not this SM's L1) since other programs wrote them during this launch.
     """
-    r = tl.arange(0, GROUP_P2 * CHUNK)  # row r: head r // CHUNK of the group, split r % CHUNK
-    d = tl.arange(0, BLOCK_D)
-    row_head = r // CHUNK
-    base = (seq * NUM_QO_HEADS + kv_head * GROUP + row_head).to(tl.int64) * num_splits
-    m = tl.full([GROUP_P2], NEG_BIG, tl.float32)
-    total = tl.zeros([GROUP_P2], tl.float32)
-    acc = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, CHUNK):
-        split = s0 + r % CHUNK
-        ok = (row_head < GROUP) & (split < num_splits)
-        lse = tl.load(lse_part_ptr + base + split, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(o_part_ptr + (base + split)[:, None] * HEAD_DIM + d[None, :],
-                       mask=ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")
-        lse = tl.reshape(lse, [GROUP_P2, CHUNK])
-        m_new = tl.maximum(m, tl.max(lse, 1))
+    row_ok = g_ok[:, None] & (d < HEAD_DIM)[None, :]
+    m = tl.full([BLOCK_G], NEG_BIG, tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(lse_part_ptr + base + s, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(o_part_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=row_ok,
+                       other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
         alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new[:, None])
-        acc = acc * alpha[:, None] + tl.sum(tl.reshape(part, [GROUP_P2, CHUNK, BLOCK_D]) * w[:, :, None], 1)
-        total = total * alpha + tl.sum(w, 1)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + part * w[:, None]
+        total = total * alpha + w
         m = m_new
     out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    g = tl.arange(0, GROUP_P2)
-    heads = kv_head * GROUP + g
     o_offs = seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty),
-             mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :])
-
-
-def _merge_chunk(group: int, num_splits: int) -> int:
-    """Splits merged per load: all of them up to MERGE_ROWS rows of (head, split) partials."""
-    by_rows = max(1, MERGE_ROWS // triton.next_power_of_2(group))
-    return min(triton.next_power_of_2(num_splits), by_rows)
+    tl.store(o_ptr + o_offs, out.to(o_ptr.dtype.element_ty), mask=row_ok)
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -415,7 +392,6 @@ def _launch(q, kv_layer, page_indptr, page_indices, last_page_len, out, workspac
         GROUP=group, NUM_KV_HEADS=geo.num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=geo.page_size,
         BLOCK_G=max(MIN_ROWS, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        MERGE_GROUP=triton.next_power_of_2(group), MERGE_CHUNK=_merge_chunk(group, num_splits),
         DIRECT=num_splits == 1, KV_FP8=scales.is_fp8, SCALE_IS_TENSOR=scales.is_tensor,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **_config(head_dim, scales.is_fp8, q.is_cuda, pdl),
