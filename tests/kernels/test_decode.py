@@ -49,10 +49,11 @@ def test_decode_matches_reference(device, page_table, dtype, num_kv_heads, group
          num_splits=num_splits)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 7])
-def test_decode_splits_with_empty_shares(device, page_table, num_splits):
-    """A short and an empty sequence next to a long one: most of their splits are empty."""
-    _run(device, page_table, torch.float32, 1, 4, 32, 8, [200, 2, 0, 65], num_splits=num_splits)
+@pytest.mark.parametrize("num_splits,group", [(1, 4), (2, 4), (7, 4), (7, 16), (13, 8)])
+def test_decode_splits_with_empty_shares(device, page_table, num_splits, group):
+    """A short and an empty sequence next to a long one: most of their splits are empty; groups
+    of 8 and 16 q heads per kv head merge wider partial tiles."""
+    _run(device, page_table, torch.float32, 1, group, 32, 8, [200, 2, 0, 65], num_splits=num_splits)
 
 
 def test_decode_large_group(device, page_table):
