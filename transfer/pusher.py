@@ -119,7 +119,7 @@ class KVPusher:
         self._ready_events = [torch.cuda.Event() for _ in range(num_events)]
         self._done_events = [torch.cuda.Event() for _ in range(num_events)]
         self._peer_kv: dict[int, torch.Tensor | None] = {}
-        self._appends: dict[tuple[str, tuple[int, ...]], PreparedAppend] = {}
+        self._appends: dict[tuple[int, ...], PreparedAppend] = {}  # by receiver PEs
         self._doorbells: dict[int, DoorbellTicket] = {}
         self._forward: _Forward | None = None
 
@@ -183,8 +183,9 @@ class KVPusher:
         Returns:
             On CUDA with transfers: the event after which the layer's writes are done, local and
             remote (with ``append_on_caller_stream``, the local ones are ordered on the caller's
-            stream instead); it is recorded again when the same layer is pushed in a later forward. None otherwise (CPU work is finished on
-            return; without transfers the append ran on the current stream).
+            stream instead); it is recorded again when the same layer is pushed in a later
+            forward. None otherwise (CPU work is finished on return; without transfers the
+            append ran on the current stream).
         """
         fwd, layer = self._check_layer(layer)
         if fwd.local is not None:  # checks k/v; a refused call has written nothing anywhere
@@ -280,25 +281,26 @@ class KVPusher:
         """
         peers = work.peer_pes
         if not self.append_on_caller_stream:
-            return self._prepared("fused", peers, work.append_slots, work.dst_slots, work.dst_index), None
-        local = self._prepared("local", (), work.append_slots, None, None)
+            return self._prepared(peers, work.append_slots, work.dst_slots, work.dst_index), None
+        local = self._prepared((), work.append_slots, None, None)
         if not peers:
             return None, local
         no_local = np.full_like(work.append_slots, -1)
-        return self._prepared("remote", peers, no_local, work.dst_slots, work.dst_index), local
+        return self._prepared(peers, no_local, work.dst_slots, work.dst_index), local
 
-    def _prepared(self, role: str, peer_pes: tuple[int, ...], slots: np.ndarray,
-                  dst_slots: np.ndarray | None, dst_index: np.ndarray | None) -> PreparedAppend:
-        """A PreparedAppend for this forward's indices: the first for (role, receivers) is built
-        and kept, later forwards rebind it (shared geometry checks, offset table, kernels)."""
+    def _prepared(self, peer_pes: tuple[int, ...], slots: np.ndarray, dst_slots: np.ndarray | None,
+                  dst_index: np.ndarray | None) -> PreparedAppend:
+        """A PreparedAppend for this forward's indices. What it shares across forwards depends on
+        the receivers alone, so the first one built for a receiver set is kept and later
+        forwards rebind it (shared geometry checks, offset table, compiled kernels)."""
         if not peer_pes:
             dst_slots = dst_index = None
-        base = self._appends.get((role, peer_pes))
+        base = self._appends.get(peer_pes)
         if base is not None:
             return base.rebind(slots, dst_slots, dst_index, check_indices=False)
         base = prepare_append_push(self.kv, slots, [self._peer_kv[pe] for pe in peer_pes], dst_slots,
                                    dst_index, check_indices=False)
-        self._appends[(role, peer_pes)] = base
+        self._appends[peer_pes] = base
         return base
 
     def _reachable(self, pe: int) -> bool:
