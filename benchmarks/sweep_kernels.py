@@ -31,36 +31,24 @@ FP8 = torch.float8_e4m3fn
 # (earlier rounds tried kernel variants since removed; decode.py's CONFIGS comment has the figures).
 SWAP = dict(SWAP_AB=True)
 SWAP_T = dict(SWAP_AB=True, PV_T=True)
-FP8_VARIANTS = [  # fp8 decode, B=64 x 4096
-    (32, 1, 4, dict(), 2),
-    (32, 1, 3, dict(), 2),
-    (32, 1, 5, dict(), 2),
-    (32, 1, 6, dict(), 2),
-    (16, 1, 4, dict(), 2),
-    (16, 1, 6, dict(), 2),
+FP8_VARIANTS = [  # fp8 decode, B=64 x 4096 (interleaved, repeated)
     (64, 2, 5, dict(), 2),
-    (32, 2, 5, dict(), 2),
-    (32, 2, 6, dict(), 2),
-    (32, 1, 5, dict(DEFER_SUM=False), 2),
-    (32, 1, 5, dict(), 4),
-    (32, 1, 4, dict(), 2),
-    (64, 2, 5, dict(), 2),
-]
+    (64, 2, 6, dict(), 2),
+    (64, 2, 4, dict(), 2),
+] * 3
 BF16_VARIANTS = [  # bf16 decode, B=64 x 4096
-    (64, 4, 3, dict(), 2),
-    (64, 4, 3, dict(PDL=2), 2),
-    (32, 1, 3, dict(), 2),
     (64, 4, 3, dict(), 2),
 ]
 SMALL_VARIANTS = [  # bf16 decode, B=8 x 1024 (repeated: runs differ by ~15%)
-    (64, 4, 3, dict(PDL=1), 4),
     (64, 4, 3, dict(PDL=2), 4),
-    (64, 4, 3, dict(), 4),
-    (64, 2, 3, dict(PDL=2), 4),
-    (32, 1, 3, dict(PDL=2), 4),
-    (32, 1, 3, dict(PDL=2), 8),
-    (64, 4, 3, dict(PDL=2), 8),
-] * 2
+    (64, 4, 3, dict(PDL=2, DEFER_SUM=False), 4),
+    (64, 4, 4, dict(PDL=2), 4),
+    (64, 4, 2, dict(PDL=2), 4),
+    (32, 4, 3, dict(PDL=2), 4),
+    (32, 2, 4, dict(PDL=2), 4),
+    (128, 8, 2, dict(PDL=2), 4),
+    (64, 4, 3, dict(PDL=2), 3),
+] * 3
 LONG_VARIANTS = [  # bf16 decode, B=32 x 32768
     (64, 4, 3, dict()),
     (64, 4, 3, SWAP_T),
@@ -69,15 +57,8 @@ LONG_VARIANTS = [  # bf16 decode, B=32 x 32768
 # paged, BLOCK_N, num_warps, num_stages).
 FLOOR_VARIANTS = [
     (8, 1024, torch.bfloat16, 4, True, 64, 4, 3),
-    (8, 1024, torch.bfloat16, 4, False, 64, 4, 3),
-    (8, 1024, torch.bfloat16, 2, True, 64, 4, 3),
-    (8, 1024, torch.bfloat16, 8, True, 64, 4, 3),
-    (8, 1024, torch.bfloat16, 8, True, 32, 4, 3),
-    (8, 1024, torch.bfloat16, 16, True, 32, 4, 3),
     (64, 4096, torch.bfloat16, 2, True, 64, 4, 3),
     (64, 4096, FP8, 2, True, 64, 4, 3),
-    (64, 4096, FP8, 2, True, 128, 4, 3),
-    (64, 4096, FP8, 2, True, 128, 8, 3),
 ]
 PREFILL_VARIANTS = [  # BLOCK_M, BLOCK_N, num_warps, num_stages
     (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3),
@@ -140,7 +121,7 @@ class DecodeCase:
 CASES = {  # group -> (batch, ctx, dtype, CONFIGS key, variants, splits tried per variant)
     "fp8": (64, 4096, FP8, "fp8", FP8_VARIANTS, (1, 2)),
     "bf16": (64, 4096, torch.bfloat16, "16bit", BF16_VARIANTS, (1, 2)),
-    "small": (8, 1024, torch.bfloat16, "16bit", SMALL_VARIANTS, ()),
+    "small": (8, 1024, torch.bfloat16, "16bit-small", SMALL_VARIANTS, ()),
     "long": (32, 32768, torch.bfloat16, "16bit", LONG_VARIANTS, (4,)),
 }
 

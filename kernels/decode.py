@@ -50,9 +50,16 @@ MAX_SPLITS = 64
 # (SWAP_AB, wgmma) were slower on Triton 3.6: 222-234 (both tiles widened as words), 240-278
 # (K cast by Triton into the wgmma register operand), 355 (V too), 361 (8 warps x 128 tokens).
 # Earlier: registers capped at 80/96 222-234, register double-buffering 239-263, cast at the
-# dot with byte-wise operand loads 264.
+# dot with byte-wise operand loads 264. Tried since, each interleaved with the default in one
+# process (default 173-177): the scores' dot in e4m3 (q quantized per program) 176-180, and
+# rel. error 0.027 against 0.001 (Triton's mma.sync path widens fp8 operands to f16 anyway);
+# widening with integer ops (prmt/shift/mask, values times 2**-8 folded into the scales, to
+# spare the conversion pipe) 198-218 (239 registers against 182).
+# "16bit-small": 16-bit caches on grids launched with PDL (latency-bound, see below). B=8 x
+# 1024, 4 splits, interleaved over three passes: deferral 15.93-15.97 us against 16.36-16.43.
 CONFIGS = {
     "16bit": dict(BLOCK_N=64, num_warps=4, num_stages=3, DEFER_SUM=False),
+    "16bit-small": dict(BLOCK_N=64, num_warps=4, num_stages=3, DEFER_SUM=True),
     "fp8": dict(BLOCK_N=64, num_warps=2, num_stages=5, DEFER_SUM=True),
 }
 # Programmatic dependent launch (PDL == 2, see the kernel) for grids of at most this many
@@ -60,6 +67,9 @@ CONFIGS = {
 # to back in a graph (sweep, second pass over the same inputs): 14.3 us with it, 14.7 with the
 # trigger alone, 15.2 without (first passes 16.1-16.6 for all three; bench_kernels.py 16.1); at
 # B=64 x 4096 (8 programs per SM) it cost 254 -> 270 us, so big grids launch plainly.
+# Prefetching the split's K/V pages into L2 (`cp.async.bulk.prefetch.L2`) before the PDL wait
+# made it slower: B=8 x 1024 16.1-18.0 us with 4 pages, 23.4-24.2 with all 16, against
+# 14.4-16.2; B=64 x 4096 290 against 256.
 PDL_MAX_PROGRAMS_PER_SM = 2
 MIN_ROWS = 16
 
@@ -259,14 +269,15 @@ def decode_workspace(batch_size: int, num_qo_heads: int, head_dim: int, num_spli
     return torch.zeros(numel, dtype=torch.float32, device=device)
 
 
-def _config(head_dim: int, is_fp8: bool, on_gpu: bool, pdl: bool) -> dict:
+def _config(head_dim: int, is_fp8: bool, on_gpu: bool, small: bool) -> dict:
     """Launch options for a head_dim and cache dtype (BLOCK_N halved past head_dim 128).
 
     fp8 word loads need whole rows (head_dim a power of two); their widening is inline PTX on
-    the GPU and shifts in the interpreter. `pdl`: launch with programmatic dependent launch
-    (GPU only, where Triton has it).
+    the GPU and shifts in the interpreter. `small`: a latency-bound grid (at most
+    PDL_MAX_PROGRAMS_PER_SM programs per SM), which launches with programmatic dependent launch
+    (GPU only, where Triton has it) and, for 16-bit caches, takes "16bit-small".
     """
-    config = dict(CONFIGS["fp8" if is_fp8 else "16bit"])
+    config = dict(CONFIGS["fp8" if is_fp8 else "16bit-small" if small else "16bit"])
     if head_dim > 128:
         config["BLOCK_N"] = max(16, config["BLOCK_N"] // 2)
     words_ok = is_fp8 and head_dim == triton.next_power_of_2(head_dim)
@@ -275,7 +286,7 @@ def _config(head_dim: int, is_fp8: bool, on_gpu: bool, pdl: bool) -> dict:
     config["WIDEN_ASM"] = on_gpu
     config.setdefault("SWAP_AB", False)
     config.setdefault("PV_T", False)
-    level = int(config.pop("PDL", 2 if pdl else 0)) if on_gpu and HAS_PDL else 0
+    level = int(config.pop("PDL", 2 if small else 0)) if on_gpu and HAS_PDL else 0
     config["PDL"] = level
     if level:
         config["launch_pdl"] = True
@@ -384,7 +395,7 @@ def _launch(q, kv_layer, page_indptr, page_indices, last_page_len, out, workspac
     lse_part = workspace[num_parts * head_dim: num_parts * (head_dim + 1)]
     locks = workspace[num_parts * (head_dim + 1):].view(torch.int32)
     programs = geo.num_kv_heads * batch_size * num_splits
-    pdl = q.is_cuda and programs <= PDL_MAX_PROGRAMS_PER_SM * dispatch.device_sms(q.device)
+    small = programs <= PDL_MAX_PROGRAMS_PER_SM * dispatch.device_sms(q.device)
     dispatch.runnable(paged_decode_kernel)[(geo.num_kv_heads, batch_size, num_splits)](
         q, kv_layer, page_indptr, page_indices, last_page_len, out, o_part, lse_part, locks,
         scales.k, scales.v, sm_scale * math.log2(math.e),
@@ -394,5 +405,5 @@ def _launch(q, kv_layer, page_indptr, page_indices, last_page_len, out, workspac
         BLOCK_D=triton.next_power_of_2(head_dim),
         DIRECT=num_splits == 1, KV_FP8=scales.is_fp8, SCALE_IS_TENSOR=scales.is_tensor,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **_config(head_dim, scales.is_fp8, q.is_cuda, pdl),
+        **_config(head_dim, scales.is_fp8, q.is_cuda, small),
     )

@@ -144,7 +144,7 @@ VARIANTS = {
 def test_decode_launch_variants_match_reference(device, page_table, monkeypatch, variant):
     from disagg.kernels import decode as decode_mod
 
-    for key in ("16bit", "fp8"):
+    for key in decode_mod.CONFIGS:
         monkeypatch.setitem(decode_mod.CONFIGS, key, dict(decode_mod.CONFIGS[key], **VARIANTS[variant]))
     fp8 = variant.startswith("fp8")
     _run(device, page_table, torch.float16, 2, 4, 32, 4, [5, 40], num_splits=2,
