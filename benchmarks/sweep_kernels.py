@@ -41,14 +41,15 @@ BF16_VARIANTS = [  # bf16 decode, B=64 x 4096
 ]
 SMALL_VARIANTS = [  # bf16 decode, B=8 x 1024 (repeated: runs differ by ~15%)
     (64, 4, 3, dict(PDL=2), 4),
-    (64, 4, 3, dict(PDL=2, DEFER_SUM=False), 4),
-    (64, 4, 4, dict(PDL=2), 4),
-    (64, 4, 2, dict(PDL=2), 4),
-    (32, 4, 3, dict(PDL=2), 4),
-    (32, 2, 4, dict(PDL=2), 4),
-    (128, 8, 2, dict(PDL=2), 4),
-    (64, 4, 3, dict(PDL=2), 3),
-] * 3
+    (64, 4, 6, dict(PDL=2), 1),
+    (64, 8, 6, dict(PDL=2), 1),
+    (128, 8, 3, dict(PDL=2), 1),
+    (64, 4, 5, dict(PDL=2), 2),
+    (64, 4, 6, dict(PDL=2), 2),
+    (128, 8, 3, dict(PDL=2), 2),
+    (64, 8, 5, dict(PDL=2), 2),
+    (64, 4, 5, dict(PDL=2), 4),
+] * 2
 LONG_VARIANTS = [  # bf16 decode, B=32 x 32768
     (64, 4, 3, dict()),
     (64, 4, 3, SWAP_T),

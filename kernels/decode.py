@@ -32,7 +32,9 @@ from disagg.kernels.paged_tile import (HAS_PDL, NEG_BIG, check_sm_scale, gdc_lau
 # per split, and at most this many splits. Measured on one H200 (bf16, 8 kv heads; runs differ
 # by up to ~15% with the random page layout): B=8 x 1024 15.1-16.9 us with 4 splits against
 # 16.5-19.7 with 8 and 21-29 with 16-32; B=32 x 32768 952-1106 us with 4 splits against
-# 1072-1196 with 3; B=64 x 4096 keeps 2.
+# 1072-1196 with 3; B=64 x 4096 keeps 2. Later, interleaved in one process (B=8 x 1024, PDL,
+# deferred sums): 4 splits 15.8-16.0 us; 2 splits with 5-6 stages 15.8-16.3, with 8 warps or
+# 128-token tiles 16.7-17.6; 1 split (no merge) 21.0-23.0 at 4-8 warps and 3-6 stages.
 PROGRAMS_PER_SM = 6
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
