@@ -286,6 +286,10 @@ def run_decode(copy_bw):
     figs.append(figure("decode fp8 B=64 ctx=4096 speed vs bf16", 1 / fp8["seconds"], 1 / bf16["seconds"],
                        "calls/s", 1.6, "our bf16 decode", fp8_us=fp8["seconds"] * 1e6,
                        bf16_us=bf16["seconds"] * 1e6))
+    floor = bench_stream_floor(64, 4096, dtype=torch.float8_e4m3fn, num_splits=fp8["num_splits"])
+    figs.append(figure("decode fp8 B=64 ctx=4096 speed vs stream floor", 1 / fp8["seconds"],
+                       1 / floor["seconds"], "calls/s", None, "stream floor (fp8 KV, same grid)",
+                       floor_us=floor["seconds"] * 1e6, num_splits=fp8["num_splits"]))
     return figs
 
 

@@ -56,7 +56,9 @@ MAX_SPLITS = 64
 # process (default 173-177): the scores' dot in e4m3 (q quantized per program) 176-180, and
 # rel. error 0.027 against 0.001 (Triton's mma.sync path widens fp8 operands to f16 anyway);
 # widening with integer ops (prmt/shift/mask, values times 2**-8 folded into the scales, to
-# spare the conversion pipe) 198-218 (239 registers against 182).
+# spare the conversion pipe) 198-218 (239 registers against 182). Split count (2 warps, 5
+# stages, twice over): 1 split 175.6-175.9, 2 splits 178.0-179.2, 3 179.6-179.7, 4 183-187;
+# the heuristic's 2 stays (1.5% is not worth an fp8 case in it).
 # "16bit-small": 16-bit caches on grids launched with PDL (latency-bound, see below). B=8 x
 # 1024, 4 splits, interleaved over three passes: deferral 15.93-15.97 us against 16.36-16.43.
 CONFIGS = {
