@@ -1,0 +1,340 @@
+"""The YAML schema of a deployment: one file describes the model, the fleet and every knob.
+
+`Config.from_yaml(path)` reads a file of `configs/` (top-level sections `model`, `cache`,
+`instances`, `transfer`, `scheduler`, `router`, `cluster`, `serve`, `bench`), validates it with
+pydantic v2 (unknown keys rejected, with the closest known key suggested) and raises `ConfigError`
+naming the file, the field path, what was expected and what it got. Cross-field rules that need
+only the file live here; the ones that need the model (heads divide, pages fit, geometry equal on
+every instance) run in the cluster's preflight. Pure Python: imported by the CLI, the cluster and
+tests, never imports torch or ray.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+from disagg.errors import ConfigError
+
+SMOLLM2_SOURCE = "smollm2"
+DUMMY_PREFIX = "dummy:"
+MAX_PAGE_SIZE = 256
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, values are immutable once validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+class ModelSection(Section):
+    """Which weights every instance loads."""
+
+    source: str = Field(
+        min_length=1,
+        description=f"an HF directory (config.json + *.safetensors), '{DUMMY_PREFIX}<preset>' (random "
+                    f"weights: tiny, smollm2-135m, llama3-8b), or '{SMOLLM2_SOURCE}' (the cached "
+                    "conversion of the SmolLM2-135M-Instruct GGUF, built on first use)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weight and activation dtype; auto: the checkpoint's (dummy: bfloat16 on "
+                            "GPU, float32 on CPU)")
+    max_model_len: int | None = Field(
+        None, gt=0, description="longest prompt + output accepted, tokens; default: the model's "
+                                "max_position_embeddings")
+
+    @property
+    def is_dummy(self) -> bool:
+        return self.source.startswith(DUMMY_PREFIX)
+
+
+class CacheSection(Section):
+    """The paged KV cache of each instance (every instance of one heap has the same geometry)."""
+
+    page_size: int = Field(16, gt=0, description=f"tokens per page; a power of two <= {MAX_PAGE_SIZE}")
+    num_pages: int | None = Field(
+        None, gt=0, description="pages per instance; default: sized from memory (gpu_memory_fraction "
+                                "on GPU, kv_bytes on CPU)")
+    kv_bytes: int | None = Field(
+        None, gt=0, description="KV memory per instance, bytes (alternative to num_pages); on the "
+                                "CPU the default is 256 MiB")
+    gpu_memory_fraction: float = Field(
+        0.85, gt=0.0, le=1.0, description="fraction of a GPU's total memory this instance may use "
+                                          "for weights + KV + activations, when num_pages is not given")
+    kv_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto", description="KV storage dtype; auto: the model dtype; fp8_e4m3 halves the pages' "
+                            "bytes (GPU only, per-layer scales)")
+
+    @model_validator(mode="after")
+    def _page_size_sane(self) -> CacheSection:
+        if self.page_size & (self.page_size - 1) or self.page_size > MAX_PAGE_SIZE:
+            raise ValueError(f"page_size must be a power of two in [1, {MAX_PAGE_SIZE}] tokens, "
+                             f"got {self.page_size}")
+        if self.num_pages is not None and self.kv_bytes is not None:
+            raise ValueError(f"give num_pages ({self.num_pages}) or kv_bytes ({self.kv_bytes}), not both")
+        return self
+
+
+class InstancesSection(Section):
+    """How many engine instances run, and where (one GPU each, or the CPU)."""
+
+    prefill: int = Field(0, ge=0, description="prefill instances (disaggregated mode), count")
+    decode: int = Field(0, ge=0, description="decode instances (disaggregated mode), count")
+    colocated: int = Field(0, ge=0, description="colocated instances (prefill and decode in one "
+                                                "engine: the baseline), count")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="auto: one GPU per instance when the cluster has enough, else the CPU")
+    cpus_per_instance: float = Field(1.0, gt=0.0, description="Ray CPU resources per instance actor, cores")
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> InstancesSection:
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError(f"colocated ({self.colocated}) excludes prefill ({self.prefill}) and decode "
+                             f"({self.decode}): give either colocated >= 1, or prefill >= 1 and decode >= 1")
+        if not self.colocated and (self.prefill < 1 or self.decode < 1):
+            raise ValueError(f"a disaggregated fleet needs prefill >= 1 and decode >= 1, got prefill="
+                             f"{self.prefill}, decode={self.decode} (or set colocated >= 1)")
+        return self
+
+    @property
+    def mode(self) -> Literal["disaggregated", "colocated"]:
+        return "colocated" if self.colocated else "disaggregated"
+
+    @property
+    def num_instances(self) -> int:
+        return self.colocated or self.prefill + self.decode
+
+
+class TransferSection(Section):
+    """The symmetric heap shared by every prefill and decode instance."""
+
+    backend: Literal["auto", "nvshmem", "shm"] = Field(
+        "auto", description="auto: nvshmem when the instances run on GPUs, shm (/dev/shm) on the CPU")
+    heap_headroom_bytes: int = Field(
+        64 << 20, ge=0, description="symmetric heap bytes beyond the KV pages (doorbells, records), bytes")
+    bootstrap_timeout_s: float = Field(120.0, gt=0.0, description="heap bootstrap and collective "
+                                                                  "allocation timeout, seconds")
+    force_segment_puts: bool = Field(
+        False, description="push with host-initiated segment puts even to load/store-reachable peers "
+                           "(the inter-node path, testable on one node)")
+
+
+class SchedulerSection(Section):
+    """Batching limits of every engine."""
+
+    max_num_seqs: int = Field(64, gt=0, description="sequences per forward (and running on decode), count")
+    max_num_batched_tokens: int = Field(2048, gt=0, description="new tokens per forward (prefill "
+                                                                "chunk budget), tokens")
+
+
+class RouterSection(Section):
+    """The router in the launching process: placement, leases, timeouts, queueing."""
+
+    policy: Literal["least_loaded", "round_robin"] = Field(
+        "least_loaded", description="least_loaded: prefill by queued prompt tokens, decode by reserved "
+                                    "+ running tokens; round_robin: in turn")
+    lease_s: float = Field(30.0, gt=0.0, description="a decode reservation whose KV has not landed "
+                                                     "(first token from prefill) within this is failed "
+                                                     "and its pages released, seconds")
+    request_timeout_s: float | None = Field(
+        600.0, gt=0.0, description="a request not finished within this is aborted, seconds; null: never")
+    max_queue: int = Field(4096, gt=0, description="requests waiting for decode pages before new ones "
+                                                   "are refused, count")
+    poll_wait_s: float = Field(0.005, gt=0.0, le=1.0, description="how long an actor's next_outputs() "
+                                                                  "blocks waiting for output, seconds")
+
+
+class ClusterSection(Section):
+    """Where the Ray cluster is."""
+
+    address: str | None = Field(
+        None, description="Ray address ('auto', 'ray://host:10001', 'host:6379'); null: start an "
+                          "embedded local head in this process")
+    dashboard: bool = Field(False, description="start Ray's dashboard with the embedded head")
+    num_cpus: int | None = Field(
+        None, gt=0, description="logical CPUs of the embedded head; default: enough for the instances")
+    log_to_driver: bool = Field(True, description="forward the actors' logs to this process")
+    startup_timeout_s: float = Field(600.0, gt=0.0, description="actor placement, weight loading and "
+                                                                "preflight, seconds")
+
+
+class ServeSection(Section):
+    """The OpenAI-compatible HTTP front end (`disagg serve`)."""
+
+    host: str = Field("127.0.0.1", description="bind address; 127.0.0.1 keeps it local")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one")
+    api_key: str | None = Field(None, description="bearer token required on every request; null: none")
+    served_model_name: str | None = Field(None, description="model id reported by /v1/models; "
+                                                            "default: the model's name")
+    max_tokens_default: int = Field(256, gt=0, description="max_tokens when a request gives none, tokens")
+
+
+class BenchSection(Section):
+    """Defaults of `disagg bench` (its own options may override each); free-form extras in `options`."""
+
+    num_prompts: int = Field(200, gt=0, description="requests per run, count")
+    input_len: int = Field(512, gt=0, description="prompt length of synthetic requests, tokens")
+    output_len: int = Field(128, gt=0, description="output length of synthetic requests, tokens")
+    request_rates: list[float] = Field(default_factory=lambda: [1.0, 2.0, 4.0, 8.0],
+                                       description="Poisson arrival rates swept, requests/s")
+    burstiness: float = Field(1.0, gt=0.0, description="gamma arrival shape; 1.0 is Poisson")
+    goodput: dict[str, float] = Field(default_factory=lambda: {"ttft": 2000.0, "tpot": 100.0},
+                                      description="SLOs for goodput: metric name -> limit, milliseconds")
+    compare_with: str | None = Field(None, description="the other config of a disaggregated vs "
+                                                       "colocated comparison (path, relative to this file)")
+    results_dir: str = Field("results", description="where JSON and PNG results go (git-ignored)")
+    seed: int = Field(0, description="seed of prompts and arrivals")
+    options: dict[str, Any] = Field(default_factory=dict, description="further bench options, free-form")
+
+
+class Config(Section):
+    """A whole deployment; see `configs/*.yaml`. Build with `Config.from_yaml` or `model_validate`."""
+
+    model: ModelSection
+    cache: CacheSection = CacheSection()
+    instances: InstancesSection
+    transfer: TransferSection = TransferSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    router: RouterSection = RouterSection()
+    cluster: ClusterSection = ClusterSection()
+    serve: ServeSection = ServeSection()
+    bench: BenchSection = BenchSection()
+    _path: str | None = PrivateAttr(None)  # the file this was read from (set by from_yaml)
+
+    @model_validator(mode="after")
+    def _fits(self) -> Config:
+        sched, cache = self.scheduler, self.cache
+        if self.model.max_model_len is not None and cache.num_pages is not None:
+            pages_needed = -(-self.model.max_model_len // cache.page_size)
+            if pages_needed > cache.num_pages:
+                raise ValueError(f"cache.num_pages ({cache.num_pages}) holds fewer than one sequence of "
+                                 f"model.max_model_len ({self.model.max_model_len} tokens = {pages_needed} "
+                                 f"pages of {cache.page_size}); raise num_pages or lower max_model_len")
+        if cache.kv_dtype == "fp8_e4m3" and self.instances.device == "cpu":
+            raise ValueError("cache.kv_dtype fp8_e4m3 needs GPUs, but instances.device is cpu")
+        if self.transfer.backend == "nvshmem" and self.instances.device == "cpu":
+            raise ValueError("transfer.backend nvshmem needs GPUs, but instances.device is cpu")
+        if sched.max_num_batched_tokens < sched.max_num_seqs and self.instances.mode == "colocated":
+            raise ValueError(f"scheduler.max_num_batched_tokens ({sched.max_num_batched_tokens}) must be "
+                             f">= max_num_seqs ({sched.max_num_seqs}): a colocated step decodes one "
+                             "token per running sequence within the same budget")
+        return self
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Config:
+        """Read and validate a YAML file.
+
+        Relative `model.source` and `bench.compare_with` paths are resolved against the file's
+        folder when they exist there.
+
+        Raises:
+            ConfigError: the file is missing, is not YAML, or fails validation; the message names
+                the file, each failing field path, what was expected and what it got.
+        """
+        path = Path(path)
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read the config: {err.strerror or err}") from err
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from err
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections (model, instances, ...), "
+                              f"got {type(raw).__name__}")
+        config = cls.from_dict(_resolve_paths(raw, path.parent), origin=str(path))
+        config._path = str(path)
+        return config
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, origin: str = "<config>") -> Config:
+        """Validate a dict of sections; errors are `ConfigError` as in `from_yaml`."""
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as err:
+            raise ConfigError(format_errors(err, origin)) from None
+
+    def override(self, updates: dict[str, Any]) -> Config:
+        """A copy with dotted keys replaced, e.g. ``{"router.lease_s": 2, "instances.decode": 2}``.
+
+        Raises:
+            ConfigError: a key names no field (closest suggested) or a value fails validation.
+        """
+        raw = self.model_dump()
+        for dotted, value in updates.items():
+            node, keys = raw, dotted.split(".")
+            for key in keys[:-1]:
+                if not isinstance(node.get(key), dict):
+                    raise ConfigError(f"override {dotted!r}: {key!r} is not a section"
+                                      f"{_suggest(key, node.keys())}")
+                node = node[key]
+            node[keys[-1]] = value
+        config = Config.from_dict(raw, origin=self.path or "<config>")
+        config._path = self._path
+        return config
+
+    # ------------------------------------------------------------------ conveniences
+    @property
+    def path(self) -> str | None:
+        """The YAML file this config was read from, or None."""
+        return self._path
+
+    @property
+    def mode(self) -> Literal["disaggregated", "colocated"]:
+        return self.instances.mode
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).stem if self.path else f"{self.model.source}-{self.mode}"
+
+
+def _resolve_paths(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """Make relative model.source / bench.compare_with absolute when they exist next to the file."""
+    raw = dict(raw)
+    for section, key in (("model", "source"), ("bench", "compare_with")):
+        part = raw.get(section)
+        if isinstance(part, dict) and isinstance(part.get(key), str):
+            value = part[key]
+            if not value.startswith(DUMMY_PREFIX) and value != SMOLLM2_SOURCE and not Path(value).is_absolute():
+                candidate = folder / value
+                if candidate.exists():
+                    raw[section] = dict(part, **{key: str(candidate.resolve())})
+    return raw
+
+
+def format_errors(err: ValidationError, origin: str) -> str:
+    """One line per pydantic error: ``origin: field.path: what was expected (got value)``."""
+    lines = [f"{origin}: invalid config ({err.error_count()} error{'s' * (err.error_count() > 1)})"]
+    for item in err.errors():
+        loc = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            known = _fields_at(Config, item["loc"][:-1])
+            lines.append(f"  {loc}: unknown key{_suggest(str(item['loc'][-1]), known)}")
+            continue
+        msg = item["msg"].removeprefix("Value error, ")
+        got = item.get("input")
+        shown = "" if isinstance(got, (dict, list)) or item["type"] == "missing" else f" (got {got!r})"
+        lines.append(f"  {loc}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names of the section at ``loc`` (empty when it is not a section)."""
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _suggest(key: str, known) -> str:
+    known = list(known)
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; expected one of {', '.join(sorted(known))}" if known else ""

@@ -1,0 +1,154 @@
+"""disagg.config: every shipped YAML validates; malformed files fail naming file, field and fix."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from disagg.config import Config
+from disagg.errors import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+TINY = CONFIGS / "tiny-1p1d.yaml"
+
+
+def write(tmp_path: Path, raw: dict, name: str = "bad.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def tiny_raw() -> dict:
+    return yaml.safe_load(TINY.read_text())
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates(path: Path):
+    config = Config.from_yaml(path)
+    assert config.path == str(path)
+    assert config.instances.num_instances >= 1
+
+
+def test_tiny_configs_are_the_ci_pair():
+    one, colo = Config.from_yaml(TINY), Config.from_yaml(CONFIGS / "tiny-colocated.yaml")
+    assert (one.mode, colo.mode) == ("disaggregated", "colocated")
+    assert one.model == colo.model and one.cache == colo.cache
+    assert one.instances.num_instances == colo.instances.num_instances == 2
+    assert one.instances.device == "cpu" and one.transfer.backend == "shm"
+
+
+def test_unknown_key_suggests_the_closest(tmp_path: Path):
+    raw = tiny_raw()
+    raw["cache"]["page_sise"] = 16
+    path = write(tmp_path, raw)
+    with pytest.raises(ConfigError) as info:
+        Config.from_yaml(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert "cache.page_sise: unknown key; did you mean 'page_size'?" in message
+
+
+def test_unknown_section_suggests_the_closest(tmp_path: Path):
+    raw = tiny_raw()
+    raw["routr"] = {"lease_s": 3}
+    with pytest.raises(ConfigError, match=r"routr: unknown key; did you mean 'router'\?"):
+        Config.from_yaml(write(tmp_path, raw))
+
+
+def test_bad_type_names_the_field_and_the_value(tmp_path: Path):
+    raw = tiny_raw()
+    raw["scheduler"]["max_num_seqs"] = "many"
+    with pytest.raises(ConfigError, match=r"scheduler\.max_num_seqs: .*integer.*\(got 'many'\)"):
+        Config.from_yaml(write(tmp_path, raw))
+
+
+def test_bad_enum_lists_the_choices(tmp_path: Path):
+    raw = tiny_raw()
+    raw["model"]["dtype"] = "fp16"
+    with pytest.raises(ConfigError, match=r"model\.dtype: .*'bfloat16'.*\(got 'fp16'\)"):
+        Config.from_yaml(write(tmp_path, raw))
+
+
+@pytest.mark.parametrize("instances, expected", [
+    ({"prefill": 0, "decode": 1}, "prefill >= 1 and decode >= 1"),
+    ({"prefill": 1, "decode": 0}, "prefill >= 1 and decode >= 1"),
+    ({}, "prefill >= 1 and decode >= 1"),
+    ({"colocated": 2, "decode": 1}, "colocated .2. excludes prefill"),
+    ({"colocated": -1}, "greater than or equal to 0"),
+])
+def test_instance_counts(tmp_path: Path, instances: dict, expected: str):
+    raw = tiny_raw()
+    raw["instances"] = dict(instances, device="cpu")
+    with pytest.raises(ConfigError, match=rf"instances.*{expected}"):
+        Config.from_yaml(write(tmp_path, raw))
+
+
+@pytest.mark.parametrize("page_size", [0, 12, 512])
+def test_page_size_must_be_sane(tmp_path: Path, page_size: int):
+    raw = tiny_raw()
+    raw["cache"]["page_size"] = page_size
+    with pytest.raises(ConfigError, match=r"cache"):
+        Config.from_yaml(write(tmp_path, raw))
+
+
+def test_mismatched_geometry_pages_cannot_hold_one_sequence(tmp_path: Path):
+    raw = tiny_raw()
+    raw["model"]["max_model_len"] = 8192
+    raw["cache"]["num_pages"] = 16
+    with pytest.raises(ConfigError, match=r"cache.num_pages \(16\) holds fewer than one sequence"):
+        Config.from_yaml(write(tmp_path, raw))
+
+
+def test_num_pages_and_kv_bytes_exclusive(tmp_path: Path):
+    raw = tiny_raw()
+    raw["cache"]["kv_bytes"] = 1 << 20
+    with pytest.raises(ConfigError, match=r"cache: .*num_pages .*or kv_bytes"):
+        Config.from_yaml(write(tmp_path, raw))
+
+
+def test_gpu_only_options_refused_on_cpu(tmp_path: Path):
+    raw = tiny_raw()
+    raw["transfer"]["backend"] = "nvshmem"
+    with pytest.raises(ConfigError, match=r"nvshmem needs GPUs"):
+        Config.from_yaml(write(tmp_path, raw))
+
+
+def test_missing_file_and_bad_yaml(tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"nope\.yaml: cannot read"):
+        Config.from_yaml(tmp_path / "nope.yaml")
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"broken\.yaml: not valid YAML"):
+        Config.from_yaml(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match=r"broken\.yaml: expected a mapping"):
+        Config.from_yaml(bad)
+
+
+def test_override_validates_and_keeps_the_path():
+    config = Config.from_yaml(TINY)
+    changed = config.override({"router.lease_s": 2, "instances.decode": 3})
+    assert (changed.router.lease_s, changed.instances.decode, changed.path) == (2.0, 3, str(TINY))
+    assert config.router.lease_s == 30  # the original is unchanged
+    with pytest.raises(ConfigError, match=r"router.leas_s: unknown key; did you mean 'lease_s'"):
+        config.override({"router.leas_s": 2})
+    with pytest.raises(ConfigError, match=r"'routr' is not a section; did you mean 'router'"):
+        config.override({"routr.lease_s": 2})
+
+
+def test_relative_model_source_resolves_next_to_the_file(tmp_path: Path):
+    (tmp_path / "weights").mkdir()
+    raw = tiny_raw()
+    raw["model"]["source"] = "weights"
+    config = Config.from_yaml(write(tmp_path, raw, "local.yaml"))
+    assert config.model.source == str((tmp_path / "weights").resolve())
+
+
+def test_import_stays_light():
+    code = "import sys, disagg.config; print(any(m.split('.')[0] in ('torch', 'ray') for m in sys.modules))"
+    import subprocess
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
