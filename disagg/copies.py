@@ -24,14 +24,35 @@ def _cat(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def fork_copy_slots(copies: list[tuple[int, int, int]], page_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Expand ``(src_page, dst_page, length)`` fork copies into ``[F]`` int32 src and dst slots."""
+    """Expand ``(src_page, dst_page, length)`` fork copies into ``[F]`` int32 src and dst slots.
+
+    The copies are ordered (a later one may read an earlier one's destination: a fork of a fork
+    before any forward), but a plan's fork copies run as ONE parallel launch. So every source slot
+    that an earlier copy writes is resolved to that copy's own (resolved) source: the result
+    reads only slots that no pair of it writes, and gives each destination what the ordered copies
+    would. (A later copy never writes a slot an earlier one reads: that page is parked until the
+    copies run, see `disagg.pages`.)
+    """
     if not copies:
         return np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int32)
     src_pages, dst_pages, lengths = (np.asarray(col, dtype=np.int64) for col in zip(*copies))
     within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     src = np.repeat(src_pages * page_size, lengths) + within
     dst = np.repeat(dst_pages * page_size, lengths) + within
+    if np.isin(src_pages, dst_pages).any():
+        src = _resolve_chains(src, dst)
     return src.astype(np.int32), dst.astype(np.int32)
+
+
+def _resolve_chains(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Ordered pairs ``dst[i] <- src[i]`` -> sources read before any pair writes (see above)."""
+    origin: dict[int, int] = {}
+    resolved = src.tolist()
+    for i, (s, d) in enumerate(zip(resolved, dst.tolist())):
+        s = origin.get(s, s)
+        resolved[i] = s
+        origin[d] = s
+    return np.asarray(resolved, dtype=np.int64)
 
 
 class PendingCopies:
@@ -40,7 +61,7 @@ class PendingCopies:
     Attributes:
         fork: ``(src_page, dst_page, num_slots)``: slots ``0 .. num_slots - 1`` of `src_page` are
             copied to the same offsets of `dst_page`, in list order (a later copy may read an
-            earlier one's destination).
+            earlier one's destination; `fork_copy_slots` resolves such chains for the plan).
     """
 
     def __init__(self, pool: PagePool, page_size: int) -> None:

@@ -21,8 +21,10 @@ Index ranges, for a batch of B sequences appending T tokens in all:
                           -> receiver slot on PE, all layers (page-to-page path)
     fork_src_slots / fork_dst_slots  [F]
                           local slot copies that forks left pending (a partially filled page is
-                          copied for the child); the KV storage applies them, in order, for every
-                          layer, BEFORE this forward's appends
+                          copied for the child); the KV storage applies them for every layer,
+                          BEFORE this forward's appends, as ONE parallel batch: no pair reads a
+                          slot that another pair writes (chains of forks are resolved to their
+                          original sources) and destinations are distinct
     send_seq_ids / send_pes / send_complete  [S]
                           sequences whose KV moves in this forward (pushes or copies), their
                           receiver PE, and whether this forward writes the last token of their

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -305,6 +306,41 @@ def check_slot_values(name: str, slots: torch.Tensor, num_slots: int) -> None:
         value = int(slots[first])
         raise ValueError(
             f"{name}: expected slots in [-1, {num_slots}) (-1 skips), got {value} at position {first}"
+        )
+
+
+def check_disjoint_copy(src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Check a copy within one cache can run as one parallel batch (one device-to-host copy).
+
+    Pairs where either slot is -1 are ignored. Destinations must be distinct, and no destination
+    may also be a source: the pairs run in parallel, so such a batch would race (an ordered chain
+    of copies must be resolved to its original sources first, as `disagg.copies` does).
+
+    Raises:
+        ValueError: names the first repeated destination or destination that is also a source.
+    """
+    keep = (src_slots >= 0) & (dst_slots >= 0)
+    src = src_slots[keep].to(torch.int64).cpu().numpy()
+    dst = dst_slots[keep].to(torch.int64).cpu().numpy()
+    check_disjoint_copy_host(src, dst, "copy_slots")
+
+
+def check_disjoint_copy_host(src: np.ndarray, dst: np.ndarray, where: str) -> None:
+    """`check_disjoint_copy` on host int arrays (numpy); ``where`` prefixes the message."""
+    src, dst = np.asarray(src), np.asarray(dst)
+    values, counts = np.unique(dst, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(
+            f"{where}: expected distinct destination slots, got slot {int(values[counts > 1][0])} "
+            f"{int(counts.max())} times"
+        )
+    both = np.intersect1d(src, dst)
+    if both.size:
+        first = int(np.flatnonzero(np.isin(dst, both))[0])
+        raise ValueError(
+            f"{where}: expected no destination slot to be a source in the same cache (pairs run in "
+            f"parallel; resolve ordered chains to their original sources), got slot {int(dst[first])} "
+            f"at pair {first} written and read"
         )
 
 

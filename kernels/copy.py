@@ -62,7 +62,9 @@ def copy_slots(
     """dst[..., dst_slots[i]] = src[..., src_slots[i]] for every pair, over all leading dims.
 
     Pairs where either slot is -1 are skipped. Destination slots must be distinct, and when src
-    and dst are the same cache no destination slot may also be a source (pairs run in parallel).
+    and dst are the same cache no destination slot may also be a source (pairs run in parallel:
+    an ordered chain of copies must be resolved to its original sources first). Both are
+    checked, with the slot ranges, whenever values are checked (below).
 
     Args:
         src: `[..., num_pages, 2, H_kv, P, D]` (e.g. one layer, or `[num_layers, ...]` to copy
@@ -75,7 +77,8 @@ def copy_slots(
             `disagg.kernels.dispatch.should_check_values`.
 
     Raises:
-        TypeError, ValueError: mismatched geometry, dtypes, devices or out-of-range slots.
+        TypeError, ValueError: mismatched geometry, dtypes, devices, out-of-range slots, a
+            repeated destination, or (same cache) a destination that is also a source.
     """
     src_geo = checks.check_kv_layer("src", src, lead_ok=True)
     dst_geo = checks.check_kv_layer("dst", dst, lead_ok=True)
@@ -91,6 +94,8 @@ def copy_slots(
     if dispatch.should_check_values(src.device, check_indices):
         checks.check_slot_values("src_slots", src_slots, src_geo.num_slots)
         checks.check_slot_values("dst_slots", dst_slots, dst_geo.num_slots)
+        if _same_memory(src, dst):
+            checks.check_disjoint_copy(src_slots, dst_slots)
     if num_pairs == 0 or src_geo.num_lead == 0:
         return
     if not dispatch.use_triton(src):
@@ -106,3 +111,9 @@ def copy_slots(
         NUM_ROWS=num_rows, PAGE_SIZE=src_geo.page_size, HEAD_DIM=src_geo.head_dim,
         BLOCK_S=BLOCK_SLOTS, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS,
     )
+
+
+def _same_memory(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether src and dst are the same cache (same first element and strides: a slot id names
+    the same memory on both sides)."""
+    return src.data_ptr() == dst.data_ptr() and src.stride() == dst.stride()

@@ -19,6 +19,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from disagg.errors import TransferError
+from disagg.kernels.checks import check_disjoint_copy_host
 from disagg.plan import ForwardPlan
 from disagg.transfer.doorbell import DoorbellTicket
 from disagg.transfer.segments import KVGeometry, LayerSegments, coalesce
@@ -72,7 +73,8 @@ def check_plan(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int,
                doorbells: Mapping[int, DoorbellTicket]) -> None:
     """Raise TransferError/ValueError when ``plan`` cannot run on this heap and KV tensor.
 
-    Checks lengths, slot ranges against the KV geometry (both sides share it), PE range,
+    Checks lengths, slot ranges against the KV geometry (both sides share it), that the fork
+    copies can run as one parallel batch (distinct destinations, none also a source), PE range,
     push map vs tokens (slot and PE both set or both -1, each token's PE is its sequence's
     receiver), and that every completed send has a doorbell ticket for its receiver.
     """
@@ -91,6 +93,10 @@ def check_plan(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int,
             raise ValueError(f"plan.{name} must be in [-1, {geo.num_slots}) for a KV tensor of "
                              f"{geo.num_pages} pages x {geo.page_size}, got [{slots.min()}, {slots.max()}]: "
                              "plan and heap come from different geometries")
+    fork_src, fork_dst = plan.fork_src_slots, plan.fork_dst_slots
+    if len(fork_dst):
+        keep = (fork_src >= 0) & (fork_dst >= 0)
+        check_disjoint_copy_host(fork_src[keep], fork_dst[keep], "plan.fork_src_slots/fork_dst_slots")
     _check_pushes(plan, geo, rank, world_size)
     _check_copies(plan, geo, rank, world_size)
     _check_sends(plan, rank, world_size, doorbells)

@@ -220,7 +220,8 @@ def test_copy_chain_through_a_removed_sequence_is_kept_and_its_page_parked() -> 
     assert cache.num_free_pages == 16 - 4
     assert cache.slots(2).tolist() == [0, 1, 2, 3, 12]
     plan = cache.begin_forward([2], [1])
-    assert plan.fork_src_slots.tolist() == [4, 8]
+    # The plan's copies run as one parallel batch: the second reads the first's source.
+    assert plan.fork_src_slots.tolist() == [4, 4]
     assert plan.fork_dst_slots.tolist() == [8, 12]
     assert plan.append_slots.tolist() == [13]
     cache.end_forward()  # the copies ran: page 2 goes back on top of the stack

@@ -2,8 +2,8 @@
 
 The state machine drives a `PagedKVCache` with every operation (add, fork, popn, remove, sliding
 window, forward, prepare_recv, mark_send) and plays each plan onto a fake KV memory of token tags:
-fork copies first, then appends, pushes and page-to-page copies into fake receiver memories. After
-every step it checks the integrity invariants AND that every sequence reads back exactly the
+fork copies first (as ONE parallel batch, like the engine's single `copy_slots` launch), then
+appends, pushes and page-to-page copies into fake receiver memories. After every step it checks the integrity invariants AND that every sequence reads back exactly the
 tokens it should (with pending fork copies applied), so a page handed out too early, a copy
 reported wrong or a half-applied error shows up as wrong data. Failing calls must leave the full
 internal state unchanged. Receivers' writes are applied right after `disagg_prepare_recv`, before
@@ -19,12 +19,21 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from disagg import posmap
 from disagg.cache import PagedKVCache
+from disagg.copies import fork_copy_slots
 from disagg.errors import DisaggError
 
 from .conftest import cache_state
 
 NUM_PES = 3
 REMOTE_SLOTS = 1 << 16
+
+
+def apply_batched(kv: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+    """Fork copies as the engine applies them: ONE parallel `copy_slots` batch (numpy reads every
+    source before writing), so a chain the cache left unresolved reads stale KV here too."""
+    assert np.intersect1d(src, dst).size == 0, "a fork copy reads a slot another copy writes"
+    assert np.unique(dst).size == dst.size, "two fork copies write one slot"
+    kv[dst] = kv[src]
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -71,8 +80,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def play(self, plan) -> None:
         """Play a plan on the fake memories in the order consumers must follow."""
-        for src, dst in zip(plan.fork_src_slots.tolist(), plan.fork_dst_slots.tolist()):
-            self.kv[dst] = self.kv[src]
+        apply_batched(self.kv, plan.fork_src_slots, plan.fork_dst_slots)
         copied = self.kv[plan.copy_local_slots]
         tags = self.tags(plan.num_tokens)
         written = plan.append_slots >= 0
@@ -216,9 +224,8 @@ class CacheMachine(RuleBasedStateMachine):
             return
         self.cache.check_integrity()
         kv = self.kv.copy()
-        for src, dst, n in self.cache._copies.fork:  # what the next plan's copies will produce
-            size = self.cache.page_size
-            kv[dst * size : dst * size + n] = kv[src * size : src * size + n]
+        # What the next plan's copies will produce, applied like a plan's (one batch).
+        apply_batched(kv, *fork_copy_slots(self.cache._copies.fork, self.cache.page_size))
         for seq_id, want in self.expected.items():
             assert self.cache.seq_length(seq_id) == len(want)
             assert kv[self.cache.slots(seq_id)].tolist() == want, f"sequence {seq_id} reads wrong tokens"

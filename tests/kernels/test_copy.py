@@ -56,3 +56,25 @@ def test_copy_bad_inputs(device):
     with pytest.raises(ValueError, match="collapse into one stride"):
         copy_slots(src.expand(2, 2, 3, 2, 1, 4, 16).transpose(0, 1), slots,
                    src.expand(2, 2, 3, 2, 1, 4, 16).transpose(0, 1), slots)
+
+
+@pytest.mark.parametrize("layers", [None, 1])
+def test_copy_within_one_cache_refuses_a_chain_or_a_repeated_destination(device, layers):
+    """Pairs run in parallel: a destination that is also a source would race, so it is refused
+    (with check_indices, the default on CPU), and nothing is written."""
+    cache = torch.randn(2, 4, 2, 2, 4, 16, device=device)
+    view = cache if layers is None else cache[layers]
+    before = cache.clone()
+    chain_src, chain_dst = torch.tensor([0, 4], device=device), torch.tensor([4, 8], device=device)
+    with pytest.raises(ValueError, match="slot 4 at pair 0 written and read"):
+        copy_slots(view, chain_src, view, chain_dst)
+    with pytest.raises(ValueError, match="expected distinct destination slots, got slot 8"):
+        copy_slots(view, torch.tensor([0, 1], device=device), view, torch.tensor([8, 8], device=device))
+    assert torch.equal(cache, before)
+    # The same slots between two caches, or a resolved chain (both read slot 0), are fine.
+    other = torch.zeros_like(view)
+    copy_slots(view, chain_src, other, chain_dst)
+    copy_slots(view, torch.tensor([0, 0], device=device), view, chain_dst)
+    before_view = before if layers is None else before[layers]
+    for page in (1, 2):  # slot 0 landed in slot 4 (page 1) and slot 8 (page 2), offset 0
+        assert torch.equal(view[..., page, :, :, 0, :], before_view[..., 0, :, :, 0, :])

@@ -155,3 +155,38 @@ def test_cuda_graph_capture_and_replay(page_table):
         assert _rel_err(o_decode, reference.paged_decode(q_decode, kv, *tables, 0.088)) < 2e-2
         want = reference.paged_prefill(q_prefill, kv, qo_indptr, *tables, 0.088)
         assert _rel_err(o_prefill, want) < 2e-2
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fork_chain_copies_in_one_launch_gpu(page_size):
+    """A fork of a fork of a fork before any forward: the plan's copies, run as ONE launch with
+    check_indices=False (how the pusher runs them on CUDA), give every child its parent's KV."""
+    import numpy as np
+
+    from disagg.cache import PagedKVCache
+
+    cache = PagedKVCache(num_pages=64, page_size=page_size)
+    kv = torch.zeros(3, 64, 2, 2, page_size, 64, device=CUDA, dtype=torch.bfloat16)
+    cache.add_sequence(0)
+    plan = cache.begin_forward([0], [page_size + 3])
+    slots = torch.from_numpy(plan.append_slots.astype(np.int64)).to(CUDA)
+    new = torch.randn(3, 2, plan.num_tokens, 2, 64, device=CUDA).to(torch.bfloat16)
+    for layer in range(3):
+        append_kv(new[layer, 0], new[layer, 1], kv[layer], slots)
+    cache.end_forward()
+    cache.fork_sequence(0, 1)
+    cache.fork_sequence(1, 2, page_size + 2)
+    cache.fork_sequence(2, 3)
+    plan = cache.begin_forward([3], [1])
+    src = torch.from_numpy(plan.fork_src_slots.astype(np.int64)).to(CUDA)
+    dst = torch.from_numpy(plan.fork_dst_slots.astype(np.int64)).to(CUDA)
+    copy_slots(kv, src, kv, dst, check_indices=False)
+    cache.end_forward()
+    torch.cuda.synchronize()
+
+    def keys(seq_id):
+        s = torch.from_numpy(cache.slots(seq_id).astype(np.int64)).to(CUDA)
+        return kv[:, s // page_size, 0, :, s % page_size]
+
+    assert torch.equal(keys(1), keys(0))
+    assert torch.equal(keys(3)[:, : page_size + 2], keys(0)[:, : page_size + 2])
