@@ -186,7 +186,7 @@ def test_fork_chain_copies_in_one_launch_gpu(page_size):
 
     def keys(seq_id):
         s = torch.from_numpy(cache.slots(seq_id).astype(np.int64)).to(CUDA)
-        return kv[:, s // page_size, 0, :, s % page_size]
+        return torch.stack([kv[layer, s // page_size, 0, :, s % page_size] for layer in range(3)])
 
     assert torch.equal(keys(1), keys(0))
     assert torch.equal(keys(3)[:, : page_size + 2], keys(0)[:, : page_size + 2])
