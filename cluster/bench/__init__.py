@@ -1,0 +1,14 @@
+"""disagg.cluster.bench: `disagg bench`, serving measured at the client as `vllm bench serve` does.
+
+Rooms: `workloads` (seeded synthetic requests), `arrivals` (Poisson/gamma send times), `runner`
+(drives a backend at one rate and times every token), `backends` (a launched Cluster, or an
+OpenAI-compatible server), `metrics` (vLLM's metric names and rules), `report` (result JSON that
+recomputes from its own per-request lists, rich tables), `compare` (SLO attainment, DistServe's
+per-GPU goodput, SLO-scale sweeps, `quick_compare`), `sweep` (launch, sweep, compare), `plots`
+(PNG figures) and `command` (the typer command). Importing this package imports no ray or torch.
+"""
+
+from disagg.cluster.bench.compare import per_gpu_goodput, quick_compare
+from disagg.cluster.bench.metrics import RequestOutput, compute_metrics, parse_goodput
+
+__all__ = ["RequestOutput", "compute_metrics", "parse_goodput", "per_gpu_goodput", "quick_compare"]

@@ -1,0 +1,178 @@
+"""`disagg bench`: the typer command (registered by disagg.cluster.cli as `bench`).
+
+Flags keep `vllm bench serve`'s names where one exists. Values not given on the command line
+come from CONFIG's `bench:` section (num_prompts, input/output length, rates, burstiness,
+goodput SLOs, seed, compare_with, results_dir). Three shapes:
+  disagg bench CONFIG                         sweep one deployment (launched here)
+  disagg bench CONFIG --compare CONFIG2       sweep both on the same workload, compare goodput
+  disagg bench [CONFIG] --base-url URL        sweep a running OpenAI-compatible server
+Bad values are refused before anything launches, with the flag, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from disagg.cluster.bench.arrivals import check_burstiness, parse_rates
+from disagg.cluster.bench.metrics import parse_goodput
+from disagg.cluster.bench.workloads import DATASETS
+
+logger = logging.getLogger(__name__)
+
+
+def _rates(value: Optional[str]) -> Optional[list[float]]:
+    return None if value is None else _checked(parse_rates, value, "--request-rate")
+
+
+def _floats(value: Optional[str], flag: str) -> Optional[list[float]]:
+    if value is None:
+        return None
+    try:
+        numbers = [float(item) for item in value.replace(" ", "").split(",") if item]
+    except ValueError:
+        raise typer.BadParameter(f"expected numbers separated by commas, got {value!r}", param_hint=flag) from None
+    if not numbers or any(not (x > 0 and math.isfinite(x)) for x in numbers):
+        raise typer.BadParameter(f"expected positive finite numbers, got {value!r}", param_hint=flag)
+    return numbers
+
+
+def _checked(parse, value, flag: str):
+    try:
+        return parse(value)
+    except ValueError as err:
+        raise typer.BadParameter(str(err).removeprefix(f"{flag}: "), param_hint=flag) from None
+
+
+def _variants(specs: list[str]) -> list[dict[str, Any]]:
+    """``KEY=V1,V2`` flags -> every combination as dotted overrides (values parsed as YAML scalars)."""
+    import yaml
+
+    axes = []
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        if not sep or not key or not values:
+            raise typer.BadParameter(f"expected KEY=V1,V2,... such as scheduler.max_num_batched_tokens="
+                                     f"512,2048, got {spec!r}", param_hint="--compare-variant")
+        axes.append([(key, yaml.safe_load(v)) for v in values.split(",")])
+    return [dict(combo) for combo in itertools.product(*axes)] if axes else []
+
+
+def bench_command(
+    config: Annotated[Optional[Path], typer.Argument(help="deployment YAML (launched here unless --base-url)")] = None,
+    compare: Annotated[Optional[list[Path]], typer.Option("--compare", help="config(s) to compare CONFIG with "
+                       "on the same workload and GPUs (default: CONFIG's bench.compare_with)")] = None,
+    compare_variant: Annotated[Optional[list[str]], typer.Option(help="KEY=V1,V2: also run each --compare "
+                               "config with these dotted overrides; the best per SLO scale is compared")] = None,
+    no_compare: Annotated[bool, typer.Option("--no-compare", help="ignore bench.compare_with")] = False,
+    base_url: Annotated[Optional[str], typer.Option(help="benchmark a running OpenAI-compatible server")] = None,
+    model: Annotated[Optional[str], typer.Option(help="model name sent to --base-url")] = None,
+    endpoint: Annotated[str, typer.Option(help="completions path of --base-url")] = "/v1/completions",
+    dataset_name: Annotated[str, typer.Option(help=f"one of {', '.join(DATASETS)}")] = "random",
+    num_prompts: Annotated[Optional[int], typer.Option(min=1, help="requests per run")] = None,
+    request_rate: Annotated[Optional[str], typer.Option(help="req/s; a sweep: 1,2,4,inf")] = None,
+    burstiness: Annotated[Optional[float], typer.Option(help="gamma shape of arrivals; 1 = Poisson")] = None,
+    max_concurrency: Annotated[Optional[int], typer.Option(min=1, help="requests in flight at most")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="seed of prompts and arrivals")] = None,
+    random_input_len: Annotated[Optional[int], typer.Option(min=1, help="prompt tokens")] = None,
+    random_output_len: Annotated[Optional[int], typer.Option(min=1, help="output tokens")] = None,
+    random_range_ratio: Annotated[Optional[float], typer.Option(help="lengths uniform in len*(1 +- r)")] = None,
+    goodput: Annotated[Optional[list[str]], typer.Option(help="SLOs, e.g. --goodput ttft:200 --goodput tpot:50")] = None,
+    slo_calibrate: Annotated[bool, typer.Option(help="derive SLOs from isolated requests on CONFIG "
+                             "(ttft 3x isolated TTFT, tpot 2.5x batch-1 decode step)")] = False,
+    slo_scales: Annotated[Optional[str], typer.Option(help="SLO multipliers judged from the same runs")] = None,
+    metric_percentiles: Annotated[str, typer.Option(help="percentiles reported")] = "50,90,99",
+    num_warmups: Annotated[int, typer.Option(min=0, help="untimed requests before each run")] = 1,
+    request_timeout: Annotated[Optional[float], typer.Option(help="seconds before a request is cancelled")] = None,
+    vocab_size: Annotated[Optional[int], typer.Option(min=2, help="token ids drawn below this (needed with --base-url)")] = None,
+    save_result: Annotated[bool, typer.Option(help="write the JSON result of every run")] = False,
+    result_dir: Annotated[Optional[Path], typer.Option(help="where JSON and PNGs go (default bench.results_dir)")] = None,
+    result_filename: Annotated[Optional[str], typer.Option(help="file name of a single run's JSON")] = None,
+    disable_tqdm: Annotated[bool, typer.Option(help="no progress bar")] = False,
+) -> None:
+    """Measure serving at the client as `vllm bench serve` does; compare deployments by goodput."""
+    from disagg.cluster.bench.sweep import SweepOptions
+
+    if dataset_name not in DATASETS:
+        raise typer.BadParameter(f"expected one of {', '.join(DATASETS)}, got {dataset_name!r}", param_hint="--dataset-name")
+    if config is None and base_url is None:
+        raise typer.BadParameter("give a CONFIG to launch, or --base-url of a running server", param_hint="CONFIG")
+    rates = _rates(request_rate)
+    slos = _checked(parse_goodput, goodput, "--goodput") if goodput else None
+    scales = _floats(slo_scales, "--slo-scales")
+    percentiles = _floats(metric_percentiles, "--metric-percentiles")
+    if burstiness is not None:
+        _checked(check_burstiness, burstiness, "--burstiness")
+    if random_range_ratio is not None and not 0 <= random_range_ratio < 1:
+        raise typer.BadParameter(f"expected a number in [0, 1), got {random_range_ratio}", param_hint="--random-range-ratio")
+    variants = _variants(compare_variant or [])
+    defaults = _config_defaults(config)
+    options = SweepOptions(
+        num_prompts=num_prompts or defaults.get("num_prompts", 100),
+        rates=rates or defaults.get("request_rates") or [math.inf], dataset_name=dataset_name,
+        input_len=random_input_len or (defaults.get("input_len") if dataset_name == "random" else None),
+        output_len=random_output_len or (defaults.get("output_len") if dataset_name == "random" else None),
+        range_ratio=random_range_ratio, burstiness=burstiness or defaults.get("burstiness", 1.0),
+        max_concurrency=max_concurrency, seed=defaults.get("seed", 0) if seed is None else seed,
+        goodput_slos_ms=slos or (None if slo_calibrate else defaults.get("goodput")),
+        percentiles=tuple(percentiles), num_warmups=num_warmups, request_timeout_s=request_timeout,
+        calibrate_slos=slo_calibrate, vocab_size=vocab_size, show_progress=not disable_tqdm,
+        result_filename=result_filename, save_results=save_result or bool(compare) or bool(variants))
+    if scales:
+        options.slo_scales = tuple(scales)
+    others = [] if no_compare else list(compare or ([defaults["compare_with"]] if defaults.get("compare_with") else []))
+    out_dir = result_dir or Path(defaults.get("results_dir", "results"))
+    _run(config, others, variants, base_url, model, endpoint, out_dir, options)
+
+
+def _config_defaults(config: Optional[Path]) -> dict[str, Any]:
+    if config is None:
+        return {}
+    from disagg.config import Config
+    from disagg.errors import ConfigError
+
+    try:
+        return Config.from_yaml(config).bench.model_dump()
+    except ConfigError as err:
+        raise typer.BadParameter(str(err), param_hint="CONFIG") from None
+
+
+def _run(config, others, variants, base_url, model, endpoint, out_dir: Path, options) -> None:
+    from rich.console import Console
+
+    from disagg.cluster.bench import compare as cmp
+    from disagg.cluster.bench import plots, report, sweep
+
+    console = Console()
+    if others and base_url is None:
+        summary = sweep.compare_configs(config, others, out_dir, options, variants=variants)
+        console.print(report.comparison_table(summary))
+        console.print(f"results, compare.json and plots in {out_dir}: {', '.join(Path(p).name for p in summary['plots'])}")
+        return
+    if base_url is not None:
+        if others:
+            raise typer.BadParameter("--compare needs configs launched here; drop --base-url", param_hint="--compare")
+        results = sweep.bench_url(base_url, options, slos_ms=options.goodput_slos_ms, model=model, endpoint=endpoint)
+        slos, num_gpus = options.goodput_slos_ms, 1
+    else:
+        results, slos, info = sweep.bench_config(config, options, slos_ms=options.goodput_slos_ms)
+        num_gpus = info["num_gpus"]
+    for result in results:
+        console.print(report.run_table(result))
+    if options.save_results:
+        for result in results:
+            name = options.result_filename if options.result_filename and len(results) == 1 else \
+                f"{sweep.safe_name(result['label'])}-{result['request_rate']}qps-{result['date']}.json"
+            report.save_json(result, out_dir / name)
+        if slos:
+            side = cmp.side_summary(results[0]["label"], results, num_gpus, slos, options.slo_scales)
+            summary = {"sides": [side], "comparison": cmp.compare_sides([side], slos), "slos_ms": slos,
+                       "slo_scales": list(options.slo_scales)}
+            summary["plots"] = plots.write_all({side["label"]: results}, summary, out_dir)
+            report.save_json(summary, out_dir / "summary.json")
+        console.print(f"results in {out_dir}")

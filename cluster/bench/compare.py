@@ -1,0 +1,159 @@
+"""Judge runs against SLOs: attainment vs rate, per-GPU goodput (DistServe), SLO-scale sweeps.
+
+DistServe (Zhong et al., OSDI 2024) defines SLO attainment as the fraction of requests that meet
+both their TTFT and their TPOT SLO, and per-GPU goodput as the highest request rate per GPU at
+which attainment stays >= 90%. Here a sweep measures attainment at a few rates; the goodput is
+read off the curve by linear interpolation between the last rate that holds the target and the
+first that falls below it (`per_gpu_goodput`). Every figure recomputes from the stored
+per-request lists, so one sweep also answers "what if the SLOs were k times looser" (the SLO-
+scale sweep) without another run. Pure Python; `quick_compare` at the bottom launches clusters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from disagg.cluster.bench.metrics import slo_attainment
+from disagg.cluster.bench.report import outputs_from_result, rate_from_json
+
+TARGET_ATTAINMENT = 0.9
+DEFAULT_SLO_SCALES: tuple[float, ...] = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+
+
+def scale_slos(slos_ms: Mapping[str, float], scale: float) -> dict[str, float]:
+    """Every SLO multiplied by `scale` (> 0)."""
+    if not scale > 0:
+        raise ValueError(f"--slo-scales: expected factors > 0, got {scale}")
+    return {name: value * scale for name, value in slos_ms.items()}
+
+
+def attainment_of(result: Mapping[str, Any], slos_ms: Mapping[str, float]) -> float:
+    """SLO attainment of one stored run under `slos_ms` (failed requests are misses)."""
+    return slo_attainment(outputs_from_result(result), slos_ms)
+
+
+def per_gpu_goodput(rates: Sequence[float], attainments: Sequence[float], num_gpus: int,
+                    target: float = TARGET_ATTAINMENT) -> dict[str, Any]:
+    """Highest rate per GPU with attainment >= target, interpolated on a measured curve.
+
+    Args:
+        rates: request rates of the runs (requests/s of the whole deployment); inf is ignored.
+        attainments: attainment at each rate, in [0, 1].
+        num_gpus: GPUs of the deployment (>= 1).
+        target: the attainment goal (DistServe: 0.9).
+
+    Returns:
+        {"per_gpu_goodput": req/s/GPU, "rate": req/s of the deployment, "bound": how far to
+        trust it}: bound "interpolated" when the curve crosses the target inside the sweep,
+        "at_least" when every rate held (goodput >= the highest rate swept), "below_range" when
+        even the lowest rate missed (goodput < the lowest rate; 0 reported), "no_data" for none.
+
+    Raises:
+        ValueError: lists of different lengths, num_gpus < 1 or target outside (0, 1].
+    """
+    if len(rates) != len(attainments):
+        raise ValueError(f"rates and attainments: expected equal lengths, got {len(rates)} and {len(attainments)}")
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus: expected >= 1, got {num_gpus}")
+    if not 0 < target <= 1:
+        raise ValueError(f"target: expected an attainment in (0, 1], got {target}")
+    points = sorted((float(r), float(a)) for r, a in zip(rates, attainments) if math.isfinite(float(r)))
+    if not points:
+        return {"per_gpu_goodput": None, "rate": None, "bound": "no_data"}
+    below = next((i for i, (_, att) in enumerate(points) if att < target), None)
+    if below is None:
+        rate, bound = points[-1][0], "at_least"
+    elif below == 0:
+        rate, bound = 0.0, "below_range"
+    else:
+        (r0, a0), (r1, a1) = points[below - 1], points[below]
+        rate, bound = r0 + (a0 - target) * (r1 - r0) / (a0 - a1), "interpolated"
+    return {"per_gpu_goodput": rate / num_gpus, "rate": rate, "bound": bound}
+
+
+def side_summary(label: str, results: Sequence[Mapping[str, Any]], num_gpus: int,
+                 slos_ms: Mapping[str, float], slo_scales: Sequence[float] = DEFAULT_SLO_SCALES,
+                 target: float = TARGET_ATTAINMENT) -> dict[str, Any]:
+    """Attainment curve, per-GPU goodput (at every SLO scale) and tails of one deployment's sweep."""
+    rates = [rate_from_json(r["request_rate"]) for r in results]
+    attainment = [attainment_of(r, slos_ms) for r in results]
+    per_scale = []
+    for scale in slo_scales:
+        scaled = scale_slos(slos_ms, scale)
+        curve = [attainment_of(r, scaled) for r in results]
+        per_scale.append({"scale": scale, "slos_ms": scaled, "attainment": curve,
+                          **per_gpu_goodput(rates, curve, num_gpus, target)})
+    return {
+        "label": label, "num_gpus": num_gpus, "rates": rates, "attainment": attainment,
+        **per_gpu_goodput(rates, attainment, num_gpus, target),
+        "per_scale": per_scale,
+        "p99_ttft_ms": [r["p99_ttft_ms"] for r in results], "p99_tpot_ms": [r["p99_tpot_ms"] for r in results],
+        "request_throughput": [r["request_throughput"] for r in results],
+        "output_throughput": [r["output_throughput"] for r in results],
+        "failed": [r["failed"] for r in results],
+        "busy_fraction": [r.get("busy_fraction") for r in results],
+        "mean_client_overhead_ms": [r.get("mean_client_overhead_ms") for r in results],
+    }
+
+
+def compare_sides(sides: Sequence[Mapping[str, Any]], slos_ms: Mapping[str, float],
+                  target: float = TARGET_ATTAINMENT) -> dict[str, Any]:
+    """Per SLO scale: each side's per-GPU goodput, the best of the others, and side 0's ratio to it.
+
+    Side 0 is the deployment under test (CONFIG); the rest are what it is compared with (CONFIG2
+    and its tuned variants); "best_other" is the best of those at each scale, as a careful
+    operator would pick it.
+    """
+    rows = []
+    scales = [entry["scale"] for entry in sides[0]["per_scale"]] if sides else []
+    for index, scale in enumerate(scales):
+        goodputs = {side["label"]: side["per_scale"][index]["per_gpu_goodput"] for side in sides}
+        bounds = {side["label"]: side["per_scale"][index]["bound"] for side in sides}
+        others = [(label, value) for label, value in goodputs.items() if label != sides[0]["label"]]
+        best_label, best = max(others, key=lambda item: item[1] or 0.0, default=(None, None))
+        mine = goodputs[sides[0]["label"]]
+        ratio = mine / best if mine is not None and best else None
+        rows.append({"scale": scale, "slos_ms": scale_slos(slos_ms, scale), "per_gpu_goodput": goodputs,
+                     "bound": bounds, "best_other": best_label, "ratio": ratio})
+    return {"target_attainment": target, "slos_ms": dict(slos_ms), "rows": rows}
+
+
+def slo_scale_curve(result: Mapping[str, Any], slos_ms: Mapping[str, float],
+                    scales: Sequence[float] = DEFAULT_SLO_SCALES) -> list[tuple[float, float]]:
+    """Attainment of one run (a fixed rate) with every SLO scaled by each factor."""
+    outputs = outputs_from_result(result)
+    return [(scale, slo_attainment(outputs, scale_slos(slos_ms, scale))) for scale in scales]
+
+
+def quick_compare(config_a: str, config_b: str, out_dir: str, *, num_prompts: int = 16,
+                  rates: Sequence[float] = (1.0, 4.0), dataset_name: str = "random",
+                  goodput: Mapping[str, float] | None = None, seed: int = 0, progress: bool = False,
+                  **workload_overrides: Any) -> dict[str, Any]:
+    """Compare two configs on one workload in one call (the demo's entry); prints a small table.
+
+    Args:
+        config_a: the deployment under test (e.g. configs/tiny-1p1d.yaml).
+        config_b: what it is compared with (e.g. configs/tiny-colocated.yaml).
+        out_dir: JSON results and PNG plots go here.
+        num_prompts / rates / dataset_name / seed: the workload and the sweep.
+        goodput: SLOs in ms ({"ttft": .., "tpot": ..}); None takes config_a's `bench.goodput`.
+        progress: show a progress bar per run.
+        workload_overrides: input_len, output_len, range_ratio for the workload.
+
+    Returns:
+        the comparison summary (also written to out_dir/compare.json), with "plots" listing PNGs.
+    """
+    from disagg.cluster.bench.sweep import SweepOptions, compare_configs
+
+    from rich.console import Console
+
+    from disagg.cluster.bench.report import comparison_table
+
+    options = SweepOptions(num_prompts=num_prompts, rates=list(rates), dataset_name=dataset_name,
+                           goodput_slos_ms=dict(goodput) if goodput else None, seed=seed,
+                           show_progress=progress, **workload_overrides)
+    summary = compare_configs(config_a, [config_b], out_dir, options)
+    Console().print(comparison_table(summary))
+    return summary

@@ -1,0 +1,245 @@
+"""Run a workload over a rate sweep on a launched cluster (or a server), and compare deployments.
+
+`run_sweep` drives one backend through every rate and stores one result object per rate (with
+the cluster's busy fractions when its stats carry them). `bench_config` launches a `Cluster` from
+a YAML file (optionally with dotted overrides: a tuned variant), samples the workload against
+its model (vocab size, context limit), optionally calibrates SLOs, sweeps and shuts the cluster
+down. `compare_configs` does that for the config under test and each comparison config, writes
+the JSON results, the summary and the plots. Runs in the bench process (the Ray driver).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from disagg.cluster.bench import compare as cmp
+from disagg.cluster.bench.metrics import DEFAULT_PERCENTILES
+from disagg.cluster.bench.report import build_result, rate_to_json, save_json
+from disagg.cluster.bench.runner import Backend, run
+from disagg.cluster.bench.workloads import SampleRequest, WorkloadSpec, sample_requests
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SweepOptions:
+    """Everything a sweep needs besides the deployment (CLI flags map onto these fields)."""
+
+    num_prompts: int = 100
+    rates: list[float] = field(default_factory=lambda: [math.inf])
+    dataset_name: str = "random"
+    input_len: int | None = None
+    output_len: int | None = None
+    range_ratio: float | None = None
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    goodput_slos_ms: dict[str, float] | None = None
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+    num_warmups: int = 1
+    request_timeout_s: float | None = None
+    slo_scales: tuple[float, ...] = cmp.DEFAULT_SLO_SCALES
+    calibrate_slos: bool = False
+    calibrate_ttft_scale: float = 3.0
+    calibrate_tpot_scale: float = 2.5
+    vocab_size: int | None = None
+    show_progress: bool = True
+    result_filename: str | None = None
+    save_results: bool = True
+
+
+def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: SweepOptions, *,
+              label: str, slos_ms: Mapping[str, float] | None, stats: Callable[[], dict] | None = None,
+              workload: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
+              extra: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One result object per rate of `options.rates` (see report.build_result).
+
+    Args:
+        stats: the cluster's stats(), read before and after each run for busy fractions.
+        workload / config / extra: stored in each result.
+    """
+    results = []
+    for rate in options.rates:
+        before = stats() if stats else None
+        with progress_bar(options.show_progress, f"{label} @ {rate_to_json(rate)} req/s", len(requests)) as tick:
+            outcome = run(backend, requests, request_rate=rate, burstiness=options.burstiness,
+                          max_concurrency=options.max_concurrency, seed=options.seed,
+                          num_warmups=options.num_warmups, request_timeout_s=options.request_timeout_s,
+                          on_done=tick)
+        after = stats() if stats else None
+        more = dict(extra or {}, busy_fraction=busy_fractions(before, after, outcome.duration_s),
+                    cluster_stats=after)
+        results.append(build_result(outcome, goodput_slos_ms=slos_ms, percentiles=options.percentiles,
+                                    label=label, workload=workload, config=config, extra=more))
+    return results
+
+
+@contextlib.contextmanager
+def progress_bar(show: bool, description: str, total: int) -> Iterator[Callable[[Any], None]]:
+    """A rich progress bar over one run; yields the per-request callback (a no-op when hidden)."""
+    if not show:
+        yield lambda _out: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn()) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda _out: bar.advance(task)
+
+
+def calibrate(backend: Backend, requests: Sequence[SampleRequest], options: SweepOptions,
+              num_requests: int = 8) -> dict[str, Any]:
+    """SLOs scaled from isolated requests: TPOT from the batch-1 decode step, TTFT from isolated prefill.
+
+    Runs up to `num_requests` of the workload one at a time (max_concurrency 1): their median
+    TPOT is the measured pure-decode step, their median TTFT the unloaded time to first token.
+    """
+    sample = list(requests[:num_requests])
+    outcome = run(backend, sample, request_rate=math.inf, max_concurrency=1, num_warmups=options.num_warmups)
+    done = [out for out in outcome.outputs if out.success]
+    tpots = [out.tpot for out in done if out.tpot is not None]
+    if not done or not tpots:
+        raise RuntimeError("SLO calibration: no isolated request finished with >= 2 tokens; "
+                           f"errors: {[out.error for out in outcome.outputs][:3]}")
+    step_ms, ttft_ms = float(np.median(tpots)) * 1e3, float(np.median([o.ttft for o in done])) * 1e3
+    return {"slos_ms": {"ttft": options.calibrate_ttft_scale * ttft_ms, "tpot": options.calibrate_tpot_scale * step_ms},
+            "isolated_tpot_ms": step_ms, "isolated_ttft_ms": ttft_ms, "num_requests": len(sample),
+            "rule": f"ttft = {options.calibrate_ttft_scale} x isolated median TTFT, "
+                    f"tpot = {options.calibrate_tpot_scale} x isolated median TPOT (batch-1 decode step)"}
+
+
+def busy_fractions(before: Mapping | None, after: Mapping | None, duration_s: float) -> dict[str, float] | None:
+    """Per instance, the fraction of the run it spent in engine steps (needs ``busy_s`` in stats)."""
+    if not before or not after or duration_s <= 0:
+        return None
+    start, end = _busy_seconds(before), _busy_seconds(after)
+    fractions = {name: (end[name] - start[name]) / duration_s for name in end if name in start}
+    return fractions or None
+
+
+def _busy_seconds(stats: Mapping) -> dict[str, float]:
+    items = stats.get("instances", stats)
+    entries = items.items() if isinstance(items, Mapping) else enumerate(items)
+    seconds = {}
+    for key, entry in entries:
+        if isinstance(entry, Mapping) and isinstance(entry.get("busy_s"), (int, float)):
+            name = entry.get("name") or f"{entry.get('role', 'instance')}{entry.get('pe', key)}"
+            seconds[str(name)] = float(entry["busy_s"])
+    return seconds
+
+
+def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: Mapping[str, Any] | None = None,
+                 slos_ms: Mapping[str, float] | None = None, label: str | None = None
+                 ) -> tuple[list[dict[str, Any]], dict[str, float] | None, dict[str, Any]]:
+    """Launch the cluster of `config_path` (+ overrides), sweep, shut down.
+
+    Returns:
+        (results per rate, the SLOs used, info: label, num_gpus, workload, calibration).
+    """
+    from disagg.cluster import Cluster
+    from disagg.config import Config
+
+    config = Config.from_yaml(config_path)
+    if overrides:
+        config = config.override(dict(overrides))
+    label = label or config.name + "".join(f"[{k.split('.')[-1]}={v}]" for k, v in (overrides or {}).items())
+    slos = dict(slos_ms) if slos_ms else (None if options.calibrate_slos else dict(config.bench.goodput))
+    with Cluster.launch(config) as cluster:
+        from disagg.cluster.bench.backends import ClusterBackend
+
+        spec = workload_for(cluster, options)
+        requests = sample_requests(spec)
+        backend = ClusterBackend(cluster, name=label)
+        info = {"label": label, "num_gpus": config.instances.num_instances, "config_path": str(config_path),
+                "overrides": dict(overrides or {}), "workload": spec.to_dict(), "calibration": None}
+        if slos is None:
+            info["calibration"] = calibrate(backend, requests, options)
+            slos = info["calibration"]["slos_ms"]
+        extra = {"num_gpus": info["num_gpus"], "config_path": str(config_path), "overrides": info["overrides"],
+                 "calibration": info["calibration"]}
+        results = run_sweep(backend, requests, options, label=label, slos_ms=slos, stats=cluster.stats,
+                            workload=spec.to_dict(), config=config.model_dump(mode="json"), extra=extra)
+    return results, slos, info
+
+
+def workload_for(cluster: Any, options: SweepOptions) -> WorkloadSpec:
+    """The workload spec of `options`, sized to the cluster's model (vocab, context, EOS ids)."""
+    vocab = options.vocab_size or _first_attr(cluster, ("vocab_size",), ("model_config", "vocab_size"),
+                                              ("tokenizer", "vocab_size"))
+    if vocab is None:
+        raise ValueError("cannot tell the model's vocabulary size from the cluster; pass --vocab-size")
+    eos = _first_attr(cluster, ("eos_token_ids",), ("model_config", "eos_token_ids"),
+                      ("tokenizer", "eos_token_ids")) or ()
+    return WorkloadSpec(options.dataset_name, options.num_prompts, options.seed, int(vocab),
+                        getattr(cluster, "max_model_len", None), options.input_len, options.output_len,
+                        options.range_ratio, tuple(int(t) for t in eos)).resolved()
+
+
+def _first_attr(obj: Any, *paths: tuple[str, ...]) -> Any:
+    for path in paths:
+        value = obj
+        for name in path:
+            value = getattr(value, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def compare_configs(config_a: str | Path, others: Sequence[str | Path], out_dir: str | Path,
+                    options: SweepOptions, *, variants: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """Sweep CONFIG and every comparison config (each also with every override set of `variants`).
+
+    Writes <out_dir>/<label>-<rate>qps.json per run, compare.json and the PNG plots.
+    """
+    from disagg.cluster.bench import plots
+
+    out_dir = Path(out_dir)
+    runs = [(config_a, None)] + [(path, var) for path in others for var in (list(variants) or [None])]
+    slos, sides, infos, by_label = options.goodput_slos_ms, [], [], {}
+    for path, overrides in runs:
+        results, slos, info = bench_config(path, options, overrides=overrides, slos_ms=slos)
+        files = [str(save_json(r, out_dir / f"{safe_name(info['label'])}-{r['request_rate']}qps.json"))
+                 for r in results] if options.save_results else []
+        info["result_files"] = files
+        sides.append(cmp.side_summary(info["label"], results, info["num_gpus"], slos, options.slo_scales))
+        infos.append(info)
+        by_label[info["label"]] = results
+    summary = {"sides": sides, "comparison": cmp.compare_sides(sides, slos), "runs": infos,
+               "slos_ms": slos, "slo_scales": list(options.slo_scales),
+               "options": {k: (rate_to_json(v) if isinstance(v, float) else v)
+                           for k, v in vars(replace(options, rates=[rate_to_json(r) for r in options.rates])).items()}}
+    summary["plots"] = plots.write_all(by_label, summary, out_dir)
+    save_json(summary, out_dir / "compare.json")
+    return summary
+
+
+def safe_name(label: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in label)
+
+
+def bench_url(base_url: str, options: SweepOptions, *, slos_ms: Mapping[str, float] | None,
+              model: str | None = None, endpoint: str = "/v1/completions", api_key: str | None = None,
+              max_model_len: int | None = None, label: str | None = None) -> list[dict[str, Any]]:
+    """Sweep an OpenAI-compatible server (no cluster stats, no emit times unless it sends them).
+
+    Raises:
+        ValueError: `options.vocab_size` is unset (a server does not say its vocabulary size).
+    """
+    from disagg.cluster.bench.backends import HttpBackend
+
+    if options.vocab_size is None:
+        raise ValueError("--vocab-size: required with --base-url (prompt token ids are drawn below it), got none")
+    spec = WorkloadSpec(options.dataset_name, options.num_prompts, options.seed, options.vocab_size,
+                        max_model_len, options.input_len, options.output_len, options.range_ratio).resolved()
+    backend = HttpBackend(base_url, model=model, endpoint=endpoint, api_key=api_key)
+    return run_sweep(backend, sample_requests(spec), options, label=label or base_url, slos_ms=slos_ms,
+                     workload=spec.to_dict(), extra={"base_url": base_url, "num_gpus": None})
