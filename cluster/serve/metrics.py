@@ -1,0 +1,181 @@
+"""Prometheus metrics of one server: request latencies measured here, cluster state read at scrape time.
+
+`ServerMetrics` owns a `CollectorRegistry` per app (never the process-global one, so several
+apps in one process, as in tests, do not collide). Request histograms follow vLLM's names with
+`disagg:` for `vllm:` (TTFT, inter-token latency, per-request time per output token, end-to-end
+latency) and are observed when a request ends; counters count tokens, successes by finish reason,
+aborts and failures by reason. `ClusterCollector` turns `cluster.stats()` into per-instance gauges
+(running, waiting, KV pages used/total, usage) and cluster-wide counters when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from disagg.cluster.serve.generation import GenerationTimes
+
+logger = logging.getLogger(__name__)
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# cluster.stats() per-instance key -> (metric name, help). Gauges of the instance's current state.
+INSTANCE_GAUGES = {
+    "running": ("disagg:num_requests_running", "Requests running on the instance."),
+    "waiting": ("disagg:num_requests_waiting", "Requests waiting on the instance."),
+    "used_pages": ("disagg:kv_pages_used", "KV cache pages in use on the instance."),
+    "total_pages": ("disagg:kv_pages_total", "KV cache pages of the instance."),
+    "kv_cache_usage_perc": ("disagg:kv_cache_usage_perc", "KV cache usage of the instance; 1 means 100 percent."),
+    "push_gbps": ("disagg:kv_push_gbps", "Recent KV push rate of a prefill instance, GB/s."),
+}
+# Per-instance monotonically increasing totals.
+INSTANCE_COUNTERS = {
+    "num_preemptions": ("disagg:num_preemptions", "Preemptions on the instance."),
+    "pushed_bytes": ("disagg:kv_pushed_bytes", "KV bytes pushed by a prefill instance to decode instances."),
+    "doorbell_wait_s": ("disagg:doorbell_wait_seconds", "Time decode spent waiting on KV doorbells, seconds."),
+}
+
+
+class ServerMetrics:
+    """The metrics of one HTTP server (one app), in their own registry.
+
+    Args:
+        model_name: the `model_name` label of every request metric.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+        self.ttft = Histogram("disagg:time_to_first_token_seconds", "Time to first token, seconds.",
+                              labels, buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
+        self.itl = Histogram("disagg:inter_token_latency_seconds", "Time between two output tokens, seconds.",
+                             labels, buckets=TOKEN_BUCKETS, registry=reg).labels(model_name)
+        self.tpot = Histogram("disagg:time_per_output_token_seconds",
+                              "Per request: (e2e - ttft) / (output tokens - 1), seconds.",
+                              labels, buckets=TOKEN_BUCKETS, registry=reg).labels(model_name)
+        self.e2e = Histogram("disagg:e2e_request_latency_seconds", "Arrival to last token, seconds.",
+                             labels, buckets=E2E_BUCKETS, registry=reg).labels(model_name)
+        self.prompt_tokens = Counter("disagg:prompt_tokens", "Prompt tokens of finished requests.",
+                                     labels, registry=reg).labels(model_name)
+        self.generation_tokens = Counter("disagg:generation_tokens", "Output tokens sent to clients.",
+                                         labels, registry=reg).labels(model_name)
+        self.success = Counter("disagg:request_success", "Requests finished, by finish reason.",
+                               labels + ["finished_reason"], registry=reg)
+        self.aborts = Counter("disagg:request_aborts", "Requests aborted before they finished, by reason.",
+                              labels + ["reason"], registry=reg)
+        self.failures = Counter("disagg:request_failures", "Requests refused or failed, by reason "
+                                "(the error code or HTTP status class).", labels + ["reason"], registry=reg)
+        self.in_flight = Gauge("disagg:num_requests_in_flight", "Requests admitted by the HTTP server "
+                               "and not yet answered.", labels, registry=reg).labels(model_name)
+
+    def watch_cluster(self, stats: Callable[[], dict]) -> None:
+        """Export `stats()` (cluster.stats) as per-instance gauges at every scrape."""
+        self.registry.register(ClusterCollector(stats))
+
+    def record_failure(self, reason: str) -> None:
+        self.failures.labels(self.model_name, reason).inc()
+
+    def record(self, times: GenerationTimes, num_prompt_tokens: int) -> None:
+        """Observe one request that ended (finished, aborted or failed)."""
+        outcome = times.outcome
+        if outcome in ("stop", "length"):
+            self.success.labels(self.model_name, outcome).inc()
+        elif outcome in ("abort", "client_disconnect"):
+            self.aborts.labels(self.model_name, outcome).inc()
+        else:
+            self.record_failure(outcome)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(times.num_output_tokens)
+        if times.first_token is None or times.finished is None:
+            return
+        ttft = times.first_token - times.arrival
+        e2e = times.finished - times.arrival
+        self.ttft.observe(ttft)
+        self.e2e.observe(e2e)
+        if times.num_output_tokens > 1:
+            self.tpot.observe((e2e - ttft) / (times.num_output_tokens - 1))
+        emits = times.token_emit_times
+        for earlier, later in zip(emits, emits[1:]):
+            self.itl.observe(max(0.0, later - earlier))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ClusterCollector(Collector):
+    """Reads `cluster.stats()` at scrape time and exports what it finds.
+
+    Expected shape (keys it lacks are skipped): ``{"instances": [{"name", "role", "running",
+    "waiting", "free_pages", "total_pages", ...}, ...], "router": {"queued": ..., ...}}``; a
+    plain ``{name: {role, ...}}`` mapping of instances works too.
+    """
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list:
+        return []  # collected lazily: the registry must not call stats() at registration
+
+    def collect(self) -> Iterable:
+        try:
+            stats = self._stats()
+        except Exception as err:  # a scrape must not fail because one actor is slow or dead
+            logger.warning("cluster.stats() failed during a /metrics scrape: %s", err)
+            return []
+        instances = list(_instances(stats))
+        families = _instance_families(instances)
+        router = stats.get("router") if isinstance(stats.get("router"), dict) else {}
+        queued = router.get("queued", stats.get("queued"))
+        if isinstance(queued, (int, float)):
+            queue = GaugeMetricFamily("disagg:num_requests_queued", "Requests waiting in the router's "
+                                      "queue for decode pages.")
+            queue.add_metric([], queued)
+            families.append(queue)
+        return families
+
+
+def _instances(stats: dict) -> Iterable[tuple[str, dict]]:
+    listed = stats.get("instances")
+    if isinstance(listed, dict):
+        listed = [dict(v, name=v.get("name", k)) for k, v in listed.items()]
+    if isinstance(listed, list):
+        for index, inst in enumerate(listed):
+            if isinstance(inst, dict):
+                yield str(inst.get("name", index)), inst
+        return
+    for name, inst in stats.items():
+        if isinstance(inst, dict) and "role" in inst:
+            yield str(name), inst
+
+
+def _instance_families(instances: list[tuple[str, dict]]) -> list:
+    labels = ["instance", "role"]
+    gauges = {key: GaugeMetricFamily(name, doc, labels=labels) for key, (name, doc) in INSTANCE_GAUGES.items()}
+    counters = {key: CounterMetricFamily(name, doc, labels=labels) for key, (name, doc) in INSTANCE_COUNTERS.items()}
+    seen: set[str] = set()
+    for name, inst in instances:
+        values = dict(inst)
+        total, free = values.get("total_pages"), values.get("free_pages")
+        if isinstance(total, (int, float)) and isinstance(free, (int, float)):
+            values.setdefault("used_pages", total - free)
+            values.setdefault("kv_cache_usage_perc", (total - free) / total if total else 0.0)
+        label_values = [name, str(values.get("role", ""))]
+        for key, family in list(gauges.items()) + list(counters.items()):
+            value = values.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                family.add_metric(label_values, value)
+                seen.add(key)
+    return [f for key, f in list(gauges.items()) + list(counters.items()) if key in seen]
