@@ -1,0 +1,32 @@
+"""disagg.engine: the engines that own a model, a KV cache and its page tables (no Ray).
+
+    ColocatedEngine(model, num_pages=, page_size=, max_num_seqs=, max_num_batched_tokens=)
+    PrefillEngine(model, heap, ...)   .add(request_id, prompt_token_ids, params, dest)
+    DecodeEngine(model, heap, ...)    .reserve(request_id, prompt_len, params) -> RecvDest
+                                      .start(request_id, first_token_id)
+    every engine: .step() -> list[TokenOutput], .abort(request_id), .has_work(), .stats()
+
+Files: `request` (request state, TokenOutput, RecvDest, add-time checks), `scheduler` (colocated
+batching and preemption), `runner` (plan -> forward -> sample), `graphs` (decode CUDA graphs),
+`sampler` (on-device sampling), `lease` (decode reservations awaiting their doorbell),
+`colocated`, `prefill`, `decode` (the engines). Sampling parameters live in `disagg.sampling`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from disagg.engine.request import RecvDest, TokenOutput
+from disagg.sampling import SamplingParams
+
+__all__ = ["ColocatedEngine", "DecodeEngine", "PrefillEngine", "RecvDest", "SamplingParams", "TokenOutput"]
+
+# The engines pull in torch, the model and the kernels: imported on first use, so that a caller
+# that needs only RecvDest / TokenOutput (the router) stays light.
+_ENGINES = {"ColocatedEngine": "colocated", "DecodeEngine": "decode", "PrefillEngine": "prefill"}
+
+
+def __getattr__(name: str):
+    if name in _ENGINES:
+        return getattr(importlib.import_module(f"disagg.engine.{_ENGINES[name]}"), name)
+    raise AttributeError(f"module 'disagg.engine' has no attribute {name!r}")

@@ -1,0 +1,186 @@
+"""A request inside an engine, what a step hands back, and what a decode reservation returns.
+
+`Request` is the engine-side state of one generation (tokens, how many of them have KV in the
+cache, sampling and stopping rules). `TokenOutput` is one token of one request in a step's
+output list. `RecvDest` is what `DecodeEngine.reserve` returns and `PrefillEngine.add` takes:
+where the prompt's KV must land (picklable; it crosses processes). `check_new_request` is the
+`add`-time validation every engine runs before touching a page. Used by every engine process.
+
+The token life of a request (vLLM v1's "num_computed_tokens" view, no prefill/decode flag):
+
+    token_ids:  [ prompt ............................ | output ........ ]
+                  <- num_computed (KV in the cache) -> <- to compute ->
+
+A forward computes ``token_ids[num_computed : num_computed + n]``; when that reaches the end of
+``token_ids`` the last logits row is sampled and the token appended. A decode is simply "one
+token to compute". Preemption resets ``num_computed`` to 0 (recompute prompt + output).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+from typing import Hashable, NamedTuple
+
+from disagg.sampling import SamplingParams
+from disagg.transfer.doorbell import DoorbellTicket
+
+FINISH_REASONS = (None, "stop", "length", "abort", "error")
+
+
+class TokenOutput(NamedTuple):
+    """One token (or the end) of one request, in a step's output list.
+
+    Attributes:
+        request_id: the caller's id.
+        token_id: the sampled token; None when the request ended without one (abort, error).
+        finished: True on the request's last output.
+        finish_reason: None while running, else "stop", "length", "abort" or "error".
+        error: the message when finish_reason is "error".
+    """
+
+    request_id: Hashable
+    token_id: int | None
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RecvDest:
+    """Where a prompt's KV goes: the decode side's reserved slots and its doorbell.
+
+    Attributes:
+        request_id: the request.
+        cmap: compressed position map of the reserved slots (`disagg.posmap` format).
+        pe: the decode worker's PE.
+        ticket: the doorbell the prefill side's pusher rings after the last write.
+    """
+
+    request_id: Hashable
+    cmap: list[int]
+    pe: int
+    ticket: DoorbellTicket
+
+
+@dataclass
+class Request:
+    """Engine-side state of one request; see the module docstring for the token layout."""
+
+    request_id: Hashable
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]
+    num_computed: int = 0
+    finish_reason: str | None = None
+    in_cache: bool = False
+    decoding: bool = False
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_to_compute(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def append(self, token_id: int, max_model_len: int) -> TokenOutput:
+        """Append a sampled token, decide whether the request is done, and report it."""
+        self.token_ids.append(token_id)
+        if token_id in self.stop_ids:
+            self.finish_reason = "stop"
+        elif self.num_output_tokens >= self.params.max_tokens or len(self.token_ids) >= max_model_len:
+            self.finish_reason = "length"
+        return TokenOutput(self.request_id, token_id, self.finish_reason is not None, self.finish_reason)
+
+
+class RequestFactory:
+    """Gives requests cache sequence ids (ints, never reused) and seeds (when params have none)."""
+
+    def __init__(self, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+        self._eos = frozenset(int(t) for t in eos_token_ids)
+        self._seq_ids = itertools.count()
+        self._rng = random.Random(seed)
+
+    def new(self, request_id: Hashable, token_ids: list[int], params: SamplingParams,
+            num_prompt_tokens: int | None = None) -> Request:
+        stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        return Request(request_id, next(self._seq_ids), list(token_ids),
+                       len(token_ids) if num_prompt_tokens is None else num_prompt_tokens,
+                       params, seed, stop)
+
+
+def check_new_request(request_id: Hashable, prompt_token_ids: object, params: object, *,
+                      known: object, vocab_size: int, max_model_len: int) -> list[int]:
+    """Validate an `add` before anything changes; return the prompt as a list of ints.
+
+    Raises:
+        ValueError / TypeError: duplicate or unhashable id, empty prompt or bad token ids,
+            prompt not shorter than the model's context, bad sampling values.
+    """
+    try:
+        duplicate = request_id in known  # type: ignore[operator]
+    except TypeError:
+        raise TypeError(f"request_id: expected a hashable id, got {type(request_id).__name__}") from None
+    if duplicate:
+        raise ValueError(f"request_id: {request_id!r} is already in this engine; expected a new id")
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+    params.validate(vocab_size)
+    try:
+        prompt = [int(t) for t in prompt_token_ids]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise TypeError(f"prompt_token_ids: expected a sequence of ints, got "
+                        f"{type(prompt_token_ids).__name__}") from None
+    if not prompt:
+        raise ValueError(f"prompt_token_ids: request {request_id!r}: expected at least 1 token, got 0")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_token_ids: request {request_id!r}: expected ids in [0, {vocab_size}), "
+                         f"got {bad[:4]}")
+    if len(prompt) >= max_model_len:
+        raise ValueError(f"prompt_token_ids: request {request_id!r} has {len(prompt)} tokens; the model's "
+                         f"context is {max_model_len}, so expected at most {max_model_len - 1}")
+    return prompt
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold ``num_tokens`` tokens."""
+    return -(-num_tokens // page_size)
+
+
+def check_fits(request_id: Hashable, num_prompt_tokens: int, params: SamplingParams, *,
+               max_model_len: int, num_pages: int, page_size: int) -> None:
+    """Refuse a request that could never fit the cache alone (prompt plus every output token).
+
+    Raises:
+        ValueError: naming max_tokens / the prompt length and the pages it would need.
+    """
+    longest = min(num_prompt_tokens + params.max_tokens, max_model_len)
+    need = pages_for(longest, page_size)
+    if need > num_pages:
+        raise ValueError(f"max_tokens: request {request_id!r} ({num_prompt_tokens} prompt tokens + "
+                         f"max_tokens={params.max_tokens}) needs {need} pages of {page_size} tokens; "
+                         f"expected at most the cache's {num_pages}")
+
+
+def check_engine_sizes(**sizes: int) -> None:
+    """Engine constructor sizes: each a positive int.
+
+    Raises:
+        ValueError / TypeError: naming the argument, expected and got.
+    """
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected an int >= 1, got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {value}")
