@@ -102,6 +102,9 @@ def bench_command(
         raise typer.BadParameter(f"expected one of {', '.join(DATASETS)}, got {dataset_name!r}", param_hint="--dataset-name")
     if config is None and base_url is None:
         raise typer.BadParameter("give a CONFIG to launch, or --base-url of a running server", param_hint="CONFIG")
+    if base_url is not None and vocab_size is None:
+        raise typer.BadParameter("required with --base-url (prompt token ids are drawn below it)",
+                                 param_hint="--vocab-size")
     rates = _rates(request_rate)
     slos = _checked(parse_goodput, goodput, "--goodput") if goodput else None
     scales = _floats(slo_scales, "--slo-scales")
