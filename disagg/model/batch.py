@@ -1,0 +1,269 @@
+"""`AttentionBatch`: one forward's page tables and token indices as device tensors.
+
+The model runner (in the engine's process) turns each `disagg.plan.ForwardPlan` into an
+`AttentionBatch` and hands it to `Model.forward`, which passes its tensors to the kernels:
+
+    batch = AttentionBatch.from_plan(plan, device)      # eager: one host->device copy
+    logits = model.forward(input_ids, batch, kv)
+
+CUDA graphs need tensors that stay put. A graph runner makes one static decode batch, takes a
+prefix view per batch-size bucket, captures each bucket once, then per step copies the plan in
+and replays the bucket's graph:
+
+    static = AttentionBatch.static(max_batch_size, max_pages, num_qo_heads=..., num_kv_heads=...,
+                                   head_dim=..., dtype=..., device=..., max_kv_len=...)
+    bucket = static.view(8)                             # rows 0..7, own out/workspace/num_splits
+    ...capture: model.forward(bucket.input_ids, bucket, kv)...
+    static.copy_from_plan(plan, token_ids)              # n <= 8 sequences; rows n.. are padding
+    graph.replay(); logits[:n]
+
+Padding rows own no page (a sequence with no page attends to nothing and gets 0), append to
+slot -1 (nothing written), sit at position 0: their logits are finite garbage to ignore.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from disagg.kernels import choose_num_splits, decode_workspace
+from disagg.kernels.dispatch import device_sms
+from disagg.plan import ForwardPlan
+
+# Order of the int32 arrays in the flat buffer that one copy moves to the device.
+_FIELDS = ("qo_indptr", "page_indptr", "page_indices", "last_page_len", "append_slots",
+           "positions", "logits_indices")
+
+
+@dataclass
+class AttentionBatch:
+    """Device tensors of one forward, B sequences, T new tokens (int32 unless noted).
+
+    Attributes:
+        qo_indptr: `[B+1]` rows of sequence b are `qo_indptr[b]:qo_indptr[b+1]`.
+        page_indptr: `[B+1]`; page_indices: `[nnz_pages]`; last_page_len: `[B]` (the CSR page
+            table after this forward's appends).
+        append_slots: `[T]` where each new token's K/V goes, -1 skips it.
+        positions: `[T]` RoPE position of each new token.
+        logits_indices: `[B]` the row of each sequence's last new token (`qo_indptr[1:] - 1`).
+        is_decode: every sequence appends exactly one token (the model runs `paged_decode`).
+        max_kv_len: the longest sequence's tokens after the append (host int; decode split
+            heuristic).
+        fork_src_slots, fork_dst_slots: `[F]` slot copies a fork left pending (applied to every
+            layer before the appends when the forward has no KV pusher), or None.
+        check_indices: passed to the kernel launchers (None: their default policy; False: the
+            plan was validated on the host, skip the device-to-host check).
+        out: decode only: `[B, H_q, D]` attention output buffer (model dtype), or None.
+        workspace: decode only: `paged_decode`'s split workspace, or None (allocated per call).
+        num_splits: decode only: splits per sequence, or None (heuristic per call).
+        input_ids: static batches only: `[B]` int64 token buffer filled by `copy_from_plan`.
+    """
+
+    qo_indptr: torch.Tensor
+    page_indptr: torch.Tensor
+    page_indices: torch.Tensor
+    last_page_len: torch.Tensor
+    append_slots: torch.Tensor
+    positions: torch.Tensor
+    logits_indices: torch.Tensor
+    is_decode: bool
+    max_kv_len: int
+    fork_src_slots: torch.Tensor | None = None
+    fork_dst_slots: torch.Tensor | None = None
+    check_indices: bool | None = None
+    out: torch.Tensor | None = None
+    workspace: torch.Tensor | None = None
+    num_splits: int | None = None
+    input_ids: torch.Tensor | None = None
+    _static: "_StaticBuffers | None" = field(default=None, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return self.page_indptr.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.append_slots.numel()
+
+    @classmethod
+    def from_plan(cls, plan: ForwardPlan, device: torch.device | str, *,
+                  check_indices: bool | None = None) -> "AttentionBatch":
+        """Copy `plan`'s attention arrays to `device` (one host-to-device copy).
+
+        Args:
+            plan: from `PagedKVCache.begin_forward`; sliding-window holes are not supported.
+            device: the model's device.
+            check_indices: see the attribute; an engine whose plans come from the cache passes
+                False on CUDA to skip the launchers' host syncs.
+
+        Raises:
+            ValueError: an empty plan, or a plan with a sliding-window hole.
+        """
+        _check_plan(plan)
+        qo_indptr = np.asarray(plan.qo_indptr, dtype=np.int32)
+        arrays = {name: np.asarray(getattr(plan, name), dtype=np.int32) for name in _FIELDS[:-1]}
+        arrays["logits_indices"] = qo_indptr[1:] - 1
+        views = _to_device(arrays, torch.device(device))
+        fork_src = fork_dst = None
+        if len(plan.fork_src_slots):
+            fork_src, fork_dst = (torch.as_tensor(np.asarray(a, dtype=np.int64), device=device)
+                                  for a in (plan.fork_src_slots, plan.fork_dst_slots))
+        max_kv_len = int(arrays["positions"][arrays["logits_indices"]].max()) + 1
+        return cls(**views, is_decode=bool(np.all(np.diff(qo_indptr) == 1)), max_kv_len=max_kv_len,
+                   fork_src_slots=fork_src, fork_dst_slots=fork_dst, check_indices=check_indices)
+
+    @classmethod
+    def static(cls, max_batch_size: int, max_pages: int, *, num_qo_heads: int, num_kv_heads: int,
+               head_dim: int, dtype: torch.dtype, device: torch.device | str,
+               max_kv_len: int) -> "AttentionBatch":
+        """A decode batch of fixed buffers for CUDA-graph capture, every row padding until
+        `copy_from_plan` fills it (see the module docstring).
+
+        Args:
+            max_batch_size: rows (sequences); views take prefixes of them.
+            max_pages: capacity of `page_indices` (pages of all sequences of one step together).
+            num_qo_heads, head_dim, dtype: the model's attention shapes (for `out`).
+            num_kv_heads: for the split heuristic.
+            device: the model's device.
+            max_kv_len: the longest sequence a step may hold (split heuristic; usually the
+                context limit).
+        """
+        if max_batch_size < 1 or max_pages < 1:
+            raise ValueError(f"max_batch_size, max_pages: expected >= 1, got {max_batch_size}, "
+                             f"{max_pages}")
+        device = torch.device(device)
+        buffers = _StaticBuffers(max_batch_size, max_pages, device,
+                                 (num_qo_heads, num_kv_heads, head_dim, dtype))
+        base = cls(**buffers.views, is_decode=True, max_kv_len=max_kv_len, check_indices=False,
+                   input_ids=buffers.input_ids, _static=buffers)
+        return base.view(max_batch_size)
+
+    def view(self, batch_size: int, num_splits: int | None = None) -> "AttentionBatch":
+        """The first `batch_size` rows of a static batch, sharing its buffers, with its own
+        `out`, `workspace` and `num_splits` (default: `choose_num_splits` for this size)."""
+        buffers = self._require_static("view")
+        if not 1 <= batch_size <= buffers.max_batch_size:
+            raise ValueError(f"batch_size: expected 1..{buffers.max_batch_size}, got {batch_size}")
+        num_qo_heads, num_kv_heads, head_dim, dtype = buffers.attention
+        if num_splits is None:
+            num_splits = choose_num_splits(batch_size, num_kv_heads, self.max_kv_len,
+                                           device_sms(buffers.device))
+        b = batch_size
+        v = buffers.views
+        return replace(
+            self, qo_indptr=v["qo_indptr"][:b + 1], page_indptr=v["page_indptr"][:b + 1],
+            last_page_len=v["last_page_len"][:b], append_slots=v["append_slots"][:b],
+            positions=v["positions"][:b], logits_indices=v["logits_indices"][:b],
+            input_ids=buffers.input_ids[:b], num_splits=num_splits,
+            out=torch.empty(b, num_qo_heads, head_dim, dtype=dtype, device=buffers.device),
+            workspace=decode_workspace(b, num_qo_heads, head_dim, num_splits, buffers.device),
+        )
+
+    def copy_from_plan(self, plan: ForwardPlan, token_ids: np.ndarray | list[int] | None = None) -> None:
+        """Fill a static batch from a pure-decode `plan` (and its token ids), padding the rest.
+
+        Asynchronous on CUDA (pinned staging, double-buffered: a call waits only for the copy
+        made two calls before). Every view of the batch sees the new values.
+
+        Raises:
+            ValueError: not a static batch, not a decode plan, too many sequences or pages,
+                or token_ids of the wrong length; nothing is written then.
+        """
+        self._require_static("copy_from_plan").fill(plan, token_ids)
+
+    def _require_static(self, what: str) -> "_StaticBuffers":
+        if self._static is None:
+            raise ValueError(f"AttentionBatch.{what}: only for batches made by AttentionBatch.static")
+        return self._static
+
+
+def _check_plan(plan: ForwardPlan) -> None:
+    if plan.batch_size == 0 or plan.num_tokens == 0:
+        raise ValueError(f"plan: expected at least one sequence and token, got {plan.batch_size} "
+                         f"sequences and {plan.num_tokens} tokens")
+    if plan.sink_size is not None and np.any(plan.sliding_window_offset > plan.sink_size):
+        raise ValueError("plan: sliding-window holes (sink_size < sliding_window_offset) are not "
+                         "supported by the model's attention")
+
+
+def _to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Concatenate int32 arrays, copy once, return contiguous views in the same order."""
+    flat = torch.from_numpy(np.concatenate([arrays[name] for name in _FIELDS]))
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    views, start = {}, 0
+    for name in _FIELDS:
+        views[name] = flat[start:start + len(arrays[name])]
+        start += len(arrays[name])
+    return views
+
+
+class _StaticBuffers:
+    """Device buffers of a static decode batch and the pinned host staging that fills them."""
+
+    def __init__(self, max_batch_size: int, max_pages: int, device: torch.device,
+                 attention: tuple[int, int, int, torch.dtype]) -> None:
+        self.max_batch_size, self.max_pages, self.device = max_batch_size, max_pages, device
+        self.attention = attention
+        b = max_batch_size
+        self.sizes = dict(qo_indptr=b + 1, page_indptr=b + 1, page_indices=max_pages,
+                          last_page_len=b, append_slots=b, positions=b, logits_indices=b)
+        numel = sum(self.sizes.values())
+        pin = device.type == "cuda"
+        self.flat = torch.zeros(numel, dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(b, dtype=torch.int64, device=device)
+        self.staging = [(torch.zeros(numel, dtype=torch.int32, pin_memory=pin),
+                         torch.zeros(b, dtype=torch.int64, pin_memory=pin)) for _ in range(2 if pin else 1)]
+        self.events = [torch.cuda.Event() for _ in self.staging] if pin else []
+        self.turn = 0
+        self.views = self._split(self.flat)
+        padding = self._split(self.staging[0][0])
+        self._pad(padding, 0, 0)
+        self.flat.copy_(self.staging[0][0])
+
+    def _split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        views, start = {}, 0
+        for name in _FIELDS:
+            views[name] = flat[start:start + self.sizes[name]]
+            start += self.sizes[name]
+        return views
+
+    def _pad(self, host: dict[str, torch.Tensor], n: int, nnz: int) -> None:
+        """Rows n.. (and the constant rows) in the host staging: no pages, slot -1, position 0."""
+        b = self.max_batch_size
+        host["qo_indptr"].copy_(torch.arange(b + 1, dtype=torch.int32))
+        host["logits_indices"].copy_(torch.arange(b, dtype=torch.int32))
+        host["page_indptr"][n + 1:] = nnz
+        host["last_page_len"][n:] = 1
+        host["append_slots"][n:] = -1
+        host["positions"][n:] = 0
+
+    def fill(self, plan: ForwardPlan, token_ids) -> None:
+        n, nnz = plan.batch_size, len(plan.page_indices)
+        if n == 0 or not np.all(np.diff(plan.qo_indptr) == 1):
+            raise ValueError("plan: expected a decode plan (one new token per sequence, at least one)")
+        if n > self.max_batch_size or nnz > self.max_pages:
+            raise ValueError(f"plan: expected at most {self.max_batch_size} sequences and "
+                             f"{self.max_pages} pages, got {n} and {nnz}")
+        if token_ids is not None and len(token_ids) != n:
+            raise ValueError(f"token_ids: expected {n} ids (one per sequence), got {len(token_ids)}")
+        flat, ids = self.staging[self.turn]
+        if self.events:
+            self.events[self.turn].synchronize()  # the copy that last read this staging is done
+        host = self._split(flat)
+        host["page_indptr"][:n + 1] = torch.from_numpy(np.asarray(plan.page_indptr, dtype=np.int32))
+        host["page_indices"][:nnz] = torch.from_numpy(np.asarray(plan.page_indices, dtype=np.int32))
+        host["last_page_len"][:n] = torch.from_numpy(np.asarray(plan.last_page_len, dtype=np.int32))
+        host["append_slots"][:n] = torch.from_numpy(np.asarray(plan.append_slots, dtype=np.int32))
+        host["positions"][:n] = torch.from_numpy(np.asarray(plan.positions, dtype=np.int32))
+        self._pad(host, n, nnz)
+        ids.zero_()
+        if token_ids is not None:
+            ids[:n] = torch.as_tensor(np.asarray(token_ids, dtype=np.int64))
+        self.flat.copy_(flat, non_blocking=True)
+        self.input_ids.copy_(ids, non_blocking=True)
+        if self.events:
+            self.events[self.turn].record()
+            self.turn = (self.turn + 1) % len(self.staging)

@@ -1,0 +1,105 @@
+"""The Llama family's building blocks as plain torch functions: RMSNorm, RoPE, SwiGLU.
+
+`disagg.model.llama` composes them per layer. Numerics follow HF transformers' Llama/Qwen2
+modules step for step (float32 norm statistics, cos/sin computed in float32 and cast to the
+activations' dtype, rotate-half RoPE), so a float32 model matches transformers to rounding and a
+bf16 one rounds at the same places. Everything here is shape-static and sync-free: it runs
+inside CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * x / rms(x)` over the last dim; statistics in float32, result in x's dtype.
+
+    Args:
+        x: `[T, H]` activations. weight: `[H]`. eps: added to the mean square.
+    """
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add `x` into the residual stream, then normalize: `(rms_norm(x + residual), x + residual)`.
+
+    The first layer passes `residual=None` (the stream starts as `x`). The sum is taken in x's
+    dtype, as transformers does.
+    """
+    residual = x if residual is None else residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                  device: torch.device) -> torch.Tensor:
+    """RoPE inverse frequencies `[head_dim // 2]` float32, with llama3 or linear scaling.
+
+    Args:
+        head_dim: rotated dims per head (all of them).
+        theta: the RoPE base (`rope_theta`).
+        scaling: None, or `ModelConfig.rope_scaling` (rope_type "llama3" or "linear").
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling is None:
+        return inv_freq.to(device)
+    if scaling["rope_type"] == "linear":
+        return (inv_freq / scaling["factor"]).to(device)
+    return _llama3_inv_freq(inv_freq, scaling).to(device)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling: long wavelengths divided by `factor`, short ones
+    kept, the band between interpolated smoothly."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[T, head_dim]` of each token's position (float32 math, cast to `dtype`).
+
+    Args:
+        positions: `[T]` int32/int64 token positions. inv_freq: `[head_dim // 2]` float32.
+    """
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: `x * cos + rotate_half(x) * sin`, a new contiguous tensor.
+
+    Args:
+        x: `[T, heads, head_dim]` (a view of the fused qkv output is fine).
+        cos, sin: `[T, head_dim]` from `rope_cos_sin`, x's dtype.
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The MLP: `down(silu(gate(x)) * up(x))` with gate and up as one GEMM.
+
+    Args:
+        x: `[T, H]`. gate_up: `[2 I, H]` (gate rows first). down: `[H, I]`.
+    """
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)

@@ -1,0 +1,162 @@
+"""The Llama-family decoder over the paged KV cache (Llama, Qwen2, Mistral without windows).
+
+`Model.forward` is one step of the model runner (in the engine's process): the new tokens of a
+batch of sequences go through
+
+    embed -> L x [ RMSNorm -> fused qkv proj (+bias) -> RoPE -> append K/V to the pages
+                   -> paged attention -> o proj -> + residual
+                   -> RMSNorm -> SwiGLU MLP (fused gate_up) -> + residual ]
+          -> RMSNorm -> lm_head on each sequence's last new token
+
+Attention reads the whole sequence from the pages: `paged_prefill` (causal, ragged) for prompt
+chunks and mixed batches, `paged_decode` (split-K, CUDA-graph capturable) when every sequence
+appends one token. A prefill worker passes its `KVPusher`: each layer's K/V then goes out through
+`push_layer_async` (local pages and the receivers' in one pass) and attention waits for the
+local write with `wait_layer`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from disagg.kernels import append_kv, copy_slots, paged_decode, paged_prefill
+from disagg.kernels.fp8 import FP8_DTYPE
+from disagg.model.batch import AttentionBatch
+from disagg.model.config import ModelConfig
+from disagg.model.layers import add_rms_norm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from disagg.model.weights import LayerWeights, ModelWeights
+
+if TYPE_CHECKING:
+    from disagg.model.tokenizer import Tokenizer
+    from disagg.transfer import KVPusher
+
+KVScales = tuple[Any, Any]  # (k_scale, v_scale): floats or 1-element float32 device tensors
+
+
+class Model:
+    """A loaded model: config, weights on one device, optional tokenizer. Made by `load_model`.
+
+    Attributes:
+        config: the `ModelConfig`.
+        dtype: activations' and weights' dtype.
+        device: where the weights live and the forward runs.
+        tokenizer: a `disagg.model.tokenizer.Tokenizer`, or None (token ids only).
+    """
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, *, dtype: torch.dtype,
+                 device: torch.device, tokenizer: "Tokenizer | None" = None) -> None:
+        self.config = config
+        self.weights = weights
+        self.dtype = dtype
+        self.device = device
+        self.tokenizer = tokenizer
+        self.sm_scale = config.head_dim ** -0.5
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, device)
+
+    def __repr__(self) -> str:
+        return f"Model({self.config.name!r}, {self.config.num_layers} layers, {self.dtype}, {self.device})"
+
+    def kv_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
+        """Shape of this model's paged cache: `(L, num_pages, 2, H_kv, page_size, D)`."""
+        c = self.config
+        return (c.num_layers, num_pages, 2, c.num_kv_heads, page_size, c.head_dim)
+
+    def static_decode_batch(self, max_batch_size: int, max_pages: int,
+                            max_kv_len: int | None = None) -> AttentionBatch:
+        """`AttentionBatch.static` with this model's attention shapes (see `disagg.model.batch`);
+        `max_kv_len` defaults to the context limit."""
+        c = self.config
+        return AttentionBatch.static(
+            max_batch_size, max_pages, num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim, dtype=self.dtype, device=self.device,
+            max_kv_len=max_kv_len or c.max_position_embeddings)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor, *,
+                pusher: "KVPusher | None" = None, kv_scales: KVScales | None = None) -> torch.Tensor:
+        """Run the new tokens of one batch; append their K/V; return each sequence's logits.
+
+        Args:
+            input_ids: `[T]` int64 on `device`, all new tokens in plan order.
+            batch: the forward's `AttentionBatch` (T tokens, B sequences).
+            kv: `[L, N, 2, H_kv, P, D]` of the model's dtype, or float8_e4m3fn (then
+                `kv_scales` or 1.0 for both); written in place at `batch.append_slots`.
+            pusher: a `KVPusher` whose forward for this plan has begun (it applied the fork
+                copies); it writes each layer's K/V locally and to the receivers.
+            kv_scales: fp8 caches only: (k_scale, v_scale), one per tensor for all layers.
+
+        Returns:
+            `[B, vocab]` float32 logits of each sequence's last new token.
+
+        Raises:
+            ValueError, TypeError: input_ids or kv do not fit the model or the batch.
+        """
+        self._check_inputs(input_ids, batch, kv, kv_scales)
+        if pusher is None and batch.fork_src_slots is not None:
+            copy_slots(kv, batch.fork_src_slots, kv, batch.fork_dst_slots,
+                       check_indices=batch.check_indices)
+        k_scale, v_scale = kv_scales if kv_scales is not None and kv.dtype == FP8_DTYPE else (None, None)
+        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
+        eps = self.config.rms_norm_eps
+        hidden, residual = F.embedding(input_ids, self.weights.embed), None
+        for index, layer in enumerate(self.weights.layers):
+            x, residual = add_rms_norm(hidden, residual, layer.input_norm, eps)
+            x = self._attention(index, layer, x, cos, sin, batch, kv[index], pusher, k_scale, v_scale)
+            x, residual = add_rms_norm(x, residual, layer.post_norm, eps)
+            hidden = swiglu(x, layer.gate_up, layer.down)
+        last = (hidden + residual)[batch.logits_indices]
+        return F.linear(rms_norm(last, self.weights.norm, eps), self.weights.lm_head).float()
+
+    def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, batch: AttentionBatch, kv_layer: torch.Tensor,
+                   pusher: "KVPusher | None", k_scale: Any, v_scale: Any) -> torch.Tensor:
+        """Self-attention of one layer over the paged cache: `[T, H]` -> `[T, H]`."""
+        c = self.config
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, c.num_qo_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+        if pusher is not None:
+            pusher.push_layer_async(index, k, v, k_scale=k_scale, v_scale=v_scale)
+            pusher.wait_layer(index)
+        else:
+            append_kv(k, v, kv_layer, batch.append_slots, k_scale=k_scale, v_scale=v_scale,
+                      check_indices=batch.check_indices)
+        tables = (batch.page_indptr, batch.page_indices, batch.last_page_len)
+        if batch.is_decode:
+            o = paged_decode(q, kv_layer, *tables, self.sm_scale, k_scale=k_scale, v_scale=v_scale,
+                             out=batch.out, num_splits=batch.num_splits,
+                             max_seq_len=batch.max_kv_len, workspace=batch.workspace,
+                             check_indices=batch.check_indices)
+        else:
+            o = paged_prefill(q, kv_layer, batch.qo_indptr, *tables, self.sm_scale, causal=True,
+                              k_scale=k_scale, v_scale=v_scale, check_indices=batch.check_indices)
+        return F.linear(o.view(num_tokens, c.q_size), layer.o_proj)
+
+    def _check_inputs(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor,
+                      kv_scales: KVScales | None) -> None:
+        """Shape/dtype/device checks only (no values read: capture-safe)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+            raise ValueError(f"input_ids: expected a [T] tensor, got "
+                             f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+        if input_ids.dtype not in (torch.int64, torch.int32) or input_ids.device != self.device:
+            raise TypeError(f"input_ids: expected int64 on {self.device}, got {input_ids.dtype} on "
+                            f"{input_ids.device}")
+        if input_ids.shape[0] != batch.num_tokens:
+            raise ValueError(f"input_ids: expected {batch.num_tokens} tokens (the batch's), got "
+                             f"{input_ids.shape[0]}")
+        expected = self.kv_shape(kv.shape[1], kv.shape[4]) if kv.dim() == 6 else None
+        if expected is None or tuple(kv.shape) != expected:
+            raise ValueError(f"kv: expected [L, N, 2, H_kv, P, D] = [{self.config.num_layers}, N, 2, "
+                             f"{self.config.num_kv_heads}, P, {self.config.head_dim}], got "
+                             f"{list(kv.shape)}")
+        if kv.dtype not in (self.dtype, FP8_DTYPE) or kv.device != self.device:
+            raise TypeError(f"kv: expected {self.dtype} or {FP8_DTYPE} on {self.device}, got "
+                            f"{kv.dtype} on {kv.device}")
+        if kv_scales is not None and kv.dtype != FP8_DTYPE:
+            raise ValueError(f"kv_scales: only for a {FP8_DTYPE} cache, got a {kv.dtype} cache")

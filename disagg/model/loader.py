@@ -1,0 +1,87 @@
+"""`load_model(source, *, dtype=None, device=None) -> Model`: the one entry point to a model.
+
+`source` is an HF directory (config.json, *.safetensors, optional tokenizer files) or
+"dummy:<preset>" (see `disagg.model.presets`). Called once per worker process (engine actors,
+tests, benchmarks); weights are read straight to `device`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from disagg.model.config import ModelConfig
+from disagg.model.errors import ModelConfigError
+from disagg.model.llama import Model
+from disagg.model.presets import preset_config
+from disagg.model.tokenizer import Tokenizer
+from disagg.model.weights import load_checkpoint, random_weights
+
+logger = logging.getLogger(__name__)
+
+DUMMY_PREFIX = "dummy:"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None,
+               device: torch.device | str | None = None, seed: int = 0) -> Model:
+    """Load a model directory or build a dummy preset.
+
+    Args:
+        source: an HF model directory, or "dummy:<preset>" (seeded random weights).
+        dtype: torch dtype or its name ("bfloat16", "float16", "float32", "auto"/None). Default:
+            float32 on CPU; on CUDA the checkpoint's bf16/fp16, else bfloat16.
+        device: default "cuda" when available, else "cpu".
+        seed: dummy presets only: the weights' seed.
+
+    Raises:
+        ModelConfigError, UnsupportedArchitecture: bad or unsupported config / preset / dtype.
+        WeightsError: missing or unreadable weights, missing/unexpected/misshaped tensors.
+    """
+    device = _resolve_device(device)
+    source = str(source)
+    if source.startswith(DUMMY_PREFIX):
+        config = preset_config(source[len(DUMMY_PREFIX):])
+        dtype = _resolve_dtype(dtype, config, device)
+        weights = random_weights(config, dtype, device, seed=seed)
+        tokenizer = None
+    else:
+        model_dir = Path(source).expanduser()
+        if not model_dir.is_dir():
+            raise ModelConfigError(f"source {source!r}: expected an HF model directory or "
+                                   f"'{DUMMY_PREFIX}<preset>', got a path that is not a directory")
+        config = ModelConfig.from_dir(model_dir)
+        dtype = _resolve_dtype(dtype, config, device)
+        weights = load_checkpoint(model_dir, config, dtype, device)
+        tokenizer = Tokenizer.from_dir(model_dir, config) if (model_dir / "tokenizer.json").is_file() else None
+    logger.info("model %s: %d layers, %s on %s", config.name, config.num_layers, dtype, device)
+    return Model(config, weights, dtype=dtype, device=device, tokenizer=tokenizer)
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, config: ModelConfig,
+                   device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif dtype is None or dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.float16 if config.torch_dtype == "float16" else torch.bfloat16
+    elif dtype in _DTYPES:
+        resolved = _DTYPES[dtype]
+    else:
+        raise ModelConfigError(f"dtype: expected one of auto, {', '.join(_DTYPES)}, got {dtype!r}")
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ModelConfigError(f"dtype: expected float32, bfloat16 or float16, got {resolved}")
+    return resolved

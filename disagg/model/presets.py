@@ -1,0 +1,49 @@
+"""Presets for `load_model("dummy:<preset>")`: HF-style config dicts of known model shapes.
+
+A dummy model has the preset's shapes and seeded random weights (see `disagg.model.weights.
+random_weights`), no tokenizer. Used by CPU tests ("tiny"), by benchmarks and GPU sizing
+("llama3-8b"), and to run the real SmolLM2's shape without its weights ("smollm2-135m").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg.model.config import ModelConfig
+from disagg.model.errors import ModelConfigError
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # CPU tests: every feature small (GQA 2:1, untied head), Triton-interpreter friendly sizes.
+    "tiny": dict(
+        architectures=["LlamaForCausalLM"], num_hidden_layers=2, hidden_size=64,
+        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=256, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+    # HuggingFaceTB/SmolLM2-135M-Instruct.
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"], num_hidden_layers=30, hidden_size=576,
+        intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    ),
+    # meta-llama/Meta-Llama-3-8B(-Instruct).
+    "llama3-8b": dict(
+        architectures=["LlamaForCausalLM"], num_hidden_layers=32, hidden_size=4096,
+        intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=[128001, 128009],
+    ),
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    """The `ModelConfig` of preset `name` (named "dummy:<name>").
+
+    Raises:
+        ModelConfigError: an unknown preset; the message lists the known ones.
+    """
+    if name not in PRESETS:
+        raise ModelConfigError(f"source 'dummy:{name}': unknown preset {name!r}; expected one of "
+                               f"{', '.join(sorted(PRESETS))}")
+    return ModelConfig.from_hf_dict(PRESETS[name], name=f"dummy:{name}", source=f"preset {name!r}")
