@@ -11,8 +11,10 @@ Decisions where TVM and DESIGN.md are silent:
 - Every call that changes state needs the forward closed (ForwardStateError otherwise), so pages
   that an open plan writes are never freed or handed out under it.
 - A failed call changes nothing: each operation checks everything (ids, lengths, maps, pages)
-  before it mutates. Page ids follow TVM's free stack exactly, except that a page touched by a
-  pending copy is parked until that copy has run (see `disagg.pages`).
+  before it mutates. Page ids do not follow TVM's free stack: free pages are handed out so
+  that runs stay long (the page after a growing sequence's last one, else the best-fitting free
+  extent, ascending; see `disagg.pages`); a page touched by a pending copy is parked until that
+  copy has run.
 - Fork copies are pending until the next `begin_forward`, whose plan lists them (in order) to run
   for every layer before that forward's appends. `disagg_prepare_recv` does not drain them (its
   plan is not returned), and refuses to reserve a slot that a pending copy reads or writes.

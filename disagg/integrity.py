@@ -98,8 +98,9 @@ def _check_pages(cache: PagedKVCache, live: dict[int, Block]) -> set[int]:
     owned_list = [p for block in live.values() for p in block.page_ids]
     owned = set(owned_list)
     _require(len(owned) == len(owned_list), f"pages owned by two blocks: {_dups(owned_list)}")
-    free = set(pool.free)
-    _require(len(free) == len(pool.free), f"free stack holds pages twice: {_dups(pool.free)}")
+    problems = pool.index_problems()
+    _require(not problems, f"free page index broken: {'; '.join(problems)}")
+    free = set(pool.free_pages())
     parked = set(pool.deferred)
     for name, group in (("owned", owned), ("free", free), ("parked", parked)):
         bad = [p for p in group if not 0 <= p < cache.num_pages]

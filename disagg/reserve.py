@@ -1,10 +1,11 @@
 """Reserving a batch's slots (TVM's ReserveAppendLengthInSeq over a whole batch).
 
-First the whole batch's page demand is counted against the free stack (raising `OutOfPages`
-with nothing changed); then pages are taken in TVM's order. Without sliding windows in the batch
-this is one `take` and a loop over only the sequences that need a page (about 1 in page_size on
-the decode path); with windows it walks the batch in order, since a slide frees pages that later
-sequences of the same batch may take. Called by `disagg.cache`.
+First the whole batch's page demand is counted against the free pages (raising `OutOfPages`
+with nothing changed); then each sequence that needs pages takes them, right after its last page
+when that is free (see `disagg.pages`). Without sliding windows in the batch this loops over only
+the sequences that need a page (about 1 in page_size on the decode path); with windows it walks
+the batch in order, since a slide frees pages that later sequences of the same batch may take.
+Called by `disagg.cache`.
 """
 
 from __future__ import annotations
@@ -69,19 +70,21 @@ def reserve_batch(
             num_needed=total,
             num_free=pool.num_free,
         )
-    taken = pool.take(total)
     block_of = blocks.blocks
-    at = 0
     for i in np.flatnonzero(need).tolist():
         seq = seqs[i]
-        k = int(need[i])
-        block_of[seq.last_block_idx].page_ids.extend(taken[at : at + k])
-        seq.extend_table(taken[at : at + k])
-        at += k
+        pages = pool.take(int(need[i]), _last_page(seq))
+        block_of[seq.last_block_idx].page_ids.extend(pages)
+        seq.extend_table(pages)
     for seq, length in zip(seqs, lens.tolist()):
         seq.seq_length += length
         block_of[seq.last_block_idx].seq_length += length
     return len_before, []
+
+
+def _last_page(seq: Sequence) -> int | None:
+    """The page a sequence's new pages should follow (`PagePool.take`'s ``after``)."""
+    return int(seq.table[-1]) if len(seq.table) else None
 
 
 def _check_in_order(
@@ -123,7 +126,7 @@ def _reserve_in_order(
     for i, (seq, length, k) in enumerate(zip(seqs, lens, need)):
         block = blocks.blocks[seq.last_block_idx]
         if not seq.windowed:
-            pages = pool.take(k)
+            pages = pool.take(k, _last_page(seq))
             block.page_ids.extend(pages)
             seq.extend_table(pages)
             seq.seq_length += length

@@ -3,7 +3,7 @@
 Only a sequence's last block slides. Its first `sink_length` positions stay (the sinks, on the
 first ceil(sink_length / page_size) pages); the window's positions follow from in-block slot
 offset `sliding_window_offset` on. When the sequence grows past its window, the oldest window
-positions slide off, and pages that hold only slid-off positions go back to the free stack.
+positions slide off, and pages that hold only slid-off positions go back to the free pages.
 Between the sinks and the window the page table may hold a hole of dead slots (at most one page
 and a bit); plans describe it with `sink_size` / `sliding_window_offset`.
 
@@ -47,7 +47,7 @@ def _slide_target(
 def simulate_reserve(
     seq: Sequence, block: Block, append_length: int, page_size: int, num_free: int, touched: set[int]
 ) -> tuple[int, int]:
-    """Count what `reserve` would do to the free stack, without changing anything.
+    """Count what `reserve` would do to the free pages, without changing anything.
 
     Returns:
         ``(lowest, num_free_after)``: the lowest free-page count reached (negative: that many pages
@@ -79,7 +79,7 @@ def gross_need(block: Block, append_length: int, page_size: int) -> int:
 def reserve(pool: PagePool, seq: Sequence, block: Block, append_length: int, page_size: int) -> bool:
     """Grow a windowed sequence's last block by `append_length` positions, then slide (TVM order).
 
-    New pages come from the free stack; when it is empty, temporary placeholders are borrowed and
+    New pages come from the free pages; when it is empty, temporary placeholders are borrowed and
     replaced after the slide gave pages back. The caller checked feasibility with `simulate_reserve`.
 
     Returns:

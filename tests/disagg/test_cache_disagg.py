@@ -18,13 +18,13 @@ def forward(cache: PagedKVCache, seq_ids: list[int], lens: list[int]):
 
 
 def fragmented_receiver() -> tuple[PagedKVCache, list[int]]:
-    """A receiver whose free stack is [.., 3, 2, 0]: seq 3's 10 slots land on pages 0, 2, 3."""
-    recv = PagedKVCache(num_pages=8, page_size=4)
-    recv.add_sequence(1)
-    forward(recv, [1], [4])  # page 0
-    recv.add_sequence(2)
-    forward(recv, [2], [4])  # page 1
-    recv.remove_sequence(1)  # page 0 back on top
+    """A receiver whose only free pages are 0, 2, 3: seq 3's 10 slots land on pages 0, 2, 3."""
+    recv = PagedKVCache(num_pages=5, page_size=4)
+    for seq_id, length in ((1, 4), (2, 4), (4, 8), (5, 4)):  # pages 0; 1; 2, 3; 4
+        recv.add_sequence(seq_id)
+        forward(recv, [seq_id], [length])
+    recv.remove_sequence(1)
+    recv.remove_sequence(4)  # free: [0], [2, 3]; no extent holds 3 pages
     recv.add_sequence(3)
     cmap = recv.disagg_prepare_recv(3, 10)
     recv.end_forward()

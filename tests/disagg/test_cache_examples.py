@@ -1,9 +1,10 @@
 """Exact page ids, page tables and slot copies, worked by hand from TVM's PagedAttentionKVCacheObj.
 
-TVM facts used below (seed tvm_paged_kv_cache.cc): the free page list starts as
-[num_pages-1, ..., 1, 0] and `GetFreePage` pops the back, so pages are handed out 0, 1, 2, ...;
-freed pages are pushed back in block order (`RemoveSequence`) or last page first (`PopN`), so the
-most recently freed page is reused first. Block indices come from a stack the same way.
+TVM facts used below (seed tvm_paged_kv_cache.cc): a fresh cache hands pages out 0, 1, 2, ...
+(its free list starts as [num_pages-1, ..., 1, 0] and `GetFreePage` pops the back). After frees,
+TVM reuses the most recently freed page first; this cache instead hands out free extents so that
+runs stay long (`disagg.pages`): the page after a growing sequence's last one, else the
+best-fitting free extent, ascending. Block indices come from a stack as in TVM.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def table(plan, i: int) -> list[int]:
     return plan.page_indices[plan.page_indptr[i] : plan.page_indptr[i + 1]].tolist()
 
 
-def test_prefill_then_decode_allocates_in_tvm_order() -> None:
+def test_prefill_then_decode_allocates_pages_in_runs() -> None:
     cache = PagedKVCache(num_pages=8, page_size=4)
     cache.add_sequence(0)
     cache.add_sequence(1)
@@ -50,14 +51,17 @@ def test_prefill_then_decode_allocates_in_tvm_order() -> None:
     assert plan.page_indices.tolist() == [2, 3, 0, 1]
     assert plan.append_slots.tolist() == [12, 6]
     assert cache.num_free_pages == 4
-    # RemoveSequence pushes pages 0 then 1: page 1 is on top, then 0, then the untouched 4.
+    # Removing seq 0 frees pages 0, 1 (TVM would hand out 1, 0, 4: three runs). Free extents are
+    # [0, 1] and [4..7]; 3 pages fit only the second: one run.
     cache.remove_sequence(0)
     cache.add_sequence(2)
     plan = forward(cache, [2], [9])
-    assert plan.page_indices.tolist() == [1, 0, 4]
-    assert plan.append_slots.tolist() == [4, 5, 6, 7, 0, 1, 2, 3, 16]
-    assert cache.slots(2).tolist() == [4, 5, 6, 7, 0, 1, 2, 3, 16]
-    assert cache.slots(2, 3, 5).tolist() == [7, 0]
+    assert plan.page_indices.tolist() == [4, 5, 6]
+    assert plan.append_slots.tolist() == list(range(16, 25))
+    assert cache.slots(2, 3, 5).tolist() == [19, 20]
+    # Two pages fit the freed extent exactly (best fit keeps the larger one whole).
+    cache.add_sequence(3)
+    assert forward(cache, [3], [8]).page_indices.tolist() == [0, 1]
 
 
 def test_fork_at_page_boundary_shares_pages_and_parent_gets_new_block() -> None:
@@ -224,7 +228,7 @@ def test_copy_chain_through_a_removed_sequence_is_kept_and_its_page_parked() -> 
     assert plan.fork_src_slots.tolist() == [4, 4]
     assert plan.fork_dst_slots.tolist() == [8, 12]
     assert plan.append_slots.tolist() == [13]
-    cache.end_forward()  # the copies ran: page 2 goes back on top of the stack
+    cache.end_forward()  # the copies ran: page 2 is free again (the best fit for one page)
     cache.check_integrity()
     cache.add_sequence(3)
     assert forward(cache, [3], [1]).page_indices.tolist() == [2]
