@@ -48,6 +48,7 @@ class BackgroundServer:
     """
 
     def __init__(self, app: FastAPI, host: str = LOOPBACK, port: int = 0, log_level: str = "warning") -> None:
+        self.app = app
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))

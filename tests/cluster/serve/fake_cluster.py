@@ -62,11 +62,19 @@ class FakeCluster:
     error_after: int | None = None
     active: dict = field(default_factory=dict)
     started: list = field(default_factory=list)
+    streams: list = field(default_factory=list)
     config: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(
         serve=SimpleNamespace(host="127.0.0.1", port=0, api_key=None, served_model_name=None,
                               max_tokens_default=32)))
 
-    async def stream(self, prompt, params, request_id=None):
+    def stream(self, prompt, params, request_id=None):
+        """Like the router's, the fake keeps each stream referenced until it ends (so only closing it,
+        not garbage collection, releases an unfinished request)."""
+        gen = self._stream(prompt, params, request_id)
+        self.streams.append(gen)
+        return gen
+
+    async def _stream(self, prompt, params, request_id):
         if self.fail_with is not None:
             raise self.fail_with
         self.active[request_id] = self.pages_per_request

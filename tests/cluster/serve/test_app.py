@@ -1,0 +1,255 @@
+"""The HTTP layer over a `FakeCluster` (see fake_cluster.py): routes, SSE, errors, guards, aborts,
+metrics. Real OpenAI client and raw httpx against uvicorn on 127.0.0.1. The same surface on the
+real cluster is tested in test_serve_cluster.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from fake_cluster import CharTokenizer, FakeCluster
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _client(server, api_key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=api_key, max_retries=0, timeout=20)
+
+
+def _sse(response: httpx.Response) -> list:
+    """The `data:` payloads of an SSE body, JSON-decoded except the final '[DONE]'."""
+    events = [line[len("data: "):] for line in response.text.split("\n\n") if line]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def _wait_until(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_completion_text_and_token_ids(serve_fake):
+    server, _ = serve_fake()
+    out = _client(server).completions.create(model="fake", prompt="hello", max_tokens=7, temperature=0,
+                                             extra_body={"return_token_ids": True})
+    choice = out.choices[0]
+    assert choice.text == "hellohe" and choice.finish_reason == "length"
+    assert choice.model_extra["token_ids"] == [ord(c) for c in "hellohe"]
+    assert out.usage.prompt_tokens == 5 and out.usage.completion_tokens == 7
+
+
+def test_stream_sends_chunks_usage_and_done(serve_fake):
+    server, _ = serve_fake()
+    body = {"prompt": [104, 105], "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=20)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = _sse(response)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "hih"
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert all(c["usage"] is None and c["id"] == usage["id"] for c in chunks)
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
+
+
+def test_stop_string_truncates_and_aborts(serve_fake):
+    server, fake = serve_fake()
+    client = _client(server)
+    out = client.completions.create(model="fake", prompt="abcdef", max_tokens=30, stop=["cd", "zz"])
+    assert out.choices[0].text == "ab" and out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["stop_reason"] == "cd"
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="fake", prompt="abcdef", max_tokens=30, stop="def", stream=True)]
+    assert "".join(pieces) == "abc"
+    assert _wait_until(lambda: not fake.active)
+
+
+def test_stop_token_id_ends_without_its_text(serve_fake):
+    server, _ = serve_fake()
+    out = _client(server).completions.create(model="fake", prompt="abc", max_tokens=10, stop=[ord("c")],
+                                             extra_body={"return_token_ids": True})
+    choice = out.choices[0]
+    assert choice.text == "ab" and choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == ord("c")
+    assert choice.model_extra["token_ids"] == [ord("a"), ord("b"), ord("c")]
+
+
+def test_chat_stream_and_not(serve_fake):
+    server, _ = serve_fake()
+    client = _client(server)
+    messages = [{"role": "user", "content": "hi"}]
+    out = client.chat.completions.create(model="fake", messages=messages, max_tokens=6)
+    assert out.choices[0].message.content == "<user>" and out.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="fake", messages=messages, max_tokens=6, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content for c in chunks) == "<user>"
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_without_tokenizer_or_template_is_400(serve_fake):
+    for tokenizer in (None, CharTokenizer(chat_template=False)):
+        server, _ = serve_fake(FakeCluster(tokenizer=tokenizer))
+        with pytest.raises(openai.BadRequestError) as info:
+            _client(server).chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}])
+        assert info.value.body["code"] == "no_chat_template" and info.value.body["param"] == "messages"
+
+
+def test_text_prompt_and_stop_strings_need_a_tokenizer(serve_fake):
+    server, _ = serve_fake(FakeCluster(tokenizer=None))
+    client = _client(server)
+    with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+        client.completions.create(model="fake", prompt="text", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="stop"):
+        client.completions.create(model="fake", prompt=[1, 2], max_tokens=2, stop=["x"])
+    assert client.completions.create(model="fake", prompt=[1, 2], max_tokens=2).choices[0].text == ""
+
+
+@pytest.mark.parametrize("content, status, param, words", [
+    (b'{"prompt": "x",', 400, None, "not valid JSON"),
+    (b'{"prompt": "x", "max_tokenz": 3}', 400, "max_tokenz", "unknown field 'max_tokenz'"),
+    (b'{"prompt": "x", "max_tokens": "3"}', 400, "max_tokens", "valid integer"),
+    (b'{"prompt": "x", "n": 3}', 400, "n", "only n=1"),
+    (b'{"prompt": [1, 2], "max_tokens": 255}', 400, "max_tokens", "maximum context length is 256"),
+    (b'{"prompt": [1, 2], "model": "gpt-4"}', 404, "model", "does not exist"),
+    (b'{"prompt": [1, 2], "seed": -1}', 400, "seed", "seed"),
+])
+def test_bad_requests_get_openai_errors(serve_fake, content, status, param, words):
+    server, fake = serve_fake()
+    response = httpx.post(server.base_url + "/v1/completions", content=content,
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"] and error["type"]
+    assert not fake.started  # refused before reaching the cluster
+
+
+def test_prompt_longer_than_context_is_400(serve_fake):
+    server, _ = serve_fake()
+    response = httpx.post(server.base_url + "/v1/completions", json={"prompt": list(range(1, 300))})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_oversize_body_is_413(serve_fake):
+    server, _ = serve_fake(max_body_bytes=1000)
+    body = json.dumps({"prompt": list(range(1, 500))}).encode()
+    assert httpx.post(server.base_url + "/v1/completions", content=body).status_code == 413
+
+    def chunked():  # no Content-Length: counted as it arrives
+        yield body[:600]
+        yield body[600:]
+    response = httpx.post(server.base_url + "/v1/completions", content=chunked())
+    assert response.status_code == 413 and "limit is 1000 bytes" in response.json()["error"]["message"]
+
+
+def test_api_key_on_every_v1_route(serve_fake, monkeypatch):
+    monkeypatch.setenv("DISAGG_API_KEY", "sekret")
+    server, _ = serve_fake()
+    for path in ("/v1/models", "/v1/completions", "/v1/chat/completions"):
+        response = httpx.post(server.base_url + path, json={}) if "compl" in path else httpx.get(server.base_url + path)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, "wrong").models.list()
+    assert _client(server, "sekret").models.list().data[0].id == "fake"
+    assert httpx.get(server.base_url + "/health").status_code == 200  # health and metrics stay open
+    assert httpx.get(server.base_url + "/metrics").status_code == 200
+
+
+def test_full_server_answers_429(serve_fake):
+    server, fake = serve_fake(FakeCluster(tokenizer=CharTokenizer(), step_s=0.05), max_concurrent_requests=1)
+
+    async def two():
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0) as client:
+            slow = asyncio.create_task(client.completions.create(model="fake", prompt=[1], max_tokens=10))
+            await asyncio.sleep(0.2)
+            with pytest.raises(openai.RateLimitError):
+                await client.completions.create(model="fake", prompt=[1], max_tokens=1)
+            return await slow
+    assert asyncio.run(two()).choices[0].finish_reason == "length"
+
+
+def test_cluster_refusals_map_to_status(serve_fake):
+    class QueueFull(RuntimeError):
+        pass
+
+    class NoHealthyInstance(RuntimeError):
+        pass
+    for exc, status in ((QueueFull("router queue is full (4096)"), 429), (NoHealthyInstance("all dead"), 503)):
+        server, _ = serve_fake(FakeCluster(fail_with=exc))
+        assert httpx.post(server.base_url + "/v1/completions", json={"prompt": [1]}).status_code == status
+        response = httpx.post(server.base_url + "/v1/completions", json={"prompt": [1], "stream": True})
+        assert response.status_code == status
+
+
+def test_unhealthy_cluster_is_503(serve_fake):
+    server, fake = serve_fake(FakeCluster(healthy=False))
+    assert httpx.get(server.base_url + "/health").status_code == 503
+    response = httpx.post(server.base_url + "/v1/completions", json={"prompt": [1]})
+    assert response.status_code == 503 and response.json()["error"]["code"] == "no_healthy_instance"
+    fake.healthy = True
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_error_mid_stream_is_sent_in_band(serve_fake):
+    server, fake = serve_fake(FakeCluster(error_after=2))
+    response = httpx.post(server.base_url + "/v1/completions", json={"prompt": [65], "max_tokens": 9, "stream": True})
+    events = _sse(response)
+    assert events[-1] == "[DONE]" and "died" in events[-2]["error"]["message"] and len(events) == 4
+    response = httpx.post(server.base_url + "/v1/completions", json={"prompt": [65], "max_tokens": 9})
+    assert response.status_code == 500 and "died" in response.json()["error"]["message"]
+    assert not fake.active
+
+
+def test_client_disconnect_mid_stream_closes_the_cluster_stream(serve_fake):
+    server, fake = serve_fake(FakeCluster(tokenizer=CharTokenizer(), step_s=0.02))
+    with httpx.stream("POST", server.base_url + "/v1/completions",
+                      json={"prompt": [65], "max_tokens": 200, "stream": True}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert len(fake.active) == 1
+    assert _wait_until(lambda: not fake.active), "the cluster stream stayed open after the client left"
+    assert _wait_until(lambda: server_in_flight(server) == 0)
+
+
+def test_client_disconnect_before_first_token_closes_the_cluster_stream(serve_fake):
+    server, fake = serve_fake(FakeCluster(tokenizer=CharTokenizer(), step_s=0.5))
+    for stream in (False, True):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.base_url + "/v1/completions", timeout=0.2,
+                       json={"prompt": [65], "max_tokens": 50, "stream": stream})
+        assert _wait_until(lambda: len(fake.started) == 1 + stream and not fake.active)
+
+
+def server_in_flight(server) -> int:
+    return server.app.state.server.num_in_flight
+
+
+def _samples(server) -> dict:
+    text = httpx.get(server.base_url + "/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_parse_and_move(serve_fake):
+    server, _ = serve_fake()
+    before = _samples(server)
+    label = (("model_name", "fake"),)
+    assert before[("disagg:generation_tokens_total", label)] == 0
+    _client(server).completions.create(model="fake", prompt="abc", max_tokens=5)
+    httpx.post(server.base_url + "/v1/completions", json={"prompt": "x", "n": 2})
+    after = _samples(server)
+    assert after[("disagg:generation_tokens_total", label)] == 5
+    assert after[("disagg:prompt_tokens_total", label)] == 3
+    assert after[("disagg:request_success_total", (("finished_reason", "length"), ("model_name", "fake")))] == 1
+    assert after[("disagg:time_to_first_token_seconds_count", label)] == 1
+    assert after[("disagg:inter_token_latency_seconds_count", label)] == 4
+    assert after[("disagg:e2e_request_latency_seconds_count", label)] == 1
+    assert after[("disagg:request_failures_total", (("model_name", "fake"), ("reason", "invalid_request")))] == 1
+    assert after[("disagg:kv_pages_total", (("instance", "decode0"), ("role", "decode")))] == 1024
+    assert after[("disagg:num_requests_queued", ())] == 0
