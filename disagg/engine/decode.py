@@ -1,0 +1,289 @@
+"""`DecodeEngine`: receives prompts' KV from prefill workers and runs batched decode steps.
+
+One per decode worker process; its KV tensor comes from the symmetric heap. The request path:
+
+    reserve(request_id, prompt_len, params) -> RecvDest    pages (disagg_prepare_recv) + doorbell
+        ... the prefill worker pushes the prompt's KV into those pages and rings the doorbell ...
+    start(request_id, first_token_id)                       the first token, sampled by prefill
+    step()                                                  polls doorbells; admits a request once
+                                                            rung AND started; one decode forward
+
+Pages: `reserve` commits the pages of the request's whole life (prompt + max_tokens, capped by
+the context), so a decode step never runs out of pages and never preempts; when the commitment
+does not fit, `reserve` raises `OutOfPages` and the caller queues. Until the doorbell rings the
+pages belong to the sender (`disagg.engine.lease`): an abort quarantines them, a lease expiry
+frees them and fails the request (finish_reason "error").
+
+Host/GPU overlap of a step (CUDA): the decode forward is a CUDA-graph replay (`runner`), followed
+by sampling; while the GPU runs them, the host reserves the next step's slots and builds its plan
+(`begin_forward` + `end_forward`, the plan arrays kept) for every request that surely continues
+(not at its length limit). After the sync, if the batch is unchanged (nobody stopped, aborted or
+was admitted), the next step reuses that plan and feeds the sampled ids, still on the device,
+straight in as its input ids; otherwise the speculative slots are rolled back (`popn(seq, 1)`)
+and the plan is rebuilt. Output bookkeeping (stop checks, TokenOutputs) stays after the sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+import numpy as np
+import torch
+
+from disagg.cache import PagedKVCache
+from disagg.engine.lease import Lease, LeaseBook
+from disagg.engine.request import (RecvDest, Request, RequestFactory, TokenOutput, check_engine_sizes,
+                                   pages_for)
+from disagg.engine.runner import ModelRunner
+from disagg.errors import OutOfPages
+from disagg.plan import ForwardPlan
+from disagg.sampling import SamplingParams
+from disagg.transfer import DoorbellTable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _NextStep:
+    """Slots reserved during a step for the step after it (see the module docstring)."""
+
+    seq_ids: tuple[int, ...]
+    plan: ForwardPlan
+    device_ids: torch.Tensor | None = None
+
+
+class DecodeEngine:
+    """Doorbell admission, continuous batching of decode steps, leases.
+
+    Args:
+        model: a `disagg.model` Model.
+        heap: this PE's symmetric heap (the KV tensor is allocated from it: collective).
+        num_pages, page_size: this worker's KV cache (same geometry as the prefill workers').
+        max_num_seqs: sequences per decode step.
+        kv_dtype: KV dtype (default: the model's).
+        lease_s: seconds a reservation waits for its doorbell before its pages are released.
+        use_cuda_graphs: None = on CUDA; False = eager always.
+        clock: monotonic clock for leases (tests pass a fake one).
+    """
+
+    def __init__(self, model, heap, *, num_pages: int, page_size: int, max_num_seqs: int,
+                 kv_dtype: torch.dtype | None = None, lease_s: float = 60.0,
+                 use_cuda_graphs: bool | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        check_engine_sizes(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs)
+        self.model = model
+        self.heap = heap
+        self.max_model_len = int(model.config.max_position_embeddings)
+        self.max_num_seqs = max_num_seqs
+        self.cache = PagedKVCache(num_pages, page_size)
+        self.kv = heap.alloc(model.kv_shape(num_pages, page_size), kv_dtype or model.dtype)
+        self.runner = ModelRunner(model, self.kv, max_num_seqs=max_num_seqs, use_cuda_graphs=use_cuda_graphs)
+        self.leases = LeaseBook(DoorbellTable(heap), lease_s, clock)
+        self.requests: dict[Hashable, Request] = {}
+        self.running: list[Request] = []
+        self.ready: list[Request] = []  # rung and started, waiting for a batch slot
+        self._committed: dict[Hashable, int] = {}  # pages promised per reservation
+        self._quarantined: dict[Hashable, Request] = {}
+        self._next: _NextStep | None = None
+        self._factory = RequestFactory(tuple(model.config.eos_token_ids))
+        self._outputs: list[TokenOutput] = []
+
+    @property
+    def num_committed_pages(self) -> int:
+        return sum(self._committed.values())
+
+    # ------------------------------------------------------------------ requests
+    def reserve(self, request_id: Hashable, prompt_len: int, params: SamplingParams | None = None) -> RecvDest:
+        """Reserve pages for a prompt's KV and arm its doorbell.
+
+        Raises:
+            ValueError / TypeError: bad id, length or params (nothing changes).
+            OutOfPages: the request's pages do not fit now (nothing changes; queue and retry).
+            HeapError: every doorbell word is armed (nothing changes).
+        """
+        params = SamplingParams() if params is None else params
+        self._check_reserve(request_id, prompt_len, params)
+        need = pages_for(min(prompt_len + params.max_tokens, self.max_model_len), self.cache.page_size)
+        free = self.cache.num_pages - self.num_committed_pages
+        if need > free:
+            raise OutOfPages(f"reserve: request {request_id!r} needs {need} pages (prompt {prompt_len} + "
+                             f"max_tokens {params.max_tokens}); {free} are not committed", num_needed=need,
+                             num_free=free)
+        req = self._factory.new(request_id, [0] * prompt_len, params)
+        self.cache.add_sequence(req.seq_id)
+        try:
+            cmap = self.cache.disagg_prepare_recv(req.seq_id, prompt_len)
+            self.cache.end_forward()
+            ticket = self.leases.doorbells.arm(request_id)
+        except BaseException:
+            self.cache.remove_sequence(req.seq_id)
+            raise
+        self.leases.open(request_id, ticket)
+        req.num_computed, req.in_cache = prompt_len, True
+        self.requests[request_id] = req
+        self._committed[request_id] = need
+        return RecvDest(request_id, [int(x) for x in cmap], self.heap.rank, ticket)
+
+    def _check_reserve(self, request_id: Hashable, prompt_len: object, params: object) -> None:
+        try:
+            known = request_id in self.requests or request_id in self._quarantined
+        except TypeError:
+            raise TypeError(f"request_id: expected a hashable id, got {type(request_id).__name__}") from None
+        if known:
+            raise ValueError(f"request_id: {request_id!r} is already in this engine; expected a new id")
+        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int):
+            raise TypeError(f"prompt_len: expected an int, got {type(prompt_len).__name__}")
+        if not 1 <= prompt_len < self.max_model_len:
+            raise ValueError(f"prompt_len: request {request_id!r}: expected 1..{self.max_model_len - 1} "
+                             f"(the model's context is {self.max_model_len}), got {prompt_len}")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        params.validate(self.model.config.vocab_size)
+        need = pages_for(min(prompt_len + params.max_tokens, self.max_model_len), self.cache.page_size)
+        if need > self.cache.num_pages:
+            raise ValueError(f"max_tokens: request {request_id!r} (prompt {prompt_len} + max_tokens "
+                             f"{params.max_tokens}) needs {need} pages; expected at most the cache's "
+                             f"{self.cache.num_pages}")
+
+    def start(self, request_id: Hashable, first_token_id: int) -> None:
+        """Hand over the first token (sampled by the prefill side); decoding starts once rung.
+
+        A first token that already ends the request (stop id, max_tokens == 1) ends it here
+        with no output of its own (the prefill side reported it); its pages are freed once safe.
+
+        Raises:
+            ValueError / TypeError: unknown or already started request, bad token id.
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"request_id: {request_id!r} has no reservation here; call reserve first")
+        if req.num_output_tokens:
+            raise ValueError(f"request_id: {request_id!r} was already started")
+        vocab = self.model.config.vocab_size
+        if isinstance(first_token_id, bool) or not isinstance(first_token_id, (int, np.integer)):
+            raise TypeError(f"first_token_id: expected an int, got {type(first_token_id).__name__}")
+        if not 0 <= first_token_id < vocab:
+            raise ValueError(f"first_token_id: expected an id in [0, {vocab}), got {first_token_id}")
+        if req.append(int(first_token_id), self.max_model_len).finished:
+            self._drop(req)
+        elif request_id not in self.leases:
+            self.ready.append(req)
+
+    def abort(self, request_id: Hashable) -> bool:
+        """Drop a request; pages a sender may still write are quarantined. False if unknown."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._drop(req)
+        self._outputs.append(TokenOutput(request_id, None, True, "abort"))
+        return True
+
+    def _drop(self, req: Request) -> None:
+        """Forget ``req``; free its pages now, or once its lease closes when KV may be in flight."""
+        del self.requests[req.request_id]
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.ready:
+            self.ready.remove(req)
+        if req.request_id in self.leases:
+            self.leases.quarantine(req.request_id)
+            self._quarantined[req.request_id] = req
+        else:
+            self._free(req)
+
+    def _free(self, req: Request) -> None:
+        self.cache.remove_sequence(req.seq_id)
+        req.in_cache = False
+        self._committed.pop(req.request_id, None)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.ready or len(self.leases) or self._outputs)
+
+    def stats(self) -> dict:
+        return {"free_pages": self.cache.num_free_pages, "total_pages": self.cache.num_pages,
+                "running": len(self.running), "waiting": len(self.requests) - len(self.running),
+                "leases": len(self.leases), "quarantined": len(self._quarantined),
+                "committed_pages": self.num_committed_pages, "num_forwards": self.runner.num_forwards,
+                "num_graph_replays": self.runner.num_graph_replays}
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[TokenOutput]:
+        """Admit rung requests, run one decode step; return this step's outputs."""
+        outputs, self._outputs = self._outputs, []
+        self._close_leases(outputs)
+        while self.ready and len(self.running) < self.max_num_seqs:
+            self.running.append(self.ready.pop(0))
+        if not self.running:
+            self._rollback_next()
+            return outputs
+        batch = list(self.running)
+        plan, ids = self._plan(batch)
+        pending = self.runner.execute(plan, ids, np.arange(len(batch)), batch)
+        self._reserve_next(batch)
+        for req, token in zip(batch, pending.result()):
+            req.num_computed += 1
+            out = req.append(token, self.max_model_len)
+            outputs.append(out)
+            if out.finished:
+                self._drop(req)
+        if self._next is not None and self._next.seq_ids == tuple(r.seq_id for r in batch):
+            self._next.device_ids = pending.device_tokens
+        return outputs
+
+    def _close_leases(self, outputs: list[TokenOutput]) -> None:
+        rung, expired = self.leases.poll()
+        for lease in rung:
+            req = self._quarantined.pop(lease.request_id, None)
+            if req is not None:
+                self._free(req)
+            elif self.requests[lease.request_id].num_output_tokens:
+                self.ready.append(self.requests[lease.request_id])
+        for lease in expired:
+            self._expire(lease, outputs)
+
+    def _expire(self, lease: Lease, outputs: list[TokenOutput]) -> None:
+        req = self._quarantined.pop(lease.request_id, None)
+        if req is None:
+            req = self.requests.pop(lease.request_id)
+            message = (f"lease expired: the KV of request {lease.request_id!r} did not land within "
+                       f"{self.leases.lease_s} s (doorbell word {lease.ticket.index} on PE {lease.ticket.pe})")
+            logger.warning("%s", message)
+            outputs.append(TokenOutput(lease.request_id, None, True, "error", message))
+        self._free(req)
+
+    def _plan(self, batch: list[Request]) -> tuple[ForwardPlan, torch.Tensor | list[int]]:
+        """This step's plan: the one reserved during the last step if the batch is the same."""
+        seq_ids = tuple(r.seq_id for r in batch)
+        nxt, self._next = self._next, None
+        if nxt is not None and nxt.seq_ids == seq_ids:
+            ids = nxt.device_ids if nxt.device_ids is not None else [r.token_ids[-1] for r in batch]
+            return nxt.plan, ids
+        self._rollback(nxt)
+        plan = self.cache.begin_forward(list(seq_ids), [1] * len(batch))
+        self.cache.end_forward()
+        return plan, [r.token_ids[-1] for r in batch]
+
+    def _reserve_next(self, batch: list[Request]) -> None:
+        """While the GPU runs this step: reserve and plan the next one (requests that continue)."""
+        cont = [r for r in batch if r.num_output_tokens + 1 < r.params.max_tokens
+                and len(r.token_ids) + 1 < self.max_model_len and r.request_id in self.requests]
+        if not cont:
+            return
+        seq_ids = tuple(r.seq_id for r in cont)
+        plan = self.cache.begin_forward(list(seq_ids), [1] * len(cont))
+        self.cache.end_forward()
+        self._next = _NextStep(seq_ids, plan)
+
+    def _rollback_next(self) -> None:
+        nxt, self._next = self._next, None
+        self._rollback(nxt)
+
+    def _rollback(self, nxt: _NextStep | None) -> None:
+        """Give back the speculative slot of every request of ``nxt`` still in the cache."""
+        if nxt is None:
+            return
+        for seq_id in nxt.seq_ids:
+            if seq_id in self.cache:
+                self.cache.popn(seq_id, 1)

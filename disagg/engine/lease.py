@@ -1,0 +1,101 @@
+"""Leases of a decode worker's reservations: pages a remote sender may still be writing.
+
+`DecodeEngine.reserve` gives a request pages and a doorbell; until that doorbell rings, the
+prefill side may be writing those pages, so they must not be handed to anyone else, whatever
+happens to the request (abort, error). A `Lease` records the reservation and its deadline
+(``lease_s`` after `reserve`). `LeaseBook.poll` reports the leases whose doorbell rang (the KV
+has landed: the pages are the request's own again) and the leases that expired (the sender is
+presumed gone: the pages can be freed and the request, if still wanted, fails). An aborted
+request whose lease is still open is *quarantined*: its pages stay reserved until one of the two.
+Pure host bookkeeping, run inside the decode engine's step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+from disagg.transfer.doorbell import DoorbellTable, DoorbellTicket
+
+
+@dataclass
+class Lease:
+    """One reservation whose doorbell has not rung yet.
+
+    Attributes:
+        request_id: the request.
+        ticket: its doorbell.
+        deadline: clock time after which its pages are released.
+        quarantined: the request was aborted; only the pages wait for the ring or the deadline.
+    """
+
+    request_id: Hashable
+    ticket: DoorbellTicket
+    deadline: float
+    quarantined: bool = False
+
+
+class LeaseBook:
+    """Open leases of one decode engine.
+
+    Args:
+        doorbells: the engine's doorbell table (tickets are armed by the engine, released here).
+        lease_s: seconds a reservation may wait for its ring.
+        clock: monotonic clock (tests pass a fake one).
+    """
+
+    def __init__(self, doorbells: DoorbellTable, lease_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not (isinstance(lease_s, (int, float)) and lease_s > 0):
+            raise ValueError(f"lease_s: expected seconds > 0, got {lease_s!r}")
+        self.doorbells = doorbells
+        self.lease_s = float(lease_s)
+        self.clock = clock
+        self._leases: dict[Hashable, Lease] = {}
+
+    def __contains__(self, request_id: Hashable) -> bool:
+        return request_id in self._leases
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    @property
+    def num_quarantined(self) -> int:
+        return sum(lease.quarantined for lease in self._leases.values())
+
+    def open(self, request_id: Hashable, ticket: DoorbellTicket) -> Lease:
+        lease = Lease(request_id, ticket, self.clock() + self.lease_s)
+        self._leases[request_id] = lease
+        return lease
+
+    def quarantine(self, request_id: Hashable) -> None:
+        """The request is gone, but its pages wait for the ring or the deadline."""
+        self._leases[request_id].quarantined = True
+
+    def poll(self) -> tuple[list[Lease], list[Lease]]:
+        """Close the leases that rang and those that expired; release their doorbells.
+
+        Returns:
+            (rung, expired) leases, each closed and its ticket released.
+        """
+        if not self._leases:
+            return [], []
+        rung_tickets = {t.index for t in self.doorbells.poll()}
+        now = self.clock()
+        rung, expired = [], []
+        for lease in list(self._leases.values()):
+            if lease.ticket.index in rung_tickets:
+                rung.append(lease)
+            elif now >= lease.deadline:
+                expired.append(lease)
+            else:
+                continue
+            del self._leases[lease.request_id]
+            self.doorbells.release(lease.ticket)
+        return rung, expired
+
+    def cancel(self, request_id: Hashable) -> None:
+        """Close a lease whose reservation was undone before its ticket left this process."""
+        lease = self._leases.pop(request_id)
+        self.doorbells.release(lease.ticket)

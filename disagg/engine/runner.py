@@ -1,0 +1,139 @@
+"""The model runner: a `ForwardPlan` and its token ids -> one forward -> sampled tokens.
+
+Every engine owns one, in its own process, next to its KV tensor. A step is:
+
+    plan (host, from PagedKVCache) -> AttentionBatch (device) -> model.forward -> sample rows
+
+Pure-decode batches on CUDA replay a CUDA graph of the forward (`disagg.engine.graphs`), padded
+up to the next batch-size bucket; everything else (prefill chunks, mixed batches, CPU, pushes)
+runs eagerly. Sampling runs after the forward on the same stream, and the sampled ids come back
+through a pinned buffer with an event (`PendingTokens`), so a caller can do host work for the
+next step before it waits for them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from disagg.engine.graphs import DecodeGraphs
+from disagg.engine.request import Request
+from disagg.engine.sampler import SamplingBatch, sample
+from disagg.model.batch import AttentionBatch
+from disagg.plan import ForwardPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingTokens:
+    """Sampled ids of one step, possibly still on their way to the host.
+
+    Attributes:
+        device_tokens: ``[S]`` int64 on the model's device (S = rows sampled).
+        push_done: on CUDA with pushes, the event after this forward's transfers and doorbells.
+    """
+
+    device_tokens: torch.Tensor
+    host_tokens: torch.Tensor
+    ready: torch.cuda.Event | None
+    push_done: torch.cuda.Event | None = None
+
+    def result(self) -> list[int]:
+        """Wait for the ids (a host sync on CUDA) and return them."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host_tokens.tolist()
+
+
+class ModelRunner:
+    """Runs forwards of one model over one KV tensor.
+
+    Args:
+        model: a `disagg.model` Model.
+        kv: ``[L, num_pages, 2, H_kv, P, D]`` this engine's KV (local or from the heap).
+        max_num_seqs: largest batch; CUDA graphs are captured for buckets up to it.
+        use_cuda_graphs: None = on CUDA devices; False = always eager.
+        kv_scales: fp8 caches only, handed to ``model.forward``.
+    """
+
+    def __init__(self, model, kv: torch.Tensor, *, max_num_seqs: int,
+                 use_cuda_graphs: bool | None = None, kv_scales=None) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = kv.device
+        self.kv_scales = kv_scales
+        on_gpu = self.device.type == "cuda"
+        use = on_gpu if use_cuda_graphs is None else (use_cuda_graphs and on_gpu)
+        self.graphs = DecodeGraphs(model, kv, max_num_seqs, kv_scales) if use else None
+        # Plans come from PagedKVCache, already checked on the host: no device-to-host checks.
+        self._check_indices = False if on_gpu else None
+        self.num_forwards = 0
+        self.num_graph_replays = 0
+
+    # ------------------------------------------------------------------ steps
+    def execute(self, plan: ForwardPlan, input_ids: np.ndarray | list[int] | torch.Tensor,
+                sample_rows: np.ndarray, sample_requests: list[Request], *,
+                pusher=None) -> PendingTokens:
+        """Run one forward and sample the rows that finished their computation.
+
+        Args:
+            plan: the open forward's plan (B sequences, T new tokens).
+            input_ids: ``[T]`` token ids in plan order (host ints, or an int64 device tensor).
+            sample_rows: ``[S]`` batch rows whose last new token is sampled.
+            sample_requests: the S requests of those rows (their sampling values).
+            pusher: a `KVPusher` for a prefill forward with receivers (begin/end handled here).
+
+        Returns:
+            The sampled ids (``result()`` waits for them).
+        """
+        ids = self._ids_to_device(input_ids)
+        push_done = None
+        if pusher is not None:
+            pusher.begin_forward(plan)
+            batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
+            logits = self.model.forward(ids, batch, self.kv, pusher=pusher, kv_scales=self.kv_scales)
+            push_done = pusher.end_forward()
+        elif self.graphs is not None and self.graphs.can_run(plan):
+            logits = self.graphs.run(plan, ids)
+            self.num_graph_replays += 1
+        else:
+            batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
+            logits = self.model.forward(ids, batch, self.kv, kv_scales=self.kv_scales)
+        self.num_forwards += 1
+        return self._sample(logits, sample_rows, sample_requests, push_done)
+
+    def _ids_to_device(self, input_ids) -> torch.Tensor:
+        if isinstance(input_ids, torch.Tensor):
+            return input_ids.to(self.device, torch.int64, non_blocking=True)
+        host = torch.as_tensor(np.asarray(input_ids, dtype=np.int64))
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, requests: list[Request],
+                push_done) -> PendingTokens:
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) == 0:
+            empty = torch.zeros(0, dtype=torch.int64)
+            return PendingTokens(empty, empty, None, push_done)
+        if len(rows) != logits.shape[0] or not np.array_equal(rows, np.arange(len(rows))):
+            logits = logits.index_select(0, torch.as_tensor(rows).to(self.device, non_blocking=True))
+        tokens = sample(logits, SamplingBatch.from_requests(requests, self.device))
+        if self.device.type != "cuda":
+            return PendingTokens(tokens, tokens, None, push_done)
+        host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return PendingTokens(tokens, host, ready, push_done)
+
+    # ------------------------------------------------------------------ warm-up
+    def capture_graphs(self, batch_sizes: list[int] | None = None, max_kv_len: int | None = None) -> float:
+        """Capture decode graphs ahead of serving; return the seconds it took (0 without graphs)."""
+        if self.graphs is None:
+            return 0.0
+        return self.graphs.capture_all(batch_sizes, max_kv_len)

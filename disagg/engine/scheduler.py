@@ -1,0 +1,153 @@
+"""The colocated scheduler: which requests compute how many tokens in the next forward.
+
+Owned by `ColocatedEngine` (one per engine process). Continuous batching with chunked prefill,
+in vLLM v1's terms: every request has tokens to compute (a whole prompt, the rest of a chunked
+prompt, or the one token of a decode); a step takes decodes first (one token each, oldest
+first), then prompt chunks in arrival order, under ``max_num_batched_tokens`` tokens and
+``max_num_seqs`` sequences, all in ONE forward. Pages: a decode that needs a page and finds none
+preempts the newest running request (recompute: its pages are freed and it goes back to the
+front of the queue, its generated tokens appended to what it recomputes); a chunk takes only the
+tokens that fit in the free pages. When nothing at all fits, partially computed prompts at the
+back give their pages to the head of the queue. `add` refuses a request that could never fit the
+cache alone, so the queue always makes progress and running out of pages is never a crash.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+
+from disagg.cache import PagedKVCache
+from disagg.engine.request import Request, pages_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    """What the next forward computes: ``num_tokens[i]`` tokens of ``requests[i]`` (decodes first)."""
+
+    requests: list[Request]
+    num_tokens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    """Queues and page budget of a colocated engine.
+
+    Args:
+        cache: the engine's page tables (sequence ids are `Request.seq_id`).
+        max_num_seqs: sequences per forward.
+        max_num_batched_tokens: tokens per forward.
+    """
+
+    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        """Forget ``req`` (finished or aborted) and free its pages."""
+        if req.decoding:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick the next forward's batch (possibly empty only when there is no work)."""
+        batch = ScheduledBatch([], [])
+        free = self._schedule_decodes(batch, self.cache.num_free_pages)
+        self._schedule_chunks(batch, free)
+        if not batch and self.waiting and self._free_pages_for_head():
+            self._schedule_chunks(batch, self.cache.num_free_pages)
+        for req in batch.requests:
+            if not req.in_cache:
+                self.cache.add_sequence(req.seq_id)
+                req.in_cache = True
+        return batch
+
+    def finish_prompt(self, req: Request) -> None:
+        """``req`` sampled its first token after (re)computing its prompt: it decodes from now on."""
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.decoding = True
+
+    # ------------------------------------------------------------------ internals
+    def _schedule_decodes(self, batch: ScheduledBatch, free: int) -> int:
+        i = 0
+        while i < len(self.running) and len(batch) < self.max_num_seqs and self._budget(batch) > 0:
+            req = self.running[i]
+            need = self._pages_needed(req, 1)
+            while need > free and len(self.running) - 1 > i:
+                free += self._preempt(self.running.pop())
+            if need > free:
+                free += self._preempt(self.running.pop(i))
+                break
+            free -= need
+            batch.requests.append(req)
+            batch.num_tokens.append(1)
+            i += 1
+        return free
+
+    def _schedule_chunks(self, batch: ScheduledBatch, free: int) -> None:
+        page_size = self.cache.page_size
+        for req in self.waiting:
+            budget = self._budget(batch)
+            if len(batch) >= self.max_num_seqs or budget <= 0:
+                return
+            tail = (-req.num_computed) % page_size if req.in_cache else 0
+            n = min(req.num_to_compute, budget, free * page_size + tail)
+            if n <= 0:
+                return
+            free -= self._pages_needed(req, n)
+            batch.requests.append(req)
+            batch.num_tokens.append(n)
+
+    def _free_pages_for_head(self) -> bool:
+        """Nothing fits: partially computed prompts behind the head give back their pages (they
+        keep their place in the queue and recompute). True if any did."""
+        freed = False
+        for req in list(self.waiting)[1:]:
+            if req.in_cache:
+                self._release(req)
+                self.num_preemptions += 1
+                freed = True
+        return freed
+
+    def _budget(self, batch: ScheduledBatch) -> int:
+        return self.max_num_batched_tokens - sum(batch.num_tokens)
+
+    def _pages_needed(self, req: Request, n: int) -> int:
+        size = self.cache.page_size
+        if not req.in_cache:
+            return pages_for(n, size)
+        return pages_for(req.num_computed + n, size) - pages_for(req.num_computed, size)
+
+    def _preempt(self, req: Request) -> int:
+        """Free ``req``'s pages; it recomputes prompt + output later. Returns the pages freed."""
+        before = self.cache.num_free_pages
+        self._release(req)
+        self.num_preemptions += 1
+        req.decoding = False
+        self.waiting.appendleft(req)
+        logger.debug("preempted request %s (%d tokens to recompute)", req.request_id, len(req.token_ids))
+        return self.cache.num_free_pages - before
+
+    def _release(self, req: Request) -> None:
+        if req.in_cache:
+            self.cache.remove_sequence(req.seq_id)
+            req.in_cache = False
+        req.num_computed = 0

@@ -1,0 +1,45 @@
+"""Fixtures of the engine tests: the tiny dummy model, the torch reference path, a plain greedy
+loop to compare against, and helpers that drive engines to completion.
+
+The folder is put on sys.path so that spawned workers can import `engine_scenarios` by name.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from engine_helpers import drain, reference_greedy  # noqa: E402,F401
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """dummy:tiny in float32 on the CPU (seeded weights: the same in every process)."""
+    import torch
+
+    from disagg.model import load_model
+
+    return load_model("dummy:tiny", dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture
+def torch_reference(monkeypatch):
+    """Run the kernels' torch references (not the Triton interpreter) for this test."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture(autouse=True)
+def no_shm_litter():
+    """Every test leaves /dev/shm as it found it (heap files of other jobs aside)."""
+    from disagg.transfer.shm_heap import remove_shm_leftovers, shm_leftovers
+
+    before = set(shm_leftovers())
+    yield
+    after = set(shm_leftovers()) - before
+    for path in after:
+        remove_shm_leftovers(bytes.fromhex(Path(path).name.split("-")[2]))
+    assert not after, f"test left heap files in /dev/shm: {sorted(after)}"

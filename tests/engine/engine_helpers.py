@@ -1,0 +1,67 @@
+"""Helpers shared by the engine tests (and their spawned workers).
+
+`reference_greedy` is the plain loop the engines must match: every step recomputes the whole
+sequence in a fresh cache (no KV reuse, no chunking, batch of one). `drain` steps an engine until
+it has no work and collects every request's tokens and finish reason.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from disagg.cache import PagedKVCache
+
+
+def reference_greedy(model, prompt: list[int], num_tokens: int, page_size: int = 4) -> list[int]:
+    """Greedy tokens of ``prompt``, each from a full recompute over ``model.forward``."""
+    from disagg.model.batch import AttentionBatch
+
+    tokens = list(prompt)
+    length = len(prompt) + num_tokens
+    num_pages = -(-length // page_size)
+    kv = torch.zeros(model.kv_shape(num_pages, page_size), dtype=model.dtype, device=model.device)
+    out = []
+    for _ in range(num_tokens):
+        cache = PagedKVCache(num_pages, page_size)
+        cache.add_sequence(0)
+        plan = cache.begin_forward([0], [len(tokens)])
+        batch = AttentionBatch.from_plan(plan, model.device)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=model.device)
+        logits = model.forward(ids, batch, kv)
+        cache.end_forward()
+        token = int(logits[-1].argmax())
+        out.append(token)
+        tokens.append(token)
+    return out
+
+
+def drain(engine, max_steps: int = 10_000) -> dict:
+    """Step ``engine`` until it has no work; return {request_id: {"tokens", "reason", "error"}}."""
+    results: dict = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return results
+        for out in engine.step():
+            entry = results.setdefault(out.request_id, {"tokens": [], "reason": None, "error": None})
+            assert entry["reason"] is None, f"output after the end of {out.request_id}: {out}"
+            if out.token_id is not None:
+                entry["tokens"].append(out.token_id)
+            if out.finished:
+                entry["reason"], entry["error"] = out.finish_reason, out.error
+    raise AssertionError(f"engine still has work after {max_steps} steps: {engine.stats()}")
+
+
+def assert_all_free(engine) -> None:
+    stats = engine.stats()
+    assert stats["free_pages"] == stats["total_pages"], stats
+    engine.cache.check_integrity()
+
+
+def collective(fns: list[Callable[[], object]], timeout_s: float = 60.0) -> list[object]:
+    """Run one callable per PE concurrently (collective heap calls); results in order."""
+    with ThreadPoolExecutor(len(fns)) as pool:
+        futures = [pool.submit(fn) for fn in fns]
+        return [f.result(timeout=timeout_s) for f in futures]

@@ -1,0 +1,144 @@
+"""ColocatedEngine on the CPU with dummy:tiny: greedy tokens equal a full-recompute loop (chunked
+prompts, mixed batches, preemption), seeded sampling independent of the batch, stop rules, aborts
+at every stage and bad inputs (clear errors, engine keeps serving), every page freed at the end."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from engine_helpers import assert_all_free, drain, reference_greedy
+
+from disagg.engine import ColocatedEngine
+from disagg.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 17, 3, 88, 41, 7, 200, 13, 66, 21],  # 11 tokens: split by an 8-token budget
+           [42],
+           [7, 7, 7, 100, 101, 102, 103, 250, 1, 0, 4, 9, 12, 18, 33, 99, 77, 64, 31, 8, 5],  # 21
+           [150, 151, 3, 4, 90]]
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def _engine(model, **kw) -> ColocatedEngine:
+    sizes = dict(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    sizes.update(kw)
+    return ColocatedEngine(model, **sizes)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    """Greedy tokens of every prompt from the full-recompute loop (torch reference kernels)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "0")
+        return [reference_greedy(tiny_model, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def test_greedy_matches_full_recompute(tiny_model, torch_reference, expected):
+    engine = _engine(tiny_model)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add(f"r{i}", prompt, GREEDY)
+    results = drain(engine)
+    for i in range(len(PROMPTS)):
+        assert results[f"r{i}"] == {"tokens": expected[i], "reason": "length", "error": None}, i
+    assert engine.stats()["num_preemptions"] == 0
+    assert_all_free(engine)
+
+
+def test_preemption_recomputes_identical_tokens(tiny_model, torch_reference, expected):
+    engine = _engine(tiny_model, num_pages=9, max_num_batched_tokens=16)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add(i, prompt, GREEDY)
+    results = drain(engine)
+    assert engine.stats()["num_preemptions"] > 0
+    assert [results[i]["tokens"] for i in range(len(PROMPTS))] == expected
+    assert_all_free(engine)
+
+
+def test_stop_token_and_max_tokens(tiny_model, torch_reference, expected):
+    engine = _engine(tiny_model)
+    engine.add("stop", PROMPTS[0], SamplingParams(max_tokens=8, stop_token_ids=(expected[0][2],), ignore_eos=True))
+    engine.add("one", PROMPTS[2], SamplingParams(max_tokens=1, ignore_eos=True))
+    results = drain(engine)
+    first_stop = expected[0].index(expected[0][2]) + 1
+    assert results["stop"] == {"tokens": expected[0][:first_stop], "reason": "stop", "error": None}
+    assert results["one"] == {"tokens": expected[2][:1], "reason": "length", "error": None}
+    assert_all_free(engine)
+
+
+def test_seeded_sampling_same_whatever_the_batch(tiny_model, torch_reference):
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_k=40, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = _engine(tiny_model)
+    alone.add("x", PROMPTS[0], params)
+    want = drain(alone)["x"]["tokens"]
+    crowded = _engine(tiny_model, num_pages=10, max_num_batched_tokens=5)
+    crowded.add("a", PROMPTS[2], SamplingParams(max_tokens=6, temperature=1.2, seed=7, ignore_eos=True))
+    crowded.add("b", PROMPTS[3], GREEDY)
+    crowded.add("x", PROMPTS[0], params)
+    crowded.add("c", PROMPTS[1], SamplingParams(max_tokens=9, temperature=0.5, ignore_eos=True))
+    got = drain(crowded)
+    assert got["x"]["tokens"] == want
+    other = _engine(tiny_model)
+    other.add("y", PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.9, top_k=40, top_p=0.95,
+                                              seed=4321, ignore_eos=True))
+    assert drain(other)["y"]["tokens"] != want
+
+
+def test_abort_at_every_stage_frees_every_page(tiny_model, torch_reference, expected):
+    engine = _engine(tiny_model, max_num_batched_tokens=6)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add(i, prompt, GREEDY)
+    engine.add("queued", PROMPTS[3], GREEDY)
+    assert engine.abort("queued")  # never scheduled
+    early = engine.step()  # request 0 (11 tokens) is half computed
+    assert engine.abort(0)  # mid-prompt
+    for _ in range(6):
+        early += engine.step()
+    decoding = engine.scheduler.running[0].request_id
+    assert engine.abort(decoding)  # mid-decode
+    results = drain(engine)
+    assert not engine.abort(decoding) and not engine.abort("never")
+    aborts = [o for o in early if o.finish_reason == "abort"]
+    assert [(o.request_id, o.token_id, o.finished) for o in aborts] == [("queued", None, True), (0, None, True)]
+    assert results[decoding]["reason"] == "abort"
+    for i in {1, 2, 3} - {decoding}:
+        assert results[i]["tokens"][-1] == expected[i][-1] and results[i]["reason"] == "length"
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("bad,kind,match", [
+    (dict(prompt_token_ids=[]), ValueError, "prompt_token_ids.*at least 1"),
+    (dict(prompt_token_ids=[1] * 4096), ValueError, "prompt_token_ids.*context is 4096"),
+    (dict(prompt_token_ids=[1, 256]), ValueError, r"prompt_token_ids.*\[0, 256\)"),
+    (dict(prompt_token_ids="abc"), TypeError, "prompt_token_ids"),
+    (dict(params=SamplingParams(temperature=-1.0)), ValueError, "temperature"),
+    (dict(params=SamplingParams(top_p=2.0)), ValueError, "top_p"),
+    (dict(params=SamplingParams(max_tokens=0)), ValueError, "max_tokens"),
+    (dict(params=SamplingParams(max_tokens=1000)), ValueError, "max_tokens.*pages"),
+    (dict(params={"max_tokens": 3}), TypeError, "params"),
+    (dict(request_id="good"), ValueError, "already in this engine"),
+    (dict(request_id=["unhashable"]), TypeError, "request_id"),
+])
+def test_bad_input_is_refused_and_others_keep_running(tiny_model, torch_reference, expected, bad, kind, match):
+    engine = _engine(tiny_model)
+    engine.add("good", PROMPTS[1], GREEDY)
+    first = engine.step()
+    assert [o.token_id for o in first] == expected[1][:1]
+    call = dict(request_id="bad", prompt_token_ids=PROMPTS[0], params=GREEDY)
+    call.update(bad)
+    with pytest.raises(kind, match=match):
+        engine.add(call["request_id"], call["prompt_token_ids"], call["params"])
+    results = drain(engine)
+    assert results == {"good": {"tokens": expected[1][1:], "reason": "length", "error": None}}
+    assert_all_free(engine)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs TRITON_INTERPRET=1 when triton is imported (make test sets it)")
+def test_triton_interpreter_end_to_end(tiny_model, expected):
+    engine = _engine(tiny_model, max_num_batched_tokens=7)
+    engine.add("a", PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add("b", PROMPTS[1], SamplingParams(max_tokens=3, ignore_eos=True))
+    results = drain(engine)
+    assert results["a"]["tokens"] == expected[0][:3]
+    assert results["b"]["tokens"] == expected[1][:3]
+    assert_all_free(engine)
