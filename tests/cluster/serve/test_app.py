@@ -14,6 +14,8 @@ import pytest
 from fake_cluster import CharTokenizer, FakeCluster
 from prometheus_client.parser import text_string_to_metric_families
 
+from disagg.errors import ClusterError
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -175,12 +177,10 @@ def test_full_server_answers_429(serve_fake):
 
 
 def test_cluster_refusals_map_to_status(serve_fake):
-    class QueueFull(RuntimeError):
-        pass
-
-    class NoHealthyInstance(RuntimeError):
-        pass
-    for exc, status in ((QueueFull("router queue is full (4096)"), 429), (NoHealthyInstance("all dead"), 503)):
+    refusals = ((ClusterError("the router's queue is full (4096 requests waiting for decode pages, "
+                              "router.max_queue); retry later"), 429),
+                (ClusterError("no live decode instance"), 503), (ValueError("prompt too long"), 400))
+    for exc, status in refusals:
         server, _ = serve_fake(FakeCluster(fail_with=exc))
         assert httpx.post(server.base_url + "/v1/completions", json={"prompt": [1]}).status_code == status
         response = httpx.post(server.base_url + "/v1/completions", json={"prompt": [1], "stream": True})
@@ -202,7 +202,7 @@ def test_error_mid_stream_is_sent_in_band(serve_fake):
     events = _sse(response)
     assert events[-1] == "[DONE]" and "died" in events[-2]["error"]["message"] and len(events) == 4
     response = httpx.post(server.base_url + "/v1/completions", json={"prompt": [65], "max_tokens": 9})
-    assert response.status_code == 500 and "died" in response.json()["error"]["message"]
+    assert response.status_code == 503 and "died" in response.json()["error"]["message"]
     assert not fake.active
 
 
