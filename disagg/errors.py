@@ -10,7 +10,28 @@ from __future__ import annotations
 
 
 class DisaggError(Exception):
-    """Base class of every error raised on purpose by disagg."""
+    """Base class of every error raised on purpose by disagg.
+
+    Errors pickle with their attributes (keyword-only constructor arguments included), so they
+    cross process boundaries (Ray actors) intact.
+    """
+
+    def __reduce__(self):
+        return (_restore_error, (type(self), self.args, self.__dict__))
+
+
+def _restore_error(cls: type, args: tuple, state: dict) -> DisaggError:
+    """Unpickle a `DisaggError` without calling its constructor (see `DisaggError.__reduce__`)."""
+    for base in cls.__mro__:  # the builtin base that lays out the object (OSError for timeouts)
+        if base.__module__ == "builtins":
+            try:
+                err = base.__new__(cls)
+                break
+            except TypeError:
+                continue
+    err.args = args
+    err.__dict__.update(state)
+    return err
 
 
 class ConfigError(DisaggError, ValueError):
@@ -77,3 +98,11 @@ class SignalTimeout(TransferError, TimeoutError):
 
 class CacheIntegrityError(DisaggError, RuntimeError):
     """The page-table bookkeeping broke one of its invariants (a bug, not caller misuse)."""
+
+
+class ClusterError(DisaggError, RuntimeError):
+    """Launching or running the Ray cluster failed (placement, bootstrap, an instance died)."""
+
+
+class PreflightError(ClusterError):
+    """The fleet failed a check before its first request (geometry, weights, pages, reachability)."""
