@@ -77,7 +77,7 @@ def test_existing_kv_goes_page_to_page(actors, force_segment_puts):
     assert result["equal"], result
 
 
-def test_doorbell_rings_only_after_the_last_write(actors):
+def test_doorbell_is_not_rung_before_end_forward(actors):
     step(actors, 0, "use_segment_puts", force=False)
     send(actors, [dict(request_id=300, seq_id=300, length=64)],
          [dict(request_id=300, seq_id=300, prompt_len=64)], ring=False)
@@ -87,6 +87,23 @@ def test_doorbell_rings_only_after_the_last_write(actors):
     assert result["equal"], result
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_doorbell_rings_only_after_the_last_write(actors, mode):
+    """The receiver spins on the doorbell (host poll of the signal word) while the sender pushes
+    large pages, pausing after every layer, and the moment it sees the ring compares every layer
+    of its slots on the GPU (a device-side read after the wait): all must have landed."""
+    ray, pair = actors
+    step(actors, 0, "use_pusher", **MODES[mode])
+    for attempt in range(3):
+        rid = 310 + 10 * list(MODES).index(mode) + attempt
+        got = step(actors, 1, "prepare_recv", requests=[dict(request_id=rid, seq_id=rid, length=600)])
+        request = dict(request_id=rid, seq_id=rid, prompt_len=600, pe=1, **got[rid])
+        watch = pair[1].run.remote("ring_race", dict(role="watch", request_id=rid))
+        sent = pair[0].run.remote("ring_race", dict(role="send", requests=[request], layer_delay_s=0.05))
+        result, _ = ray.get([watch, sent], timeout=TIMEOUT_S)
+        assert result == {"rung": True, "layers_wrong_at_ring": []}, result
+
+
 def test_wait_times_out_with_request_and_pes(actors):
     step(actors, 1, "prepare_recv", requests=[dict(request_id=400, seq_id=400, length=5)])
     error = step(actors, 1, "wait_error", request_id=400, timeout_s=0.2)
@@ -94,4 +111,10 @@ def test_wait_times_out_with_request_and_pes(actors):
 
 
 def test_sender_cache_holds_exactly_its_prompts(actors):
+    """Self-contained: a prompt of its own (part of it local, then page to page and pushed); the
+    sender's KV then equals its set-up snapshot except at its sequences' slots, bit for bit."""
+    step(actors, 0, "use_segment_puts", force=False)
+    send(actors, [dict(request_id=500, seq_id=500, length=400 - 50)],
+         [dict(request_id=500, seq_id=500, prompt_len=400, local_len=100, begin=50)])
+    assert step(actors, 1, "check_received", begins={500: 50})["equal"]
     assert step(actors, 0, "sender_unchanged_outside") is True

@@ -109,7 +109,7 @@ def test_three_processes_two_receivers_in_one_batch(start):
     assert group.run("sender_unchanged_outside", {0: {}})[0]
 
 
-def test_doorbell_rings_only_after_the_last_write(start):
+def test_doorbell_is_not_rung_before_end_forward(start):
     group = start(2)
     send(group, {1: [dict(request_id=9, seq_id=90, length=13)]},
          [dict(request_id=9, seq_id=9, prompt_len=13)], ring=False)
@@ -117,6 +117,21 @@ def test_doorbell_rings_only_after_the_last_write(start):
     group.run("finish_forward", {0: {}})
     assert group.run("is_rung", {1: dict(request_id=9)})[1] is True
     check(group, 1, {9: 0})
+
+
+def test_doorbell_rings_only_after_the_last_write(start):
+    """The receiver spins on the doorbell while the sender pushes (pausing after every layer) and
+    reads the moment it sees the ring: every layer must be there already. A ring issued before
+    the last layer's write fails this (checked against a pusher that rings in begin_forward)."""
+    group = start(2)
+    for attempt in range(3):
+        rid = 900 + attempt
+        got = group.run("prepare_recv", {1: dict(requests=[dict(request_id=rid, seq_id=rid, length=40)])},
+                        STEP_TIMEOUT_S)[1]
+        request = dict(request_id=rid, seq_id=rid, prompt_len=40, pe=1, **got[rid])
+        result = group.run("ring_race", {0: dict(role="send", requests=[request], layer_delay_s=0.05),
+                                         1: dict(role="watch", request_id=rid)}, STEP_TIMEOUT_S)
+        assert result[1] == {"rung": True, "layers_wrong_at_ring": []}, result
 
 
 def test_wait_times_out_with_request_and_pes(start):

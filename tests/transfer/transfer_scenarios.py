@@ -89,8 +89,15 @@ def prepare_recv(requests: list[dict], rank: int | None = None) -> dict[int, dic
     return out
 
 
-def run_forward(seq_ids: list[int], lengths: list[int], *, end: bool = True) -> None:
-    """Sender: one forward of the fake model (every layer: K/V -> fused append+push)."""
+def run_forward(seq_ids: list[int], lengths: list[int], *, end: bool = True,
+                layer_delay_s: float = 0.0) -> None:
+    """Sender: one forward of the fake model (every layer: K/V -> fused append+push).
+
+    ``layer_delay_s``: sleep after each layer's push (the next layer's K/V comes later), so a
+    doorbell rung before the last layer's write would be seen while that layer is missing.
+    """
+    import time
+
     cache, pusher, g = STATE["cache"], STATE["pusher"], STATE["geometry"]
     plan = cache.begin_forward(seq_ids, lengths)
     pusher.begin_forward(plan)
@@ -105,6 +112,8 @@ def run_forward(seq_ids: list[int], lengths: list[int], *, end: bool = True) -> 
             vs.append(v)
         pusher.push_layer_async(layer, torch.cat(ks).to(device), torch.cat(vs).to(device))
         pusher.wait_layer(layer)
+        if layer_delay_s:
+            time.sleep(layer_delay_s)
     if end:
         finish_forward()
 
@@ -130,7 +139,8 @@ def finish_forward(rank: int | None = None) -> None:
     STATE["pusher"].synchronize()
 
 
-def prefill(requests: list[dict], ring: bool = True, rank: int | None = None) -> None:
+def prefill(requests: list[dict], ring: bool = True, rank: int | None = None,
+            layer_delay_s: float = 0.0) -> None:
     """Sender: prefill ``{request_id, seq_id, prompt_len, local_len, begin, cmap, ticket, pe}``.
 
     First ``local_len`` tokens run locally (no send), then `disagg_mark_send(begin)` and the rest
@@ -148,7 +158,39 @@ def prefill(requests: list[dict], ring: bool = True, rank: int | None = None) ->
         cache.disagg_mark_send(req["seq_id"], req.get("begin", 0), req["cmap"], req["pe"])
         pusher.attach_doorbell(req["seq_id"], req["ticket"])
     run_forward([r["seq_id"] for r in requests],
-                [r["prompt_len"] - r.get("local_len", 0) for r in requests], end=ring)
+                [r["prompt_len"] - r.get("local_len", 0) for r in requests], end=ring,
+                layer_delay_s=layer_delay_s)
+
+
+def ring_race(role: str, rank: int | None = None, **kwargs: Any) -> Any:
+    """One step, two roles that run at once: ``"send"`` runs `prefill(**kwargs)`; ``"watch"``
+    runs `watch_ring(**kwargs)`."""
+    return prefill(**kwargs) if role == "send" else watch_ring(**kwargs)
+
+
+def watch_ring(request_id: int, begin: int = 0, timeout_s: float = 30.0) -> dict:
+    """Receiver, while the sender pushes: spin on the doorbell and, the moment it is rung, read
+    the request's slots (on the KV tensor's device) and compare them with the expected K/V of
+    every layer. A ring that came before the last write shows up as missing layers."""
+    import time
+
+    g, kv = STATE["geometry"], STATE["kv"]
+    seq_id, ticket = STATE["received"][request_id]
+    deadline = time.monotonic() + timeout_s
+    while not STATE["doorbells"].is_rung(ticket):
+        if time.monotonic() > deadline:
+            return {"rung": False}
+    slots = torch.from_numpy(np.asarray(STATE["cache"].slots(seq_id), dtype=np.int64)).to(kv.device)
+    pages, offsets = slots // g["page_size"], slots % g["page_size"]
+    seen = [kv[layer, pages, :, :, offsets].clone() for layer in range(g["num_layers"])]  # [n, 2, H, D]
+    positions = begin + np.arange(len(slots))
+    missing = []
+    for layer in range(g["num_layers"]):
+        k, v = request_kv(request_id, layer, positions, g["num_kv_heads"], g["head_dim"], STATE["dtype"])
+        want = torch.stack([k, v], dim=1).to(kv.device)
+        if not torch.equal(seen[layer].view(torch.uint8), want.view(torch.uint8)):
+            missing.append(layer)
+    return {"rung": True, "layers_wrong_at_ring": missing}
 
 
 def is_rung(request_id: int, rank: int | None = None) -> bool:
@@ -193,8 +235,11 @@ def check_received(begins: dict[int, int], timeout_s: float = 30.0, rank: int | 
 
 
 def sender_unchanged_outside(rank: int | None = None) -> bool:
-    """Sender: the local KV equals the snapshot except at its sequences' slots (bit-exact writes)."""
+    """Sender: the local KV equals the snapshot except at its sequences' slots (bit-exact writes);
+    False when it has sent no sequence (nothing would be checked)."""
     g, kv = STATE["geometry"], STATE["kv"]
+    if not STATE["request_of_seq"]:
+        return False
     expected = STATE["snapshot"].clone()
     for seq_id, request_id in STATE["request_of_seq"].items():
         slots = np.asarray(STATE["cache"].slots(seq_id), dtype=np.int64)
