@@ -144,11 +144,22 @@ def _same(a: Any, b: Any, rel_tol: float) -> bool:
 
 
 def save_json(obj: Any, path: str | Path) -> Path:
-    """Write `obj` as JSON (directories created), return the path."""
+    """Write `obj` as strict JSON (inf/nan become "inf"/"nan" strings, as vLLM writes an infinite
+    rate; directories created); return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=1, allow_nan=False))
+    path.write_text(json.dumps(_finite(obj), indent=1, allow_nan=False))
     return path
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, Mapping):
+        return {key: _finite(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(value) for value in obj]
+    return obj
 
 
 def load_json(path: str | Path) -> Any:

@@ -132,7 +132,7 @@ def _busy_seconds(stats: Mapping) -> dict[str, float]:
     seconds = {}
     for key, entry in entries:
         if isinstance(entry, Mapping) and isinstance(entry.get("busy_s"), (int, float)):
-            name = entry.get("name") or f"{entry.get('role', 'instance')}{entry.get('pe', key)}"
+            name = entry.get("name") or (key if isinstance(key, str) else f"{entry.get('role', 'instance')}-{key}")
             seconds[str(name)] = float(entry["busy_s"])
     return seconds
 

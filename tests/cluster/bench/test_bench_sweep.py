@@ -1,0 +1,134 @@
+"""The sweep and comparison plumbing (YAML -> launch -> workload -> sweep -> JSON + PNGs + table)
+on a stand-in Cluster that streams scripted tokens. A unit test of the bench's wiring, not of
+serving: the end-to-end comparison on the real cluster is test_bench_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import types
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+import disagg.cluster
+from disagg.cluster.bench import compare as cmp
+from disagg.cluster.bench.report import check_result, load_json
+from disagg.cluster.bench.sweep import busy_fractions
+
+from disagg.cluster.bench.command import bench_command
+
+TINY_1P1D = "configs/tiny-1p1d.yaml"
+TINY_COLOCATED = "configs/tiny-colocated.yaml"
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    app.command("bench")(bench_command)
+    return app
+
+
+class StandInCluster:
+    """Cluster-shaped: launch/context manager, max_model_len, vocab_size, stats(), stream()."""
+
+    launched: list = []
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.max_model_len = 128
+        self.vocab_size = 64
+        self.busy_s = 0.0
+        self.step_s = 0.001 if config.mode == "disaggregated" else 0.002
+
+    @classmethod
+    def launch(cls, config):
+        cls.launched.append(config)
+        return cls(config)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def stats(self) -> dict:
+        return {"instances": [{"name": f"{self.config.mode}-{i}", "busy_s": self.busy_s} for i in range(2)]}
+
+    async def stream(self, prompt, params, request_id=None):
+        assert all(0 <= t < self.vocab_size for t in prompt) and len(prompt) + params.max_tokens <= 128
+        for i in range(params.max_tokens):
+            await asyncio.sleep(self.step_s)
+            self.busy_s += self.step_s
+            yield types.SimpleNamespace(token_ids=[i], emit_times=[time.time()], error=None,
+                                        finished=i == params.max_tokens - 1)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    StandInCluster.launched = []
+    monkeypatch.setattr(disagg.cluster, "Cluster", StandInCluster, raising=False)
+    return StandInCluster
+
+
+def test_quick_compare_writes_results_and_plots(stand_in, tmp_path):
+    summary = cmp.quick_compare(TINY_1P1D, TINY_COLOCATED, str(tmp_path), num_prompts=5, rates=(50.0, 200.0),
+                                goodput={"ttft": 1000, "tpot": 1000}, input_len=8, output_len=4)
+    assert [c.mode for c in stand_in.launched] == ["disaggregated", "colocated"]
+    labels = [side["label"] for side in summary["sides"]]
+    assert labels == ["tiny-1p1d", "tiny-colocated"]
+    for run in summary["runs"]:
+        assert len(run["result_files"]) == 2
+        for path in run["result_files"]:
+            result = load_json(path)
+            check_result(result)
+            assert result["completed"] == 5 and result["num_gpus"] == 2
+            assert result["workload"]["vocab_size"] == 64 and result["config"]["instances"]
+            assert set(result["busy_fraction"]) == {f"{result['config']['instances']['colocated'] and 'colocated' or 'disaggregated'}-{i}" for i in range(2)}
+    assert summary["sides"][0]["attainment"] == [1.0, 1.0]
+    assert summary["comparison"]["rows"][0]["ratio"] == pytest.approx(1.0)   # both hold every rate
+    assert {p.split("/")[-1] for p in summary["plots"]} >= {"attainment_vs_rate.png", "ttft_cdf.png"}
+    assert json.loads((tmp_path / "compare.json").read_text())["slos_ms"] == {"ttft": 1000, "tpot": 1000}
+
+
+def test_cli_compare_with_variants_and_calibrated_slos(stand_in, tmp_path):
+    result = CliRunner().invoke(_app(), [
+        "bench", TINY_1P1D, "--compare", TINY_COLOCATED, "--compare-variant",
+        "scheduler.max_num_batched_tokens=64,128", "--num-prompts", "4", "--request-rate", "100,inf",
+        "--random-input-len", "8", "--random-output-len", "3", "--slo-calibrate", "--slo-scales", "1,4",
+        "--result-dir", str(tmp_path), "--disable-tqdm"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "compare.json").read_text())
+    assert [s["label"] for s in summary["sides"]] == [
+        "tiny-1p1d", "tiny-colocated[max_num_batched_tokens=64]", "tiny-colocated[max_num_batched_tokens=128]"]
+    assert [c.scheduler.max_num_batched_tokens for c in stand_in.launched] == [256, 64, 128]
+    calibration = summary["runs"][0]["calibration"]
+    assert calibration["slos_ms"]["tpot"] == pytest.approx(2.5 * calibration["isolated_tpot_ms"])
+    assert summary["slos_ms"] == calibration["slos_ms"]
+    assert [row["scale"] for row in summary["comparison"]["rows"]] == [1.0, 4.0]
+    assert "Per-GPU goodput" in result.output
+
+
+def test_cli_single_config_saves_named_result(stand_in, tmp_path):
+    result = CliRunner().invoke(_app(), [
+        "bench", TINY_1P1D, "--no-compare", "--num-prompts", "3", "--request-rate", "100",
+        "--dataset-name", "decode-heavy", "--random-output-len", "3", "--random-input-len", "4",
+        "--goodput", "ttft:500", "--goodput", "tpot:500", "--save-result", "--result-dir", str(tmp_path),
+        "--result-filename", "one.json", "--disable-tqdm"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    saved = load_json(tmp_path / "one.json")
+    check_result(saved)
+    assert saved["goodput"] == {"ttft": 500.0, "tpot": 500.0} and saved["workload"]["dataset_name"] == "decode-heavy"
+    assert "Mean TTFT (ms)" in result.output
+
+
+def test_busy_fractions_read_either_stats_shape():
+    before = {"instances": [{"name": "prefill-0", "busy_s": 1.0}, {"name": "decode-0", "busy_s": 2.0}]}
+    after = {"instances": [{"name": "prefill-0", "busy_s": 1.5}, {"name": "decode-0", "busy_s": 3.0}]}
+    assert busy_fractions(before, after, 2.0) == {"prefill-0": 0.25, "decode-0": 0.5}
+    nested = {"colocated-0": {"busy_s": 0.0}, "colocated-1": {"busy_s": 1.0}, "router": 3}
+    later = {"colocated-0": {"busy_s": 1.0}, "colocated-1": {"busy_s": 1.0}, "router": 4}
+    assert busy_fractions(nested, later, 1.0) == {"colocated-0": 1.0, "colocated-1": 0.0}
+    assert busy_fractions({"instances": [{"name": "x"}]}, {"instances": [{"name": "x"}]}, 1.0) is None
