@@ -133,7 +133,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
                         type="service_unavailable", code="no_healthy_instance").response()
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    def metrics() -> Response:  # sync: FastAPI runs it in a worker thread; cluster.stats() blocks
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")

@@ -30,18 +30,23 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# cluster.stats() per-instance key -> (metric name, help). Gauges of the instance's current state.
+# cluster.stats() per-instance key -> (metric name, help): gauges of the instance's current state.
 INSTANCE_GAUGES = {
     "running": ("disagg:num_requests_running", "Requests running on the instance."),
     "waiting": ("disagg:num_requests_waiting", "Requests waiting on the instance."),
     "used_pages": ("disagg:kv_pages_used", "KV cache pages in use on the instance."),
     "total_pages": ("disagg:kv_pages_total", "KV cache pages of the instance."),
     "kv_cache_usage_perc": ("disagg:kv_cache_usage_perc", "KV cache usage of the instance; 1 means 100 percent."),
+    "leases": ("disagg:num_kv_leases", "Decode reservations whose KV has not landed yet."),
+    "quarantined": ("disagg:num_requests_quarantined", "Aborted decode reservations whose pages wait for "
+                    "their doorbell or lease expiry before reuse."),
+    "alive": ("disagg:instance_alive", "1 while the instance's actor is alive."),
     "push_gbps": ("disagg:kv_push_gbps", "Recent KV push rate of a prefill instance, GB/s."),
 }
-# Per-instance monotonically increasing totals.
+# Per-instance totals since launch.
 INSTANCE_COUNTERS = {
     "num_preemptions": ("disagg:num_preemptions", "Preemptions on the instance."),
+    "num_forwards": ("disagg:num_forwards", "Model forwards run by the instance."),
     "pushed_bytes": ("disagg:kv_pushed_bytes", "KV bytes pushed by a prefill instance to decode instances."),
     "doorbell_wait_s": ("disagg:doorbell_wait_seconds", "Time decode spent waiting on KV doorbells, seconds."),
 }
@@ -138,13 +143,27 @@ class ClusterCollector(Collector):
         instances = list(_instances(stats))
         families = _instance_families(instances)
         router = stats.get("router") if isinstance(stats.get("router"), dict) else {}
-        queued = router.get("queued", stats.get("queued"))
-        if isinstance(queued, (int, float)):
-            queue = GaugeMetricFamily("disagg:num_requests_queued", "Requests waiting in the router's "
-                                      "queue for decode pages.")
-            queue.add_metric([], queued)
-            families.append(queue)
+        families.extend(_router_families(router))
         return families
+
+
+def _router_families(router: dict) -> list:
+    families = []
+    for key, name, doc in (("queued", "disagg:num_requests_queued", "Requests in the router's queue waiting "
+                            "for decode pages."),
+                           ("live", "disagg:num_requests_live", "Requests the router holds (queued to finished).")):
+        if isinstance(router.get(key), (int, float)):
+            family = GaugeMetricFamily(name, doc)
+            family.add_metric([], router[key])
+            families.append(family)
+    counts = router.get("counts")
+    if isinstance(counts, dict):
+        family = CounterMetricFamily("disagg:router_requests", "Requests the router saw, by outcome "
+                                     "(submitted, stop, length, abort, error).", labels=["outcome"])
+        for outcome, value in sorted(counts.items()):
+            family.add_metric([str(outcome)], value)
+        families.append(family)
+    return families
 
 
 def _instances(stats: dict) -> Iterable[tuple[str, dict]]:

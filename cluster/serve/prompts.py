@@ -85,7 +85,7 @@ def prepare_chat(request: ChatCompletionRequest, limits: ModelLimits) -> Prepare
                               "messages", "no_chat_template") from None
         raise bad_request(f"the chat template of model '{limits.name}' failed on these messages: {err}",
                           "messages") from None
-    prompt_ids = list(limits.tokenizer.encode(text))
+    prompt_ids = list(limits.tokenizer.encode(text, add_special_tokens=False))  # the template wrote BOS
     return _prepare(request, prompt_ids, request.requested_max_tokens(), limits, "messages")
 
 

@@ -25,7 +25,7 @@ class CharTokenizer:
     def __init__(self, chat_template: bool = True) -> None:
         self.chat_template = chat_template
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
     def decode(self, ids: list[int]) -> str:
@@ -97,5 +97,7 @@ class FakeCluster:
     def stats(self) -> dict:
         used = sum(self.active.values())
         inst = lambda name, role: {"name": name, "role": role, "free_pages": self.total_pages - used,
-                                   "total_pages": self.total_pages, "running": len(self.active), "waiting": 0}
-        return {"instances": [inst("prefill0", "prefill"), inst("decode0", "decode")], "router": {"queued": 0}}
+                                   "total_pages": self.total_pages, "running": len(self.active), "waiting": 0,
+                                   "alive": True}
+        return {"instances": [inst("prefill0", "prefill"), inst("decode0", "decode")],
+                "router": {"queued": 0, "live": len(self.active), "counts": {"submitted": len(self.started)}}}
