@@ -1,5 +1,18 @@
-"""disagg.cluster: Ray actors, router, YAML launch and the command line.
+"""disagg.cluster: the fleet on Ray -- instance actors, heap bootstrap, router, CLI, demo.
 
-Only this package imports ray. Today it holds the demonstration job (`disagg.cluster.demo`);
-the Ray actors, router and CLI arrive with the cluster issue.
+    Cluster.launch(config) -> Cluster       start every instance from a `disagg.config.Config`
+    cluster.stream(prompt, params)          async deltas (`StreamDelta`), from any event loop
+    cluster.generate(prompts, params)       blocking, -> list[`Completion`]
+    cluster.abort(id); cluster.stats(); cluster.shutdown()
+
+Where things happen: `bootstrap` (placement, weights, heap, preflight: `preflight`), `actors`
+(one per instance; its engine runs on a `step_loop` thread; engines built by `engines`),
+`router` (request entry, page reservation, streaming, leases, failures; state in `requests`),
+`cluster` (the caller's handle), `cli` (the `disagg` command), `demo` (`make demo`). Only this
+package imports ray.
 """
+
+from disagg.cluster.cluster import Cluster
+from disagg.cluster.outputs import Completion, RequestMetrics, StreamDelta
+
+__all__ = ["Cluster", "Completion", "RequestMetrics", "StreamDelta"]

@@ -1,0 +1,182 @@
+"""One Ray actor per instance: owns one engine (prefill, decode or colocated) and its step loop.
+
+The actor is an async Ray actor; every method hands its work to the `StepLoop` thread that owns
+the model, the heap and the engine, and awaits it, so calls from the router never run
+concurrently with a step. Outputs leave in batches: the router keeps one `next_outputs` call
+outstanding per actor, which returns everything produced since the previous call (or waits up to
+``wait_s`` for something). Set-up methods (`load`, `new_uid`, `open_heap`, `build_engine`) are
+called by `disagg.cluster.bootstrap` in that order. Runs in the actor's own process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+from typing import Any
+
+from disagg.cluster.step_loop import StepLoop
+from disagg.config import Config
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ENGINE_MODULE = "disagg.cluster.engines"
+
+
+class InstanceActor:
+    """One instance of the fleet (wrapped with `ray.remote` by the launcher).
+
+    Args:
+        role: "prefill", "decode" or "colocated".
+        name: the instance's name ("prefill-0"), for logs and errors.
+        config: the validated config as a dict (model.source already resolved to a path).
+        engine_module: the module providing `load`, `describe` and `make_engine`
+            (`disagg.cluster.engines`; tests may substitute their own).
+    """
+
+    def __init__(self, role: str, name: str, config: dict, engine_module: str = DEFAULT_ENGINE_MODULE) -> None:
+        logging.basicConfig(level=os.environ.get("DISAGG_LOG", "INFO"))
+        self.role, self.name = role, name
+        self.config = Config.model_validate(config)
+        self.engines = importlib.import_module(engine_module)
+        self.model: Any = None
+        self.heap: Any = None
+        self.num_pages: int | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._num_to_drop = 0
+        self._dropped: set = set()
+        self.loop = StepLoop(name, on_output=self._wake)
+
+    # ------------------------------------------------------------------ plumbing
+    async def _run(self, fn, *args, **kwargs) -> Any:
+        """Run ``fn`` on the step-loop thread and return its result (exceptions re-raised here)."""
+        self._bind_event_loop()
+        return await asyncio.wrap_future(self.loop.call(fn, *args, **kwargs))
+
+    def _bind_event_loop(self) -> None:
+        if self._event_loop is None:
+            self._event_loop = asyncio.get_running_loop()
+            self._wakeup = asyncio.Event()
+
+    def _wake(self) -> None:
+        """Called on the step-loop thread after a step produced outputs."""
+        if self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(self._wakeup.set)
+
+    # ------------------------------------------------------------------ set-up
+    async def load(self, device: str) -> dict:
+        """Load the weights on ``device``; return `engines.describe` plus the process's identity."""
+        def _load() -> dict:
+            self.model = self.engines.load(self.config, device)
+            info = self.engines.describe(self.model, self.config, device)
+            info.update(pid=os.getpid(), cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+            return info
+        return await self._run(_load)
+
+    async def new_uid(self, backend: str, heap_bytes: int) -> bytes:
+        """Rank 0 only: the bootstrap id of the symmetric heap (sizes NVSHMEM's heap too)."""
+        from disagg.transfer import new_unique_id
+        return await self._run(new_unique_id, backend, size_bytes=heap_bytes)
+
+    async def open_heap(self, backend: str, uid: bytes, rank: int, world_size: int, heap_bytes: int,
+                        timeout_s: float) -> dict:
+        """Join the symmetric heap as PE ``rank`` (collective: every PE at once).
+
+        Returns:
+            {"rank": this PE, "reachable": {pe: True when this PE can store into pe's memory
+            directly, False when pushes to it take the segment-put path}}
+        """
+        def _open() -> dict:
+            import torch
+
+            from disagg.transfer import open_heap
+            device = "cuda:0" if backend == "nvshmem" else None
+            self.heap = open_heap(backend, uid=uid, rank=rank, world_size=world_size,
+                                  size_bytes=heap_bytes, device=device, timeout_s=timeout_s)
+            probe = self.heap.alloc((256,), torch.uint8)  # collective; every PE probes every peer
+            reachable = {pe: self.heap.peer(probe, pe) is not None for pe in range(world_size)}
+            return {"rank": self.heap.rank, "reachable": reachable}
+        return await self._run(_open)
+
+    async def build_engine(self, num_pages: int) -> dict:
+        """Build the engine over ``num_pages`` pages (collective with the heap); return its stats."""
+        def _build() -> dict:
+            self.loop.engine = self.engines.make_engine(self.role, self.model, self.heap, num_pages, self.config)
+            self.num_pages = num_pages
+            return dict(self.loop.engine.stats())
+        return await self._run(_build)
+
+    # ------------------------------------------------------------------ requests
+    async def add(self, request_id: Any, prompt_token_ids: list[int], params: Any, dest: Any = None) -> None:
+        """Queue a request: prefill (with the decode side's ``dest``) or colocated (no dest)."""
+        if self.role == "prefill" and self._num_to_drop:
+            self._num_to_drop -= 1
+            self._dropped.add(request_id)  # test hook: accepted, never run, its KV never pushed
+            return
+        if self.role == "prefill":
+            await self._run(lambda: self.loop.engine.add(request_id, prompt_token_ids, params, dest))
+        else:
+            await self._run(lambda: self.loop.engine.add(request_id, prompt_token_ids, params))
+
+    async def reserve(self, request_id: Any, prompt_len: int, params: Any) -> Any:
+        """Decode: reserve pages for the prompt's KV; return the `RecvDest` (raises OutOfPages)."""
+        return await self._run(lambda: self.loop.engine.reserve(request_id, prompt_len, params))
+
+    async def start(self, request_id: Any, first_token_id: int) -> None:
+        """Decode: the prefill side produced ``first_token_id``; decode once the KV has landed."""
+        await self._run(lambda: self.loop.engine.start(request_id, first_token_id))
+
+    async def abort(self, request_id: Any) -> None:
+        """Drop a request wherever it is (pages freed, or quarantined while KV may be in flight)."""
+        if request_id in self._dropped:
+            self._dropped.discard(request_id)
+            return
+        await self._run(lambda: self.loop.engine.abort(request_id))
+
+    async def next_outputs(self, wait_s: float) -> dict:
+        """Every output since the previous call, waiting up to ``wait_s`` seconds for one.
+
+        Returns:
+            {"outputs": [(request_id, token_id, finished, finish_reason, error, emit_time), ...],
+             "fatal": None, or the engine's traceback once it failed (the instance is dead)}
+        """
+        self._bind_event_loop()
+        self._wakeup.clear()
+        rows = self.loop.drain()
+        if not rows and self.loop.fatal is None:
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+            rows = self.loop.drain()
+        return {"outputs": rows, "fatal": self.loop.fatal}
+
+    async def stats(self) -> dict:
+        """The engine's stats plus this instance's name, role and PE."""
+        def _stats() -> dict:
+            out = dict(self.loop.engine.stats()) if self.loop.engine is not None else {}
+            out.update(name=self.name, role=self.role, pe=None if self.heap is None else self.heap.rank,
+                       num_steps=self.loop.num_steps, fatal=self.loop.fatal)
+            return out
+        return await self._run(_stats)
+
+    async def tokenizer(self) -> Any:
+        """The model's tokenizer (pickled to the caller), or None."""
+        return self.engines.tokenizer_of(self.model)
+
+    # ------------------------------------------------------------------ test hooks, lifetime
+    async def drop_next(self, num_requests: int) -> None:
+        """Test hook (prefill): accept the next ``num_requests`` requests and never run them."""
+        self._num_to_drop = num_requests
+
+    async def close(self) -> None:
+        """Release the engine and the heap (collective on every PE of the heap)."""
+        def _close() -> None:
+            self.loop.engine = None
+            if self.heap is not None:
+                self.heap.close()
+                self.heap = None
+        await self._run(_close)
+        self.loop.stop()

@@ -1,0 +1,237 @@
+"""From a validated config to a running, checked fleet of instance actors.
+
+`start_fleet(config)` connects to Ray (or starts an embedded local head), reserves one placement
+group bundle per instance (one GPU each, or CPU), starts one `InstanceActor` per instance, loads
+the weights everywhere at once, runs the preflight (`disagg.cluster.preflight`), bootstraps one
+symmetric heap over every prefill and decode actor (rank 0's unique id travels through Ray; every
+rank opens concurrently) and builds the engines. Every step is one `ray.get` over all actors.
+Runs in the launching process; on any failure everything started so far is torn down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from disagg.cluster.actors import DEFAULT_ENGINE_MODULE, InstanceActor
+from disagg.cluster.preflight import CacheSizing, check_same_model, size_cache, transfer_paths
+from disagg.config import SMOLLM2_SOURCE, Config
+from disagg.errors import ClusterError, PreflightError
+
+logger = logging.getLogger(__name__)
+
+# Every GPU process keeps NVLink multicast off (DESIGN §8).
+NO_MULTICAST_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# Variables of the launching process that the actors inherit when set.
+PASSED_ENV = ("TRITON_INTERPRET", "DISAGG_LOG", "NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_DEBUG", "HF_HOME")
+
+
+@dataclass
+class Instance:
+    """One actor of the fleet, as the router sees it.
+
+    Attributes:
+        name: "prefill-0", "decode-1", "colocated-0", ...
+        role: "prefill", "decode" or "colocated".
+        actor: the Ray actor handle.
+        pe: its PE in the symmetric heap (None for colocated instances).
+        info: what it reported at load (`engines.describe`).
+        alive: False once it died or its engine failed; never routed to again.
+        error: why it is not alive.
+    """
+
+    name: str
+    role: str
+    actor: Any
+    pe: int | None = None
+    info: dict = field(default_factory=dict)
+    alive: bool = True
+    error: str | None = None
+
+
+@dataclass
+class Fleet:
+    """Everything `start_fleet` started; `stop` releases it."""
+
+    config: Config
+    device: str
+    backend: str | None
+    instances: list[Instance]
+    sizing: CacheSizing
+    paths: dict[tuple[int, int], str]
+    placement_group: Any
+    started_ray: bool
+
+    def of_role(self, role: str) -> list[Instance]:
+        return [inst for inst in self.instances if inst.role == role]
+
+    def stop(self) -> None:
+        """Close heaps, kill the actors, free the placement group; shut Ray down if we started it."""
+        stop_actors(self.instances, self.placement_group, self.started_ray)
+
+
+def resolve_source(config: Config) -> Config:
+    """``model.source: smollm2`` -> the cached HF conversion (built once, here, not per actor)."""
+    if config.model.source != SMOLLM2_SOURCE:
+        return config
+    from disagg.model.smollm2 import ensure_smollm2
+
+    return config.override({"model.source": str(ensure_smollm2())})
+
+
+def connect(config: Config) -> bool:
+    """Connect to ``cluster.address``, or start an embedded head; True when this call started Ray."""
+    if ray.is_initialized():
+        return False
+    section = config.cluster
+    if section.address is not None:
+        ray.init(address=section.address, log_to_driver=section.log_to_driver, namespace="disagg")
+        return True
+    num_cpus = section.num_cpus or max(os.cpu_count() or 1,
+                                       int(config.instances.num_instances * config.instances.cpus_per_instance + 1))
+    ray.init(num_cpus=num_cpus, include_dashboard=section.dashboard, log_to_driver=section.log_to_driver,
+             namespace="disagg")
+    return True
+
+
+def choose_device(config: Config) -> str:
+    """``instances.device`` with auto resolved: cuda when the cluster has a GPU per instance."""
+    wanted, needed = config.instances.device, config.instances.num_instances
+    num_gpus = int(ray.cluster_resources().get("GPU", 0))
+    if wanted == "cuda" and num_gpus < needed:
+        raise PreflightError(f"instances.device is cuda: {needed} instances need {needed} GPUs, the Ray "
+                             f"cluster has {num_gpus}")
+    if wanted == "auto":
+        wanted = "cuda" if num_gpus >= needed else "cpu"
+        logger.info("instances.device auto -> %s (%d GPUs for %d instances)", wanted, num_gpus, needed)
+    return wanted
+
+
+def start_fleet(config: Config, *, engine_module: str = DEFAULT_ENGINE_MODULE,
+                env_vars: dict[str, str] | None = None) -> Fleet:
+    """Start, load, check and bootstrap every instance of ``config``; see the module docstring.
+
+    Args:
+        config: the validated config.
+        engine_module: the module the actors build engines with (tests substitute a fake).
+        env_vars: extra environment for the actors (on top of the multicast-off variables).
+
+    Raises:
+        PreflightError: a check failed (geometry, memory, devices); the message says which.
+        ClusterError: placement, loading or the heap bootstrap failed or timed out.
+    """
+    config = resolve_source(config)
+    started_ray = connect(config)
+    instances, group = [], None
+    try:
+        device = choose_device(config)
+        group, instances = _place(config, device, engine_module, env_vars or {})
+        timeout_s = config.cluster.startup_timeout_s
+        names = [inst.name for inst in instances]
+        infos = _get([inst.actor.load.remote(device) for inst in instances], timeout_s, "loading the weights")
+        for inst, info in zip(instances, infos):
+            inst.info = info
+        check_same_model(names, infos)
+        sizing = size_cache(config, names, infos)
+        backend, paths = None, {}
+        if config.mode == "disaggregated":
+            backend = _choose_backend(config, device)
+            paths = _open_heap(config, instances, backend, sizing, timeout_s)
+        _get([inst.actor.build_engine.remote(sizing.num_pages) for inst in instances], timeout_s,
+             "building the engines")
+    except BaseException:
+        stop_actors(instances, group, started_ray)
+        raise
+    logger.info("fleet up: %s on %s, backend %s", ", ".join(names), device, backend)
+    return Fleet(config, device, backend, instances, sizing, paths, group, started_ray)
+
+
+def _place(config: Config, device: str, engine_module: str, env_vars: dict) -> tuple[Any, list[Instance]]:
+    """One placement-group bundle and one actor per instance."""
+    inst_cfg = config.instances
+    roles = ([("prefill", i) for i in range(inst_cfg.prefill)] + [("decode", i) for i in range(inst_cfg.decode)]
+             + [("colocated", i) for i in range(inst_cfg.colocated)])
+    bundle = {"CPU": inst_cfg.cpus_per_instance, **({"GPU": 1} if device == "cuda" else {})}
+    group = placement_group([dict(bundle) for _ in roles], strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=config.cluster.startup_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise ClusterError(f"the Ray cluster cannot place {len(roles)} instances of {bundle} within "
+                           f"{config.cluster.startup_timeout_s:.0f} s (resources: {ray.cluster_resources()})") from None
+    env = dict(NO_MULTICAST_ENV, **{k: os.environ[k] for k in PASSED_ENV if k in os.environ}, **env_vars)
+    remote = ray.remote(InstanceActor)
+    instances = []
+    for index, (role, i) in enumerate(roles):
+        name = f"{role}-{i}"
+        actor = remote.options(
+            num_cpus=inst_cfg.cpus_per_instance, num_gpus=1 if device == "cuda" else 0,
+            max_concurrency=64, runtime_env={"env_vars": env},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+        ).remote(role, name, config.model_dump(), engine_module)
+        instances.append(Instance(name=name, role=role, actor=actor))
+    return group, instances
+
+
+def _choose_backend(config: Config, device: str) -> str:
+    backend = config.transfer.backend
+    if backend == "auto":
+        return "nvshmem" if device == "cuda" else "shm"
+    if (backend == "nvshmem") != (device == "cuda"):
+        raise PreflightError(f"transfer.backend {backend} does not run on {device} instances "
+                             "(nvshmem needs GPUs, shm the CPU)")
+    return backend
+
+
+def _open_heap(config: Config, instances: list[Instance], backend: str, sizing: CacheSizing,
+               timeout_s: float) -> dict[tuple[int, int], str]:
+    """Bootstrap one heap over every prefill and decode instance; return each pair's transfer path."""
+    heap_bytes = sizing.num_pages * sizing.page_bytes + config.transfer.heap_headroom_bytes
+    uid = _get([instances[0].actor.new_uid.remote(backend, heap_bytes)], timeout_s, "making the heap id")[0]
+    world = len(instances)
+    opened = _get([inst.actor.open_heap.remote(backend, uid, pe, world, heap_bytes,
+                                               config.transfer.bootstrap_timeout_s)
+                   for pe, inst in enumerate(instances)], timeout_s, f"bootstrapping the {backend} heap")
+    for pe, inst in enumerate(instances):
+        inst.pe = pe
+    prefill = [inst.pe for inst in instances if inst.role == "prefill"]
+    decode = [inst.pe for inst in instances if inst.role == "decode"]
+    reachable = {got["rank"]: got["reachable"] for got in opened}
+    return transfer_paths(prefill, decode, reachable, config.transfer.force_segment_puts)
+
+
+def _get(refs: list, timeout_s: float, what: str) -> list:
+    """One ray.get over every actor's call; errors name the step and the instance's error."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ClusterError(f"{what} did not finish within {timeout_s:.0f} s "
+                           "(cluster.startup_timeout_s)") from None
+    except ray.exceptions.RayTaskError as err:
+        cause = err.cause if getattr(err, "cause", None) is not None else err
+        kind = PreflightError if isinstance(cause, (ValueError, PreflightError)) else ClusterError
+        raise kind(f"{what} failed: {type(cause).__name__}: {cause}") from err
+    except ray.exceptions.RayActorError as err:
+        raise ClusterError(f"{what} failed: an instance actor died: {err}") from err
+
+
+def stop_actors(instances: list[Instance], group: Any, started_ray: bool) -> None:
+    """Best-effort teardown: close heaps (collective), kill actors, free the group, stop Ray."""
+    live = [inst for inst in instances if inst.alive]
+    if live and all(inst.pe is not None for inst in live) and len(live) == len(instances):
+        try:
+            ray.get([inst.actor.close.remote() for inst in live], timeout=30)
+        except Exception as err:  # dying actors: kill them below anyway
+            logger.info("closing the heap failed on some instance: %s", err)
+    for inst in instances:
+        ray.kill(inst.actor, no_restart=True)
+    if group is not None:
+        remove_placement_group(group)
+    if started_ray:
+        ray.shutdown()

@@ -1,0 +1,257 @@
+"""`Cluster`: the handle a caller (CLI, HTTP server, benchmark, test) holds on a running fleet.
+
+`Cluster.launch(config)` starts the fleet (`disagg.cluster.bootstrap`) and the router on its own
+thread and event loop. `stream` is an async generator usable from any event loop or thread: the
+request is submitted to the router's loop with `run_coroutine_threadsafe` and its deltas come
+back with `call_soon_threadsafe`; closing the generator or cancelling its task aborts the
+request. `generate` is the blocking form for lists of prompts. Runs in the launching process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator, Sequence, Union
+
+import ray
+
+from disagg.cluster.actors import DEFAULT_ENGINE_MODULE
+from disagg.cluster.bootstrap import Fleet, Instance, start_fleet
+from disagg.cluster.outputs import Completion, RequestMetrics, StreamDelta
+from disagg.cluster.router import Router
+from disagg.config import Config
+from disagg.errors import ClusterError
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, Sequence[int]]
+
+
+class Cluster:
+    """A running fleet plus its router; build with `Cluster.launch`, end with `shutdown`."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.config: Config = fleet.config
+        self.tokenizer = _fetch_tokenizer(fleet)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="disagg-router", daemon=True)
+        self._thread.start()
+        self._router = Router(fleet)
+        self._call(self._router.start())
+        self._closed = False
+
+    @classmethod
+    def launch(cls, config: Config | str | Path, *, engine_module: str = DEFAULT_ENGINE_MODULE,
+               env_vars: dict[str, str] | None = None) -> Cluster:
+        """Start the fleet of ``config`` (a `Config` or a YAML path) and its router.
+
+        Args:
+            config: the deployment.
+            engine_module: the module the actors build engines with (tests only).
+            env_vars: extra environment variables for the actors (tests only).
+
+        Raises:
+            ConfigError: the YAML is invalid. PreflightError / ClusterError: see `start_fleet`.
+        """
+        if not isinstance(config, Config):
+            config = Config.from_yaml(config)
+        return cls(start_fleet(config, engine_module=engine_module, env_vars=env_vars))
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def model_name(self) -> str:
+        return self.fleet.instances[0].info.get("model_name", self.config.model.source)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.fleet.sizing.max_model_len
+
+    @property
+    def healthy(self) -> bool:
+        """True while every instance is alive and the router runs."""
+        return not self._closed and all(inst.alive for inst in self.fleet.instances)
+
+    def instance(self, name: str) -> Instance:
+        """The instance named ``name`` ("prefill-0", ...): its actor handle, PE and state."""
+        for inst in self.fleet.instances:
+            if inst.name == name:
+                return inst
+        raise KeyError(f"no instance {name!r}; have {[inst.name for inst in self.fleet.instances]}")
+
+    # ------------------------------------------------------------------ requests
+    async def stream(self, prompt: Prompt, params: Any = None, request_id: str | None = None
+                     ) -> AsyncIterator[StreamDelta]:
+        """Submit one request and yield its deltas as the actors produce them.
+
+        Args:
+            prompt: text (needs a tokenizer) or token ids.
+            params: a `disagg.sampling.SamplingParams` (default: its defaults).
+            request_id: unique among live requests; default: a fresh uuid.
+
+        Raises:
+            ValueError: a bad prompt, id or length (before anything is queued).
+            ClusterError: the cluster is shut down or its queue is full.
+        """
+        caller_loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[StreamDelta] = asyncio.Queue()
+
+        def sink(delta: StreamDelta, metrics: RequestMetrics | None) -> None:
+            caller_loop.call_soon_threadsafe(deltas.put_nowait, delta)
+
+        request_id, _, submitted = self._submit(prompt, params, request_id, sink)
+        await asyncio.wrap_future(submitted)
+        finished = False
+        try:
+            while not finished:
+                delta = await deltas.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def generate(self, prompts: Sequence[Prompt], params: Any = None,
+                 timeout_s: float | None = None) -> list[Completion]:
+        """Run ``prompts`` concurrently and wait for every completion (never call from the router loop).
+
+        Args:
+            prompts: texts or token-id lists.
+            params: one `SamplingParams` for all, or one per prompt.
+            timeout_s: how long to wait in all; default: router.request_timeout_s plus a margin.
+        """
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"params: expected one per prompt ({len(prompts)}), got {len(per_prompt)}")
+        collectors = [_Collector() for _ in prompts]
+        for prompt, param, collector in zip(prompts, per_prompt, collectors):
+            collector.request_id, collector.prompt_token_ids, submitted = self._submit(
+                prompt, param, None, collector.sink)
+            submitted.result()
+        limit = timeout_s if timeout_s is not None else (self.config.router.request_timeout_s or 86400) + 30
+        deadline = time.monotonic() + limit
+        for collector in collectors:
+            if not collector.done.wait(max(0.0, deadline - time.monotonic())):
+                raise ClusterError(f"generate: request {collector.request_id} did not finish within {limit} s")
+        return [c.completion(self.tokenizer) for c in collectors]
+
+    def abort(self, request_id: str) -> None:
+        """Abort a live request (no-op when it is not live); its pages are released on both sides."""
+        if not self._closed:
+            self._loop.call_soon_threadsafe(self._router.abort, request_id)
+
+    def _submit(self, prompt: Prompt, params: Any, request_id: str | None, sink
+                ) -> tuple[str, list[int], concurrent.futures.Future]:
+        """Hand a request to the router's loop; the future raises what `Router.submit` raised."""
+        if self._closed:
+            raise ClusterError("the cluster is shut down")
+        token_ids = self._encode(prompt)
+        params = params if params is not None else _default_params()
+        request_id = request_id or uuid.uuid4().hex
+
+        async def submit() -> None:
+            self._router.submit(request_id, token_ids, params, sink)
+
+        return request_id, token_ids, asyncio.run_coroutine_threadsafe(submit(), self._loop)
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt: text needs a tokenizer, but {self.model_name} has none; "
+                                 "give token ids")
+            return list(self.tokenizer.encode(prompt))
+        ids = [int(t) for t in prompt]
+        if any(t < 0 for t in ids):
+            raise ValueError(f"prompt: token ids must be >= 0, got {min(ids)}")
+        return ids
+
+    # ------------------------------------------------------------------ state
+    def stats(self, timeout_s: float = 30.0) -> dict:
+        """Per instance (role, pe, free/total pages, running, waiting, alive) and the router's state."""
+        live = [inst for inst in self.fleet.instances if inst.alive]
+        try:
+            got = ray.get([inst.actor.stats.remote() for inst in live], timeout=timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+            raise ClusterError(f"stats: an instance failed to answer: {err}") from err
+        by_name = {inst.name: dict(s, alive=True) for inst, s in zip(live, got)}
+        instances = [by_name.get(inst.name, {"name": inst.name, "role": inst.role, "pe": inst.pe,
+                                             "alive": False, "error": inst.error})
+                     for inst in self.fleet.instances]
+        router = self._call(_async(self._router.snapshot)) if not self._closed else {}
+        return {"mode": self.config.mode, "device": self.fleet.device, "backend": self.fleet.backend,
+                "num_pages": self.fleet.sizing.num_pages, "max_model_len": self.max_model_len,
+                "paths": {f"{a}->{b}": p for (a, b), p in self.fleet.paths.items()},
+                "instances": instances, "router": router}
+
+    def shutdown(self) -> None:
+        """Abort live requests, stop the router, release every actor (and Ray, if started here)."""
+        if self._closed:
+            return
+        try:
+            self._call(self._router.stop(), timeout_s=30)
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self.fleet.stop()
+
+    def _call(self, coro, timeout_s: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+async def _async(fn):
+    return fn()
+
+
+def _default_params() -> Any:
+    from disagg.sampling import SamplingParams
+    return SamplingParams()
+
+
+def _fetch_tokenizer(fleet: Fleet) -> Any:
+    """The model's tokenizer, shipped from the first instance (None when the model has none)."""
+    first = fleet.instances[0]
+    if not first.info.get("has_tokenizer"):
+        return None
+    try:
+        return ray.get(first.actor.tokenizer.remote(), timeout=60)
+    except Exception as err:  # unpicklable tokenizer: text prompts are refused, ids still work
+        logger.warning("could not fetch the tokenizer from %s: %s", first.name, err)
+        return None
+
+
+class _Collector:
+    """Gathers one request's deltas for `Cluster.generate` (sink runs on the router's loop)."""
+
+    def __init__(self) -> None:
+        self.request_id = ""
+        self.prompt_token_ids: list[int] = []
+        self.token_ids: list[int] = []
+        self.last: StreamDelta | None = None
+        self.metrics: RequestMetrics | None = None
+        self.done = threading.Event()
+
+    def sink(self, delta: StreamDelta, metrics: RequestMetrics | None) -> None:
+        self.token_ids.extend(delta.token_ids)
+        if delta.finished:
+            self.last, self.metrics = delta, metrics
+            self.done.set()
+
+    def completion(self, tokenizer: Any) -> Completion:
+        text = tokenizer.decode(self.token_ids) if tokenizer is not None else None
+        return Completion(self.request_id, self.prompt_token_ids, self.token_ids, text,
+                          self.last.finish_reason, self.last.error, self.metrics)
+
+
+__all__ = ["Cluster", "Completion", "StreamDelta"]

@@ -1,0 +1,116 @@
+"""How an instance actor turns the config into a model and an engine (the default engine module).
+
+Three functions, called on the actor's step-loop thread, in this order:
+`load(config, device)` loads the weights and returns the model; `describe(model, config, device)`
+reports the KV geometry and memory that the launcher compares and sizes pages from;
+`make_engine(role, model, heap, num_pages, config)` builds the `PrefillEngine`, `DecodeEngine`
+or `ColocatedEngine` (prefill and decode engines allocate their KV from the symmetric heap,
+collectively). Tests may hand the actors another module with the same three functions.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from disagg.config import Config
+
+logger = logging.getLogger(__name__)
+
+# Memory kept free for activations, logits, CUDA graphs and workspaces, beyond the KV pages.
+ACTIVATION_RESERVE_BYTES = 2 << 30
+CPU_DEFAULT_KV_BYTES = 256 << 20
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a config dtype name (None for "auto")."""
+    import torch
+
+    return None if name == "auto" else getattr(torch, name)
+
+
+def load(config: Config, device: str) -> Any:
+    """Load the weights named by ``config.model`` on ``device`` ("cuda" or "cpu")."""
+    import torch
+
+    from disagg.model import load_model
+
+    if device == "cuda":
+        torch.cuda.set_device(0)  # Ray shows each actor exactly its own GPU
+    return load_model(config.model.source, dtype=torch_dtype(config.model.dtype),
+                      device="cuda:0" if device == "cuda" else "cpu")
+
+
+def kv_torch_dtype(config: Config, model: Any):
+    """The KV storage dtype: the model's, or float8_e4m3fn for ``cache.kv_dtype: fp8_e4m3``."""
+    import torch
+
+    return torch.float8_e4m3fn if config.cache.kv_dtype == "fp8_e4m3" else model.dtype
+
+
+def describe(model: Any, config: Config, device: str) -> dict:
+    """What the launcher compares across instances and sizes the cache from.
+
+    Returns:
+        {"geometry": {num_layers, num_kv_heads, page_size, head_dim, kv_dtype}, "page_bytes",
+         "kv_budget_bytes" (bytes this instance may give to KV pages), "model_name",
+         "max_position_embeddings", "num_qo_heads", "eos_token_ids", "has_tokenizer", "device"}
+    """
+    import torch
+
+    cache, cfg = config.cache, model.config
+    shape = model.kv_shape(1, cache.page_size)  # (L, 1, 2, H_kv, P, D)
+    kv_dtype = kv_torch_dtype(config, model)
+    page_bytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=kv_dtype).element_size()
+    if cache.num_pages is not None:
+        budget = cache.num_pages * page_bytes
+    elif cache.kv_bytes is not None:
+        budget = cache.kv_bytes
+    elif device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        used = total - free  # weights, CUDA context, anything else already on this GPU
+        budget = int(total * cache.gpu_memory_fraction) - used - _activation_bytes(config, model)
+    else:
+        budget = CPU_DEFAULT_KV_BYTES
+    return {
+        "geometry": {"num_layers": int(shape[0]), "num_kv_heads": int(shape[3]),
+                     "page_size": int(shape[4]), "head_dim": int(shape[5]), "kv_dtype": str(kv_dtype)},
+        "page_bytes": page_bytes,
+        "kv_budget_bytes": int(budget),
+        "model_name": getattr(cfg, "name", config.model.source),
+        "max_position_embeddings": int(cfg.max_position_embeddings),
+        "num_qo_heads": int(cfg.num_qo_heads),
+        "eos_token_ids": [int(t) for t in getattr(cfg, "eos_token_ids", ())],
+        "has_tokenizer": getattr(model, "tokenizer", None) is not None,
+        "device": str(getattr(model, "device", device)),
+    }
+
+
+def _activation_bytes(config: Config, model: Any) -> int:
+    """Memory for one forward's activations and logits at the token budget (a rough bound)."""
+    cfg, tokens = model.config, config.scheduler.max_num_batched_tokens
+    per_token = 4 * (cfg.vocab_size + 4 * cfg.intermediate_size + 8 * cfg.hidden_size)
+    return ACTIVATION_RESERVE_BYTES + tokens * per_token
+
+
+def make_engine(role: str, model: Any, heap: Any, num_pages: int, config: Config) -> Any:
+    """Build this instance's engine (prefill/decode: KV from ``heap``, a collective allocation)."""
+    from disagg.engine import ColocatedEngine, DecodeEngine, PrefillEngine
+
+    kv_dtype = None if config.cache.kv_dtype == "auto" else kv_torch_dtype(config, model)
+    common = dict(num_pages=num_pages, page_size=config.cache.page_size,
+                  max_num_seqs=config.scheduler.max_num_seqs, kv_dtype=kv_dtype)
+    budget = config.scheduler.max_num_batched_tokens
+    if role == "prefill":
+        return PrefillEngine(model, heap, max_num_batched_tokens=budget,
+                             force_segment_puts=config.transfer.force_segment_puts, **common)
+    if role == "decode":
+        return DecodeEngine(model, heap, lease_s=config.router.lease_s, **common)
+    if role == "colocated":
+        return ColocatedEngine(model, max_num_batched_tokens=budget, **common)
+    raise ValueError(f"role must be prefill, decode or colocated, got {role!r}")
+
+
+def tokenizer_of(model: Any) -> Any:
+    """The model's tokenizer (None for dummy weights)."""
+    return getattr(model, "tokenizer", None)

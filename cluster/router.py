@@ -1,0 +1,361 @@
+"""The router: where a request enters the fleet, gets its pages, and streams back (DESIGN §7).
+
+Disaggregated: a FIFO queue feeds one dispatcher; for the head request it reserves pages on the
+least-loaded live decode instance D (`dest = D.reserve(...)`; OutOfPages on every D -> wait for
+pages to free, in order), hands the prompt to the least-loaded prefill instance P
+(`P.add(req, dest)`), and when P's first token arrives calls `D.start(req, first)`; D's tokens
+follow. Colocated: each request goes straight to the least-loaded colocated instance. One poller
+per instance keeps one `next_outputs` call outstanding and fans each batch out per request; a
+watchdog enforces `lease_s` (first token never came: fail, release D's pages) and
+`request_timeout_s`. Aborts release pages on both sides; an instance that dies fails its own
+requests and is never routed to again. Runs on one asyncio loop in the launching process (see
+`disagg.cluster.cluster`); callbacks to callers go through each request's sink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Any
+
+import ray
+
+from disagg.cluster.bootstrap import Fleet, Instance
+from disagg.cluster.outputs import RequestMetrics, StreamDelta
+from disagg.cluster.requests import Picker, Request, Sink
+from disagg.errors import ClusterError, OutOfPages
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_PERIOD_S = 0.05   # how often deadlines and leases are checked
+PAGES_RETRY_S = 0.2        # out of pages everywhere: retry the queue head at least this often
+
+
+class Router:
+    """Routes requests over a fleet; every method runs on the router's event loop.
+
+    Args:
+        fleet: the started fleet (`disagg.cluster.bootstrap.start_fleet`).
+    """
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.settings = fleet.config.router
+        self.requests: dict[str, Request] = {}
+        self.queue: collections.deque[Request] = collections.deque()
+        self.picker = Picker(self.settings.policy)
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._tasks: set[asyncio.Task] = set()
+        self._wake: asyncio.Event | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ lifetime
+    async def start(self) -> None:
+        """Start the pollers, the dispatcher (disaggregated) and the watchdog."""
+        self._wake = asyncio.Event()
+        for inst in self.fleet.instances:
+            self._spawn(self._poll(inst))
+        if self.fleet.config.mode == "disaggregated":
+            self._spawn(self._dispatch_loop())
+        self._spawn(self._watchdog())
+
+    async def stop(self) -> None:
+        """Abort every live request and stop the router's tasks."""
+        self._stopping = True
+        for req in list(self.requests.values()):
+            self._end(req, "abort", "the cluster is shutting down")
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ------------------------------------------------------------------ entry
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: Any, sink: Sink) -> None:
+        """Accept a request; its deltas go to ``sink`` on this loop.
+
+        Raises:
+            ValueError: duplicate live id, empty prompt, or prompt + max_tokens over max_model_len.
+            ClusterError: the router's queue is full (router.max_queue).
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight; ids must be unique")
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
+        max_tokens = int(getattr(params, "max_tokens", 0) or 0)
+        limit = self.fleet.sizing.max_model_len
+        if len(prompt_token_ids) + max_tokens > limit:
+            raise ValueError(f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                             f"({max_tokens}) exceeds max_model_len ({limit} tokens)")
+        if len(self.queue) >= self.settings.max_queue:
+            raise ClusterError(f"the router's queue is full ({self.settings.max_queue} requests waiting for "
+                               "decode pages, router.max_queue); retry later")
+        timeout = self.settings.request_timeout_s
+        req = Request(request_id, list(prompt_token_ids), params, sink, RequestMetrics(arrival_time=time.time()),
+                      deadline=None if timeout is None else time.monotonic() + timeout)
+        self.requests[request_id] = req
+        self.counts["submitted"] += 1
+        if self.fleet.config.mode == "colocated":
+            self._place_colocated(req)
+        else:
+            self.queue.append(req)
+            self._wake.set()
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a live request at whatever stage; False when it is not live."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._end(req, "abort")
+        return True
+
+    # ------------------------------------------------------------------ placement
+    def _place_colocated(self, req: Request) -> None:
+        ranked = self.picker.order(self.fleet.of_role("colocated"), list(self.requests.values()))
+        if not ranked:
+            self._end(req, "error", "no live colocated instance")
+            return
+        inst = ranked[0]
+        req.colocated, req.stage = inst, "running"
+        req.metrics.dispatch_time = time.time()
+        req.metrics.decode_instance = req.metrics.prefill_instance = inst.name
+        ref = inst.actor.add.remote(req.request_id, req.prompt_token_ids, req.params)
+        self._spawn(self._await(inst, ref, "add", req))
+
+    async def _dispatch_loop(self) -> None:
+        """Place queued requests in order; when no decode instance has pages, wait for some."""
+        while not self._stopping:
+            if not self.queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            req = self.queue[0]
+            if req.done or await self._place(req):
+                if self.queue and self.queue[0] is req:
+                    self.queue.popleft()
+                continue
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), PAGES_RETRY_S)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _place(self, req: Request) -> bool:
+        """Reserve decode pages and hand the prompt to a prefill instance; False: out of pages."""
+        live = list(self.requests.values())
+        decodes = self.picker.order(self.fleet.of_role("decode"), live)
+        if not decodes or not any(inst.alive for inst in self.fleet.of_role("prefill")):
+            self._end(req, "error", f"no live {'decode' if not decodes else 'prefill'} instance")
+            return True
+        req.stage = "reserving"
+        for inst in decodes:
+            if req.done:  # aborted or timed out while an earlier instance refused
+                return True
+            try:
+                dest = await inst.actor.reserve.remote(req.request_id, req.prompt_len, req.params)
+            except ray.exceptions.RayActorError as err:
+                self._instance_died(inst, _died(err))
+                continue
+            except ray.exceptions.RayTaskError as err:
+                if isinstance(_cause(err), OutOfPages):
+                    continue
+                self._end(req, "error", f"{inst.name} refused the request: {_cause(err)}", release=False)
+                return True
+            if req.done:  # aborted or timed out while reserving
+                self._release_on(inst, req.request_id)
+                return True
+            req.decode = inst
+            break
+        else:
+            if req.done:
+                return True
+            req.stage = "queued"
+            return False
+        self._hand_to_prefill(req, dest)
+        return True
+
+    def _hand_to_prefill(self, req: Request, dest: Any) -> None:
+        prefills = self.picker.order(self.fleet.of_role("prefill"), list(self.requests.values()))
+        if not prefills:
+            self._release_on(req.decode, req.request_id)
+            self._end(req, "error", "no live prefill instance", release=False)
+            return
+        inst = prefills[0]
+        req.prefill, req.stage = inst, "prefilling"
+        req.lease_deadline = time.monotonic() + self.settings.lease_s
+        req.metrics.dispatch_time = time.time()
+        req.metrics.prefill_instance, req.metrics.decode_instance = inst.name, req.decode.name
+        ref = inst.actor.add.remote(req.request_id, req.prompt_token_ids, req.params, dest)
+        self._spawn(self._await(inst, ref, "add", req))
+
+    async def _await(self, inst: Instance, ref: Any, what: str, req: Request | None) -> None:
+        """Await an actor call made for ``req`` (None: a release; its failures are only logged)."""
+        try:
+            await ref
+        except ray.exceptions.RayActorError as err:
+            self._instance_died(inst, _died(err))
+        except ray.exceptions.RayTaskError as err:
+            if req is not None and not req.done:
+                self._end(req, "error", f"{inst.name}.{what} failed: {_cause(err)}")
+            else:
+                logger.debug("%s.%s failed: %s", inst.name, what, _cause(err))
+
+    # ------------------------------------------------------------------ outputs
+    async def _poll(self, inst: Instance) -> None:
+        """Keep one next_outputs call outstanding on ``inst``; fan each batch out per request."""
+        while inst.alive and not self._stopping:
+            try:
+                batch = await inst.actor.next_outputs.remote(self.settings.poll_wait_s)
+            except ray.exceptions.RayActorError as err:
+                self._instance_died(inst, _died(err))
+                return
+            except ray.exceptions.RayTaskError as err:
+                self._instance_died(inst, f"next_outputs failed: {_cause(err)}")
+                return
+            if batch["outputs"]:
+                self._on_rows(inst, batch["outputs"])
+            if batch["fatal"]:
+                self._instance_died(inst, "its engine failed: " + batch["fatal"].strip().splitlines()[-1])
+                return
+
+    def _on_rows(self, inst: Instance, rows: list[tuple]) -> None:
+        by_request: dict[Any, list[tuple]] = collections.defaultdict(list)
+        for row in rows:
+            by_request[row[0]].append(row)
+        for request_id, own in by_request.items():
+            req = self.requests.get(request_id)
+            if req is None or all(holder is not inst for holder in req.holders()):
+                continue  # ended already (abort, timeout, failure): late outputs are dropped
+            if inst.role == "prefill":
+                self._on_first_token(req, inst, own[0])
+            elif inst is req.decode or inst is req.colocated:
+                self._on_tokens(req, inst, own)
+
+    def _on_first_token(self, req: Request, inst: Instance, row: tuple) -> None:
+        _, token_id, finished, reason, error, emit_time = row
+        if req.stage != "prefilling" or inst is not req.prefill:
+            return
+        if token_id is None:  # the prefill engine ended it (abort, error)
+            self._end(req, "error", error or f"{inst.name} ended the prefill (finish_reason {reason})")
+            return
+        req.lease_deadline = None
+        req.stage = "decoding"  # from here a release only concerns the decode side
+        # The decode side learns the first token even when it ends the request: it then frees
+        # the reservation once its KV has landed (or its lease closes).
+        ref = req.decode.actor.start.remote(req.request_id, token_id)
+        self._spawn(self._await(req.decode, ref, "start", req))
+        if finished:
+            self._end(req, reason or "stop", tokens=[token_id], times=[emit_time], release=False)
+            return
+        req.num_output += 1
+        self._emit(req, StreamDelta(req.request_id, [token_id], [emit_time]))
+
+    def _on_tokens(self, req: Request, inst: Instance, rows: list[tuple]) -> None:
+        tokens, times = [], []
+        for _, token_id, finished, reason, error, emit_time in rows:
+            if token_id is None:  # the engine ended it without a token (abort, error, lease expiry)
+                self._end(req, "error", error or f"{inst.name} ended the request (finish_reason {reason})",
+                          tokens=tokens, times=times, release=False)
+                return
+            tokens.append(token_id)
+            times.append(emit_time)
+            if finished:
+                self._end(req, reason or "stop", tokens=tokens, times=times, release=False)
+                return
+        req.num_output += len(tokens)
+        self._emit(req, StreamDelta(req.request_id, tokens, times))
+
+    # ------------------------------------------------------------------ endings
+    def _end(self, req: Request, reason: str, error: str | None = None, *, tokens: list[int] = (),
+             times: list[float] = (), release: bool = True) -> None:
+        """Finish ``req`` once: release what it holds (unless its engine already did), tell the sink."""
+        if req.done:
+            return
+        stage, req.stage = req.stage, "done"
+        self.requests.pop(req.request_id, None)
+        if stage == "queued" and req in self.queue:
+            self.queue.remove(req)
+        if release:
+            self._release(req, stage)
+        req.num_output += len(tokens)
+        req.metrics.finished_time = time.time()
+        self.counts[reason] += 1
+        if error:
+            logger.info("request %s: %s: %s", req.request_id, reason, error)
+        self._emit(req, StreamDelta(req.request_id, list(tokens), list(times), True, reason, error))
+        if self._wake is not None:
+            self._wake.set()  # pages may have been freed: retry the queue head
+
+    def _release(self, req: Request, stage: str) -> None:
+        """Free what ``req`` holds after leaving ``stage``: P's queue entry, D's or C's pages."""
+        targets = {"prefilling": [req.prefill, req.decode], "decoding": [req.decode],
+                   "running": [req.colocated]}.get(stage, [])
+        for inst in targets:
+            if inst is not None and inst.alive:
+                self._release_on(inst, req.request_id)
+
+    def _release_on(self, inst: Instance, request_id: str) -> None:
+        ref = inst.actor.abort.remote(request_id)  # submitted now: after any earlier call for it
+        self._spawn(self._await(inst, ref, "abort", None))
+
+    def _emit(self, req: Request, delta: StreamDelta) -> None:
+        metrics = req.metrics
+        if delta.emit_times and metrics.first_token_time is None:
+            metrics.first_token_time = delta.emit_times[0]
+        metrics.token_times.extend(delta.emit_times)
+        try:
+            req.sink(delta, metrics if delta.finished else None)
+        except Exception:  # a caller that went away must not stop the router
+            logger.exception("request %s: the sink raised; aborting the request", req.request_id)
+            if not delta.finished:
+                self._end(req, "abort", "the caller's sink raised")
+
+    def _instance_died(self, inst: Instance, reason: str) -> None:
+        """Never route to ``inst`` again; fail its requests; release their other side."""
+        if not inst.alive:
+            return
+        inst.alive, inst.error = False, reason
+        where = f"{inst.role} instance {inst.name}" + (f" (PE {inst.pe})" if inst.pe is not None else "")
+        logger.error("%s is dead: %s", where, reason)
+        for req in list(self.requests.values()):
+            if any(holder is inst for holder in req.holders()):
+                self._end(req, "error", f"{where} died: {reason}")
+        self._wake.set()
+
+    async def _watchdog(self) -> None:
+        """Abort requests past request_timeout_s; fail reservations past lease_s."""
+        while not self._stopping:
+            await asyncio.sleep(WATCHDOG_PERIOD_S)
+            now = time.monotonic()
+            for req in list(self.requests.values()):
+                if req.deadline is not None and now > req.deadline:
+                    self._end(req, "abort", f"timed out after {self.settings.request_timeout_s} s "
+                                            f"(router.request_timeout_s) while {req.stage}")
+                elif req.lease_deadline is not None and now > req.lease_deadline and req.stage == "prefilling":
+                    self._end(req, "error", f"its KV did not land within router.lease_s = {self.settings.lease_s} s "
+                                            f"({req.prefill.name} -> {req.decode.name}); decode pages released")
+
+    # ------------------------------------------------------------------ stats
+    def snapshot(self) -> dict:
+        """Queue length, live requests per stage, outcome counts and instance loads (tokens)."""
+        live = list(self.requests.values())
+        return {"queued": len(self.queue), "live": len(live),
+                "stages": dict(collections.Counter(req.stage for req in live)),
+                "counts": dict(self.counts),
+                "loads": self.picker.loads(self.fleet.instances, live)}
+
+
+def _cause(err: ray.exceptions.RayTaskError) -> BaseException:
+    cause = getattr(err, "cause", None)
+    return cause if cause is not None else err
+
+
+def _died(err: ray.exceptions.RayActorError) -> str:
+    text = str(err).strip().splitlines()
+    return f"its actor exited ({type(err).__name__}: {text[0] if text else 'no detail'})"

@@ -1,0 +1,134 @@
+"""The thread that owns one engine: runs its steps and every call into it, in order.
+
+An engine (and its model, heap and CUDA context) is touched by exactly one thread, this one, so
+engines need no locks: the actor's methods hand callables to `StepLoop.call` and await the
+returned future; between calls the thread runs `engine.step()` whenever the engine has work and
+appends the step's outputs to an outbox that the actor drains in batches (`drain`). Runs inside
+each instance actor (`disagg.cluster.actors`); no Ray here.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05      # how long the thread sleeps when the engine has no work (woken by calls)
+EMPTY_STEP_WAIT_S = 0.001  # pause after a step that produced nothing (e.g. waiting on doorbells)
+
+# One output row as it crosses the process boundary: (request_id, token_id or None, finished,
+# finish_reason, error, emit_time). Tuples pickle far smaller than objects.
+OutputRow = tuple[Any, "int | None", bool, "str | None", "str | None", float]
+
+
+class StepLoop:
+    """Runs ``engine.step()`` and queued calls on one thread; see the module docstring.
+
+    Args:
+        name: the thread's name (the instance's, e.g. "decode-0").
+        on_output: called on the loop thread after outputs were appended (e.g. to wake an
+            awaiting `next_outputs`); must not block.
+    """
+
+    def __init__(self, name: str, on_output: Callable[[], None] | None = None) -> None:
+        self.engine: Any = None
+        self.fatal: str | None = None
+        self._on_output = on_output
+        self._cond = threading.Condition()
+        self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
+        self._outbox: list[OutputRow] = []
+        self._stopping = False
+        self.num_steps = 0
+        self._thread = threading.Thread(target=self._run, name=f"steploop-{name}", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        """Queue ``fn(*args, **kwargs)`` to run on the loop thread; return its future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                future.set_exception(RuntimeError("the step loop is stopped"))
+                return future
+            self._calls.append((lambda: fn(*args, **kwargs), future))
+            self._cond.notify()
+        return future
+
+    def drain(self) -> list[OutputRow]:
+        """Take every output produced since the previous drain (any thread)."""
+        with self._cond:
+            rows, self._outbox = self._outbox, []
+        return rows
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finish queued calls, then end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._calls and not self._stopping and not self._has_work():
+                    self._cond.wait(IDLE_WAIT_S)
+                calls, self._calls = self._calls, collections.deque()
+                stopping = self._stopping
+            for fn, future in calls:
+                self._run_call(fn, future)
+            if stopping:
+                return
+            if self._has_work() and not self._step():
+                with self._cond:
+                    if not self._calls:
+                        self._cond.wait(EMPTY_STEP_WAIT_S)
+
+    @staticmethod
+    def _run_call(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as err:  # handed to the caller, who re-raises it
+            future.set_exception(err)
+
+    def _has_work(self) -> bool:
+        if self.engine is None or self.fatal is not None:
+            return False
+        try:
+            return bool(self.engine.has_work())
+        except Exception:
+            self._fail("has_work")
+            return False
+
+    def _step(self) -> bool:
+        """Run one engine step; return True when it produced outputs."""
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            self._fail("step")
+            return True
+        self.num_steps += 1
+        if not outputs:
+            return False
+        now = time.time()
+        rows = [(o.request_id, None if o.token_id is None else int(o.token_id), bool(o.finished),
+                 o.finish_reason, getattr(o, "error", None), now) for o in outputs]
+        with self._cond:
+            self._outbox.extend(rows)
+        if self._on_output is not None:
+            self._on_output()
+        return True
+
+    def _fail(self, what: str) -> None:
+        """The engine raised: it is unusable from now on; the router fails its requests."""
+        self.fatal = f"engine.{what}() raised:\n{traceback.format_exc()}"
+        logger.error("%s", self.fatal)
+        if self._on_output is not None:
+            self._on_output()
