@@ -155,8 +155,9 @@ def append_kv(
     geo = checks.check_kv_layer("kv_layer", kv_layer)
     num_tokens = checks.check_new_kv(k, v, geo, kv_layer.device)
     checks.check_index("slots", slots, length=num_tokens, device=kv_layer.device)
-    scales = resolve_scales(geo.dtype, kv_layer.device, k_scale, v_scale)
-    if dispatch.should_check_values(kv_layer.device, check_indices):
+    check_values = dispatch.should_check_values(kv_layer.device, check_indices)
+    scales = resolve_scales(geo.dtype, kv_layer.device, k_scale, v_scale, check_values=check_values)
+    if check_values:
         checks.check_slot_values("slots", slots, geo.num_slots)
     if num_tokens == 0:
         return
@@ -241,8 +242,9 @@ def append_push_kv(
     if dst_table is not None:
         checks.check_tensor("dst_table", dst_table, dims="[num_receivers]",
                             shape=(max(len(geos), 1),), dtypes=(torch.int64,), device=device)
-    scales = resolve_scales(geo.dtype, device, k_scale, v_scale)
-    if dispatch.should_check_values(device, check_indices):
+    check_values = dispatch.should_check_values(device, check_indices)
+    scales = resolve_scales(geo.dtype, device, k_scale, v_scale, check_values=check_values)
+    if check_values:
         checks.check_slot_values("slots", slots, geo.num_slots)
         checks.check_push_values(dst_slots, dst_index, geos)
     if num_tokens == 0:

@@ -351,8 +351,9 @@ def paged_decode(
     """
     geo = _check_decode_inputs(q, kv_layer, page_indptr, page_indices, last_page_len, out)
     sm_scale = check_sm_scale(sm_scale)
-    scales = resolve_scales(geo.dtype, kv_layer.device, k_scale, v_scale)
-    if dispatch.should_check_values(kv_layer.device, check_indices):
+    check_values = dispatch.should_check_values(kv_layer.device, check_indices)
+    scales = resolve_scales(geo.dtype, kv_layer.device, k_scale, v_scale, check_values=check_values)
+    if check_values:
         checks.check_page_table_values(page_indptr, page_indices, last_page_len,
                                        num_pages=geo.num_pages, page_size=geo.page_size)
     out = torch.empty_like(q) if out is None else out

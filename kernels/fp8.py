@@ -9,6 +9,7 @@ decode and prefill launchers; `quantize` is the torch reference's rounding.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,15 @@ import triton.language as tl
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+
+
+def _check_positive(name: str, scale: object) -> None:
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a float or a float32 tensor, got {type(scale).__name__}") from None
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(f"{name}: expected a finite scale > 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -39,12 +49,20 @@ def resolve_scales(
     device: torch.device,
     k_scale: float | torch.Tensor | None,
     v_scale: float | torch.Tensor | None,
+    *,
+    check_values: bool | None = None,
 ) -> Scales:
     """Validate `k_scale`/`v_scale` for a cache of `kv_dtype` on `device`.
 
+    Float scales must be finite and > 0. Tensor scales' values are checked the same way when
+    ``check_values`` (one device-to-host copy for both); None checks CPU tensors only (a CUDA
+    read would sync the host, and is illegal during graph capture): launchers pass their
+    `dispatch.should_check_values` decision.
+
     Raises:
-        ValueError: a scale given for a non-fp8 cache, a non-positive float scale, a tensor
-            scale on another device or of size != 1, or one scale a float and the other a tensor.
+        ValueError: a scale given for a non-fp8 cache, a scale that is not finite and positive
+            (inf, nan, <= 0), a tensor scale on another device or of size != 1, or one scale a
+            float and the other a tensor.
         TypeError: a tensor scale that is not float32.
     """
     is_fp8 = kv_dtype == FP8_DTYPE
@@ -70,8 +88,12 @@ def resolve_scales(
                 )
             if scale.dtype != torch.float32:
                 raise TypeError(f"{name}: expected float32, got {scale.dtype}")
-        elif not float(scale) > 0.0:
-            raise ValueError(f"{name}: expected a positive scale, got {scale}")
+        else:
+            _check_positive(name, scale)
+    if is_tensor and (device.type == "cpu" if check_values is None else check_values):
+        values = torch.stack([k_scale.reshape(()), v_scale.reshape(())]).tolist()
+        for name, value in zip(("k_scale", "v_scale"), values):
+            _check_positive(name, value)
     return Scales(k_scale, v_scale, is_fp8=True, is_tensor=is_tensor)
 
 

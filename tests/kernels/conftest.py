@@ -2,8 +2,9 @@
 
 Kernel tests compare a launcher against `disagg.kernels.reference`. On a CPU they must run the
 Triton kernel itself, which needs `TRITON_INTERPRET=1` set before triton is imported (the
-Makefile's `make test` does); without it and without a GPU, they skip rather than compare the
-reference with itself.
+Makefile's `make test` does). Without it and without a GPU, every test that asks for `device`
+FAILS, saying how to run it: on CPU tensors the launchers would run the reference, so the tests
+would compare the reference with itself and pass without testing a kernel (a quiet green).
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ import torch
 
 @pytest.fixture
 def device() -> torch.device:
-    """CPU under the Triton interpreter, else the GPU; skip when neither runs Triton."""
+    """CPU under the Triton interpreter, else the GPU; fail (with how to run) when neither."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda")
-    pytest.skip("kernel tests need TRITON_INTERPRET=1 (CPU) or a CUDA GPU")
+    pytest.fail(
+        "kernel tests need the Triton interpreter or a GPU: without TRITON_INTERPRET=1 the CPU "
+        "launchers run the torch reference, and these tests would compare it with itself. Run "
+        "`make test`, or `TRITON_INTERPRET=1 pytest tests/kernels` (set before triton is imported)",
+        pytrace=False,
+    )
 
 
 @dataclass

@@ -329,3 +329,15 @@ def test_rebind_misuse_raises_and_writes_nothing(device):
             prepared.rebind(*args)
     assert torch.equal(kv, before[0]) and torch.equal(dsts[0], before[1])
     assert prepared.num_tokens == 2
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("form", ["float", "tensor"])
+def test_append_refuses_non_finite_or_non_positive_scales_and_writes_nothing(device, bad, form):
+    kv = torch.zeros(4, 2, 2, 4, 16, device=device).to(torch.float8_e4m3fn)
+    k = torch.randn(3, 2, 16, device=device)
+    slots = torch.tensor([0, 1, 5], device=device)
+    as_form = (lambda x: torch.tensor([x], dtype=torch.float32, device=device)) if form == "tensor" else float
+    with pytest.raises(ValueError, match="k_scale: expected a finite scale > 0, got"):
+        append_kv(k, k, kv, slots, k_scale=as_form(bad), v_scale=as_form(1.0))
+    assert not kv.view(torch.uint8).any()

@@ -76,8 +76,25 @@ def test_decode_fp8_tensor_scales(device, page_table):
     q = torch.randn(1, 2, 32, dtype=torch.float16, device=device)
     args = (q, kv, table.page_indptr, table.page_indices, table.last_page_len, 0.2)
     got = paged_decode(*args, k_scale=scale(0.25), v_scale=scale(3.0))
-    want = paged_decode(*args, k_scale=0.25, v_scale=3.0)
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    want = reference.paged_decode(*(a.cpu() for a in args[:5]), 0.2, 0.25, 3.0)
+    torch.testing.assert_close(got.cpu(), want, **TOLERANCE[torch.float16])
+    # The scales matter (a kernel ignoring the tensors would read 1.0 and land far off).
+    unit = reference.paged_decode(*(a.cpu() for a in args[:5]), 0.2, 1.0, 1.0)
+    assert not torch.allclose(got.cpu(), unit, **TOLERANCE[torch.float16])
+    # The float form gives the same bits as the tensor form.
+    torch.testing.assert_close(paged_decode(*args, k_scale=0.25, v_scale=3.0), got, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+@pytest.mark.parametrize("form", ["float", "tensor"])
+def test_decode_refuses_non_finite_or_non_positive_scales(device, page_table, bad, form):
+    kv = torch.randn(4, 2, 1, 4, 32).to(FP8).to(device)
+    table = page_table([13], 4, 4, device=device)
+    q = torch.randn(1, 2, 32, dtype=torch.float16, device=device)
+    args = (q, kv, table.page_indptr, table.page_indices, table.last_page_len, 0.2)
+    as_form = (lambda x: torch.tensor([x], dtype=torch.float32, device=device)) if form == "tensor" else float
+    with pytest.raises(ValueError, match="v_scale: expected a finite scale > 0, got"):
+        paged_decode(*args, k_scale=as_form(0.5), v_scale=as_form(bad))
 
 
 def test_decode_out_and_workspace_reused(device, page_table):
