@@ -170,8 +170,12 @@ def test_a_pe_killed_inside_open_is_cleaned_up_by_the_peer_that_times_out():
     child = ctx.Process(target=transfer_scenarios.hold_heap, args=(uid, 1, 2, opened, 30.0), daemon=True)
     child.start()
     try:
-        deadline = time.monotonic() + 30
-        while not os.path.exists(shm_path(uid, 1)) and child.is_alive() and time.monotonic() < deadline:
+        # The child creates its file (a temp file, linked to the final name, then the temp
+        # unlinked) and then waits inside open for PE 0's file, which comes only later: kill it
+        # there, once the final file exists and the temp is gone (not between link and unlink).
+        path, deadline = shm_path(uid, 1), time.monotonic() + 30
+        while not (os.path.exists(path) and not os.path.exists(f"{path}.tmp")):
+            assert child.is_alive() and time.monotonic() < deadline, "the child never created its file"
             time.sleep(0.01)
         child.kill()
         child.join(10)
