@@ -173,8 +173,8 @@ def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: M
 
 def workload_for(cluster: Any, options: SweepOptions) -> WorkloadSpec:
     """The workload spec of `options`, sized to the cluster's model (vocab, context, EOS ids)."""
-    vocab = options.vocab_size or _first_attr(cluster, ("vocab_size",), ("model_config", "vocab_size"),
-                                              ("tokenizer", "vocab_size"))
+    vocab = options.vocab_size or _first_attr(cluster, ("vocab_size",), ("model_config", "vocab_size")) \
+        or _source_vocab_size(getattr(cluster, "config", None)) or _first_attr(cluster, ("tokenizer", "vocab_size"))
     if vocab is None:
         raise ValueError("cannot tell the model's vocabulary size from the cluster; pass --vocab-size")
     eos = _first_attr(cluster, ("eos_token_ids",), ("model_config", "eos_token_ids"),
@@ -182,6 +182,25 @@ def workload_for(cluster: Any, options: SweepOptions) -> WorkloadSpec:
     return WorkloadSpec(options.dataset_name, options.num_prompts, options.seed, int(vocab),
                         getattr(cluster, "max_model_len", None), options.input_len, options.output_len,
                         options.range_ratio, tuple(int(t) for t in eos)).resolved()
+
+
+def _source_vocab_size(config: Any) -> int | None:
+    """The vocabulary of `config.model.source` read from its preset or config.json (no weights)."""
+    source = getattr(getattr(config, "model", None), "source", None)
+    if not source:
+        return None
+    try:
+        if source.startswith("dummy:"):
+            from disagg.model.presets import preset_config
+
+            return preset_config(source.removeprefix("dummy:")).vocab_size
+        if Path(source).is_dir():
+            from disagg.model.config import ModelConfig
+
+            return ModelConfig.from_dir(source).vocab_size
+    except Exception as err:  # a source the driver cannot read: fall through to other hints
+        logger.warning("could not read the vocabulary size of %s: %s", source, err)
+    return None
 
 
 def _first_attr(obj: Any, *paths: tuple[str, ...]) -> Any:

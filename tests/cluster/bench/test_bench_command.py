@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import typer
@@ -10,7 +11,7 @@ from typer.testing import CliRunner
 
 from disagg.cluster.bench.command import bench_command
 
-CONFIG = "configs/tiny-1p1d.yaml"
+CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "tiny-1p1d.yaml")
 
 
 def _app() -> typer.Typer:

@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 import types
+from pathlib import Path
 
 import pytest
 import typer
@@ -20,8 +21,9 @@ from disagg.cluster.bench.sweep import busy_fractions
 
 from disagg.cluster.bench.command import bench_command
 
-TINY_1P1D = "configs/tiny-1p1d.yaml"
-TINY_COLOCATED = "configs/tiny-colocated.yaml"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+TINY_1P1D = str(CONFIGS / "tiny-1p1d.yaml")
+TINY_COLOCATED = str(CONFIGS / "tiny-colocated.yaml")
 
 
 def _app() -> typer.Typer:
