@@ -194,7 +194,7 @@ def _instance_families(instances: list[tuple[str, dict]]) -> list:
         label_values = [name, str(values.get("role", ""))]
         for key, family in list(gauges.items()) + list(counters.items()):
             value = values.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            if isinstance(value, (int, float)) and math.isfinite(value):  # bools (alive) count as 0/1
                 family.add_metric(label_values, value)
                 seen.add(key)
     return [f for key, f in list(gauges.items()) + list(counters.items()) if key in seen]
