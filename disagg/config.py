@@ -170,6 +170,9 @@ class ServeSection(Section):
     served_model_name: str | None = Field(None, description="model id reported by /v1/models; "
                                                             "default: the model's name")
     max_tokens_default: int = Field(256, gt=0, description="max_tokens when a request gives none, tokens")
+    max_concurrent_requests: int = Field(4096, gt=0, description="requests in flight before new ones get "
+                                                                 "HTTP 429, count")
+    max_body_bytes: int = Field(4 << 20, gt=0, description="largest request body, bytes")
 
 
 class BenchSection(Section):

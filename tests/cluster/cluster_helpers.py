@@ -1,0 +1,125 @@
+"""Helpers of the cluster tests: launching shipped configs, waiting for free pages, references."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from disagg.cluster import Cluster
+from disagg.config import Config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+ACTOR_ENV = {"TRITON_INTERPRET": "0"}
+
+
+def launch(name: str, **overrides) -> Cluster:
+    """Launch ``configs/<name>.yaml`` with dotted overrides given as ``section__key=value``."""
+    config = Config.from_yaml(CONFIGS / f"{name}.yaml")
+    if overrides:
+        config = config.override({key.replace("__", "."): value for key, value in overrides.items()})
+    return Cluster.launch(config, env_vars=ACTOR_ENV)
+
+
+def wait_all_free(cluster: Cluster, timeout_s: float = 20.0) -> dict:
+    """Wait until every live instance has all its pages free and nothing running or waiting."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = cluster.stats()
+        live = [inst for inst in stats["instances"] if inst["alive"]]
+        if all(inst["free_pages"] == inst["total_pages"] and not inst["running"] and not inst["waiting"]
+               for inst in live):
+            assert stats["router"]["live"] == 0 and stats["router"]["queued"] == 0, stats["router"]
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pages not all free after {timeout_s} s: {stats['instances']}")
+        time.sleep(0.1)
+
+
+def mixed_prompts(num: int, seed: int = 0, vocab: int = 256) -> list[list[int]]:
+    """``num`` prompts of mixed lengths (1..90 tokens, several pages and partial pages)."""
+    import random
+
+    rng = random.Random(seed)
+    lengths = [1, 15, 16, 17, 33, 90] + [rng.randint(1, 90) for _ in range(num)]
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths[:num]]
+
+
+def reference_tokens(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Greedy outputs of an in-process ColocatedEngine on dummy:tiny (float32, CPU)."""
+    import os
+
+    from disagg.engine import ColocatedEngine
+    from disagg.model import load_model
+    from disagg.sampling import SamplingParams
+
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        model = load_model("dummy:tiny", dtype="float32", device="cpu")
+        engine = ColocatedEngine(model, num_pages=256, page_size=16, max_num_seqs=16, max_num_batched_tokens=256)
+        for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+            engine.add(i, prompt, SamplingParams(max_tokens=n))
+        out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        while engine.has_work():
+            for o in engine.step():
+                if o.token_id is not None:
+                    out[o.request_id].append(o.token_id)
+        return [out[i] for i in range(len(prompts))]
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+class BackgroundStream:
+    """One `cluster.stream` consumed on its own thread and event loop (any loop must work).
+
+    Attributes:
+        deltas: every delta received, in order.
+        started: set at the first delta; done: set at the last (or when the stream raised).
+        error: what the stream raised, if anything.
+    """
+
+    def __init__(self, cluster: Cluster, prompt, params, request_id: str | None = None,
+                 stop_after: int | None = None) -> None:
+        import threading
+
+        self.deltas: list = []
+        self.started, self.done = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+        self._args = (cluster, prompt, params, request_id, stop_after)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import asyncio
+
+        cluster, prompt, params, request_id, stop_after = self._args
+
+        async def consume() -> None:
+            stream = cluster.stream(prompt, params, request_id=request_id)
+            async for delta in stream:
+                self.deltas.append(delta)
+                self.started.set()
+                if stop_after is not None and len(self.deltas) >= stop_after:
+                    await stream.aclose()  # the caller walks away: the request must be aborted
+                    return
+        try:
+            asyncio.run(consume())
+        except BaseException as err:  # handed to the test
+            self.error = err
+        finally:
+            self.started.set()
+            self.done.set()
+
+    def result(self, timeout_s: float = 60.0):
+        """The last delta (raises what the stream raised)."""
+        assert self.done.wait(timeout_s), f"stream not done after {timeout_s} s: {self.deltas[-3:]}"
+        if self.error is not None:
+            raise self.error
+        return self.deltas[-1]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for d in self.deltas for t in d.token_ids]

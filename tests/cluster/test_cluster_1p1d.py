@@ -1,0 +1,183 @@
+"""tiny-1p1d.yaml on two CPU actors over the shm heap: parity with ColocatedEngine, and faults.
+
+One launch for the module (router.lease_s lowered to 2 s so that lease expiries are quick).
+After every test, every instance's pages are all free again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
+
+from disagg.sampling import SamplingParams
+
+LEASE_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local):
+    cluster = launch("tiny-1p1d", router__lease_s=LEASE_S)
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def pages_free_after(cluster):
+    yield
+    wait_all_free(cluster, timeout_s=LEASE_S + 15)
+
+
+def test_launch_reports_the_fleet(cluster):
+    stats = cluster.stats()
+    assert (stats["mode"], stats["device"], stats["backend"]) == ("disaggregated", "cpu", "shm")
+    roles = {inst["name"]: (inst["role"], inst["pe"]) for inst in stats["instances"]}
+    assert roles == {"prefill-0": ("prefill", 0), "decode-0": ("decode", 1)}
+    assert stats["paths"] == {"0->1": "load/store"}
+    assert cluster.model_name == "dummy:tiny" and cluster.tokenizer is None and cluster.healthy
+    assert cluster.max_model_len == 4096
+
+
+def test_24_mixed_requests_match_the_colocated_engine(cluster):
+    prompts = mixed_prompts(24, seed=1)
+    max_tokens = [1, 2, 5, 16, 31, 9] * 4
+    want = reference_tokens(prompts, max_tokens)
+    # 8 one after the other, then 16 at once (interleaved on both actors).
+    got = [cluster.generate([p], SamplingParams(max_tokens=n))[0] for p, n in zip(prompts[:8], max_tokens[:8])]
+    got += cluster.generate(prompts[8:], [SamplingParams(max_tokens=n) for n in max_tokens[8:]])
+    for i, (completion, tokens) in enumerate(zip(got, want)):
+        assert completion.token_ids == tokens, f"request {i} (prompt {len(prompts[i])} tokens)"
+        assert completion.prompt_token_ids == prompts[i]
+        assert completion.finish_reason in ("length", "stop") and completion.error is None
+        assert completion.text is None
+        m = completion.metrics
+        assert len(m.token_times) == len(tokens) and m.token_times == sorted(m.token_times)
+        assert 0 <= m.ttft_s <= m.e2el_s
+        assert (m.prefill_instance, m.decode_instance) == ("prefill-0", "decode-0")
+
+
+def test_stream_from_other_threads_and_loops(cluster):
+    prompts = mixed_prompts(4, seed=2)
+    streams = [BackgroundStream(cluster, p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+    want = reference_tokens(prompts, [12] * 4)
+    for stream, tokens in zip(streams, want):
+        last = stream.result()
+        assert last.finished and last.finish_reason == "length"
+        assert stream.token_ids == tokens
+        times = [t for d in stream.deltas for t in d.emit_times]
+        assert len(times) == len(tokens) and times == sorted(times)
+
+
+def test_push_that_never_lands_fails_after_the_lease(cluster):
+    cluster.instance("prefill-0").actor.drop_next.remote(1)
+    start = time.monotonic()
+    stream = BackgroundStream(cluster, [5, 6, 7] * 10, SamplingParams(max_tokens=4))
+    last = stream.result()
+    assert last.finish_reason == "error" and "did not land within" in last.error, last
+    assert time.monotonic() - start >= LEASE_S * 0.9
+    # The decode pages come back once the decode engine's own lease closes (checked after the test),
+    # and the next request runs normally.
+    ok = cluster.generate([[9, 9, 9]], SamplingParams(max_tokens=3))[0]
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 3
+
+
+def test_abort_while_prefilling(cluster):
+    cluster.instance("prefill-0").actor.drop_next.remote(1)
+    stream = BackgroundStream(cluster, list(range(3, 40)), SamplingParams(max_tokens=8), request_id="pre")
+    _wait_stage(cluster, "prefilling")
+    cluster.abort("pre")
+    last = stream.result()
+    assert last.finish_reason == "abort" and last.token_ids == []
+
+
+def test_abort_while_decoding_by_closing_the_stream(cluster):
+    stream = BackgroundStream(cluster, list(range(3, 20)), SamplingParams(max_tokens=2000, ignore_eos=True),
+                              stop_after=2)
+    stream.done.wait(60)
+    assert stream.error is None and 1 <= len(stream.token_ids) < 2000
+    assert not stream.deltas[-1].finished  # the caller walked away; the router aborted it
+
+
+def test_abort_by_cancelling_the_consumer_task(cluster):
+    async def run() -> int:
+        got = []
+
+        async def consume():
+            async for delta in cluster.stream([3, 4, 5], SamplingParams(max_tokens=2000, ignore_eos=True)):
+                got.extend(delta.token_ids)
+
+        task = asyncio.ensure_future(consume())
+        while not got:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return len(got)
+
+    assert 1 <= asyncio.run(run()) < 2000
+
+
+def test_abort_while_queued_for_decode_pages(cluster):
+    # The first request commits 251 of the decode instance's 256 pages for its whole life.
+    hog = BackgroundStream(cluster, [3] * 8, SamplingParams(max_tokens=4000, ignore_eos=True), request_id="hog")
+    hog.started.wait(60)
+    waiting = BackgroundStream(cluster, [4] * 8, SamplingParams(max_tokens=100), request_id="waiting")
+    _wait_until(lambda: cluster.stats()["router"]["queued"] == 1)
+    time.sleep(0.3)
+    assert not waiting.deltas  # still queued: no pages for it
+    cluster.abort("waiting")
+    assert waiting.result().finish_reason == "abort"
+    assert cluster.stats()["router"]["queued"] == 0
+    cluster.abort("hog")
+    assert hog.result().finish_reason == "abort"
+
+
+def test_queued_request_runs_once_pages_free(cluster):
+    hog = BackgroundStream(cluster, [3] * 8, SamplingParams(max_tokens=4000, ignore_eos=True), request_id="hog2")
+    hog.started.wait(60)
+    waiting = BackgroundStream(cluster, [4] * 8, SamplingParams(max_tokens=90, ignore_eos=True))
+    _wait_until(lambda: cluster.stats()["router"]["queued"] == 1)
+    cluster.abort("hog2")
+    last = waiting.result()
+    assert last.finish_reason == "length" and len(waiting.token_ids) == 90
+
+
+def test_request_timeout_aborts(cluster):
+    router = cluster._router
+    saved = router.settings
+    router.settings = saved.model_copy(update={"request_timeout_s": 1.0})
+    try:
+        cluster.instance("prefill-0").actor.drop_next.remote(1)  # never prefilled: it can only time out
+        last = BackgroundStream(cluster, [7] * 20, SamplingParams(max_tokens=8)).result()
+    finally:
+        router.settings = saved
+    assert last.finish_reason == "abort" and "timed out after 1.0 s" in last.error, last
+
+
+def test_bad_requests_are_refused_before_queueing(cluster):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        cluster.generate([[]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        cluster.generate([[3] * 4000], SamplingParams(max_tokens=200))
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        cluster.generate(["hello"], SamplingParams(max_tokens=2))
+    first = BackgroundStream(cluster, [3, 4], SamplingParams(max_tokens=500, ignore_eos=True), request_id="dup")
+    first.started.wait(60)
+    second = BackgroundStream(cluster, [3, 4], SamplingParams(max_tokens=2), request_id="dup")
+    with pytest.raises(ValueError, match="already in flight"):
+        second.result()
+    cluster.abort("dup")
+    assert first.result().finish_reason == "abort"
+
+
+def _wait_stage(cluster, stage: str, timeout_s: float = 30.0) -> None:
+    _wait_until(lambda: cluster.stats()["router"]["stages"].get(stage, 0) >= 1, timeout_s)
+
+
+def _wait_until(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
