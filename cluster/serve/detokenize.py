@@ -66,10 +66,10 @@ class OutputText:
         """At the end of the output: decode what was held back and hand out the rest of the text."""
         if self._decoder is None or self.stopped is not None:
             return TextDelta("")
-        self._append(self._decode_new(force=True))
-        delta = self.text[self._sent:]
+        head = self._append(self._decode_new(force=True)).text
+        rest = self.text[self._sent:]
         self._sent = len(self.text)
-        return TextDelta(delta, self.stopped)
+        return TextDelta(head + rest, self.stopped)
 
     def _append(self, new_text: str) -> TextDelta:
         if new_text:

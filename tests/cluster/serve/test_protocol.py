@@ -112,6 +112,12 @@ def test_output_text_never_emits_half_a_character():
     assert "".join(deltas) + text.flush().text == "é€x"
 
 
+def test_output_text_flushes_undecodable_bytes_at_the_end():
+    text = OutputText(Utf8Bytes())
+    assert [text.add([0xE2]).text, text.add([0x82]).text] == ["", ""]  # half of a 3-byte character
+    assert text.flush().text == "\ufffd"  # what a full decode gives: nothing is lost
+
+
 def test_output_text_without_tokenizer_is_empty_and_refuses_stop_strings():
     assert OutputText(None).add([1, 2]).text == ""
     with pytest.raises(ValueError, match="tokenizer"):
