@@ -1,0 +1,96 @@
+"""tiny-2p2d.yaml on four CPU actors: xPyD parity, then a killed prefill and a killed decode actor.
+
+The tests run in file order on one launch: parity with both sides whole, then prefill-0 is
+killed (its requests fail naming it, the others finish), then decode-0 (likewise). After each,
+every surviving instance's pages are all free.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
+
+from disagg.sampling import SamplingParams
+
+LEASE_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local):
+    cluster = launch("tiny-2p2d", router__lease_s=LEASE_S)
+    yield cluster
+    cluster.shutdown()
+
+
+def test_xpyd_parity_and_both_sides_used(cluster):
+    stats = cluster.stats()
+    assert [(i["name"], i["pe"]) for i in stats["instances"]] == [
+        ("prefill-0", 0), ("prefill-1", 1), ("decode-0", 2), ("decode-1", 3)]
+    assert set(stats["paths"]) == {"0->2", "0->3", "1->2", "1->3"}
+    prompts = mixed_prompts(16, seed=3)
+    max_tokens = [4, 24, 1, 12] * 4
+    got = cluster.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
+    assert [c.token_ids for c in got] == reference_tokens(prompts, max_tokens)
+    assert {c.metrics.prefill_instance for c in got} == {"prefill-0", "prefill-1"}
+    assert {c.metrics.decode_instance for c in got} == {"decode-0", "decode-1"}
+    wait_all_free(cluster)
+
+
+def test_killed_prefill_actor_fails_its_requests_and_the_others_finish(cluster, ray_local):
+    victim = cluster.instance("prefill-0")
+    ray_local.get(victim.actor.drop_next.remote(2))  # what reaches prefill-0 stays there
+    prompts = mixed_prompts(6, seed=4)
+    streams = [BackgroundStream(cluster, p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts]
+    _wait_until(lambda: cluster.stats()["router"]["stages"].get("prefilling", 0) >= 1)
+    ray_local.kill(victim.actor, no_restart=True)
+    want = reference_tokens(prompts, [10] * 6)
+    failed = 0
+    for stream, tokens in zip(streams, want):
+        last = stream.result()
+        if last.finish_reason == "error":
+            failed += 1
+            assert "prefill instance prefill-0 (PE 0) died" in last.error, last.error
+        else:
+            assert last.finish_reason == "length" and stream.token_ids == tokens
+    assert failed >= 1
+    assert not cluster.healthy and not victim.alive
+    stats = wait_all_free(cluster, timeout_s=LEASE_S + 20)
+    dead = [i for i in stats["instances"] if not i["alive"]]
+    assert [i["name"] for i in dead] == ["prefill-0"] and "died" in dead[0]["error"]
+    after = cluster.generate(prompts[:3], SamplingParams(max_tokens=10, ignore_eos=True))
+    assert [c.token_ids for c in after] == want[:3]
+    assert {c.metrics.prefill_instance for c in after} == {"prefill-1"}
+
+
+def test_killed_decode_actor_fails_its_requests_and_the_others_finish(cluster, ray_local):
+    prompts = mixed_prompts(4, seed=5)
+    streams = [BackgroundStream(cluster, p, SamplingParams(max_tokens=200, ignore_eos=True)) for p in prompts]
+    for stream in streams:
+        stream.started.wait(60)
+    victim = cluster.instance("decode-0")
+    ray_local.kill(victim.actor, no_restart=True)
+    want = reference_tokens(prompts, [200] * 4)
+    outcomes = []
+    for stream, tokens in zip(streams, want):
+        last = stream.result()
+        outcomes.append(last.finish_reason)
+        if last.finish_reason == "error":
+            assert "decode instance decode-0 (PE 2) died" in last.error, last.error
+            assert stream.token_ids == tokens[:len(stream.token_ids)]
+        else:
+            assert last.finish_reason == "length" and stream.token_ids == tokens
+    assert "error" in outcomes and "length" in outcomes, outcomes
+    wait_all_free(cluster, timeout_s=LEASE_S + 20)
+    after = cluster.generate(prompts[:2], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert {c.metrics.decode_instance for c in after} == {"decode-1"}
+    assert [c.token_ids for c in after] == [t[:5] for t in want[:2]]
+    wait_all_free(cluster)
+
+
+def _wait_until(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
