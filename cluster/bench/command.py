@@ -73,7 +73,8 @@ def bench_command(
     base_url: Annotated[Optional[str], typer.Option(help="benchmark a running OpenAI-compatible server")] = None,
     model: Annotated[Optional[str], typer.Option(help="model name sent to --base-url")] = None,
     endpoint: Annotated[str, typer.Option(help="completions path of --base-url")] = "/v1/completions",
-    dataset_name: Annotated[str, typer.Option(help=f"one of {', '.join(DATASETS)}")] = "random",
+    dataset_name: Annotated[str, typer.Option(help=f"one of {', '.join(DATASETS)}; several, comma-separated, "
+                            "run on one launch each")] = "random",
     num_prompts: Annotated[Optional[int], typer.Option(min=1, help="requests per run")] = None,
     request_rate: Annotated[Optional[str], typer.Option(help="req/s; a sweep: 1,2,4,inf")] = None,
     burstiness: Annotated[Optional[float], typer.Option(help="gamma shape of arrivals; 1 = Poisson")] = None,
@@ -94,12 +95,20 @@ def bench_command(
     result_dir: Annotated[Optional[Path], typer.Option(help="where JSON and PNGs go (default bench.results_dir)")] = None,
     result_filename: Annotated[Optional[str], typer.Option(help="file name of a single run's JSON")] = None,
     disable_tqdm: Annotated[bool, typer.Option(help="no progress bar")] = False,
+    run_seconds: Annotated[Optional[float], typer.Option(min=0.001, help="per rate, send about rate x this "
+                           "many requests (at least --min-prompts, at most --num-prompts)")] = None,
+    min_prompts: Annotated[int, typer.Option(min=1, help="fewest requests of a run under --run-seconds")] = 50,
+    early_stop: Annotated[bool, typer.Option(help="sweep rates upward and stop once attainment under the "
+                          "loosest --slo-scales SLOs falls below 90%")] = False,
 ) -> None:
     """Measure serving at the client as `vllm bench serve` does; compare deployments by goodput."""
     from disagg.cluster.bench.sweep import SweepOptions
 
-    if dataset_name not in DATASETS:
-        raise typer.BadParameter(f"expected one of {', '.join(DATASETS)}, got {dataset_name!r}", param_hint="--dataset-name")
+    datasets = [name for name in dataset_name.replace(" ", "").split(",") if name]
+    unknown = [name for name in datasets if name not in DATASETS]
+    if unknown or not datasets:
+        raise typer.BadParameter(f"expected one or more of {', '.join(DATASETS)} (comma-separated), got "
+                                 f"{dataset_name!r}", param_hint="--dataset-name")
     if config is None and base_url is None:
         raise typer.BadParameter("give a CONFIG to launch, or --base-url of a running server", param_hint="CONFIG")
     if base_url is not None and vocab_size is None:
@@ -117,15 +126,16 @@ def bench_command(
     defaults = _config_defaults(config)
     options = SweepOptions(
         num_prompts=num_prompts or defaults.get("num_prompts", 100),
-        rates=rates or defaults.get("request_rates") or [math.inf], dataset_name=dataset_name,
-        input_len=random_input_len or (defaults.get("input_len") if dataset_name == "random" else None),
-        output_len=random_output_len or (defaults.get("output_len") if dataset_name == "random" else None),
+        rates=rates or defaults.get("request_rates") or [math.inf], dataset_name=datasets[0], datasets=datasets,
+        input_len=random_input_len or (defaults.get("input_len") if datasets == ["random"] else None),
+        output_len=random_output_len or (defaults.get("output_len") if datasets == ["random"] else None),
         range_ratio=random_range_ratio, burstiness=burstiness or defaults.get("burstiness", 1.0),
         max_concurrency=max_concurrency, seed=defaults.get("seed", 0) if seed is None else seed,
         goodput_slos_ms=slos or (None if slo_calibrate else defaults.get("goodput")),
         percentiles=tuple(percentiles), num_warmups=num_warmups, request_timeout_s=request_timeout,
         calibrate_slos=slo_calibrate, vocab_size=vocab_size, show_progress=not disable_tqdm,
-        result_filename=result_filename, save_results=save_result or bool(compare) or bool(variants))
+        result_filename=result_filename, save_results=save_result or bool(compare) or bool(variants),
+        run_seconds=run_seconds, min_prompts=min_prompts, early_stop=early_stop)
     if scales:
         options.slo_scales = tuple(scales)
     others = [] if no_compare else list(compare or ([defaults["compare_with"]] if defaults.get("compare_with") else []))
@@ -148,34 +158,43 @@ def _config_defaults(config: Optional[Path]) -> dict[str, Any]:
 def _run(config, others, variants, base_url, model, endpoint, out_dir: Path, options) -> None:
     from rich.console import Console
 
-    from disagg.cluster.bench import compare as cmp
-    from disagg.cluster.bench import plots, report, sweep
+    from disagg.cluster.bench import report, sweep
 
     console = Console()
     if others and base_url is None:
         summary = sweep.compare_configs(config, others, out_dir, options, variants=variants)
-        console.print(report.comparison_table(summary))
-        console.print(f"results, compare.json and plots in {out_dir}: {', '.join(Path(p).name for p in summary['plots'])}")
+        for name, one in (summary.get("datasets") or {options.dataset_name: summary}).items():
+            console.print(f"[bold]{name}[/bold]")
+            console.print(report.comparison_table(one))
+            console.print(report.common_rate_table(one))
+            console.print(f"plots: {', '.join(one['plots'])}")
+        console.print(f"results and compare.json under {out_dir}")
         return
     if base_url is not None:
         if others:
             raise typer.BadParameter("--compare needs configs launched here; drop --base-url", param_hint="--compare")
+        if len(options.dataset_names) > 1:
+            raise typer.BadParameter("one dataset at a time with --base-url", param_hint="--dataset-name")
         results = sweep.bench_url(base_url, options, slos_ms=options.goodput_slos_ms, model=model, endpoint=endpoint)
-        slos, num_gpus = options.goodput_slos_ms, 1
+        runs = [sweep.DatasetRuns(options.dataset_name, results, options.goodput_slos_ms,
+                                  {"label": base_url, "num_gpus": 1})]
     else:
-        results, slos, info = sweep.bench_config(config, options, slos_ms=options.goodput_slos_ms)
-        num_gpus = info["num_gpus"]
-    for result in results:
-        console.print(report.run_table(result))
+        runs = sweep.bench_config(config, options)
+    for one in runs:
+        for result in one.results:
+            console.print(report.run_table(result))
+        if options.save_results:
+            _save_single(one, options, out_dir if len(runs) == 1 else out_dir / one.dataset)
     if options.save_results:
-        for result in results:
-            name = options.result_filename if options.result_filename and len(results) == 1 else \
-                f"{sweep.safe_name(result['label'])}-{result['request_rate']}qps-{result['date']}.json"
-            report.save_json(result, out_dir / name)
-        if slos:
-            side = cmp.side_summary(results[0]["label"], results, num_gpus, slos, options.slo_scales)
-            summary = {"sides": [side], "comparison": cmp.compare_sides([side], slos), "slos_ms": slos,
-                       "slo_scales": list(options.slo_scales)}
-            summary["plots"] = plots.write_all({side["label"]: results}, summary, out_dir)
-            report.save_json(summary, out_dir / "summary.json")
-        console.print(f"results in {out_dir}")
+        console.print(f"results under {out_dir}")
+
+
+def _save_single(runs, options, folder: Path) -> None:
+    from disagg.cluster.bench import report, sweep
+
+    for result in runs.results:
+        name = options.result_filename if options.result_filename and len(runs.results) == 1 else \
+            f"{sweep.safe_name(result['label'])}-{result['request_rate']}qps-{result['date']}.json"
+        report.save_json(result, folder / name)
+    if runs.slos_ms:
+        sweep.summarize_comparison([runs], options, folder)

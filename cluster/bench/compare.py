@@ -149,11 +149,12 @@ def quick_compare(config_a: str, config_b: str, out_dir: str, *, num_prompts: in
 
     from rich.console import Console
 
-    from disagg.cluster.bench.report import comparison_table
+    from disagg.cluster.bench.report import common_rate_table, comparison_table
 
     options = SweepOptions(num_prompts=num_prompts, rates=list(rates), dataset_name=dataset_name,
                            goodput_slos_ms=dict(goodput) if goodput else None, seed=seed,
                            show_progress=progress, **workload_overrides)
     summary = compare_configs(config_a, [config_b], out_dir, options)
     Console().print(comparison_table(summary))
+    Console().print(common_rate_table(summary))
     return summary

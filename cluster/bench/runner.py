@@ -122,8 +122,8 @@ async def run_async(backend: Backend, requests: Sequence[SampleRequest], *, requ
         burstiness: gamma shape of the gaps (1: Poisson).
         max_concurrency: at most this many requests in flight (None: no cap).
         seed: seeds the arrival gaps.
-        num_warmups: requests (copies of the first) sent one by one before the timed run; not
-            counted (CUDA graphs, Triton compiles and caches settle here).
+        num_warmups: requests of the workload (cycled) sent all at once before the timed run,
+            as vLLM's warmups are; not counted (CUDA graphs, Triton compiles settle here).
         request_timeout_s: a request still open after this many seconds is cancelled (which
             aborts it on the server) and counted as failed.
         on_done: called with each finished RequestOutput (a progress bar).
@@ -138,7 +138,8 @@ async def run_async(backend: Backend, requests: Sequence[SampleRequest], *, requ
     offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
     await backend.open()
     try:
-        warmups = [await measure_request(backend, requests[0]) for _ in range(num_warmups)]
+        warmups = list(await asyncio.gather(*(measure_request(backend, requests[i % len(requests)])
+                                              for i in range(num_warmups))))
         outputs, duration_s = await _timed_run(backend, requests, offsets, max_concurrency,
                                                request_timeout_s, on_done)
     finally:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from disagg.cluster.bench import compare as cmp
-from disagg.cluster.bench.metrics import DEFAULT_PERCENTILES
+from disagg.cluster.bench.metrics import DEFAULT_PERCENTILES, slo_attainment
 from disagg.cluster.bench.report import build_result, rate_to_json, save_json
 from disagg.cluster.bench.runner import Backend, run
 from disagg.cluster.bench.workloads import SampleRequest, WorkloadSpec, sample_requests
@@ -36,6 +36,7 @@ class SweepOptions:
     num_prompts: int = 100
     rates: list[float] = field(default_factory=lambda: [math.inf])
     dataset_name: str = "random"
+    datasets: list[str] | None = None
     input_len: int | None = None
     output_len: int | None = None
     range_ratio: float | None = None
@@ -54,6 +55,34 @@ class SweepOptions:
     show_progress: bool = True
     result_filename: str | None = None
     save_results: bool = True
+    run_seconds: float | None = None
+    min_prompts: int = 50
+    early_stop: bool = False
+
+    @property
+    def dataset_names(self) -> list[str]:
+        """The workloads to run on each launched deployment (one launch serves them all)."""
+        return list(self.datasets or [self.dataset_name])
+
+    def sweep_rates(self) -> list[float]:
+        """Rates in sweep order: ascending, inf last, when early_stop (stop at the first collapse)."""
+        return sorted(self.rates) if self.early_stop else list(self.rates)
+
+    def prompts_at(self, rate: float, available: int) -> int:
+        """Requests of a run at `rate`: about run_seconds of arrivals, at least min_prompts."""
+        if self.run_seconds is None or math.isinf(rate):
+            return available
+        return max(1, min(available, max(self.min_prompts, math.ceil(rate * self.run_seconds))))
+
+
+@dataclass
+class DatasetRuns:
+    """One workload's sweep on one deployment: results per rate, the SLOs judged, and context."""
+
+    dataset: str
+    results: list[dict[str, Any]]
+    slos_ms: dict[str, float] | None
+    info: dict[str, Any]
 
 
 def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: SweepOptions, *,
@@ -67,18 +96,25 @@ def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: Swee
         workload / config / extra: stored in each result.
     """
     results = []
-    for rate in options.rates:
+    for index, rate in enumerate(options.sweep_rates()):
+        batch = list(requests[:options.prompts_at(rate, len(requests))])
         before = stats() if stats else None
-        with progress_bar(options.show_progress, f"{label} @ {rate_to_json(rate)} req/s", len(requests)) as tick:
-            outcome = run(backend, requests, request_rate=rate, burstiness=options.burstiness,
+        with progress_bar(options.show_progress, f"{label} @ {rate_to_json(rate)} req/s", len(batch)) as tick:
+            outcome = run(backend, batch, request_rate=rate, burstiness=options.burstiness,
                           max_concurrency=options.max_concurrency, seed=options.seed,
-                          num_warmups=options.num_warmups, request_timeout_s=options.request_timeout_s,
-                          on_done=tick)
+                          num_warmups=options.num_warmups if index == 0 else 0,
+                          request_timeout_s=options.request_timeout_s, on_done=tick)
         after = stats() if stats else None
         more = dict(extra or {}, busy_fraction=busy_fractions(before, after, outcome.duration_s),
                     cluster_stats=after)
         results.append(build_result(outcome, goodput_slos_ms=slos_ms, percentiles=options.percentiles,
                                     label=label, workload=workload, config=config, extra=more))
+        if options.early_stop and slos_ms and math.isfinite(rate):
+            loosest = cmp.scale_slos(slos_ms, max(options.slo_scales))
+            if slo_attainment(outcome.outputs, loosest) < cmp.TARGET_ATTAINMENT:
+                logger.info("%s: attainment under the loosest SLOs fell below target at %s req/s; "
+                            "higher rates skipped", label, rate)
+                break
     return results
 
 
@@ -138,37 +174,41 @@ def _busy_seconds(stats: Mapping) -> dict[str, float]:
 
 
 def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: Mapping[str, Any] | None = None,
-                 slos_ms: Mapping[str, float] | None = None, label: str | None = None
-                 ) -> tuple[list[dict[str, Any]], dict[str, float] | None, dict[str, Any]]:
-    """Launch the cluster of `config_path` (+ overrides), sweep, shut down.
+                 slos_by_dataset: Mapping[str, Mapping[str, float] | None] | None = None,
+                 label: str | None = None) -> list[DatasetRuns]:
+    """Launch the cluster of `config_path` (+ overrides), sweep every workload, shut down.
 
-    Returns:
-        (results per rate, the SLOs used, info: label, num_gpus, workload, calibration).
+    Args:
+        slos_by_dataset: SLOs per workload (from an earlier deployment's calibration); a workload
+            without any takes `options.goodput_slos_ms`, else calibrates (`--slo-calibrate`), else
+            the config's `bench.goodput`.
     """
     from disagg.cluster import Cluster
+    from disagg.cluster.bench.backends import ClusterBackend
     from disagg.config import Config
 
     config = Config.from_yaml(config_path)
     if overrides:
         config = config.override(dict(overrides))
     label = label or config.name + "".join(f"[{k.split('.')[-1]}={v}]" for k, v in (overrides or {}).items())
-    slos = dict(slos_ms) if slos_ms else (None if options.calibrate_slos else dict(config.bench.goodput))
+    common = {"label": label, "num_gpus": config.instances.num_instances, "config_path": str(config_path),
+              "overrides": dict(overrides or {})}
+    runs = []
     with Cluster.launch(config) as cluster:
-        from disagg.cluster.bench.backends import ClusterBackend
-
-        spec = workload_for(cluster, options)
-        requests = sample_requests(spec)
         backend = ClusterBackend(cluster, name=label)
-        info = {"label": label, "num_gpus": config.instances.num_instances, "config_path": str(config_path),
-                "overrides": dict(overrides or {}), "workload": spec.to_dict(), "calibration": None}
-        if slos is None:
-            info["calibration"] = calibrate(backend, requests, options)
-            slos = info["calibration"]["slos_ms"]
-        extra = {"num_gpus": info["num_gpus"], "config_path": str(config_path), "overrides": info["overrides"],
-                 "calibration": info["calibration"]}
-        results = run_sweep(backend, requests, options, label=label, slos_ms=slos, stats=cluster.stats,
-                            workload=spec.to_dict(), config=config.model_dump(mode="json"), extra=extra)
-    return results, slos, info
+        for dataset in options.dataset_names:
+            spec = workload_for(cluster, replace(options, dataset_name=dataset))
+            requests = sample_requests(spec)
+            slos = (slos_by_dataset or {}).get(dataset) or options.goodput_slos_ms
+            info = dict(common, workload=spec.to_dict(), calibration=None)
+            if not slos and options.calibrate_slos:
+                info["calibration"] = calibrate(backend, requests, options)
+            slos = dict(slos or (info["calibration"] or {}).get("slos_ms") or config.bench.goodput)
+            extra = dict(common, calibration=info["calibration"])
+            results = run_sweep(backend, requests, options, label=label, slos_ms=slos, stats=cluster.stats,
+                                workload=spec.to_dict(), config=config.model_dump(mode="json"), extra=extra)
+            runs.append(DatasetRuns(dataset, results, slos, info))
+    return runs
 
 
 def workload_for(cluster: Any, options: SweepOptions) -> WorkloadSpec:
@@ -217,27 +257,46 @@ def compare_configs(config_a: str | Path, others: Sequence[str | Path], out_dir:
                     options: SweepOptions, *, variants: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
     """Sweep CONFIG and every comparison config (each also with every override set of `variants`).
 
-    Writes <out_dir>/<label>-<rate>qps.json per run, compare.json and the PNG plots.
+    Each deployment is launched once and runs every workload. Per workload it writes
+    <dir>/<label>-<rate>qps.json per run, compare.json and the PNG plots, where <dir> is out_dir
+    for one workload and out_dir/<dataset> for several.
+
+    Returns:
+        the summary of the one workload, or {"datasets": {name: summary}} for several.
     """
+    out_dir = Path(out_dir)
+    deployments = [(config_a, None)] + [(path, var) for path in others for var in (list(variants) or [None])]
+    names = options.dataset_names
+    folders = {name: out_dir if len(names) == 1 else out_dir / name for name in names}
+    slos: dict[str, Any] = {}
+    collected: dict[str, list[DatasetRuns]] = {name: [] for name in names}
+    for path, overrides in deployments:
+        for runs in bench_config(path, options, overrides=overrides, slos_by_dataset=slos):
+            slos.setdefault(runs.dataset, runs.slos_ms)
+            runs.info["result_files"] = [
+                str(save_json(r, folders[runs.dataset] / f"{safe_name(runs.info['label'])}-{r['request_rate']}qps.json"))
+                for r in runs.results] if options.save_results else []
+            collected[runs.dataset].append(runs)
+    summaries = {name: summarize_comparison(collected[name], options, folders[name]) for name in names}
+    if len(names) == 1:
+        return summaries[names[0]]
+    everything = {"datasets": summaries}
+    save_json(everything, out_dir / "compare.json")
+    return everything
+
+
+def summarize_comparison(sides_runs: Sequence[DatasetRuns], options: SweepOptions, folder: Path) -> dict[str, Any]:
+    """compare.json and the plots of one workload's sweeps on every deployment."""
     from disagg.cluster.bench import plots
 
-    out_dir = Path(out_dir)
-    runs = [(config_a, None)] + [(path, var) for path in others for var in (list(variants) or [None])]
-    slos, sides, infos, by_label = options.goodput_slos_ms, [], [], {}
-    for path, overrides in runs:
-        results, slos, info = bench_config(path, options, overrides=overrides, slos_ms=slos)
-        files = [str(save_json(r, out_dir / f"{safe_name(info['label'])}-{r['request_rate']}qps.json"))
-                 for r in results] if options.save_results else []
-        info["result_files"] = files
-        sides.append(cmp.side_summary(info["label"], results, info["num_gpus"], slos, options.slo_scales))
-        infos.append(info)
-        by_label[info["label"]] = results
-    summary = {"sides": sides, "comparison": cmp.compare_sides(sides, slos), "runs": infos,
-               "slos_ms": slos, "slo_scales": list(options.slo_scales),
-               "options": {k: (rate_to_json(v) if isinstance(v, float) else v)
-                           for k, v in vars(replace(options, rates=[rate_to_json(r) for r in options.rates])).items()}}
-    summary["plots"] = plots.write_all(by_label, summary, out_dir)
-    save_json(summary, out_dir / "compare.json")
+    slos = sides_runs[0].slos_ms
+    sides = [cmp.side_summary(runs.info["label"], runs.results, runs.info["num_gpus"], slos, options.slo_scales)
+             for runs in sides_runs]
+    summary = {"dataset": sides_runs[0].dataset, "sides": sides, "comparison": cmp.compare_sides(sides, slos),
+               "runs": [runs.info for runs in sides_runs], "slos_ms": slos, "slo_scales": list(options.slo_scales),
+               "options": vars(replace(options, rates=[rate_to_json(r) for r in options.rates]))}
+    summary["plots"] = plots.write_all({runs.info["label"]: runs.results for runs in sides_runs}, summary, folder)
+    save_json(summary, folder / "compare.json")
     return summary
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import types
 from pathlib import Path
@@ -17,7 +18,7 @@ from typer.testing import CliRunner
 import disagg.cluster
 from disagg.cluster.bench import compare as cmp
 from disagg.cluster.bench.report import check_result, load_json
-from disagg.cluster.bench.sweep import busy_fractions
+from disagg.cluster.bench.sweep import SweepOptions, bench_config, busy_fractions, compare_configs
 
 from disagg.cluster.bench.command import bench_command
 
@@ -134,3 +135,31 @@ def test_busy_fractions_read_either_stats_shape():
     later = {"colocated-0": {"busy_s": 1.0}, "colocated-1": {"busy_s": 1.0}, "router": 4}
     assert busy_fractions(nested, later, 1.0) == {"colocated-0": 1.0, "colocated-1": 0.0}
     assert busy_fractions({"instances": [{"name": "x"}]}, {"instances": [{"name": "x"}]}, 1.0) is None
+
+
+def test_one_launch_serves_every_workload(stand_in, tmp_path):
+    options = SweepOptions(num_prompts=4, rates=[100.0], datasets=["random", "decode-heavy"], input_len=6,
+                           output_len=2, goodput_slos_ms={"ttft": 1000, "tpot": 1000}, show_progress=False)
+    summary = compare_configs(TINY_1P1D, [TINY_COLOCATED], tmp_path, options)
+    assert len(stand_in.launched) == 2                                   # one launch per deployment
+    assert set(summary["datasets"]) == {"random", "decode-heavy"}
+    for name in ("random", "decode-heavy"):
+        one = json.loads((tmp_path / name / "compare.json").read_text())
+        assert one["dataset"] == name and len(one["sides"]) == 2
+        assert (tmp_path / name / "attainment_vs_rate.png").exists()
+    assert (tmp_path / "compare.json").exists()
+
+
+def test_run_seconds_and_early_stop(stand_in, tmp_path):
+    options = SweepOptions(rates=[math.inf, 400.0, 100.0], run_seconds=0.05, min_prompts=3, early_stop=True)
+    assert options.sweep_rates() == [100.0, 400.0, math.inf]
+    assert [options.prompts_at(r, 30) for r in (100.0, 400.0, math.inf)] == [5, 20, 30]
+    assert SweepOptions(min_prompts=3).prompts_at(1.0, 30) == 30     # without run_seconds: all of them
+    # SLOs nothing can meet: the first rate collapses and the sweep stops there
+    options = SweepOptions(num_prompts=6, rates=[200.0, 400.0], input_len=4, output_len=2, early_stop=True,
+                           goodput_slos_ms={"ttft": 0.0001}, slo_scales=(1.0, 2.0), show_progress=False)
+    (runs,) = bench_config(TINY_1P1D, options)
+    assert [r["request_rate"] for r in runs.results] == [200.0]
+    options.early_stop = False
+    (runs,) = bench_config(TINY_1P1D, options)
+    assert [r["request_rate"] for r in runs.results] == [200.0, 400.0]
