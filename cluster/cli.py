@@ -212,3 +212,5 @@ async def stream_to_stdout(cluster, prompt, params, out=None):
 #     app.command("bench")(bench_command)
 # ---------------------------------------------------------------------------------------------
 
+from disagg.cluster.bench.command import bench_command  # noqa: E402  (bench owns its command)
+app.command("bench")(bench_command)
