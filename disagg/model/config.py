@@ -106,7 +106,8 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope(hf, source)
         eos = _as_ids(hf.get("eos_token_id"), source)
         eos_ids = tuple(dict.fromkeys(eos + tuple(extra_eos_ids)))
-        bias_default = architecture == "Qwen2ForCausalLM"
+        bias = hf.get("attention_bias")  # Qwen2 configs omit it: their q/k/v always have a bias
+        bias = architecture == "Qwen2ForCausalLM" if bias is None else bool(bias)
         return cls(
             name=name, architecture=architecture, num_layers=int(get("num_hidden_layers")),
             hidden_size=hidden_size, intermediate_size=int(get("intermediate_size")),
@@ -116,7 +117,7 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", bias_default)), eos_token_ids=eos_ids,
+            attention_bias=bias, eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id") if isinstance(hf.get("bos_token_id"), int) else None,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
         )
