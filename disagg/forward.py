@@ -13,6 +13,7 @@ import numpy as np
 from disagg import sliding
 from disagg.blocks import Sequence
 from disagg.copies import PendingCopies
+from disagg.errors import CacheIntegrityError
 from disagg.plan import ForwardPlan
 from disagg.reserve import WindowedAppend
 
@@ -45,7 +46,9 @@ def build_plan(
     qo_indptr = np.zeros(batch + 1, dtype=np.int32)
     np.cumsum(lens, out=qo_indptr[1:])
     page_indptr, page_indices, last_page_len = page_tables(seqs, len_before + lens, page_size)
-    slots, positions = append_slots(qo_indptr, lens, len_before, page_indptr, page_indices, page_size)
+    slots, positions = append_slots(
+        qo_indptr, lens, len_before, page_indptr, page_indices, page_size, [w.index for w in windowed]
+    )
     sink_size = np.zeros(batch, dtype=np.int32)
     window_offset = np.zeros(batch, dtype=np.int32)
     if windowed:
@@ -111,6 +114,7 @@ def append_slots(
     page_indptr: np.ndarray,
     page_indices: np.ndarray,
     page_size: int,
+    windowed_rows: list[int] = (),
 ) -> tuple[np.ndarray, np.ndarray]:
     """Slots and positions of every appended token, assuming identity slot offsets.
 
@@ -120,20 +124,39 @@ def append_slots(
         len_before: ``[B]`` int64 sequence lengths before the append.
         page_indptr, page_indices: the batch's page tables after the append.
         page_size: tokens per page.
+        windowed_rows: batch rows of sliding-window sequences, whose slots `fix_windowed`
+            overwrites (their identity offsets may run past their tables: those slots are -1
+            until then).
 
     Returns:
         ``(append_slots [T], positions [T])`` int32.
+
+    Raises:
+        CacheIntegrityError: a token of another sequence falls outside its own page table (the
+            reservation and the tables disagree: a bug, never a silently clipped page).
     """
     num_tokens = int(qo_indptr[-1])
     if num_tokens == len(lens):  # decode: one token per sequence
+        owner = np.arange(len(lens))
         positions = len_before
-        page_base = page_indptr[:-1]
     else:
         owner = np.repeat(np.arange(len(lens)), lens)
         positions = np.arange(num_tokens, dtype=np.int64) - qo_indptr[:-1][owner] + len_before[owner]
-        page_base = page_indptr[:-1][owner]
-    pages = np.take(page_indices, page_base + positions // page_size, mode="clip")
-    slots = pages.astype(np.int64) * page_size + positions % page_size
+    index = page_indptr[:-1][owner] + positions // page_size
+    outside = index >= page_indptr[1:][owner]
+    if outside.any():
+        rows = np.unique(owner[outside])
+        bad = np.setdiff1d(rows, np.asarray(windowed_rows, dtype=np.int64))
+        if bad.size:
+            row = int(bad[0])
+            raise CacheIntegrityError(
+                f"plan: batch row {row} appends positions up to "
+                f"{int(len_before[row] + lens[row] - 1)} but its page table holds "
+                f"{int(page_indptr[row + 1] - page_indptr[row])} pages of {page_size}"
+            )
+        index = np.where(outside, 0, index)  # windowed rows: fix_windowed overwrites these
+    pages = page_indices[index].astype(np.int64) if page_indices.size else np.zeros(num_tokens, np.int64)
+    slots = np.where(outside, -1, pages * page_size + positions % page_size)
     return slots.astype(np.int32), positions.astype(np.int32)
 
 

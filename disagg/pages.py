@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from collections.abc import Iterable
 
 import numpy as np
@@ -118,9 +119,8 @@ class PagePool:
             after: the caller's last page, whose successor is taken first when free; or None.
         """
         assert 0 <= n <= self._num_free, f"take({n}) needs n <= free pages ({self._num_free})"
-        pages: list[int] = []
-        if n and after is not None and after + 1 in self._length:
-            n -= self._take_from(after + 1, n, pages)
+        pages = self.take_after(after, n)
+        n -= len(pages)
         rest: list[int] = []
         while n:
             i = bisect.bisect_left(self._sizes, n)
@@ -129,6 +129,28 @@ class PagePool:
         if rest and rest[-1] < rest[0]:  # several extents: in ascending order
             rest.sort()
         return pages + rest
+
+    def take_after(self, after: int | None, n: int) -> list[int]:
+        """Up to `n` free pages right after page `after` (the start of `take`); [] if none."""
+        if after is None or after + 1 not in self._length or not n:
+            return []
+        pages: list[int] = []
+        self._take_from(after + 1, n, pages)
+        return pages
+
+    def take_many(self, afters: list[int | None], counts: list[int]) -> list[list[int]]:
+        """`take` for several callers at once: each first continues after its own last page where
+        that is free; what is still missing is ONE `take`, split in order. The caller checked
+        sum(counts) <= num_free."""
+        length = self._length
+        hits = [j for j, after in enumerate(afters) if after is not None and after + 1 in length]
+        head = {j: self.take_after(afters[j], counts[j]) for j in hits}
+        rest = [n - len(head[j]) if j in head else n for j, n in enumerate(counts)] if hits else counts
+        bulk = self.take(sum(rest))
+        out = [bulk[end - n : end] for n, end in zip(rest, itertools.accumulate(rest))]
+        for j, pages in head.items():
+            out[j] = pages + out[j]
+        return out
 
     def give(self, pages: Iterable[int]) -> None:
         """Free `pages` (distinct, none free already): merged into the extents, or parked when a

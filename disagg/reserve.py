@@ -70,20 +70,27 @@ def reserve_batch(
             num_needed=total,
             num_free=pool.num_free,
         )
+    # Each sequence first continues its own run where the next page is free; the rest of the
+    # batch's demand is one `take`, split in batch order (`PagePool.take_many`).
     block_of = blocks.blocks
-    for i in np.flatnonzero(need).tolist():
-        seq = seqs[i]
-        pages = pool.take(int(need[i]), _last_page(seq))
-        block_of[seq.last_block_idx].page_ids.extend(pages)
-        seq.extend_table(pages)
+    rows = np.flatnonzero(need).tolist()
+    if rows:
+        needing = [seqs[i] for i in rows]
+        taken = pool.take_many([_last_page(s, block_of) for s in needing], need[rows].tolist())
+        for seq, pages in zip(needing, taken):
+            block_of[seq.last_block_idx].page_ids.extend(pages)
+            seq.extend_table(pages)
     for seq, length in zip(seqs, lens.tolist()):
         seq.seq_length += length
         block_of[seq.last_block_idx].seq_length += length
     return len_before, []
 
 
-def _last_page(seq: Sequence) -> int | None:
+def _last_page(seq: Sequence, block_of: list[Block]) -> int | None:
     """The page a sequence's new pages should follow (`PagePool.take`'s ``after``)."""
+    own = block_of[seq.last_block_idx].page_ids  # a list: cheaper to index than the table
+    if own:
+        return own[-1]
     return int(seq.table[-1]) if len(seq.table) else None
 
 
@@ -126,7 +133,7 @@ def _reserve_in_order(
     for i, (seq, length, k) in enumerate(zip(seqs, lens, need)):
         block = blocks.blocks[seq.last_block_idx]
         if not seq.windowed:
-            pages = pool.take(k, _last_page(seq))
+            pages = pool.take(k, _last_page(seq, blocks.blocks))
             block.page_ids.extend(pages)
             seq.extend_table(pages)
             seq.seq_length += length
