@@ -1,4 +1,4 @@
-"""Model test fixtures: kernel paths, CPU threads, the real SmolLM2 weights, transformers parity.
+"""Model test fixtures: kernel paths, CPU threads, the real SmolLM2 weights.
 
 `reference_kernels` runs the kernel launchers' torch references (TRITON_INTERPRET=0; the variable
 is read at call time) for real-size models, whose Triton-interpreter runs would take minutes.
@@ -13,8 +13,6 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # the helper module paged_runner
-
-from paged_runner import PagedRunner  # noqa: E402
 
 
 @pytest.fixture
@@ -42,31 +40,3 @@ def smollm2_dir() -> Path:
         return ensure_smollm2()
     except SmolLM2Unavailable as exc:
         pytest.skip(f"real-weights tests need the SmolLM2 GGUF: {exc}")
-
-
-def paged_vs_full(model, prompts: list[list[int]], *, chunk: int | None, num_decode: int,
-                  page_size: int = 4, num_pages: int = 128):
-    """Run `prompts` through our paged forward (prefill in `chunk`-token pieces, then greedy
-    decode steps feeding back the argmax) and return (ours `[n, steps, V]`, the tokens each
-    prefix ends with `[n][steps]` positions, full token lists) for comparison with a full forward."""
-    runner = PagedRunner(model, page_size=page_size, num_pages=num_pages)
-    steps = [runner.prefill(prompts, chunk)]
-    tokens = [list(p) for p in prompts]
-    for _ in range(num_decode):
-        next_ids = steps[-1].argmax(-1).tolist()
-        for seq, t in zip(tokens, next_ids):
-            seq.append(t)
-        steps.append(runner.decode(next_ids))
-    ours = torch.stack(steps, dim=1)  # [n, steps, V]
-    positions = [[len(p) - 1 + s for s in range(num_decode + 1)] for p in prompts]
-    return ours, positions, tokens
-
-
-def hf_logits_at(hf_model, tokens: list[list[int]], positions: list[list[int]]) -> torch.Tensor:
-    """transformers' logits of each full sequence at `positions`: `[n, steps, V]` float32."""
-    rows = []
-    with torch.no_grad():
-        for seq, pos in zip(tokens, positions):
-            logits = hf_model(torch.tensor([seq])).logits[0].float()
-            rows.append(logits[pos])
-    return torch.stack(rows)

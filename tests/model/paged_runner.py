@@ -1,4 +1,5 @@
-"""A minimal driver of `Model.forward` over a `PagedKVCache` for model tests.
+"""A minimal driver of `Model.forward` over a `PagedKVCache` for model tests, and the
+comparison helpers against a transformers model's full forward.
 
 Feeds prompts in one forward or in chunks, then greedy decode steps, and returns the logits of
 each forward, so tests can compare them with transformers' full forward on the same tokens.
@@ -56,3 +57,31 @@ class PagedRunner:
     def decode(self, tokens: list[int]) -> torch.Tensor:
         """One decode step, token i appended to sequence i: `[n, vocab]`."""
         return self.forward({i: [t] for i, t in enumerate(tokens)})
+
+
+def paged_vs_full(model, prompts: list[list[int]], *, chunk: int | None, num_decode: int,
+                  page_size: int = 4, num_pages: int = 128):
+    """Run `prompts` through our paged forward (prefill in `chunk`-token pieces, then greedy
+    decode steps feeding back the argmax) and return (ours `[n, steps, V]`, the tokens each
+    prefix ends with `[n][steps]` positions, full token lists) for comparison with a full forward."""
+    runner = PagedRunner(model, page_size=page_size, num_pages=num_pages)
+    steps = [runner.prefill(prompts, chunk)]
+    tokens = [list(p) for p in prompts]
+    for _ in range(num_decode):
+        next_ids = steps[-1].argmax(-1).tolist()
+        for seq, t in zip(tokens, next_ids):
+            seq.append(t)
+        steps.append(runner.decode(next_ids))
+    ours = torch.stack(steps, dim=1)  # [n, steps, V]
+    positions = [[len(p) - 1 + s for s in range(num_decode + 1)] for p in prompts]
+    return ours, positions, tokens
+
+
+def hf_logits_at(hf_model, tokens: list[list[int]], positions: list[list[int]]) -> torch.Tensor:
+    """transformers' logits of each full sequence at `positions`: `[n, steps, V]` float32."""
+    rows = []
+    with torch.no_grad():
+        for seq, pos in zip(tokens, positions):
+            logits = hf_model(torch.tensor([seq])).logits[0].float()
+            rows.append(logits[pos])
+    return torch.stack(rows)

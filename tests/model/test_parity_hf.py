@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from conftest import hf_logits_at, paged_vs_full
+from paged_runner import hf_logits_at, paged_vs_full
 from disagg.model import ModelConfig, load_model
 
 transformers = pytest.importorskip("transformers")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_logits_at, paged_vs_full
+from paged_runner import hf_logits_at, paged_vs_full
 from disagg.model import load_model
 
 REL_TOL = 1e-4
