@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Sequence
 
 import numpy as np
@@ -90,8 +91,16 @@ class NvshmemHeap(SymmetricHeap):
         self._closed = False
         self._signals = self._raw_alloc((num_signals,), torch.int64)
         self._records = self._raw_alloc((2, world_size, ALLOC_RECORD_WORDS), torch.int64)
+        # Word p: the number of barriers PE p has entered (set remotely by p): bounds `barrier`.
+        self._arrivals = self._raw_alloc((world_size,), torch.int64)
+        self._host_arrivals = torch.zeros(world_size, dtype=torch.int64, pin_memory=True)
+        self._num_barriers = 0
+        self._barrier_failed: list[int] = []
         self._host_signals = torch.zeros(num_signals, dtype=torch.int64, pin_memory=True)
-        self.barrier()
+        # Unbounded once: no PE may announce a barrier before every PE zeroed its arrival words.
+        torch.cuda.synchronize(device)
+        self._bindings.barrier_all_on_stream(self._stream.cuda_stream)
+        self._stream.synchronize()
 
     @classmethod
     def open(cls, uid: bytes, *, rank: int, world_size: int, size_bytes: int, device: object | None,
@@ -218,12 +227,52 @@ class NvshmemHeap(SymmetricHeap):
     def barrier(self, timeout_s: float = 60.0) -> None:
         """Device-wide sync, then ``barrier_all`` (which also completes this PE's puts).
 
-        NVSHMEM's barrier cannot time out: ``timeout_s`` is ignored; bound the process instead.
+        NVSHMEM's own barrier cannot time out, so it is entered only once every PE has arrived:
+        each PE first sets its word in every PE's arrival array (``signal_op_on_stream``) and
+        polls its own array from the host until every PE has entered this barrier or
+        ``timeout_s`` passes. A PE that dies after arriving but before ``barrier_all`` can still
+        hang it; bound the process (the cluster's actor health checks) for that.
+
+        Args:
+            timeout_s: how long to wait for every PE to arrive (> 0).
+
+        Raises:
+            HeapError: the heap is closed, or PEs did not arrive within ``timeout_s`` (names
+                them; every later barrier then raises too: the PEs' counts are out of step).
         """
         self._check_open("barrier")
+        if self._barrier_failed:
+            raise HeapError(f"PE {self.rank}: an earlier barrier timed out waiting for PE(s) "
+                            f"{self._barrier_failed}; this heap cannot synchronise any more")
+        if not timeout_s > 0:
+            raise ValueError(f"barrier: expected timeout_s > 0, got {timeout_s}")
         torch.cuda.synchronize(self.device)
+        self._num_barriers += 1
+        self._wait_arrivals(self._num_barriers, timeout_s)
         self._bindings.barrier_all_on_stream(self._stream.cuda_stream)
         self._stream.synchronize()
+
+    def _wait_arrivals(self, count: int, timeout_s: float) -> None:
+        """Announce barrier number ``count`` to every PE; wait until every PE announced it."""
+        handle = self._stream.cuda_stream
+        word = self._arrivals.data_ptr() + 8 * self.rank
+        op = int(self._core.SignalOp.SIGNAL_SET)
+        for pe in range(self.world_size):
+            self._bindings.signal_op_on_stream(word, count, op, pe, handle)
+        self._stream.synchronize()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with torch.cuda.stream(self._poll_stream):
+                self._host_arrivals.copy_(self._arrivals, non_blocking=True)
+            self._poll_stream.synchronize()
+            late = [pe for pe, n in enumerate(self._host_arrivals.tolist()) if n < count]
+            if not late:
+                return
+            if time.monotonic() > deadline:
+                self._barrier_failed = late
+                raise HeapError(f"PE {self.rank}: barrier timed out after {timeout_s} s waiting for "
+                                f"PE(s) {late}; the heap's barriers are out of step now: close it")
+            time.sleep(1e-4)
 
     def set_signal_async(self, index: int, value: int, pe: int, stream: object | None = None) -> None:
         """Ring PE ``pe``'s word ``index`` after every earlier write on ``stream``.
