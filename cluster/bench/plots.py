@@ -62,7 +62,8 @@ def write_all(by_label: Mapping[str, Sequence[Mapping[str, Any]]], summary: dict
         at_rate = {label: _at(results, rate) for label, results in by_label.items()}
         summary["at_common_rate"] = {"rate": rate, **{label: {
             "p99_ttft_ms": r["p99_ttft_ms"], "p99_tpot_ms": r["p99_tpot_ms"],
-            "attainment": attainment_of(r, slos), "busy_fraction": r.get("busy_fraction")}
+            "attainment": attainment_of(r, slos), "busy_fraction": r.get("busy_fraction"),
+            "mean_client_overhead_ms": r.get("mean_client_overhead_ms")}
             for label, r in at_rate.items()}}
         files.append(_cdf(plt, at_rate, "ttft", rate, slos, out_dir / "ttft_cdf.png"))
         files.append(_cdf(plt, at_rate, "tpot", rate, slos, out_dir / "tpot_cdf.png"))

@@ -213,13 +213,14 @@ def common_rate_table(summary: Mapping[str, Any]):
 
     common = summary.get("at_common_rate") or {}
     table = Table(title=f"At a common rate ({common.get('rate', '-')} req/s)")
-    for header in ("deployment", "p99 TTFT (ms)", "p99 TPOT (ms)", "attainment", "busy fraction per GPU"):
+    for header in ("deployment", "p99 TTFT (ms)", "p99 TPOT (ms)", "attainment", "client overhead (ms)",
+                   "busy fraction per GPU"):
         table.add_column(header, justify="right")
     for side in summary["sides"]:
         row = common.get(side["label"]) or {}
         busy = row.get("busy_fraction") or {}
         table.add_row(side["label"], _fmt(row.get("p99_ttft_ms")), _fmt(row.get("p99_tpot_ms")),
-                      _fmt(row.get("attainment")), " ".join(f"{k}={v:.2f}" for k, v in busy.items()) or "-")
+                      _fmt(row.get("attainment")), _fmt(row.get("mean_client_overhead_ms")), " ".join(f"{k}={v:.2f}" for k, v in busy.items()) or "-")
     return table
 
 

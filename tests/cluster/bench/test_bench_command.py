@@ -62,3 +62,10 @@ def test_bad_config_file_names_it(tmp_path):
 def test_base_url_needs_a_vocab_size():
     code, text = _invoke("--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--disable-tqdm")
     assert code == 2 and "--vocab-size" in text
+
+
+def test_registered_on_the_disagg_cli():
+    from disagg.cluster.cli import app
+
+    result = CliRunner().invoke(app, ["bench", CONFIG, "--request-rate", "0"], env={"COLUMNS": "250"})
+    assert result.exit_code == 2 and "--request-rate" in result.output
