@@ -111,3 +111,22 @@ def relay(call_on: Callable[[int, str, tuple], Any], prompts: dict, params, max_
             assert reason not in ("error", "abort"), (rid, reason, error)
             tokens[rid].append(token)
     raise AssertionError(f"prefill/decode still busy after {max_steps} steps")
+
+
+def colocated_tokens(source: str, dtype: str, prompts: dict, params: dict, sizes: dict) -> dict:
+    """The same requests through a ColocatedEngine on this process's device (the reference)."""
+    import torch
+
+    from disagg.engine import ColocatedEngine
+    from disagg.model import load_model
+
+    model = STATE.get("model") or load_model(source, dtype=getattr(torch, dtype))
+    sizes = {k: v for k, v in sizes.items() if k != "lease_s"}
+    engine = ColocatedEngine(model, **sizes)
+    for rid, prompt in prompts.items():
+        engine.add(rid, prompt, params[rid])
+    tokens: dict = {rid: [] for rid in prompts}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id].append(out.token_id)
+    return tokens

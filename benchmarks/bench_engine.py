@@ -1,0 +1,296 @@
+"""Benchmark the engines' forward paths on one GPU; every figure comes with an anchor from the same run.
+
+    python3 benchmarks/bench_engine.py --out results/bench_engine.json           # dummy:llama3-8b bf16
+    python3 benchmarks/bench_engine.py --model dummy:tiny --device cpu            # CPU smoke check
+
+Rows (ours / anchor = ratio, target):
+- decode_B{b}_ctx{c}: one decode step replayed from its CUDA graph (plan copy-in included, back
+  to back) / the memory bound: (weight bytes + KV bytes read) / the device-to-device copy
+  bandwidth (bytes read + written) measured here. Target <= 1.25 at B=64 x 1024. Cases whose KV
+  does not fit the free memory are reported as skipped.
+- decode_idle_B64: GPU idle per step of `DecodeEngine.step()` in steady state (host work not
+  hidden behind the GPU) = (engine step period - the same step's GPU time back to back) / the
+  period. Target <= 0.05. The decode engine runs over a one-PE local heap (doorbells rung here).
+- prefill_8x2048: model TFLOP/s of one 8 x 2048-token prefill forward / a 8192^3 matmul's
+  TFLOP/s in the model dtype. Target >= 0.6.
+- mixed_chunk2048_dec64: one forward of a 2048-token chunk + 64 decodes (ctx 1024) / (the chunk
+  alone + the 64 decodes alone from their graph). Below 1: mixing saves the decodes' weight reads.
+- cold/warm: the first forward of each kind (kernel compilation) vs the next; graph capture
+  seconds for every bucket up to 256 at context 1024.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from disagg.cache import PagedKVCache
+from disagg.engine import DecodeEngine
+from disagg.engine.request import RequestFactory
+from disagg.engine.runner import ModelRunner
+from disagg.model import load_model
+from disagg.sampling import SamplingParams
+
+GiB = 1 << 30
+PAGE_SIZE = 16
+
+
+class LocalHeap:
+    """A one-PE stand-in for `SymmetricHeap` (plain device memory, host signal words), enough for a
+    DecodeEngine whose doorbells the benchmark rings itself."""
+
+    def __init__(self, device: torch.device, num_signals: int = 1024) -> None:
+        self.rank, self.world_size, self.device, self.num_signals = 0, 1, device, num_signals
+        self.signals = np.zeros(num_signals, dtype=np.int64)
+        self.closed = False
+
+    def alloc(self, shape, dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def read_signal(self, index: int) -> int:
+        return int(self.signals[index])
+
+    def read_signals(self) -> np.ndarray:
+        return self.signals.copy()
+
+
+def timed(fn, reps: int, device: torch.device) -> float:
+    """Mean seconds per call of ``fn`` run ``reps`` times back to back (after one warm-up)."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3 / reps
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = min(timed(lambda: dst.copy_(src), 5, device) for _ in range(3))
+    return 2 * num_bytes / seconds
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads from weights: every layer, the final norm and the LM head."""
+    c, size = model.config, model.dtype.itemsize
+    q, kv = c.num_qo_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer = (q + 2 * kv) * c.hidden_size + c.hidden_size * q + 3 * c.intermediate_size * c.hidden_size
+    return (c.num_layers * (layer + 2 * c.hidden_size) + c.vocab_size * c.hidden_size + c.hidden_size) * size
+
+
+def kv_bytes_per_token(model, kv_dtype: torch.dtype) -> int:
+    c = model.config
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * kv_dtype.itemsize
+
+
+def prefill_flops(model, lengths: list[int]) -> float:
+    """2 x (parameters touched) x tokens + causal attention (QK^T and PV)."""
+    c = model.config
+    q, kv = c.num_qo_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_token = c.num_layers * ((q + 2 * kv) * c.hidden_size + c.hidden_size * q + 3 * c.intermediate_size * c.hidden_size)
+    attn = sum(4 * c.num_layers * q * s * (s + 1) / 2 for s in lengths)
+    return 2.0 * per_token * sum(lengths) + attn + 2.0 * c.vocab_size * c.hidden_size * len(lengths)
+
+
+class Bench:
+    """One model, one KV tensor, one runner; builds page tables per case (no KV is computed for
+    the contexts of decode cases: their pages hold zeros, which costs the same to read)."""
+
+    def __init__(self, model, num_pages: int, max_num_seqs: int) -> None:
+        self.model, self.device = model, model.device
+        self.num_pages = num_pages
+        kv = torch.zeros(model.kv_shape(num_pages, PAGE_SIZE), dtype=model.dtype, device=self.device)
+        self.runner = ModelRunner(model, kv, max_num_seqs=max_num_seqs)
+        self.factory = RequestFactory(())
+
+    def plan(self, contexts: list[int], new_tokens: list[int]):
+        """A cache whose sequences hold ``contexts`` tokens, and the plan appending ``new_tokens``."""
+        cache = PagedKVCache(self.num_pages, PAGE_SIZE)
+        ids = list(range(len(contexts)))
+        for i in ids:
+            cache.add_sequence(i)
+        have = [i for i in ids if contexts[i] > 0]
+        if have:
+            cache.begin_forward(have, [contexts[i] for i in have])
+            cache.end_forward()
+        plan = cache.begin_forward(ids, new_tokens)
+        cache.end_forward()
+        reqs = [self.factory.new(i, [1], SamplingParams()) for i in ids]
+        return plan, reqs
+
+    def forward(self, plan, reqs) -> None:
+        rows = np.arange(plan.batch_size)
+        self.runner.execute(plan, np.ones(plan.num_tokens, dtype=np.int64), rows, reqs)
+
+
+def decode_rows(bench: Bench, batches, contexts, bandwidth: float, free_bytes: int) -> list[dict]:
+    rows = []
+    model = bench.model
+    for b in batches:
+        for ctx in contexts:
+            kv_read = b * ctx * kv_bytes_per_token(model, model.dtype)
+            name = f"decode_B{b}_ctx{ctx}"
+            if -(-ctx // PAGE_SIZE) * b > bench.num_pages:
+                rows.append({"name": name, "skipped": f"needs {kv_read / GiB:.1f} GiB of KV, "
+                                                       f"{free_bytes / GiB:.1f} GiB free"})
+                continue
+            plan, reqs = bench.plan([ctx - 1] * b, [1] * b)
+            ids = torch.ones(b, dtype=torch.int64, device=bench.device)
+            graphs = bench.runner.graphs
+            run = (lambda: graphs.run(plan, ids)) if graphs else (lambda: bench.forward(plan, reqs))
+            seconds = timed(run, 20, bench.device)
+            bound = (weight_bytes(model) + kv_read) / bandwidth
+            rows.append({"name": name, "ours_us": seconds * 1e6, "anchor_us": bound * 1e6,
+                         "ratio": seconds / bound, "target": "<= 1.25 at B=64 x 1024",
+                         "anchor": "memory bound: (weights + KV bytes) / copy bandwidth"})
+    return rows
+
+
+def decode_idle_row(model, batch: int, ctx: int, steps: int) -> dict:
+    """Steady-state DecodeEngine step period vs the same step's GPU time back to back."""
+    device = model.device
+    heap = LocalHeap(device)
+    num_pages = batch * -(-(ctx + steps + 16) // PAGE_SIZE)
+    engine = DecodeEngine(model, heap, num_pages=num_pages, page_size=PAGE_SIZE, max_num_seqs=batch)
+    params = SamplingParams(max_tokens=steps + 16, ignore_eos=True)
+    for i in range(batch):
+        dest = engine.reserve(i, ctx, params)
+        heap.signals[dest.ticket.index] = dest.ticket.epoch  # the "push" landed
+        engine.start(i, 1)
+    for _ in range(3):
+        engine.step()  # admission, graph capture
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    period = (time.perf_counter() - t0) / steps
+    running = engine.running
+    plan = engine.cache.begin_forward([r.seq_id for r in running], [1] * len(running))
+    engine.cache.end_forward()
+    ids = torch.ones(len(running), dtype=torch.int64, device=device)
+    runner = engine.runner
+    rows = np.arange(len(running))
+    gpu = timed(lambda: runner.execute(plan, ids, rows, running), steps, device)
+    return {"name": f"decode_idle_B{batch}", "ours_step_us": period * 1e6, "anchor_gpu_us": gpu * 1e6,
+            "ratio": max(0.0, period - gpu) / period, "target": "<= 0.05",
+            "anchor": "the same step's GPU time (forward from its graph + sampling) back to back"}
+
+
+def prefill_row(bench: Bench, num_seqs: int, length: int, matmul_n: int) -> dict:
+    model, device = bench.model, bench.device
+    plan, reqs = bench.plan([0] * num_seqs, [length] * num_seqs)
+    seconds = timed(lambda: bench.forward(plan, reqs), 5, device)
+    tflops = prefill_flops(model, [length] * num_seqs) / seconds / 1e12
+    a = torch.randn(matmul_n, matmul_n, dtype=model.dtype, device=device)
+    b = torch.randn(matmul_n, matmul_n, dtype=model.dtype, device=device)
+    mm_seconds = timed(lambda: a @ b, 10, device)
+    mm_tflops = 2 * matmul_n ** 3 / mm_seconds / 1e12
+    return {"name": f"prefill_{num_seqs}x{length}", "ours_tflops": tflops, "anchor_tflops": mm_tflops,
+            "ratio": tflops / mm_tflops, "ours_ms": seconds * 1e3, "target": ">= 0.6",
+            "anchor": f"{matmul_n}^3 matmul in {model.dtype}"}
+
+
+def mixed_row(bench: Bench, chunk: int, num_decodes: int, ctx: int) -> dict:
+    device = bench.device
+    mixed_plan, mixed_reqs = bench.plan([ctx - 1] * num_decodes + [0], [1] * num_decodes + [chunk])
+    chunk_plan, chunk_reqs = bench.plan([0], [chunk])
+    dec_plan, dec_reqs = bench.plan([ctx - 1] * num_decodes, [1] * num_decodes)
+    mixed = timed(lambda: bench.forward(mixed_plan, mixed_reqs), 5, device)
+    alone = timed(lambda: bench.forward(chunk_plan, chunk_reqs), 5, device)
+    decodes = timed(lambda: bench.forward(dec_plan, dec_reqs), 10, device)
+    return {"name": f"mixed_chunk{chunk}_dec{num_decodes}", "ours_ms": mixed * 1e3,
+            "anchor_ms": (alone + decodes) * 1e3, "ratio": mixed / (alone + decodes),
+            "chunk_alone_ms": alone * 1e3, "decodes_alone_ms": decodes * 1e3,
+            "target": "report (< 1: one mixed forward beats two)", "anchor": "chunk alone + decodes alone"}
+
+
+def cold_warm_rows(bench: Bench, prompt: int, capture_batches: list[int], ctx: int) -> list[dict]:
+    device, rows = bench.device, []
+    for name, (contexts, new) in {"prefill": ([0], [prompt]), "decode_eager": ([ctx - 1] * 4, [1] * 4)}.items():
+        plan, reqs = bench.plan(contexts, new)
+        times = []
+        for _ in range(2):
+            sync(device)
+            t0 = time.perf_counter()
+            if name == "decode_eager" and bench.runner.graphs is not None:
+                graphs, bench.runner.graphs = bench.runner.graphs, None
+                bench.forward(plan, reqs)
+                bench.runner.graphs = graphs
+            else:
+                bench.forward(plan, reqs)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        rows.append({"name": f"first_forward_{name}", "cold_s": times[0], "warm_s": times[1],
+                     "ratio": times[0] / times[1]})
+    capture = bench.runner.capture_graphs(capture_batches, ctx)
+    rows.append({"name": "graph_capture", "seconds": capture, "batches": capture_batches, "context": ctx})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="dummy:llama3-8b")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("results/bench_engine.json"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
+    model = load_model(args.model, dtype=dtype, device=device)
+    small = not gpu
+    batches, contexts = ((1, 8), (64, 256)) if small else ((1, 8, 64, 256), (1024, 4096))
+    if gpu:
+        torch.cuda.empty_cache()
+        free_bytes = int(torch.cuda.mem_get_info(device)[0] * 0.85) - 4 * GiB
+    else:
+        free_bytes = 1 * GiB
+    page_bytes = PAGE_SIZE * kv_bytes_per_token(model, dtype)
+    needed = max(b * -(-c // PAGE_SIZE) for b in batches for c in contexts) + 8 * 2048 // PAGE_SIZE + 64
+    num_pages = int(min(needed, free_bytes // page_bytes))
+    bench = Bench(model, num_pages, max_num_seqs=max(batches))
+    result = {"model": args.model, "dtype": str(dtype), "device": torch.cuda.get_device_name(device) if gpu else "cpu",
+              "num_pages": num_pages, "page_size": PAGE_SIZE, "rows": []}
+    rows = result["rows"]
+    rows += cold_warm_rows(bench, 128 if small else 2048, list(batches), contexts[0])
+    bandwidth = copy_bandwidth(device, (256 << 20) if small else 4 * GiB)
+    result["copy_bandwidth_GBps"] = bandwidth / 1e9
+    rows += decode_rows(bench, batches, contexts, bandwidth, free_bytes)
+    rows.append(prefill_row(bench, 2 if small else 8, 128 if small else 2048, 512 if small else 8192))
+    rows.append(mixed_row(bench, 128 if small else 2048, 8 if small else 64, contexts[0]))
+    del bench
+    if gpu:
+        torch.cuda.empty_cache()
+    rows.append(decode_idle_row(model, 8 if small else 64, contexts[0], 10 if small else 100))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    for row in rows:
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
+
+
+if __name__ == "__main__":
+    main()
