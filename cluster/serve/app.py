@@ -42,26 +42,41 @@ class ClientGone(Exception):
 
 
 class ServerState:
-    """What the routes share: the cluster, the model's limits, the admission count, the metrics."""
+    """What the routes share: the cluster, the model's limits, the admission count, the metrics.
 
-    def __init__(self, cluster: Any, config: Any, max_concurrent_requests: int) -> None:
-        serve = config.serve
-        self.cluster = cluster
-        self.model_name = getattr(serve, "served_model_name", None) or cluster.model_name
+    Built before the cluster exists (so /health can answer 503 while it launches); `attach`
+    hands it the launched cluster.
+    """
+
+    def __init__(self, config: Any, max_concurrent_requests: int) -> None:
+        self.serve = config.serve
+        self.cluster: Any | None = None
+        self.model_name = ""
+        self.limits: ModelLimits | None = None
+        self.metrics: ServerMetrics | None = None
+        self.max_concurrent_requests = max_concurrent_requests
+        self.num_in_flight = 0
+
+    def attach(self, cluster: Any) -> None:
+        """Serve `cluster` (launched: its preflight passed) from now on."""
+        self.model_name = getattr(self.serve, "served_model_name", None) or cluster.model_name
         self.limits = ModelLimits(
             name=self.model_name, max_model_len=cluster.max_model_len, tokenizer=cluster.tokenizer,
             vocab_size=getattr(cluster, "vocab_size", None),
-            max_tokens_default=getattr(serve, "max_tokens_default", 256))
-        self.max_concurrent_requests = max_concurrent_requests
-        self.num_in_flight = 0
-        self.metrics = ServerMetrics(self.model_name)
-        self.metrics.watch_cluster(cluster.stats)
+            max_tokens_default=getattr(self.serve, "max_tokens_default", 256))
+        metrics = ServerMetrics(self.model_name)
+        metrics.watch_cluster(cluster.stats)
+        self.metrics = metrics
+        self.cluster = cluster
+
+    @property
+    def healthy(self) -> bool:
+        return self.cluster is not None and bool(self.cluster.healthy)
 
     def admit(self) -> None:
         """Count one more request in flight; 503 when no instance is healthy, 429 when full."""
-        if not self.cluster.healthy:
-            raise APIError(503, "no healthy instance is serving: the cluster is not ready or lost its "
-                           "workers (see /health)", type="service_unavailable", code="no_healthy_instance")
+        if not self.healthy:
+            raise _unavailable()
         if self.num_in_flight >= self.max_concurrent_requests:
             raise APIError(429, f"the server is at its limit of {self.max_concurrent_requests} requests in "
                            "flight; retry later", type="rate_limit_error", code="too_many_requests")
@@ -73,14 +88,25 @@ class ServerState:
         self.metrics.in_flight.set(self.num_in_flight)
         self.metrics.record(generation.times, len(generation.prepared.prompt_token_ids))
 
+    def record_failure(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.record_failure(reason)
 
-def build_app(cluster: Any, config: Any = None, *, max_concurrent_requests: int | None = None,
+
+def _unavailable() -> APIError:
+    return APIError(503, "no healthy instance is serving: the cluster is still launching (preflight not "
+                    "passed) or has lost its workers; see /health", type="service_unavailable",
+                    code="no_healthy_instance")
+
+
+def build_app(cluster: Any | None, config: Any = None, *, max_concurrent_requests: int | None = None,
               max_body_bytes: int | None = None) -> FastAPI:
-    """The OpenAI-compatible app over a launched cluster.
+    """The OpenAI-compatible app over a launched cluster (or one still launching).
 
     Args:
         cluster: a launched `Cluster` (model_name, max_model_len, tokenizer, healthy, stream,
-            stats).
+            stats), or None: every route but /health answers 503 until
+            `app.state.server.attach(cluster)`.
         config: the `Config` whose `serve` section applies; default `cluster.config`.
         max_concurrent_requests: requests in flight before new ones get 429; default
             serve.max_concurrent_requests when the config has it, else 4096.
@@ -89,12 +115,17 @@ def build_app(cluster: Any, config: Any = None, *, max_concurrent_requests: int 
     Returns:
         the FastAPI app; `app.state.server` is its `ServerState`.
     """
-    config = config if config is not None else cluster.config
+    if config is None:
+        if cluster is None:
+            raise ValueError("build_app: give a cluster or a config; got neither")
+        config = cluster.config
     serve = config.serve
     max_concurrent_requests = (max_concurrent_requests or getattr(serve, "max_concurrent_requests", None)
                                or DEFAULT_MAX_CONCURRENT_REQUESTS)
     max_body_bytes = max_body_bytes or getattr(serve, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES
-    state = ServerState(cluster, config, max_concurrent_requests)
+    state = ServerState(config, max_concurrent_requests)
+    if cluster is not None:
+        state.attach(cluster)
     app = FastAPI(title="disagg", summary="OpenAI-compatible API of a disaggregated prefill/decode cluster",
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
@@ -109,13 +140,13 @@ def build_app(cluster: Any, config: Any = None, *, max_concurrent_requests: int 
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        state.metrics.record_failure(exc.code or str(exc.status))
+        state.record_failure(exc.code or str(exc.status))
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(exc.errors()))
-        state.metrics.record_failure("invalid_request")
+        state.record_failure("invalid_request")
         return APIError(400, message, param=param, code="invalid_request").response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -127,26 +158,31 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 def _install_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
-        if state.cluster.healthy:
-            return JSONResponse({"status": "ok"})
-        return APIError(503, "the cluster is not healthy (preflight not passed, or no instance left)",
-                        type="service_unavailable", code="no_healthy_instance").response()
+        return JSONResponse({"status": "ok"}) if state.healthy else _unavailable().response()
 
     @app.get("/metrics")
     def metrics() -> Response:  # sync: FastAPI runs it in a worker thread; cluster.stats() blocks
+        if state.metrics is None:
+            raise _unavailable()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
+        if state.limits is None:
+            raise _unavailable()
         return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.limits.max_model_len)])
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        if not state.healthy:
+            raise _unavailable()
         prepared = prepare_completion(body, state.limits)
         return await _respond(state, request, body, prepared, "completion", "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        if not state.healthy:
+            raise _unavailable()
         prepared = prepare_chat(body, state.limits)
         return await _respond(state, request, body, prepared, "chat", "chatcmpl")
 

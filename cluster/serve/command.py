@@ -1,21 +1,25 @@
-"""`disagg serve CONFIG`: launch the cluster a YAML file describes, then serve it over HTTP.
+"""`disagg serve CONFIG`: serve the OpenAI API over the cluster a YAML file describes.
 
-`serve_command` is the typer command (registered in `disagg.cluster.cli`); `serve_forever(cluster,
-config)` is the part `disagg launch` reuses when its config has a `serve` section: it builds the
-app over an already launched cluster and blocks in uvicorn until SIGINT/SIGTERM. Runs in the
-launching process (the router's process).
+`serve_config(config)` binds the HTTP port first (so /health answers 503 while the fleet
+launches and runs its preflight), launches the cluster, attaches it to the app (/health turns
+200), and serves until SIGINT/SIGTERM, then shuts the cluster down. `serve_command` is its typer
+front (registered in `disagg.cluster.cli`); `disagg launch` calls `serve_config` when the YAML has
+a `serve` section. `serve_forever(cluster, config)` serves an already launched cluster. Runs in
+the launching process (the router's process).
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
 from disagg.cluster.serve.app import build_app
-from disagg.cluster.serve.server import run_server
+from disagg.cluster.serve.server import LOOPBACK, BackgroundServer, run_server
 from disagg.config import Config
 from disagg.errors import ConfigError
 
@@ -29,6 +33,35 @@ def serve_forever(cluster: Any, config: Config, *, log_level: str = "info") -> N
     run_server(app, config.serve.host, config.serve.port, log_level=log_level)
 
 
+def serve_config(config: Config, *, log_level: str = "info") -> None:
+    """Bind the HTTP port, launch the cluster of `config`, serve until SIGINT/SIGTERM (blocking).
+
+    Raises:
+        ClusterError / PreflightError: the cluster failed to launch (the port is closed again).
+    """
+    from disagg.cluster import Cluster
+
+    host, port = config.serve.host, config.serve.port
+    if host not in (LOOPBACK, "localhost", "::1"):
+        logger.warning("serving on %s:%d: reachable from other machines (serve.host)%s", host, port,
+                       "" if config.serve.api_key else "; no serve.api_key is set")
+    app = build_app(None, config)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with BackgroundServer(app, host, port, log_level=log_level) as server:
+            logger.info("http on %s (/health is 503 until the preflight passes); launching the cluster",
+                        server.base_url)
+            with Cluster.launch(config) as cluster:
+                app.state.server.attach(cluster)
+                logger.info("serving %s on %s/v1", app.state.server.model_name, server.base_url)
+                while not stop.wait(1.0) and server.running:
+                    pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def serve_command(
     config: Annotated[Path, typer.Argument(help="deployment YAML (configs/*.yaml)", exists=True, dir_okay=False)],
     host: Annotated[Optional[str], typer.Option(help="bind address; overrides serve.host (default 127.0.0.1)")] = None,
@@ -37,8 +70,6 @@ def serve_command(
 ) -> None:
     """Launch the cluster of CONFIG and serve the OpenAI API (/v1/completions, /v1/chat/completions,
     /v1/models, /health, /metrics). The API key comes from serve.api_key or DISAGG_API_KEY."""
-    from disagg.cluster import Cluster
-
     overrides = {key: value for key, value in (("serve.host", host), ("serve.port", port)) if value is not None}
     try:
         deployment = Config.from_yaml(config)
@@ -47,5 +78,4 @@ def serve_command(
     except ConfigError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(2) from None
-    with Cluster.launch(deployment) as cluster:
-        serve_forever(cluster, deployment, log_level=log_level)
+    serve_config(deployment, log_level=log_level)

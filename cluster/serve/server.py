@@ -49,11 +49,12 @@ class BackgroundServer:
 
     def __init__(self, app: FastAPI, host: str = LOOPBACK, port: int = 0, log_level: str = "warning") -> None:
         self.app = app
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.port = self._sock.getsockname()[1]
-        self.base_url = f"http://{host}:{self.port}"
+        self.base_url = f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
         self._server = uvicorn.Server(_uvicorn_config(app, host, self.port, log_level))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name=f"uvicorn-{self.port}", daemon=True)
@@ -66,6 +67,10 @@ class BackgroundServer:
                 raise RuntimeError(f"uvicorn did not start on {self.base_url} within {timeout_s} s")
             time.sleep(0.02)
         return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._server.should_exit = True

@@ -94,6 +94,14 @@ class FakeCluster:
         finally:
             self.active.pop(request_id, None)
 
+    shut_down: bool = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shut_down = True
+
     def stats(self) -> dict:
         used = sum(self.active.values())
         inst = lambda name, role: {"name": name, "role": role, "free_pages": self.total_pages - used,

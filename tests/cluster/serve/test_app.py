@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import socket
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -14,9 +19,14 @@ import pytest
 from fake_cluster import CharTokenizer, FakeCluster
 from prometheus_client.parser import text_string_to_metric_families
 
+from disagg.cluster import Cluster
+from disagg.cluster.serve import BackgroundServer, build_app
+from disagg.cluster.serve.command import serve_config
+from disagg.config import Config
 from disagg.errors import ClusterError
 
 pytestmark = pytest.mark.timeout(60)
+CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tiny-1p1d.yaml"
 
 
 def _client(server, api_key: str = "none") -> openai.OpenAI:
@@ -253,3 +263,48 @@ def test_metrics_parse_and_move(serve_fake):
     assert after[("disagg:request_failures_total", (("model_name", "fake"), ("reason", "invalid_request")))] == 1
     assert after[("disagg:kv_pages_total", (("instance", "decode0"), ("role", "decode")))] == 1024
     assert after[("disagg:num_requests_queued", ())] == 0
+
+
+def test_routes_answer_503_until_a_cluster_is_attached():
+    fake = FakeCluster(tokenizer=CharTokenizer())
+    app = build_app(None, fake.config)
+    with BackgroundServer(app) as server:
+        for method, path in (("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"),
+                             ("POST", "/v1/completions")):
+            response = httpx.request(method, server.base_url + path, json={"prompt": [1]})
+            assert response.status_code == 503 and response.json()["error"]["code"] == "no_healthy_instance"
+        app.state.server.attach(fake)
+        assert httpx.get(server.base_url + "/health").status_code == 200
+        assert _client(server).completions.create(model="fake", prompt=[66], max_tokens=2).choices[0].text == "BB"
+
+
+def test_serve_config_binds_first_then_launches_and_stops_on_sigint(monkeypatch):
+    probe_socket = socket.socket()
+    probe_socket.bind(("127.0.0.1", 0))
+    port = probe_socket.getsockname()[1]
+    probe_socket.close()
+    config = Config.from_yaml(CONFIG).override({"serve.port": port})
+    fake = FakeCluster(tokenizer=CharTokenizer())
+    launching, proceed, statuses = threading.Event(), threading.Event(), []
+
+    def launch(cfg):
+        assert cfg is config
+        launching.set()
+        proceed.wait(10)
+        return fake
+    monkeypatch.setattr(Cluster, "launch", staticmethod(launch))
+
+    def probe():
+        launching.wait(10)
+        statuses.append(httpx.get(f"http://127.0.0.1:{port}/health").status_code)
+        proceed.set()
+        _wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200)
+        statuses.append(httpx.get(f"http://127.0.0.1:{port}/health").status_code)
+        os.kill(os.getpid(), signal.SIGINT)
+    thread = threading.Thread(target=probe)
+    thread.start()
+    serve_config(config, log_level="warning")
+    thread.join(10)
+    assert statuses == [503, 200] and fake.shut_down
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health")
