@@ -25,8 +25,8 @@ import triton.language as tl
 from disagg.kernels import checks, dispatch, reference
 from disagg.kernels.fp8 import fp8_words_to_f16, load_scale, resolve_scales
 from disagg.kernels.paged_tile import (HAS_PDL, NEG_BIG, check_sm_scale, gdc_launch_dependents,
-                                       gdc_wait, kv_rows, prefetch_l1, load_words, prepare_q, softmax_step,
-                                       softmax_step_t)
+                                       gdc_wait, kv_rows, load_words, note_missing_pdl, prefetch_l1,
+                                       prepare_q, softmax_step, softmax_step_t)
 
 # Split heuristic: aim for about this many programs per SM, never fewer than this many tokens
 # per split, and at most this many splits. Measured on one H200 (bf16, 8 kv heads; runs differ
@@ -290,6 +290,8 @@ def _config(head_dim: int, is_fp8: bool, on_gpu: bool, small: bool) -> dict:
     config["WIDEN_ASM"] = on_gpu
     config.setdefault("SWAP_AB", False)
     config.setdefault("PV_T", False)
+    if on_gpu and not HAS_PDL:
+        note_missing_pdl()
     level = int(config.pop("PDL", 2 if small else 0)) if on_gpu and HAS_PDL else 0
     config["PDL"] = level
     if level:

@@ -9,16 +9,22 @@ tile against a K tile, running max/sum update, and the P @ V accumulation. Score
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import triton
 import triton.language as tl
 
+logger = logging.getLogger(__name__)
+
 try:  # Programmatic dependent launch (Triton >= 3.4 on sm_90+); absent: launches stay plain.
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     HAS_PDL = True
-except ImportError:
+    _PDL_IMPORT_ERROR: str | None = None
+except ImportError as _err:
     HAS_PDL = False
+    _PDL_IMPORT_ERROR = repr(_err)
 
     @triton.jit
     def gdc_wait():
@@ -27,6 +33,16 @@ except ImportError:
     @triton.jit
     def gdc_launch_dependents():
         pass
+
+@functools.lru_cache(maxsize=None)
+def note_missing_pdl() -> bool:
+    """Log, once per process, that GPU launches run without programmatic dependent launch
+    because its import failed (small decode grids lose its overlap). Returns True if missing."""
+    if _PDL_IMPORT_ERROR is not None:
+        logger.warning("programmatic dependent launch unavailable (triton.language.extra.cuda: %s): "
+                       "decode launches run without PDL", _PDL_IMPORT_ERROR)
+    return not HAS_PDL
+
 
 def check_sm_scale(sm_scale: float) -> float:
     """`sm_scale` as a float. The kernels apply it after the row max (fused into the exponent's
