@@ -3,7 +3,8 @@
 `ClusterBackend` wraps `cluster.stream(prompt_token_ids, params)` (the cluster's router runs on
 its own loop; the stream bridges to ours) and passes each `StreamDelta`'s emit times through,
 so the client overhead (actor emit -> client sees it) is measured. `HttpBackend` posts to
-`/v1/completions` with a token-id prompt, `stream=True`, `ignore_eos=True` and reads the SSE
+`/v1/completions` with a token-id prompt, `stream=True`, `ignore_eos=True`, `return_token_ids`
+(vLLM's extension: exact tokens per chunk) and reads the SSE
 chunks with httpx, as vLLM's `openai` request function does with aiohttp; the usage block at the
 end gives the output token count. Both run in the bench process.
 """
@@ -97,7 +98,7 @@ class HttpBackend:
     async def stream(self, request: SampleRequest) -> AsyncIterator[Chunk]:
         body = {"model": self.model, "prompt": request.prompt_token_ids,
                 "max_tokens": request.expected_output_len, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
+                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
         async with self._client.stream("POST", self.endpoint, json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")[:500]

@@ -8,7 +8,6 @@ import asyncio
 import json
 import math
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import typer
 from typer.testing import CliRunner
 
 import disagg.cluster
+from disagg.cluster.outputs import StreamDelta
 from disagg.cluster.bench import compare as cmp
 from disagg.cluster.bench.report import check_result, load_json
 from disagg.cluster.bench.sweep import SweepOptions, bench_config, busy_fractions, compare_configs
@@ -65,8 +65,8 @@ class StandInCluster:
         for i in range(params.max_tokens):
             await asyncio.sleep(self.step_s)
             self.busy_s += self.step_s
-            yield types.SimpleNamespace(token_ids=[i], emit_times=[time.time()], error=None,
-                                        finished=i == params.max_tokens - 1)
+            last = i == params.max_tokens - 1
+            yield StreamDelta(request_id, [i], [time.time()], finished=last, finish_reason="length" if last else None)
 
 
 @pytest.fixture
@@ -163,3 +163,24 @@ def test_run_seconds_and_early_stop(stand_in, tmp_path):
     options.early_stop = False
     (runs,) = bench_config(TINY_1P1D, options)
     assert [r["request_rate"] for r in runs.results] == [200.0, 400.0]
+
+
+def test_http_backend_against_the_serve_app(stand_in):
+    """bench -> HTTP (in-process ASGI, so chunks arrive buffered: counts, not timings) -> serve app."""
+    import httpx
+
+    from disagg.cluster.bench.backends import HttpBackend
+    from disagg.cluster.bench.runner import run
+    from disagg.cluster.bench.workloads import WorkloadSpec, sample_requests
+    from disagg.cluster.serve.app import build_app
+    from disagg.config import Config
+
+    config = Config.from_yaml(TINY_1P1D)
+    cluster = StandInCluster(config)
+    cluster.model_name, cluster.tokenizer, cluster.healthy = "tiny", None, True
+    transport = httpx.ASGITransport(app=build_app(cluster, config))
+    requests = sample_requests(WorkloadSpec("random", 3, vocab_size=64, input_len=5, output_len=4))
+    result = run(HttpBackend("http://serve.test", transport=transport), requests, request_rate=math.inf)
+    assert [o.error for o in result.outputs] == ["", "", ""]
+    assert [o.output_len for o in result.outputs] == [4, 4, 4]
+    assert all(len(o.itl) == 3 for o in result.outputs)      # one chunk per step, token ids counted
