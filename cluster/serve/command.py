@@ -21,7 +21,7 @@ import typer
 from disagg.cluster.serve.app import build_app
 from disagg.cluster.serve.server import LOOPBACK, BackgroundServer, run_server
 from disagg.config import Config
-from disagg.errors import ConfigError
+from disagg.errors import DisaggError
 
 logger = logging.getLogger(__name__)
 
@@ -63,19 +63,24 @@ def serve_config(config: Config, *, log_level: str = "info") -> None:
 
 
 def serve_command(
-    config: Annotated[Path, typer.Argument(help="deployment YAML (configs/*.yaml)", exists=True, dir_okay=False)],
+    config: Annotated[Path, typer.Argument(help="deployment YAML (see configs/)", show_default=False)],
+    set_: Annotated[Optional[list[str]], typer.Option(
+        "--set", help="override a field: section.key=value (value read as YAML), repeatable")] = None,
     host: Annotated[Optional[str], typer.Option(help="bind address; overrides serve.host (default 127.0.0.1)")] = None,
     port: Annotated[Optional[int], typer.Option(help="TCP port; overrides serve.port")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
 ) -> None:
-    """Launch the cluster of CONFIG and serve the OpenAI API (/v1/completions, /v1/chat/completions,
-    /v1/models, /health, /metrics). The API key comes from serve.api_key or DISAGG_API_KEY."""
-    overrides = {key: value for key, value in (("serve.host", host), ("serve.port", port)) if value is not None}
+    """Launch the fleet of CONFIG and serve the OpenAI API on serve.host:serve.port (/v1/completions,
+    /v1/chat/completions, /v1/models, /health, /metrics) until Ctrl-C. The API key comes from
+    serve.api_key or DISAGG_API_KEY."""
+    from disagg.cluster.cli import load_config  # the CLI imports this module: import it late
+
+    overrides = list(set_ or [])
+    overrides += [f"serve.{key}={value}" for key, value in (("host", host), ("port", port)) if value is not None]
+    deployment = load_config(config, overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        deployment = Config.from_yaml(config)
-        if overrides:
-            deployment = deployment.override(overrides)
-    except ConfigError as err:
-        typer.echo(str(err), err=True)
-        raise typer.Exit(2) from None
-    serve_config(deployment, log_level=log_level)
+        serve_config(deployment, log_level=log_level)
+    except DisaggError as err:
+        typer.echo(f"{deployment.path or 'config'}: {type(err).__name__}: {err}", err=True)
+        raise typer.Exit(1) from None
