@@ -136,7 +136,8 @@ def compute_metrics(outputs: Sequence[RequestOutput], duration_s: float,
     Returns:
         completed, failed, total_input_tokens, total_output_tokens, request_throughput,
         request_goodput, output_throughput, total_token_throughput, slo_attainment (None without
-        SLOs), {mean,median,std,pXX}_{ttft,tpot,itl,e2el,client_overhead}_ms.
+        SLOs), {mean,median,std,pXX}_{ttft,tpot,itl,e2el,client_overhead}_ms,
+        max_output_tokens_per_s, max_concurrent_requests.
 
     Raises:
         ValueError: duration_s is not a positive finite number.
@@ -166,4 +167,32 @@ def compute_metrics(outputs: Sequence[RequestOutput], duration_s: float,
     }
     for name, values in series.items():
         metrics.update(summarize(values, name, percentiles))
+    metrics["max_output_tokens_per_s"] = peak_output_tokens_per_s(done)
+    metrics["max_concurrent_requests"] = peak_concurrency(done)
     return metrics
+
+
+def peak_output_tokens_per_s(done: Sequence[RequestOutput]) -> float:
+    """The busiest one-second bucket of token arrivals (vLLM's count: one token per streamed chunk)."""
+    if not done:
+        return 0.0
+    origin = min(out.start_time for out in done)
+    times = []
+    for out in done:
+        arrival = out.start_time + out.ttft
+        times.append(arrival)
+        for gap in out.itl:
+            arrival += gap
+            times.append(arrival)
+    buckets = np.bincount(np.floor(np.asarray(times) - origin).astype(np.int64).clip(min=0))
+    return float(buckets.max())
+
+
+def peak_concurrency(done: Sequence[RequestOutput]) -> int:
+    """Most successful requests open at once, over half-open [send, last token) intervals."""
+    events = sorted([(out.start_time, 1) for out in done] + [(out.start_time + out.latency, -1) for out in done])
+    peak = current = 0
+    for _, step in events:
+        current += step
+        peak = max(peak, current)
+    return peak

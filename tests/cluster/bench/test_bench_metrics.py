@@ -113,3 +113,13 @@ def test_parse_goodput():
         parse_goodput(["ttft200"])
     with pytest.raises(ValueError, match=">= 0"):
         parse_goodput(["ttft:-1"])
+
+
+def test_peaks_by_hand():
+    outs = [RequestOutput(True, 1, 3, ttft=0.2, itl=[0.5, 0.5], latency=1.2, start_time=10.0),   # tokens 10.2 10.7 11.2
+            RequestOutput(True, 1, 2, ttft=0.1, itl=[0.1], latency=0.2, start_time=10.5),        # tokens 10.6 10.7
+            RequestOutput(True, 1, 1, ttft=0.1, latency=0.1, start_time=11.2),                  # opens as #1 closes
+            RequestOutput(False, 1, 0, start_time=10.0, error="x")]
+    m = compute_metrics(outs, 2.0)
+    assert m["max_output_tokens_per_s"] == 4.0      # bucket [10, 11): 10.2, 10.6, 10.7, 10.7
+    assert m["max_concurrent_requests"] == 2        # [10, 11.2) and [10.5, 10.7) overlap; 11.2 is half-open
