@@ -8,15 +8,31 @@ naming the first broken invariant. Reads the cache's internals; mutates nothing.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from disagg.blocks import Block, Sequence
+from disagg.blocks import Block, BlockPool, Sequence
+from disagg.copies import PendingCopies
 from disagg.errors import CacheIntegrityError
+from disagg.pages import PagePool, ceil_div
 
-if TYPE_CHECKING:
-    from disagg.cache import PagedKVCache
+
+class CacheView(Protocol):
+    """The parts of `disagg.cache.PagedKVCache` these checks read (a Protocol, so this module does
+    not import the cache, which imports it)."""
+
+    num_pages: int
+    page_size: int
+    _pool: PagePool
+    _blocks: BlockPool
+    _seqs: dict[int, Sequence]
+    _windowed: set[int]
+    _senders: dict[int, Sequence]
+    _copies: PendingCopies
+    _open: str | None
+
+    def slots(self, seq_id: int, start: int = 0, end: int | None = None) -> np.ndarray: ...
 
 
 def _require(condition: bool, message: str) -> None:
@@ -24,11 +40,7 @@ def _require(condition: bool, message: str) -> None:
         raise CacheIntegrityError(message)
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def check_integrity(cache: PagedKVCache) -> None:
+def check_integrity(cache: CacheView) -> None:
     """Raise `CacheIntegrityError` if any invariant of `cache` is broken.
 
     Checked: reference counts equal children plus sequences; each sequence's last block is its
@@ -45,7 +57,7 @@ def check_integrity(cache: PagedKVCache) -> None:
     _check_copies(cache, owned)
 
 
-def _check_blocks(cache: PagedKVCache) -> dict[int, Block]:
+def _check_blocks(cache: CacheView) -> dict[int, Block]:
     blocks = cache._blocks.blocks
     live: dict[int, Block] = {}
     for seq in cache._seqs.values():
@@ -76,7 +88,7 @@ def _check_blocks(cache: PagedKVCache) -> dict[int, Block]:
         else:
             _require(block.start_pos == 0, f"root block {idx} starts at {block.start_pos}, not 0")
         _require(
-            len(block.page_ids) == _ceil_div(block.num_used_slots, cache.page_size),
+            len(block.page_ids) == ceil_div(block.num_used_slots, cache.page_size),
             f"block {idx} uses {block.num_used_slots} slots but has {len(block.page_ids)} pages",
         )
         if refs[idx] > 1 or any(b.parent_idx == idx for b in live.values()):
@@ -93,7 +105,7 @@ def _check_blocks(cache: PagedKVCache) -> dict[int, Block]:
     return live
 
 
-def _check_pages(cache: PagedKVCache, live: dict[int, Block]) -> set[int]:
+def _check_pages(cache: CacheView, live: dict[int, Block]) -> set[int]:
     pool = cache._pool
     owned_list = [p for block in live.values() for p in block.page_ids]
     owned = set(owned_list)
@@ -116,7 +128,7 @@ def _check_pages(cache: PagedKVCache, live: dict[int, Block]) -> set[int]:
     return owned
 
 
-def _check_sequence(cache: PagedKVCache, seq: Sequence) -> None:
+def _check_sequence(cache: CacheView, seq: Sequence) -> None:
     trace = cache._blocks.trace(seq.last_block_idx)
     last = trace[-1]
     length = sum(block.seq_length for block in trace)
@@ -169,7 +181,7 @@ def _check_sequence(cache: PagedKVCache, seq: Sequence) -> None:
     _require(seq.send is None, f"sequence {seq.seq_id} has a window and a send map")
 
 
-def _check_writers(cache: PagedKVCache) -> None:
+def _check_writers(cache: CacheView) -> None:
     """No two live sequences can write one slot: their last blocks' pages are disjoint."""
     writable = [p for seq in cache._seqs.values() for p in cache._blocks.blocks[seq.last_block_idx].page_ids]
     _require(len(set(writable)) == len(writable), f"pages writable by two sequences: {_dups(writable)}")
@@ -179,7 +191,7 @@ def _check_writers(cache: PagedKVCache) -> None:
     _require(senders == set(cache._senders), f"senders {sorted(cache._senders)} != {sorted(senders)}")
 
 
-def _check_copies(cache: PagedKVCache, owned: set[int]) -> None:
+def _check_copies(cache: CacheView, owned: set[int]) -> None:
     pool, page_size = cache._pool, cache.page_size
     usable = owned | set(pool.deferred)
     touched = set()

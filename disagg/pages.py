@@ -39,6 +39,11 @@ from collections.abc import Iterable
 import numpy as np
 
 
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints, b > 0 (pages needed for `a` slots of pages of `b`)."""
+    return -(-a // b)
+
+
 class PagePool:
     """Free extents plus deferred pages.
 

@@ -13,11 +13,7 @@ import numpy as np
 
 from disagg import sliding
 from disagg.blocks import Block, BlockPool, Sequence
-from disagg.pages import PagePool
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+from disagg.pages import PagePool, ceil_div
 
 
 def prefix_length(blocks: BlockPool, seq: Sequence) -> int:
@@ -145,7 +141,7 @@ def plan_pop(blocks: BlockPool, seq: Sequence, n: int, page_size: int) -> PopPla
             continue
         plan.truncated = block
         plan.new_length = block.seq_length - plan.remaining
-        plan.kept_pages = _ceil_div(sliding.truncated_used_slots(block, plan.new_length), page_size)
+        plan.kept_pages = ceil_div(sliding.truncated_used_slots(block, plan.new_length), page_size)
         plan.remaining = 0
         break
     return plan

@@ -17,11 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from disagg.blocks import TEMP_PAGE_ID, Block, Sequence
-from disagg.pages import PagePool
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+from disagg.pages import PagePool, ceil_div
 
 
 def _slide_target(
@@ -36,12 +32,12 @@ def _slide_target(
     """
     sink, offset = block.sink_length, block.sliding_window_offset
     if not seq.windowed or new_seq_length <= seq.sliding_window_size:
-        return 0, sink, _ceil_div(sink, page_size), offset
+        return 0, sink, ceil_div(sink, page_size), offset
     length_to_slide = new_seq_length - seq.sliding_window_size
     if seq.last_block_attn_sink_size > 0 and sink == 0:
         # First slide: pin the sinks where they are (TVM sets sink_length and the offset once).
         sink = offset = seq.last_block_attn_sink_size
-    return length_to_slide, sink, _ceil_div(sink, page_size), offset + length_to_slide
+    return length_to_slide, sink, ceil_div(sink, page_size), offset + length_to_slide
 
 
 def simulate_reserve(
@@ -54,7 +50,7 @@ def simulate_reserve(
         short) and the count afterwards.
     """
     cur = len(block.page_ids)
-    need = max(_ceil_div(block.num_used_slots + append_length, page_size) - cur, 0)
+    need = max(ceil_div(block.num_used_slots + append_length, page_size) - cur, 0)
     real = min(need, max(num_free, 0))
     free = num_free - real
     lowest = free
@@ -73,7 +69,7 @@ def simulate_reserve(
 
 def gross_need(block: Block, append_length: int, page_size: int) -> int:
     """Pages a reservation takes before its slide gives any back (an upper bound of its demand)."""
-    return max(_ceil_div(block.num_used_slots + append_length, page_size) - len(block.page_ids), 0)
+    return max(ceil_div(block.num_used_slots + append_length, page_size) - len(block.page_ids), 0)
 
 
 def reserve(pool: PagePool, seq: Sequence, block: Block, append_length: int, page_size: int) -> bool:
@@ -86,7 +82,7 @@ def reserve(pool: PagePool, seq: Sequence, block: Block, append_length: int, pag
         Whether pages were removed from the block or borrowed (else new pages were only appended).
     """
     cur = len(block.page_ids)
-    target = _ceil_div(block.num_used_slots + append_length, page_size)
+    target = ceil_div(block.num_used_slots + append_length, page_size)
     borrowed = False
     for _ in range(cur, target):
         if pool.num_free == 0:
@@ -131,7 +127,7 @@ def slide(pool: PagePool, seq: Sequence, block: Block, page_size: int) -> bool:
     block.seq_length -= length_to_slide
     block.sliding_window_offset = first_page * page_size + in_page
     assert block.seq_length >= block.sink_length, "a slide never eats into the sinks"
-    assert _ceil_div(block.num_used_slots, page_size) == len(block.page_ids), "pages cover used slots"
+    assert ceil_div(block.num_used_slots, page_size) == len(block.page_ids), "pages cover used slots"
     return erased
 
 

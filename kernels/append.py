@@ -99,7 +99,7 @@ def append_kv_kernel(
         _store_tile(kv_ptr, remote + v_shift, v, remote_ok, vs, QUANT)
 
 
-def _launch_args(k: torch.Tensor, v: torch.Tensor, geo: checks.KVGeometry, scales: Scales,
+def _launch_args(k: torch.Tensor, v: torch.Tensor, geo: checks.CacheLayout, scales: Scales,
                  push: bool) -> tuple[tuple[int, int, int], tuple, int]:
     """The grid, the kernel's arguments after the 9 tensors and scales (sizes, strides,
     constexprs) in signature order, and the warps, for new K/V `k`, `v` `[T, H_kv, D]`."""
@@ -115,7 +115,7 @@ def _launch_args(k: torch.Tensor, v: torch.Tensor, geo: checks.KVGeometry, scale
     return grid, tail, num_warps
 
 
-def _launch(k, v, kv_layer, slots, geo: checks.KVGeometry, scales: Scales, push_args) -> None:
+def _launch(k, v, kv_layer, slots, geo: checks.CacheLayout, scales: Scales, push_args) -> None:
     """Triton's usual launch (binds and specializes the arguments on every call)."""
     dst_slots, dst_index, dst_table = push_args if push_args is not None else (slots, slots, slots)
     grid, tail, num_warps = _launch_args(k, v, geo, scales, push_args is not None)
@@ -345,8 +345,8 @@ def _prepare_indices(kv, geo, dst_kv, geos, slots, dst_slots, dst_index,
     return tensors[:3] + (_to_device(tensors[3:], kv.device) if len(tensors) > 3 else [])
 
 
-def _offset_table(kv: torch.Tensor, geo: checks.KVGeometry, dst_kv: Sequence[torch.Tensor],
-                  geos: list[checks.KVGeometry]) -> torch.Tensor:
+def _offset_table(kv: torch.Tensor, geo: checks.CacheLayout, dst_kv: Sequence[torch.Tensor],
+                  geos: list[checks.CacheLayout]) -> torch.Tensor:
     """Element offsets of each receiver's layer l from local layer l (as `build_dst_table`).
 
     Returns:
@@ -438,8 +438,8 @@ class PreparedAppend:
         device: the cache's device.
     """
 
-    def __init__(self, kv: torch.Tensor, geo: checks.KVGeometry, dst_kv: list[torch.Tensor],
-                 geos: list[checks.KVGeometry], indices: list[torch.Tensor]) -> None:
+    def __init__(self, kv: torch.Tensor, geo: checks.CacheLayout, dst_kv: list[torch.Tensor],
+                 geos: list[checks.CacheLayout], indices: list[torch.Tensor]) -> None:
         # What depends on the caches and receivers only (shared with `rebind`'s copies).
         self.num_layers, self.num_receivers = geo.num_lead, len(geos)
         self.device = kv.device

@@ -79,8 +79,10 @@ def check_rows(name: str, tensor: torch.Tensor) -> None:
 
 
 @dataclass(frozen=True)
-class KVGeometry:
-    """What a launcher needs to know about a `[num_pages, 2, H_kv, P, D]` cache (or a stack of them).
+class CacheLayout:
+    """What a launcher needs to know about a `[num_pages, 2, H_kv, P, D]` cache (or a stack of them):
+    its memory layout, strides included (the transfer layer's whole-tensor shape is a different
+    concept: `disagg.transfer.segments.KVGeometry`).
 
     `stride_page` and `stride_lead` are in elements; inside a page the layout is packed
     (`[2, H_kv, P, D]` contiguous), which every kernel relies on.
@@ -99,14 +101,14 @@ class KVGeometry:
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
-    def same_layout(self, other: "KVGeometry") -> bool:
+    def same_layout(self, other: "CacheLayout") -> bool:
         """Same heads, page size, head_dim and dtype (num_pages and strides may differ)."""
         return (self.num_kv_heads, self.page_size, self.head_dim, self.dtype) == (
             other.num_kv_heads, other.page_size, other.head_dim, other.dtype
         )
 
 
-def check_kv_layer(name: str, kv: object, *, lead_ok: bool = False) -> KVGeometry:
+def check_kv_layer(name: str, kv: object, *, lead_ok: bool = False) -> CacheLayout:
     """Check a paged cache view and return its geometry.
 
     Args:
@@ -135,7 +137,7 @@ def check_kv_layer(name: str, kv: object, *, lead_ok: bool = False) -> KVGeometr
             f"got strides {tuple(kv.stride()[-4:])}"
         )
     num_lead, stride_lead = _collapse_lead(name, kv)
-    return KVGeometry(kv.shape[-5], num_kv_heads, page_size, head_dim, kv.dtype,
+    return CacheLayout(kv.shape[-5], num_kv_heads, page_size, head_dim, kv.dtype,
                       kv.stride(-5), num_lead, stride_lead)
 
 
@@ -158,7 +160,7 @@ def _collapse_lead(name: str, kv: torch.Tensor) -> tuple[int, int]:
     return num_lead, stride
 
 
-def check_new_kv(k: object, v: object, geo: KVGeometry, device: torch.device) -> int:
+def check_new_kv(k: object, v: object, geo: CacheLayout, device: torch.device) -> int:
     """Check new keys/values `[T, H_kv, D]` against a cache of geometry `geo`; return T.
 
     Raises:
@@ -178,8 +180,8 @@ def check_new_kv(k: object, v: object, geo: KVGeometry, device: torch.device) ->
     return k.shape[0]
 
 
-def check_receivers(name: str, kv: torch.Tensor, geo: KVGeometry, dst: object, *,
-                    local: str = "kv_layer", stacked: bool = False) -> list[KVGeometry]:
+def check_receivers(name: str, kv: torch.Tensor, geo: CacheLayout, dst: object, *,
+                    local: str = "kv_layer", stacked: bool = False) -> list[CacheLayout]:
     """Check receiver caches against the local cache `kv` (geometry `geo`); return theirs.
 
     Args:
@@ -221,7 +223,7 @@ def check_receivers(name: str, kv: torch.Tensor, geo: KVGeometry, dst: object, *
 
 
 def check_push_values(dst_slots: torch.Tensor, dst_index: torch.Tensor,
-                      geos: Sequence[KVGeometry]) -> None:
+                      geos: Sequence[CacheLayout]) -> None:
     """Check dst_index in [-1, R) and each pushed token's dst slot in [-1, its receiver's num_slots).
 
     Reads values (a host sync on CUDA, like `check_slot_values`).
@@ -245,7 +247,7 @@ def check_push_values(dst_slots: torch.Tensor, dst_index: torch.Tensor,
         )
 
 
-def check_attention_q(q: object, geo: KVGeometry, device: torch.device, dims: str) -> None:
+def check_attention_q(q: object, geo: CacheLayout, device: torch.device, dims: str) -> None:
     """Check an attention query `[rows, num_qo_heads, head_dim]` against the cache it reads.
 
     Raises:

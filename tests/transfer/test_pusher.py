@@ -247,3 +247,22 @@ def test_kv_must_be_heap_memory_of_the_kv_layout(pair):
         KVPusher(h0, torch.zeros(SHAPE, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"\[num_layers, num_pages, 2, H, P, D\]"):
         KVPusher(h0, torch.zeros(4, 4))
+
+
+def test_detach_doorbell_forgets_the_ticket_of_an_aborted_request(pair):
+    """An aborted request's ticket is handed back; a plan that would still complete its send is
+    then refused before anything is written (the cache must drop the send first), and the
+    request's word is never rung."""
+    h0, h1, kv0, kv1 = pair
+    doorbells = DoorbellTable(h1)
+    ticket = doorbells.arm(7)
+    pusher = KVPusher(h0, kv0)
+    pusher.attach_doorbell(7, ticket)
+    assert pusher.detach_doorbell(7) is ticket
+    assert pusher.detach_doorbell(7) is None
+    before = kv1.clone()
+    with pytest.raises(TransferError, match="request 7"):
+        pusher.begin_forward(make_plan([dict(seq=7, slots=[0], push_slots=[4], pe=1)]))
+    assert torch.equal(kv1, before) and not doorbells.is_rung(ticket)
+    run(pusher, make_plan([dict(seq=8, slots=[1])]))  # the pusher goes on with other requests
+    assert not doorbells.is_rung(ticket)
