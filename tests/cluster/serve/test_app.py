@@ -308,3 +308,13 @@ def test_serve_config_binds_first_then_launches_and_stops_on_sigint(monkeypatch)
     assert statuses == [503, 200] and fake.shut_down
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health")
+
+
+def test_metrics_survive_a_failing_cluster_stats(serve_fake):
+    class Flaky(FakeCluster):
+        def stats(self):
+            raise ClusterError("stats: an instance failed to answer")
+    server, _ = serve_fake(Flaky(tokenizer=CharTokenizer()))
+    samples = _samples(server)
+    assert ("disagg:generation_tokens_total", (("model_name", "fake"),)) in samples
+    assert not any(name == "disagg:kv_pages_total" for name, _ in samples)
