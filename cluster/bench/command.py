@@ -88,10 +88,12 @@ def bench_command(
                              "(ttft 3x isolated TTFT, tpot 2.5x batch-1 decode step)")] = False,
     slo_scales: Annotated[Optional[str], typer.Option(help="SLO multipliers judged from the same runs")] = None,
     metric_percentiles: Annotated[str, typer.Option(help="percentiles reported")] = "50,90,99",
-    num_warmups: Annotated[int, typer.Option(min=0, help="untimed requests before each run")] = 1,
+    num_warmups: Annotated[int, typer.Option(min=0, help="untimed requests, sent together, before each "
+                            "workload's first run")] = 1,
     request_timeout: Annotated[Optional[float], typer.Option(help="seconds before a request is cancelled")] = None,
     vocab_size: Annotated[Optional[int], typer.Option(min=2, help="token ids drawn below this (needed with --base-url)")] = None,
-    save_result: Annotated[bool, typer.Option(help="write the JSON result of every run")] = False,
+    save_result: Annotated[bool, typer.Option(help="write the JSON result of every run (always on with "
+                           "a comparison)")] = False,
     result_dir: Annotated[Optional[Path], typer.Option(help="where JSON and PNGs go (default bench.results_dir)")] = None,
     result_filename: Annotated[Optional[str], typer.Option(help="file name of a single run's JSON")] = None,
     disable_tqdm: Annotated[bool, typer.Option(help="no progress bar")] = False,
@@ -124,6 +126,7 @@ def bench_command(
         raise typer.BadParameter(f"expected a number in [0, 1), got {random_range_ratio}", param_hint="--random-range-ratio")
     variants = _variants(compare_variant or [])
     defaults = _config_defaults(config)
+    others = [] if no_compare else list(compare or ([defaults["compare_with"]] if defaults.get("compare_with") else []))
     options = SweepOptions(
         num_prompts=num_prompts or defaults.get("num_prompts", 100),
         rates=rates or defaults.get("request_rates") or [math.inf], dataset_name=datasets[0], datasets=datasets,
@@ -134,11 +137,10 @@ def bench_command(
         goodput_slos_ms=slos or (None if slo_calibrate else defaults.get("goodput")),
         percentiles=tuple(percentiles), num_warmups=num_warmups, request_timeout_s=request_timeout,
         calibrate_slos=slo_calibrate, vocab_size=vocab_size, show_progress=not disable_tqdm,
-        result_filename=result_filename, save_results=save_result or bool(compare) or bool(variants),
+        result_filename=result_filename, save_results=save_result or bool(others),
         run_seconds=run_seconds, min_prompts=min_prompts, early_stop=early_stop)
     if scales:
         options.slo_scales = tuple(scales)
-    others = [] if no_compare else list(compare or ([defaults["compare_with"]] if defaults.get("compare_with") else []))
     out_dir = result_dir or Path(defaults.get("results_dir", "results"))
     _run(config, others, variants, base_url, model, endpoint, out_dir, options)
 

@@ -184,3 +184,17 @@ def test_http_backend_against_the_serve_app(stand_in):
     assert [o.error for o in result.outputs] == ["", "", ""]
     assert [o.output_len for o in result.outputs] == [4, 4, 4]
     assert all(len(o.itl) == 3 for o in result.outputs)      # one chunk per step, token ids counted
+
+
+def test_cli_takes_compare_with_and_defaults_from_the_config(stand_in, tmp_path):
+    config = tmp_path / "pair.yaml"
+    config.write_text(Path(TINY_1P1D).read_text() + f"bench:\n  compare_with: {TINY_COLOCATED}\n  num_prompts: 3\n"
+                      "  request_rates: [300]\n  input_len: 5\n  output_len: 2\n  goodput: {ttft: 900, tpot: 900}\n")
+    result = CliRunner().invoke(_app(), ["bench", str(config), "--result-dir", str(tmp_path / "out"),
+                                         "--disable-tqdm"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert [c.mode for c in stand_in.launched] == ["disaggregated", "colocated"]
+    summary = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert summary["slos_ms"] == {"ttft": 900, "tpot": 900}
+    assert all(len(run["result_files"]) == 1 for run in summary["runs"])
+    assert load_json(summary["runs"][0]["result_files"][0])["num_prompts"] == 3
