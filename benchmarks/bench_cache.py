@@ -164,6 +164,14 @@ class TvmStackPool:
         del self.free[len(self.free) - n :]
         return pages
 
+    def take_after(self, after: int | None, n: int) -> list[int]:
+        return []
+
+    def take_many(self, afters: list, counts: list[int]) -> list[list[int]]:
+        pages = self.take(sum(counts))
+        ends = np.cumsum(counts).tolist()
+        return [pages[end - n : end] for n, end in zip(counts, ends)]
+
     def give(self, pages) -> None:
         self.free.extend(pages)
 

@@ -35,6 +35,7 @@ import torch
 GiB = 1 << 30
 LAYERS, HEADS, DIM, PAGE, PAGES = 32, 8, 128, 16, 1024
 PUSH_TOKENS, PREFILL_TOKENS = 8192, 4096
+DEMO_TOKENS = 4096  # the demo's prompt, for the rows over pages as the cache hands them out
 HIDDEN, Q_HEADS, FFN = 4096, 32, 14336
 GPU_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 HEAP_BYTES = 3 * GiB + (256 << 20)  # KV (2 GiB) + the anchor's 1 GiB
@@ -117,7 +118,8 @@ class BenchWorker:
 
     # ------------------------------------------------------------------ bandwidth
     def push_bandwidth(self, tickets: list, force: bool, contiguous: bool, iters: int,
-                       back_to_back: int = 0, profile: bool = False, caller_stream: bool = False) -> dict:
+                       back_to_back: int = 0, profile: bool = False, caller_stream: bool = False,
+                       slots: tuple | None = None) -> dict:
         """Seconds for the pusher to move one 8192-token request, every layer, to PE 1.
 
         ``total``: one forward from an idle GPU (its host work before the first launch, mostly
@@ -127,7 +129,8 @@ class BenchWorker:
         without a sync in between (a serving loop: each forward's host work overlaps the
         previous one's transfers). With ``profile``: ``profile``, the cProfile table (by
         cumulative time) of five forwards' host calls. ``caller_stream``: the pusher's
-        ``append_on_caller_stream`` mode.
+        ``append_on_caller_stream`` mode. ``slots``: (local, remote) int32 slot arrays to use
+        instead (`demo_pattern_slots`; fewer tokens than the default request).
         """
         from disagg.transfer import KVPusher
 
@@ -135,6 +138,10 @@ class BenchWorker:
         plan = scattered_plan(PUSH_TOKENS, seq_id=1, seed=0)
         if contiguous:
             plan = _contiguous(plan)
+        if slots is not None:
+            plan = _with_slots(plan, *slots)
+        ks = [k[: plan.num_tokens] for k in self.ks]
+        vs = [v[: plan.num_tokens] for v in self.vs]
         tickets, host, begin, layer_host = list(tickets), [], [], []
 
         def forward() -> None:
@@ -144,7 +151,7 @@ class BenchWorker:
             begin.append(time.perf_counter() - start)
             for layer in range(LAYERS):
                 layer_start = time.perf_counter()
-                pusher.push_layer_async(layer, self.ks[layer], self.vs[layer])
+                pusher.push_layer_async(layer, ks[layer], vs[layer])
                 layer_host.append(time.perf_counter() - layer_start)
             pusher.end_forward()
             host.append(time.perf_counter() - start)
@@ -443,6 +450,42 @@ def _contiguous(plan):
     return dataclasses.replace(plan, append_slots=consecutive, push_slots=consecutive)
 
 
+def _with_slots(plan, local: np.ndarray, remote: np.ndarray):
+    """A one-sequence plan over ``len(local)`` tokens at these local and remote slots."""
+    import dataclasses
+    n = len(local)
+    i32 = np.int32
+    return dataclasses.replace(
+        plan, qo_indptr=np.array([0, n], i32), page_indptr=np.array([0, n // PAGE], i32),
+        page_indices=np.zeros(n // PAGE, i32), append_slots=np.asarray(local, i32),
+        positions=np.arange(n, dtype=i32), push_slots=np.asarray(remote, i32),
+        push_pes=np.ones(n, i32))
+
+
+def demo_pattern_slots(order: str) -> tuple[np.ndarray, np.ndarray]:
+    """Slots of a DEMO_TOKENS request in a PAGES-page cache that served the demo's pattern
+    (requests of 88, 53 and 44 pages in turn, the demo's 40,000/24,000/20,000 tokens scaled to
+    this cache, until full; every other one finished), pages handed out in ``order``
+    ("runs": the cache's; "tvm_stack": TVM's free stack, `bench_cache.TvmStackPool`). The same
+    pattern on both sides: (local, remote)."""
+    from bench_cache import new_cache  # benchmarks/ is sys.path[0] when run as a script
+
+    cache = new_cache(PAGES, order)
+    sizes, seq_id = (88 * PAGE, 53 * PAGE, 44 * PAGE), 0
+    while cache.num_free_pages * PAGE >= sizes[seq_id % 3]:
+        cache.add_sequence(seq_id)
+        cache.disagg_prepare_recv(seq_id, sizes[seq_id % 3])
+        cache.end_forward()
+        seq_id += 1
+    for finished in range(1, seq_id, 2):
+        cache.remove_sequence(finished)
+    cache.add_sequence(seq_id)
+    cache.disagg_prepare_recv(seq_id, DEMO_TOKENS)
+    cache.end_forward()
+    slots = cache.slots(seq_id).astype(np.int32)
+    return slots, slots.copy()
+
+
 def _weights() -> dict[str, torch.Tensor]:
     """One layer's weights of an 8B Llama (shared by the 32 layers: same FLOPs)."""
     def w(rows: int, cols: int) -> torch.Tensor:
@@ -464,7 +507,7 @@ def measure(pair: list, iters: int) -> dict:
     n = iters
     uid, port = on(0, "new_uid"), on(0, "free_port")
     t = {"device": both("setup", (uid, 0, port), (uid, 1, port))[0]}
-    tickets = on(1, "arm", 2 * BenchWorker.tickets_for_push(n, BACK_TO_BACK, True) + 8 * (n + 1))
+    tickets = on(1, "arm", 2 * BenchWorker.tickets_for_push(n, BACK_TO_BACK, True) + 8 * (n + 1) + 4)
     t["anchor"] = on(0, "anchor_copy", n)
     used = BenchWorker.tickets_for_push(n, BACK_TO_BACK, True)
     push = on(0, "push_bandwidth", tickets[:used], False, False, n, BACK_TO_BACK, True)
@@ -479,6 +522,10 @@ def measure(pair: list, iters: int) -> dict:
     t.update(on(0, "kernels_only", n))
     t["segments"] = on(0, "push_bandwidth", tickets[0:2], True, False, 1)["total"]
     t["segments_contiguous"] = on(0, "push_bandwidth", tickets[2:4], True, True, 1)["total"]
+    for i, order in enumerate(("tvm_stack", "runs")):  # the last 4 tickets
+        got = on(0, "push_bandwidth", tickets[len(tickets) - 4 + 2 * i:len(tickets) - 2 + 2 * i or None],
+                 True, False, 1, 0, False, False, demo_pattern_slots(order))
+        t[f"segments_demo_{order}"] = got["total"]
     t["nccl"] = both("nccl_layers", (n,), (n,))[0]
     t["host_latency"] = both("pingpong_host", (200,), (200,))[0]
     both("pingpong_device_enqueue", (500,), (500,))
@@ -498,6 +545,7 @@ def report(t: dict) -> dict:
     """Seconds -> the JSON result, with the table (metric, ours, anchor, ratio, target)."""
     gbps = lambda seconds: GiB / seconds / 1e9  # noqa: E731
     anchor, base = gbps(t["anchor"]), t["base"] * 1e3
+    demo = DEMO_TOKENS / PUSH_TOKENS  # those rows move this fraction of a GiB
     gpu_layer_us = t["fused_kernel_graph"] / LAYERS * 1e6  # what the host must stay under
     rows = [("push 1 GiB scattered over 16-token pages, 32 layers, forwards back to back (GB/s)",
              gbps(t["push_steady"]), anchor, ">= 0.90"),
@@ -524,6 +572,10 @@ def report(t: dict) -> dict:
             ("same bytes as 256-byte rows, torch index_copy_ (GB/s)", gbps(t["rows"]), anchor, "comparison"),
             ("forced segment puts, scattered pages (GB/s)", gbps(t["segments"]), anchor, "comparison"),
             ("forced segment puts, contiguous pages (GB/s)", gbps(t["segments_contiguous"]), anchor, "comparison"),
+            ("forced segment puts, 4096 tok on pages the cache hands out after the demo pattern, "
+             "TVM stack order (GB/s)", demo * gbps(t["segments_demo_tvm_stack"]), anchor, "comparison"),
+            ("forced segment puts, the same, run order (disagg.pages) (GB/s)",
+             demo * gbps(t["segments_demo_runs"]), anchor, "comparison"),
             ("NCCL send/recv per layer per request (GB/s)", gbps(t["nccl"]), anchor, "comparison"),
             ("prefill 4096 tok + push, attention waits per layer (ms)", t["with_push"] * 1e3, base, "<= 1.03"),
             ("prefill 4096 tok + push, no wait (ms)", t["with_push_free"] * 1e3, base, "<= 1.03"),
