@@ -33,10 +33,10 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in (7, 100, 333, 64)]
 
 
-@pytest.fixture(scope="module")
-def llama8b(tmp_path_factory):
-    """(model dir with bf16 safetensors, transformers bf16 model, transformers fp32 model of the
-    same bf16 weights), all on cuda."""
+def build_llama8b(path):
+    """(path, transformers bf16 model, transformers fp32 model of the same bf16 weights): a
+    llama3-8b-shaped LlamaForCausalLM of NUM_LAYERS layers, random weights at unit-activation
+    scale, saved as bf16 safetensors in `path`; both models on cuda."""
     config = transformers.LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=NUM_LAYERS,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
@@ -54,10 +54,13 @@ def llama8b(tmp_path_factory):
             else:
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
     model16 = model.to(torch.bfloat16)
-    path = tmp_path_factory.mktemp("llama3-8b-2l")
     model16.save_pretrained(path)
-    model32 = copy.deepcopy(model16).float()
-    return path, model16, model32
+    return path, model16, copy.deepcopy(model16).float()
+
+
+@pytest.fixture(scope="module")
+def llama8b(tmp_path_factory):
+    return build_llama8b(tmp_path_factory.mktemp("llama3-8b-2l"))
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ def _generate(model, prompts, steps, chunk=None, page_size=4):
     return torch.stack(logits)
 
 
-def test_tiny_shapes_and_varied_greedy(tiny):
+def test_tiny_shapes_and_varied_greedy(tiny, reference_kernels):
     c = tiny.config
     assert (c.num_layers, c.hidden_size, c.num_qo_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (
         2, 64, 4, 2, 16, 256)
@@ -96,6 +96,54 @@ def test_fp8_kv_cache_close_to_fp32(tiny, reference_kernels):
     exact = PagedRunner(tiny).prefill(PROMPTS)
     assert (fp8 - exact).abs().max() < 0.1 * exact.abs().max()
     assert torch.equal(fp8.argmax(-1), exact.argmax(-1))
+
+
+class RecordingPusher:
+    """Stands in for a KVPusher: appends locally (as the real one does) and records the calls."""
+
+    def __init__(self, kv):
+        self.kv = kv
+        self.calls = []
+
+    def push_layer_async(self, layer, k, v, *, k_scale=None, v_scale=None):
+        self.calls.append(("push", layer, tuple(k.shape), tuple(v.shape)))
+        from disagg.kernels import append_kv
+
+        append_kv(k, v, self.kv[layer], self.slots)
+
+    def wait_layer(self, layer):
+        self.calls.append(("wait", layer))
+
+
+def test_pusher_gets_every_layer_in_order(tiny, reference_kernels):
+    """With a pusher, each layer's K/V go through push_layer_async then wait_layer (no local
+    append by the model), and the logits equal a forward without one."""
+    expected = PagedRunner(tiny).prefill(PROMPTS)
+    runner = PagedRunner(tiny)
+    pusher = RecordingPusher(runner.kv)
+    for seq in range(len(PROMPTS)):
+        runner.cache.add_sequence(seq)
+    plan = runner.cache.begin_forward([0, 1, 2], [len(p) for p in PROMPTS])
+    pusher.slots = torch.from_numpy(plan.append_slots)
+    batch = AttentionBatch.from_plan(plan, "cpu")
+    logits = tiny.forward(torch.tensor(sum(PROMPTS, [])), batch, runner.kv, pusher=pusher)
+    runner.cache.end_forward()
+    num_tokens = sum(map(len, PROMPTS))
+    assert pusher.calls == [call for layer in range(2) for call in (
+        ("push", layer, (num_tokens, 2, 16), (num_tokens, 2, 16)), ("wait", layer))]
+    torch.testing.assert_close(logits, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_fork_copies_applied_before_appends(tiny, reference_kernels):
+    """A child forked mid-page continues exactly like its parent (the plan's fork copies of the
+    partial page run before the forward's appends)."""
+    runner = PagedRunner(tiny, page_size=4)
+    runner.prefill([PROMPTS[0]])  # 10 tokens: the last page holds 2
+    runner.cache.fork_sequence(0, 1)
+    logits = runner.forward({0: [9], 1: [9]})
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-6, rtol=1e-6)
+    logits = runner.forward({0: [3], 1: [4]})
+    assert not torch.allclose(logits[0], logits[1])
 
 
 def test_forward_rejects_bad_inputs(tiny):
