@@ -90,19 +90,22 @@ class ModelRunner:
         Returns:
             The sampled ids (``result()`` waits for them).
         """
-        ids = self._ids_to_device(input_ids)
         push_done = None
         if pusher is not None:
             pusher.begin_forward(plan)
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
-            logits = self.model.forward(ids, batch, self.kv, pusher=pusher, kv_scales=self.kv_scales)
+            logits = self.model.forward(self._ids_to_device(input_ids), batch, self.kv, pusher=pusher,
+                                        kv_scales=self.kv_scales)
             push_done = pusher.end_forward()
         elif self.graphs is not None and self.graphs.can_run(plan):
-            logits = self.graphs.run(plan, ids)
+            # Host ids travel with the plan's indices (one staging copy); device ids are copied
+            # device to device.
+            host_or_device = input_ids if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids, np.int64)
+            logits = self.graphs.run(plan, host_or_device)
             self.num_graph_replays += 1
         else:
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
-            logits = self.model.forward(ids, batch, self.kv, kv_scales=self.kv_scales)
+            logits = self.model.forward(self._ids_to_device(input_ids), batch, self.kv, kv_scales=self.kv_scales)
         self.num_forwards += 1
         return self._sample(logits, sample_rows, sample_requests, push_done)
 
