@@ -158,7 +158,7 @@ class InstanceActor:
         def _stats() -> dict:
             out = dict(self.loop.engine.stats()) if self.loop.engine is not None else {}
             out.update(name=self.name, role=self.role, pe=None if self.heap is None else self.heap.rank,
-                       num_steps=self.loop.num_steps, fatal=self.loop.fatal)
+                       num_steps=self.loop.num_steps, busy_s=self.loop.busy_s, fatal=self.loop.fatal)
             return out
         return await self._run(_stats)
 

@@ -45,6 +45,7 @@ class StepLoop:
         self._outbox: list[OutputRow] = []
         self._stopping = False
         self.num_steps = 0
+        self.busy_s = 0.0  # seconds spent in steps that did work (the instance's utilization)
         self._thread = threading.Thread(target=self._run, name=f"steploop-{name}", daemon=True)
         self._thread.start()
 
@@ -109,6 +110,7 @@ class StepLoop:
 
     def _step(self) -> bool:
         """Run one engine step; return True when it produced outputs."""
+        start = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception:
@@ -117,6 +119,7 @@ class StepLoop:
         self.num_steps += 1
         if not outputs:
             return False
+        self.busy_s += time.perf_counter() - start
         now = time.time()
         rows = [(o.request_id, None if o.token_id is None else int(o.token_id), bool(o.finished),
                  o.finish_reason, getattr(o, "error", None), now) for o in outputs]
