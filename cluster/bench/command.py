@@ -49,6 +49,19 @@ def _checked(parse, value, flag: str):
         raise typer.BadParameter(str(err).removeprefix(f"{flag}: "), param_hint=flag) from None
 
 
+def _sets(specs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` flags -> dotted overrides of CONFIG (values parsed as YAML scalars)."""
+    import yaml
+
+    overrides = {}
+    for spec in specs:
+        key, sep, value = spec.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"expected KEY=VALUE such as router.lease_s=5, got {spec!r}", param_hint="--set")
+        overrides[key] = yaml.safe_load(value)
+    return overrides
+
+
 def _variants(specs: list[str]) -> list[dict[str, Any]]:
     """``KEY=V1,V2`` flags -> every combination as dotted overrides (values parsed as YAML scalars)."""
     import yaml
@@ -70,6 +83,10 @@ def bench_command(
     compare_variant: Annotated[Optional[list[str]], typer.Option(help="KEY=V1,V2: also run each --compare "
                                "config with these dotted overrides; the best per SLO scale is compared")] = None,
     no_compare: Annotated[bool, typer.Option("--no-compare", help="ignore bench.compare_with")] = False,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="KEY=VALUE: a dotted override of CONFIG, "
+                    "e.g. --set scheduler.max_num_batched_tokens=2048")] = None,
+    from_results: Annotated[Optional[list[Path]], typer.Option(help="compare result folders written earlier "
+                            "(first = the deployment under test) instead of running anything")] = None,
     base_url: Annotated[Optional[str], typer.Option(help="benchmark a running OpenAI-compatible server")] = None,
     model: Annotated[Optional[str], typer.Option(help="model name sent to --base-url")] = None,
     endpoint: Annotated[str, typer.Option(help="completions path of --base-url")] = "/v1/completions",
@@ -111,8 +128,9 @@ def bench_command(
     if unknown or not datasets:
         raise typer.BadParameter(f"expected one or more of {', '.join(DATASETS)} (comma-separated), got "
                                  f"{dataset_name!r}", param_hint="--dataset-name")
-    if config is None and base_url is None:
-        raise typer.BadParameter("give a CONFIG to launch, or --base-url of a running server", param_hint="CONFIG")
+    if config is None and base_url is None and not from_results:
+        raise typer.BadParameter("give a CONFIG to launch, --base-url of a running server, or --from-results",
+                                 param_hint="CONFIG")
     if base_url is not None and vocab_size is None:
         raise typer.BadParameter("required with --base-url (prompt token ids are drawn below it)",
                                  param_hint="--vocab-size")
@@ -125,7 +143,8 @@ def bench_command(
     if random_range_ratio is not None and not 0 <= random_range_ratio < 1:
         raise typer.BadParameter(f"expected a number in [0, 1), got {random_range_ratio}", param_hint="--random-range-ratio")
     variants = _variants(compare_variant or [])
-    defaults = _config_defaults(config)
+    overrides = _sets(set_ or [])
+    defaults = _config_defaults(config, overrides)
     others = [] if no_compare else list(compare or ([defaults["compare_with"]] if defaults.get("compare_with") else []))
     options = SweepOptions(
         num_prompts=num_prompts or defaults.get("num_prompts", 100),
@@ -142,35 +161,57 @@ def bench_command(
     if scales:
         options.slo_scales = tuple(scales)
     out_dir = result_dir or Path(defaults.get("results_dir", "results"))
-    _run(config, others, variants, base_url, model, endpoint, out_dir, options)
+    if from_results:
+        _compare_stored(from_results, out_dir, options)
+        return
+    _run(config, others, variants, overrides, base_url, model, endpoint, out_dir, options)
 
 
-def _config_defaults(config: Optional[Path]) -> dict[str, Any]:
+def _config_defaults(config: Optional[Path], overrides: dict[str, Any]) -> dict[str, Any]:
     if config is None:
         return {}
     from disagg.config import Config
     from disagg.errors import ConfigError
 
     try:
-        return Config.from_yaml(config).bench.model_dump()
+        loaded = Config.from_yaml(config)
+        return (loaded.override(overrides) if overrides else loaded).bench.model_dump()
     except ConfigError as err:
-        raise typer.BadParameter(str(err), param_hint="CONFIG") from None
+        raise typer.BadParameter(str(err), param_hint="--set" if overrides else "CONFIG") from None
 
 
-def _run(config, others, variants, base_url, model, endpoint, out_dir: Path, options) -> None:
+def _compare_stored(paths: list[Path], out_dir: Path, options) -> None:
+    from rich.console import Console
+
+    from disagg.cluster.bench import stored
+
+    try:
+        summary = stored.compare_stored(paths, out_dir, options)
+    except ValueError as err:
+        raise typer.BadParameter(str(err).removeprefix("--from-results: "), param_hint="--from-results") from None
+    _print_comparison(Console(), summary, options, out_dir)
+
+
+def _print_comparison(console, summary: dict, options, out_dir: Path) -> None:
+    from disagg.cluster.bench import report
+
+    for name, one in (summary.get("datasets") or {options.dataset_name: summary}).items():
+        console.print(f"[bold]{one.get('dataset', name)}[/bold]")
+        console.print(report.comparison_table(one))
+        console.print(report.common_rate_table(one))
+        console.print(f"plots: {', '.join(one['plots'])}")
+    console.print(f"results and compare.json under {out_dir}")
+
+
+def _run(config, others, variants, overrides, base_url, model, endpoint, out_dir: Path, options) -> None:
     from rich.console import Console
 
     from disagg.cluster.bench import report, sweep
 
     console = Console()
     if others and base_url is None:
-        summary = sweep.compare_configs(config, others, out_dir, options, variants=variants)
-        for name, one in (summary.get("datasets") or {options.dataset_name: summary}).items():
-            console.print(f"[bold]{name}[/bold]")
-            console.print(report.comparison_table(one))
-            console.print(report.common_rate_table(one))
-            console.print(f"plots: {', '.join(one['plots'])}")
-        console.print(f"results and compare.json under {out_dir}")
+        summary = sweep.compare_configs(config, others, out_dir, options, variants=variants, overrides=overrides)
+        _print_comparison(console, summary, options, out_dir)
         return
     if base_url is not None:
         if others:
@@ -181,10 +222,14 @@ def _run(config, others, variants, base_url, model, endpoint, out_dir: Path, opt
         runs = [sweep.DatasetRuns(options.dataset_name, results, options.goodput_slos_ms,
                                   {"label": base_url, "num_gpus": 1})]
     else:
-        runs = sweep.bench_config(config, options)
+        runs = sweep.bench_config(config, options, overrides=overrides)
     for one in runs:
         for result in one.results:
             console.print(report.run_table(result))
+        calibration = one.info.get("calibration")
+        console.print(f"{one.dataset}: SLOs {one.slos_ms} ms"
+                      + (f" (calibrated: {calibration['rule']}; isolated TTFT {calibration['isolated_ttft_ms']:.1f} ms, "
+                         f"TPOT {calibration['isolated_tpot_ms']:.2f} ms)" if calibration else ""))
         if options.save_results:
             _save_single(one, options, out_dir if len(runs) == 1 else out_dir / one.dataset)
     if options.save_results:

@@ -254,8 +254,10 @@ def _first_attr(obj: Any, *paths: tuple[str, ...]) -> Any:
 
 
 def compare_configs(config_a: str | Path, others: Sequence[str | Path], out_dir: str | Path,
-                    options: SweepOptions, *, variants: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
-    """Sweep CONFIG and every comparison config (each also with every override set of `variants`).
+                    options: SweepOptions, *, variants: Sequence[Mapping[str, Any]] = (),
+                    overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Sweep CONFIG (with `overrides`) and every comparison config (each also with every override
+    set of `variants`).
 
     Each deployment is launched once and runs every workload. Per workload it writes
     <dir>/<label>-<rate>qps.json per run, compare.json and the PNG plots, where <dir> is out_dir
@@ -265,7 +267,7 @@ def compare_configs(config_a: str | Path, others: Sequence[str | Path], out_dir:
         the summary of the one workload, or {"datasets": {name: summary}} for several.
     """
     out_dir = Path(out_dir)
-    deployments = [(config_a, None)] + [(path, var) for path in others for var in (list(variants) or [None])]
+    deployments = [(config_a, dict(overrides or {}) or None)] + [(path, var) for path in others for var in (list(variants) or [None])]
     names = options.dataset_names
     folders = {name: out_dir if len(names) == 1 else out_dir / name for name in names}
     slos: dict[str, Any] = {}

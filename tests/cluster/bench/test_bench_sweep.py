@@ -198,3 +198,29 @@ def test_cli_takes_compare_with_and_defaults_from_the_config(stand_in, tmp_path)
     assert summary["slos_ms"] == {"ttft": 900, "tpot": 900}
     assert all(len(run["result_files"]) == 1 for run in summary["runs"])
     assert load_json(summary["runs"][0]["result_files"][0])["num_prompts"] == 3
+
+
+def test_split_sweeps_compared_from_stored_results(stand_in, tmp_path):
+    """Each deployment swept alone (as a 10-minute GPU sitting allows), compared afterwards."""
+    common = ["--no-compare", "--num-prompts", "3", "--request-rate", "150,300", "--random-input-len", "5",
+              "--random-output-len", "2", "--save-result", "--disable-tqdm"]
+    first = CliRunner().invoke(_app(), ["bench", TINY_1P1D, *common, "--slo-calibrate", "--result-dir",
+                                        str(tmp_path / "a")], env={"COLUMNS": "250"})
+    assert first.exit_code == 0, first.output
+    assert "calibrated" in first.output
+    second = CliRunner().invoke(_app(), ["bench", TINY_COLOCATED, *common, "--set", "scheduler.max_num_batched_tokens=64",
+                                         "--goodput", "ttft:9", "--result-dir", str(tmp_path / "b")], env={"COLUMNS": "250"})
+    assert second.exit_code == 0, second.output
+    assert stand_in.launched[1].scheduler.max_num_batched_tokens == 64
+    merged = CliRunner().invoke(_app(), ["bench", "--from-results", str(tmp_path / "a"), "--from-results",
+                                         str(tmp_path / "b"), "--result-dir", str(tmp_path / "ab")], env={"COLUMNS": "250"})
+    assert merged.exit_code == 0, merged.output
+    summary = json.loads((tmp_path / "ab" / "compare.json").read_text())
+    assert [side["label"] for side in summary["sides"]] == ["tiny-1p1d", "tiny-colocated[max_num_batched_tokens=64]"]
+    calibrated = load_json(next((tmp_path / "a").glob("tiny-1p1d-150.0qps-*.json")))["calibration"]["slos_ms"]
+    assert summary["slos_ms"] == calibrated                     # the first deployment's SLOs judge both
+    assert summary["sides"][1]["rates"] == [150.0, 300.0]
+    bad = CliRunner().invoke(_app(), ["bench", "--from-results", str(tmp_path / "nothing")], env={"COLUMNS": "250"})
+    assert bad.exit_code == 2 and "--from-results" in bad.output
+    bad_set = CliRunner().invoke(_app(), ["bench", TINY_1P1D, "--set", "scheduler.max_num_seq=3"], env={"COLUMNS": "250"})
+    assert bad_set.exit_code == 2 and "max_num_seqs" in bad_set.output
