@@ -220,9 +220,9 @@ async def _collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:
 
 async def _close(chunks: Any, state: ServerState, generation: Generation) -> None:
     """Close the generation (aborting it on the cluster if unfinished) and count it out, once."""
-    if getattr(generation, "_released", False):
+    if generation.released:
         return
-    generation._released = True
+    generation.released = True
     with contextlib.suppress(Exception):
         await chunks.aclose()
     state.release(generation)

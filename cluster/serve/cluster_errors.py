@@ -5,7 +5,7 @@ input (400), `ClusterError` "queue is full" when router.max_queue requests alrea
 other `ClusterError`s mean the fleet cannot serve (503). Once a request runs, the cluster ends
 it with a `StreamDelta` whose `error` says why: an instance died or none is live (503), it timed
 out (504), anything else (500). Until the cluster raises distinct classes for these cases, the
-queue-full, no-live-instance and timeout cases are told apart by their documented messages.
+queue-full, no-live-instance, timeout and refused-input cases are told apart by their messages.
 Used by `app.py`, for the status before a stream and for the in-band error during one.
 """
 
@@ -19,6 +19,9 @@ from disagg.errors import ClusterError, OutOfPages
 _QUEUE_FULL = ("queue is full", "queuefull", "overloaded")
 _NO_INSTANCE = ("no live", "no healthy", "died", "shutting down", "is dead")
 _TIMED_OUT = ("timed out", "timeout")
+# An instance's engine rejected the request's input at add/reserve (e.g. a token id outside the
+# vocabulary, which the server cannot check while the cluster does not expose vocab_size).
+_BAD_INPUT = ("refused the request", "prompt_token_ids:")
 
 
 def _says(err: BaseException, phrases: tuple[str, ...]) -> bool:
@@ -44,6 +47,9 @@ def to_api_error(err: BaseException) -> APIError:
 def failed_request_error(message: str, finish_reason: str) -> APIError:
     """The error of a request the cluster ended with `finish_reason` "error" or "abort" and a message."""
     lowered = message.lower()
+    if any(p in lowered for p in _BAD_INPUT):
+        return APIError(400, message, param="prompt" if "prompt_token_ids" in lowered else None,
+                        code="invalid_request")
     if any(p in lowered for p in _TIMED_OUT):
         return APIError(504, message, type="timeout", code="timeout")
     if any(p in lowered for p in _NO_INSTANCE):

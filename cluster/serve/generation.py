@@ -74,6 +74,7 @@ class Generation:
         self.request_id = request_id
         self.prepared = prepared
         self.times = GenerationTimes()
+        self.released = False  # set by the app once it has counted the request out
         self._text = OutputText(tokenizer, prepared.stop_strings)
 
     async def chunks(self) -> AsyncIterator[Chunk]:

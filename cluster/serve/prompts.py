@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg.cluster.serve.errors import APIError, bad_request
-from disagg.cluster.serve.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from disagg.cluster.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from disagg.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def prepare_chat(request: ChatCompletionRequest, limits: ModelLimits) -> Prepare
     return _prepare(request, prompt_ids, request.requested_max_tokens(), limits, "messages")
 
 
-def _prepare(request: _SamplingFields, prompt_ids: list[int], max_tokens: int | None,
+def _prepare(request: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
              limits: ModelLimits, prompt_field: str) -> PreparedRequest:
     if request.model is not None and request.model != limits.name:
         raise APIError(404, f"the model '{request.model}' does not exist; this server serves "
@@ -116,7 +116,7 @@ def _prepare(request: _SamplingFields, prompt_ids: list[int], max_tokens: int | 
     return PreparedRequest(prompt_ids, params, stop_strings, frozenset(text_stop_ids))
 
 
-def _split_stop(request: _SamplingFields, limits: ModelLimits) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def _split_stop(request: SamplingFields, limits: ModelLimits) -> tuple[tuple[str, ...], tuple[int, ...]]:
     stop = request.stop
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     strings = tuple(s for s in stops if isinstance(s, str))
@@ -128,7 +128,7 @@ def _split_stop(request: _SamplingFields, limits: ModelLimits) -> tuple[tuple[st
     return strings, ids
 
 
-def _sampling_params(request: _SamplingFields, max_tokens: int, stop_ids: tuple[int, ...],
+def _sampling_params(request: SamplingFields, max_tokens: int, stop_ids: tuple[int, ...],
                      limits: ModelLimits) -> SamplingParams:
     temperature = DEFAULT_TEMPERATURE if request.temperature is None else request.temperature
     params = SamplingParams(

@@ -39,7 +39,7 @@ def _refuse_unless(value: Any, neutral: tuple, what: str) -> Any:
     return value
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Fields shared by completions and chat: what to sample and when to stop."""
 
     model: str | None = Field(None, description="served model name; None: the only model")
@@ -97,7 +97,7 @@ class _SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt`: one text, or one list of token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -159,7 +159,7 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. Rendered through the tokenizer's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)

@@ -111,6 +111,8 @@ def test_client_disconnect_mid_stream_frees_pages_on_both_sides(served):
     (b'{"prompt": [1, 2], "n": 2}', 400, "n"),
     (b'{"prompt": "text needs a tokenizer"}', 400, "prompt"),
     (b'{"prompt": [1, 2], "max_tokens": 4095}', 400, "max_tokens"),
+    (b'{"prompt": [100000, 2], "max_tokens": 2}', 400, "prompt"),  # refused by the prefill engine
+    (b'{"prompt": [100000, 2], "max_tokens": 2, "stream": true}', 400, "prompt"),
 ])
 def test_bad_requests(served, content, status, param):
     _, server = served
