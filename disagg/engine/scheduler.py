@@ -30,9 +30,15 @@ class ScheduledBatch:
 
     requests: list[Request]
     num_tokens: list[int]
+    total_tokens: int = 0
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    def append(self, req: Request, n: int) -> None:
+        self.requests.append(req)
+        self.num_tokens.append(n)
+        self.total_tokens += n
 
 
 class Scheduler:
@@ -97,8 +103,7 @@ class Scheduler:
                 free += self._preempt(self.running.pop(i))
                 break
             free -= need
-            batch.requests.append(req)
-            batch.num_tokens.append(1)
+            batch.append(req, 1)
             i += 1
         return free
 
@@ -113,8 +118,7 @@ class Scheduler:
             if n <= 0:
                 return
             free -= self._pages_needed(req, n)
-            batch.requests.append(req)
-            batch.num_tokens.append(n)
+            batch.append(req, n)
 
     def _free_pages_for_head(self) -> bool:
         """Nothing fits: partially computed prompts behind the head give back their pages (they
@@ -128,7 +132,7 @@ class Scheduler:
         return freed
 
     def _budget(self, batch: ScheduledBatch) -> int:
-        return self.max_num_batched_tokens - sum(batch.num_tokens)
+        return self.max_num_batched_tokens - batch.total_tokens
 
     def _pages_needed(self, req: Request, n: int) -> int:
         size = self.cache.page_size

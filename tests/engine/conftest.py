@@ -30,16 +30,3 @@ def tiny_model():
 def torch_reference(monkeypatch):
     """Run the kernels' torch references (not the Triton interpreter) for this test."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
-@pytest.fixture(autouse=True)
-def no_shm_litter():
-    """Every test leaves /dev/shm as it found it (heap files of other jobs aside)."""
-    from disagg.transfer.shm_heap import remove_shm_leftovers, shm_leftovers
-
-    before = set(shm_leftovers())
-    yield
-    after = set(shm_leftovers()) - before
-    for path in after:
-        remove_shm_leftovers(bytes.fromhex(Path(path).name.split("-")[2]))
-    assert not after, f"test left heap files in /dev/shm: {sorted(after)}"

@@ -11,6 +11,7 @@ from disagg.engine import DecodeEngine, PrefillEngine
 from disagg.errors import OutOfPages
 from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id, open_heap
+from disagg.transfer.shm_heap import shm_leftovers
 
 PROMPTS = {"a": [5, 9, 17, 3, 88, 41, 7, 200, 13, 66, 21], "b": [42], "c": [150, 151, 3, 4, 90, 12, 8]}
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -39,6 +40,7 @@ def engines(tiny_model, torch_reference):
     yield prefill, decode, clock
     for heap in heaps:
         heap.close()
+    assert shm_leftovers(uid) == []
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from engine_procs import EngineProcs
 from disagg.engine import ColocatedEngine
 from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id
+from disagg.transfer.shm_heap import shm_leftovers
 
 PROMPTS = {"long": [5, 9, 17, 3, 88, 41, 7, 200, 13, 66, 21, 4, 4, 19], "one": [42],
            "mid": [150, 151, 3, 4, 90, 12, 8], "seeded": [7, 100, 101, 102, 103, 250]}
@@ -35,6 +36,7 @@ def test_prefill_and_decode_processes_match_colocated(tiny_model, torch_referenc
         stats = procs.run("teardown", {0: {}, 1: {}})
     finally:
         procs.close()
+    assert shm_leftovers(uid) == []
     assert got == want
     for rank, s in stats.items():
         assert s["free_pages"] == s["total_pages"], (rank, s)

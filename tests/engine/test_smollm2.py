@@ -15,6 +15,7 @@ from engine_helpers import assert_all_free, collective, drain
 from disagg.engine import ColocatedEngine, DecodeEngine, PrefillEngine
 from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id, open_heap
+from disagg.transfer.shm_heap import shm_leftovers
 
 pytestmark = pytest.mark.slow
 
@@ -94,3 +95,4 @@ def test_prefill_decode_over_shm_equals_transformers(smollm2, hf_tokens, torch_r
     finally:
         for heap in heaps:
             heap.close()
+    assert shm_leftovers(uid) == []
