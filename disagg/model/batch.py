@@ -164,8 +164,13 @@ class AttentionBatch:
     def copy_from_plan(self, plan: ForwardPlan, token_ids: np.ndarray | list[int] | None = None) -> None:
         """Fill a static batch from a pure-decode `plan` (and its token ids), padding the rest.
 
+        With `token_ids` None, `input_ids` is left alone (a caller whose ids are already on the
+        device copies them into `input_ids[:n]` itself, after this call on the same stream).
+
         Asynchronous on CUDA (pinned staging, double-buffered: a call waits only for the copy
-        made two calls before). Every view of the batch sees the new values.
+        made two calls before), enqueued on the current stream: call it on the stream that
+        replays the graphs, so the copy lands after the previous replay read the buffers. Every
+        view of the batch sees the new values.
 
         Raises:
             ValueError: not a static batch, not a decode plan, too many sequences or pages,
@@ -259,11 +264,11 @@ class _StaticBuffers:
         host["append_slots"][:n] = torch.from_numpy(np.asarray(plan.append_slots, dtype=np.int32))
         host["positions"][:n] = torch.from_numpy(np.asarray(plan.positions, dtype=np.int32))
         self._pad(host, n, nnz)
-        ids.zero_()
-        if token_ids is not None:
-            ids[:n] = torch.as_tensor(np.asarray(token_ids, dtype=np.int64))
         self.flat.copy_(flat, non_blocking=True)
-        self.input_ids.copy_(ids, non_blocking=True)
+        if token_ids is not None:
+            ids.zero_()
+            ids[:n] = torch.as_tensor(np.asarray(token_ids, dtype=np.int64))
+            self.input_ids.copy_(ids, non_blocking=True)
         if self.events:
             self.events[self.turn].record()
             self.turn = (self.turn + 1) % len(self.staging)
