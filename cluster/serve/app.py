@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -200,9 +200,9 @@ async def _respond(state: ServerState, request: Request, body: Any, prepared: Pr
     try:
         if body.stream:
             first = await _until_disconnect(request, anext(chunks))
-            events = _released(sse_events(first, chunks, fmt, _error_body), chunks, state, generation)
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+            return EventStream(sse_events(first, chunks, fmt, _error_body),
+                               on_close=lambda: _close(chunks, state, generation),
+                               headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
         collected = await _until_disconnect(request, _collect(chunks))
         await _close(chunks, state, generation)
         return JSONResponse(fmt.full_response(collected), headers={"X-Request-Id": request_id})
@@ -212,6 +212,9 @@ async def _respond(state: ServerState, request: Request, body: Any, prepared: Pr
     except Exception as err:
         await _close(chunks, state, generation)
         raise _as_api_error(err) from err
+    except BaseException:  # the handler itself was cancelled (server shutting down)
+        await _close(chunks, state, generation)
+        raise
 
 
 async def _collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:
@@ -228,15 +231,23 @@ async def _close(chunks: Any, state: ServerState, generation: Generation) -> Non
     state.release(generation)
 
 
-async def _released(events: AsyncIterator[str], chunks: Any, state: ServerState,
-                    generation: Generation) -> AsyncIterator[str]:
-    """The SSE body; however it ends (done, client gone, error), the generation is closed."""
-    try:
-        async for event in events:
-            yield event
-    finally:
-        await events.aclose()
-        await _close(chunks, state, generation)
+class EventStream(StreamingResponse):
+    """An SSE response that runs `on_close` however it ends: done, client gone, error, or never
+    iterated (Starlette may cancel it before its first chunk when the client leaves)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], *, on_close: Callable[[], Awaitable[None]],
+                 headers: dict[str, str]) -> None:
+        super().__init__(events, headers=headers)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self._on_close()
 
 
 async def _until_disconnect(request: Request, awaitable: Any) -> Any:
