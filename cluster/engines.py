@@ -37,8 +37,27 @@ def load(config: Config, device: str) -> Any:
 
     if device == "cuda":
         torch.cuda.set_device(0)  # Ray shows each actor exactly its own GPU
-    return load_model(config.model.source, dtype=torch_dtype(config.model.dtype),
-                      device="cuda:0" if device == "cuda" else "cpu")
+    target = "cuda:0" if device == "cuda" else "cpu"
+    if config.model.num_layers is not None:
+        return _dummy_with_layers(config.model.source, config.model.num_layers, config.model.dtype, target)
+    return load_model(config.model.source, dtype=torch_dtype(config.model.dtype), device=target)
+
+
+def _dummy_with_layers(source: str, num_layers: int, dtype: str, device: str) -> Any:
+    """A dummy preset cut (or grown) to ``num_layers`` decoder layers, other shapes unchanged."""
+    import torch
+
+    from disagg.model import Model, ModelConfig
+    from disagg.model.presets import PRESETS, preset_config
+    from disagg.model.weights import random_weights
+
+    name = source.removeprefix("dummy:")
+    preset_config(name)  # raises naming the known presets
+    config = ModelConfig.from_hf_dict(dict(PRESETS[name], num_hidden_layers=num_layers),
+                                      name=f"{source}-{num_layers}l", source=f"preset {name!r}")
+    resolved = torch_dtype(dtype) or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    weights = random_weights(config, resolved, torch.device(device))
+    return Model(config, weights, dtype=resolved, device=torch.device(device), tokenizer=None)
 
 
 def kv_torch_dtype(config: Config, model: Any):

@@ -45,6 +45,16 @@ class ModelSection(Section):
     max_model_len: int | None = Field(
         None, gt=0, description="longest prompt + output accepted, tokens; default: the model's "
                                 "max_position_embeddings")
+    num_layers: int | None = Field(
+        None, gt=0, description=f"'{DUMMY_PREFIX}<preset>' only: decoder layers (default: the preset's); "
+                                "fewer layers keep every layer's shapes (tests, quick GPU runs)")
+
+    @model_validator(mode="after")
+    def _layers_for_dummies_only(self) -> ModelSection:
+        if self.num_layers is not None and not self.is_dummy:
+            raise ValueError(f"num_layers ({self.num_layers}) applies to '{DUMMY_PREFIX}<preset>' sources "
+                             f"only, got source {self.source!r}")
+        return self
 
     @property
     def is_dummy(self) -> bool:

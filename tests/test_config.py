@@ -152,3 +152,10 @@ def test_import_stays_light():
     import subprocess
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_num_layers_only_for_dummy_presets():
+    config = Config.from_yaml(TINY).override({"model.num_layers": 3})
+    assert config.model.num_layers == 3
+    with pytest.raises(ConfigError, match=r"model: num_layers \(3\) applies to 'dummy:<preset>' sources only"):
+        Config.from_yaml(CONFIGS / "smollm2-1p1d.yaml").override({"model.num_layers": 3})

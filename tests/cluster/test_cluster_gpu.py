@@ -1,0 +1,67 @@
+"""Two GPUs: a Llama-3-8B-shaped fleet (2 layers, float32) over NVSHMEM vs its colocated twin.
+
+Run on a host with two GPUs on one NVLink domain, from the project root (after
+``source .whl/gpu-env.sh``): ``python3 -m pytest -q -m multigpu tests/cluster/test_cluster_gpu.py``.
+float32 keeps greedy tokens off near ties, so the disaggregated and colocated fleets (same
+kernels, different batches) must agree exactly. Prefill chunks of 512 tokens stretch a long
+prompt's push over many forwards, so aborts right after submission land mid-push.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from cluster_helpers import ACTOR_ENV, CONFIGS, BackgroundStream, wait_all_free
+
+from disagg.cluster import Cluster
+from disagg.config import Config
+from disagg.sampling import SamplingParams
+
+pytestmark = pytest.mark.multigpu
+
+LEASE_S = 10.0
+OVERRIDES = {"model.num_layers": 2, "model.dtype": "float32", "cache.num_pages": 4096,
+             "scheduler.max_num_batched_tokens": 512, "router.lease_s": LEASE_S}
+
+
+def workload(num: int = 64, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    lengths = [1, 15, 16, 17, 511, 512, 513, 2000] + [rng.randint(1, 1500) for _ in range(num - 8)]
+    prompts = [[rng.randrange(10, 128000) for _ in range(n)] for n in lengths]
+    params = [SamplingParams(max_tokens=rng.choice([1, 2, 16, 64]), ignore_eos=True) for _ in lengths]
+    return prompts, params
+
+
+def launch(name: str) -> Cluster:
+    config = Config.from_yaml(CONFIGS / f"{name}.yaml").override(OVERRIDES)
+    return Cluster.launch(config, env_vars=ACTOR_ENV)  # CUDA tensors run the Triton kernels either way
+
+
+def test_llama3_shaped_1p1d_over_nvshmem_equals_colocated_and_aborts_mid_push(ray_local):
+    prompts, params = workload()
+    with launch("llama3-8b-1p1d") as cluster:
+        stats = cluster.stats()
+        assert (stats["device"], stats["backend"], stats["paths"]) == ("cuda", "nvshmem", {"0->1": "load/store"})
+        disagg = cluster.generate(prompts, params)
+        assert all(c.error is None for c in disagg), [c.error for c in disagg if c.error][:3]
+        wait_all_free(cluster)
+
+        long = [[(7 * i + j) % 120000 + 10 for j in range(6000)] for i in range(6)]
+        streams = []
+        for i, prompt in enumerate(long):
+            streams.append(BackgroundStream(cluster, prompt, SamplingParams(max_tokens=32, ignore_eos=True),
+                                            request_id=f"long{i}"))
+            time.sleep(0.005 * i)
+            cluster.abort(f"long{i}")
+        ends = [s.result(120) for s in streams]
+        assert all(e.finish_reason in ("abort", "length") for e in ends), ends
+        assert any(not s.token_ids for s in streams), "no abort landed before the first token"
+        wait_all_free(cluster, timeout_s=LEASE_S + 30)
+    with launch("llama3-8b-colocated") as cluster:
+        colocated = cluster.generate(prompts, params)
+        wait_all_free(cluster)
+    mismatched = [i for i, (a, b) in enumerate(zip(disagg, colocated)) if a.token_ids != b.token_ids]
+    assert not mismatched, f"{len(mismatched)} of 64 differ, first: {mismatched[:5]}"
+    assert [len(c.token_ids) for c in disagg] == [p.max_tokens for p in params]
