@@ -218,11 +218,13 @@ def _run(config, others, variants, overrides, base_url, model, endpoint, out_dir
             raise typer.BadParameter("--compare needs configs launched here; drop --base-url", param_hint="--compare")
         if len(options.dataset_names) > 1:
             raise typer.BadParameter("one dataset at a time with --base-url", param_hint="--dataset-name")
-        results = sweep.bench_url(base_url, options, slos_ms=options.goodput_slos_ms, model=model, endpoint=endpoint)
+        results = sweep.bench_url(base_url, options, slos_ms=options.goodput_slos_ms, model=model, endpoint=endpoint,
+                                  on_result=_saver(options, out_dir) if options.save_results else None)
         runs = [sweep.DatasetRuns(options.dataset_name, results, options.goodput_slos_ms,
                                   {"label": base_url, "num_gpus": 1})]
     else:
-        runs = sweep.bench_config(config, options, overrides=overrides)
+        runs = sweep.bench_config(config, options, overrides=overrides,
+                                  on_result=_saver(options, out_dir) if options.save_results else None)
     for one in runs:
         for result in one.results:
             console.print(report.run_table(result))
@@ -230,18 +232,24 @@ def _run(config, others, variants, overrides, base_url, model, endpoint, out_dir
         console.print(f"{one.dataset}: SLOs {one.slos_ms} ms"
                       + (f" (calibrated: {calibration['rule']}; isolated TTFT {calibration['isolated_ttft_ms']:.1f} ms, "
                          f"TPOT {calibration['isolated_tpot_ms']:.2f} ms)" if calibration else ""))
-        if options.save_results:
-            _save_single(one, options, out_dir if len(runs) == 1 else out_dir / one.dataset)
+        if options.save_results and one.slos_ms:
+            sweep.summarize_comparison([one], options, _folder(options, out_dir, one.dataset))
     if options.save_results:
         console.print(f"results under {out_dir}")
 
 
-def _save_single(runs, options, folder: Path) -> None:
+def _folder(options, out_dir: Path, dataset: str) -> Path:
+    return out_dir if len(options.dataset_names) == 1 else out_dir / dataset
+
+
+def _saver(options, out_dir: Path):
+    """Save each run's result as soon as it exists (vLLM's file name unless --result-filename)."""
     from disagg.cluster.bench import report, sweep
 
-    for result in runs.results:
-        name = options.result_filename if options.result_filename and len(runs.results) == 1 else \
+    single = len(options.rates) == 1 and len(options.dataset_names) == 1
+
+    def save(result: dict) -> None:
+        name = options.result_filename if options.result_filename and single else \
             f"{sweep.safe_name(result['label'])}-{result['request_rate']}qps-{result['date']}.json"
-        report.save_json(result, folder / name)
-    if runs.slos_ms:
-        sweep.summarize_comparison([runs], options, folder)
+        report.save_json(result, _folder(options, out_dir, result["workload"]["dataset_name"]) / name)
+    return save

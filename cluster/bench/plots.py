@@ -123,7 +123,8 @@ def _slo_scale(plt, at_rate: Mapping[str, Mapping[str, Any]], slos: Mapping[str,
 
 def _save(plt, fig, ax, path: Path) -> Path:
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -88,12 +88,14 @@ class DatasetRuns:
 def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: SweepOptions, *,
               label: str, slos_ms: Mapping[str, float] | None, stats: Callable[[], dict] | None = None,
               workload: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
-              extra: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+              extra: Mapping[str, Any] | None = None,
+              on_result: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """One result object per rate of `options.rates` (see report.build_result).
 
     Args:
         stats: the cluster's stats(), read before and after each run for busy fractions.
         workload / config / extra: stored in each result.
+        on_result: called with each result as soon as it exists (saving it survives a killed sweep).
     """
     results = []
     for index, rate in enumerate(options.sweep_rates()):
@@ -109,6 +111,8 @@ def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: Swee
                     cluster_stats=after)
         results.append(build_result(outcome, goodput_slos_ms=slos_ms, percentiles=options.percentiles,
                                     label=label, workload=workload, config=config, extra=more))
+        if on_result is not None:
+            on_result(results[-1])
         if options.early_stop and slos_ms and math.isfinite(rate):
             loosest = cmp.scale_slos(slos_ms, max(options.slo_scales))
             if slo_attainment(outcome.outputs, loosest) < cmp.TARGET_ATTAINMENT:
@@ -175,7 +179,8 @@ def _busy_seconds(stats: Mapping) -> dict[str, float]:
 
 def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: Mapping[str, Any] | None = None,
                  slos_by_dataset: Mapping[str, Mapping[str, float] | None] | None = None,
-                 label: str | None = None) -> list[DatasetRuns]:
+                 label: str | None = None,
+                 on_result: Callable[[dict[str, Any]], None] | None = None) -> list[DatasetRuns]:
     """Launch the cluster of `config_path` (+ overrides), sweep every workload, shut down.
 
     Args:
@@ -203,10 +208,13 @@ def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: M
             info = dict(common, workload=spec.to_dict(), calibration=None)
             if not slos and options.calibrate_slos:
                 info["calibration"] = calibrate(backend, requests, options)
+                logger.warning("%s / %s: calibrated SLOs %s ms (%s)", label, dataset,
+                               info["calibration"]["slos_ms"], info["calibration"]["rule"])
             slos = dict(slos or (info["calibration"] or {}).get("slos_ms") or config.bench.goodput)
             extra = dict(common, calibration=info["calibration"])
             results = run_sweep(backend, requests, options, label=label, slos_ms=slos, stats=cluster.stats,
-                                workload=spec.to_dict(), config=config.model_dump(mode="json"), extra=extra)
+                                workload=spec.to_dict(), config=config.model_dump(mode="json"), extra=extra,
+                                on_result=on_result)
             runs.append(DatasetRuns(dataset, results, slos, info))
     return runs
 
@@ -272,12 +280,18 @@ def compare_configs(config_a: str | Path, others: Sequence[str | Path], out_dir:
     folders = {name: out_dir if len(names) == 1 else out_dir / name for name in names}
     slos: dict[str, Any] = {}
     collected: dict[str, list[DatasetRuns]] = {name: [] for name in names}
+    files: dict[tuple[str, str], list[str]] = {}
+
+    def save(result: dict[str, Any]) -> None:
+        dataset = result["workload"]["dataset_name"]
+        path = folders[dataset] / f"{safe_name(result['label'])}-{result['request_rate']}qps.json"
+        files.setdefault((result["label"], dataset), []).append(str(save_json(result, path)))
+
     for path, overrides in deployments:
-        for runs in bench_config(path, options, overrides=overrides, slos_by_dataset=slos):
+        for runs in bench_config(path, options, overrides=overrides, slos_by_dataset=slos,
+                                 on_result=save if options.save_results else None):
             slos.setdefault(runs.dataset, runs.slos_ms)
-            runs.info["result_files"] = [
-                str(save_json(r, folders[runs.dataset] / f"{safe_name(runs.info['label'])}-{r['request_rate']}qps.json"))
-                for r in runs.results] if options.save_results else []
+            runs.info["result_files"] = files.get((runs.info["label"], runs.dataset), [])
             collected[runs.dataset].append(runs)
     summaries = {name: summarize_comparison(collected[name], options, folders[name]) for name in names}
     if len(names) == 1:
@@ -308,7 +322,8 @@ def safe_name(label: str) -> str:
 
 def bench_url(base_url: str, options: SweepOptions, *, slos_ms: Mapping[str, float] | None,
               model: str | None = None, endpoint: str = "/v1/completions", api_key: str | None = None,
-              max_model_len: int | None = None, label: str | None = None) -> list[dict[str, Any]]:
+              max_model_len: int | None = None, label: str | None = None,
+              on_result: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Sweep an OpenAI-compatible server (no cluster stats, no emit times unless it sends them).
 
     Raises:
@@ -322,4 +337,4 @@ def bench_url(base_url: str, options: SweepOptions, *, slos_ms: Mapping[str, flo
                         max_model_len, options.input_len, options.output_len, options.range_ratio).resolved()
     backend = HttpBackend(base_url, model=model, endpoint=endpoint, api_key=api_key)
     return run_sweep(backend, sample_requests(spec), options, label=label or base_url, slos_ms=slos_ms,
-                     workload=spec.to_dict(), extra={"base_url": base_url, "num_gpus": None})
+                     workload=spec.to_dict(), extra={"base_url": base_url, "num_gpus": None}, on_result=on_result)

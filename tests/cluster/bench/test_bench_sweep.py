@@ -224,3 +224,27 @@ def test_split_sweeps_compared_from_stored_results(stand_in, tmp_path):
     assert bad.exit_code == 2 and "--from-results" in bad.output
     bad_set = CliRunner().invoke(_app(), ["bench", TINY_1P1D, "--set", "scheduler.max_num_seq=3"], env={"COLUMNS": "250"})
     assert bad_set.exit_code == 2 and "max_num_seqs" in bad_set.output
+
+
+def test_cli_base_url_path_saves_results(stand_in, monkeypatch, tmp_path):
+    import httpx
+
+    from disagg.cluster.bench import backends
+    from disagg.cluster.serve.app import build_app
+    from disagg.config import Config
+
+    config = Config.from_yaml(TINY_1P1D)
+    cluster = StandInCluster(config)
+    cluster.model_name, cluster.tokenizer, cluster.healthy = "tiny", None, True
+    transport = httpx.ASGITransport(app=build_app(cluster, config))
+    real = backends.HttpBackend
+    monkeypatch.setattr(backends, "HttpBackend", lambda url, **kw: real(url, transport=transport, **kw))
+    result = CliRunner().invoke(_app(), [
+        "bench", "--base-url", "http://serve.test", "--vocab-size", "64", "--num-prompts", "3",
+        "--random-input-len", "4", "--random-output-len", "3", "--request-rate", "inf", "--goodput", "ttft:5000",
+        "--save-result", "--result-dir", str(tmp_path), "--result-filename", "http.json", "--disable-tqdm"],
+        env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    saved = load_json(tmp_path / "http.json")
+    check_result(saved)
+    assert saved["completed"] == 3 and saved["output_lens"] == [3, 3, 3] and saved["base_url"] == "http://serve.test"
