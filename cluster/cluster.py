@@ -73,9 +73,18 @@ class Cluster:
         return self.fleet.sizing.max_model_len
 
     @property
+    def vocab_size(self) -> int | None:
+        return self.fleet.instances[0].info.get("vocab_size")
+
+    @property
     def healthy(self) -> bool:
-        """True while every instance is alive and the router runs."""
-        return not self._closed and all(inst.alive for inst in self.fleet.instances)
+        """True while the cluster can serve: the router runs and every role has a live instance.
+
+        A fleet that lost some instances but not a whole role stays healthy (degraded: `stats`
+        lists the dead ones with their error).
+        """
+        roles = {inst.role for inst in self.fleet.instances}
+        return not self._closed and all(any(inst.alive for inst in self.fleet.of_role(role)) for role in roles)
 
     def instance(self, name: str) -> Instance:
         """The instance named ``name`` ("prefill-0", ...): its actor handle, PE and state."""
@@ -172,15 +181,20 @@ class Cluster:
 
     # ------------------------------------------------------------------ state
     def stats(self, timeout_s: float = 30.0) -> dict:
-        """Per instance (role, pe, free/total pages, running, waiting, alive) and the router's state."""
+        """Per instance (role, pe, free/total pages, running, waiting, busy_s, alive) and the router's state.
+
+        One round trip to every live instance at once; an instance that does not answer within
+        ``timeout_s`` (or died) is listed with ``alive: False`` and the reason.
+        """
         live = [inst for inst in self.fleet.instances if inst.alive]
-        try:
-            got = ray.get([inst.actor.stats.remote() for inst in live], timeout=timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
-            raise ClusterError(f"stats: an instance failed to answer: {err}") from err
-        by_name = {inst.name: dict(s, alive=True) for inst, s in zip(live, got)}
-        instances = [by_name.get(inst.name, {"name": inst.name, "role": inst.role, "pe": inst.pe,
-                                             "alive": False, "error": inst.error})
+        refs = [inst.actor.stats.remote() for inst in live]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ready = set(ready)
+        by_name = {}
+        for inst, ref in zip(live, refs):  # every ref here is ready or given up: nothing waits
+            by_name[inst.name] = _answer(inst, ref if ref in ready else None)
+        instances = [by_name.get(inst.name) or {"name": inst.name, "role": inst.role, "pe": inst.pe,
+                                                "alive": False, "error": inst.error}
                      for inst in self.fleet.instances]
         router = self._call(_async(self._router.snapshot)) if not self._closed else {}
         return {"mode": self.config.mode, "device": self.fleet.device, "backend": self.fleet.backend,
@@ -212,6 +226,17 @@ class Cluster:
 
 async def _async(fn):
     return fn()
+
+
+def _answer(inst: Instance, ref: Any) -> dict:
+    """One instance's stats (``ref`` ready), or why it gave none."""
+    base = {"name": inst.name, "role": inst.role, "pe": inst.pe}
+    if ref is None:
+        return dict(base, alive=False, error="no answer to stats() in time")
+    try:
+        return dict(ray.get(ref), alive=True)
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+        return dict(base, alive=False, error=inst.error or f"stats() failed: {type(err).__name__}")
 
 
 def _default_params() -> Any:

@@ -73,7 +73,8 @@ def describe(model: Any, config: Config, device: str) -> dict:
     Returns:
         {"geometry": {num_layers, num_kv_heads, page_size, head_dim, kv_dtype}, "page_bytes",
          "kv_budget_bytes" (bytes this instance may give to KV pages), "model_name",
-         "max_position_embeddings", "num_qo_heads", "eos_token_ids", "has_tokenizer", "device"}
+         "max_position_embeddings", "num_qo_heads", "vocab_size", "eos_token_ids", "has_tokenizer",
+         "device"}
     """
     import torch
 
@@ -99,6 +100,7 @@ def describe(model: Any, config: Config, device: str) -> dict:
         "model_name": getattr(cfg, "name", config.model.source),
         "max_position_embeddings": int(cfg.max_position_embeddings),
         "num_qo_heads": int(cfg.num_qo_heads),
+        "vocab_size": int(cfg.vocab_size),
         "eos_token_ids": [int(t) for t in getattr(cfg, "eos_token_ids", ())],
         "has_tokenizer": getattr(model, "tokenizer", None) is not None,
         "device": str(getattr(model, "device", device)),
