@@ -4,8 +4,9 @@ Rooms: `workloads` (seeded synthetic requests), `arrivals` (Poisson/gamma send t
 (drives a backend at one rate and times every token), `backends` (a launched Cluster, or an
 OpenAI-compatible server), `metrics` (vLLM's metric names and rules), `report` (result JSON that
 recomputes from its own per-request lists, rich tables), `compare` (SLO attainment, DistServe's
-per-GPU goodput, SLO-scale sweeps, `quick_compare`), `sweep` (launch, sweep, compare), `plots`
-(PNG figures) and `command` (the typer command). Importing this package imports no ray or torch.
+per-GPU goodput, SLO-scale sweeps, `quick_compare`), `sweep` (launch, sweep, compare), `stored`
+(compare sweeps made in separate sittings), `plots` (PNG figures) and `command` (the typer
+command). HEADLINE.md is the two-H200 recipe. Importing this package imports no ray or torch.
 """
 
 from disagg.cluster.bench.compare import per_gpu_goodput, quick_compare
