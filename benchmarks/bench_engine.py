@@ -7,7 +7,9 @@ Rows (ours / anchor = ratio, target):
 - decode_B{b}_ctx{c}: one decode step replayed from its CUDA graph (plan copy-in included, back
   to back) / the memory bound: (weight bytes + KV bytes read) / the device-to-device copy
   bandwidth (bytes read + written) measured here. Target <= 1.25 at B=64 x 1024. Cases whose KV
-  does not fit the free memory are reported as skipped.
+  does not fit the free memory are reported as skipped. For attribution each row also carries
+  the model's projections alone (cuBLAS GEMMs of every layer + LM head, in a graph) against the
+  weights-only bound.
 - decode_idle_B64: GPU idle per step of `DecodeEngine.step()` in steady state (host work not
   hidden behind the GPU) = (engine step period - the same step's GPU time back to back) / the
   period. Target <= 0.05. The decode engine runs over a one-PE local heap (doorbells rung here).
@@ -145,10 +147,38 @@ class Bench:
         self.runner.execute(plan, np.ones(plan.num_tokens, dtype=np.int64), rows, reqs)
 
 
+def linear_seconds(model, batch: int) -> float:
+    """The model's projections alone (every layer's GEMMs and the LM head) for ``batch`` rows,
+    replayed from a CUDA graph: the share of a decode step that is weight reads through cuBLAS."""
+    w = model.weights
+    c = model.config
+    x = torch.randn(batch, c.hidden_size, dtype=model.dtype, device=model.device)
+    xq = torch.randn(batch, c.num_qo_heads * c.head_dim, dtype=model.dtype, device=model.device)
+    xi = torch.randn(batch, c.intermediate_size, dtype=model.dtype, device=model.device)
+
+    def run() -> None:
+        for layer in w.layers:
+            torch.nn.functional.linear(x, layer.qkv)
+            torch.nn.functional.linear(xq, layer.o_proj)
+            torch.nn.functional.linear(x, layer.gate_up)
+            torch.nn.functional.linear(xi, layer.down)
+        torch.nn.functional.linear(x, w.lm_head)
+
+    if model.device.type != "cuda":
+        return timed(run, 3, model.device)
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return timed(graph.replay, 10, model.device)
+
+
 def decode_rows(bench: Bench, batches, contexts, bandwidth: float, free_bytes: int) -> list[dict]:
     rows = []
     model = bench.model
     for b in batches:
+        linear = linear_seconds(model, b)
         for ctx in contexts:
             kv_read = b * ctx * kv_bytes_per_token(model, model.dtype)
             name = f"decode_B{b}_ctx{ctx}"
@@ -164,7 +194,9 @@ def decode_rows(bench: Bench, batches, contexts, bandwidth: float, free_bytes: i
             bound = (weight_bytes(model) + kv_read) / bandwidth
             rows.append({"name": name, "ours_us": seconds * 1e6, "anchor_us": bound * 1e6,
                          "ratio": seconds / bound, "target": "<= 1.25 at B=64 x 1024",
-                         "anchor": "memory bound: (weights + KV bytes) / copy bandwidth"})
+                         "anchor": "memory bound: (weights + KV bytes) / copy bandwidth",
+                         "projections_alone_us": linear * 1e6, "weights_alone_bound_us":
+                         weight_bytes(model) / bandwidth * 1e6})
     return rows
 
 
