@@ -15,9 +15,10 @@ pages belong to the sender (`disagg.engine.lease`): an abort quarantines them, a
 frees them and fails the request (finish_reason "error").
 
 Host/GPU overlap of a step (CUDA): the decode forward is a CUDA-graph replay (`runner`), followed
-by sampling; while the GPU runs them, the host reserves the next step's slots and builds its plan
-(`begin_forward` + `end_forward`, the plan arrays kept) for every request that surely continues
-(not at its length limit). After the sync, if the batch is unchanged (nobody stopped, aborted or
+by sampling; while the GPU runs them, the host polls the doorbells and leases (requests rung now
+join the next step), then reserves the next step's slots and builds its plan (`begin_forward` +
+`end_forward`, the plan arrays kept) for every request that surely continues (not at its length
+limit). After the sync, if the batch is unchanged (nobody stopped, aborted or
 was admitted), the next step reuses that plan and feeds the sampled ids, still on the device,
 straight in as its input ids; otherwise the speculative slots are rolled back (`popn(seq, 1)`)
 and the plan is rebuilt. Output bookkeeping (stop checks, TokenOutputs) stays after the sync.
@@ -212,16 +213,21 @@ class DecodeEngine:
     def step(self) -> list[TokenOutput]:
         """Admit rung requests, run one decode step; return this step's outputs."""
         outputs, self._outputs = self._outputs, []
-        self._close_leases(outputs)
-        while self.ready and len(self.running) < self.max_num_seqs:
-            self.running.append(self.ready.pop(0))
+        self._admit()
         if not self.running:
             self._rollback_next()
-            return outputs
+            self._close_leases(outputs)
+            self._admit()
+            if not self.running:
+                return outputs
         batch = list(self.running)
         plan, ids = self._plan(batch)
         pending = self.runner.execute(plan, ids, np.arange(len(batch)), batch)
-        self._reserve_next(batch)
+        # While the GPU runs this step: doorbells and leases, then the next step's slots and plan
+        # (not when a newly rung request joins the next batch: that plan would be rebuilt).
+        self._close_leases(outputs)
+        if not (self.ready and len(self.running) < self.max_num_seqs):
+            self._reserve_next(batch)
         for req, token in zip(batch, pending.result()):
             req.num_computed += 1
             out = req.append(token, self.max_model_len)
@@ -231,6 +237,10 @@ class DecodeEngine:
         if self._next is not None and self._next.seq_ids == tuple(r.seq_id for r in batch):
             self._next.device_ids = pending.device_tokens
         return outputs
+
+    def _admit(self) -> None:
+        while self.ready and len(self.running) < self.max_num_seqs:
+            self.running.append(self.ready.pop(0))
 
     def _close_leases(self, outputs: list[TokenOutput]) -> None:
         rung, expired = self.leases.poll()
