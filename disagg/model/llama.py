@@ -117,10 +117,11 @@ class Model:
         c = self.config
         num_tokens = x.shape[0]
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, c.num_qo_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
-        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+        # q and k heads are adjacent in qkv: one RoPE over both, then views (strided k is fine
+        # for append_kv / the pusher; attention only needs head_dim contiguous).
+        qk = apply_rope(qkv[:, :c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim), cos, sin)
+        q, k = qk[:, :c.num_qo_heads], qk[:, c.num_qo_heads:]
+        v = qkv[:, c.q_size + c.kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
         if pusher is not None:
             pusher.push_layer_async(index, k, v, k_scale=k_scale, v_scale=v_scale)
             pusher.wait_layer(index)
@@ -136,7 +137,7 @@ class Model:
         else:
             o = paged_prefill(q, kv_layer, batch.qo_indptr, *tables, self.sm_scale, causal=True,
                               k_scale=k_scale, v_scale=v_scale, check_indices=batch.check_indices)
-        return F.linear(o.view(num_tokens, c.q_size), layer.o_proj)
+        return F.linear(o.reshape(num_tokens, c.q_size), layer.o_proj)
 
     def _check_inputs(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor,
                       kv_scales: KVScales | None) -> None:
