@@ -94,6 +94,7 @@ def side_summary(label: str, results: Sequence[Mapping[str, Any]], num_gpus: int
         "output_throughput": [r["output_throughput"] for r in results],
         "failed": [r["failed"] for r in results],
         "busy_fraction": [r.get("busy_fraction") for r in results],
+        "gpu_utilization": [r.get("gpu_utilization") for r in results],
         "mean_client_overhead_ms": [r.get("mean_client_overhead_ms") for r in results],
     }
 

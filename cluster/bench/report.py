@@ -219,20 +219,25 @@ def comparison_table(summary: Mapping[str, Any]):
 
 
 def common_rate_table(summary: Mapping[str, Any]):
-    """A rich table of each side at the common rate: p99 TTFT/TPOT, attainment, GPU busy fractions."""
+    """A rich table of each side at the common rate: p99 TTFT/TPOT, attainment, client overhead,
+    busy fraction per instance (from cluster stats' busy_s) and GPU utilization (nvidia-smi)."""
     from rich.table import Table
 
     common = summary.get("at_common_rate") or {}
     table = Table(title=f"At a common rate ({common.get('rate', '-')} req/s)")
     for header in ("deployment", "p99 TTFT (ms)", "p99 TPOT (ms)", "attainment", "client overhead (ms)",
-                   "busy fraction per GPU"):
+                   "busy fraction per instance", "GPU utilization (nvidia-smi)"):
         table.add_column(header, justify="right")
     for side in summary["sides"]:
         row = common.get(side["label"]) or {}
-        busy = row.get("busy_fraction") or {}
         table.add_row(side["label"], _fmt(row.get("p99_ttft_ms")), _fmt(row.get("p99_tpot_ms")),
-                      _fmt(row.get("attainment")), _fmt(row.get("mean_client_overhead_ms")), " ".join(f"{k}={v:.2f}" for k, v in busy.items()) or "-")
+                      _fmt(row.get("attainment")), _fmt(row.get("mean_client_overhead_ms")),
+                      _fractions(row.get("busy_fraction")), _fractions(row.get("gpu_utilization")))
     return table
+
+
+def _fractions(values: Mapping[str, float] | None) -> str:
+    return " ".join(f"{name}={value:.2f}" for name, value in (values or {}).items()) or "-"
 
 
 def _fmt(value: Any) -> str:

@@ -24,6 +24,7 @@ from disagg.cluster.bench import compare as cmp
 from disagg.cluster.bench.metrics import DEFAULT_PERCENTILES, slo_attainment
 from disagg.cluster.bench.report import build_result, rate_to_json, save_json
 from disagg.cluster.bench.runner import Backend, run
+from disagg.cluster.bench.utilization import sample_gpus
 from disagg.cluster.bench.workloads import SampleRequest, WorkloadSpec, sample_requests
 
 logger = logging.getLogger(__name__)
@@ -101,14 +102,15 @@ def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: Swee
     for index, rate in enumerate(options.sweep_rates()):
         batch = list(requests[:options.prompts_at(rate, len(requests))])
         before = stats() if stats else None
-        with progress_bar(options.show_progress, f"{label} @ {rate_to_json(rate)} req/s", len(batch)) as tick:
+        with progress_bar(options.show_progress, f"{label} @ {rate_to_json(rate)} req/s", len(batch)) as tick, \
+                sample_gpus() as gpus:
             outcome = run(backend, batch, request_rate=rate, burstiness=options.burstiness,
                           max_concurrency=options.max_concurrency, seed=options.seed,
                           num_warmups=options.num_warmups if index == 0 else 0,
                           request_timeout_s=options.request_timeout_s, on_done=tick)
         after = stats() if stats else None
         more = dict(extra or {}, busy_fraction=busy_fractions(before, after, outcome.duration_s),
-                    cluster_stats=after)
+                    gpu_utilization=gpus["gpu_utilization"], cluster_stats=after)
         results.append(build_result(outcome, goodput_slos_ms=slos_ms, percentiles=options.percentiles,
                                     label=label, workload=workload, config=config, extra=more))
         if on_result is not None:

@@ -110,3 +110,15 @@ def test_plots_are_written(tmp_path):
             assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
     assert summary["at_common_rate"]["rate"] == 2.0     # colocated holds 60% at 2, 20% at 4
     assert plots.common_rate({"a": by_label["disagg"]}, slos) == 4.0
+
+
+def test_gpu_utilization_parsing_and_cpu_host(monkeypatch):
+    from disagg.cluster.bench import utilization
+
+    lines = ["0, 80", "1, 20", "0, 100", "1, [N/A]", "index, utilization.gpu", "1, 40", "0, 9"]
+    assert utilization.mean_utilization(lines) == {"gpu0": pytest.approx(189 / 300), "gpu1": pytest.approx(0.3)}
+    assert utilization.mean_utilization(["garbage"]) is None
+    monkeypatch.setattr(utilization.shutil, "which", lambda name: None)
+    with utilization.sample_gpus() as holder:
+        pass
+    assert holder["gpu_utilization"] is None
