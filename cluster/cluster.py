@@ -25,7 +25,7 @@ from disagg.cluster.bootstrap import Fleet, Instance, start_fleet
 from disagg.cluster.outputs import Completion, RequestMetrics, StreamDelta
 from disagg.cluster.router import Router
 from disagg.config import Config
-from disagg.errors import ClusterError
+from disagg.errors import ClusterError, PreflightError
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,12 @@ class Cluster:
         self._router = Router(fleet)
         self._call(self._router.start())
         self._closed = False
+        if self.config.cluster.warmup:
+            try:
+                self._warm_up()
+            except BaseException:
+                self.shutdown()
+                raise
 
     @classmethod
     def launch(cls, config: Config | str | Path, *, engine_module: str = DEFAULT_ENGINE_MODULE,
@@ -92,6 +98,28 @@ class Cluster:
             if inst.name == name:
                 return inst
         raise KeyError(f"no instance {name!r}; have {[inst.name for inst in self.fleet.instances]}")
+
+    def _warm_up(self) -> None:
+        """Short requests through the router, one per instance, before the first real one.
+
+        The kernels compile here rather than inside the first caller's TTFT, and every instance
+        (each prefill -> decode push included) has served a request end to end.
+
+        Raises:
+            PreflightError: a warm-up request failed; the message says where and why.
+        """
+        from disagg.sampling import SamplingParams
+
+        num = len(self.fleet.instances)
+        prompts = [[3 + (i + j) % 60 for j in range(8 + 5 * i)] for i in range(num)]
+        done = self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True),
+                             timeout_s=self.config.cluster.startup_timeout_s)
+        failed = [c for c in done if c.finish_reason not in ("length", "stop")]
+        if failed:
+            m = failed[0].metrics
+            raise PreflightError(f"warm-up request on {m.prefill_instance} -> {m.decode_instance} failed: "
+                                 f"{failed[0].finish_reason}: {failed[0].error}")
+        self._call(_async(self._router.counts.clear))
 
     # ------------------------------------------------------------------ requests
     async def stream(self, prompt: Prompt, params: Any = None, request_id: str | None = None

@@ -86,19 +86,16 @@ class Picker:
             turn = next(self._turns.setdefault(live[0].role, itertools.count()))
             start = turn % len(live)
             return live[start:] + live[:start]
-        loads = {inst.name: 0 for inst in live}
+        loads = self.loads(live, requests)
+        return sorted(live, key=lambda inst: loads[inst.name])
+
+    def loads(self, instances: list[Instance], requests: list[Request]) -> dict[str, int]:
+        """Each of ``instances``' load in tokens, as `order` counts it."""
+        loads = {inst.name: 0 for inst in instances}
         for req in requests:
             for inst, tokens in _load_of(req):
                 if inst.name in loads:
                     loads[inst.name] += tokens
-        return sorted(live, key=lambda inst: loads[inst.name])
-
-    def loads(self, instances: list[Instance], requests: list[Request]) -> dict[str, int]:
-        """Each instance's load in tokens, as `order` counts it (for stats)."""
-        loads = {inst.name: 0 for inst in instances}
-        for req in requests:
-            for inst, tokens in _load_of(req):
-                loads[inst.name] = loads.get(inst.name, 0) + tokens
         return loads
 
 

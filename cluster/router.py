@@ -47,6 +47,9 @@ class Router:
         self.queue: collections.deque[Request] = collections.deque()
         self.picker = Picker(self.settings.policy)
         self.counts: collections.Counter[str] = collections.Counter()
+        config = fleet.config
+        self.prefill_queue_tokens = (self.settings.prefill_queue_tokens
+                                     or 4 * config.scheduler.max_num_batched_tokens)
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self._stopping = False
@@ -147,12 +150,23 @@ class Router:
                 pass
 
     async def _place(self, req: Request) -> bool:
-        """Reserve decode pages and hand the prompt to a prefill instance; False: out of pages."""
+        """Reserve decode pages and hand the prompt to a prefill instance.
+
+        Returns False (the request stays at the queue head) when every prefill instance already
+        has ``prefill_queue_tokens`` queued, or no decode instance has the pages: decode pages
+        are reserved only when a prefill instance can start on the prompt soon, so a lease
+        measures the push, not the queue.
+        """
         live = list(self.requests.values())
         decodes = self.picker.order(self.fleet.of_role("decode"), live)
-        if not decodes or not any(inst.alive for inst in self.fleet.of_role("prefill")):
+        prefills = self.fleet.of_role("prefill")
+        if not decodes or not any(inst.alive for inst in prefills):
             self._end(req, "error", f"no live {'decode' if not decodes else 'prefill'} instance")
             return True
+        loads = self.picker.loads(prefills, live)
+        queued = min(loads[inst.name] for inst in prefills if inst.alive)
+        if queued and queued + req.prompt_len > self.prefill_queue_tokens:
+            return False
         req.stage = "reserving"
         for inst in decodes:
             if req.done:  # aborted or timed out while an earlier instance refused
@@ -246,6 +260,7 @@ class Router:
             return
         req.lease_deadline = None
         req.stage = "decoding"  # from here a release only concerns the decode side
+        self._wake.set()  # the prefill queue shrank: the queue head may go now
         # The decode side learns the first token even when it ends the request: it then frees
         # the reservation once its KV has landed (or its lease closes).
         ref = req.decode.actor.start.remote(req.request_id, token_id)

@@ -151,8 +151,12 @@ class RouterSection(Section):
                                                      "and its pages released, seconds")
     request_timeout_s: float | None = Field(
         600.0, gt=0.0, description="a request not finished within this is aborted, seconds; null: never")
-    max_queue: int = Field(4096, gt=0, description="requests waiting for decode pages before new ones "
-                                                   "are refused, count")
+    max_queue: int = Field(4096, gt=0, description="requests waiting in the router (for a prefill slot or "
+                                                   "decode pages) before new ones are refused, count")
+    prefill_queue_tokens: int | None = Field(
+        None, gt=0, description="prompt tokens queued on a prefill instance before the router holds the next "
+                                "request back (so decode pages are reserved just in time); default: 4 x "
+                                "scheduler.max_num_batched_tokens")
     poll_wait_s: float = Field(0.005, gt=0.0, le=1.0, description="how long an actor's next_outputs() "
                                                                   "blocks waiting for output, seconds")
 
@@ -169,6 +173,8 @@ class ClusterSection(Section):
     log_to_driver: bool = Field(True, description="forward the actors' logs to this process")
     startup_timeout_s: float = Field(600.0, gt=0.0, description="actor placement, weight loading and "
                                                                 "preflight, seconds")
+    warmup: bool = Field(True, description="before accepting requests, run a short request through every "
+                                           "instance (compiles the kernels, proves each KV path end to end)")
 
 
 class ServeSection(Section):
