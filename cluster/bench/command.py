@@ -200,7 +200,7 @@ def _print_comparison(console, summary: dict, options, out_dir: Path) -> None:
         console.print(report.comparison_table(one))
         console.print(report.common_rate_table(one))
         console.print(f"plots: {', '.join(one['plots'])}")
-    console.print(f"results and compare.json under {out_dir}")
+    console.print(f"results, compare.json and summary.md under {out_dir}")
 
 
 def _run(config, others, variants, overrides, base_url, model, endpoint, out_dir: Path, options) -> None:

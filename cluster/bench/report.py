@@ -213,9 +213,36 @@ def comparison_table(summary: Mapping[str, Any]):
         for label in sides:
             value, bound = row["per_gpu_goodput"][label], row["bound"][label]
             cells.append(_fmt(value) + {"at_least": "+", "below_range": " (<min)"}.get(bound, ""))
-        cells.append(_fmt(row["ratio"]))
+        cells.append(_fmt(row["ratio"]) + (f" vs {row['best_other']}" if row["best_other"] else ""))
         table.add_row(*cells)
     return table
+
+
+def markdown_summary(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+    """One Markdown table over workloads and SLO scales: who wins, by how much (for a README).
+
+    Goodputs are req/s/GPU at >= 90% attainment; "+" marks a lower bound (every swept rate held),
+    "<" an upper bound (even the lowest rate missed); p99s are at each workload's common rate.
+    """
+    lines = ["| workload | SLO scale | SLOs (ms) | under test | goodput | best other | goodput | ratio | "
+             "p99 TTFT (ms) | p99 TPOT (ms) |", "|" + " --- |" * 10]
+    for dataset, summary in summaries.items():
+        first = summary["sides"][0]["label"]
+        common = summary.get("at_common_rate") or {}
+        for row in summary["comparison"]["rows"]:
+            other = row["best_other"]
+            tails = [common.get(label) or {} for label in (first, other)]
+            slos = ", ".join(f"{k} {v:.0f}" for k, v in row["slos_ms"].items())
+            lines.append(f"| {dataset} | {row['scale']:g} | {slos} | {first} | {_bounded(row, first)} | "
+                         f"{other or '-'} | {_bounded(row, other) if other else '-'} | {_fmt(row['ratio'])} | "
+                         + " | ".join(" / ".join(_fmt(t.get(key)) for t in tails) for key in ("p99_ttft_ms", "p99_tpot_ms"))
+                         + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _bounded(row: Mapping[str, Any], label: str) -> str:
+    mark = {"at_least": "+", "below_range": "<"}.get(row["bound"][label], "")
+    return f"{_fmt(row['per_gpu_goodput'][label])}{mark}"
 
 
 def common_rate_table(summary: Mapping[str, Any]):

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from disagg.cluster.bench.report import PER_REQUEST_KEYS, load_json, rate_from_json, save_json
+from disagg.cluster.bench.report import PER_REQUEST_KEYS, load_json, markdown_summary, rate_from_json, save_json
 from disagg.cluster.bench.sweep import DatasetRuns, SweepOptions, summarize_comparison
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ def compare_stored(paths: Sequence[str | Path], out_dir: str | Path, options: Sw
             side.slos_ms = dict(slos)
         folder = out_dir if len(by_dataset) == 1 else out_dir / dataset
         summaries[dataset] = summarize_comparison(sides, options, folder)
+    (out_dir / "summary.md").write_text(markdown_summary(summaries))
     if len(summaries) == 1:
         return next(iter(summaries.values()))
     everything = {"datasets": summaries}

@@ -22,7 +22,7 @@ import numpy as np
 
 from disagg.cluster.bench import compare as cmp
 from disagg.cluster.bench.metrics import DEFAULT_PERCENTILES, slo_attainment
-from disagg.cluster.bench.report import build_result, rate_to_json, save_json
+from disagg.cluster.bench.report import build_result, markdown_summary, rate_to_json, save_json
 from disagg.cluster.bench.runner import Backend, run
 from disagg.cluster.bench.utilization import sample_gpus
 from disagg.cluster.bench.workloads import SampleRequest, WorkloadSpec, sample_requests
@@ -296,6 +296,7 @@ def compare_configs(config_a: str | Path, others: Sequence[str | Path], out_dir:
             runs.info["result_files"] = files.get((runs.info["label"], runs.dataset), [])
             collected[runs.dataset].append(runs)
     summaries = {name: summarize_comparison(collected[name], options, folders[name]) for name in names}
+    (out_dir / "summary.md").write_text(markdown_summary(summaries))
     if len(names) == 1:
         return summaries[names[0]]
     everything = {"datasets": summaries}

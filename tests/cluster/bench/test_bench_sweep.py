@@ -248,3 +248,13 @@ def test_cli_base_url_path_saves_results(stand_in, monkeypatch, tmp_path):
     saved = load_json(tmp_path / "http.json")
     check_result(saved)
     assert saved["completed"] == 3 and saved["output_lens"] == [3, 3, 3] and saved["base_url"] == "http://serve.test"
+
+
+def test_summary_markdown_names_the_winner(stand_in, tmp_path):
+    options = SweepOptions(num_prompts=4, rates=[100.0, 200.0], datasets=["random", "chat"], input_len=6,
+                           output_len=2, goodput_slos_ms={"ttft": 1000, "tpot": 1000}, slo_scales=(1.0, 2.0),
+                           show_progress=False)
+    compare_configs(TINY_1P1D, [TINY_COLOCATED], tmp_path, options)
+    table = (tmp_path / "summary.md").read_text().splitlines()
+    assert table[0].startswith("| workload | SLO scale |") and len(table) == 2 + 2 * 2
+    assert table[2].startswith("| random | 1 | ttft 1000, tpot 1000 | tiny-1p1d | 100.0+ | tiny-colocated | 100.0+ | 1.000 |")
