@@ -88,6 +88,17 @@ class ColocatedEngine:
                 "num_forwards": self.runner.num_forwards,
                 "num_graph_replays": self.runner.num_graph_replays}
 
+    def warmup(self, prompt_len: int | None = None, max_kv_len: int | None = None) -> dict[str, float]:
+        """Compile the kernels and capture the decode graphs before the first request (idle only).
+
+        Returns:
+            Seconds per phase (see `ModelRunner.warmup`).
+        """
+        if self.scheduler.has_work():
+            raise RuntimeError("warmup: the engine has requests; call it before the first add")
+        n = prompt_len or self.scheduler.max_num_batched_tokens
+        return self.runner.warmup(self.cache, prompt_len=n, max_kv_len=max_kv_len)
+
     # ------------------------------------------------------------------ step
     def step(self) -> list[TokenOutput]:
         """Run one forward (if there is work); return this step's outputs."""

@@ -209,6 +209,12 @@ class DecodeEngine:
                 "committed_pages": self.num_committed_pages, "num_forwards": self.runner.num_forwards,
                 "num_graph_replays": self.runner.num_graph_replays}
 
+    def warmup(self, max_kv_len: int | None = None) -> dict[str, float]:
+        """Compile the decode kernels and capture the graphs before the first request (idle only)."""
+        if self.requests or len(self.leases):
+            raise RuntimeError("warmup: the engine has requests; call it before the first reserve")
+        return self.runner.warmup(self.cache, prompt_len=1, prefill=False, max_kv_len=max_kv_len)
+
     # ------------------------------------------------------------------ step
     def step(self) -> list[TokenOutput]:
         """Admit rung requests, run one decode step; return this step's outputs."""

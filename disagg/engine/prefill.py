@@ -127,6 +127,14 @@ class PrefillEngine:
                 "running": len(self.prefilling), "waiting": len(self.waiting),
                 "draining": len(self.draining), "num_forwards": self.runner.num_forwards}
 
+    def warmup(self, prompt_len: int | None = None) -> dict[str, float]:
+        """Compile the prefill kernels (attention, projections) before the first request (idle
+        only); the push kernel compiles on the first push."""
+        if self.has_work():
+            raise RuntimeError("warmup: the engine has requests; call it before the first add")
+        n = prompt_len or self.max_num_batched_tokens
+        return self.runner.warmup(self.cache, prompt_len=n, decode=False)
+
     # ------------------------------------------------------------------ step
     def step(self) -> list[TokenOutput]:
         """Run one prefill forward (if there is work); return the first tokens it produced."""

@@ -14,16 +14,19 @@ next step before it waits for them.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from disagg.engine.graphs import DecodeGraphs
-from disagg.engine.request import Request
+from disagg.cache import PagedKVCache
+from disagg.engine.request import Request, RequestFactory
 from disagg.engine.sampler import SamplingBatch, sample
 from disagg.model.batch import AttentionBatch
 from disagg.plan import ForwardPlan
+from disagg.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +138,39 @@ class ModelRunner:
         return PendingTokens(tokens, host, ready, push_done)
 
     # ------------------------------------------------------------------ warm-up
+    def warmup(self, cache: PagedKVCache, *, prompt_len: int, prefill: bool = True, decode: bool = True,
+               max_kv_len: int | None = None) -> dict[str, float]:
+        """Compile the kernels and capture the decode graphs before the first request.
+
+        Runs a prompt of ``prompt_len`` tokens (``prefill``) and one eager decode step plus the
+        graph captures of every bucket (``decode``) on a scratch sequence of ``cache``, whose
+        pages are freed afterwards. Call it while the engine is idle.
+
+        Returns:
+            Seconds per phase: "prefill", "decode", "graphs".
+        """
+        seconds = {"prefill": 0.0, "decode": 0.0, "graphs": 0.0}
+        prompt_len = max(1, min(prompt_len, cache.num_free_pages * cache.page_size - 1))
+        req = RequestFactory(()).new("warmup", [0] * prompt_len, SamplingParams())
+        cache.add_sequence(req.seq_id)
+        try:
+            for phase, n, wanted in (("prefill", prompt_len, prefill), ("decode", 1, decode)):
+                if wanted:
+                    start = time.perf_counter()
+                    plan = cache.begin_forward([req.seq_id], [n])
+                    try:
+                        graphs, self.graphs = self.graphs, None  # eager: compiles the kernels
+                        self.execute(plan, [0] * n, np.zeros(1, dtype=np.int64), [req]).result()
+                    finally:
+                        self.graphs = graphs
+                        cache.end_forward()
+                    seconds[phase] = time.perf_counter() - start
+            if decode:
+                seconds["graphs"] = self.capture_graphs(None, max_kv_len)
+        finally:
+            cache.remove_sequence(req.seq_id)
+        return seconds
+
     def capture_graphs(self, batch_sizes: list[int] | None = None, max_kv_len: int | None = None) -> float:
         """Capture decode graphs ahead of serving; return the seconds it took (0 without graphs)."""
         if self.graphs is None:

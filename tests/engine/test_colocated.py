@@ -142,3 +142,15 @@ def test_triton_interpreter_end_to_end(tiny_model, expected):
     assert results["a"]["tokens"] == expected[0][:3]
     assert results["b"]["tokens"] == expected[1][:3]
     assert_all_free(engine)
+
+
+def test_warmup_leaves_no_trace(tiny_model, torch_reference, expected):
+    engine = _engine(tiny_model)
+    seconds = engine.warmup()
+    assert set(seconds) == {"prefill", "decode", "graphs"} and seconds["graphs"] == 0.0  # no graphs on CPU
+    assert_all_free(engine)
+    engine.add("a", PROMPTS[0], GREEDY)
+    with pytest.raises(RuntimeError, match="warmup"):
+        engine.warmup()
+    assert drain(engine)["a"]["tokens"] == expected[0]
+    assert_all_free(engine)

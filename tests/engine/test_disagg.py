@@ -208,3 +208,12 @@ def test_bad_input_is_refused_and_others_keep_running(engines, expected, call, k
     decode.step()
     assert_all_free(prefill)
     assert_all_free(decode)
+
+
+def test_warmup_then_serve(engines, expected):
+    prefill, decode, _ = engines
+    assert prefill.warmup()["prefill"] > 0 and decode.warmup()["decode"] > 0
+    assert_all_free(prefill)
+    assert_all_free(decode)
+    send(prefill, decode, "c")
+    assert [o.token_id for o in run(prefill, decode)["c"]] == expected["c"]

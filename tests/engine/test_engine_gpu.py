@@ -30,6 +30,10 @@ def _colocated_tokens(model, use_cuda_graphs: bool, max_num_seqs: int = 8) -> tu
 
     engine = ColocatedEngine(model, num_pages=256, page_size=16, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=128, use_cuda_graphs=use_cuda_graphs)
+    if use_cuda_graphs:
+        seconds = engine.warmup(max_kv_len=512)
+        assert seconds["graphs"] > 0 and engine.runner.graphs.capture_seconds > 0
+        assert_all_free(engine)
     for rid, prompt in PROMPTS.items():
         engine.add(rid, prompt, SEEDED if rid == "r3" else PARAMS)
     results = drain(engine)
