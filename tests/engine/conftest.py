@@ -13,8 +13,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from engine_helpers import drain, reference_greedy  # noqa: E402,F401
-
 
 @pytest.fixture(scope="session")
 def tiny_model():
