@@ -11,6 +11,7 @@ end gives the output token count. Both run in the bench process.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -44,13 +45,16 @@ class ClusterBackend:
 
         params = SamplingParams(max_tokens=request.expected_output_len, temperature=0.0, ignore_eos=True)
         request_id = f"{self._prefix}-{request.request_id}-{next(self._count)}"
-        async for delta in self.cluster.stream(request.prompt_token_ids, params, request_id=request_id):
-            if delta.error:
-                yield Chunk(0, error=str(delta.error))
-                return
-            yield Chunk(len(delta.token_ids), tuple(delta.emit_times or ()))
-            if delta.finished:
-                return
+        # Closing the cluster's stream aborts the request there (a timeout or a cancelled run).
+        async with contextlib.aclosing(self.cluster.stream(request.prompt_token_ids, params,
+                                                           request_id=request_id)) as deltas:
+            async for delta in deltas:
+                if delta.error:
+                    yield Chunk(0, error=str(delta.error))
+                    return
+                yield Chunk(len(delta.token_ids), tuple(delta.emit_times or ()))
+                if delta.finished:
+                    return
 
 
 class HttpBackend:

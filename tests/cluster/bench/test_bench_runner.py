@@ -214,3 +214,19 @@ def test_parse_sse_line():
     chunk = parse_sse_line('data: {"choices": [{"text": "x", "token_ids": [1, 2], "emit_times": [3.0, 4.0]}]}')
     assert chunk.num_tokens == 2 and list(chunk.emit_times) == [3.0, 4.0]
     assert parse_sse_line('data: {"error": "bad"}').error == "bad"
+
+
+def test_cluster_stream_closed_on_timeout():
+    closed = []
+
+    class SlowCluster:
+        async def stream(self, prompt, params, request_id=None):
+            try:
+                yield types.SimpleNamespace(token_ids=[1], emit_times=[1.0], finished=False, error=None)
+                await asyncio.sleep(10)
+            finally:
+                closed.append(request_id)        # the real cluster aborts the request here
+
+    result = run(ClusterBackend(SlowCluster()), [_req("a")], request_rate=math.inf, request_timeout_s=0.05)
+    assert not result.outputs[0].success and "TimeoutError" in result.outputs[0].error
+    assert len(closed) == 1
