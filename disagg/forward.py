@@ -137,16 +137,17 @@ def append_slots(
     """
     num_tokens = int(qo_indptr[-1])
     if num_tokens == len(lens):  # decode: one token per sequence
-        owner = np.arange(len(lens))
+        owner = slice(None)
         positions = len_before
     else:
         owner = np.repeat(np.arange(len(lens)), lens)
         positions = np.arange(num_tokens, dtype=np.int64) - qo_indptr[:-1][owner] + len_before[owner]
     index = page_indptr[:-1][owner] + positions // page_size
-    outside = index >= page_indptr[1:][owner]
-    if outside.any():
-        rows = np.unique(owner[outside])
-        bad = np.setdiff1d(rows, np.asarray(windowed_rows, dtype=np.int64))
+    # A row's last token has its largest position: check rows, then tokens only if one is over.
+    over = page_indptr[:-1] + (len_before + lens - 1) // page_size >= page_indptr[1:]
+    outside = None
+    if over.any():
+        bad = np.setdiff1d(np.flatnonzero(over), np.asarray(windowed_rows, dtype=np.int64))
         if bad.size:
             row = int(bad[0])
             raise CacheIntegrityError(
@@ -154,9 +155,12 @@ def append_slots(
                 f"{int(len_before[row] + lens[row] - 1)} but its page table holds "
                 f"{int(page_indptr[row + 1] - page_indptr[row])} pages of {page_size}"
             )
+        outside = index >= page_indptr[1:][owner]
         index = np.where(outside, 0, index)  # windowed rows: fix_windowed overwrites these
     pages = page_indices[index].astype(np.int64) if page_indices.size else np.zeros(num_tokens, np.int64)
-    slots = np.where(outside, -1, pages * page_size + positions % page_size)
+    slots = pages * page_size + positions % page_size
+    if outside is not None:
+        slots[outside] = -1
     return slots.astype(np.int32), positions.astype(np.int32)
 
 
