@@ -6,7 +6,8 @@ OpenAI-compatible server), `metrics` (vLLM's metric names and rules), `report` (
 recomputes from its own per-request lists, rich tables), `compare` (SLO attainment, DistServe's
 per-GPU goodput, SLO-scale sweeps, `quick_compare`), `sweep` (launch, sweep, compare), `stored`
 (compare sweeps made in separate sittings), `plots` (PNG figures) and `command` (the typer
-command). HEADLINE.md is the two-H200 recipe. Importing this package imports no ray or torch.
+command). HEADLINE.md is the two-H200 recipe. These modules import no torch; ray comes only with
+the parent package (disagg.cluster) and the Cluster they drive.
 """
 
 from disagg.cluster.bench.compare import per_gpu_goodput, quick_compare
