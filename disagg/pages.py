@@ -44,6 +44,18 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _runs_small(pages: list[int]) -> tuple[list[int], list[int]]:
+    """Maximal runs of consecutive ids in a short list: (starts, ends exclusive), ascending."""
+    ids = sorted(pages)
+    starts, ends = [ids[0]], []
+    for prev, page in zip(ids, ids[1:]):
+        if page != prev + 1:
+            ends.append(prev + 1)
+            starts.append(page)
+    ends.append(ids[-1] + 1)
+    return starts, ends
+
+
 class PagePool:
     """Free extents plus deferred pages.
 
@@ -124,7 +136,9 @@ class PagePool:
             after: the caller's last page, whose successor is taken first when free; or None.
         """
         assert 0 <= n <= self._num_free, f"take({n}) needs n <= free pages ({self._num_free})"
-        pages = self.take_after(after, n)
+        if not n:
+            return []
+        pages = self.take_after(after, n) if after is not None else []
         n -= len(pages)
         rest: list[int] = []
         while n:
@@ -183,10 +197,13 @@ class PagePool:
     def _free(self, pages: list[int]) -> None:
         if not pages:
             return
-        ids = np.sort(np.asarray(pages, dtype=np.int64))
-        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-        starts = ids[np.concatenate(([0], breaks))].tolist()
-        ends = (ids[np.concatenate((breaks - 1, [ids.size - 1]))] + 1).tolist()
+        if len(pages) <= 64:  # a slide, a decode page, a short sequence: no numpy overhead
+            starts, ends = _runs_small(pages)
+        else:
+            ids = np.sort(np.asarray(pages, dtype=np.int64))
+            breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+            starts = ids[np.concatenate(([0], breaks))].tolist()
+            ends = (ids[np.concatenate((breaks - 1, [ids.size - 1]))] + 1).tolist()
         for start, end in zip(starts, ends):
             left = self._start_of_end.get(start)
             if left is not None:
