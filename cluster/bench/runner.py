@@ -175,6 +175,18 @@ async def _timed_run(backend: Backend, requests: Sequence[SampleRequest], offset
     return list(outputs), time.perf_counter() - start
 
 
+def warm_up(backend: Backend, requests: Sequence[SampleRequest], num_warmups: int) -> list[RequestOutput]:
+    """Send `num_warmups` requests of the workload (cycled) all at once and wait for them; untimed."""
+    async def go() -> list[RequestOutput]:
+        await backend.open()
+        try:
+            return list(await asyncio.gather(*(measure_request(backend, requests[i % len(requests)])
+                                               for i in range(num_warmups))))
+        finally:
+            await backend.aclose()
+    return asyncio.run(go()) if num_warmups > 0 and requests else []
+
+
 def run(backend: Backend, requests: Sequence[SampleRequest], **kwargs) -> RunResult:
     """`run_async` on a fresh event loop (the bench command's entry)."""
     return asyncio.run(run_async(backend, requests, **kwargs))

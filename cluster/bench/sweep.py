@@ -23,7 +23,7 @@ import numpy as np
 from disagg.cluster.bench import compare as cmp
 from disagg.cluster.bench.metrics import DEFAULT_PERCENTILES, slo_attainment
 from disagg.cluster.bench.report import build_result, markdown_summary, rate_to_json, save_json
-from disagg.cluster.bench.runner import Backend, run
+from disagg.cluster.bench.runner import Backend, run, warm_up
 from disagg.cluster.bench.utilization import sample_gpus
 from disagg.cluster.bench.workloads import SampleRequest, WorkloadSpec, sample_requests
 
@@ -99,14 +99,14 @@ def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: Swee
         on_result: called with each result as soon as it exists (saving it survives a killed sweep).
     """
     results = []
-    for index, rate in enumerate(options.sweep_rates()):
+    warm_up(backend, requests, options.num_warmups)  # outside every run: busy fractions stay the run's own
+    for rate in options.sweep_rates():
         batch = list(requests[:options.prompts_at(rate, len(requests))])
         before = stats() if stats else None
         with progress_bar(options.show_progress, f"{label} @ {rate_to_json(rate)} req/s", len(batch)) as tick, \
                 sample_gpus() as gpus:
             outcome = run(backend, batch, request_rate=rate, burstiness=options.burstiness,
                           max_concurrency=options.max_concurrency, seed=options.seed,
-                          num_warmups=options.num_warmups if index == 0 else 0,
                           request_timeout_s=options.request_timeout_s, on_done=tick)
         after = stats() if stats else None
         more = dict(extra or {}, busy_fraction=busy_fractions(before, after, outcome.duration_s),

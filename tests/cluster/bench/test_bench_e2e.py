@@ -33,6 +33,8 @@ def test_tiny_1p1d_vs_colocated(tmp_path):
             assert result["completed"] == 6 and result["failed"] == 0, result["errors"]
             assert result["output_lens"] == result["expected_output_lens"]     # EOS ignored, exact lengths
             assert result["mean_client_overhead_ms"] > 0                       # emit times came through
+            busy = result["busy_fraction"]                                      # from the actors' busy_s
+            assert len(busy) == 2 and all(0.0 <= value <= 1.05 for value in busy.values()), busy
     assert (tmp_path / "compare.json").exists()
     for name in ("attainment_vs_rate.png", "ttft_cdf.png", "tpot_cdf.png", "throughput_vs_rate.png"):
         assert (tmp_path / name).stat().st_size > 1000

@@ -230,3 +230,12 @@ def test_cluster_stream_closed_on_timeout():
     result = run(ClusterBackend(SlowCluster()), [_req("a")], request_rate=math.inf, request_timeout_s=0.05)
     assert not result.outputs[0].success and "TimeoutError" in result.outputs[0].error
     assert len(closed) == 1
+
+
+def test_warm_up_sends_workload_requests_together():
+    scripts = {f"r{i}": [(0.01, 1, None)] for i in range(3)}
+    backend = ScriptedBackend(scripts)
+    outs = runner.warm_up(backend, [_req(f"r{i}") for i in range(3)], 5)
+    assert len(outs) == 5 and all(o.success for o in outs)
+    assert backend.max_in_flight == 5 and backend.opened == backend.closed == 1
+    assert runner.warm_up(backend, [_req("r0")], 0) == []
