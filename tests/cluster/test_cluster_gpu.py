@@ -21,7 +21,8 @@ from disagg.sampling import SamplingParams
 
 pytestmark = pytest.mark.multigpu
 
-LEASE_S = 10.0
+# Generous: a prefill forward of a shape not seen before compiles Triton kernels (1-10 s on an H200).
+LEASE_S = 60.0
 OVERRIDES = {"model.num_layers": 2, "model.dtype": "float32", "cache.num_pages": 4096,
              "scheduler.max_num_batched_tokens": 512, "router.lease_s": LEASE_S}
 
