@@ -1,6 +1,7 @@
 # The two set-up commands of the README. Each creates .venv when it is missing and installs the
 # project into it, so both work on a fresh machine.
-#   make demo   the main job (today: a receiver reserves pages, a sender pushes a prompt's KV into them)
+#   make demo   the main job: 1 prefill + 1 decode instance from a YAML (two GPUs, else the CPU), a few
+#               prompts streamed, then disaggregated vs colocated on the same devices (results/)
 #   make test   the CPU test suite (what CI runs); Triton kernels run in Triton's interpreter
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -36,7 +36,7 @@ class InstanceActor:
     """
 
     def __init__(self, role: str, name: str, config: dict, engine_module: str = DEFAULT_ENGINE_MODULE) -> None:
-        logging.basicConfig(level=os.environ.get("DISAGG_LOG", "INFO"))
+        logging.basicConfig(level=os.environ.get("DISAGG_LOG", "WARNING"))
         self.role, self.name = role, name
         self.config = Config.model_validate(config)
         self.engines = importlib.import_module(engine_module)

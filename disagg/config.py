@@ -157,8 +157,9 @@ class RouterSection(Section):
         None, gt=0, description="prompt tokens queued on a prefill instance before the router holds the next "
                                 "request back (so decode pages are reserved just in time); default: 4 x "
                                 "scheduler.max_num_batched_tokens")
-    poll_wait_s: float = Field(0.005, gt=0.0, le=1.0, description="how long an actor's next_outputs() "
-                                                                  "blocks waiting for output, seconds")
+    poll_wait_s: float = Field(0.25, gt=0.0, le=5.0, description="how long an actor's next_outputs() waits "
+                                                                 "when it has no output (it returns at once "
+                                                                 "when it has some), seconds")
 
 
 class ClusterSection(Section):
