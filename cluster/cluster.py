@@ -166,10 +166,16 @@ class Cluster:
         if len(per_prompt) != len(prompts):
             raise ValueError(f"params: expected one per prompt ({len(prompts)}), got {len(per_prompt)}")
         collectors = [_Collector() for _ in prompts]
-        for prompt, param, collector in zip(prompts, per_prompt, collectors):
-            collector.request_id, collector.prompt_token_ids, submitted = self._submit(
-                prompt, param, None, collector.sink)
-            submitted.result()
+        try:
+            for prompt, param, collector in zip(prompts, per_prompt, collectors):
+                collector.request_id, collector.prompt_token_ids, submitted = self._submit(
+                    prompt, param, None, collector.sink)
+                submitted.result()
+        except BaseException:  # a bad prompt: the ones already submitted are not left running
+            for collector in collectors:
+                if collector.request_id:
+                    self.abort(collector.request_id)
+            raise
         limit = timeout_s if timeout_s is not None else (self.config.router.request_timeout_s or 86400) + 30
         deadline = time.monotonic() + limit
         for collector in collectors:
@@ -218,9 +224,15 @@ class Cluster:
         refs = [inst.actor.stats.remote() for inst in live]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         ready = set(ready)
-        by_name = {}
-        for inst, ref in zip(live, refs):  # every ref here is ready or given up: nothing waits
-            by_name[inst.name] = _answer(inst, ref if ref in ready else None)
+        answered = [(inst, ref) for inst, ref in zip(live, refs) if ref in ready]
+        try:
+            got = ray.get([ref for _, ref in answered])
+            by_name = {inst.name: dict(stats, alive=True) for (inst, _), stats in zip(answered, got)}
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+            by_name = {inst.name: _answer(inst, ref) for inst, ref in answered}  # rare: find the failed one
+        for inst in live:
+            by_name.setdefault(inst.name, {"name": inst.name, "role": inst.role, "pe": inst.pe, "alive": False,
+                                           "error": "no answer to stats() in time"})
         instances = [by_name.get(inst.name) or {"name": inst.name, "role": inst.role, "pe": inst.pe,
                                                 "alive": False, "error": inst.error}
                      for inst in self.fleet.instances]
@@ -257,10 +269,8 @@ async def _async(fn):
 
 
 def _answer(inst: Instance, ref: Any) -> dict:
-    """One instance's stats (``ref`` ready), or why it gave none."""
+    """One instance's stats (``ref`` is ready), or why it gave none."""
     base = {"name": inst.name, "role": inst.role, "pe": inst.pe}
-    if ref is None:
-        return dict(base, alive=False, error="no answer to stats() in time")
     try:
         return dict(ray.get(ref), alive=True)
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:

@@ -157,8 +157,9 @@ def test_request_timeout_aborts(cluster):
 
 
 def test_bad_requests_are_refused_before_queueing(cluster):
-    with pytest.raises(ValueError, match="prompt is empty"):
-        cluster.generate([[]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="prompt is empty"):  # the first is aborted, not left running
+        cluster.generate([[3, 4] * 20, []], SamplingParams(max_tokens=2000, ignore_eos=True))
+    _wait_until(lambda: cluster.stats()["router"]["live"] == 0, timeout_s=3.0)
     with pytest.raises(ValueError, match="exceeds max_model_len"):
         cluster.generate([[3] * 4000], SamplingParams(max_tokens=200))
     with pytest.raises(ValueError, match="needs a tokenizer"):
