@@ -90,6 +90,8 @@ def test_abort_while_prefilling(cluster):
     cluster.abort("pre")
     last = stream.result()
     assert last.finish_reason == "abort" and last.token_ids == []
+    # The decode pages stay quarantined until the decode engine's lease closes (no ring comes).
+    wait_all_free(cluster, timeout_s=LEASE_S + 3.0)
 
 
 def test_abort_while_decoding_by_closing_the_stream(cluster):
@@ -98,6 +100,7 @@ def test_abort_while_decoding_by_closing_the_stream(cluster):
     stream.done.wait(60)
     assert stream.error is None and 1 <= len(stream.token_ids) < 2000
     assert not stream.deltas[-1].finished  # the caller walked away; the router aborted it
+    wait_all_free(cluster, timeout_s=3.0)  # freed at once, long before 2000 tokens could finish
 
 
 def test_abort_by_cancelling_the_consumer_task(cluster):
@@ -117,6 +120,7 @@ def test_abort_by_cancelling_the_consumer_task(cluster):
         return len(got)
 
     assert 1 <= asyncio.run(run()) < 2000
+    wait_all_free(cluster, timeout_s=3.0)
 
 
 def test_abort_while_queued_for_decode_pages(cluster):
@@ -132,6 +136,7 @@ def test_abort_while_queued_for_decode_pages(cluster):
     assert cluster.stats()["router"]["queued"] == 0
     cluster.abort("hog")
     assert hog.result().finish_reason == "abort"
+    wait_all_free(cluster, timeout_s=3.0)
 
 
 def test_queued_request_runs_once_pages_free(cluster):
