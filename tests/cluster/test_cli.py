@@ -57,3 +57,31 @@ def test_generate_streams_token_ids_on_the_tiny_fleet(tmp_path: Path):
     assert "[6 tokens, finish_reason length, TTFT" in result.stdout
     ids = result.stdout.split("[6 tokens")[0].split()
     assert len(ids) == 6 and all(t.isdigit() for t in ids)
+
+
+def test_launch_prints_status_until_ctrl_c(tmp_path: Path):
+    import signal
+    import time
+
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-c", "from disagg.cluster.cli import app; app()", "launch",
+               str(CONFIGS / "tiny-colocated.yaml"), "--status-every-s", "0.5"]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines, deadline = [], time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if sum(" | colocated-0 run " in seen for seen in lines) >= 2:
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    output = "".join(lines) + rest
+    assert "tiny-colocated: colocated on cpu" in output
+    assert sum(" | colocated-0 run 0 wait 0 free 256/256 " in line for line in lines) >= 2, output[-2000:]
+    assert "shutting down" in output and proc.returncode == 0, output[-2000:]
