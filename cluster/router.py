@@ -97,8 +97,8 @@ class Router:
             raise ValueError(f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
                              f"({max_tokens}) exceeds max_model_len ({limit} tokens)")
         if len(self.queue) >= self.settings.max_queue:
-            raise ClusterError(f"the router's queue is full ({self.settings.max_queue} requests waiting for "
-                               "decode pages, router.max_queue); retry later")
+            raise ClusterError(f"the router's queue is full ({self.settings.max_queue} requests waiting for a "
+                               "prefill slot or decode pages, router.max_queue); retry later")
         timeout = self.settings.request_timeout_s
         req = Request(request_id, list(prompt_token_ids), params, sink, RequestMetrics(arrival_time=time.time()),
                       deadline=None if timeout is None else time.monotonic() + timeout)
@@ -132,7 +132,7 @@ class Router:
         self._spawn(self._await(inst, ref, "add", req))
 
     async def _dispatch_loop(self) -> None:
-        """Place queued requests in order; when no decode instance has pages, wait for some."""
+        """Place queued requests in order; when the head cannot go yet, wait for a change (or retry)."""
         while not self._stopping:
             if not self.queue:
                 self._wake.clear()
