@@ -165,7 +165,7 @@ def _place(config: Config, device: str, engine_module: str, env_vars: dict) -> t
         remove_placement_group(group)
         raise ClusterError(f"the Ray cluster cannot place {len(roles)} instances of {bundle} within "
                            f"{config.cluster.startup_timeout_s:.0f} s (resources: {ray.cluster_resources()})") from None
-    env = dict(NO_MULTICAST_ENV, **{k: os.environ[k] for k in PASSED_ENV if k in os.environ}, **env_vars)
+    env = {**NO_MULTICAST_ENV, **{k: os.environ[k] for k in PASSED_ENV if k in os.environ}, **env_vars}
     remote = ray.remote(InstanceActor)
     instances = []
     for index, (role, i) in enumerate(roles):
