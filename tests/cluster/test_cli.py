@@ -46,17 +46,19 @@ def test_generate_needs_exactly_one_prompt():
     assert result.exit_code != 0 and "exactly one of --prompt" in result.output
 
 
-def test_generate_streams_token_ids_on_the_tiny_fleet(tmp_path: Path):
+def test_generate_streams_token_ids_over_segment_puts(tmp_path: Path):
+    from cluster_helpers import reference_tokens
+
     env = dict(os.environ, TRITON_INTERPRET="0")
-    cli = Path(sys.executable).parent / "disagg"
-    command = [str(cli)] if cli.exists() else [sys.executable, "-m", "typer", "disagg.cluster.cli", "run"]
-    result = subprocess.run(command + ["generate", str(CONFIGS / "tiny-colocated.yaml"), "--prompt-ids",
-                                       "5,6,7,8", "--max-tokens", "6", "--ignore-eos"],
+    command = [sys.executable, "-c", "from disagg.cluster.cli import app; app()"]
+    result = subprocess.run(command + ["generate", str(CONFIGS / "tiny-1p1d.yaml"), "--prompt-ids", "5,6,7,8",
+                                       "--max-tokens", "6", "--ignore-eos",
+                                       "--set", "transfer.force_segment_puts=true"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "[6 tokens, finish_reason length, TTFT" in result.stdout
-    ids = result.stdout.split("[6 tokens")[0].split()
-    assert len(ids) == 6 and all(t.isdigit() for t in ids)
+    ids = [int(t) for t in result.stdout.split("[6 tokens")[0].split()]
+    assert ids == reference_tokens([[5, 6, 7, 8]], [6])[0]  # the host-initiated path lands the same KV
 
 
 def test_launch_prints_status_until_ctrl_c(tmp_path: Path):
