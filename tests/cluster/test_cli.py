@@ -87,3 +87,13 @@ def test_launch_prints_status_until_ctrl_c(tmp_path: Path):
     assert "tiny-colocated: colocated on cpu" in output
     assert sum(" | colocated-0 run 0 wait 0 free 256/256 " in line for line in lines) >= 2, output[-2000:]
     assert "shutting down" in output and proc.returncode == 0, output[-2000:]
+
+
+def test_check_exits_1_with_the_preflight_reason(tmp_path: Path):
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    command = [sys.executable, "-c", "from disagg.cluster.cli import app; app()", "check",
+               str(CONFIGS / "tiny-colocated.yaml"), "--set", "model.max_model_len=5000", "--set", "cache.num_pages=null"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "PreflightError: model.max_model_len (5000 tokens) exceeds the model's max_position_embeddings (4096)" \
+        in result.stderr
