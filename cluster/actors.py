@@ -14,6 +14,7 @@ import asyncio
 import importlib
 import logging
 import os
+import time
 from typing import Any
 
 from disagg.cluster.step_loop import StepLoop
@@ -170,6 +171,10 @@ class InstanceActor:
     async def drop_next(self, num_requests: int) -> None:
         """Test hook (prefill): accept the next ``num_requests`` requests and never run them."""
         self._num_to_drop = num_requests
+
+    async def stall(self, seconds: float) -> None:
+        """Test hook: hold the step loop (no step, no call) for ``seconds``: a slow instance."""
+        await self._run(time.sleep, seconds)
 
     async def close(self) -> None:
         """Release the engine and the heap (collective on every PE of the heap)."""

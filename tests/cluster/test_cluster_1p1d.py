@@ -94,6 +94,17 @@ def test_abort_while_prefilling(cluster):
     wait_all_free(cluster, timeout_s=LEASE_S + 3.0)
 
 
+def test_abort_while_reserving_decode_pages(cluster):
+    cluster.instance("decode-0").actor.stall.remote(1.5)  # its reserve() waits behind the stall
+    stream = BackgroundStream(cluster, list(range(3, 30)), SamplingParams(max_tokens=8), request_id="res")
+    _wait_stage(cluster, "reserving")
+    cluster.abort("res")
+    last = stream.result()
+    assert last.finish_reason == "abort" and last.token_ids == []
+    # The reservation made after the abort is released (quarantined until its lease closes).
+    wait_all_free(cluster, timeout_s=LEASE_S + 4.0)
+
+
 def test_abort_while_decoding_by_closing_the_stream(cluster):
     stream = BackgroundStream(cluster, list(range(3, 20)), SamplingParams(max_tokens=2000, ignore_eos=True),
                               stop_after=2)
