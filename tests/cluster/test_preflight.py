@@ -133,3 +133,24 @@ def test_step_loop_marks_a_failed_engine_fatal():
         time.sleep(0.01)
     assert loop.fatal is not None and "RuntimeError: boom" in loop.fatal
     loop.stop()
+
+
+def test_picker_least_loaded_and_round_robin():
+    from disagg.cluster.bootstrap import Instance
+    from disagg.cluster.outputs import RequestMetrics
+    from disagg.cluster.requests import Picker, Request
+
+    p0, p1 = Instance("prefill-0", "prefill", None), Instance("prefill-1", "prefill", None)
+    d0, d1 = Instance("decode-0", "decode", None), Instance("decode-1", "decode", None)
+    busy = Request("a", [1] * 50, None, None, RequestMetrics(0.0), stage="prefilling", prefill=p0, decode=d1)
+    decoding = Request("b", [1] * 10, None, None, RequestMetrics(0.0), stage="decoding", prefill=p1, decode=d0,
+                       num_output=5)
+    live = [busy, decoding]
+    picker = Picker("least_loaded")
+    assert picker.loads([p0, p1, d0, d1], live) == {"prefill-0": 50, "prefill-1": 0, "decode-0": 15, "decode-1": 50}
+    assert [i.name for i in picker.order([p0, p1], live)] == ["prefill-1", "prefill-0"]
+    assert [i.name for i in picker.order([d0, d1], live)] == ["decode-0", "decode-1"]
+    p1.alive = False
+    assert [i.name for i in picker.order([p0, p1], live)] == ["prefill-0"]
+    rr = Picker("round_robin")
+    assert [rr.order([d0, d1], live)[0].name for _ in range(3)] == ["decode-0", "decode-1", "decode-0"]
