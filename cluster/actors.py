@@ -14,7 +14,7 @@ import asyncio
 import importlib
 import logging
 import os
-import time
+import threading
 from typing import Any
 
 from disagg.cluster.step_loop import StepLoop
@@ -48,6 +48,7 @@ class InstanceActor:
         self._wakeup: asyncio.Event | None = None
         self._num_to_drop = 0
         self._dropped: set = set()
+        self._unstall = threading.Event()
         self.loop = StepLoop(name, on_output=self._wake)
 
     # ------------------------------------------------------------------ plumbing
@@ -173,8 +174,19 @@ class InstanceActor:
         self._num_to_drop = num_requests
 
     async def stall(self, seconds: float) -> None:
-        """Test hook: hold the step loop (no step, no call) for ``seconds``: a slow instance."""
-        await self._run(time.sleep, seconds)
+        """Test hook: hold the step loop (no step, no call) for up to ``seconds`` or until
+        `unstall`, as a slow instance would; returns once the loop is held."""
+        held, self._unstall = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            held.set()
+            self._unstall.wait(seconds)
+        self.loop.call(hold)
+        await asyncio.get_running_loop().run_in_executor(None, held.wait, 30.0)
+
+    async def unstall(self) -> None:
+        """Test hook: end a `stall` early."""
+        self._unstall.set()
 
     async def close(self) -> None:
         """Release the engine and the heap (collective on every PE of the heap)."""

@@ -236,11 +236,15 @@ class Cluster:
         instances = [by_name.get(inst.name) or {"name": inst.name, "role": inst.role, "pe": inst.pe,
                                                 "alive": False, "error": inst.error}
                      for inst in self.fleet.instances]
-        router = self._call(_async(self._router.snapshot)) if not self._closed else {}
+        router = self.router_stats()
         return {"mode": self.config.mode, "device": self.fleet.device, "backend": self.fleet.backend,
                 "num_pages": self.fleet.sizing.num_pages, "max_model_len": self.max_model_len,
                 "paths": {f"{a}->{b}": p for (a, b), p in self.fleet.paths.items()},
                 "instances": instances, "router": router}
+
+    def router_stats(self) -> dict:
+        """The router's state alone (queue, requests per stage, outcomes, loads): no actor round trip."""
+        return self._call(_async(self._router.snapshot)) if not self._closed else {}
 
     def shutdown(self) -> None:
         """Abort live requests, stop the router, release every actor (and Ray, if started here)."""

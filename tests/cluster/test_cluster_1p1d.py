@@ -94,11 +94,13 @@ def test_abort_while_prefilling(cluster):
     wait_all_free(cluster, timeout_s=LEASE_S + 3.0)
 
 
-def test_abort_while_reserving_decode_pages(cluster):
-    cluster.instance("decode-0").actor.stall.remote(1.5)  # its reserve() waits behind the stall
+def test_abort_while_reserving_decode_pages(cluster, ray_local):
+    decode = cluster.instance("decode-0").actor
+    ray_local.get(decode.stall.remote(60.0))  # from now on its reserve() waits behind the stall
     stream = BackgroundStream(cluster, list(range(3, 30)), SamplingParams(max_tokens=8), request_id="res")
     _wait_stage(cluster, "reserving")
     cluster.abort("res")
+    ray_local.get(decode.unstall.remote())
     last = stream.result()
     assert last.finish_reason == "abort" and last.token_ids == []
     # The reservation made after the abort is released (quarantined until its lease closes).
@@ -139,7 +141,7 @@ def test_abort_while_queued_for_decode_pages(cluster):
     hog = BackgroundStream(cluster, [3] * 8, SamplingParams(max_tokens=4000, ignore_eos=True), request_id="hog")
     hog.started.wait(60)
     waiting = BackgroundStream(cluster, [4] * 8, SamplingParams(max_tokens=100), request_id="waiting")
-    _wait_until(lambda: cluster.stats()["router"]["queued"] == 1)
+    _wait_until(lambda: cluster.router_stats()["queued"] == 1)
     time.sleep(0.3)
     assert not waiting.deltas  # still queued: no pages for it
     cluster.abort("waiting")
@@ -154,7 +156,7 @@ def test_queued_request_runs_once_pages_free(cluster):
     hog = BackgroundStream(cluster, [3] * 8, SamplingParams(max_tokens=4000, ignore_eos=True), request_id="hog2")
     hog.started.wait(60)
     waiting = BackgroundStream(cluster, [4] * 8, SamplingParams(max_tokens=90, ignore_eos=True))
-    _wait_until(lambda: cluster.stats()["router"]["queued"] == 1)
+    _wait_until(lambda: cluster.router_stats()["queued"] == 1)
     cluster.abort("hog2")
     last = waiting.result()
     assert last.finish_reason == "length" and len(waiting.token_ids) == 90
@@ -190,7 +192,7 @@ def test_bad_requests_are_refused_before_queueing(cluster):
 
 
 def _wait_stage(cluster, stage: str, timeout_s: float = 30.0) -> None:
-    _wait_until(lambda: cluster.stats()["router"]["stages"].get(stage, 0) >= 1, timeout_s)
+    _wait_until(lambda: cluster.router_stats()["stages"].get(stage, 0) >= 1, timeout_s)
 
 
 def _wait_until(predicate, timeout_s: float = 30.0) -> None:

@@ -43,7 +43,7 @@ def test_killed_prefill_actor_fails_its_requests_and_the_others_finish(cluster, 
     ray_local.get(victim.actor.drop_next.remote(2))  # what reaches prefill-0 stays there
     prompts = mixed_prompts(6, seed=4)
     streams = [BackgroundStream(cluster, p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts]
-    _wait_until(lambda: cluster.stats()["router"]["stages"].get("prefilling", 0) >= 1)
+    _wait_until(lambda: cluster.router_stats()["stages"].get("prefilling", 0) >= 1)
     ray_local.kill(victim.actor, no_restart=True)
     want = reference_tokens(prompts, [10] * 6)
     failed = 0
