@@ -11,6 +11,7 @@ tests, never imports torch or ray.
 
 from __future__ import annotations
 
+import copy
 import difflib
 from pathlib import Path
 from typing import Any, Literal
@@ -280,16 +281,22 @@ class Config(Section):
     def override(self, updates: dict[str, Any]) -> Config:
         """A copy with dotted keys replaced, e.g. ``{"router.lease_s": 2, "instances.decode": 2}``.
 
+        Fields the file did not give stay unset in the copy (``model_fields_set`` says which
+        were given: the file's and the overridden ones), so "was this given" survives ``--set``.
+
         Raises:
             ConfigError: a key names no field (closest suggested) or a value fails validation.
         """
-        raw = self.model_dump()
+        raw = self.model_dump(exclude_unset=True)
         for dotted, value in updates.items():
-            node, keys = raw, dotted.split(".")
+            node, current, keys = raw, self, dotted.split(".")
             for key in keys[:-1]:
-                if not isinstance(node.get(key), dict):
-                    raise ConfigError(f"override {dotted!r}: {key!r} is not a section"
-                                      f"{_suggest(key, node.keys())}")
+                parent, current = current, _child(current, key)
+                if not isinstance(current, (BaseModel, dict)):
+                    known = type(parent).model_fields if isinstance(parent, BaseModel) else parent
+                    raise ConfigError(f"override {dotted!r}: {key!r} is not a section{_suggest(key, known)}")
+                if not isinstance(node.get(key), dict):  # a section left unset: only this key is given
+                    node[key] = {} if isinstance(current, BaseModel) else copy.deepcopy(current)
                 node = node[key]
             node[keys[-1]] = value
         config = Config.from_dict(raw, origin=self.path or "<config>")
@@ -309,6 +316,13 @@ class Config(Section):
     @property
     def name(self) -> str:
         return Path(self.path).stem if self.path else f"{self.model.source}-{self.mode}"
+
+
+def _child(value: Any, key: str) -> Any:
+    """``value``'s field or entry ``key`` (None when it has none)."""
+    if isinstance(value, BaseModel):
+        return getattr(value, key) if key in type(value).model_fields else None
+    return value.get(key) if isinstance(value, dict) else None
 
 
 def _resolve_paths(raw: dict[str, Any], folder: Path) -> dict[str, Any]:

@@ -159,3 +159,17 @@ def test_num_layers_only_for_dummy_presets():
     assert config.model.num_layers == 3
     with pytest.raises(ConfigError, match=r"model: num_layers \(3\) applies to 'dummy:<preset>' sources only"):
         Config.from_yaml(CONFIGS / "smollm2-1p1d.yaml").override({"model.num_layers": 3})
+
+
+def test_override_keeps_which_fields_were_given():
+    config = Config.from_yaml(TINY)  # the file has no serve or bench section
+    assert "serve" not in config.model_fields_set and "router" in config.model_fields_set
+    changed = config.override({"router.lease_s": 2})
+    assert changed.model_fields_set == config.model_fields_set
+    assert changed.router.model_fields_set == config.router.model_fields_set  # request_timeout_s stays given
+    assert "policy" not in changed.router.model_fields_set
+    served = config.override({"serve.port": 9001, "bench.goodput.ttft": 500})
+    assert {"serve", "bench"} <= served.model_fields_set and served.serve.model_fields_set == {"port"}
+    assert served.serve.host == "127.0.0.1" and served.bench.goodput == {"ttft": 500, "tpot": 100.0}
+    with pytest.raises(ConfigError, match=r"'lease_s' is not a section"):
+        config.override({"router.lease_s.x": 1})
