@@ -49,7 +49,7 @@ def _store_tile(ptr, offs, x, mask, scale, QUANT: tl.constexpr):
     tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def append_kv_kernel(
     k_ptr, v_ptr, kv_ptr, slots_ptr,
     dst_slots_ptr, dst_index_ptr, dst_table_ptr,

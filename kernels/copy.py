@@ -21,7 +21,7 @@ BLOCK_SLOTS = 16
 NUM_WARPS = 8
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def copy_slots_kernel(
     src_ptr, dst_ptr, src_slots_ptr, dst_slots_ptr, num_pairs,
     src_stride_lead, src_stride_page, dst_stride_lead, dst_stride_page,

@@ -130,3 +130,13 @@ def compiled_launcher(kernel, grid: Sequence[int], args: Sequence[object],
 def stream_handle_getter() -> Callable[[int], int]:
     """Triton's own "current stream of device i" (a raw handle, no Stream object made)."""
     return driver.active.get_current_stream
+
+
+def compiled_variants(kernel) -> int:
+    """How many specializations of `kernel` Triton has compiled in this process (all devices).
+
+    Serving must not compile after warm-up (a compile stalls every request for seconds); tests
+    count variants before and after a workload to prove it. 0 under the interpreter.
+    """
+    caches = getattr(kernel, "device_caches", None) or {}
+    return sum(len(entry[0]) for entry in caches.values())

@@ -24,7 +24,10 @@ from disagg.kernels import checks, dispatch, reference
 from disagg.kernels.fp8 import load_scale, resolve_scales
 from disagg.kernels.paged_tile import NEG_BIG, attend_tile, check_sm_scale, kv_rows
 
-SEARCH_BLOCK = 256  # sequences scanned per step when a program looks for its q block
+# Sequences scanned per step when a program looks for its q block. One constant for every batch:
+# a constexpr that followed the batch size compiled a new kernel (1-3 s) the first time a batch of a
+# new power of two came, which stalled serving (batch_size is not specialized for the same reason).
+SEARCH_BLOCK = 256
 # Launch options on CUDA by head_dim bound (tuned on one H200, benchmarks/sweep_kernels.py; causal
 # 8 x 2048, 32/8 heads, D=128: 128x128 tiles, 8 warps, 2 stages 325-329 TFLOP/s; 3 stages 315,
 # 128x64 tiles 281, 64x64 tiles with 4 warps 298, 64x128 198).
@@ -70,7 +73,7 @@ def _key_ranges(shift, m0, kv_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     return full_hi, hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch_size"])
 def paged_prefill_kernel(
     q_ptr, kv_ptr, qo_indptr_ptr, page_indptr_ptr, page_indices_ptr, last_page_len_ptr, o_ptr,
     k_scale, v_scale, qk_scale, batch_size,
@@ -223,7 +226,7 @@ def paged_prefill(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), geo.stride_page,
         GROUP=num_qo_heads // geo.num_kv_heads, NUM_KV_HEADS=geo.num_kv_heads, HEAD_DIM=head_dim,
         PAGE_SIZE=geo.page_size, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_B=min(SEARCH_BLOCK, triton.next_power_of_2(max(batch_size, 1))),
+        BLOCK_B=SEARCH_BLOCK,
         CAUSAL=bool(causal), SCALE_IS_TENSOR=scales.is_tensor,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
     )
