@@ -25,7 +25,7 @@ from disagg.cluster.bootstrap import Fleet, Instance, start_fleet
 from disagg.cluster.outputs import Completion, RequestMetrics, StreamDelta
 from disagg.cluster.router import Router
 from disagg.config import Config
-from disagg.errors import ClusterError, PreflightError
+from disagg.errors import ClusterError, NoLiveInstance, PreflightError
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class Cluster:
             m = failed[0].metrics
             raise PreflightError(f"warm-up request on {m.prefill_instance} -> {m.decode_instance} failed: "
                                  f"{failed[0].finish_reason}: {failed[0].error}")
-        self._call(_async(self._router.counts.clear))
+        self._call(_async(self._router.clear_counts))
 
     # ------------------------------------------------------------------ requests
     async def stream(self, prompt: Prompt, params: Any = None, request_id: str | None = None
@@ -133,7 +133,7 @@ class Cluster:
 
         Raises:
             ValueError: a bad prompt, id or length (before anything is queued).
-            ClusterError: the cluster is shut down or its queue is full.
+            NoLiveInstance: the cluster is shut down. QueueFull: the router's queue is full.
         """
         caller_loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[StreamDelta] = asyncio.Queue()
@@ -192,7 +192,7 @@ class Cluster:
                 ) -> tuple[str, list[int], concurrent.futures.Future]:
         """Hand a request to the router's loop; the future raises what `Router.submit` raised."""
         if self._closed:
-            raise ClusterError("the cluster is shut down")
+            raise NoLiveInstance("the cluster is shut down")
         token_ids = self._encode(prompt)
         params = params if params is not None else _default_params()
         request_id = request_id or uuid.uuid4().hex

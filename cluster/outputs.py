@@ -23,6 +23,9 @@ class StreamDelta:
         finished: True on the last delta of the request.
         finish_reason: None until finished; then "stop", "length", "abort" or "error".
         error: what went wrong when finish_reason is "error" (or "abort" by timeout), else None.
+        cause: the typed error behind ``error`` (a `disagg.errors.DisaggError`: `NoLiveInstance`,
+            `InstanceDied`, `RequestRefused`, `RequestTimedOut`, `SignalTimeout`, ...), else None;
+            callers branch on its type, never on the text.
     """
 
     request_id: str
@@ -31,6 +34,7 @@ class StreamDelta:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    cause: Exception | None = None
 
 
 @dataclass

@@ -8,8 +8,11 @@ follow. Colocated: each request goes straight to the least-loaded colocated inst
 per instance keeps one `next_outputs` call outstanding and fans each batch out per request; a
 watchdog enforces `lease_s` (first token never came: fail, release D's pages) and
 `request_timeout_s`. Aborts release pages on both sides; an instance that dies fails its own
-requests and is never routed to again. Runs on one asyncio loop in the launching process (see
-`disagg.cluster.cluster`); callbacks to callers go through each request's sink.
+requests and is never routed to again. Failures are typed (`disagg.errors`): `submit` raises
+`QueueFull`; a request that ends badly carries `NoLiveInstance`, `InstanceDied`, `RequestRefused`,
+`RequestTimedOut` or `SignalTimeout` (lease) as its last delta's ``cause``. Runs on one asyncio
+loop in the launching process (see `disagg.cluster.cluster`); callbacks to callers go through each
+request's sink.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import re
 import time
 from typing import Any
 
@@ -25,7 +29,8 @@ import ray
 from disagg.cluster.bootstrap import Fleet, Instance
 from disagg.cluster.outputs import RequestMetrics, StreamDelta
 from disagg.cluster.requests import Picker, Request, Sink
-from disagg.errors import ClusterError, OutOfPages
+from disagg.errors import (ClusterError, DisaggError, InstanceDied, NoLiveInstance, OutOfPages, QueueFull,
+                           RequestRefused, RequestTimedOut, SignalTimeout)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +52,8 @@ class Router:
         self.queue: collections.deque[Request] = collections.deque()
         self.picker = Picker(self.settings.policy)
         self.counts: collections.Counter[str] = collections.Counter()
+        self.aborts: collections.Counter[str] = collections.Counter()    # by `failure_reason`
+        self.failures: collections.Counter[str] = collections.Counter()  # by `failure_reason`
         config = fleet.config
         self.prefill_queue_tokens = (self.settings.prefill_queue_tokens
                                      or 4 * config.scheduler.max_num_batched_tokens)
@@ -68,7 +75,7 @@ class Router:
         """Abort every live request and stop the router's tasks."""
         self._stopping = True
         for req in list(self.requests.values()):
-            self._end(req, "abort", "the cluster is shutting down")
+            self._end(req, "abort", NoLiveInstance("the cluster is shutting down"))
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -85,7 +92,7 @@ class Router:
 
         Raises:
             ValueError: duplicate live id, empty prompt, or prompt + max_tokens over max_model_len.
-            ClusterError: the router's queue is full (router.max_queue).
+            QueueFull: the router's queue is full (router.max_queue).
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in flight; ids must be unique")
@@ -97,7 +104,7 @@ class Router:
             raise ValueError(f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
                              f"({max_tokens}) exceeds max_model_len ({limit} tokens)")
         if len(self.queue) >= self.settings.max_queue:
-            raise ClusterError(f"the router's queue is full ({self.settings.max_queue} requests waiting for a "
+            raise QueueFull(f"the router's queue is full ({self.settings.max_queue} requests waiting for a "
                                "prefill slot or decode pages, router.max_queue); retry later")
         timeout = self.settings.request_timeout_s
         req = Request(request_id, list(prompt_token_ids), params, sink, RequestMetrics(arrival_time=time.time()),
@@ -122,7 +129,7 @@ class Router:
     def _place_colocated(self, req: Request) -> None:
         ranked = self.picker.order(self.fleet.of_role("colocated"), list(self.requests.values()))
         if not ranked:
-            self._end(req, "error", "no live colocated instance")
+            self._end(req, "error", NoLiveInstance("no live colocated instance", role="colocated"))
             return
         inst = ranked[0]
         req.colocated, req.stage = inst, "running"
@@ -161,7 +168,8 @@ class Router:
         decodes = self.picker.order(self.fleet.of_role("decode"), live)
         prefills = self.fleet.of_role("prefill")
         if not decodes or not any(inst.alive for inst in prefills):
-            self._end(req, "error", f"no live {'decode' if not decodes else 'prefill'} instance")
+            role = "decode" if not decodes else "prefill"
+            self._end(req, "error", NoLiveInstance(f"no live {role} instance", role=role))
             return True
         loads = self.picker.loads(prefills, live)
         queued = min(loads[inst.name] for inst in prefills if inst.alive)
@@ -179,7 +187,9 @@ class Router:
             except ray.exceptions.RayTaskError as err:
                 if isinstance(_cause(err), OutOfPages):
                     continue
-                self._end(req, "error", f"{inst.name} refused the request: {_cause(err)}", release=False)
+                cause = _cause(err)
+                self._end(req, "error", _refusal(inst, f"{inst.name} refused the request: {cause}", cause),
+                          release=False)
                 return True
             if req.done:  # aborted or timed out while reserving
                 self._release_on(inst, req.request_id)
@@ -198,7 +208,7 @@ class Router:
         prefills = self.picker.order(self.fleet.of_role("prefill"), list(self.requests.values()))
         if not prefills:
             self._release_on(req.decode, req.request_id)
-            self._end(req, "error", "no live prefill instance", release=False)
+            self._end(req, "error", NoLiveInstance("no live prefill instance", role="prefill"), release=False)
             return
         inst = prefills[0]
         req.prefill, req.stage = inst, "prefilling"
@@ -216,7 +226,11 @@ class Router:
             self._instance_died(inst, _died(err))
         except ray.exceptions.RayTaskError as err:
             if req is not None and not req.done:
-                self._end(req, "error", f"{inst.name}.{what} failed: {_cause(err)}")
+                if what == "add":  # the engine checks the prompt there
+                    cause = _cause(err)
+                    self._end(req, "error", _refusal(inst, f"{inst.name}.add failed: {cause}", cause))
+                else:
+                    self._end(req, "error", ClusterError(f"{inst.name}.{what} failed: {_cause(err)}"))
             else:
                 logger.debug("%s.%s failed: %s", inst.name, what, _cause(err))
 
@@ -256,7 +270,7 @@ class Router:
         if req.stage != "prefilling" or inst is not req.prefill:
             return
         if token_id is None:  # the prefill engine ended it (abort, error)
-            self._end(req, "error", error or f"{inst.name} ended the prefill (finish_reason {reason})")
+            self._end(req, "error", ClusterError(error or f"{inst.name} ended the prefill (finish_reason {reason})"))
             return
         req.lease_deadline = None
         req.stage = "decoding"  # from here a release only concerns the decode side
@@ -275,7 +289,7 @@ class Router:
         tokens, times = [], []
         for _, token_id, finished, reason, error, emit_time in rows:
             if token_id is None:  # the engine ended it without a token (abort, error, lease expiry)
-                self._end(req, "error", error or f"{inst.name} ended the request (finish_reason {reason})",
+                self._end(req, "error", self._engine_ended(req, inst, reason, error),
                           tokens=tokens, times=times, release=False)
                 return
             tokens.append(token_id)
@@ -286,10 +300,24 @@ class Router:
         req.num_output += len(tokens)
         self._emit(req, StreamDelta(req.request_id, tokens, times))
 
+    @staticmethod
+    def _engine_ended(req: Request, inst: Instance, reason: str | None, error: str | None) -> DisaggError:
+        """The typed error of a request ``inst``'s engine ended on its own. A decode engine ends a
+        request whose first token has not come (still "prefilling") only when its lease expires:
+        the KV never landed."""
+        message = error or f"{inst.name} ended the request (finish_reason {reason})"
+        if req.stage == "prefilling" and inst is req.decode and reason == "error":
+            return SignalTimeout(message, request_id=req.request_id, src_pe=req.prefill.pe, dst_pe=inst.pe)
+        return ClusterError(message)
+
     # ------------------------------------------------------------------ endings
-    def _end(self, req: Request, reason: str, error: str | None = None, *, tokens: list[int] = (),
+    def _end(self, req: Request, reason: str, error: DisaggError | None = None, *, tokens: list[int] = (),
              times: list[float] = (), release: bool = True) -> None:
-        """Finish ``req`` once: release what it holds (unless its engine already did), tell the sink."""
+        """Finish ``req`` once: release what it holds (unless its engine already did), tell the sink.
+
+        ``error`` (None for a caller's abort or a normal finish) reaches the caller as the delta's
+        ``error`` text and, typed, as its ``cause``; aborts and failures are counted by its type.
+        """
         if req.done:
             return
         stage, req.stage = req.stage, "done"
@@ -301,9 +329,14 @@ class Router:
         req.num_output += len(tokens)
         req.metrics.finished_time = time.time()
         self.counts[reason] += 1
-        if error:
+        if reason == "abort":
+            self.aborts[failure_reason(error)] += 1
+        elif reason == "error":
+            self.failures[failure_reason(error)] += 1
+        if error is not None:
             logger.info("request %s: %s: %s", req.request_id, reason, error)
-        self._emit(req, StreamDelta(req.request_id, list(tokens), list(times), True, reason, error))
+        self._emit(req, StreamDelta(req.request_id, list(tokens), list(times), True, reason,
+                                    None if error is None else str(error), error))
         if self._wake is not None:
             self._wake.set()  # pages may have been freed: retry the queue head
 
@@ -329,7 +362,7 @@ class Router:
         except Exception:  # a caller that went away must not stop the router
             logger.exception("request %s: the sink raised; aborting the request", req.request_id)
             if not delta.finished:
-                self._end(req, "abort", "the caller's sink raised")
+                self._end(req, "abort", ClusterError("the caller's sink raised"))
 
     def _instance_died(self, inst: Instance, reason: str) -> None:
         """Never route to ``inst`` again; fail its requests; release their other side."""
@@ -340,7 +373,7 @@ class Router:
         logger.error("%s is dead: %s", where, reason)
         for req in list(self.requests.values()):
             if any(holder is inst for holder in req.holders()):
-                self._end(req, "error", f"{where} died: {reason}")
+                self._end(req, "error", InstanceDied(f"{where} died: {reason}", instance=inst.name, reason=reason))
         self._wake.set()
 
     async def _watchdog(self) -> None:
@@ -350,20 +383,46 @@ class Router:
             now = time.monotonic()
             for req in list(self.requests.values()):
                 if req.deadline is not None and now > req.deadline:
-                    self._end(req, "abort", f"timed out after {self.settings.request_timeout_s} s "
-                                            f"(router.request_timeout_s) while {req.stage}")
+                    limit = self.settings.request_timeout_s
+                    self._end(req, "abort", RequestTimedOut(f"timed out after {limit} s (router.request_timeout_s) "
+                                                            f"while {req.stage}", timeout_s=limit, stage=req.stage))
                 elif req.lease_deadline is not None and now > req.lease_deadline and req.stage == "prefilling":
-                    self._end(req, "error", f"its KV did not land within router.lease_s = {self.settings.lease_s} s "
-                                            f"({req.prefill.name} -> {req.decode.name}); decode pages released")
+                    self._end(req, "error", SignalTimeout(
+                        f"its KV did not land within router.lease_s = {self.settings.lease_s} s ({req.prefill.name} "
+                        f"-> {req.decode.name}); decode pages released", request_id=req.request_id,
+                        src_pe=req.prefill.pe, dst_pe=req.decode.pe))
 
     # ------------------------------------------------------------------ stats
     def snapshot(self) -> dict:
-        """Queue length, live requests per stage, outcome counts and instance loads (tokens)."""
+        """Queue length, live requests per stage, outcome counts, aborts and failures by reason
+        (`failure_reason`) and instance loads (tokens)."""
         live = list(self.requests.values())
         return {"queued": len(self.queue), "live": len(live),
                 "stages": dict(collections.Counter(req.stage for req in live)),
-                "counts": dict(self.counts),
+                "counts": dict(self.counts), "aborts": dict(self.aborts), "failures": dict(self.failures),
                 "loads": self.picker.loads(self.fleet.instances, live)}
+
+    def clear_counts(self) -> None:
+        """Forget outcome, abort and failure counts (after the warm-up requests)."""
+        for counter in (self.counts, self.aborts, self.failures):
+            counter.clear()
+
+
+def failure_reason(error: BaseException | None) -> str:
+    """The reason an abort or failure is counted under: its error type in snake case
+    (``RequestTimedOut`` -> ``request_timed_out``), ``caller`` for an abort without one."""
+    if error is None:
+        return "caller"
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(error).__name__).lower()
+
+
+def _refusal(inst: Instance, message: str, cause: BaseException) -> ClusterError:
+    """The error of a request ``inst``'s engine did not accept: `RequestRefused` for bad input
+    (the engine's ValueError/TypeError, whose message starts with the argument it names)."""
+    if isinstance(cause, (ValueError, TypeError)):
+        named = re.match(r"([A-Za-z_][\w.]*): ", str(cause))
+        return RequestRefused(message, instance=inst.name, argument=named.group(1) if named else None)
+    return ClusterError(message)
 
 
 def _cause(err: ray.exceptions.RayTaskError) -> BaseException:

@@ -106,3 +106,63 @@ class ClusterError(DisaggError, RuntimeError):
 
 class PreflightError(ClusterError):
     """The fleet failed a check before its first request (geometry, weights, pages, reachability)."""
+
+
+class QueueFull(ClusterError):
+    """The router's queue already holds router.max_queue requests; nothing was queued. Retry later."""
+
+
+class NoLiveInstance(ClusterError):
+    """No live instance can take the request (none of a role is left, or the cluster is shutting down).
+
+    Attributes:
+        role: the role with no live instance ("prefill", "decode", "colocated"), or None when the
+            whole cluster is stopping.
+    """
+
+    def __init__(self, message: str, *, role: str | None = None) -> None:
+        super().__init__(message)
+        self.role = role
+
+
+class InstanceDied(ClusterError):
+    """The instance holding a request died (its actor exited or its engine failed).
+
+    Attributes:
+        instance: the dead instance's name ("decode-0").
+        reason: why it is considered dead.
+    """
+
+    def __init__(self, message: str, *, instance: str, reason: str) -> None:
+        super().__init__(message)
+        self.instance = instance
+        self.reason = reason
+
+
+class RequestRefused(ClusterError, ValueError):
+    """An instance's engine refused the request's input (e.g. a token id outside the vocabulary).
+
+    Attributes:
+        instance: the refusing instance's name.
+        argument: the engine argument at fault as its message names it ("prompt_token_ids",
+            "max_tokens", ...), or None when it names none.
+    """
+
+    def __init__(self, message: str, *, instance: str, argument: str | None = None) -> None:
+        super().__init__(message)
+        self.instance = instance
+        self.argument = argument
+
+
+class RequestTimedOut(ClusterError, TimeoutError):
+    """A request ran past router.request_timeout_s and was aborted.
+
+    Attributes:
+        timeout_s: the limit, seconds.
+        stage: where the request was when it timed out ("queued", "decoding", ...).
+    """
+
+    def __init__(self, message: str, *, timeout_s: float, stage: str) -> None:
+        super().__init__(message)
+        self.timeout_s = timeout_s
+        self.stage = stage

@@ -276,7 +276,7 @@ def _as_api_error(err: BaseException) -> APIError:
     if isinstance(err, APIError):
         return err
     if isinstance(err, GenerationFailed):
-        return cluster_errors.failed_request_error(str(err), err.finish_reason)
+        return cluster_errors.failed_request_error(str(err), err.finish_reason, err.cause)
     mapped = cluster_errors.to_api_error(err)
     if mapped.status >= 500:
         logger.error("request failed: %s: %s", type(err).__name__, err)

@@ -23,11 +23,13 @@ class GenerationFailed(Exception):
 
     Attributes:
         finish_reason: the cluster's finish reason ("error" or "abort").
+        cause: the typed error the cluster gave (`StreamDelta.cause`), or None.
     """
 
-    def __init__(self, message: str, finish_reason: str = "error") -> None:
+    def __init__(self, message: str, finish_reason: str = "error", cause: BaseException | None = None) -> None:
         super().__init__(message)
         self.finish_reason = finish_reason
+        self.cause = cause
 
 
 @dataclass
@@ -108,7 +110,7 @@ class Generation:
     def _on_delta(self, delta: Any) -> Chunk:
         if delta.error is not None:
             raise GenerationFailed(f"request {self.request_id} failed: {delta.error}",
-                                   delta.finish_reason or "error")
+                                   delta.finish_reason or "error", getattr(delta, "cause", None))
         ids = list(delta.token_ids)
         if ids and self.times.first_token is None:
             self.times.first_token = time.monotonic()

@@ -12,6 +12,7 @@ import time
 import pytest
 from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
 
+from disagg.errors import QueueFull, RequestTimedOut, SignalTimeout
 from disagg.sampling import SamplingParams
 
 LEASE_S = 2.0
@@ -72,10 +73,13 @@ def test_stream_from_other_threads_and_loops(cluster):
 
 def test_push_that_never_lands_fails_after_the_lease(cluster):
     cluster.instance("prefill-0").actor.drop_next.remote(1)
+    failed_before = cluster.router_stats()["failures"].get("signal_timeout", 0)
     start = time.monotonic()
     stream = BackgroundStream(cluster, [5, 6, 7] * 10, SamplingParams(max_tokens=4))
     last = stream.result()
     assert last.finish_reason == "error" and "did not land within" in last.error, last
+    assert isinstance(last.cause, SignalTimeout) and (last.cause.src_pe, last.cause.dst_pe) == (0, 1)
+    assert cluster.router_stats()["failures"]["signal_timeout"] == failed_before + 1
     assert time.monotonic() - start >= LEASE_S * 0.9
     # The decode pages come back once the decode engine's own lease closes (checked after the test),
     # and the next request runs normally.
@@ -172,6 +176,20 @@ def test_request_timeout_aborts(cluster):
     finally:
         router.settings = saved
     assert last.finish_reason == "abort" and "timed out after 1.0 s" in last.error, last
+    assert isinstance(last.cause, RequestTimedOut) and last.cause.timeout_s == 1.0
+    assert cluster.router_stats()["aborts"]["request_timed_out"] >= 1
+
+
+def test_full_queue_raises_queue_full(cluster):
+    router = cluster._router
+    saved = router.settings
+    router.settings = saved.model_copy(update={"max_queue": 0})
+    try:
+        with pytest.raises(QueueFull, match="router.max_queue"):
+            cluster.generate([[3, 4, 5]], SamplingParams(max_tokens=2))
+    finally:
+        router.settings = saved
+    assert cluster.generate([[3, 4, 5]], SamplingParams(max_tokens=2))[0].finish_reason == "length"
 
 
 def test_bad_requests_are_refused_before_queueing(cluster):

@@ -12,6 +12,7 @@ import time
 import pytest
 from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
 
+from disagg.errors import InstanceDied
 from disagg.sampling import SamplingParams
 
 LEASE_S = 2.0
@@ -52,6 +53,7 @@ def test_killed_prefill_actor_fails_its_requests_and_the_others_finish(cluster, 
         if last.finish_reason == "error":
             failed += 1
             assert "prefill instance prefill-0 (PE 0) died" in last.error, last.error
+            assert isinstance(last.cause, InstanceDied) and last.cause.instance == "prefill-0"
         else:
             assert last.finish_reason == "length" and stream.token_ids == tokens
     assert failed >= 1
@@ -78,6 +80,7 @@ def test_killed_decode_actor_fails_its_requests_and_the_others_finish(cluster, r
         outcomes.append(last.finish_reason)
         if last.finish_reason == "error":
             assert "decode instance decode-0 (PE 2) died" in last.error, last.error
+            assert isinstance(last.cause, InstanceDied) and last.cause.instance == "decode-0"
             assert stream.token_ids == tokens[:len(stream.token_ids)]
         else:
             assert last.finish_reason == "length" and stream.token_ids == tokens

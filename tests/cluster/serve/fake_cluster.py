@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from disagg.errors import InstanceDied
+
 
 class ChatTemplateError(Exception):
     """Same name as the model package's error: the server recognises it by name."""
@@ -46,6 +48,7 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None
     error: str | None = None
+    cause: BaseException | None = None
 
 
 @dataclass
@@ -60,6 +63,8 @@ class FakeCluster:
     total_pages: int = 1024
     fail_with: BaseException | None = None
     error_after: int | None = None
+    error_cause: BaseException | None = field(default_factory=lambda: InstanceDied(
+        "decode instance 0 died", instance="decode0", reason="its actor exited"))
     active: dict = field(default_factory=dict)
     started: list = field(default_factory=list)
     streams: list = field(default_factory=list)
@@ -84,7 +89,8 @@ class FakeCluster:
             for k in range(params.max_tokens):
                 await asyncio.sleep(self.step_s)
                 if self.error_after is not None and k >= self.error_after:
-                    yield StreamDelta(request_id, [], [], True, "error", "decode instance 0 died")
+                    text = None if self.error_cause is None else str(self.error_cause)
+                    yield StreamDelta(request_id, [], [], True, "error", text or "failed", self.error_cause)
                     return
                 token = prompt[k % len(prompt)]
                 reason = "stop" if token in stops else "length" if k + 1 == params.max_tokens else None

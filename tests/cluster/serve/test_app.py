@@ -23,7 +23,8 @@ from disagg.cluster import Cluster
 from disagg.cluster.serve import BackgroundServer, build_app
 from disagg.cluster.serve.command import serve_config
 from disagg.config import Config
-from disagg.errors import ClusterError
+from disagg.errors import (ClusterError, InstanceDied, NoLiveInstance, QueueFull, RequestRefused, RequestTimedOut,
+                           SignalTimeout)
 
 pytestmark = pytest.mark.timeout(60)
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tiny-1p1d.yaml"
@@ -186,15 +187,36 @@ def test_full_server_answers_429(serve_fake):
     assert asyncio.run(two()).choices[0].finish_reason == "length"
 
 
-def test_cluster_refusals_map_to_status(serve_fake):
-    refusals = ((ClusterError("the router's queue is full (4096 requests waiting for decode pages, "
-                              "router.max_queue); retry later"), 429),
-                (ClusterError("no live decode instance"), 503), (ValueError("prompt too long"), 400))
-    for exc, status in refusals:
-        server, _ = serve_fake(FakeCluster(fail_with=exc))
-        assert httpx.post(server.base_url + "/v1/completions", json={"prompt": [1]}).status_code == status
-        response = httpx.post(server.base_url + "/v1/completions", json={"prompt": [1], "stream": True})
-        assert response.status_code == status
+@pytest.mark.parametrize("exc, status", [
+    (QueueFull("the router's queue is full (4096 requests waiting, router.max_queue); retry later"), 429),
+    (NoLiveInstance("the cluster is shut down"), 503), (ValueError("prompt too long"), 400),
+    (ClusterError("queue is full; no live instance; died; timed out"), 500),  # the type decides, not the text
+])
+def test_cluster_refusals_map_to_status_by_type(serve_fake, exc, status):
+    server, _ = serve_fake(FakeCluster(fail_with=exc))
+    assert httpx.post(server.base_url + "/v1/completions", json={"prompt": [1]}).status_code == status
+    response = httpx.post(server.base_url + "/v1/completions", json={"prompt": [1], "stream": True})
+    assert response.status_code == status
+
+
+@pytest.mark.parametrize("cause, status, param, code", [
+    (InstanceDied("decode-0 died", instance="decode-0", reason="exit"), 503, None, "no_healthy_instance"),
+    (NoLiveInstance("no live decode instance", role="decode"), 503, None, "no_healthy_instance"),
+    (RequestRefused("prefill-0.add failed: prompt_token_ids: expected ids in [0, 256)", instance="prefill-0",
+                    argument="prompt_token_ids"), 400, "prompt", "invalid_request"),
+    (RequestTimedOut("timed out after 1 s", timeout_s=1.0, stage="decoding"), 504, None, "timeout"),
+    (SignalTimeout("its KV did not land", request_id="r", src_pe=0, dst_pe=1), 500, None, "kv_transfer_failed"),
+    (ClusterError("refused the request: prompt_token_ids: died, timed out"), 500, None, "cluster_error"),
+    (None, 500, None, "request_error"),
+])
+def test_in_band_failures_map_to_status_by_type(serve_fake, cause, status, param, code):
+    server, _ = serve_fake(FakeCluster(error_after=1, error_cause=cause))  # one token, then the failure
+    response = httpx.post(server.base_url + "/v1/completions", json={"prompt": [65], "max_tokens": 4})
+    error = response.json()["error"]
+    assert (response.status_code, error["param"], error["code"]) == (status, param, code)
+    events = _sse(httpx.post(server.base_url + "/v1/completions",
+                             json={"prompt": [65], "max_tokens": 4, "stream": True}))
+    assert events[-1] == "[DONE]" and (events[-2]["error"]["code"], events[-2]["error"]["param"]) == (code, param)
 
 
 def test_unhealthy_cluster_is_503(serve_fake):
