@@ -96,11 +96,18 @@ class DecodeGraphs:
         return graph.logits[:b]
 
     def capture_all(self, batch_sizes: list[int] | None = None, max_kv_len: int | None = None) -> float:
-        """Capture the graphs of ``batch_sizes`` (default: every bucket) for contexts up to
-        ``max_kv_len`` ahead of serving; return the seconds it took."""
+        """Capture the graphs of ``batch_sizes`` (default: every bucket) for every context class
+        up to ``max_kv_len`` ahead of serving; return the seconds it took.
+
+        Every class, not only the largest: a class of another split count captured on first use
+        mid-serving (and compiled the decode kernel for it) stalled every running request.
+        """
         start = time.perf_counter()
+        top = kv_class(max_kv_len or MIN_KV_CLASS)
+        classes = [MIN_KV_CLASS << i for i in range((top // MIN_KV_CLASS).bit_length())]
         for b in batch_sizes or self.buckets:
-            self._get(next(x for x in self.buckets if x >= b), kv_class(max_kv_len or MIN_KV_CLASS))
+            for context_class in classes:
+                self._get(next(x for x in self.buckets if x >= b), context_class)
         return time.perf_counter() - start
 
     def _get(self, bucket: int, context_class: int) -> _Graph:

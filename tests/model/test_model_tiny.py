@@ -160,3 +160,23 @@ def test_forward_rejects_bad_inputs(tiny):
     with pytest.raises(ValueError, match="kv_scales: only for"):
         tiny.forward(torch.tensor([1, 2, 3]), batch, runner.kv, kv_scales=(1.0, 1.0))
     runner.cache.end_forward()
+
+
+def test_batch_index_views_are_16_byte_aligned():
+    """Triton specializes pointers on 16-byte alignment: index views whose offsets followed the
+    batch size compiled new kernel variants mid-serving."""
+    from disagg.cache import PagedKVCache
+
+    for batch_size in range(1, 7):
+        cache = PagedKVCache(64, 4)
+        for seq in range(batch_size):
+            cache.add_sequence(seq)
+        plan = cache.begin_forward(list(range(batch_size)), [seq + 2 for seq in range(batch_size)])
+        try:
+            batch = AttentionBatch.from_plan(plan, "cpu")
+        finally:
+            cache.end_forward()
+        for name in ("qo_indptr", "page_indptr", "page_indices", "last_page_len", "append_slots", "positions"):
+            view = getattr(batch, name)
+            assert view.data_ptr() % 16 == 0, (batch_size, name)
+        assert batch.page_indptr.tolist() == list(plan.page_indptr)
