@@ -215,7 +215,10 @@ class Cluster:
 
     # ------------------------------------------------------------------ state
     def stats(self, timeout_s: float = 30.0) -> dict:
-        """Per instance (role, pe, free/total pages, running, waiting, busy_s, alive) and the router's state.
+        """Per instance (role, pe, free/total pages, running, waiting, busy_s, alive, the engine's
+        counters: num_preemptions, pushed_bytes/push_s/push_gbps on prefill, doorbell_wait_s and
+        num_doorbells_rung on decode) and the router's state (queue, outcomes, aborts and failures
+        by reason).
 
         One round trip to every live instance at once; an instance that does not answer within
         ``timeout_s`` (or died) is listed with ``alive: False`` and the reason.

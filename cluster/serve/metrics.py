@@ -4,8 +4,10 @@
 apps in one process, as in tests, do not collide). Request histograms follow vLLM's names with
 `disagg:` for `vllm:` (TTFT, inter-token latency, per-request time per output token, end-to-end
 latency) and are observed when a request ends; counters count tokens, successes by finish reason,
-aborts and failures by reason. `ClusterCollector` turns `cluster.stats()` into per-instance gauges
-(running, waiting, KV pages used/total, usage) and cluster-wide counters when /metrics is scraped.
+aborts and failures by reason (as the HTTP server saw them). `ClusterCollector` turns
+`cluster.stats()` into per-instance gauges (running, waiting, KV pages used/total, usage, push
+GB/s) and counters (preemptions, pushed bytes, doorbell wait), and the router's queue, outcomes,
+aborts and failures by reason, when /metrics is scraped.
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ INSTANCE_COUNTERS = {
     "num_preemptions": ("disagg:num_preemptions", "Preemptions on the instance."),
     "num_forwards": ("disagg:num_forwards", "Model forwards run by the instance."),
     "pushed_bytes": ("disagg:kv_pushed_bytes", "KV bytes pushed by a prefill instance to decode instances."),
-    "doorbell_wait_s": ("disagg:doorbell_wait_seconds", "Time decode spent waiting on KV doorbells, seconds."),
+    "push_s": ("disagg:kv_push_seconds", "Seconds of the prefill forwards that pushed KV (compute included)."),
+    "doorbell_wait_s": ("disagg:doorbell_wait_seconds", "Time decode reservations waited for their KV "
+                        "(reserve to doorbell ring), summed, seconds."),
+    "num_doorbells_rung": ("disagg:kv_doorbells_rung", "Decode reservations whose KV landed (doorbell rang)."),
 }
 
 
@@ -156,13 +161,19 @@ def _router_families(router: dict) -> list:
             family = GaugeMetricFamily(name, doc)
             family.add_metric([], router[key])
             families.append(family)
-    counts = router.get("counts")
-    if isinstance(counts, dict):
-        family = CounterMetricFamily("disagg:router_requests", "Requests the router saw, by outcome "
-                                     "(submitted, stop, length, abort, error).", labels=["outcome"])
-        for outcome, value in sorted(counts.items()):
-            family.add_metric([str(outcome)], value)
-        families.append(family)
+    for key, name, doc, label in (
+            ("counts", "disagg:router_requests", "Requests the router saw, by outcome (submitted, stop, "
+             "length, abort, error).", "outcome"),
+            ("aborts", "disagg:cluster_request_aborts", "Requests the cluster aborted, by reason (caller, "
+             "request_timed_out, no_live_instance: shutting down, ...).", "reason"),
+            ("failures", "disagg:cluster_request_failures", "Requests the cluster failed, by reason "
+             "(instance_died, no_live_instance, request_refused, signal_timeout: lease expired, ...).", "reason")):
+        counts = router.get(key)
+        if isinstance(counts, dict):
+            family = CounterMetricFamily(name, doc, labels=[label])
+            for value_label, value in sorted(counts.items()):
+                family.add_metric([str(value_label)], value)
+            families.append(family)
     return families
 
 

@@ -90,6 +90,8 @@ class DecodeEngine:
         self._next: _NextStep | None = None
         self._factory = RequestFactory(tuple(model.config.eos_token_ids))
         self._outputs: list[TokenOutput] = []
+        self.num_doorbells_rung = 0
+        self.doorbell_wait_s = 0.0  # reserve to ring seen, summed over rung reservations (lease clock)
 
     @property
     def num_committed_pages(self) -> int:
@@ -203,11 +205,16 @@ class DecodeEngine:
         return bool(self.running or self.ready or len(self.leases) or self._outputs)
 
     def stats(self) -> dict:
+        """Pages, requests by state, leases, and doorbell totals: ``doorbell_wait_s`` is the time
+        reservations waited for their KV (reserve to the ring seen by a step), summed over the
+        ``num_doorbells_rung`` that rang."""
         return {"free_pages": self.cache.num_free_pages, "total_pages": self.cache.num_pages,
                 "running": len(self.running), "waiting": len(self.requests) - len(self.running),
                 "leases": len(self.leases), "quarantined": len(self._quarantined),
                 "committed_pages": self.num_committed_pages, "num_forwards": self.runner.num_forwards,
-                "num_graph_replays": self.runner.num_graph_replays}
+                "num_graph_replays": self.runner.num_graph_replays,
+                "num_preemptions": 0,  # reserve commits every page of a request's life: never preempted
+                "num_doorbells_rung": self.num_doorbells_rung, "doorbell_wait_s": self.doorbell_wait_s}
 
     def warmup(self, max_kv_len: int | None = None) -> dict[str, float]:
         """Compile the decode kernels and capture the graphs before the first request (idle only)."""
@@ -250,7 +257,10 @@ class DecodeEngine:
 
     def _close_leases(self, outputs: list[TokenOutput]) -> None:
         rung, expired = self.leases.poll()
+        now = self.leases.clock()
         for lease in rung:
+            self.num_doorbells_rung += 1
+            self.doorbell_wait_s += max(0.0, now - (lease.deadline - self.leases.lease_s))
             req = self._quarantined.pop(lease.request_id, None)
             if req is not None:
                 self._free(req)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from typing import Hashable
 
 import numpy as np
@@ -70,6 +71,10 @@ class PrefillEngine:
         self.draining: list[tuple[Request, torch.cuda.Event | None]] = []
         self._factory = RequestFactory(tuple(model.config.eos_token_ids))
         self._outputs: list[TokenOutput] = []
+        # Every prompt token is pushed: one token's K and V of every layer, bytes.
+        self.token_bytes = self.kv.element_size() * self.kv.numel() // (num_pages * page_size)
+        self.pushed_bytes = 0
+        self.push_s = 0.0  # wall time of the forwards that pushed (compute included: the push overlaps it)
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: Hashable, prompt_token_ids: list[int], params: SamplingParams | None,
@@ -123,9 +128,15 @@ class PrefillEngine:
         return bool(self.waiting or self.prefilling or self.draining or self._outputs)
 
     def stats(self) -> dict:
+        """Pages, queue lengths and push totals: ``pushed_bytes`` (KV sent to decode workers),
+        ``push_s`` (seconds of the forwards that sent it) and ``push_gbps`` (their ratio, GB/s:
+        the rate KV leaves this worker while it prefills, a lower bound of the link's)."""
         return {"free_pages": self.cache.num_free_pages, "total_pages": self.cache.num_pages,
                 "running": len(self.prefilling), "waiting": len(self.waiting),
-                "draining": len(self.draining), "num_forwards": self.runner.num_forwards}
+                "draining": len(self.draining), "num_forwards": self.runner.num_forwards,
+                "num_preemptions": 0,  # a prompt is admitted only when all of it fits: never preempted
+                "pushed_bytes": self.pushed_bytes, "push_s": self.push_s,
+                "push_gbps": self.pushed_bytes / self.push_s / 1e9 if self.push_s else 0.0}
 
     def warmup(self, prompt_len: int | None = None) -> dict[str, float]:
         """Compile the prefill kernels (attention, projections) before the first request (idle
@@ -148,6 +159,7 @@ class PrefillEngine:
                               for r, n in zip(reqs, counts)])
         rows = [i for i, (r, n) in enumerate(zip(reqs, counts)) if r.num_computed + n == len(r.token_ids)]
         done = [reqs[i] for i in rows]
+        start = time.perf_counter()
         plan = self.cache.begin_forward([r.seq_id for r in reqs], counts)
         try:
             pending = self.runner.execute(plan, ids, np.asarray(rows, dtype=np.int64), done,
@@ -156,7 +168,10 @@ class PrefillEngine:
             self.cache.end_forward()
         for r, n in zip(reqs, counts):
             r.num_computed += n
-        for req, token in zip(done, pending.result()):
+        tokens = pending.result()
+        self.push_s += time.perf_counter() - start
+        self.pushed_bytes += sum(counts) * self.token_bytes
+        for req, token in zip(done, tokens):
             outputs.append(req.append(token, self.max_model_len))
             self.prefilling.remove(req)
             del self.requests[req.request_id]

@@ -87,6 +87,24 @@ def test_tokens_equal_full_recompute(engines, expected):
     assert decode.stats()["committed_pages"] == 0
 
 
+def test_push_and_doorbell_counters_move(engines, expected):
+    prefill, decode, clock = engines
+    assert (prefill.stats()["pushed_bytes"], decode.stats()["num_doorbells_rung"]) == (0, 0)
+    send(prefill, decode, "a")
+    send(prefill, decode, "b")
+    clock.now = 1.5  # on the lease clock, both reservations wait 1.5 s before a step sees their rings
+    results = run(prefill, decode)
+    assert [o.token_id for o in results["a"]] == expected["a"]
+    kv = prefill.kv  # [L, N, 2, H, P, D]: one token is L * 2 * H * D elements
+    token_bytes = kv.element_size() * kv[:, 0].numel() // PAGE_SIZE
+    stats = prefill.stats()
+    assert stats["pushed_bytes"] == (len(PROMPTS["a"]) + len(PROMPTS["b"])) * token_bytes
+    assert stats["push_s"] > 0 and stats["push_gbps"] == pytest.approx(stats["pushed_bytes"] / stats["push_s"] / 1e9)
+    stats = decode.stats()
+    assert stats["num_doorbells_rung"] == 2 and stats["doorbell_wait_s"] == pytest.approx(3.0)
+    assert stats["num_preemptions"] == prefill.stats()["num_preemptions"] == 0
+
+
 def test_decode_admits_only_after_the_doorbell(engines, expected):
     prefill, decode, _ = engines
     dest = decode.reserve("a", len(PROMPTS["a"]), GREEDY)

@@ -8,6 +8,7 @@ streams come back whole and unmixed. The kernels run their torch references here
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
@@ -23,12 +24,13 @@ from disagg.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(240)
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tiny-1p1d.yaml"
+LEASE_S = 8.0  # decode pages of a request whose prefill refused it come back after the lease
 PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + i % 11)] for i in range(200)]
 
 
 @pytest.fixture(scope="module")
 def served():
-    config = Config.from_yaml(CONFIG)
+    config = Config.from_yaml(CONFIG).override({"router.lease_s": LEASE_S})
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "0")  # passed on to the actors
         cluster = Cluster.launch(config)
@@ -111,7 +113,7 @@ def test_client_disconnect_mid_stream_frees_pages_on_both_sides(served):
     (b'{"prompt": [1, 2], "n": 2}', 400, "n"),
     (b'{"prompt": "text needs a tokenizer"}', 400, "prompt"),
     (b'{"prompt": [1, 2], "max_tokens": 4095}', 400, "max_tokens"),
-    (b'{"prompt": [100000, 2], "max_tokens": 2}', 400, "prompt"),  # refused by the prefill engine
+    (b'{"prompt": [100000, 2], "max_tokens": 2}', 400, "prompt"),  # refused by the server (vocab_size)
     (b'{"prompt": [100000, 2], "max_tokens": 2, "stream": true}', 400, "prompt"),
 ])
 def test_bad_requests(served, content, status, param):
@@ -120,6 +122,23 @@ def test_bad_requests(served, content, status, param):
                           headers={"Content-Type": "application/json"})
     assert response.status_code == status
     assert response.json()["error"]["param"] == param and response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_input_the_engine_refuses_is_400_naming_prompt(served, stream):
+    """Without the server's vocabulary check the ids reach the cluster: the prefill engine refuses
+    them (RequestRefused) and the client still gets a 400 naming `prompt`. The decode reservation
+    stays quarantined until its lease closes (no ring comes), then every page is free."""
+    cluster, _ = served
+    app = build_app(cluster, cluster.config)
+    limits = app.state.server.limits
+    app.state.server.limits = dataclasses.replace(limits, vocab_size=None)
+    with BackgroundServer(app) as server:
+        response = httpx.post(server.base_url + "/v1/completions",
+                              json={"prompt": [100000, 2], "max_tokens": 2, "stream": stream})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "prompt" and "prefill-0" in error["message"]
+    assert _wait_until(lambda: _pages_all_free(cluster), LEASE_S + 15)
 
 
 def test_oversize_body_and_api_key(served):
@@ -145,21 +164,61 @@ def _samples(server) -> dict:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def _delta(after: dict, before: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after[key] - before.get(key, 0)
+
+
 def test_metrics_parse_and_move(served):
     cluster, server = served
-    model = (("model_name", cluster.model_name),)
+    model = {"model_name": cluster.model_name}
+    prefill, decode = {"instance": "prefill-0", "role": "prefill"}, {"instance": "decode-0", "role": "decode"}
     before = _samples(server)
     out = _client(server).completions.create(model=cluster.model_name, prompt=PROMPTS[9], max_tokens=6,
                                              temperature=0, extra_body={"ignore_eos": True})
     after = _samples(server)
-    assert after[("disagg:generation_tokens_total", model)] - before.get(("disagg:generation_tokens_total", model), 0) == 6
-    key = ("disagg:e2e_request_latency_seconds_count", model)
-    assert after[key] == before.get(key, 0) + 1
-    assert after[("disagg:inter_token_latency_seconds_count", model)] >= 5
-    assert after[("disagg:kv_pages_total", (("instance", "decode-0"), ("role", "decode")))] == 256
-    assert after[("disagg:instance_alive", (("instance", "prefill-0"), ("role", "prefill")))] == 1
-    submitted = ("disagg:router_requests_total", (("outcome", "submitted"),))
-    assert after[submitted] == before[submitted] + 1 and out.choices[0].finish_reason == "length"
+    assert _delta(after, before, "disagg:generation_tokens_total", **model) == 6
+    for histogram in ("time_to_first_token", "time_per_output_token", "e2e_request_latency"):
+        assert _delta(after, before, f"disagg:{histogram}_seconds_count", **model) == 1, histogram
+    assert _delta(after, before, "disagg:inter_token_latency_seconds_count", **model) >= 5
+    assert after[("disagg:kv_pages_total", tuple(sorted(decode.items())))] == 256
+    assert after[("disagg:instance_alive", tuple(sorted(prefill.items())))] == 1
+    assert _delta(after, before, "disagg:router_requests_total", outcome="submitted") == 1
+    assert out.choices[0].finish_reason == "length"
+    # The KV crossed: pushed bytes (the prompt's tokens, every layer's K and V) and a push rate on
+    # the prefill side, one more rung doorbell and its wait on the decode side.
+    assert _delta(after, before, "disagg:kv_pushed_bytes_total", **prefill) > 0
+    assert after[("disagg:kv_push_gbps", tuple(sorted(prefill.items())))] > 0
+    assert _delta(after, before, "disagg:kv_doorbells_rung_total", **decode) == 1
+    assert _delta(after, before, "disagg:doorbell_wait_seconds_total", **decode) > 0
+    for inst in (prefill, decode):
+        labels = tuple(sorted(inst.items()))
+        assert after[("disagg:num_preemptions_total", labels)] == 0
+        assert {("disagg:num_requests_running", labels), ("disagg:num_requests_waiting", labels),
+                ("disagg:kv_pages_used", labels)} <= set(after)
+    assert ("disagg:num_requests_queued", ()) in after
+
+
+def test_metrics_count_aborts_and_failures_by_reason(served):
+    cluster, server = served
+    before = _samples(server)
+    body = {"prompt": PROMPTS[3], "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as response:
+        assert next(line for line in response.iter_lines() if line).startswith("data: {")
+    limits = server.app.state.server.limits
+    server.app.state.server.limits = dataclasses.replace(limits, vocab_size=None)  # reach the engine
+    try:
+        refused = httpx.post(server.base_url + "/v1/completions", json={"prompt": [100000, 2], "max_tokens": 2})
+    finally:
+        server.app.state.server.limits = limits
+    assert refused.status_code == 400
+    assert _wait_until(lambda: _pages_all_free(cluster), LEASE_S + 15)
+    after = _samples(server)
+    assert _delta(after, before, "disagg:cluster_request_aborts_total", reason="caller") == 1
+    assert _delta(after, before, "disagg:cluster_request_failures_total", reason="request_refused") == 1
+    model = cluster.model_name
+    assert _delta(after, before, "disagg:request_aborts_total", model_name=model, reason="client_disconnect") == 1
+    assert _delta(after, before, "disagg:request_failures_total", model_name=model, reason="invalid_request") == 1
 
 
 def test_200_concurrent_streams_nothing_lost_or_mixed(served):
