@@ -1,6 +1,6 @@
 """The `disagg` command (typer): launch, check and query a fleet described by one YAML file.
 
-    disagg launch CONFIG [--serve]      run until Ctrl-C, one status line every few seconds
+    disagg launch CONFIG [--serve]      run until Ctrl-C: status lines, or HTTP when CONFIG has `serve`
     disagg check CONFIG                 preflight only; exit 1 with the reason when it fails
     disagg generate CONFIG --prompt TEXT | --prompt-ids 1,2,3 [--max-tokens ...]
     disagg bench ... / disagg serve ...  registered below by their own packages
@@ -99,19 +99,20 @@ def status_line(stats: dict) -> str:
 @app.command()
 def launch(config: ConfigArg, set_: SetOpt = None,
            status_every_s: Annotated[float, typer.Option(help="seconds between status lines")] = 5.0,
-           serve: Annotated[bool, typer.Option(help="also serve the OpenAI-compatible HTTP API "
-                                                    "(serve.host:serve.port)")] = False,
+           serve: Annotated[bool, typer.Option(help="also serve the OpenAI-compatible HTTP API on "
+                                                    "serve.host:serve.port; on by default when CONFIG "
+                                                    "has a serve section")] = False,
            verbose: Annotated[bool, typer.Option("--verbose", "-v", help="INFO logs")] = False) -> None:
-    """Launch the fleet of CONFIG and keep it up until Ctrl-C, printing a status line every few seconds."""
+    """Launch the fleet of CONFIG and keep it up until Ctrl-C: serving HTTP when CONFIG has a serve
+    section (or --serve), else printing a status line every few seconds."""
     _setup_logging(verbose)
     cfg = load_config(config, set_)
+    if serve or "serve" in cfg.model_fields_set:
+        _serve(cfg)
+        return
     cluster = _launch(cfg)
     typer.echo(describe(cluster))
     try:
-        if serve:
-            from disagg.cluster.serve.command import serve_forever
-            serve_forever(cluster, cluster.config)
-            return
         while True:
             time.sleep(status_every_s)
             typer.echo(status_line(cluster.stats()))
@@ -119,6 +120,21 @@ def launch(config: ConfigArg, set_: SetOpt = None,
         typer.echo("shutting down")
     finally:
         cluster.shutdown()
+
+
+def _serve(config: Config) -> None:
+    """`disagg launch` of a config with a serve section: `disagg serve`'s path (port bound first)."""
+    from disagg.cluster.serve.command import serve_config
+
+    def on_launch(cluster, base_url: str) -> None:
+        typer.echo(describe(cluster))
+        typer.echo(f"serving the OpenAI API on {base_url}/v1 until Ctrl-C")
+    try:
+        serve_config(config, log_level="warning", on_launch=on_launch)
+    except DisaggError as err:
+        typer.echo(f"{config.path or 'config'}: {type(err).__name__}: {err}", err=True)
+        raise typer.Exit(EXIT_PREFLIGHT) from None
+    typer.echo("shutting down")
 
 
 @app.command()

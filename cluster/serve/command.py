@@ -4,8 +4,7 @@
 launches and runs its preflight), launches the cluster, attaches it to the app (/health turns
 200), and serves until SIGINT/SIGTERM, then shuts the cluster down. `serve_command` is its typer
 front (registered in `disagg.cluster.cli`); `disagg launch` calls `serve_config` when the YAML has
-a `serve` section. `serve_forever(cluster, config)` serves an already launched cluster. Runs in
-the launching process (the router's process).
+a `serve` section. Runs in the launching process (the router's process).
 """
 
 from __future__ import annotations
@@ -14,27 +13,27 @@ import logging
 import signal
 import threading
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
 from disagg.cluster.serve.app import build_app
-from disagg.cluster.serve.server import LOOPBACK, BackgroundServer, run_server
+from disagg.cluster.serve.server import LOOPBACK, BackgroundServer
 from disagg.config import Config
 from disagg.errors import DisaggError
 
 logger = logging.getLogger(__name__)
 
 
-def serve_forever(cluster: Any, config: Config, *, log_level: str = "info") -> None:
-    """Serve a launched cluster on `config.serve.host:port` until interrupted (blocking)."""
-    app = build_app(cluster, config)
-    logger.info("serving %s on http://%s:%d/v1", app.state.server.model_name, config.serve.host, config.serve.port)
-    run_server(app, config.serve.host, config.serve.port, log_level=log_level)
-
-
-def serve_config(config: Config, *, log_level: str = "info") -> None:
+def serve_config(config: Config, *, log_level: str = "info",
+                 on_launch: Callable[[Any, str], None] | None = None) -> None:
     """Bind the HTTP port, launch the cluster of `config`, serve until SIGINT/SIGTERM (blocking).
+
+    Args:
+        config: the deployment; its serve section says where to listen.
+        log_level: uvicorn's log level.
+        on_launch: called as ``on_launch(cluster, base_url)`` once the cluster serves (the CLI
+            prints the fleet there).
 
     Raises:
         ClusterError / PreflightError: the cluster failed to launch (the port is closed again).
@@ -55,6 +54,8 @@ def serve_config(config: Config, *, log_level: str = "info") -> None:
             with Cluster.launch(config) as cluster:
                 app.state.server.attach(cluster)
                 logger.info("serving %s on %s/v1", app.state.server.model_name, server.base_url)
+                if on_launch is not None:
+                    on_launch(cluster, server.base_url)
                 while not stop.wait(1.0) and server.running:
                     pass
     finally:
