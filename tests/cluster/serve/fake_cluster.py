@@ -67,6 +67,7 @@ class FakeCluster:
         "decode instance 0 died", instance="decode0", reason="its actor exited"))
     active: dict = field(default_factory=dict)
     started: list = field(default_factory=list)
+    params_of: dict = field(default_factory=dict)  # request id -> the SamplingParams it came with
     streams: list = field(default_factory=list)
     config: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(
         serve=SimpleNamespace(host="127.0.0.1", port=0, api_key=None, served_model_name=None,
@@ -84,6 +85,7 @@ class FakeCluster:
             raise self.fail_with
         self.active[request_id] = self.pages_per_request
         self.started.append(request_id)
+        self.params_of[request_id] = params
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {3})
         try:
             for k in range(params.max_tokens):

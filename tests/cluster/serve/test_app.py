@@ -94,6 +94,19 @@ def test_stop_token_id_ends_without_its_text(serve_fake):
     assert choice.model_extra["token_ids"] == [ord("a"), ord("b"), ord("c")]
 
 
+def test_sampling_fields_reach_the_cluster(serve_fake):
+    server, fake = serve_fake()
+    _client(server).completions.create(model="fake", prompt=[70, 71], max_tokens=5, temperature=0.7, top_p=0.9,
+                                       seed=11, stop=[99, 98], extra_body={"top_k": 4, "ignore_eos": True})
+    params = fake.params_of[fake.started[-1]]
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed) == (5, 0.7, 0.9, 4, 11)
+    assert set(params.stop_token_ids) == {99, 98} and params.ignore_eos
+    _client(server).chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}],
+                                            max_completion_tokens=3, temperature=0, seed=2)
+    params = fake.params_of[fake.started[-1]]
+    assert (params.max_tokens, params.temperature, params.seed, params.top_p) == (3, 0.0, 2, 1.0)
+
+
 def test_chat_stream_and_not(serve_fake):
     server, _ = serve_fake()
     client = _client(server)

@@ -84,6 +84,16 @@ def test_completion_token_ids_equal_generate(served):
         assert ids == want
 
 
+def test_seeded_sampling_equals_generate(served):
+    cluster, server = served
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.8, seed=1234)
+    want = cluster.generate([PROMPTS[4]], params)[0].token_ids
+    out = _client(server).completions.create(model=cluster.model_name, prompt=PROMPTS[4], max_tokens=8,
+                                             temperature=0.9, top_p=0.8, seed=1234,
+                                             extra_body={"return_token_ids": True})
+    assert out.choices[0].model_extra["token_ids"] == want
+
+
 def test_chat_without_tokenizer_is_400(served):
     cluster, server = served
     with pytest.raises(openai.BadRequestError, match="no tokenizer") as info:

@@ -41,11 +41,13 @@ def _write_config(tmp_path: Path, serve: dict | None) -> Path:
     return path
 
 
-@pytest.mark.parametrize("how", ["serve section", "--set serve.port"])
+@pytest.mark.parametrize("how", ["serve section", "--set serve.port", "disagg serve"])
 def test_launch_serves_when_the_config_names_serve(tmp_path, monkeypatch, how):
     port = _free_port()
     path = _write_config(tmp_path, {"port": port, "api_key": "k"} if how == "serve section" else None)
-    args = ["launch", str(path)] + (["--set", f"serve.port={port}"] if how == "--set serve.port" else [])
+    args = {"serve section": ["launch", str(path)],
+            "--set serve.port": ["launch", str(path), "--set", f"serve.port={port}", "--set", "serve.api_key=k"],
+            "disagg serve": ["serve", str(path), "--port", str(port), "--set", "serve.api_key=k"]}[how]
     fake = FakeCluster(tokenizer=CharTokenizer())
     monkeypatch.setattr(Cluster, "launch", staticmethod(lambda cfg: fake))
     monkeypatch.setattr(cli, "describe", lambda cluster: "the fleet")
@@ -62,15 +64,19 @@ def test_launch_serves_when_the_config_names_serve(tmp_path, monkeypatch, how):
                 time.sleep(0.05)
         headers = {"Authorization": "Bearer k"}
         answers.append(httpx.post(url + "/v1/completions", json={"prompt": [66], "max_tokens": 2}, headers=headers))
+        answers.append(httpx.post(url + "/v1/completions", json={"prompt": [66], "max_tokens": 2}))  # no key
         os.kill(os.getpid(), signal.SIGINT)
     thread = threading.Thread(target=client)
     thread.start()
     result = CliRunner().invoke(cli.app, args)
     thread.join(10)
     assert result.exit_code == 0, result.output
-    assert answers and answers[0].status_code == 200 and answers[0].json()["choices"][0]["text"] == "BB"
-    assert f"serving the OpenAI API on http://127.0.0.1:{port}/v1" in result.output
-    assert "shutting down" in result.output and fake.shut_down
+    assert len(answers) == 2 and answers[0].status_code == 200 and answers[0].json()["choices"][0]["text"] == "BB"
+    assert answers[1].status_code == 401  # serve.api_key, from the file or --set, is enforced
+    assert fake.shut_down
+    if how != "disagg serve":  # launch prints the fleet and where it serves (on 127.0.0.1 by default)
+        assert f"serving the OpenAI API on http://127.0.0.1:{port}/v1" in result.output
+        assert "shutting down" in result.output
 
 
 def test_launch_with_a_serve_section_serves_the_real_cluster(tmp_path):
