@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.multigpu
 
-GEOMETRY = dict(num_layers=4, num_pages=512, num_kv_heads=8, page_size=16, head_dim=128)
+GEOMETRY = dict(num_layers=4, num_pages=1536, num_kv_heads=8, page_size=16, head_dim=128)
 TIMEOUT_S = 120.0
 HEAP_BYTES = 1 << 30
 # Every GPU process keeps NVLink multicast off (see /work/shared/device/README.md).
