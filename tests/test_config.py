@@ -40,6 +40,22 @@ def test_tiny_configs_are_the_ci_pair():
     assert one.instances.device == "cpu" and one.transfer.backend == "shm"
 
 
+def test_four_gpu_configs_are_one_family():
+    """The four-GPU splits and their colocated baseline differ only in the split (FOURGPU.md)."""
+    names = ["2p2d", "1p3d", "3p1d", "colocated-4"]
+    configs = {name: Config.from_yaml(CONFIGS / f"llama3-8b-{name}.yaml") for name in names}
+    base = configs["colocated-4"]
+    splits = {name: (c.instances.prefill, c.instances.decode, c.instances.colocated) for name, c in configs.items()}
+    assert splits == {"2p2d": (2, 2, 0), "1p3d": (1, 3, 0), "3p1d": (3, 1, 0), "colocated-4": (0, 0, 4)}
+    for config in configs.values():
+        assert config.instances.num_instances == 4 and config.instances.device == "cuda"
+        assert (config.model, config.scheduler) == (base.model, base.scheduler)
+        assert config.cache.page_size == base.cache.page_size
+    for name in ("1p3d", "3p1d"):
+        assert configs[name].bench.compare_with == str((CONFIGS / "llama3-8b-colocated-4.yaml").resolve())
+        assert configs[name].transfer.backend == "nvshmem"
+
+
 def test_unknown_key_suggests_the_closest(tmp_path: Path):
     raw = tiny_raw()
     raw["cache"]["page_sise"] = 16
