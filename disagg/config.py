@@ -38,7 +38,7 @@ class ModelSection(Section):
     source: str = Field(
         min_length=1,
         description=f"an HF directory (config.json + *.safetensors), '{DUMMY_PREFIX}<preset>' (random "
-                    f"weights: tiny, smollm2-135m, llama3-8b), or '{SMOLLM2_SOURCE}' (the cached "
+                    f"weights: tiny, smollm2-135m, llama3-8b, llama3.1-8b), or '{SMOLLM2_SOURCE}' (the cached "
                     "conversion of the SmolLM2-135M-Instruct GGUF, built on first use)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weight and activation dtype; auto: the checkpoint's (dummy: bfloat16 on "

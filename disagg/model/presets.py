@@ -2,7 +2,8 @@
 
 A dummy model has the preset's shapes and seeded random weights (see `disagg.model.weights.
 random_weights`), no tokenizer. Used by CPU tests ("tiny"), by benchmarks and GPU sizing
-("llama3-8b"), and to run the real SmolLM2's shape without its weights ("smollm2-135m").
+("llama3-8b"; "llama3.1-8b" for contexts past 8192 tokens), and to run the real SmolLM2's
+shape without its weights ("smollm2-135m").
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
         vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
         tie_word_embeddings=False, bos_token_id=128000, eos_token_id=[128001, 128009],
+    ),
+    # meta-llama/Llama-3.1-8B(-Instruct): llama3-8b's shapes with a 128k context by llama3 RoPE
+    # scaling (the 8k-32k long-prompt workload needs more than llama3-8b's 8192 tokens).
+    "llama3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], num_hidden_layers=32, hidden_size=4096,
+        intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
     ),
 }
 
