@@ -56,6 +56,26 @@ def test_four_gpu_configs_are_one_family():
         assert configs[name].transfer.backend == "nvshmem"
 
 
+def test_llama31_configs_hold_the_long_prompt_workload():
+    """The 8k-32k long-prompt workload fits unclipped: max_model_len and the preset's context."""
+    from disagg.cluster.bench.workloads import WorkloadSpec, sample_requests
+    from disagg.model.presets import preset_config
+
+    one, colo = (Config.from_yaml(CONFIGS / f"llama3.1-8b-{name}.yaml") for name in ("1p1d", "colocated"))
+    assert one.model == colo.model and one.model.source == "dummy:llama3.1-8b"
+    assert (one.mode, colo.mode) == ("disaggregated", "colocated")
+    assert one.scheduler == colo.scheduler and one.cache == colo.cache
+    limit = one.model.max_model_len
+    assert 32768 + 64 <= limit <= preset_config("llama3.1-8b").max_position_embeddings
+
+    def lengths(max_model_len):
+        spec = WorkloadSpec("long-prompt", num_prompts=64, vocab_size=1000, max_model_len=max_model_len)
+        return [(len(r.prompt_token_ids), r.expected_output_len) for r in sample_requests(spec)]
+    unclipped = lengths(None)
+    assert max(n for n, _ in unclipped) > 30000 and lengths(limit) == unclipped
+    assert lengths(8192) != unclipped  # what llama3-8b's context did to it
+
+
 def test_unknown_key_suggests_the_closest(tmp_path: Path):
     raw = tiny_raw()
     raw["cache"]["page_sise"] = 16
