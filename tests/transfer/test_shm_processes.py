@@ -119,11 +119,14 @@ def test_doorbell_is_not_rung_before_end_forward(start):
     check(group, 1, {9: 0})
 
 
-def test_doorbell_rings_only_after_the_last_write(start):
+@pytest.mark.parametrize("force_segment_puts", [False, True], ids=["peer-store", "segment-puts"])
+def test_doorbell_rings_only_after_the_last_write(start, force_segment_puts):
     """The receiver spins on the doorbell while the sender pushes (pausing after every layer) and
     reads the moment it sees the ring: every layer must be there already. A ring issued before
-    the last layer's write fails this (checked against a pusher that rings in begin_forward)."""
-    group = start(2)
+    the last layer's write fails this (checked against a pusher that rings in begin_forward).
+    Then nothing outside the requests' slots changed on either side, and a later request on the
+    same ranks lands exactly (the two-GPU module runs these scenarios on shared actors)."""
+    group = start(2, force_segment_puts)
     for attempt in range(3):
         rid = 900 + attempt
         got = group.run("prepare_recv", {1: dict(requests=[dict(request_id=rid, seq_id=rid, length=40)])},
@@ -132,6 +135,11 @@ def test_doorbell_rings_only_after_the_last_write(start):
         result = group.run("ring_race", {0: dict(role="send", requests=[request], layer_delay_s=0.05),
                                          1: dict(role="watch", request_id=rid)}, STEP_TIMEOUT_S)
         assert result[1] == {"rung": True, "layers_wrong_at_ring": []}, result
+    check(group, 1, {})
+    send(group, {1: [dict(request_id=950, seq_id=950, length=40 - 5)]},
+         [dict(request_id=950, seq_id=950, prompt_len=40, local_len=9, begin=5)])
+    check(group, 1, {950: 5})
+    assert group.run("sender_unchanged_outside", {0: {}})[0] is True
 
 
 def test_wait_times_out_with_request_and_pes(start):
