@@ -1,9 +1,12 @@
-"""The Llama family's building blocks as plain torch functions: RMSNorm, RoPE, SwiGLU.
+"""The Llama family's building blocks: RMSNorm, RoPE, SwiGLU.
 
-`disagg.model.llama` composes them per layer. Numerics follow HF transformers' Llama/Qwen2
-modules step for step (float32 norm statistics, cos/sin computed in float32 and cast to the
-activations' dtype, rotate-half RoPE), so a float32 model matches transformers to rounding and a
-bf16 one rounds at the same places. Everything here is shape-static and sync-free: it runs
+`disagg.model.llama` composes them per layer. Each op has a torch version (`*_torch`) that
+defines the numerics: they follow HF transformers' Llama/Qwen2 modules step for step (float32
+norm statistics, cos/sin computed in float32 and cast to the activations' dtype, rotate-half
+RoPE), so a float32 model matches transformers to rounding and a bf16 one rounds at the same
+places. Where `disagg.kernels.dispatch.use_triton` says Triton runs (CUDA tensors; CPU tensors
+under TRITON_INTERPRET=1) the plain names launch one fused kernel of `disagg.kernels.fused`
+instead, rounding at the same places. Everything here is shape-static and sync-free: it runs
 inside CUDA-graph capture.
 """
 
@@ -15,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from disagg.kernels import dispatch, fused
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * x / rms(x)` over the last dim; statistics in float32, result in x's dtype.
@@ -22,6 +27,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Args:
         x: `[T, H]` activations. weight: `[H]`. eps: added to the mean square.
     """
+    if dispatch.use_triton(x):
+        return fused.rms_norm(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` in eager torch ops (the reference)."""
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -32,10 +44,20 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """Add `x` into the residual stream, then normalize: `(rms_norm(x + residual), x + residual)`.
 
     The first layer passes `residual=None` (the stream starts as `x`). The sum is taken in x's
-    dtype, as transformers does.
+    dtype, as transformers does. The fused kernel writes the sum into `residual` in place (CUDA
+    graphs keep one buffer), the torch version returns a new tensor: callers use the returned
+    stream and never read the `residual` they passed again.
     """
+    if dispatch.use_triton(x):
+        return fused.add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm_torch(x, residual, weight, eps)
+
+
+def add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm` in eager torch ops (the reference; `residual` is left unchanged)."""
     residual = x if residual is None else residual + x
-    return rms_norm(residual, weight, eps), residual
+    return rms_norm_torch(residual, weight, eps), residual
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
@@ -90,9 +112,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         x: `[T, heads, head_dim]` (a view of the fused qkv output is fine).
         cos, sin: `[T, head_dim]` from `rope_cos_sin`, x's dtype.
     """
+    if dispatch.use_triton(x):
+        return fused.apply_rope(x, cos, sin)
+    return apply_rope_torch(x, cos, sin)
+
+
+def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` in eager torch ops (the reference)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation `silu(gate) * up` of the fused projection `[T, 2 I]` -> `[T, I]`."""
+    if dispatch.use_triton(gate_up):
+        return fused.silu_mul(gate_up)
+    return silu_mul_torch(gate_up)
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu_mul` in eager torch ops (the reference)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -101,5 +143,4 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
     Args:
         x: `[T, H]`. gate_up: `[2 I, H]` (gate rows first). down: `[H, I]`.
     """
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    return F.linear(silu_mul(F.linear(x, gate_up)), down)
