@@ -111,6 +111,13 @@ class SymmetricHeap(abc.ABC):
         read the data. Words are single-writer by protocol (the owner of a doorbell ticket).
         """
 
+    def quiet_async(self, stream: object | None = None) -> None:
+        """Complete every put this PE issued, after all earlier work on ``stream`` (the current
+        stream when None): work recorded after it on ``stream`` runs once they have landed.
+
+        The default does nothing: backends whose puts complete before the call returns (shm).
+        """
+
     @abc.abstractmethod
     def read_signals(self) -> np.ndarray:
         """Return a snapshot of this PE's signal words, int64 ``[num_signals]``."""

@@ -291,6 +291,12 @@ class NvshmemHeap(SymmetricHeap):
         self._bindings.signal_op_on_stream(self._signals.data_ptr() + 8 * index, int(value),
                                            int(self._core.SignalOp.SIGNAL_SET), pe, handle)
 
+    def quiet_async(self, stream: object | None = None) -> None:
+        """``quiet_on_stream``: the puts issued before (remote transports included) complete
+        before anything later on ``stream`` runs."""
+        self._check_open("quiet_async")
+        self._bindings.quiet_on_stream((stream or torch.cuda.current_stream(self.device)).cuda_stream)
+
     def read_signals(self) -> np.ndarray:
         self._check_open("read_signals")
         with torch.cuda.stream(self._poll_stream):

@@ -4,7 +4,9 @@
     PrefillEngine(model, heap, ...)   .add(request_id, prompt_token_ids, params, dest)
     DecodeEngine(model, heap, ...)    .reserve(request_id, prompt_len, params) -> RecvDest
                                       .start(request_id, first_token_id)
+                                      .cancel_reservation(dest)  no sender will write: free now
     every engine: .step() -> list[TokenOutput], .abort(request_id), .has_work(), .stats()
+    (PrefillEngine.abort -> PushState | None: may a push of it still land in the decode pages?)
 
 Files: `request` (request state, TokenOutput, RecvDest, add-time checks), `scheduler` (colocated
 batching and preemption), `runner` (plan -> forward -> sample), `graphs` (decode CUDA graphs),
@@ -16,10 +18,11 @@ from __future__ import annotations
 
 import importlib
 
-from disagg.engine.request import RecvDest, TokenOutput
+from disagg.engine.request import PushState, RecvDest, TokenOutput
 from disagg.sampling import SamplingParams
 
-__all__ = ["ColocatedEngine", "DecodeEngine", "PrefillEngine", "RecvDest", "SamplingParams", "TokenOutput"]
+__all__ = ["ColocatedEngine", "DecodeEngine", "PrefillEngine", "PushState", "RecvDest", "SamplingParams",
+           "TokenOutput"]
 
 # The engines pull in torch, the model and the kernels: imported on first use, so that a caller
 # that needs only RecvDest / TokenOutput (the router) stays light.

@@ -12,7 +12,9 @@ Pages: `reserve` commits the pages of the request's whole life (prompt + max_tok
 the context), so a decode step never runs out of pages and never preempts; when the commitment
 does not fit, `reserve` raises `OutOfPages` and the caller queues. Until the doorbell rings the
 pages belong to the sender (`disagg.engine.lease`): an abort quarantines them, a lease expiry
-frees them and fails the request (finish_reason "error").
+frees them and fails the request (finish_reason "error"). When the caller knows that no sender
+will write them (the prefill side refused the request or never got it, or its abort reported
+`PushState.QUIESCED`), `cancel_reservation(dest)` frees them at once, quarantined or not.
 
 Host/GPU overlap of a step (CUDA): the decode forward is a CUDA-graph replay (`runner`), followed
 by sampling; while the GPU runs them, the host polls the doorbells and leases (requests rung now
@@ -91,6 +93,7 @@ class DecodeEngine:
         self._factory = RequestFactory(tuple(model.config.eos_token_ids))
         self._outputs: list[TokenOutput] = []
         self.num_doorbells_rung = 0
+        self.num_reservations_cancelled = 0
         self.doorbell_wait_s = 0.0  # reserve to ring seen, summed over rung reservations (lease clock)
 
     @property
@@ -175,13 +178,58 @@ class DecodeEngine:
             self.ready.append(req)
 
     def abort(self, request_id: Hashable) -> bool:
-        """Drop a request; pages a sender may still write are quarantined. False if unknown."""
+        """Drop a request; pages a sender may still write are quarantined (until the ring, the
+        lease expiry or `cancel_reservation`). False if unknown."""
         req = self.requests.get(request_id)
         if req is None:
             return False
         self._drop(req)
         self._outputs.append(TokenOutput(request_id, None, True, "abort"))
         return True
+
+    def cancel_reservation(self, dest: RecvDest) -> None:
+        """Free a reservation at once: the caller asserts that no sender will write its pages.
+
+        For a reservation whose KV will never land: the prefill side refused the request or never
+        received ``dest``, or its `PrefillEngine.abort` returned `PushState.QUIESCED` (or its
+        IN_FLIGHT abort's output came). Its lease closes and its pages go back to the free list:
+        a live request ends with an ``"abort"`` output; a quarantined one (aborted earlier) just
+        stops waiting for its ring or lease expiry. Calling it while a push may still land hands
+        pages that are being written to the next reservation.
+
+        Args:
+            dest: what `reserve` returned for the request (its ticket names this reservation, not
+                a later one under the same id).
+
+        Raises:
+            TypeError: ``dest`` is not a RecvDest.
+            ValueError: no open reservation here matches ``dest`` (unknown id, already freed, or
+                reserved again), or its doorbell has rung (the KV landed: use `abort`, which
+                frees it at once). Nothing changes.
+        """
+        if not isinstance(dest, RecvDest):
+            raise TypeError(f"dest: expected the RecvDest from reserve, got {type(dest).__name__}")
+        request_id = dest.request_id
+        lease = self.leases.get(request_id)
+        if lease is None:
+            if request_id in self.requests:
+                raise ValueError(f"dest: the doorbell of request {request_id!r} has rung (its KV landed); "
+                                 f"expected a reservation still waiting for it: call abort({request_id!r})")
+            raise ValueError(f"dest: request {request_id!r} has no open reservation here (unknown, or freed "
+                             f"already by its ring, lease expiry or an earlier cancel)")
+        if lease.ticket != dest.ticket:
+            raise ValueError(f"dest.ticket: request {request_id!r}'s open reservation waits on doorbell word "
+                             f"{lease.ticket.index} epoch {lease.ticket.epoch}, got word {dest.ticket.index} "
+                             f"epoch {dest.ticket.epoch} (an earlier reservation under the same id)")
+        self.leases.cancel(request_id)
+        req = self._quarantined.pop(request_id, None)
+        if req is None:
+            req = self.requests.pop(request_id)
+            if req in self.ready:
+                self.ready.remove(req)
+            self._outputs.append(TokenOutput(request_id, None, True, "abort"))
+        self.num_reservations_cancelled += 1
+        self._free(req)
 
     def _drop(self, req: Request) -> None:
         """Forget ``req``; free its pages now, or once its lease closes when KV may be in flight."""
@@ -207,14 +255,15 @@ class DecodeEngine:
     def stats(self) -> dict:
         """Pages, requests by state, leases, and doorbell totals: ``doorbell_wait_s`` is the time
         reservations waited for their KV (reserve to the ring seen by a step), summed over the
-        ``num_doorbells_rung`` that rang."""
+        ``num_doorbells_rung`` that rang; ``num_reservations_cancelled`` counts `cancel_reservation`."""
         return {"free_pages": self.cache.num_free_pages, "total_pages": self.cache.num_pages,
                 "running": len(self.running), "waiting": len(self.requests) - len(self.running),
                 "leases": len(self.leases), "quarantined": len(self._quarantined),
                 "committed_pages": self.num_committed_pages, "num_forwards": self.runner.num_forwards,
                 "num_graph_replays": self.runner.num_graph_replays,
                 "num_preemptions": 0,  # reserve commits every page of a request's life: never preempted
-                "num_doorbells_rung": self.num_doorbells_rung, "doorbell_wait_s": self.doorbell_wait_s}
+                "num_doorbells_rung": self.num_doorbells_rung, "doorbell_wait_s": self.doorbell_wait_s,
+                "num_reservations_cancelled": self.num_reservations_cancelled}
 
     def warmup(self, max_kv_len: int | None = None) -> dict[str, float]:
         """Compile the decode kernels and capture the graphs before the first request (idle only)."""

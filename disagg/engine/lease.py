@@ -6,7 +6,9 @@ happens to the request (abort, error). A `Lease` records the reservation and its
 (``lease_s`` after `reserve`). `LeaseBook.poll` reports the leases whose doorbell rang (the KV
 has landed: the pages are the request's own again) and the leases that expired (the sender is
 presumed gone: the pages can be freed and the request, if still wanted, fails). An aborted
-request whose lease is still open is *quarantined*: its pages stay reserved until one of the two.
+request whose lease is still open is *quarantined*: its pages stay reserved until one of the two,
+or until the caller asserts that no sender will write them (`cancel`: the prefill side refused
+the request, never got it, or reported its aborted pushes complete).
 Pure host bookkeeping, run inside the decode engine's step.
 """
 
@@ -64,6 +66,10 @@ class LeaseBook:
     def num_quarantined(self) -> int:
         return sum(lease.quarantined for lease in self._leases.values())
 
+    def get(self, request_id: Hashable) -> Lease | None:
+        """The open lease of ``request_id``, or None."""
+        return self._leases.get(request_id)
+
     def open(self, request_id: Hashable, ticket: DoorbellTicket) -> Lease:
         lease = Lease(request_id, ticket, self.clock() + self.lease_s)
         self._leases[request_id] = lease
@@ -96,6 +102,7 @@ class LeaseBook:
         return rung, expired
 
     def cancel(self, request_id: Hashable) -> None:
-        """Close a lease whose reservation was undone before its ticket left this process."""
+        """Close a lease that no sender will ring: its reservation was undone before its ticket
+        left this process, or the caller vouches that the sender stopped (see the module)."""
         lease = self._leases.pop(request_id)
         self.doorbells.release(lease.ticket)

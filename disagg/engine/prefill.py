@@ -14,6 +14,12 @@ sampled token (`TokenOutput`, ``finished`` only when that token already ends the
 leaves the local cache once its pushes and doorbell are done (the end_forward event on CUDA;
 at once on CPU, where the push ran inline). A request is admitted only when its whole prompt
 fits in the free pages, so a started push never waits for pages.
+
+An abort says whether the decode pages may still be written (`PushState`): QUIESCED when no
+forward pushed the request (still queued, or admitted but never scheduled) or every forward that
+did has completed; IN_FLIGHT while the last such forward's transfers may run on (CUDA: a fence
+event after them has not completed). An IN_FLIGHT abort's ``"abort"`` output comes from the step
+that sees the fence complete: that output is the word that its decode reservation may be freed.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ import torch
 
 from disagg import posmap
 from disagg.cache import PagedKVCache
-from disagg.engine.request import (RecvDest, Request, RequestFactory, TokenOutput, check_engine_sizes,
-                                   check_new_request, pages_for)
+from disagg.engine.request import (PushState, RecvDest, Request, RequestFactory, TokenOutput,
+                                   check_engine_sizes, check_new_request, pages_for)
 from disagg.engine.runner import ModelRunner
 from disagg.sampling import SamplingParams
 from disagg.transfer import KVPusher
@@ -69,6 +75,8 @@ class PrefillEngine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Request] = []
         self.draining: list[tuple[Request, torch.cuda.Event | None]] = []
+        # Aborted requests whose pushes may still land: request id -> fence event after them.
+        self.quiescing: dict[Hashable, torch.cuda.Event] = {}
         self._factory = RequestFactory(tuple(model.config.eos_token_ids))
         self._outputs: list[TokenOutput] = []
         # Every prompt token is pushed: one token's K and V of every layer, bytes.
@@ -84,6 +92,9 @@ class PrefillEngine:
         prompt = check_new_request(request_id, prompt_token_ids, params, known=self.requests,
                                    vocab_size=self.model.config.vocab_size,
                                    max_model_len=self.max_model_len)
+        if request_id in self.quiescing:  # its abort output must stay unambiguous
+            raise ValueError(f"request_id: {request_id!r} was aborted and its pushes may still be in "
+                             f"flight; expected a new id (or this one again after its abort output)")
         self._check_dest(request_id, len(prompt), dest)
         if pages_for(len(prompt), self.cache.page_size) > self.cache.num_pages:
             raise ValueError(f"prompt_token_ids: request {request_id!r} has {len(prompt)} tokens, "
@@ -108,12 +119,21 @@ class PrefillEngine:
             raise ValueError(f"dest.cmap: request {request_id!r} has {prompt_len} prompt tokens; "
                              f"expected a map of that many slots, got {num_slots}")
 
-    def abort(self, request_id: Hashable) -> bool:
-        """Stop a prompt (its pushes stop; the decode side's lease frees its pages). False if unknown."""
+    def abort(self, request_id: Hashable) -> PushState | None:
+        """Stop a prompt: it leaves the queue or the cache, its pushes stop, its doorbell never rings.
+
+        Returns:
+            None when the request is not here (unknown, or its prompt already completed: the
+            doorbell rang or will, which ends the decode side's lease). Else whether a push of it
+            may still land in its decode pages (`PushState`): QUIESCED, the ``"abort"`` output
+            follows in the next step; IN_FLIGHT, the ``"abort"`` output comes from the step that
+            sees the pushes complete, and the id cannot be added again before it.
+        """
         req = self.requests.pop(request_id, None)
         if req is None:
-            return False
+            return None
         self._dests.pop(request_id, None)
+        fence = None
         if req in self.waiting:
             self.waiting.remove(req)
         elif req in self.prefilling:
@@ -121,19 +141,47 @@ class PrefillEngine:
             self.pusher.detach_doorbell(req.seq_id)
             self.cache.remove_sequence(req.seq_id)
             req.in_cache = False
+            if req.num_computed:  # some forward pushed part of it
+                fence = self._fence_pushes()
+        if fence is not None and not fence.query():
+            self.quiescing[request_id] = fence
+            return PushState.IN_FLIGHT
         self._outputs.append(TokenOutput(request_id, None, True, "abort"))
-        return True
+        return PushState.QUIESCED
+
+    def _fence_pushes(self) -> torch.cuda.Event | None:
+        """An event that completes once every push issued so far has landed, or None when all
+        have (CPU: the shm heap's pushes ran inline).
+
+        On CUDA the current stream already waits for each forward's transfer streams (`KVPusher.
+        end_forward`); a quiet completes the segment puts to peers without load/store access.
+        """
+        if not self.kv.is_cuda:
+            return None
+        self.heap.quiet_async()
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _poll_quiescing(self, outputs: list[TokenOutput]) -> None:
+        """Report the aborts whose pushes have completed since the last step."""
+        for request_id, fence in list(self.quiescing.items()):
+            if fence.query():
+                del self.quiescing[request_id]
+                outputs.append(TokenOutput(request_id, None, True, "abort"))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.draining or self._outputs)
+        return bool(self.waiting or self.prefilling or self.draining or self.quiescing or self._outputs)
 
     def stats(self) -> dict:
-        """Pages, queue lengths and push totals: ``pushed_bytes`` (KV sent to decode workers),
+        """Pages, queue lengths (``quiescing``: aborts whose pushes may still land) and push
+        totals: ``pushed_bytes`` (KV sent to decode workers),
         ``push_s`` (seconds of the forwards that sent it) and ``push_gbps`` (their ratio, GB/s:
         the rate KV leaves this worker while it prefills, a lower bound of the link's)."""
         return {"free_pages": self.cache.num_free_pages, "total_pages": self.cache.num_pages,
                 "running": len(self.prefilling), "waiting": len(self.waiting),
-                "draining": len(self.draining), "num_forwards": self.runner.num_forwards,
+                "draining": len(self.draining), "quiescing": len(self.quiescing),
+                "num_forwards": self.runner.num_forwards,
                 "num_preemptions": 0,  # a prompt is admitted only when all of it fits: never preempted
                 "pushed_bytes": self.pushed_bytes, "push_s": self.push_s,
                 "push_gbps": self.pushed_bytes / self.push_s / 1e9 if self.push_s else 0.0}
@@ -150,6 +198,7 @@ class PrefillEngine:
     def step(self) -> list[TokenOutput]:
         """Run one prefill forward (if there is work); return the first tokens it produced."""
         outputs, self._outputs = self._outputs, []
+        self._poll_quiescing(outputs)
         self._drain()
         self._admit()
         reqs, counts = self._schedule()

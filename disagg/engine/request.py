@@ -4,7 +4,8 @@
 cache, sampling and stopping rules). `TokenOutput` is one token of one request in a step's
 output list. `RecvDest` is what `DecodeEngine.reserve` returns and `PrefillEngine.add` takes:
 where the prompt's KV must land (picklable; it crosses processes). `check_new_request` is the
-`add`-time validation every engine runs before touching a page. Used by every engine process.
+`add`-time validation every engine runs before touching a page. `PushState` is what
+`PrefillEngine.abort` says about the aborted request's pushes. Used by every engine process.
 
 The token life of a request (vLLM v1's "num_computed_tokens" view, no prefill/decode flag):
 
@@ -18,6 +19,7 @@ token to compute". Preemption resets ``num_computed`` to 0 (recompute prompt + o
 
 from __future__ import annotations
 
+import enum
 import itertools
 import random
 from dataclasses import dataclass
@@ -45,6 +47,20 @@ class TokenOutput(NamedTuple):
     finished: bool
     finish_reason: str | None
     error: str | None = None
+
+
+class PushState(str, enum.Enum):
+    """Whether an aborted prefill request may still write into its decode pages.
+
+    QUIESCED: no push of it can land anymore (none started, or every one of them completed):
+        the decode side may free its reservation now (`DecodeEngine.cancel_reservation`).
+    IN_FLIGHT: a forward that pushed it may still be writing (GPU transfers not done yet); the
+        prefill engine reports the abort's ``"abort"`` output once they are, and only then is
+        the reservation safe to free.
+    """
+
+    QUIESCED = "quiesced"
+    IN_FLIGHT = "in_flight"
 
 
 @dataclass(frozen=True)
