@@ -8,6 +8,10 @@ batch of sequences go through
                    -> RMSNorm -> SwiGLU MLP (fused gate_up) -> + residual ]
           -> RMSNorm -> lm_head on each sequence's last new token
 
+Each "+ residual" is folded into the next RMSNorm (`add_rms_norm`, which on GPU updates the
+residual stream in place); norms, RoPE and the SwiGLU activation are one fused Triton launch each
+on GPU (`disagg.kernels.fused`, chosen in `disagg.model.layers`).
+
 Attention reads the whole sequence from the pages: `paged_prefill` (causal, ragged) for prompt
 chunks and mixed batches, `paged_decode` (split-K, CUDA-graph capturable) when every sequence
 appends one token. A prefill worker passes its `KVPusher`: each layer's K/V then goes out through
@@ -26,7 +30,7 @@ from disagg.kernels import append_kv, copy_slots, paged_decode, paged_prefill
 from disagg.kernels.fp8 import FP8_DTYPE
 from disagg.model.batch import AttentionBatch
 from disagg.model.config import ModelConfig
-from disagg.model.layers import add_rms_norm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, swiglu
+from disagg.model.layers import add_rms_norm, apply_rope, rope_cos_sin, rope_inv_freq, swiglu
 from disagg.model.weights import LayerWeights, ModelWeights
 
 if TYPE_CHECKING:
@@ -107,8 +111,10 @@ class Model:
             x = self._attention(index, layer, x, cos, sin, batch, kv[index], pusher, k_scale, v_scale)
             x, residual = add_rms_norm(x, residual, layer.post_norm, eps)
             hidden = swiglu(x, layer.gate_up, layer.down)
-        last = (hidden + residual)[batch.logits_indices]
-        return F.linear(rms_norm(last, self.weights.norm, eps), self.weights.lm_head).float()
+        # Only each sequence's last token reaches the head: gather, then add and norm those rows.
+        last = batch.logits_indices
+        x, _ = add_rms_norm(hidden[last], residual[last], self.weights.norm, eps)
+        return F.linear(x, self.weights.lm_head).float()
 
     def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch: AttentionBatch, kv_layer: torch.Tensor,

@@ -1,0 +1,65 @@
+"""dummy:tiny through Triton's interpreter: the fused layer kernels (disagg.kernels.fused) run in
+the model, and its logits equal those of the torch layer ops (attention kernels interpreted in
+both runs, so only the layer ops differ).
+
+Tolerance: float32 logits within 1e-5 of their scale (the norms' float32 sums run in another
+order); bfloat16 within 2 ulp of the logits' scale (bf16 ops round as torch does; a norm element
+may still round the other way and move the rest).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from disagg.kernels import fused
+from disagg.model import layers, load_model
+from paged_runner import PagedRunner
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="runs the Triton kernels: needs TRITON_INTERPRET=1")
+PROMPTS = [[5, 17, 33, 2, 9, 11, 40, 41, 42, 7], [100, 3, 8], [250, 251, 4, 60, 61, 62, 63]]
+
+
+def _generate(model, steps: int = 1) -> torch.Tensor:
+    """Prefill logits then `steps` greedy decode logits, `[steps + 1, n, vocab]`."""
+    runner = PagedRunner(model, page_size=4)
+    logits = [runner.prefill(PROMPTS)]
+    for _ in range(steps):
+        logits.append(runner.decode(logits[-1].argmax(-1).tolist()))
+    return torch.stack(logits)
+
+
+def _torch_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's layer ops run their torch versions; the attention kernels still interpret."""
+    monkeypatch.setattr(layers, "dispatch", SimpleNamespace(use_triton=lambda tensor: False))
+
+
+def test_model_launches_each_fused_kernel(monkeypatch):
+    model = load_model("dummy:tiny", device="cpu")
+    calls = {name: 0 for name in ("add_rms_norm", "rms_norm", "silu_mul", "apply_rope")}
+    for name in calls:
+        def counted(*args, _name=name, _fn=getattr(fused, name)):
+            calls[_name] += 1
+            return _fn(*args)
+        monkeypatch.setattr(fused, name, counted)
+    PagedRunner(model).forward({0: PROMPTS[0], 1: PROMPTS[1]})
+    layers_ = model.config.num_layers
+    assert calls == {"add_rms_norm": 2 * layers_ + 1, "rms_norm": 0, "silu_mul": layers_,
+                     "apply_rope": layers_}
+
+
+@pytest.mark.parametrize("dtype,ulps", [(torch.float32, None), (torch.bfloat16, 2)])
+def test_fused_forward_equals_torch_layers(monkeypatch, dtype, ulps):
+    model = load_model("dummy:tiny", device="cpu", dtype=dtype)
+    got = _generate(model).float()
+    _torch_layers(monkeypatch)
+    want = _generate(model).float()
+    scale = float(want.abs().max())
+    err = float((got - want).abs().max()) / scale
+    bound = 1e-5 if ulps is None else ulps * 2.0 ** -8
+    assert err <= bound, f"logits differ by {err:.2e} of their scale (bound {bound:.1e})"
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
