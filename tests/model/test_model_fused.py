@@ -1,14 +1,16 @@
-"""dummy:tiny through Triton's interpreter: the fused layer kernels (disagg.kernels.fused) run in
-the model, and its logits equal those of the torch layer ops (attention kernels interpreted in
-both runs, so only the layer ops differ).
+"""The fused layer kernels (disagg.kernels.fused) in the model: logits equal those of the torch
+layer ops, with the attention kernels the same in both runs, so only the layer ops differ.
 
-Tolerance: float32 logits within 1e-5 of their scale (the norms' float32 sums run in another
-order); bfloat16 within 2 ulp of the logits' scale (bf16 ops round as torch does; a norm element
-may still round the other way and move the rest).
+CPU (Triton's interpreter, dummy:tiny): float32 logits within 1e-5 of their scale (the norms'
+float32 sums run in another order); bfloat16 within 2 ulp of the logits' scale (bf16 ops round as
+torch does; a norm element may still round the other way and move the rest). GPU (2 layers of
+llama3-8b in bf16, random weights): relative L2 error below 1e-2 and the same greedy tokens; run
+with `TRITON_INTERPRET=0 .venv/bin/pytest -q -m gpu tests/model/test_model_fused.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from types import SimpleNamespace
 
@@ -17,10 +19,13 @@ import torch
 
 from disagg.kernels import fused
 from disagg.model import layers, load_model
+from disagg.model.llama import Model
+from disagg.model.presets import preset_config
+from disagg.model.weights import random_weights
 from paged_runner import PagedRunner
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="runs the Triton kernels: needs TRITON_INTERPRET=1")
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="runs the Triton kernels: needs TRITON_INTERPRET=1")
 PROMPTS = [[5, 17, 33, 2, 9, 11, 40, 41, 42, 7], [100, 3, 8], [250, 251, 4, 60, 61, 62, 63]]
 
 
@@ -38,6 +43,7 @@ def _torch_layers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(layers, "dispatch", SimpleNamespace(use_triton=lambda tensor: False))
 
 
+@needs_interpreter
 def test_model_launches_each_fused_kernel(monkeypatch):
     model = load_model("dummy:tiny", device="cpu")
     calls = {name: 0 for name in ("add_rms_norm", "rms_norm", "silu_mul", "apply_rope")}
@@ -52,6 +58,7 @@ def test_model_launches_each_fused_kernel(monkeypatch):
                      "apply_rope": layers_}
 
 
+@needs_interpreter
 @pytest.mark.parametrize("dtype,ulps", [(torch.float32, None), (torch.bfloat16, 2)])
 def test_fused_forward_equals_torch_layers(monkeypatch, dtype, ulps):
     model = load_model("dummy:tiny", device="cpu", dtype=dtype)
@@ -62,4 +69,25 @@ def test_fused_forward_equals_torch_layers(monkeypatch, dtype, ulps):
     err = float((got - want).abs().max()) / scale
     bound = 1e-5 if ulps is None else ulps * 2.0 ** -8
     assert err <= bound, f"logits differ by {err:.2e} of their scale (bound {bound:.1e})"
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.gpu
+def test_llama8b_shaped_bf16_fused_close_to_torch_layers(monkeypatch):
+    config = dataclasses.replace(preset_config("llama3-8b"), num_layers=2)
+    cuda = torch.device("cuda")
+    model = Model(config, random_weights(config, torch.bfloat16, cuda), dtype=torch.bfloat16, device=cuda)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (1, 7, 100, 333)]
+
+    def prefill_and_decode() -> torch.Tensor:
+        runner = PagedRunner(model, num_pages=128, page_size=16)
+        first = runner.prefill(prompts)
+        return torch.stack([first, runner.decode(first.argmax(-1).tolist())])
+
+    got = prefill_and_decode()
+    _torch_layers(monkeypatch)
+    want = prefill_and_decode()
+    rel = float((got - want).norm() / want.norm())
+    assert rel < 1e-2, f"fused vs torch layer ops: relative error {rel:.2e}"
     assert torch.equal(got.argmax(-1), want.argmax(-1))
