@@ -37,7 +37,8 @@ EPS = 1e-5
 def test_add_rms_norm_llama8b(dtype, num_tokens, with_residual):
     gen = torch.Generator(CUDA).manual_seed(num_tokens)
     x = torch.randn(num_tokens, HIDDEN, generator=gen, device=CUDA).to(dtype)
-    residual = torch.randn(num_tokens, HIDDEN, generator=gen, device=CUDA).to(dtype) if with_residual else None
+    residual = torch.randn(num_tokens, HIDDEN, generator=gen, device=CUDA).to(dtype)
+    residual = residual if with_residual else None
     weight = (1 + 0.1 * torch.randn(HIDDEN, generator=gen, device=CUDA)).to(dtype)
     want, want_stream = layers.add_rms_norm_torch(x, residual, weight, EPS)
     got, stream = fused.add_rms_norm(x, residual.clone() if with_residual else None, weight, EPS)
@@ -72,12 +73,18 @@ def test_cuda_graph_replay_equals_eager():
     """Capture norm (in place into a static residual), RoPE and SiLU-mul once; replay on new inputs."""
     dtype, num_tokens = torch.bfloat16, 64
     gen = torch.Generator(CUDA).manual_seed(0)
-    rand = lambda *shape: torch.randn(*shape, generator=gen, device=CUDA).to(dtype)  # noqa: E731
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=CUDA).to(dtype)
+
     x, residual, weight = rand(num_tokens, HIDDEN), rand(num_tokens, HIDDEN), 1 + 0.1 * rand(HIDDEN)
     qk, cos, sin = _qkv_view(num_tokens, dtype, gen), rand(num_tokens, HEAD_DIM), rand(num_tokens, HEAD_DIM)
     gate_up = rand(num_tokens, 2 * INTERMEDIATE)
-    run = lambda: (fused.add_rms_norm(x, residual, weight, EPS)[0], fused.apply_rope(qk, cos, sin),  # noqa: E731
-                   fused.silu_mul(gate_up))
+
+    def run() -> tuple[torch.Tensor, ...]:
+        normed, _ = fused.add_rms_norm(x, residual, weight, EPS)
+        return normed, fused.apply_rope(qk, cos, sin), fused.silu_mul(gate_up)
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
