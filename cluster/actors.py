@@ -19,6 +19,7 @@ from typing import Any
 
 from disagg.cluster.step_loop import StepLoop
 from disagg.config import Config
+from disagg.engine.request import PushState
 
 logger = logging.getLogger(__name__)
 
@@ -130,12 +131,32 @@ class InstanceActor:
         """Decode: the prefill side produced ``first_token_id``; decode once the KV has landed."""
         await self._run(lambda: self.loop.engine.start(request_id, first_token_id))
 
-    async def abort(self, request_id: Any) -> None:
-        """Drop a request wherever it is (pages freed, or quarantined while KV may be in flight)."""
+    async def abort(self, request_id: Any) -> Any:
+        """Drop a request wherever it is (pages freed, or quarantined while KV may be in flight).
+
+        Returns:
+            Decode, colocated: whether the engine had the request. Prefill: None when the engine
+            does not have it (never got it, or its prompt completed: the doorbell ends the decode
+            side's lease), else `PushState.QUIESCED` once no push of it can land anymore; an
+            abort whose pushes are in flight answers when the engine reports them complete.
+        """
         if request_id in self._dropped:
             self._dropped.discard(request_id)
-            return
-        await self._run(lambda: self.loop.engine.abort(request_id))
+            return None
+        if self.role != "prefill":
+            return await self._run(lambda: self.loop.engine.abort(request_id))
+        def _abort() -> tuple[Any, Any]:
+            state = self.loop.engine.abort(request_id)
+            return state, self.loop.watch_end(request_id) if state is PushState.IN_FLIGHT else None
+        state, quiesced = await self._run(_abort)
+        if quiesced is not None:
+            await asyncio.wrap_future(quiesced)  # the engine's abort output: the pushes completed
+            state = PushState.QUIESCED
+        return state
+
+    async def cancel_reservation(self, dest: Any) -> None:
+        """Decode: free a reservation at once; the caller vouches that no sender will write it."""
+        await self._run(lambda: self.loop.engine.cancel_reservation(dest))
 
     async def next_outputs(self, wait_s: float) -> dict:
         """Every output since the previous call, waiting up to ``wait_s`` seconds for one.
@@ -187,6 +208,15 @@ class InstanceActor:
     async def unstall(self) -> None:
         """Test hook: end a `stall` early."""
         self._unstall.set()
+
+    async def pause_steps(self, after_num_steps: int = 0) -> None:
+        """Test hook: let the engine run ``after_num_steps`` more steps, then hold its steps
+        (calls still run: the engine takes requests and aborts but computes nothing)."""
+        await self._run(self.loop.pause_steps, after_num_steps)
+
+    async def resume_steps(self) -> None:
+        """Test hook: end `pause_steps`."""
+        await self._run(self.loop.resume_steps)
 
     async def close(self) -> None:
         """Release the engine and the heap (collective on every PE of the heap)."""

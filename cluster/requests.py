@@ -34,6 +34,7 @@ class Request:
         metrics: timings, filled as the request moves.
         stage: one of `STAGES`.
         prefill, decode, colocated: the instances holding it (None until placed).
+        dest: the decode reservation (`RecvDest`) handed to the prefill instance, or None.
         deadline: ``time.monotonic()`` after which it is aborted (request_timeout_s), or None.
         lease_deadline: ``time.monotonic()`` after which a reservation whose KV has not landed
             (no first token yet) is failed, or None.
@@ -49,6 +50,7 @@ class Request:
     prefill: Instance | None = None
     decode: Instance | None = None
     colocated: Instance | None = None
+    dest: Any = None
     deadline: float | None = None
     lease_deadline: float | None = None
     num_output: int = 0

@@ -7,12 +7,15 @@ pages to free, in order), hands the prompt to the least-loaded prefill instance 
 follow. Colocated: each request goes straight to the least-loaded colocated instance. One poller
 per instance keeps one `next_outputs` call outstanding and fans each batch out per request; a
 watchdog enforces `lease_s` (first token never came: fail, release D's pages) and
-`request_timeout_s`. Aborts release pages on both sides; an instance that dies fails its own
-requests and is never routed to again. Failures are typed (`disagg.errors`): `submit` raises
-`QueueFull`; a request that ends badly carries `NoLiveInstance`, `InstanceDied`, `RequestRefused`,
-`RequestTimedOut` or `SignalTimeout` (lease) as its last delta's ``cause``. Runs on one asyncio
-loop in the launching process (see `disagg.cluster.cluster`); callbacks to callers go through each
-request's sink.
+`request_timeout_s`. Aborts release pages on both sides. D's reservation is freed at once
+(`cancel_reservation`) whenever no push can land in it: P refused the request or never got it,
+or P's abort answered `PushState.QUIESCED` (at once, or once its in-flight pushes completed);
+else D quarantines it until the ring or its lease (a dead or silent P). An instance that dies
+fails its own requests and is never routed to again. Failures are typed (`disagg.errors`):
+`submit` raises `QueueFull`; a request that ends badly carries `NoLiveInstance`, `InstanceDied`,
+`RequestRefused`, `RequestTimedOut` or `SignalTimeout` (lease) as its last delta's ``cause``.
+Runs on one asyncio loop in the launching process (see `disagg.cluster.cluster`); callbacks to
+callers go through each request's sink.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import ray
 from disagg.cluster.bootstrap import Fleet, Instance
 from disagg.cluster.outputs import RequestMetrics, StreamDelta
 from disagg.cluster.requests import Picker, Request, Sink
+from disagg.engine.request import PushState
 from disagg.errors import (ClusterError, DisaggError, InstanceDied, NoLiveInstance, OutOfPages, QueueFull,
                            RequestRefused, RequestTimedOut, SignalTimeout)
 
@@ -191,8 +195,8 @@ class Router:
                 self._end(req, "error", _refusal(inst, f"{inst.name} refused the request: {cause}", cause),
                           release=False)
                 return True
-            if req.done:  # aborted or timed out while reserving
-                self._release_on(inst, req.request_id)
+            if req.done:  # aborted or timed out while reserving: dest never left the router
+                self._cancel_on(inst, dest)
                 return True
             req.decode = inst
             break
@@ -207,11 +211,11 @@ class Router:
     def _hand_to_prefill(self, req: Request, dest: Any) -> None:
         prefills = self.picker.order(self.fleet.of_role("prefill"), list(self.requests.values()))
         if not prefills:
-            self._release_on(req.decode, req.request_id)
+            self._cancel_on(req.decode, dest)
             self._end(req, "error", NoLiveInstance("no live prefill instance", role="prefill"), release=False)
             return
         inst = prefills[0]
-        req.prefill, req.stage = inst, "prefilling"
+        req.prefill, req.stage, req.dest = inst, "prefilling", dest
         req.lease_deadline = time.monotonic() + self.settings.lease_s
         req.metrics.dispatch_time = time.time()
         req.metrics.prefill_instance, req.metrics.decode_instance = inst.name, req.decode.name
@@ -228,7 +232,12 @@ class Router:
             if req is not None and not req.done:
                 if what == "add":  # the engine checks the prompt there
                     cause = _cause(err)
-                    self._end(req, "error", _refusal(inst, f"{inst.name}.add failed: {cause}", cause))
+                    refusal = _refusal(inst, f"{inst.name}.add failed: {cause}", cause)
+                    if inst.role == "prefill":  # P never took it: no push will land in D's pages
+                        self._end(req, "error", refusal, release=False)
+                        self._cancel_on(req.decode, req.dest)
+                    else:
+                        self._end(req, "error", refusal)
                 else:
                     self._end(req, "error", ClusterError(f"{inst.name}.{what} failed: {_cause(err)}"))
             else:
@@ -342,8 +351,10 @@ class Router:
 
     def _release(self, req: Request, stage: str) -> None:
         """Free what ``req`` holds after leaving ``stage``: P's queue entry, D's or C's pages."""
-        targets = {"prefilling": [req.prefill, req.decode], "decoding": [req.decode],
-                   "running": [req.colocated]}.get(stage, [])
+        if stage == "prefilling":
+            self._release_prefilling(req)
+            return
+        targets = {"decoding": [req.decode], "running": [req.colocated]}.get(stage, [])
         for inst in targets:
             if inst is not None and inst.alive:
                 self._release_on(inst, req.request_id)
@@ -351,6 +362,36 @@ class Router:
     def _release_on(self, inst: Instance, request_id: str) -> None:
         ref = inst.actor.abort.remote(request_id)  # submitted now: after any earlier call for it
         self._spawn(self._await(inst, ref, "abort", None))
+
+    def _release_prefilling(self, req: Request) -> None:
+        """Abort on D (its pages quarantined: the lease is the safety net) and on P; once P
+        answers that no push of the request can land anymore, D frees the pages at once."""
+        decode, prefill = req.decode, req.prefill
+        if decode.alive:
+            self._release_on(decode, req.request_id)
+        if prefill.alive:
+            ref = prefill.actor.abort.remote(req.request_id)
+            self._spawn(self._cancel_when_quiesced(prefill, ref, decode, req.dest))
+
+    async def _cancel_when_quiesced(self, prefill: Instance, ref: Any, decode: Instance, dest: Any) -> None:
+        """Await P's abort (one call per abort); QUIESCED -> free D's reservation now. None (P
+        does not have it: its ring or D's lease ends the quarantine) or a failure -> nothing."""
+        try:
+            state = await ref
+        except ray.exceptions.RayActorError as err:
+            self._instance_died(prefill, _died(err))
+            return
+        except ray.exceptions.RayTaskError as err:
+            logger.debug("%s.abort failed: %s", prefill.name, _cause(err))
+            return
+        if state == PushState.QUIESCED and decode.alive:
+            self._cancel_on(decode, dest)
+
+    def _cancel_on(self, decode: Instance, dest: Any) -> None:
+        """Free D's reservation ``dest`` now: the caller knows that no push will land in it."""
+        if decode.alive:
+            ref = decode.actor.cancel_reservation.remote(dest)
+            self._spawn(self._await(decode, ref, "cancel_reservation", None))
 
     def _emit(self, req: Request, delta: StreamDelta) -> None:
         metrics = req.metrics

@@ -3,8 +3,9 @@
 An engine (and its model, heap and CUDA context) is touched by exactly one thread, this one, so
 engines need no locks: the actor's methods hand callables to `StepLoop.call` and await the
 returned future; between calls the thread runs `engine.step()` whenever the engine has work and
-appends the step's outputs to an outbox that the actor drains in batches (`drain`). Runs inside
-each instance actor (`disagg.cluster.actors`); no Ray here.
+appends the step's outputs to an outbox that the actor drains in batches (`drain`); a caller
+that must learn when one request ends (a prefill abort whose pushes are still in flight) gets a
+future from `watch_end`. Runs inside each instance actor (`disagg.cluster.actors`); no Ray here.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class StepLoop:
         self._cond = threading.Condition()
         self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
         self._outbox: list[OutputRow] = []
+        self._end_watches: dict[Any, concurrent.futures.Future] = {}
+        self._steps_left: int | None = None  # test hook `pause_steps`: None = step freely
         self._stopping = False
         self.num_steps = 0
         self.busy_s = 0.0  # seconds spent in steps that did work (the instance's utilization)
@@ -66,6 +69,25 @@ class StepLoop:
             rows, self._outbox = self._outbox, []
         return rows
 
+    def watch_end(self, request_id: Any) -> concurrent.futures.Future:
+        """Loop thread only (inside a `call`): a future resolved with the finish_reason of the
+        next finished output of ``request_id`` (it fails if the engine fails or the loop stops)."""
+        future = self._end_watches.get(request_id)
+        if future is None:
+            future = self._end_watches[request_id] = concurrent.futures.Future()
+        if self.fatal is not None:
+            self._fail_watches("the engine failed earlier")
+        return future
+
+    def pause_steps(self, after_num_steps: int = 0) -> None:
+        """Loop thread only; test hook: run ``after_num_steps`` more steps, then none until
+        `resume_steps` (calls still run), as an engine whose forward is still going would."""
+        self._steps_left = after_num_steps
+
+    def resume_steps(self) -> None:
+        """Loop thread only; test hook: end `pause_steps`."""
+        self._steps_left = None
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """Finish queued calls, then end the thread."""
         with self._cond:
@@ -84,6 +106,7 @@ class StepLoop:
             for fn, future in calls:
                 self._run_call(fn, future)
             if stopping:
+                self._fail_watches("the step loop stopped")
                 return
             if self._has_work() and not self._step():
                 with self._cond:
@@ -100,7 +123,7 @@ class StepLoop:
             future.set_exception(err)
 
     def _has_work(self) -> bool:
-        if self.engine is None or self.fatal is not None:
+        if self.engine is None or self.fatal is not None or self._steps_left == 0:
             return False
         try:
             return bool(self.engine.has_work())
@@ -117,6 +140,8 @@ class StepLoop:
             self._fail("step")
             return True
         self.num_steps += 1
+        if self._steps_left:
+            self._steps_left -= 1
         if not outputs:
             return False
         self.busy_s += time.perf_counter() - start
@@ -125,6 +150,9 @@ class StepLoop:
                  o.finish_reason, getattr(o, "error", None), now) for o in outputs]
         with self._cond:
             self._outbox.extend(rows)
+        for row in rows:
+            if row[2] and row[0] in self._end_watches:
+                self._end_watches.pop(row[0]).set_result(row[3])
         if self._on_output is not None:
             self._on_output()
         return True
@@ -133,5 +161,11 @@ class StepLoop:
         """The engine raised: it is unusable from now on; the router fails its requests."""
         self.fatal = f"engine.{what}() raised:\n{traceback.format_exc()}"
         logger.error("%s", self.fatal)
+        self._fail_watches(f"engine.{what}() raised")
         if self._on_output is not None:
             self._on_output()
+
+    def _fail_watches(self, why: str) -> None:
+        watches, self._end_watches = self._end_watches, {}
+        for request_id, future in watches.items():
+            future.set_exception(RuntimeError(f"request {request_id!r} never ended here: {why}"))

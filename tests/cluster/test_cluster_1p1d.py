@@ -107,7 +107,7 @@ def test_abort_while_reserving_decode_pages(cluster, ray_local):
     ray_local.get(decode.unstall.remote())
     last = stream.result()
     assert last.finish_reason == "abort" and last.token_ids == []
-    # The reservation made after the abort is released (quarantined until its lease closes).
+    # The reservation made after the abort is released (at once: its dest never left the router).
     wait_all_free(cluster, timeout_s=LEASE_S + 4.0)
 
 

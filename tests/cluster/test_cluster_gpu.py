@@ -59,7 +59,7 @@ def test_llama3_shaped_1p1d_over_nvshmem_equals_colocated_and_aborts_mid_push(ra
         ends = [s.result(120) for s in streams]
         assert all(e.finish_reason in ("abort", "length") for e in ends), ends
         assert any(not s.token_ids for s in streams), "no abort landed before the first token"
-        wait_all_free(cluster, timeout_s=LEASE_S + 30)
+        wait_all_free(cluster, timeout_s=20.0)  # long before the lease: P answers each abort once quiesced
     with launch("llama3-8b-colocated") as cluster:
         colocated = cluster.generate(prompts, params)
         wait_all_free(cluster)
