@@ -8,17 +8,31 @@ places. Where `disagg.kernels.dispatch.use_triton` says Triton runs (CUDA tensor
 under TRITON_INTERPRET=1) the plain names launch one fused kernel of `disagg.kernels.fused`
 instead, rounding at the same places. Everything here is shape-static and sync-free: it runs
 inside CUDA-graph capture.
+
+On CUDA the fused kernels are opt-in (`DISAGG_FUSED_LAYERS=1`, read per call) until their GPU
+tests and `benchmarks/bench_engine.py` have run on a GPU: they were written in a session without
+one, and the measured decode path must not change untested. Under the interpreter they always run.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from disagg.kernels import dispatch, fused
+
+FUSED_ENV = "DISAGG_FUSED_LAYERS"
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """Whether the fused kernel runs for `x` (see the module docstring)."""
+    if not dispatch.use_triton(x):
+        return False
+    return x.device.type != "cuda" or os.environ.get(FUSED_ENV, "0") == "1"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,7 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Args:
         x: `[T, H]` activations. weight: `[H]`. eps: added to the mean square.
     """
-    if dispatch.use_triton(x):
+    if use_fused(x):
         return fused.rms_norm(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
 
@@ -48,7 +62,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     graphs keep one buffer), the torch version returns a new tensor: callers use the returned
     stream and never read the `residual` they passed again.
     """
-    if dispatch.use_triton(x):
+    if use_fused(x):
         return fused.add_rms_norm(x, residual, weight, eps)
     return add_rms_norm_torch(x, residual, weight, eps)
 
@@ -112,7 +126,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         x: `[T, heads, head_dim]` (a view of the fused qkv output is fine).
         cos, sin: `[T, head_dim]` from `rope_cos_sin`, x's dtype.
     """
-    if dispatch.use_triton(x):
+    if use_fused(x):
         return fused.apply_rope(x, cos, sin)
     return apply_rope_torch(x, cos, sin)
 
@@ -126,7 +140,7 @@ def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation `silu(gate) * up` of the fused projection `[T, 2 I]` -> `[T, I]`."""
-    if dispatch.use_triton(gate_up):
+    if use_fused(gate_up):
         return fused.silu_mul(gate_up)
     return silu_mul_torch(gate_up)
 
