@@ -233,3 +233,7 @@ app.command("bench")(bench_command)
 
 from disagg.cluster.serve.command import serve_command  # noqa: E402  (serve owns its command)
 app.command("serve")(serve_command)
+
+
+if __name__ == "__main__":  # python -m disagg.cluster.cli (hosts without the console script)
+    app()
