@@ -281,12 +281,52 @@ def cold_warm_rows(bench: Bench, prompt: int, capture_batches: list[int], ctx: i
     return rows
 
 
+def decode_profile(bench: Bench, batch: int, ctx: int, top: int = 25) -> dict:
+    """Where one decode step's GPU time goes: the step's kernels under torch.profiler (eager, so
+    each kernel is its own launch; graph replay runs the same kernels without the launch gaps),
+    grouped by name, with the per-step sum against the graph replay time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    plan, reqs = bench.plan([ctx - 1] * batch, [1] * batch)
+    graphs, bench.runner.graphs = bench.runner.graphs, None
+    try:
+        for _ in range(3):
+            bench.forward(plan, reqs)
+        sync(bench.device)
+        steps = 5
+        gpu = bench.device.type == "cuda"
+        with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                bench.forward(plan, reqs)
+            sync(bench.device)
+    finally:
+        bench.runner.graphs = graphs
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():  # on CPU (a smoke check) the ops' self time stands in
+        if not gpu or event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels.setdefault(event.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.device_time if gpu else event.self_cpu_time_total
+    total = sum(v[1] for v in kernels.values()) / steps
+    rows = sorted(((name[:90], n // steps, us / steps) for name, (n, us) in kernels.items()),
+                  key=lambda r: -r[2])
+    ids = torch.ones(batch, dtype=torch.int64, device=bench.device)
+    replay = timed(lambda: graphs.run(plan, ids), 20, bench.device) if graphs else None
+    return {"name": f"profile_decode_B{batch}_ctx{ctx}", "kernel_us_per_step": total,
+            "launches_per_step": sum(r[1] for r in rows),
+            "graph_step_us": replay * 1e6 if replay else None,
+            "top": [{"kernel": n, "per_step": c, "us": round(us, 1), "share": round(us / total, 4)}
+                    for n, c, us in rows[:top]]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="dummy:llama3-8b")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("results/bench_engine.json"))
+    parser.add_argument("--profile", default=None, metavar="B,CTX",
+                        help="only profile one decode step of batch B at context CTX (kernel table)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     device = torch.device(args.device)
@@ -307,6 +347,18 @@ def main() -> None:
     result = {"model": args.model, "dtype": str(dtype), "device": torch.cuda.get_device_name(device) if gpu else "cpu",
               "num_pages": num_pages, "page_size": PAGE_SIZE, "rows": []}
     rows = result["rows"]
+    if args.profile:
+        b, ctx = (int(v) for v in args.profile.split(","))
+        if bench.runner.graphs is not None:
+            bench.runner.capture_graphs([b], ctx)
+        row = decode_profile(bench, b, ctx)
+        rows.append(row)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(json.dumps({k: v for k, v in row.items() if k != "top"}))
+        for entry in row["top"]:
+            print(f"{entry['us']:10.1f} us {entry['share']:6.1%} x{entry['per_step']:<4d} {entry['kernel']}")
+        return
     rows += cold_warm_rows(bench, 128 if small else 2048, list(batches), contexts[0])
     bandwidth = copy_bandwidth(device, (256 << 20) if small else 4 * GiB)
     result["copy_bandwidth_GBps"] = bandwidth / 1e9
