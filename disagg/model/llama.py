@@ -55,10 +55,12 @@ class Model:
         self.config = config
         self.weights = weights
         self.dtype = dtype
-        self.device = device
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" and "cuda:0" compare unequal
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.tokenizer = tokenizer
         self.sm_scale = config.head_dim ** -0.5
-        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, device)
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, self.device)
 
     def __repr__(self) -> str:
         return f"Model({self.config.name!r}, {self.config.num_layers} layers, {self.dtype}, {self.device})"

@@ -63,6 +63,15 @@ def test_llama3_shaped_1p1d_over_nvshmem_equals_colocated_and_aborts_mid_push(ra
     with launch("llama3-8b-colocated") as cluster:
         colocated = cluster.generate(prompts, params)
         wait_all_free(cluster)
-    mismatched = [i for i, (a, b) in enumerate(zip(disagg, colocated)) if a.token_ids != b.token_ids]
-    assert not mismatched, f"{len(mismatched)} of 64 differ, first: {mismatched[:5]}"
+    mismatched = [_divergence(i, prompts[i], a.token_ids, b.token_ids)
+                  for i, (a, b) in enumerate(zip(disagg, colocated)) if a.token_ids != b.token_ids]
+    assert not mismatched, f"{len(mismatched)} of 64 differ: {mismatched[:5]}"
     assert [len(c.token_ids) for c in disagg] == [p.max_tokens for p in params]
+
+
+def _divergence(index: int, prompt: list[int], disagg: list[int], colocated: list[int]) -> dict:
+    """Where two token lists part: the request, its prompt length, the first differing step."""
+    step = next(j for j in range(max(len(disagg), len(colocated)))
+                if j >= min(len(disagg), len(colocated)) or disagg[j] != colocated[j])
+    return {"request": index, "prompt_len": len(prompt), "tokens": (len(disagg), len(colocated)),
+            "step": step, "disagg": disagg[step:step + 3], "colocated": colocated[step:step + 3]}

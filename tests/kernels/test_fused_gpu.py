@@ -43,7 +43,11 @@ def test_add_rms_norm_llama8b(dtype, num_tokens, with_residual):
     want, want_stream = layers.add_rms_norm_torch(x, residual, weight, EPS)
     got, stream = fused.add_rms_norm(x, residual.clone() if with_residual else None, weight, EPS)
     assert torch.equal(stream, want_stream)
-    assert_rounding_close(got, want)
+    # The float32 statistics are summed in another order than torch's (a block reduction), so
+    # rsqrt may differ in its last bit; after the rounding to the dtype and the multiply by the
+    # weight (rounded again) that reaches 2 ulp on a few fp16 elements (seen on an H200: 103 of
+    # 4M at T=1024; bf16's coarser grid hides it).
+    assert_rounding_close(got, want, max_ulp=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
