@@ -51,6 +51,11 @@ SMALL_VARIANTS = [  # bf16 decode, B=8 x 1024 (repeated: runs differ by ~15%)
     (64, 8, 5, dict(PDL=2), 2),
     (64, 4, 5, dict(PDL=2), 4),
 ] * 2
+MID_VARIANTS = [  # bf16 decode, B=64 x 1024 (bench_engine's decode target shape): split counts
+    (64, 4, 3, dict()),
+    (64, 4, 4, dict()),
+    (64, 8, 3, dict()),
+]
 LONG_VARIANTS = [  # bf16 decode, B=32 x 32768
     (64, 4, 3, dict()),
     (64, 4, 3, SWAP_T),
@@ -129,6 +134,7 @@ class DecodeCase:
 CASES = {  # group -> (batch, ctx, dtype, CONFIGS key, variants, splits tried per variant)
     "fp8": (64, 4096, FP8, "fp8", FP8_VARIANTS, (1, 2)),
     "bf16": (64, 4096, torch.bfloat16, "16bit", BF16_VARIANTS, (1, 2)),
+    "mid": (64, 1024, torch.bfloat16, "16bit", MID_VARIANTS, (1, 2, 3, 4, 6)),
     "small": (8, 1024, torch.bfloat16, "16bit-small", SMALL_VARIANTS, ()),
     "long": (32, 32768, torch.bfloat16, "16bit", LONG_VARIANTS, (4,)),
 }

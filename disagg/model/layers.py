@@ -9,9 +9,11 @@ under TRITON_INTERPRET=1) the plain names launch one fused kernel of `disagg.ker
 instead, rounding at the same places. Everything here is shape-static and sync-free: it runs
 inside CUDA-graph capture.
 
-On CUDA the fused kernels are opt-in (`DISAGG_FUSED_LAYERS=1`, read per call) until their GPU
-tests and `benchmarks/bench_engine.py` have run on a GPU: they were written in a session without
-one, and the measured decode path must not change untested. Under the interpreter they always run.
+On CUDA the fused kernels run unless `DISAGG_FUSED_LAYERS=0` (read per call; the torch ops then
+run, for comparison). On an H200 they cut a llama3-8b B=64 x 1024 decode step from 9.25 to 7.14 ms
+(1084 to 405 launches; `benchmarks/bench_engine.py --profile 64,1024`), and their GPU tests pass
+(`tests/kernels/test_fused_gpu.py`, `tests/model/test_model_fused.py`). Under the interpreter they
+always run.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def use_fused(x: torch.Tensor) -> bool:
     """Whether the fused kernel runs for `x` (see the module docstring)."""
     if not dispatch.use_triton(x):
         return False
-    return x.device.type != "cuda" or os.environ.get(FUSED_ENV, "0") == "1"
+    return x.device.type != "cuda" or os.environ.get(FUSED_ENV, "1") != "0"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -95,7 +95,7 @@ def test_no_kernel_compiles_after_warmup():
     import torch
 
     from disagg.engine import ColocatedEngine
-    from disagg.kernels import append, copy, decode, prefill
+    from disagg.kernels import append, copy, decode, fused, prefill
     from disagg.kernels.dispatch import compiled_variants
     from disagg.model import load_model
 
@@ -104,9 +104,10 @@ def test_no_kernel_compiles_after_warmup():
                              max_num_batched_tokens=512, use_cuda_graphs=True)
     engine.warmup(max_kv_len=1024)
     kernels = [prefill.paged_prefill_kernel, append.append_kv_kernel, decode.paged_decode_kernel,
-               copy.copy_slots_kernel]
+               copy.copy_slots_kernel, fused.add_rms_norm_kernel, fused.silu_mul_kernel,
+               fused.apply_rope_kernel]
     before = [compiled_variants(k) for k in kernels]
-    assert before[0] >= 1 and before[1] >= 1
+    assert before[0] >= 1 and before[1] >= 1 and min(before[4:]) >= 1  # fused layers run by default
     for wave, lengths in enumerate([[5], [64, 17], [1, 300, 33], [16, 48, 80, 127, 2], [7] * 9]):
         for i, n in enumerate(lengths):
             engine.add(f"w{wave}-{i}", [(13 * i + 7 * j) % 40000 + 5 for j in range(n)],

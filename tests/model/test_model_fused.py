@@ -74,7 +74,7 @@ def test_fused_forward_equals_torch_layers(monkeypatch, dtype, ulps):
 
 @pytest.mark.gpu
 def test_llama8b_shaped_bf16_fused_close_to_torch_layers(monkeypatch):
-    monkeypatch.setenv("DISAGG_FUSED_LAYERS", "1")
+    monkeypatch.setenv("DISAGG_FUSED_LAYERS", "1")  # the default; set so the test says what it runs
     config = dataclasses.replace(preset_config("llama3-8b"), num_layers=2)
     cuda = torch.device("cuda")
     model = Model(config, random_weights(config, torch.bfloat16, cuda), dtype=torch.bfloat16, device=cuda)
