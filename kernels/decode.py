@@ -38,6 +38,12 @@ from disagg.kernels.paged_tile import (HAS_PDL, NEG_BIG, check_sm_scale, gdc_lau
 PROGRAMS_PER_SM = 6
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
+# Once the unsplit grid alone gives every SM this many programs, a split must hold at least
+# FULL_GRID_MIN_SPLIT_TOKENS tokens: the merge then costs more than the balance it buys. B=64 x
+# 1024 (512 programs on 132 SMs), 4 warps, 3-4 stages: 1 split 68.4-69.1 us, 2 splits 72.7-74.9,
+# 3 74.7-77.6 (sweep_kernels.py --groups mid, 2026-11-23); B=64 x 4096 keeps its 2 splits.
+FULL_GRID_PROGRAMS_PER_SM = 2
+FULL_GRID_MIN_SPLIT_TOKENS = 2048
 # Launch options by cache dtype, measured on one H200 (benchmarks/sweep_kernels.py): BLOCK_N
 # tokens per K/V tile (halved for head_dim > 128 to bound registers), warps, pipeline stages,
 # and DEFER_SUM (keep the softmax row sums per column, reduce them once after the loop; see
@@ -247,10 +253,12 @@ def _merge_splits(o_ptr, o_part_ptr, lse_part_ptr, base, seq, heads, g_ok, d, nu
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Splits per sequence: enough programs to fill `num_sms` SMs, none shorter than
-    MIN_SPLIT_TOKENS tokens, at most MAX_SPLITS. Pure host arithmetic (no device sync)."""
+    MIN_SPLIT_TOKENS tokens (FULL_GRID_MIN_SPLIT_TOKENS once the unsplit grid fills the SMs), at
+    most MAX_SPLITS. Pure host arithmetic (no device sync)."""
     programs = max(1, batch_size * num_kv_heads)
     by_sms = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
-    by_len = triton.cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
+    full = programs >= FULL_GRID_PROGRAMS_PER_SM * num_sms
+    by_len = triton.cdiv(max(1, max_seq_len), FULL_GRID_MIN_SPLIT_TOKENS if full else MIN_SPLIT_TOKENS)
     return max(1, min(by_sms, by_len, MAX_SPLITS))
 
 
