@@ -45,6 +45,7 @@ class InstanceActor:
         self.model: Any = None
         self.heap: Any = None
         self.num_pages: int | None = None
+        self.warmup_s: dict = {}  # the engine warm-up's seconds per phase (cluster.warmup)
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._num_to_drop = 0
@@ -106,9 +107,14 @@ class InstanceActor:
     async def build_engine(self, num_pages: int) -> dict:
         """Build the engine over ``num_pages`` pages (collective with the heap); return its stats."""
         def _build() -> dict:
-            self.loop.engine = self.engines.make_engine(self.role, self.model, self.heap, num_pages, self.config)
+            engine = self.engines.make_engine(self.role, self.model, self.heap, num_pages, self.config)
+            warm_up = getattr(self.engines, "warm_up", None)  # test engine modules may have none
+            if self.config.cluster.warmup and warm_up is not None:
+                self.warmup_s = warm_up(engine, self.role, self.config)
+                logger.info("%s: warm-up %s", self.name, {k: round(v, 3) for k, v in self.warmup_s.items()})
+            self.loop.engine = engine
             self.num_pages = num_pages
-            return dict(self.loop.engine.stats())
+            return dict(engine.stats())
         return await self._run(_build)
 
     # ------------------------------------------------------------------ requests
@@ -181,7 +187,8 @@ class InstanceActor:
         def _stats() -> dict:
             out = dict(self.loop.engine.stats()) if self.loop.engine is not None else {}
             out.update(name=self.name, role=self.role, pe=None if self.heap is None else self.heap.rank,
-                       num_steps=self.loop.num_steps, busy_s=self.loop.busy_s, fatal=self.loop.fatal)
+                       num_steps=self.loop.num_steps, busy_s=self.loop.busy_s, fatal=self.loop.fatal,
+                       warmup_s=dict(self.warmup_s))
             return out
         return await self._run(_stats)
 

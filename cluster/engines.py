@@ -132,6 +132,30 @@ def make_engine(role: str, model: Any, heap: Any, num_pages: int, config: Config
     raise ValueError(f"role must be prefill, decode or colocated, got {role!r}")
 
 
+def warm_up(engine: Any, role: str, config: Config) -> dict:
+    """Compile the kernels and capture every decode graph before the first request.
+
+    The engine's own `warmup` (a scratch sequence whose pages are freed again): on CUDA a prompt
+    of the whole token budget, and the decode graphs of every batch bucket and context class up
+    to the model's length, so no capture or compile runs mid-serving (each stalls every running
+    request); on the CPU a short prompt, which proves the path and costs little.
+
+    Returns:
+        The seconds per phase ("prefill", "decode", "graphs").
+    """
+    model = engine.model
+    gpu = model.device.type == "cuda"
+    max_len = config.model.max_model_len or int(model.config.max_position_embeddings)
+    budget = config.scheduler.max_num_batched_tokens
+    prompt_len = budget if gpu else min(budget, 16)
+    max_kv_len = max_len if gpu else min(max_len, 64)
+    if role == "prefill":
+        return engine.warmup(prompt_len=prompt_len)
+    if role == "decode":
+        return engine.warmup(max_kv_len=max_kv_len)
+    return engine.warmup(prompt_len=prompt_len, max_kv_len=max_kv_len)
+
+
 def tokenizer_of(model: Any) -> Any:
     """The model's tokenizer (None for dummy weights)."""
     return getattr(model, "tokenizer", None)

@@ -122,6 +122,10 @@ class DecodeGraphs:
         return self._graphs[key]
 
     def _capture(self, bucket: int, num_splits: int) -> _Graph:
+        # The warm-up forwards below really run: over the last step's rows they would append that
+        # step's tokens again, into pages that may since have been freed and handed to another
+        # request (a capture mid-serving, before `capture_all` ran at start-up). All padding.
+        self.static.clear_static()
         batch = self.static.view(bucket, num_splits)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -179,6 +179,11 @@ class AttentionBatch:
         """
         self._require_static("copy_from_plan").fill(plan, token_ids)
 
+    def clear_static(self) -> None:
+        """Make every row of a static batch padding again: a forward over it (a graph
+        capture's warm-up runs) then reads and writes no page. Enqueued on the current stream."""
+        self._require_static("clear_static").clear()
+
     def _require_static(self, what: str) -> "_StaticBuffers":
         if self._static is None:
             raise ValueError(f"AttentionBatch.{what}: only for batches made by AttentionBatch.static")
@@ -251,6 +256,19 @@ class _StaticBuffers:
         host["last_page_len"][n:] = 1
         host["append_slots"][n:] = -1
         host["positions"][n:] = 0
+
+    def clear(self) -> None:
+        """Every row padding again (no pages, slot -1, token 0), enqueued like `fill`."""
+        flat, ids = self.staging[self.turn]
+        if self.events:
+            self.events[self.turn].synchronize()
+        self._pad(self._split(flat), 0, 0)
+        ids.zero_()
+        self.flat.copy_(flat, non_blocking=True)
+        self.input_ids.copy_(ids, non_blocking=True)
+        if self.events:
+            self.events[self.turn].record()
+            self.turn = (self.turn + 1) % len(self.staging)
 
     def fill(self, plan: ForwardPlan, token_ids) -> None:
         n, nnz = plan.batch_size, len(plan.page_indices)

@@ -39,6 +39,9 @@ def test_launch_reports_the_fleet(cluster):
     assert stats["paths"] == {"0->1": "load/store"}
     assert cluster.model_name == "dummy:tiny" and cluster.tokenizer is None and cluster.healthy
     assert cluster.max_model_len == 4096
+    # Every engine warmed up before serving (kernels compiled, decode graphs captured on GPUs).
+    warmed = {inst["name"]: sorted(k for k, v in inst["warmup_s"].items() if v > 0) for inst in stats["instances"]}
+    assert warmed == {"prefill-0": ["prefill"], "decode-0": ["decode"]}, warmed
 
 
 def test_24_mixed_requests_match_the_colocated_engine(cluster):

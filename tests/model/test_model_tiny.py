@@ -90,6 +90,25 @@ def test_static_decode_batch_matches_from_plan(tiny, reference_kernels):
         assert torch.equal(runner.kv, eager_kv), "padding rows must not write the cache"
 
 
+def test_cleared_static_batch_writes_no_page(tiny, reference_kernels):
+    """After `clear_static`, a forward over the static batch (what a CUDA-graph capture's
+    warm-up runs) leaves the cache alone, though the last plan's rows had real append slots."""
+    runner = PagedRunner(tiny)
+    runner.prefill(PROMPTS[:2])
+    static = tiny.static_decode_batch(max_batch_size=4, max_pages=16, max_kv_len=64)
+    plan = runner.cache.begin_forward([0, 1], [1, 1])
+    static.copy_from_plan(plan, [3, 4])
+    runner.cache.end_forward()
+    before = runner.kv.clone()
+    tiny.forward(static.input_ids, static, runner.kv)  # the stale rows write their slots
+    assert not torch.equal(runner.kv, before)
+    runner.kv.copy_(before)
+    static.clear_static()
+    assert static.append_slots.tolist() == [-1] * 4 and static.page_indptr.tolist() == [0] * 5
+    tiny.forward(static.input_ids, static, runner.kv)
+    assert torch.equal(runner.kv, before)
+
+
 def test_fp8_kv_cache_close_to_fp32(tiny, reference_kernels):
     runner = PagedRunner(tiny, kv_dtype=torch.float8_e4m3fn)
     fp8 = runner.prefill(PROMPTS)
