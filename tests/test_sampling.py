@@ -88,3 +88,12 @@ def test_top_k_and_top_p_cut_the_support():
     assert seen_p == {0, 1}  # p(0) ~ 0.28 < 0.3, so token 1 joins the nucleus
     one = sample(logits, _batch([SamplingParams(temperature=2.0, seed=1, top_k=1)]))
     assert one.item() == 0
+
+
+def test_all_greedy_batch_packs_nothing_and_takes_the_argmax():
+    batch = _batch([SamplingParams(), SamplingParams(temperature=0.0, seed=4)])
+    assert batch.sampled_rows is None and batch.temperature is None and batch.step is None
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample(logits, batch), logits.argmax(-1))
+    mixed = _batch([SamplingParams(), SamplingParams(temperature=0.7, seed=4)])
+    assert mixed.sampled_rows.tolist() == [1] and mixed.temperature.tolist() == pytest.approx([0.0, 0.7])

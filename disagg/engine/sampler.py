@@ -9,7 +9,7 @@ not depend on which other rows share its batch, on the batch order, or on preemp
 whole thing is plain tensor ops (capturable).
 
 `SamplingBatch` packs the per-row values once per step (host -> device in one copy) and knows
-which paths are needed, so an all-greedy batch is one argmax.
+which paths are needed, so an all-greedy batch is one argmax (and sends nothing to the device).
 """
 
 from __future__ import annotations
@@ -33,15 +33,17 @@ class SamplingBatch:
         temperature: ``[B]`` float32 (0 for greedy rows).
         top_k: ``[B]`` int64 (0: no cut). top_p: ``[B]`` float32.
         seed: ``[B]`` int64. step: ``[B]`` int64 (tokens the request has generated so far).
-        sampled_rows: ``[S]`` int64 indices of the non-greedy rows; None when every row is greedy.
+        sampled_rows: ``[S]`` int64 indices of the non-greedy rows; None when every row is greedy,
+            and then the five tensors above are None too (an argmax needs none of them, so the
+            usual all-greedy decode step packs and copies nothing).
         any_top_k, any_top_p: whether some sampled row cuts.
     """
 
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    seed: torch.Tensor
-    step: torch.Tensor
+    temperature: torch.Tensor | None
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    seed: torch.Tensor | None
+    step: torch.Tensor | None
     sampled_rows: torch.Tensor | None
     any_top_k: bool
     any_top_p: bool
@@ -50,6 +52,8 @@ class SamplingBatch:
     def from_requests(cls, requests: list[Request], device: torch.device) -> SamplingBatch:
         """Pack the rows of ``requests`` (in batch order) into one host->device copy."""
         n = len(requests)
+        if all(req.params.temperature == 0.0 for req in requests):
+            return cls(None, None, None, None, None, None, False, False)
         floats = np.empty((2, n), dtype=np.float32)
         ints = np.empty((3, n), dtype=np.int64)
         for i, req in enumerate(requests):
