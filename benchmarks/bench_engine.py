@@ -10,9 +10,10 @@ Rows (ours / anchor = ratio, target):
   does not fit the free memory are reported as skipped. For attribution each row also carries
   the model's projections alone (cuBLAS GEMMs of every layer + LM head, in a graph) against the
   weights-only bound.
-- decode_idle_B64: GPU idle per step of `DecodeEngine.step()` in steady state (host work not
-  hidden behind the GPU) = (engine step period - the same step's GPU time back to back) / the
-  period. Target <= 0.05. The decode engine runs over a one-PE local heap (doorbells rung here).
+- decode_idle_B64[_async]: GPU idle per step of `DecodeEngine.step()` in steady state (host work
+  not hidden behind the GPU) = (engine step period - the same step's GPU time back to back) / the
+  period. Target <= 0.05. The decode engine runs over a one-PE local heap (doorbells rung here);
+  `_async`: with `async_scheduling=True` (the next step launched before this one's tokens are read).
 - prefill_8x2048: model TFLOP/s of one 8 x 2048-token prefill forward / a 8192^3 matmul's
   TFLOP/s in the model dtype. Target >= 0.6.
 - mixed_chunk2048_dec64: one forward of a 2048-token chunk + 64 decodes (ctx 1024) / (the chunk
@@ -199,12 +200,13 @@ def decode_rows(bench: Bench, batches, contexts, bandwidth: float, free_bytes: i
     return rows
 
 
-def decode_idle_row(model, batch: int, ctx: int, steps: int) -> dict:
+def decode_idle_row(model, batch: int, ctx: int, steps: int, async_scheduling: bool = False) -> dict:
     """Steady-state DecodeEngine step period vs the same step's GPU time back to back."""
     device = model.device
     heap = LocalHeap(device)
     num_pages = batch * -(-(ctx + steps + 16) // PAGE_SIZE)
-    engine = DecodeEngine(model, heap, num_pages=num_pages, page_size=PAGE_SIZE, max_num_seqs=batch)
+    engine = DecodeEngine(model, heap, num_pages=num_pages, page_size=PAGE_SIZE, max_num_seqs=batch,
+                          async_scheduling=async_scheduling)
     params = SamplingParams(max_tokens=steps + 16, ignore_eos=True)
     for i in range(batch):
         dest = engine.reserve(i, ctx, params)
@@ -218,6 +220,9 @@ def decode_idle_row(model, batch: int, ctx: int, steps: int) -> dict:
         engine.step()
     sync(device)
     period = (time.perf_counter() - t0) / steps
+    engine.async_scheduling = False
+    if engine.has_work():
+        engine.step()  # reads the step launched ahead (async scheduling); launches none
     running = engine.running
     plan = engine.cache.begin_forward([r.seq_id for r in running], [1] * len(running))
     engine.cache.end_forward()
@@ -225,7 +230,8 @@ def decode_idle_row(model, batch: int, ctx: int, steps: int) -> dict:
     runner = engine.runner
     rows = np.arange(len(running))
     gpu = timed(lambda: runner.execute(plan, ids, rows, running), steps, device)
-    return {"name": f"decode_idle_B{batch}", "ours_step_us": period * 1e6, "anchor_gpu_us": gpu * 1e6,
+    name = f"decode_idle_B{batch}" + ("_async" if async_scheduling else "")
+    return {"name": name, "ours_step_us": period * 1e6, "anchor_gpu_us": gpu * 1e6,
             "ratio": max(0.0, period - gpu) / period, "target": "<= 0.05",
             "anchor": "the same step's GPU time (forward from its graph + sampling) back to back"}
 
@@ -368,7 +374,8 @@ def main() -> None:
     del bench
     if gpu:
         torch.cuda.empty_cache()
-    rows.append(decode_idle_row(model, 8 if small else 64, contexts[0], 10 if small else 100))
+    for async_scheduling in (False, True):
+        rows.append(decode_idle_row(model, 8 if small else 64, contexts[0], 10 if small else 100, async_scheduling))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     for row in rows:

@@ -126,7 +126,8 @@ def make_engine(role: str, model: Any, heap: Any, num_pages: int, config: Config
         return PrefillEngine(model, heap, max_num_batched_tokens=budget,
                              force_segment_puts=config.transfer.force_segment_puts, **common)
     if role == "decode":
-        return DecodeEngine(model, heap, lease_s=config.router.lease_s, **common)
+        return DecodeEngine(model, heap, lease_s=config.router.lease_s,
+                            async_scheduling=config.scheduler.async_scheduling, **common)
     if role == "colocated":
         return ColocatedEngine(model, max_num_batched_tokens=budget, **common)
     raise ValueError(f"role must be prefill, decode or colocated, got {role!r}")

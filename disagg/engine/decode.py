@@ -24,6 +24,14 @@ limit). After the sync, if the batch is unchanged (nobody stopped, aborted or
 was admitted), the next step reuses that plan and feeds the sampled ids, still on the device,
 straight in as its input ids; otherwise the speculative slots are rolled back (`popn(seq, 1)`)
 and the plan is rebuilt. Output bookkeeping (stop checks, TokenOutputs) stays after the sync.
+
+`async_scheduling=True` (vLLM's name) also hides that bookkeeping: when the reserved next step
+holds exactly this step's requests and nobody waits to join, it is launched before this step's
+sync, its input ids the sampled ids still on the device; `step()` then returns this step's
+outputs while the next one runs. A request that stops on this step's token (a stop id) wastes
+its row of the step already launched: that token is discarded, and the pages of a request that
+ends or is aborted are freed only once no launched step writes them. Seeded draws stay a function
+of (seed, token index). Off by default until measured on GPUs.
 """
 
 from __future__ import annotations
@@ -40,13 +48,22 @@ from disagg.cache import PagedKVCache
 from disagg.engine.lease import Lease, LeaseBook
 from disagg.engine.request import (RecvDest, Request, RequestFactory, TokenOutput, check_engine_sizes,
                                    pages_for)
-from disagg.engine.runner import ModelRunner
+from disagg.engine.runner import ModelRunner, PendingTokens
 from disagg.errors import OutOfPages
 from disagg.plan import ForwardPlan
 from disagg.sampling import SamplingParams
 from disagg.transfer import DoorbellTable
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    """A launched decode step whose sampled ids have not been read."""
+
+    batch: list[Request]
+    pending: PendingTokens
+    seq_ids: frozenset[int]
 
 
 @dataclass
@@ -70,11 +87,14 @@ class DecodeEngine:
         lease_s: seconds a reservation waits for its doorbell before its pages are released.
         use_cuda_graphs: None = on CUDA; False = eager always.
         clock: monotonic clock for leases (tests pass a fake one).
+        async_scheduling: launch the next step before reading this one's tokens (see the module
+            docstring).
     """
 
     def __init__(self, model, heap, *, num_pages: int, page_size: int, max_num_seqs: int,
                  kv_dtype: torch.dtype | None = None, lease_s: float = 60.0,
-                 use_cuda_graphs: bool | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 use_cuda_graphs: bool | None = None, clock: Callable[[], float] = time.monotonic,
+                 async_scheduling: bool = False) -> None:
         check_engine_sizes(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs)
         self.model = model
         self.heap = heap
@@ -90,6 +110,10 @@ class DecodeEngine:
         self._committed: dict[Hashable, int] = {}  # pages promised per reservation
         self._quarantined: dict[Hashable, Request] = {}
         self._next: _NextStep | None = None
+        self.async_scheduling = bool(async_scheduling)
+        self._inflight: _InFlight | None = None  # async scheduling: launched, tokens not read
+        self._deferred: list[Request] = []  # ended requests whose pages a launched step still writes
+        self.num_steps_ahead = 0
         self._factory = RequestFactory(tuple(model.config.eos_token_ids))
         self._outputs: list[TokenOutput] = []
         self.num_doorbells_rung = 0
@@ -245,12 +269,16 @@ class DecodeEngine:
             self._free(req)
 
     def _free(self, req: Request) -> None:
+        if self._inflight is not None and req.seq_id in self._inflight.seq_ids:
+            self._deferred.append(req)  # a launched step still appends to its pages
+            return
         self.cache.remove_sequence(req.seq_id)
         req.in_cache = False
         self._committed.pop(req.request_id, None)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.ready or len(self.leases) or self._outputs)
+        return bool(self.running or self.ready or len(self.leases) or self._outputs
+                    or self._inflight is not None or self._deferred)
 
     def stats(self) -> dict:
         """Pages, requests by state, leases, and doorbell totals: ``doorbell_wait_s`` is the time
@@ -263,7 +291,8 @@ class DecodeEngine:
                 "num_graph_replays": self.runner.num_graph_replays,
                 "num_preemptions": 0,  # reserve commits every page of a request's life: never preempted
                 "num_doorbells_rung": self.num_doorbells_rung, "doorbell_wait_s": self.doorbell_wait_s,
-                "num_reservations_cancelled": self.num_reservations_cancelled}
+                "num_reservations_cancelled": self.num_reservations_cancelled,
+                "num_steps_ahead": self.num_steps_ahead}
 
     def warmup(self, max_kv_len: int | None = None) -> dict[str, float]:
         """Compile the decode kernels and capture the graphs before the first request (idle only)."""
@@ -275,30 +304,77 @@ class DecodeEngine:
     def step(self) -> list[TokenOutput]:
         """Admit rung requests, run one decode step; return this step's outputs."""
         outputs, self._outputs = self._outputs, []
+        current, self._inflight = self._inflight, None
+        if current is None:
+            current = self._launch(outputs)
+            if current is None:
+                return outputs
+            polled = True
+        else:
+            polled = False
+        if self.async_scheduling:
+            self._inflight = self._launch_ahead(current)
+        for req, token in zip(current.batch, current.pending.result()):
+            if self.requests.get(req.request_id) is not req:
+                continue  # aborted, or ended on the previous token, since this step's launch
+            req.num_computed += 1
+            out = req.append(token, self.max_model_len)
+            outputs.append(out)
+            if out.finished:
+                self._drop(req)
+        self._release_deferred()
+        ahead = self._inflight
+        if ahead is not None:
+            # While the step launched ahead runs: doorbells and leases, the step after it.
+            if not polled:
+                self._close_leases(outputs)
+            if not (self.ready and len(self.running) < self.max_num_seqs):
+                self._reserve_next([r for r in ahead.batch if self.requests.get(r.request_id) is r])
+        elif self._next is not None and self._next.seq_ids == tuple(r.seq_id for r in current.batch):
+            self._next.device_ids = current.pending.device_tokens
+        return outputs
+
+    def _launch(self, outputs: list[TokenOutput]) -> _InFlight | None:
+        """Admit, plan and launch a step (None when nothing runs); while the GPU runs it, poll
+        the doorbells and leases, then reserve the next step (not when a newly rung request
+        joins it: that plan would be rebuilt)."""
         self._admit()
         if not self.running:
             self._rollback_next()
             self._close_leases(outputs)
             self._admit()
             if not self.running:
-                return outputs
+                return None
         batch = list(self.running)
         plan, ids = self._plan(batch)
         pending = self.runner.execute(plan, ids, np.arange(len(batch)), batch)
-        # While the GPU runs this step: doorbells and leases, then the next step's slots and plan
-        # (not when a newly rung request joins the next batch: that plan would be rebuilt).
         self._close_leases(outputs)
         if not (self.ready and len(self.running) < self.max_num_seqs):
             self._reserve_next(batch)
-        for req, token in zip(batch, pending.result()):
-            req.num_computed += 1
-            out = req.append(token, self.max_model_len)
-            outputs.append(out)
-            if out.finished:
-                self._drop(req)
-        if self._next is not None and self._next.seq_ids == tuple(r.seq_id for r in batch):
-            self._next.device_ids = pending.device_tokens
-        return outputs
+        return _InFlight(batch, pending, frozenset(r.seq_id for r in batch))
+
+    def _launch_ahead(self, current: _InFlight) -> _InFlight | None:
+        """Launch the reserved next step before ``current``'s tokens are read, when it holds
+        exactly ``current``'s requests (all continue by length, none aborted) and nobody waits
+        to join; its input ids are ``current``'s sampled ids on the device."""
+        nxt = self._next
+        if nxt is None or nxt.seq_ids != tuple(r.seq_id for r in current.batch):
+            return None
+        if self.ready and len(self.running) < self.max_num_seqs:
+            return None
+        if any(self.requests.get(r.request_id) is not r for r in current.batch):
+            return None
+        self._next = None
+        pending = self.runner.execute(nxt.plan, current.pending.device_tokens, np.arange(len(current.batch)),
+                                      current.batch, step_offset=1)
+        self.num_steps_ahead += 1
+        return _InFlight(list(current.batch), pending, current.seq_ids)
+
+    def _release_deferred(self) -> None:
+        """Free the ended requests that no launched step writes any more."""
+        waiting, self._deferred = self._deferred, []
+        for req in waiting:
+            self._free(req)  # defers again while the step launched ahead holds it
 
     def _admit(self) -> None:
         while self.ready and len(self.running) < self.max_num_seqs:

@@ -80,7 +80,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ steps
     def execute(self, plan: ForwardPlan, input_ids: np.ndarray | list[int] | torch.Tensor,
                 sample_rows: np.ndarray, sample_requests: list[Request], *,
-                pusher=None) -> PendingTokens:
+                pusher=None, step_offset: int = 0) -> PendingTokens:
         """Run one forward and sample the rows that finished their computation.
 
         Args:
@@ -89,6 +89,9 @@ class ModelRunner:
             sample_rows: ``[S]`` batch rows whose last new token is sampled.
             sample_requests: the S requests of those rows (their sampling values).
             pusher: a `KVPusher` for a prefill forward with receivers (begin/end handled here).
+            step_offset: tokens each request will have generated before this one beyond those
+                it holds now (1 for a step launched before the previous step's tokens were
+                appended): keeps seeded draws a function of the token's index.
 
         Returns:
             The sampled ids (``result()`` waits for them).
@@ -110,7 +113,7 @@ class ModelRunner:
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
             logits = self.model.forward(self._ids_to_device(input_ids), batch, self.kv, kv_scales=self.kv_scales)
         self.num_forwards += 1
-        return self._sample(logits, sample_rows, sample_requests, push_done)
+        return self._sample(logits, sample_rows, sample_requests, push_done, step_offset)
 
     def _ids_to_device(self, input_ids) -> torch.Tensor:
         if isinstance(input_ids, torch.Tensor):
@@ -121,14 +124,14 @@ class ModelRunner:
         return host
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, requests: list[Request],
-                push_done) -> PendingTokens:
+                push_done, step_offset: int = 0) -> PendingTokens:
         rows = np.asarray(rows, dtype=np.int64)
         if len(rows) == 0:
             empty = torch.zeros(0, dtype=torch.int64)
             return PendingTokens(empty, empty, None, push_done)
         if len(rows) != logits.shape[0] or not np.array_equal(rows, np.arange(len(rows))):
             logits = logits.index_select(0, torch.as_tensor(rows).to(self.device, non_blocking=True))
-        tokens = sample(logits, SamplingBatch.from_requests(requests, self.device))
+        tokens = sample(logits, SamplingBatch.from_requests(requests, self.device, step_offset))
         if self.device.type != "cuda":
             return PendingTokens(tokens, tokens, None, push_done)
         host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)

@@ -49,8 +49,10 @@ class SamplingBatch:
     any_top_p: bool
 
     @classmethod
-    def from_requests(cls, requests: list[Request], device: torch.device) -> SamplingBatch:
-        """Pack the rows of ``requests`` (in batch order) into one host->device copy."""
+    def from_requests(cls, requests: list[Request], device: torch.device, step_offset: int = 0) -> SamplingBatch:
+        """Pack the rows of ``requests`` (in batch order) into one host->device copy; a row's
+        step is its request's generated tokens + ``step_offset`` (1 when the previous step's
+        token is not appended yet)."""
         n = len(requests)
         if all(req.params.temperature == 0.0 for req in requests):
             return cls(None, None, None, None, None, None, False, False)
@@ -59,7 +61,7 @@ class SamplingBatch:
         for i, req in enumerate(requests):
             p = req.params
             floats[0, i], floats[1, i] = p.temperature, p.top_p
-            ints[0, i], ints[1, i], ints[2, i] = p.top_k, req.seed, req.num_output_tokens
+            ints[0, i], ints[1, i], ints[2, i] = p.top_k, req.seed, req.num_output_tokens + step_offset
         sampled = np.flatnonzero(floats[0] > 0)
         any_top_k = bool((ints[0, sampled] > 0).any())
         any_top_p = bool((floats[1, sampled] < 1.0).any())

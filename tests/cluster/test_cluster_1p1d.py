@@ -221,3 +221,22 @@ def _wait_until(predicate, timeout_s: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.05)
+
+
+def test_async_scheduling_from_the_config_gives_the_same_tokens(ray_local):
+    """`scheduler.async_scheduling: true` reaches the decode engine (steps launched ahead), and
+    tokens equal the colocated engine's, stop ids (EOS-like ends) included."""
+    prompts = mixed_prompts(12, seed=5)
+    max_tokens = [3, 16, 31, 9] * 3
+    want = reference_tokens(prompts, max_tokens)
+    stop = {i: want[i][2] for i in (1, 5)}  # two requests end early on a stop id
+    params = [SamplingParams(max_tokens=n, stop_token_ids=(stop[i],) if i in stop else ())
+              for i, n in enumerate(max_tokens)]
+    with launch("tiny-1p1d", scheduler__async_scheduling=True) as cluster:
+        got = cluster.generate(prompts, params)
+        stats = {inst["name"]: inst for inst in cluster.stats()["instances"]}
+        wait_all_free(cluster)
+    assert stats["decode-0"]["num_steps_ahead"] > 0
+    for i, (completion, tokens) in enumerate(zip(got, want)):
+        expected = tokens[:tokens.index(stop[i]) + 1] if i in stop else tokens
+        assert completion.token_ids == expected, f"request {i}"

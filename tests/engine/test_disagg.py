@@ -26,9 +26,10 @@ class FakeClock:
         return self.now
 
 
-@pytest.fixture
-def engines(tiny_model, torch_reference):
-    """(prefill on PE 0, decode on PE 1, the decode engine's lease clock); heaps closed after."""
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def engines(tiny_model, torch_reference, request):
+    """(prefill on PE 0, decode on PE 1, the decode engine's lease clock); heaps closed after.
+    Every test runs with the decode engine's async scheduling off and on."""
     uid = new_unique_id("shm")
     heaps = collective([lambda r=r: open_heap("shm", uid=uid, rank=r, world_size=2, size_bytes=1 << 20,
                                               num_signals=16, timeout_s=10.0) for r in range(2)])
@@ -36,7 +37,8 @@ def engines(tiny_model, torch_reference):
     sizes = dict(num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_num_seqs=4)
     prefill, decode = collective([
         lambda: PrefillEngine(tiny_model, heaps[0], max_num_batched_tokens=5, **sizes),
-        lambda: DecodeEngine(tiny_model, heaps[1], lease_s=5.0, clock=clock, **sizes)])
+        lambda: DecodeEngine(tiny_model, heaps[1], lease_s=5.0, clock=clock, async_scheduling=request.param,
+                             **sizes)])
     yield prefill, decode, clock
     for heap in heaps:
         heap.close()

@@ -37,8 +37,9 @@ def pump(prefill, decode, tokens: dict, ended: dict) -> None:
             ended.setdefault(out.request_id, out.finish_reason)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_traffic(tiny_model, torch_reference, seed):
+def test_random_traffic(tiny_model, torch_reference, seed, async_scheduling):
     rng = random.Random(seed)
     uid = new_unique_id("shm")
     heaps = collective([lambda r=r: open_heap("shm", uid=uid, rank=r, world_size=2, size_bytes=1 << 20,
@@ -47,7 +48,8 @@ def test_random_traffic(tiny_model, torch_reference, seed):
     sizes = dict(num_pages=16, page_size=4, max_num_seqs=3)
     prefill, decode = collective([
         lambda: PrefillEngine(tiny_model, heaps[0], max_num_batched_tokens=6, **sizes),
-        lambda: DecodeEngine(tiny_model, heaps[1], lease_s=3.0, clock=clock, **sizes)])
+        lambda: DecodeEngine(tiny_model, heaps[1], lease_s=3.0, clock=clock,
+                             async_scheduling=async_scheduling, **sizes)])
     prompts, params, tokens, ended, cut = {}, {}, {}, {}, set()
     try:
         for step in range(120):
@@ -82,6 +84,7 @@ def test_random_traffic(tiny_model, torch_reference, seed):
         assert_all_free(prefill)
         assert_all_free(decode)
         assert decode.stats()["committed_pages"] == 0 and decode.leases.doorbells.num_armed == 0
+        assert (decode.stats()["num_steps_ahead"] > 0) == async_scheduling
         finished = [rid for rid, reason in ended.items() if reason == "length"]
         reasons = sorted(ended.values())
         assert finished and "abort" in reasons and "error" in reasons, reasons  # every path taken
