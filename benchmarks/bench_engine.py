@@ -18,6 +18,8 @@ Rows (ours / anchor = ratio, target):
   TFLOP/s in the model dtype. Target >= 0.6.
 - mixed_chunk2048_dec64: one forward of a 2048-token chunk + 64 decodes (ctx 1024) / (the chunk
   alone + the 64 decodes alone from their graph). Below 1: mixing saves the decodes' weight reads.
+- projections_B64_variants: the model's GEMMs alone under cuBLAS, cuBLASLt and transposed
+  weights, each against the weights-only bound (which GEMM choice the decode step should use).
 - cold/warm: the first forward of each kind (kernel compilation) vs the next; graph capture
   seconds for every bucket up to 256 at context 1024.
 """
@@ -172,6 +174,53 @@ def linear_seconds(model, batch: int) -> float:
     with torch.cuda.graph(graph):
         run()
     return timed(graph.replay, 10, model.device)
+
+
+def projection_variants_row(model, batch: int, bandwidth: float) -> dict:
+    """The projections alone (as `linear_seconds`) under other GEMM choices, against the
+    weights-only bound: cuBLAS (torch's default), cuBLASLt (`preferred_blas_library`), and the
+    weights stored transposed (`x @ W_t`, an "NN" GEMM). Says whether another choice closes the
+    decode step's gap to its memory bound. GPU only (needs the weights' bytes again, free)."""
+    bound = weight_bytes(model) / bandwidth
+    row = {"name": f"projections_B{batch}_variants", "anchor_us": bound * 1e6,
+           "anchor": "weights-only bound: weight bytes / copy bandwidth"}
+    if model.device.type != "cuda":
+        row["skipped"] = "GPU only"
+        return row
+    row["cublas_us"] = linear_seconds(model, batch) * 1e6
+    previous = torch.backends.cuda.preferred_blas_library()
+    try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        row["cublaslt_us"] = linear_seconds(model, batch) * 1e6
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+    w, c = model.weights, model.config
+    x = torch.randn(batch, c.hidden_size, dtype=model.dtype, device=model.device)
+    xq = torch.randn(batch, c.num_qo_heads * c.head_dim, dtype=model.dtype, device=model.device)
+    xi = torch.randn(batch, c.intermediate_size, dtype=model.dtype, device=model.device)
+    layers = [(l.qkv.t().contiguous(), l.o_proj.t().contiguous(), l.gate_up.t().contiguous(),
+               l.down.t().contiguous()) for l in w.layers]
+    head = w.lm_head.t().contiguous()
+
+    def run() -> None:
+        for qkv, o, gate_up, down in layers:
+            x @ qkv
+            xq @ o
+            x @ gate_up
+            xi @ down
+        x @ head
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    row["weight_t_us"] = timed(graph.replay, 10, model.device) * 1e6
+    del layers, head, graph
+    torch.cuda.empty_cache()
+    for key in ("cublas", "cublaslt", "weight_t"):
+        row[f"{key}_ratio"] = row[f"{key}_us"] / row["anchor_us"]
+    return row
 
 
 def decode_rows(bench: Bench, batches, contexts, bandwidth: float, free_bytes: int) -> list[dict]:
@@ -374,6 +423,10 @@ def main() -> None:
     del bench
     if gpu:
         torch.cuda.empty_cache()
+    try:  # new, not yet run on a GPU: a failure must not lose the rows above
+        rows.append(projection_variants_row(model, 1 if small else 64, bandwidth))
+    except Exception as exc:  # noqa: BLE001 - reported in the row
+        rows.append({"name": "projections_variants", "error": repr(exc)[:300]})
     for async_scheduling in (False, True):
         rows.append(decode_idle_row(model, 8 if small else 64, contexts[0], 10 if small else 100, async_scheduling))
     args.out.parent.mkdir(parents=True, exist_ok=True)
