@@ -99,25 +99,38 @@ def side_summary(label: str, results: Sequence[Mapping[str, Any]], num_gpus: int
     }
 
 
+def family(label: str) -> str:
+    """A deployment's config name without its variant: "llama3-8b-colocated[max_num_batched_tokens
+    =2048]" -> "llama3-8b-colocated"."""
+    return label.split("[", 1)[0]
+
+
 def compare_sides(sides: Sequence[Mapping[str, Any]], slos_ms: Mapping[str, float],
                   target: float = TARGET_ATTAINMENT) -> dict[str, Any]:
-    """Per SLO scale: each side's per-GPU goodput, the best of the others, and side 0's ratio to it.
+    """Per SLO scale: each side's per-GPU goodput, the best of the others, and the ratio.
 
-    Side 0 is the deployment under test (CONFIG); the rest are what it is compared with (CONFIG2
-    and its tuned variants); "best_other" is the best of those at each scale, as a careful
-    operator would pick it.
+    Side 0 names the deployment under test (CONFIG). Sides of the same config with other
+    settings (labels that differ only in their "[...]" variant, e.g. a prefill budget swept with
+    `--set`) are its variants: "best_own" is the best of them at each scale. Every other side is
+    what it is compared with (CONFIG2 and its tuned variants): "best_other" is the best of those,
+    as a careful operator would pick it. The ratio is best_own / best_other, so neither side is
+    judged at a setting its operator would not choose.
     """
     rows = []
     scales = [entry["scale"] for entry in sides[0]["per_scale"]] if sides else []
+    mine_family = family(sides[0]["label"]) if sides else None
     for index, scale in enumerate(scales):
         goodputs = {side["label"]: side["per_scale"][index]["per_gpu_goodput"] for side in sides}
         bounds = {side["label"]: side["per_scale"][index]["bound"] for side in sides}
-        others = [(label, value) for label, value in goodputs.items() if label != sides[0]["label"]]
+        own = [(label, value) for label, value in goodputs.items() if family(label) == mine_family]
+        others = [(label, value) for label, value in goodputs.items() if family(label) != mine_family]
+        own_label, mine = max(own, key=lambda item: item[1] or 0.0)
+        if mine is None:  # no goodput anywhere in the family: name the side under test
+            own_label, mine = sides[0]["label"], goodputs[sides[0]["label"]]
         best_label, best = max(others, key=lambda item: item[1] or 0.0, default=(None, None))
-        mine = goodputs[sides[0]["label"]]
         ratio = mine / best if mine is not None and best else None
         rows.append({"scale": scale, "slos_ms": scale_slos(slos_ms, scale), "per_gpu_goodput": goodputs,
-                     "bound": bounds, "best_other": best_label, "ratio": ratio})
+                     "bound": bounds, "best_own": own_label, "best_other": best_label, "ratio": ratio})
     return {"target_attainment": target, "slos_ms": dict(slos_ms), "rows": rows}
 
 

@@ -206,14 +206,15 @@ def comparison_table(summary: Mapping[str, Any]):
     sides = [side["label"] for side in summary["sides"]]
     table = Table(title=f"Per-GPU goodput (req/s/GPU at >= {summary['comparison']['target_attainment']:.0%} "
                         f"SLO attainment); base SLOs {summary['slos_ms']} ms")
-    for header in ["SLO scale", *sides, "ratio (first / best other)"]:
+    for header in ["SLO scale", *sides, "ratio (best own / best other)"]:
         table.add_column(header, justify="right")
     for row in summary["comparison"]["rows"]:
         cells = [_fmt(row["scale"])]
         for label in sides:
             value, bound = row["per_gpu_goodput"][label], row["bound"][label]
             cells.append(_fmt(value) + {"at_least": "+", "below_range": " (<min)"}.get(bound, ""))
-        cells.append(_fmt(row["ratio"]) + (f" vs {row['best_other']}" if row["best_other"] else ""))
+        own = row.get("best_own", sides[0])
+        cells.append(_fmt(row["ratio"]) + (f" ({own} vs {row['best_other']})" if row["best_other"] else ""))
         table.add_row(*cells)
     return table
 
@@ -227,9 +228,9 @@ def markdown_summary(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     lines = ["| workload | SLO scale | SLOs (ms) | under test | goodput | best other | goodput | ratio | "
              "p99 TTFT (ms) | p99 TPOT (ms) |", "|" + " --- |" * 10]
     for dataset, summary in summaries.items():
-        first = summary["sides"][0]["label"]
         common = summary.get("at_common_rate") or {}
         for row in summary["comparison"]["rows"]:
+            first = row.get("best_own", summary["sides"][0]["label"])
             other = row["best_other"]
             tails = [common.get(label) or {} for label in (first, other)]
             slos = ", ".join(f"{k} {v:.0f}" for k, v in row["slos_ms"].items())

@@ -95,6 +95,26 @@ def test_side_summary_and_comparison():
         cmp.scale_slos(slos, 0.0)
 
 
+def test_each_side_is_judged_at_its_best_variant():
+    """Variants of the config under test ("[...]" labels, e.g. a prefill budget set with --set)
+    compete among themselves as the compared config's do: the ratio is best own / best other."""
+    slos = {"ttft": 100, "tpot": 30}
+    sweeps = {"1p1d[max_num_batched_tokens=8192]": 2.0, "1p1d[max_num_batched_tokens=2048]": 0.25,
+              "colocated[max_num_batched_tokens=512]": 2.0, "colocated[max_num_batched_tokens=2048]": 0.5}
+    sides = [cmp.side_summary(label, _sweep(label, degrade), 2, slos, (1.0,)) for label, degrade in sweeps.items()]
+    goodput = {side["label"]: side["per_gpu_goodput"] for side in sides}
+    (row,) = cmp.compare_sides(sides, slos)["rows"]
+    assert row["best_own"] == "1p1d[max_num_batched_tokens=2048]"
+    assert row["best_other"] == "colocated[max_num_batched_tokens=2048]"
+    assert goodput[row["best_own"]] > goodput["1p1d[max_num_batched_tokens=8192]"]
+    assert row["ratio"] == pytest.approx(goodput[row["best_own"]] / goodput[row["best_other"]])
+    assert row["ratio"] > 1.0
+    # One variant under test: the side under test itself, as before.
+    (row,) = cmp.compare_sides(sides[:1] + sides[2:], slos)["rows"]
+    assert row["best_own"] == "1p1d[max_num_batched_tokens=8192]" and row["ratio"] == 0.0  # below range
+    assert cmp.family("llama3-8b-colocated[max_num_batched_tokens=2048]") == "llama3-8b-colocated"
+
+
 def test_plots_are_written(tmp_path):
     slos = {"ttft": 100, "tpot": 30}
     by_label = {"disagg": _sweep("disagg", 0.5), "colocated": _sweep("colocated", 2.0)}
