@@ -141,7 +141,9 @@ class SchedulerSection(Section):
                                                                 "chunk budget), tokens")
     async_scheduling: bool = Field(False, description="decode instances launch the next step before "
                                                       "reading this step's tokens (hides the host's "
-                                                      "bookkeeping; off until measured on GPUs)")
+                                                      "bookkeeping; off until measured on GPUs; colocated "
+                                                      "instances have no equivalent yet, so keep it off "
+                                                      "when comparing with them)")
 
 
 class RouterSection(Section):
