@@ -6,11 +6,18 @@ token and sequence budgets; the page tables come from `disagg.cache.PagedKVCache
 sampling and CUDA graphs (pure-decode steps) are the model runner's (`disagg.engine.runner`), the
 same as the disaggregated decode engine's. Requests whose pages run out are preempted and
 recomputed, never failed.
+
+Host/GPU overlap, as in `DecodeEngine`: while the GPU runs a pure-decode step over every running
+request with none waiting, the next step's slots are reserved and its plan built; if after the
+sync the batch is still the same (nobody ended, was aborted or arrived), the next step reuses
+that plan and the sampled ids still on the device, skipping the scheduler (which would pick
+exactly that batch); otherwise the reserved slots are rolled back and the scheduler runs.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Hashable
 
 import numpy as np
@@ -21,9 +28,20 @@ from disagg.engine.request import (Request, RequestFactory, TokenOutput, check_e
                                    check_fits, check_new_request)
 from disagg.engine.runner import ModelRunner
 from disagg.engine.scheduler import ScheduledBatch, Scheduler
+from disagg.errors import OutOfPages
+from disagg.plan import ForwardPlan
 from disagg.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _NextStep:
+    """A pure-decode step reserved while the GPU ran the one before it (module docstring)."""
+
+    requests: list[Request]
+    plan: ForwardPlan
+    device_ids: torch.Tensor | None = None
 
 
 class ColocatedEngine:
@@ -54,6 +72,8 @@ class ColocatedEngine:
         self.requests: dict[Hashable, Request] = {}
         self._factory = RequestFactory(tuple(model.config.eos_token_ids))
         self._outputs: list[TokenOutput] = []  # abort notices, returned by the next step
+        self._next: _NextStep | None = None
+        self.num_reserved_steps = 0  # steps that ran a plan reserved during the step before
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: Hashable, prompt_token_ids: list[int],
@@ -86,7 +106,8 @@ class ColocatedEngine:
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_forwards": self.runner.num_forwards,
-                "num_graph_replays": self.runner.num_graph_replays}
+                "num_graph_replays": self.runner.num_graph_replays,
+                "num_reserved_steps": self.num_reserved_steps}
 
     def warmup(self, prompt_len: int | None = None, max_kv_len: int | None = None) -> dict[str, float]:
         """Compile the kernels and capture the decode graphs before the first request (idle only).
@@ -94,7 +115,7 @@ class ColocatedEngine:
         Returns:
             Seconds per phase (see `ModelRunner.warmup`).
         """
-        if self.scheduler.has_work():
+        if self.scheduler.has_work() or self._next is not None:
             raise RuntimeError("warmup: the engine has requests; call it before the first add")
         n = prompt_len or self.scheduler.max_num_batched_tokens
         return self.runner.warmup(self.cache, prompt_len=n, max_kv_len=max_kv_len)
@@ -103,11 +124,21 @@ class ColocatedEngine:
     def step(self) -> list[TokenOutput]:
         """Run one forward (if there is work); return this step's outputs."""
         outputs, self._outputs = self._outputs, []
-        batch = self.scheduler.schedule()
-        if not batch:
-            return outputs
-        tokens, sampled = self._forward(batch)
-        for req, token in zip(sampled, tokens):
+        reserved = self._take_reserved()
+        if reserved is not None:
+            batch = ScheduledBatch(list(reserved.requests), [1] * len(reserved.requests), len(reserved.requests))
+            pending = self.runner.execute(reserved.plan, reserved.device_ids, np.arange(len(batch)), batch.requests)
+            for req in batch.requests:
+                req.num_computed += 1
+            sampled = batch.requests
+            self.num_reserved_steps += 1
+        else:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return outputs
+            pending, sampled = self._launch(batch)
+        self._reserve_next(batch)  # while the GPU runs this step
+        for req, token in zip(sampled, pending.result()):
             if not req.decoding:
                 self.scheduler.finish_prompt(req)
             out = req.append(token, self.max_model_len)
@@ -115,10 +146,12 @@ class ColocatedEngine:
             if out.finished:
                 self.scheduler.remove(req)
                 del self.requests[req.request_id]
+        if self._next is not None:
+            self._next.device_ids = pending.device_tokens
         return outputs
 
-    def _forward(self, batch: ScheduledBatch) -> tuple[list[int], list[Request]]:
-        """One forward over ``batch``; returns the sampled ids and their requests."""
+    def _launch(self, batch: ScheduledBatch):
+        """Launch one forward over ``batch``; returns its pending ids and the sampled requests."""
         reqs, counts = batch.requests, batch.num_tokens
         ids = np.concatenate([np.asarray(r.token_ids[r.num_computed: r.num_computed + n], dtype=np.int64)
                               for r, n in zip(reqs, counts)])
@@ -131,4 +164,38 @@ class ColocatedEngine:
             self.cache.end_forward()
         for r, n in zip(reqs, counts):
             r.num_computed += n
-        return pending.result(), sampled
+        return pending, sampled
+
+    def _reserve_next(self, batch: ScheduledBatch) -> None:
+        """Reserve the next step's slots when it will surely be this pure-decode batch again: every
+        running request, one token each, none waiting, none at its length limit."""
+        reqs = batch.requests
+        if (self.scheduler.waiting or not _same(reqs, self.scheduler.running) or any(n != 1 for n in batch.num_tokens)
+                or any(r.num_output_tokens + 1 >= r.params.max_tokens
+                       or len(r.token_ids) + 1 >= self.max_model_len for r in reqs)):
+            return
+        try:
+            plan = self.cache.begin_forward([r.seq_id for r in reqs], [1] * len(reqs))
+        except OutOfPages:
+            return  # the scheduler will preempt at the next step
+        self.cache.end_forward()
+        self._next = _NextStep(list(reqs), plan)
+
+    def _take_reserved(self) -> _NextStep | None:
+        """The reserved step if the scheduler would pick exactly its batch now, else None (its
+        slots rolled back)."""
+        nxt, self._next = self._next, None
+        if nxt is None:
+            return None
+        if (nxt.device_ids is not None and not self.scheduler.waiting and _same(nxt.requests, self.scheduler.running)
+                and all(self.requests.get(r.request_id) is r for r in nxt.requests)):
+            return nxt
+        for req in nxt.requests:
+            if req.in_cache and req.seq_id in self.cache:
+                self.cache.popn(req.seq_id, 1)
+        return None
+
+
+def _same(a: list[Request], b: list[Request]) -> bool:
+    """The same request objects in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))

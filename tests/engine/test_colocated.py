@@ -41,6 +41,39 @@ def test_greedy_matches_full_recompute(tiny_model, torch_reference, expected):
     for i in range(len(PROMPTS)):
         assert results[f"r{i}"] == {"tokens": expected[i], "reason": "length", "error": None}, i
     assert engine.stats()["num_preemptions"] == 0
+    assert engine.stats()["num_reserved_steps"] > 0  # decode-only steps ran the plan reserved ahead
+    assert_all_free(engine)
+
+
+def test_reserved_step_rolls_back_on_arrival_abort_and_end(tiny_model, torch_reference, expected):
+    """A step reserved while the last one ran is dropped (slots rolled back) when a request
+    arrives, is aborted or ends; tokens stay those of the full-recompute loop."""
+    engine = _engine(tiny_model)
+    engine.add("r0", PROMPTS[0], GREEDY)
+    engine.add("r1", PROMPTS[1], GREEDY)
+    tokens: dict = {}
+
+    def step() -> None:
+        for out in engine.step():
+            if out.token_id is not None:
+                tokens.setdefault(out.request_id, []).append(out.token_id)
+
+    while engine._next is None:
+        step()
+    lengths = {r.seq_id: engine.cache.seq_length(r.seq_id) for r in engine.scheduler.running}
+    engine.add("r3", PROMPTS[3], GREEDY)  # arrival: the reserved decode-only step is not what runs
+    step()
+    for seq_id, length in lengths.items():  # the reserved slot rolled back, then one token computed
+        assert engine.cache.seq_length(seq_id) == length
+    while engine._next is None:
+        step()
+    assert engine.abort("r1")  # abort: the reserved step is dropped, its slots given back
+    step()
+    while engine.has_work():
+        step()
+    assert tokens["r0"] == expected[0] and tokens["r3"] == expected[3]
+    assert len(tokens.get("r1", [])) < len(expected[1]) and tokens["r1"] == expected[1][:len(tokens["r1"])]
+    assert engine.stats()["num_reserved_steps"] > 0
     assert_all_free(engine)
 
 
