@@ -115,8 +115,9 @@ class ColocatedEngine:
         Returns:
             Seconds per phase (see `ModelRunner.warmup`).
         """
-        if self.scheduler.has_work() or self._next is not None:
+        if self.scheduler.has_work():
             raise RuntimeError("warmup: the engine has requests; call it before the first add")
+        self._take_reserved()  # a step reserved before the last request ended: nothing to keep
         n = prompt_len or self.scheduler.max_num_batched_tokens
         return self.runner.warmup(self.cache, prompt_len=n, max_kv_len=max_kv_len)
 
