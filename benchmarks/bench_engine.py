@@ -18,8 +18,8 @@ Rows (ours / anchor = ratio, target):
   TFLOP/s in the model dtype. Target >= 0.6.
 - mixed_chunk2048_dec64: one forward of a 2048-token chunk + 64 decodes (ctx 1024) / (the chunk
   alone + the 64 decodes alone from their graph). Below 1: mixing saves the decodes' weight reads.
-- colocated_idle_B64: the same for `ColocatedEngine` decode-only steps (the baseline's host
-  time; it reserves the next step during this one as the decode engine does).
+- colocated_idle_B64[_async]: the same for `ColocatedEngine` decode-only steps (the baseline's
+  host time; it reserves the next step during this one as the decode engine does).
 - projections_B64_variants: the model's GEMMs alone under cuBLAS, cuBLASLt and transposed
   weights, each against the weights-only bound (which GEMM choice the decode step should use).
 - cold/warm: the first forward of each kind (kernel compilation) vs the next; graph capture
@@ -287,12 +287,12 @@ def decode_idle_row(model, batch: int, ctx: int, steps: int, async_scheduling: b
             "anchor": "the same step's GPU time (forward from its graph + sampling) back to back"}
 
 
-def colocated_idle_row(model, batch: int, ctx: int, steps: int) -> dict:
+def colocated_idle_row(model, batch: int, ctx: int, steps: int, async_scheduling: bool = False) -> dict:
     """`decode_idle_row` for the colocated engine's decode-only steps (the baseline's host time)."""
     device = model.device
     num_pages = batch * -(-(ctx + steps + 32) // PAGE_SIZE)
     engine = ColocatedEngine(model, num_pages=num_pages, page_size=PAGE_SIZE, max_num_seqs=batch,
-                             max_num_batched_tokens=8192)
+                             max_num_batched_tokens=8192, async_scheduling=async_scheduling)
     params = SamplingParams(max_tokens=steps + 16, ignore_eos=True)
     for i in range(batch):
         engine.add(i, [1] * (ctx - 1), params)
@@ -306,13 +306,15 @@ def colocated_idle_row(model, batch: int, ctx: int, steps: int) -> dict:
         engine.step()
     sync(device)
     period = (time.perf_counter() - t0) / steps
+    engine.async_scheduling = False
+    engine.step()  # reads a step launched ahead (async scheduling); launches none
     running = engine.scheduler.running
     plan = engine.cache.begin_forward([r.seq_id for r in running], [1] * len(running))
     engine.cache.end_forward()
     ids = torch.ones(len(running), dtype=torch.int64, device=device)
     rows = np.arange(len(running))
     gpu = timed(lambda: engine.runner.execute(plan, ids, rows, running), steps, device)
-    return {"name": f"colocated_idle_B{batch}", "ours_step_us": period * 1e6, "anchor_gpu_us": gpu * 1e6,
+    return {"name": f"colocated_idle_B{batch}" + ("_async" if async_scheduling else ""), "ours_step_us": period * 1e6, "anchor_gpu_us": gpu * 1e6,
             "ratio": max(0.0, period - gpu) / period, "reserved_steps": engine.num_reserved_steps,
             "target": "report (the baseline's share of decode_idle)",
             "anchor": "the same step's GPU time (forward from its graph + sampling) back to back"}
@@ -462,7 +464,8 @@ def main() -> None:
         rows.append({"name": "projections_variants", "error": repr(exc)[:300]})
     for async_scheduling in (False, True):
         rows.append(decode_idle_row(model, 8 if small else 64, contexts[0], 10 if small else 100, async_scheduling))
-    rows.append(colocated_idle_row(model, 8 if small else 64, contexts[0], 10 if small else 100))
+    for async_scheduling in (False, True):
+        rows.append(colocated_idle_row(model, 8 if small else 64, contexts[0], 10 if small else 100, async_scheduling))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     for row in rows:

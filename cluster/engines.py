@@ -129,7 +129,8 @@ def make_engine(role: str, model: Any, heap: Any, num_pages: int, config: Config
         return DecodeEngine(model, heap, lease_s=config.router.lease_s,
                             async_scheduling=config.scheduler.async_scheduling, **common)
     if role == "colocated":
-        return ColocatedEngine(model, max_num_batched_tokens=budget, **common)
+        return ColocatedEngine(model, max_num_batched_tokens=budget,
+                               async_scheduling=config.scheduler.async_scheduling, **common)
     raise ValueError(f"role must be prefill, decode or colocated, got {role!r}")
 
 

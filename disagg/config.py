@@ -139,11 +139,10 @@ class SchedulerSection(Section):
     max_num_seqs: int = Field(64, gt=0, description="sequences per forward (and running on decode), count")
     max_num_batched_tokens: int = Field(2048, gt=0, description="new tokens per forward (prefill "
                                                                 "chunk budget), tokens")
-    async_scheduling: bool = Field(False, description="decode instances launch the next step before "
-                                                      "reading this step's tokens (hides the host's "
-                                                      "bookkeeping; off until measured on GPUs; colocated "
-                                                      "instances have no equivalent yet, so keep it off "
-                                                      "when comparing with them)")
+    async_scheduling: bool = Field(False, description="decode and colocated instances launch the next "
+                                                      "decode-only step before reading this step's tokens "
+                                                      "(hides the host's bookkeeping; off until measured "
+                                                      "on GPUs)")
 
 
 class RouterSection(Section):

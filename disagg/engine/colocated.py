@@ -12,6 +12,9 @@ request with none waiting, the next step's slots are reserved and its plan built
 sync the batch is still the same (nobody ended, was aborted or arrived), the next step reuses
 that plan and the sampled ids still on the device, skipping the scheduler (which would pick
 exactly that batch); otherwise the reserved slots are rolled back and the scheduler runs.
+`async_scheduling=True` launches that reserved step before this one's tokens are read, as
+`DecodeEngine` does (a token sampled after a stop is discarded; the pages of a request that ends
+or is aborted meanwhile are released once no launched step writes them).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from disagg.cache import PagedKVCache
 from disagg.engine.request import (Request, RequestFactory, TokenOutput, check_engine_sizes,
                                    check_fits, check_new_request)
-from disagg.engine.runner import ModelRunner
+from disagg.engine.runner import ModelRunner, PendingTokens
 from disagg.engine.scheduler import ScheduledBatch, Scheduler
 from disagg.errors import OutOfPages
 from disagg.plan import ForwardPlan
@@ -44,6 +47,16 @@ class _NextStep:
     device_ids: torch.Tensor | None = None
 
 
+@dataclass
+class _Launched:
+    """A launched forward whose sampled ids have not been read."""
+
+    batch: ScheduledBatch
+    sampled: list[Request]
+    pending: PendingTokens
+    seq_ids: frozenset[int]
+
+
 class ColocatedEngine:
     """Continuous batching with chunked prefill and preemption by recompute.
 
@@ -55,11 +68,13 @@ class ColocatedEngine:
         max_num_batched_tokens: tokens per forward (the prefill chunk budget).
         kv_dtype: KV dtype (default: the model's).
         use_cuda_graphs: None = on CUDA; False = eager always.
+        async_scheduling: launch a reserved decode-only step before reading the tokens of the
+            one before it (see the module docstring).
     """
 
     def __init__(self, model, *, num_pages: int, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype: torch.dtype | None = None,
-                 use_cuda_graphs: bool | None = None) -> None:
+                 use_cuda_graphs: bool | None = None, async_scheduling: bool = False) -> None:
         check_engine_sizes(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens)
         self.model = model
@@ -74,6 +89,10 @@ class ColocatedEngine:
         self._outputs: list[TokenOutput] = []  # abort notices, returned by the next step
         self._next: _NextStep | None = None
         self.num_reserved_steps = 0  # steps that ran a plan reserved during the step before
+        self.async_scheduling = bool(async_scheduling)
+        self._inflight: _Launched | None = None  # async scheduling: launched, ids not read
+        self._deferred: list[Request] = []  # ended requests whose pages a launched step still writes
+        self.num_steps_ahead = 0
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: Hashable, prompt_token_ids: list[int],
@@ -94,12 +113,13 @@ class ColocatedEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        self.scheduler.remove(req)
+        self._forget(req)
         self._outputs.append(TokenOutput(request_id, None, True, "abort"))
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._outputs)
+        return (self.scheduler.has_work() or bool(self._outputs) or self._inflight is not None
+                or bool(self._deferred))
 
     def stats(self) -> dict:
         return {"free_pages": self.cache.num_free_pages, "total_pages": self.cache.num_pages,
@@ -107,7 +127,7 @@ class ColocatedEngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "num_forwards": self.runner.num_forwards,
                 "num_graph_replays": self.runner.num_graph_replays,
-                "num_reserved_steps": self.num_reserved_steps}
+                "num_reserved_steps": self.num_reserved_steps, "num_steps_ahead": self.num_steps_ahead}
 
     def warmup(self, prompt_len: int | None = None, max_kv_len: int | None = None) -> dict[str, float]:
         """Compile the kernels and capture the decode graphs before the first request (idle only).
@@ -125,34 +145,85 @@ class ColocatedEngine:
     def step(self) -> list[TokenOutput]:
         """Run one forward (if there is work); return this step's outputs."""
         outputs, self._outputs = self._outputs, []
-        reserved = self._take_reserved()
-        if reserved is not None:
-            batch = ScheduledBatch(list(reserved.requests), [1] * len(reserved.requests), len(reserved.requests))
-            pending = self.runner.execute(reserved.plan, reserved.device_ids, np.arange(len(batch)), batch.requests)
-            for req in batch.requests:
-                req.num_computed += 1
-            sampled = batch.requests
-            self.num_reserved_steps += 1
-        else:
-            batch = self.scheduler.schedule()
-            if not batch:
+        current, self._inflight = self._inflight, None
+        if current is None:
+            current = self._launch_next()
+            if current is None:
                 return outputs
-            pending, sampled = self._launch(batch)
-        self._reserve_next(batch)  # while the GPU runs this step
-        for req, token in zip(sampled, pending.result()):
+            self._reserve_next(current.batch)  # while the GPU runs this step
+        if self.async_scheduling:
+            self._inflight = self._launch_ahead(current)
+        for req, token in zip(current.sampled, current.pending.result()):
+            if self.requests.get(req.request_id) is not req:
+                continue  # aborted, or ended on the previous token, since this step's launch
             if not req.decoding:
                 self.scheduler.finish_prompt(req)
             out = req.append(token, self.max_model_len)
             outputs.append(out)
             if out.finished:
-                self.scheduler.remove(req)
                 del self.requests[req.request_id]
-        if self._next is not None:
-            self._next.device_ids = pending.device_tokens
+                self._forget(req)
+        self._release_deferred()
+        ahead = self._inflight
+        if ahead is not None:
+            self._reserve_next(ScheduledBatch([r for r in ahead.batch.requests if self.requests.get(r.request_id) is r],
+                                              [], 0), decode_only=True)
+        elif self._next is not None and _same(self._next.requests, current.sampled):
+            self._next.device_ids = current.pending.device_tokens  # row i is request i's next input
         return outputs
 
-    def _launch(self, batch: ScheduledBatch):
-        """Launch one forward over ``batch``; returns its pending ids and the sampled requests."""
+    def _launch_next(self) -> _Launched | None:
+        """Launch the reserved step if it is still what the scheduler would pick, else schedule."""
+        reserved = self._take_reserved()
+        if reserved is None:
+            batch = self.scheduler.schedule()
+            if not batch:
+                return None
+            return self._launch(batch)
+        self.num_reserved_steps += 1
+        return self._launch_reserved(reserved, reserved.device_ids, step_offset=0)
+
+    def _launch_reserved(self, reserved: _NextStep, ids: torch.Tensor, step_offset: int) -> _Launched:
+        reqs = list(reserved.requests)
+        batch = ScheduledBatch(reqs, [1] * len(reqs), len(reqs))
+        pending = self.runner.execute(reserved.plan, ids, np.arange(len(reqs)), reqs, step_offset=step_offset)
+        for req in reqs:
+            req.num_computed += 1
+        return _Launched(batch, reqs, pending, frozenset(r.seq_id for r in reqs))
+
+    def _launch_ahead(self, current: _Launched) -> _Launched | None:
+        """Launch the reserved next step before ``current``'s ids are read, when it holds exactly
+        ``current``'s requests (all running, none waiting to join); its input ids are
+        ``current``'s sampled ids on the device."""
+        nxt = self._next
+        if nxt is None or self.scheduler.waiting or not _same(nxt.requests, current.sampled):
+            return None
+        if not _same(nxt.requests, self.scheduler.running) or any(
+                self.requests.get(r.request_id) is not r for r in nxt.requests):
+            return None
+        self._next = None
+        self.num_steps_ahead += 1
+        return self._launch_reserved(nxt, current.pending.device_tokens, step_offset=1)
+
+    def _forget(self, req: Request) -> None:
+        """Take ``req`` out of the scheduler; release its pages now, or once no launched step
+        writes them."""
+        if self._inflight is not None and req.seq_id in self._inflight.seq_ids:
+            self.scheduler.remove(req, release=False)
+            self._deferred.append(req)
+        else:
+            self.scheduler.remove(req)
+
+    def _release_deferred(self) -> None:
+        waiting, self._deferred = self._deferred, []
+        for req in waiting:
+            if self._inflight is not None and req.seq_id in self._inflight.seq_ids:
+                self._deferred.append(req)
+            else:
+                self.scheduler.release(req)
+
+    def _launch(self, batch: ScheduledBatch) -> _Launched:
+        """Launch one forward over ``batch`` (the scheduler's)."""
         reqs, counts = batch.requests, batch.num_tokens
         ids = np.concatenate([np.asarray(r.token_ids[r.num_computed: r.num_computed + n], dtype=np.int64)
                               for r, n in zip(reqs, counts)])
@@ -165,13 +236,15 @@ class ColocatedEngine:
             self.cache.end_forward()
         for r, n in zip(reqs, counts):
             r.num_computed += n
-        return pending, sampled
+        return _Launched(batch, sampled, pending, frozenset(r.seq_id for r in reqs))
 
-    def _reserve_next(self, batch: ScheduledBatch) -> None:
+    def _reserve_next(self, batch: ScheduledBatch, decode_only: bool = False) -> None:
         """Reserve the next step's slots when it will surely be this pure-decode batch again: every
-        running request, one token each, none waiting, none at its length limit."""
+        running request, one token each, none waiting, none at its length limit (``decode_only``:
+        the batch is known to be decodes, e.g. the live rows of a step launched ahead)."""
         reqs = batch.requests
-        if (self.scheduler.waiting or not _same(reqs, self.scheduler.running) or any(n != 1 for n in batch.num_tokens)
+        if (self.scheduler.waiting or not _same(reqs, self.scheduler.running)
+                or (not decode_only and any(n != 1 for n in batch.num_tokens))
                 or any(r.num_output_tokens + 1 >= r.params.max_tokens
                        or len(r.token_ids) + 1 >= self.max_model_len for r in reqs)):
             return

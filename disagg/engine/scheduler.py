@@ -64,12 +64,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, req: Request) -> None:
-        """Forget ``req`` (finished or aborted) and free its pages."""
+    def remove(self, req: Request, release: bool = True) -> None:
+        """Forget ``req`` (finished or aborted) and free its pages (``release=False``: the caller
+        frees them later with `release`, once no launched forward writes them)."""
         if req.decoding:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if release:
+            self._release(req)
+
+    def release(self, req: Request) -> None:
+        """Free the pages of a request `remove` kept them for."""
         self._release(req)
 
     def schedule(self) -> ScheduledBatch:

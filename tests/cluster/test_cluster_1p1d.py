@@ -224,8 +224,8 @@ def _wait_until(predicate, timeout_s: float = 30.0) -> None:
 
 
 def test_async_scheduling_from_the_config_gives_the_same_tokens(ray_local):
-    """`scheduler.async_scheduling: true` reaches the decode engine (steps launched ahead), and
-    tokens equal the colocated engine's, stop ids (EOS-like ends) included."""
+    """`scheduler.async_scheduling: true` reaches the decode and colocated engines (steps launched
+    ahead), and tokens equal the reference, stop ids (EOS-like ends) included."""
     prompts = mixed_prompts(12, seed=5)
     max_tokens = [3, 16, 31, 9] * 3
     want = reference_tokens(prompts, max_tokens)
@@ -237,6 +237,11 @@ def test_async_scheduling_from_the_config_gives_the_same_tokens(ray_local):
         stats = {inst["name"]: inst for inst in cluster.stats()["instances"]}
         wait_all_free(cluster)
     assert stats["decode-0"]["num_steps_ahead"] > 0
-    for i, (completion, tokens) in enumerate(zip(got, want)):
+    with launch("tiny-colocated", scheduler__async_scheduling=True) as cluster:
+        colocated = cluster.generate(prompts, params)
+        stats.update({inst["name"]: inst for inst in cluster.stats()["instances"]})
+        wait_all_free(cluster)
+    assert stats["colocated-0"]["num_steps_ahead"] + stats["colocated-1"]["num_steps_ahead"] > 0
+    for i, (completion, twin, tokens) in enumerate(zip(got, colocated, want)):
         expected = tokens[:tokens.index(stop[i]) + 1] if i in stop else tokens
-        assert completion.token_ids == expected, f"request {i}"
+        assert completion.token_ids == expected == twin.token_ids, f"request {i}"

@@ -19,8 +19,20 @@ PROMPTS = [[5, 9, 17, 3, 88, 41, 7, 200, 13, 66, 21],  # 11 tokens: split by an 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
+ASYNC = {"on": False}  # set per test by `both_schedulings`
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
+def both_schedulings(request):
+    """Every test runs with async scheduling off and on."""
+    ASYNC["on"] = request.param
+    yield request.param
+    ASYNC["on"] = False
+
+
 def _engine(model, **kw) -> ColocatedEngine:
-    sizes = dict(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    sizes = dict(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                 async_scheduling=ASYNC["on"])
     sizes.update(kw)
     return ColocatedEngine(model, **sizes)
 
@@ -41,7 +53,8 @@ def test_greedy_matches_full_recompute(tiny_model, torch_reference, expected):
     for i in range(len(PROMPTS)):
         assert results[f"r{i}"] == {"tokens": expected[i], "reason": "length", "error": None}, i
     assert engine.stats()["num_preemptions"] == 0
-    assert engine.stats()["num_reserved_steps"] > 0  # decode-only steps ran the plan reserved ahead
+    stats = engine.stats()  # decode-only steps ran the plan reserved during the step before
+    assert stats["num_reserved_steps" if not ASYNC["on"] else "num_steps_ahead"] > 0
     assert_all_free(engine)
 
 
@@ -73,7 +86,7 @@ def test_reserved_step_rolls_back_on_arrival_abort_and_end(tiny_model, torch_ref
         step()
     assert tokens["r0"] == expected[0] and tokens["r3"] == expected[3]
     assert len(tokens.get("r1", [])) < len(expected[1]) and tokens["r1"] == expected[1][:len(tokens["r1"])]
-    assert engine.stats()["num_reserved_steps"] > 0
+    assert engine.stats()["num_reserved_steps" if not ASYNC["on"] else "num_steps_ahead"] > 0
     assert_all_free(engine)
     engine.warmup(prompt_len=4)  # idle again: a step reserved before the end is no obstacle
     assert_all_free(engine)
@@ -188,4 +201,40 @@ def test_warmup_leaves_no_trace(tiny_model, torch_reference, expected):
     with pytest.raises(RuntimeError, match="warmup"):
         engine.warmup()
     assert drain(engine)["a"]["tokens"] == expected[0]
+    assert_all_free(engine)
+
+
+def test_async_scheduling_parity_stop_discard_and_deferred_release(tiny_model, torch_reference, expected,
+                                                                  both_schedulings):
+    """Async against sync on the same requests (greedy, seeded, a stop id): same outputs; an
+    abort while a step is launched ahead keeps the pages until that step is read."""
+    if not both_schedulings:
+        pytest.skip("compares both modes once")
+    params = {"g": GREEDY, "s": SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=3, ignore_eos=True),
+              "stop": SamplingParams(max_tokens=8, stop_token_ids=(expected[0][3],), ignore_eos=True)}
+    prompts = {"g": PROMPTS[2], "s": PROMPTS[3], "stop": PROMPTS[0]}
+    outs = {}
+    for mode in (False, True):
+        engine = _engine(tiny_model, async_scheduling=mode)
+        for rid in params:
+            engine.add(rid, prompts[rid], params[rid])
+        outs[mode] = drain(engine)
+        assert_all_free(engine)
+        assert (engine.stats()["num_steps_ahead"] > 0) == mode
+    assert outs[True] == outs[False]
+    assert outs[True]["stop"]["tokens"] == expected[0][:4] and outs[True]["stop"]["reason"] == "stop"
+
+    engine = _engine(tiny_model, async_scheduling=True)
+    engine.add("a", PROMPTS[2], GREEDY)
+    engine.add("b", PROMPTS[3], GREEDY)
+    early = []
+    while engine._inflight is None:
+        early += [o.token_id for o in engine.step() if o.request_id == "b"]
+    victim = engine.requests["a"]
+    free = engine.cache.num_free_pages
+    assert engine.abort("a")
+    assert victim.seq_id in engine.cache and engine.cache.num_free_pages == free  # a step still writes
+    tokens = drain(engine)
+    assert victim.seq_id not in engine.cache and tokens["a"]["reason"] == "abort"
+    assert early + tokens["b"]["tokens"] == expected[3]
     assert_all_free(engine)

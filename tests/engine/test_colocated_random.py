@@ -13,11 +13,12 @@ from disagg.engine import ColocatedEngine
 from disagg.sampling import SamplingParams
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_traffic(tiny_model, torch_reference, seed):
+def test_random_traffic(tiny_model, torch_reference, seed, async_scheduling):
     rng = random.Random(seed)
     engine = ColocatedEngine(tiny_model, num_pages=10, page_size=4, max_num_seqs=rng.choice([2, 3, 5]),
-                             max_num_batched_tokens=rng.choice([4, 7, 16]))
+                             max_num_batched_tokens=rng.choice([4, 7, 16]), async_scheduling=async_scheduling)
     prompts, params, tokens, ended = {}, {}, {}, {}
     for step in range(80):
         action = rng.random()
@@ -44,6 +45,7 @@ def test_random_traffic(tiny_model, torch_reference, seed):
                 ended.setdefault(out.request_id, out.finish_reason)
     assert_all_free(engine)
     assert engine.stats()["num_preemptions"] > 0
+    assert (engine.stats()["num_steps_ahead"] > 0) == async_scheduling
     assert set(ended) == set(prompts)
     for rid, reason in ended.items():
         if reason == "length":

@@ -25,11 +25,13 @@ SEEDED = SamplingParams(max_tokens=24, temperature=0.8, top_k=50, seed=5, ignore
 GPU_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
-def _colocated_tokens(model, use_cuda_graphs: bool, max_num_seqs: int = 8) -> tuple[dict, dict]:
+def _colocated_tokens(model, use_cuda_graphs: bool, max_num_seqs: int = 8,
+                      async_scheduling: bool = False) -> tuple[dict, dict]:
     from disagg.engine import ColocatedEngine
 
     engine = ColocatedEngine(model, num_pages=256, page_size=16, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=128, use_cuda_graphs=use_cuda_graphs)
+                             max_num_batched_tokens=128, use_cuda_graphs=use_cuda_graphs,
+                             async_scheduling=async_scheduling)
     if use_cuda_graphs:
         seconds = engine.warmup(max_kv_len=512)
         assert seconds["graphs"] > 0 and engine.runner.graphs.capture_seconds > 0
@@ -43,6 +45,7 @@ def _colocated_tokens(model, use_cuda_graphs: bool, max_num_seqs: int = 8) -> tu
 
 @pytest.mark.gpu
 def test_cuda_graph_decode_equals_eager():
+    """Colocated: graphs (with reserved decode-only steps, then with async scheduling) equal eager."""
     import torch
 
     from disagg.model import load_model
@@ -53,6 +56,10 @@ def test_cuda_graph_decode_equals_eager():
     assert eager_stats["num_graph_replays"] == 0
     assert graph_stats["num_graph_replays"] > 10  # batches of 1..7 decodes, padded to 1/2/4/8
     assert graphs == eager
+    assert graph_stats["num_reserved_steps"] > 0  # decode-only steps reuse the plan reserved ahead
+    ahead, ahead_stats = _colocated_tokens(model, use_cuda_graphs=True, async_scheduling=True)
+    assert ahead_stats["num_steps_ahead"] > 0
+    assert ahead == eager
 
 
 @pytest.mark.multigpu
