@@ -265,6 +265,16 @@ def decode_idle_row(model, batch: int, ctx: int, steps: int, async_scheduling: b
         engine.start(i, 1)
     for _ in range(3):
         engine.step()  # admission, graph capture
+    period, gpu = _idle_times(engine, engine.running, steps, device)
+    name = f"decode_idle_B{batch}" + ("_async" if async_scheduling else "")
+    return {"name": name, "ours_step_us": period * 1e6, "anchor_gpu_us": gpu * 1e6,
+            "ratio": max(0.0, period - gpu) / period, "target": "<= 0.05",
+            "anchor": "the same step's GPU time (forward from its graph + sampling) back to back"}
+
+
+def _idle_times(engine, running_of, steps: int, device: torch.device) -> tuple[float, float]:
+    """(steady-state step period, the same step's GPU time back to back) of a decoding engine;
+    ``running_of`` is its running list (read after the steps)."""
     sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -273,18 +283,14 @@ def decode_idle_row(model, batch: int, ctx: int, steps: int, async_scheduling: b
     period = (time.perf_counter() - t0) / steps
     engine.async_scheduling = False
     if engine.has_work():
-        engine.step()  # reads the step launched ahead (async scheduling); launches none
-    running = engine.running
+        engine.step()  # reads a step launched ahead (async scheduling); launches none
+    running = list(running_of)
     plan = engine.cache.begin_forward([r.seq_id for r in running], [1] * len(running))
     engine.cache.end_forward()
     ids = torch.ones(len(running), dtype=torch.int64, device=device)
-    runner = engine.runner
     rows = np.arange(len(running))
-    gpu = timed(lambda: runner.execute(plan, ids, rows, running), steps, device)
-    name = f"decode_idle_B{batch}" + ("_async" if async_scheduling else "")
-    return {"name": name, "ours_step_us": period * 1e6, "anchor_gpu_us": gpu * 1e6,
-            "ratio": max(0.0, period - gpu) / period, "target": "<= 0.05",
-            "anchor": "the same step's GPU time (forward from its graph + sampling) back to back"}
+    gpu = timed(lambda: engine.runner.execute(plan, ids, rows, running), steps, device)
+    return period, gpu
 
 
 def colocated_idle_row(model, batch: int, ctx: int, steps: int, async_scheduling: bool = False) -> dict:
@@ -300,20 +306,7 @@ def colocated_idle_row(model, batch: int, ctx: int, steps: int, async_scheduling
         engine.step()  # the prompts
     for _ in range(3):
         engine.step()  # graph capture
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync(device)
-    period = (time.perf_counter() - t0) / steps
-    engine.async_scheduling = False
-    engine.step()  # reads a step launched ahead (async scheduling); launches none
-    running = engine.scheduler.running
-    plan = engine.cache.begin_forward([r.seq_id for r in running], [1] * len(running))
-    engine.cache.end_forward()
-    ids = torch.ones(len(running), dtype=torch.int64, device=device)
-    rows = np.arange(len(running))
-    gpu = timed(lambda: engine.runner.execute(plan, ids, rows, running), steps, device)
+    period, gpu = _idle_times(engine, engine.scheduler.running, steps, device)
     return {"name": f"colocated_idle_B{batch}" + ("_async" if async_scheduling else ""), "ours_step_us": period * 1e6, "anchor_gpu_us": gpu * 1e6,
             "ratio": max(0.0, period - gpu) / period, "reserved_steps": engine.num_reserved_steps,
             "target": "report (the baseline's share of decode_idle)",
