@@ -51,7 +51,7 @@ class _NextStep:
 class _Launched:
     """A launched forward whose sampled ids have not been read."""
 
-    batch: ScheduledBatch
+    requests: list[Request]  # every row of the forward
     sampled: list[Request]
     pending: PendingTokens
     seq_ids: frozenset[int]
@@ -150,7 +150,7 @@ class ColocatedEngine:
             current = self._launch_next()
             if current is None:
                 return outputs
-            self._reserve_next(current.batch)  # while the GPU runs this step
+            self._reserve_next(current.requests)  # while the GPU runs this step
         if self.async_scheduling:
             self._inflight = self._launch_ahead(current)
         for req, token in zip(current.sampled, current.pending.result()):
@@ -166,8 +166,7 @@ class ColocatedEngine:
         self._release_deferred()
         ahead = self._inflight
         if ahead is not None:
-            self._reserve_next(ScheduledBatch([r for r in ahead.batch.requests if self.requests.get(r.request_id) is r],
-                                              [], 0), decode_only=True)
+            self._reserve_next([r for r in ahead.sampled if self.requests.get(r.request_id) is r])
         elif self._next is not None and _same(self._next.requests, current.sampled):
             self._next.device_ids = current.pending.device_tokens  # row i is request i's next input
         return outputs
@@ -185,11 +184,10 @@ class ColocatedEngine:
 
     def _launch_reserved(self, reserved: _NextStep, ids: torch.Tensor, step_offset: int) -> _Launched:
         reqs = list(reserved.requests)
-        batch = ScheduledBatch(reqs, [1] * len(reqs), len(reqs))
         pending = self.runner.execute(reserved.plan, ids, np.arange(len(reqs)), reqs, step_offset=step_offset)
         for req in reqs:
             req.num_computed += 1
-        return _Launched(batch, reqs, pending, frozenset(r.seq_id for r in reqs))
+        return _Launched(reqs, reqs, pending, frozenset(r.seq_id for r in reqs))
 
     def _launch_ahead(self, current: _Launched) -> _Launched | None:
         """Launch the reserved next step before ``current``'s ids are read, when it holds exactly
@@ -208,19 +206,20 @@ class ColocatedEngine:
     def _forget(self, req: Request) -> None:
         """Take ``req`` out of the scheduler; release its pages now, or once no launched step
         writes them."""
+        self.scheduler.remove(req, release=False)
+        self._release_when_safe(req)
+
+    def _release_when_safe(self, req: Request) -> None:
         if self._inflight is not None and req.seq_id in self._inflight.seq_ids:
-            self.scheduler.remove(req, release=False)
-            self._deferred.append(req)
+            self._deferred.append(req)  # a launched step still appends to its pages
         else:
-            self.scheduler.remove(req)
+            self.scheduler.release(req)
 
     def _release_deferred(self) -> None:
+        """Release the ended requests that no launched step writes any more."""
         waiting, self._deferred = self._deferred, []
         for req in waiting:
-            if self._inflight is not None and req.seq_id in self._inflight.seq_ids:
-                self._deferred.append(req)
-            else:
-                self.scheduler.release(req)
+            self._release_when_safe(req)
 
     def _launch(self, batch: ScheduledBatch) -> _Launched:
         """Launch one forward over ``batch`` (the scheduler's)."""
@@ -236,15 +235,13 @@ class ColocatedEngine:
             self.cache.end_forward()
         for r, n in zip(reqs, counts):
             r.num_computed += n
-        return _Launched(batch, sampled, pending, frozenset(r.seq_id for r in reqs))
+        return _Launched(reqs, sampled, pending, frozenset(r.seq_id for r in reqs))
 
-    def _reserve_next(self, batch: ScheduledBatch, decode_only: bool = False) -> None:
-        """Reserve the next step's slots when it will surely be this pure-decode batch again: every
-        running request, one token each, none waiting, none at its length limit (``decode_only``:
-        the batch is known to be decodes, e.g. the live rows of a step launched ahead)."""
-        reqs = batch.requests
+    def _reserve_next(self, reqs: list[Request]) -> None:
+        """Reserve the next step's slots when it will surely be this pure-decode batch again:
+        ``reqs`` are exactly the running requests (so decodes only, one token each: a prompt chunk
+        belongs to a waiting request), none waiting, none at its length limit."""
         if (self.scheduler.waiting or not _same(reqs, self.scheduler.running)
-                or (not decode_only and any(n != 1 for n in batch.num_tokens))
                 or any(r.num_output_tokens + 1 >= r.params.max_tokens
                        or len(r.token_ids) + 1 >= self.max_model_len for r in reqs)):
             return

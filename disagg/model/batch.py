@@ -259,13 +259,22 @@ class _StaticBuffers:
 
     def clear(self) -> None:
         """Every row padding again (no pages, slot -1, token 0), enqueued like `fill`."""
-        flat, ids = self.staging[self.turn]
-        if self.events:
-            self.events[self.turn].synchronize()
+        flat, ids = self._next_staging()
         self._pad(self._split(flat), 0, 0)
         ids.zero_()
+        self._upload(flat, ids)
+
+    def _next_staging(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This turn's host staging (flat indices, ids), once the copy that last read it is done."""
+        if self.events:
+            self.events[self.turn].synchronize()
+        return self.staging[self.turn]
+
+    def _upload(self, flat: torch.Tensor, ids: torch.Tensor | None) -> None:
+        """Copy this turn's staging to the device buffers (ids unless None); the next turn's."""
         self.flat.copy_(flat, non_blocking=True)
-        self.input_ids.copy_(ids, non_blocking=True)
+        if ids is not None:
+            self.input_ids.copy_(ids, non_blocking=True)
         if self.events:
             self.events[self.turn].record()
             self.turn = (self.turn + 1) % len(self.staging)
@@ -279,9 +288,7 @@ class _StaticBuffers:
                              f"{self.max_pages} pages, got {n} and {nnz}")
         if token_ids is not None and len(token_ids) != n:
             raise ValueError(f"token_ids: expected {n} ids (one per sequence), got {len(token_ids)}")
-        flat, ids = self.staging[self.turn]
-        if self.events:
-            self.events[self.turn].synchronize()  # the copy that last read this staging is done
+        flat, ids = self._next_staging()
         host = self._split(flat)
         host["page_indptr"][:n + 1] = torch.from_numpy(np.asarray(plan.page_indptr, dtype=np.int32))
         host["page_indices"][:nnz] = torch.from_numpy(np.asarray(plan.page_indices, dtype=np.int32))
@@ -289,11 +296,7 @@ class _StaticBuffers:
         host["append_slots"][:n] = torch.from_numpy(np.asarray(plan.append_slots, dtype=np.int32))
         host["positions"][:n] = torch.from_numpy(np.asarray(plan.positions, dtype=np.int32))
         self._pad(host, n, nnz)
-        self.flat.copy_(flat, non_blocking=True)
         if token_ids is not None:
             ids.zero_()
             ids[:n] = torch.as_tensor(np.asarray(token_ids, dtype=np.int64))
-            self.input_ids.copy_(ids, non_blocking=True)
-        if self.events:
-            self.events[self.turn].record()
-            self.turn = (self.turn + 1) % len(self.staging)
+        self._upload(flat, ids if token_ids is not None else None)
