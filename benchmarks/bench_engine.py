@@ -20,8 +20,10 @@ Rows (ours / anchor = ratio, target):
   alone + the 64 decodes alone from their graph). Below 1: mixing saves the decodes' weight reads.
 - colocated_idle_B64[_async]: the same for `ColocatedEngine` decode-only steps (the baseline's
   host time; it reserves the next step during this one as the decode engine does).
-- projections_B64_variants: the model's GEMMs alone under cuBLAS, cuBLASLt and transposed
-  weights, each against the weights-only bound (which GEMM choice the decode step should use).
+- projections_B64_variants: the model's GEMMs alone under cuBLAS, cuBLASLt, transposed weights
+  and the skinny Triton GEMM (`disagg.kernels.linear`), each against the weights-only bound (which
+  GEMM choice the decode step should use). The decode rows with that kernel in the model:
+  `DISAGG_LINEAR=triton python3 benchmarks/bench_engine.py`.
 - cold/warm: the first forward of each kind (kernel compilation) vs the next; graph capture
   seconds for every bucket up to 256 at context 1024.
 """
@@ -41,7 +43,9 @@ from disagg.cache import PagedKVCache
 from disagg.engine import ColocatedEngine, DecodeEngine
 from disagg.engine.request import RequestFactory
 from disagg.engine.runner import ModelRunner
-from disagg.model import load_model
+from disagg.kernels.linear import MAX_ROWS
+from disagg.kernels.linear import linear as skinny_linear
+from disagg.model import layers, load_model
 from disagg.sampling import SamplingParams
 
 GiB = 1 << 30
@@ -151,9 +155,11 @@ class Bench:
         self.runner.execute(plan, np.ones(plan.num_tokens, dtype=np.int64), rows, reqs)
 
 
-def linear_seconds(model, batch: int) -> float:
+def linear_seconds(model, batch: int, skinny: bool = False) -> float:
     """The model's projections alone (every layer's GEMMs and the LM head) for ``batch`` rows,
-    replayed from a CUDA graph: the share of a decode step that is weight reads through cuBLAS."""
+    replayed from a CUDA graph: the share of a decode step that is weight reads through cuBLAS
+    (``skinny``: through `disagg.kernels.linear`, what `DISAGG_LINEAR=triton` runs)."""
+    linear = skinny_linear if skinny else torch.nn.functional.linear
     w = model.weights
     c = model.config
     x = torch.randn(batch, c.hidden_size, dtype=model.dtype, device=model.device)
@@ -162,11 +168,11 @@ def linear_seconds(model, batch: int) -> float:
 
     def run() -> None:
         for layer in w.layers:
-            torch.nn.functional.linear(x, layer.qkv)
-            torch.nn.functional.linear(xq, layer.o_proj)
-            torch.nn.functional.linear(x, layer.gate_up)
-            torch.nn.functional.linear(xi, layer.down)
-        torch.nn.functional.linear(x, w.lm_head)
+            linear(x, layer.qkv)
+            linear(xq, layer.o_proj)
+            linear(x, layer.gate_up)
+            linear(xi, layer.down)
+        linear(x, w.lm_head)
 
     if model.device.type != "cuda":
         return timed(run, 3, model.device)
@@ -220,7 +226,8 @@ def projection_variants_row(model, batch: int, bandwidth: float) -> dict:
     row["weight_t_us"] = timed(graph.replay, 10, model.device) * 1e6
     del layers, head, graph
     torch.cuda.empty_cache()
-    for key in ("cublas", "cublaslt", "weight_t"):
+    row["triton_us"] = linear_seconds(model, batch, skinny=True) * 1e6
+    for key in ("cublas", "cublaslt", "weight_t", "triton"):
         row[f"{key}_ratio"] = row[f"{key}_us"] / row["anchor_us"]
     return row
 
@@ -229,7 +236,9 @@ def decode_rows(bench: Bench, batches, contexts, bandwidth: float, free_bytes: i
     rows = []
     model = bench.model
     for b in batches:
-        linear = linear_seconds(model, b)
+        skinny = (layers.linear_backend() == "triton" and model.device.type == "cuda"
+                  and b <= MAX_ROWS)  # as the model chooses
+        linear = linear_seconds(model, b, skinny=skinny)
         for ctx in contexts:
             kv_read = b * ctx * kv_bytes_per_token(model, model.dtype)
             name = f"decode_B{b}_ctx{ctx}"
@@ -428,7 +437,8 @@ def main() -> None:
     num_pages = int(min(needed, free_bytes // page_bytes))
     bench = Bench(model, num_pages, max_num_seqs=max(batches))
     result = {"model": args.model, "dtype": str(dtype), "device": torch.cuda.get_device_name(device) if gpu else "cpu",
-              "num_pages": num_pages, "page_size": PAGE_SIZE, "rows": []}
+              "num_pages": num_pages, "page_size": PAGE_SIZE, "linear": layers.linear_backend(),
+              "fused_layers": layers.use_fused(torch.empty(1, device=device)), "rows": []}
     rows = result["rows"]
     if args.profile:
         b, ctx = (int(v) for v in args.profile.split(","))

@@ -14,6 +14,10 @@ Every launcher in `disagg.kernels` asks this module two questions before it laun
   caller passes `check_indices=False` (its plan was validated on the host, e.g. by
   `disagg.cache`) or the current stream is capturing (then the check is skipped: capture only
   records work). `check_indices=True` during capture is refused.
+
+`layer_pdl(device)` says whether the decoder layer's small kernels (`disagg.kernels.fused`,
+`disagg.kernels.linear`) launch with programmatic dependent launch: `DISAGG_LAYER_PDL=1` on a
+CUDA device whose Triton has it. Off by default until measured on a GPU.
 """
 
 from __future__ import annotations
@@ -53,6 +57,26 @@ def runnable(kernel):
             "TRITON_INTERPRET=1 before the first `import triton` (e.g. on the pytest command line)"
         )
     return kernel
+
+
+LAYER_PDL_ENV = "DISAGG_LAYER_PDL"
+
+
+def layer_pdl(device: torch.device) -> bool:
+    """Whether the layer kernels launch with PDL on `device` (see the module docstring); the
+    variable is read per call."""
+    if device.type != "cuda" or os.environ.get(LAYER_PDL_ENV, "0") != "1":
+        return False
+    from disagg.kernels.paged_tile import HAS_PDL, note_missing_pdl
+    if not HAS_PDL:
+        note_missing_pdl()
+    return HAS_PDL
+
+
+def pdl_options(device: torch.device) -> dict[str, object]:
+    """Launch keywords of a layer kernel with a `PDL` constexpr: `PDL`, and `launch_pdl` when on."""
+    on = layer_pdl(device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 def is_capturing(device: torch.device) -> bool:

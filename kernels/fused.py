@@ -8,7 +8,9 @@ places as that chain: every intermediate torch keeps in the activations' dtype i
 dtype here too, and float32 math stands where torch computes in float32 ("opmath"). What cannot
 match bit for bit is the order of the float32 sum in the norm's mean square. Launchers allocate
 only value-independent outputs and never read values on the host: they run inside CUDA-graph
-capture, on the caller's current stream.
+capture, on the caller's current stream. With `DISAGG_LAYER_PDL=1` (`dispatch.layer_pdl`) they
+launch with programmatic dependent launch: a kernel is scheduled while the one before it ends,
+waits for it before touching memory, and lets the next one launch once its loads are issued.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from disagg.kernels import checks, dispatch
+from disagg.kernels.paged_tile import gdc_launch_dependents, gdc_wait
 
 # Elements per program of the elementwise kernels (a power of two).
 SILU_BLOCK = 1024
@@ -44,10 +47,13 @@ def _round(x, DTYPE: tl.constexpr):
 def add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
     stride_x, stride_residual, stride_out, eps,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program i owns row i: [HIDDEN] elements of x (and of residual, out). The mask covers the
     # padding of BLOCK (a power of two) past HIDDEN; padded lanes load 0 and add 0 to the sum.
+    # PDL: every access waits for the kernels before (gdc_wait is the first thing).
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -61,6 +67,8 @@ def add_rms_norm_kernel(
         tl.store(residual_ptrs, x32.to(dtype), mask=mask)
     else:
         x32 = x.to(tl.float32)
+    if PDL:
+        gdc_launch_dependents()
     # torch's mean on CUDA multiplies the sum by float32(1 / HIDDEN).
     mean_sq = tl.sum(x32 * x32, axis=0) * (1.0 / HIDDEN)
     normed = _round(x32 * tl.rsqrt(mean_sq + eps), dtype)
@@ -71,16 +79,20 @@ def add_rms_norm_kernel(
 @triton.jit
 def silu_mul_kernel(
     gate_up_ptr, out_ptr, stride_in, stride_out,
-    INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr, PRECISE_EXP: tl.constexpr,
+    INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr, PRECISE_EXP: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (t, j) writes out[t, j*BLOCK : (j+1)*BLOCK] from gate = gate_up[t, c] and
     # up = gate_up[t, INTERMEDIATE + c]. The mask covers the column tail past INTERMEDIATE.
+    if PDL:
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTERMEDIATE
     row = gate_up_ptr + t * stride_in
     gate = tl.load(row + cols, mask=mask, other=0.0)
     up = tl.load(row + INTERMEDIATE + cols, mask=mask, other=0.0)
+    if PDL:
+        gdc_launch_dependents()
     g = gate.to(tl.float32)
     # torch's silu: x / (1 + exp(-x)) in float32 with IEEE division and (on CUDA) expf, which is
     # libdevice's exp; the interpreter has no libdevice, and its exp is numpy's.
@@ -98,12 +110,15 @@ def apply_rope_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr,
     stride_xt, stride_xh, stride_cos, stride_sin, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Program (t, j) rotates heads [j*BLOCK_H, (j+1)*BLOCK_H) of token t. A head's dims split in
     # lo = [0, HALF) and hi = [HALF, 2*HALF); rotate-half gives
     #     out_lo = x_lo * cos_lo + (-x_hi) * sin_lo      out_hi = x_hi * cos_hi + x_lo * sin_hi
     # rounded after each product and after the sum, as torch's `x * cos + rotated * sin` is.
     # Masks cover the head tail past NUM_HEADS and BLOCK_HALF's padding past HALF.
+    if PDL:
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
@@ -117,6 +132,8 @@ def apply_rope_kernel(
     cos_hi = tl.load(cos_ptr + t * stride_cos + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     sin_lo = tl.load(sin_ptr + t * stride_sin + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     sin_hi = tl.load(sin_ptr + t * stride_sin + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    if PDL:
+        gdc_launch_dependents()
     lo, hi = x_lo.to(tl.float32), x_hi.to(tl.float32)
     out_lo = _round(_round(lo * cos_lo, dtype) + _round(-hi * sin_lo, dtype), dtype)
     out_hi = _round(_round(hi * cos_hi, dtype) + _round(lo * sin_hi, dtype), dtype)
@@ -182,7 +199,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     kernel[(num_tokens,)](
         x, stream, weight, out, x.stride(0), stream.stride(0), out.stride(0), float(eps),
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-        num_warps=_norm_warps(block), **_OPTIONS,
+        num_warps=_norm_warps(block), **_OPTIONS, **dispatch.pdl_options(x.device),
     )
     return out, stream
 
@@ -227,7 +244,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(SILU_BLOCK, triton.next_power_of_2(intermediate))
     grid = (num_tokens, triton.cdiv(intermediate, block))
     kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), INTERMEDIATE=intermediate,
-                 BLOCK=block, PRECISE_EXP=gate_up.is_cuda, num_warps=4, **_OPTIONS)
+                 BLOCK=block, PRECISE_EXP=gate_up.is_cuda, num_warps=4, **_OPTIONS,
+                 **dispatch.pdl_options(gate_up.device))
     return out
 
 
@@ -262,5 +280,5 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     kernel[grid](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
                  out.stride(0), out.stride(1), NUM_HEADS=num_heads, HALF=half, BLOCK_H=block_h,
-                 BLOCK_HALF=block_half, num_warps=4, **_OPTIONS)
+                 BLOCK_HALF=block_half, num_warps=4, **_OPTIONS, **dispatch.pdl_options(x.device))
     return out

@@ -14,6 +14,11 @@ run, for comparison). On an H200 they cut a llama3-8b B=64 x 1024 decode step fr
 (1084 to 405 launches; `benchmarks/bench_engine.py --profile 64,1024`), and their GPU tests pass
 (`tests/kernels/test_fused_gpu.py`, `tests/model/test_model_fused.py`). Under the interpreter they
 always run.
+
+The projections go through `linear`: torch's `F.linear` (cuBLAS), or with `DISAGG_LINEAR=triton`
+the skinny-GEMM kernel of `disagg.kernels.linear` for decode-sized batches of 16-bit models (and
+any dtype under the interpreter). It is opt-in until a GPU sweep (`benchmarks/sweep_linear.py`)
+shows per weight shape that it beats cuBLAS.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from disagg.kernels import dispatch, fused
+from disagg.kernels import linear as skinny
 
 FUSED_ENV = "DISAGG_FUSED_LAYERS"
+LINEAR_ENV = "DISAGG_LINEAR"
+LINEAR_BACKENDS = ("cublas", "triton")
 
 
 def use_fused(x: torch.Tensor) -> bool:
@@ -35,6 +43,34 @@ def use_fused(x: torch.Tensor) -> bool:
     if not dispatch.use_triton(x):
         return False
     return x.device.type != "cuda" or os.environ.get(FUSED_ENV, "1") != "0"
+
+
+def linear_backend() -> str:
+    """`DISAGG_LINEAR` (read per call): "cublas" (the default) or "triton".
+
+    Raises:
+        ValueError: any other value.
+    """
+    backend = os.environ.get(LINEAR_ENV, "cublas")
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"{LINEAR_ENV}: expected one of {LINEAR_BACKENDS}, got {backend!r}")
+    return backend
+
+
+def use_skinny_linear(x: torch.Tensor) -> bool:
+    """Whether `linear` runs the skinny-GEMM kernel for `x` (see the module docstring)."""
+    if linear_backend() != "triton" or not dispatch.use_triton(x):
+        return False
+    if x.device.type == "cuda" and x.dtype == torch.float32:
+        return False  # float32 GPU models (tests) keep cuBLAS's numerics
+    return 1 <= x.shape[0] <= skinny.MAX_ROWS and x.stride(-1) == 1
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias`: `[T, K]` x `[N, K]` -> `[T, N]` in x's dtype (see `LINEAR_ENV`)."""
+    if use_skinny_linear(x):
+        return skinny.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -159,4 +195,4 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
     Args:
         x: `[T, H]`. gate_up: `[2 I, H]` (gate rows first). down: `[H, I]`.
     """
-    return F.linear(silu_mul(F.linear(x, gate_up)), down)
+    return linear(silu_mul(linear(x, gate_up)), down)

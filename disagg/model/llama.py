@@ -30,7 +30,8 @@ from disagg.kernels import append_kv, copy_slots, paged_decode, paged_prefill
 from disagg.kernels.fp8 import FP8_DTYPE
 from disagg.model.batch import AttentionBatch
 from disagg.model.config import ModelConfig
-from disagg.model.layers import add_rms_norm, apply_rope, rope_cos_sin, rope_inv_freq, swiglu
+from disagg.model.layers import (add_rms_norm, apply_rope, linear, rope_cos_sin, rope_inv_freq,
+                                 swiglu)
 from disagg.model.weights import LayerWeights, ModelWeights
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ class Model:
         # Only each sequence's last token reaches the head: gather, then add and norm those rows.
         last = batch.logits_indices
         x, _ = add_rms_norm(hidden[last], residual[last], self.weights.norm, eps)
-        return F.linear(x, self.weights.lm_head).float()
+        return linear(x, self.weights.lm_head).float()
 
     def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch: AttentionBatch, kv_layer: torch.Tensor,
@@ -124,7 +125,7 @@ class Model:
         """Self-attention of one layer over the paged cache: `[T, H]` -> `[T, H]`."""
         c = self.config
         num_tokens = x.shape[0]
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = linear(x, layer.qkv, layer.qkv_bias)
         # q and k heads are adjacent in qkv: one RoPE over both, then views (strided k is fine
         # for append_kv / the pusher; attention only needs head_dim contiguous).
         qk = apply_rope(qkv[:, :c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim), cos, sin)
@@ -145,7 +146,7 @@ class Model:
         else:
             o = paged_prefill(q, kv_layer, batch.qo_indptr, *tables, self.sm_scale, causal=True,
                               k_scale=k_scale, v_scale=v_scale, check_indices=batch.check_indices)
-        return F.linear(o.reshape(num_tokens, c.q_size), layer.o_proj)
+        return linear(o.reshape(num_tokens, c.q_size), layer.o_proj)
 
     def _check_inputs(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor,
                       kv_scales: KVScales | None) -> None:
