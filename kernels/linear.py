@@ -69,19 +69,29 @@ def default_config(n: int, k: int, num_sms: int) -> LinearConfig:
 
 
 @triton.jit
+def _prefetch_weights_l2(w_ptr, cols, N, k_lo, K, stride_wn, BLOCK_N: tl.constexpr,
+                         PREFETCH_K: tl.constexpr):
+    """`prefetch.global.L2` of the 128-byte lines of `w[cols, k_lo : k_lo + PREFETCH_K]` (16-bit
+    weights: 64 elements a line); rows and columns clamped into the matrix, never past it."""
+    lines = tl.arange(0, PREFETCH_K // 64) * 64
+    row = tl.minimum(cols, N - 1).to(tl.int64)
+    col = tl.minimum(k_lo + lines, K - 1)
+    ptrs = w_ptr + row[:, None] * stride_wn + col[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def linear_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
 ):
     # Program (j, s) computes out[:, j*BLOCK_N : (j+1)*BLOCK_N] over the K slice
     # [s*k_per_split, (s+1)*k_per_split) (k_per_split a multiple of BLOCK_K). Masks cover rows
     # past M (BLOCK_M is a power of two >= M), columns past N, and, unless EVEN_K, the K tail.
-    # PDL: x comes from the kernel before; nothing is read until it is done.
-    if PDL:
-        gdc_wait()
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -89,6 +99,12 @@ def linear_kernel(
     row_ok = rows < M
     col_ok = cols < N
     k_lo = split * k_per_split
+    if PDL:
+        # Scheduled while the kernel before still runs: the weights do not depend on it, so the
+        # first PREFETCH_K columns of this program's rows head for L2 now; x (its output) and
+        # everything else wait for it.
+        _prefetch_weights_l2(w_ptr, cols, N, k_lo, K, stride_wn, BLOCK_N, PREFETCH_K)
+        gdc_wait()
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k_lo + ks)[None, :]
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_wn + (k_lo + ks)[None, :]
@@ -153,6 +169,14 @@ def _arrival_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
             counters = torch.zeros(max(num_tiles, 4096), dtype=torch.int32, device=device)
             _counters[device] = counters
         return counters
+
+
+def _prefetch_columns(config: LinearConfig, element_size: int) -> int:
+    """Weight columns prefetched under PDL: about what the pipeline's first stages load (a power
+    of two, whole 128-byte lines of 16-bit weights; one line for other dtypes)."""
+    if element_size != 2:
+        return 64
+    return max(64, 1 << (config.block_k * config.num_stages).bit_length() - 1)
 
 
 def _check_linear_inputs(x, weight, bias, out) -> None:
@@ -227,6 +251,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         EVEN_K=k % config.block_k == 0 and k_per_split * config.split_k == k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interpreting else "tf32",
         UPCAST=interpreting,
+        PREFETCH_K=_prefetch_columns(config, weight.element_size()),
         num_warps=config.num_warps, num_stages=config.num_stages, **dispatch.pdl_options(x.device),
     )
     return out

@@ -21,7 +21,7 @@ from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 OPS = ("cp.async.cg", "wgmma.mma", "mma.sync", "griddepcontrol.wait", "griddepcontrol.launch",
-       "atom.global", "ld.global.b16")
+       "atom.global", "ld.global.b16", "prefetch.global.L2")
 
 
 def compile_sm90(fn, types: dict, constexprs: dict, div16: list[str], **options) -> dict:
@@ -32,7 +32,7 @@ def compile_sm90(fn, types: dict, constexprs: dict, div16: list[str], **options)
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=TARGET, options=options)
     ptx = kernel.asm["ptx"]
-    ops = collections.Counter(re.findall(r"^\s*(?:@!?%p\d+ )?([a-z]+\.[a-z0-9_.]+)", ptx, re.M))
+    ops = collections.Counter(re.findall(r"^\s*(?:@!?%p\d+ )?([a-z]+\.[A-Za-z0-9_.]+)", ptx, re.M))
     return {"shared": kernel.metadata.shared,
             **{op: sum(c for name, c in ops.items() if name.startswith(op)) for op in OPS}}
 
@@ -47,7 +47,7 @@ def linear_cases() -> list[dict]:
     rows = []
     for split, block_m, pdl in [(1, 64, False), (4, 64, True), (4, 16, True)]:
         constexprs = dict(HAS_BIAS=False, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128,
-                          EVEN_K=True, DOT_PRECISION="tf32", UPCAST=False, PDL=pdl)
+                          EVEN_K=True, DOT_PRECISION="tf32", UPCAST=False, PDL=pdl, PREFETCH_K=256)
         rows.append({"kernel": "linear", "split_k": split, "block_m": block_m, "pdl": pdl,
                      **compile_sm90(linear_kernel, types, constexprs, div16, num_warps=4, num_stages=3)})
     return rows

@@ -1,6 +1,7 @@
 """The layer kernels compile for sm_90 (H100/H200) on a CPU machine, and their PTX shows what the
 GPU will run: the skinny GEMM streams weights with cp.async into wgmma (64 rows) or mma.sync (16),
-split-K arrives through an acquire-release atomic, and `PDL=True` emits the grid-dependency wait
+split-K arrives through an acquire-release atomic, under PDL the weights' first lines are
+prefetched into L2 before the wait, and `PDL=True` emits the grid-dependency wait
 and trigger while `PDL=False` emits neither. Catches a kernel that would not build, or would
 build into scalar loads, before a GPU sitting is spent on it.
 
@@ -37,6 +38,7 @@ def test_skinny_gemm_pipelines_weights_into_tensor_cores(rows):
         assert r["cp.async.cg"] > 0 and r["ld.global.b16"] == 0, r
         assert (r["wgmma.mma"] > 0) if r["block_m"] == 64 else (r["mma.sync"] > 0), r
         assert (r["atom.global"] > 0) == (r["split_k"] > 1), r
+        assert (r["prefetch.global.L2"] > 0) == r["pdl"], f"weights prefetched while waiting: {r}"
         assert r["shared"] <= 114 * 1024, f"two programs must fit on an SM: {r}"
 
 
