@@ -31,7 +31,7 @@ _OPTIONS = {"enable_fp_fusion": False}
 
 
 @triton.jit
-def _round(x, DTYPE: tl.constexpr):
+def round_to_dtype(x, DTYPE: tl.constexpr):
     """float32 `x` rounded to the nearest DTYPE value (ties to even), kept as float32: where torch
     stores an intermediate. bfloat16 rounds on the float32 bits, because Triton's interpreter
     casts float32 to bfloat16 by truncation; the GPU's cast would give the same result."""
@@ -63,7 +63,7 @@ def add_rms_norm_kernel(
         residual_ptrs = residual_ptr + row * stride_residual + cols
         residual = tl.load(residual_ptrs, mask=mask, other=0.0)
         # torch's `residual + x`: float32 sum rounded to x's dtype; the norm reads the rounded sum.
-        x32 = _round(residual.to(tl.float32) + x.to(tl.float32), dtype)
+        x32 = round_to_dtype(residual.to(tl.float32) + x.to(tl.float32), dtype)
         tl.store(residual_ptrs, x32.to(dtype), mask=mask)
     else:
         x32 = x.to(tl.float32)
@@ -71,9 +71,10 @@ def add_rms_norm_kernel(
         gdc_launch_dependents()
     # torch's mean on CUDA multiplies the sum by float32(1 / HIDDEN).
     mean_sq = tl.sum(x32 * x32, axis=0) * (1.0 / HIDDEN)
-    normed = _round(x32 * tl.rsqrt(mean_sq + eps), dtype)
+    normed = round_to_dtype(x32 * tl.rsqrt(mean_sq + eps), dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, _round(weight * normed, dtype).to(dtype), mask=mask)
+    out = round_to_dtype(weight * normed, dtype)
+    tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -100,8 +101,8 @@ def silu_mul_kernel(
         e = libdevice.exp(-g)
     else:
         e = tl.exp(-g)
-    silu = _round(tl.div_rn(g, 1.0 + e), gate.dtype)
-    out = _round(silu * up.to(tl.float32), gate.dtype)
+    silu = round_to_dtype(tl.div_rn(g, 1.0 + e), gate.dtype)
+    out = round_to_dtype(silu * up.to(tl.float32), gate.dtype)
     tl.store(out_ptr + t * stride_out + cols, out.to(gate.dtype), mask=mask)
 
 
@@ -135,8 +136,10 @@ def apply_rope_kernel(
     if PDL:
         gdc_launch_dependents()
     lo, hi = x_lo.to(tl.float32), x_hi.to(tl.float32)
-    out_lo = _round(_round(lo * cos_lo, dtype) + _round(-hi * sin_lo, dtype), dtype)
-    out_hi = _round(_round(hi * cos_hi, dtype) + _round(lo * sin_hi, dtype), dtype)
+    out_lo = round_to_dtype(
+        round_to_dtype(lo * cos_lo, dtype) + round_to_dtype(-hi * sin_lo, dtype), dtype)
+    out_hi = round_to_dtype(
+        round_to_dtype(hi * cos_hi, dtype) + round_to_dtype(lo * sin_hi, dtype), dtype)
     dst = out_ptr + t * stride_ot + h[:, None].to(tl.int64) * stride_oh + d[None, :]
     tl.store(dst, out_lo.to(dtype), mask=mask)
     tl.store(dst + HALF, out_hi.to(dtype), mask=mask)

@@ -18,7 +18,9 @@ always run.
 The projections go through `linear`: torch's `F.linear` (cuBLAS), or with `DISAGG_LINEAR=triton`
 the skinny-GEMM kernel of `disagg.kernels.linear` for decode-sized batches of 16-bit models (and
 any dtype under the interpreter). It is opt-in until a GPU sweep (`benchmarks/sweep_linear.py`)
-shows per weight shape that it beats cuBLAS.
+shows per weight shape that it beats cuBLAS. Likewise opt-in until measured: `DISAGG_ROPE_APPEND=1`
+(RoPE and the K/V append in one launch, `use_rope_append`) and `DISAGG_LAYER_PDL=1` (the layer
+kernels under programmatic dependent launch, `disagg.kernels.dispatch.layer_pdl`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from disagg.kernels import linear as skinny
 
 FUSED_ENV = "DISAGG_FUSED_LAYERS"
 LINEAR_ENV = "DISAGG_LINEAR"
+ROPE_APPEND_ENV = "DISAGG_ROPE_APPEND"
 LINEAR_BACKENDS = ("cublas", "triton")
 
 
@@ -64,6 +67,15 @@ def use_skinny_linear(x: torch.Tensor) -> bool:
     if x.device.type == "cuda" and x.dtype == torch.float32:
         return False  # float32 GPU models (tests) keep cuBLAS's numerics
     return 1 <= x.shape[0] <= skinny.MAX_ROWS and x.stride(-1) == 1
+
+
+def use_rope_append(qkv: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    """Whether a layer without receivers runs RoPE and the append as one launch
+    (`disagg.kernels.rope_append`): `DISAGG_ROPE_APPEND=1` (read per call; off by default until
+    measured on a GPU), the fused kernels on, and a cache of the activations' dtype (fp8 caches
+    quantize in `append_kv`)."""
+    return (os.environ.get(ROPE_APPEND_ENV, "0") == "1" and use_fused(qkv)
+            and kv_layer.dtype == qkv.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

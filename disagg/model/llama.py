@@ -4,6 +4,7 @@
 batch of sequences go through
 
     embed -> L x [ RMSNorm -> fused qkv proj (+bias) -> RoPE -> append K/V to the pages
+                   (one launch with DISAGG_ROPE_APPEND=1: `disagg.kernels.rope_append`)
                    -> paged attention -> o proj -> + residual
                    -> RMSNorm -> SwiGLU MLP (fused gate_up) -> + residual ]
           -> RMSNorm -> lm_head on each sequence's last new token
@@ -30,8 +31,9 @@ from disagg.kernels import append_kv, copy_slots, paged_decode, paged_prefill
 from disagg.kernels.fp8 import FP8_DTYPE
 from disagg.model.batch import AttentionBatch
 from disagg.model.config import ModelConfig
+from disagg.kernels.rope_append import rope_append
 from disagg.model.layers import (add_rms_norm, apply_rope, linear, rope_cos_sin, rope_inv_freq,
-                                 swiglu)
+                                 swiglu, use_rope_append)
 from disagg.model.weights import LayerWeights, ModelWeights
 
 if TYPE_CHECKING:
@@ -126,17 +128,21 @@ class Model:
         c = self.config
         num_tokens = x.shape[0]
         qkv = linear(x, layer.qkv, layer.qkv_bias)
-        # q and k heads are adjacent in qkv: one RoPE over both, then views (strided k is fine
-        # for append_kv / the pusher; attention only needs head_dim contiguous).
-        qk = apply_rope(qkv[:, :c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim), cos, sin)
-        q, k = qk[:, :c.num_qo_heads], qk[:, c.num_qo_heads:]
-        v = qkv[:, c.q_size + c.kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
-        if pusher is not None:
-            pusher.push_layer_async(index, k, v, k_scale=k_scale, v_scale=v_scale)
-            pusher.wait_layer(index)
+        if pusher is None and use_rope_append(qkv, kv_layer):
+            q = rope_append(qkv, cos, sin, kv_layer, batch.append_slots, c.num_qo_heads,
+                            check_indices=batch.check_indices)
         else:
-            append_kv(k, v, kv_layer, batch.append_slots, k_scale=k_scale, v_scale=v_scale,
-                      check_indices=batch.check_indices)
+            # q and k heads are adjacent in qkv: one RoPE over both, then views (strided k is
+            # fine for append_kv / the pusher; attention only needs head_dim contiguous).
+            qk = apply_rope(qkv[:, :c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim), cos, sin)
+            q, k = qk[:, :c.num_qo_heads], qk[:, c.num_qo_heads:]
+            v = qkv[:, c.q_size + c.kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
+            if pusher is not None:
+                pusher.push_layer_async(index, k, v, k_scale=k_scale, v_scale=v_scale)
+                pusher.wait_layer(index)
+            else:
+                append_kv(k, v, kv_layer, batch.append_slots, k_scale=k_scale, v_scale=v_scale,
+                          check_indices=batch.check_indices)
         tables = (batch.page_indptr, batch.page_indices, batch.last_page_len)
         if batch.is_decode:
             o = paged_decode(q, kv_layer, *tables, self.sm_scale, k_scale=k_scale, v_scale=v_scale,

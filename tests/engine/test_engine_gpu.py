@@ -193,7 +193,8 @@ def test_layer_pdl_and_skinny_gemm_in_graphs_equal_eager(monkeypatch, linear):
     """bf16 (the skinny GEMM runs for 16-bit models only): with `DISAGG_LINEAR` as given, the
     layer kernels under PDL (`DISAGG_LAYER_PDL=1`) give the tokens they give without it, eager and
     from graphs, bit for bit (the same kernels run; PDL only moves their launches). Graphs vs
-    eager is not compared here: in bf16 their other split counts may round a near tie apart."""
+    eager is not compared here: in bf16 their other split counts may round a near tie apart.
+    Then with RoPE and the append in one launch (`DISAGG_ROPE_APPEND=1`): the same tokens again."""
     import torch
 
     from disagg.model import load_model
@@ -209,3 +210,8 @@ def test_layer_pdl_and_skinny_gemm_in_graphs_equal_eager(monkeypatch, linear):
     assert stats["num_graph_replays"] > 10
     assert pdl_eager == eager
     assert pdl == plain
+    monkeypatch.setenv("DISAGG_ROPE_APPEND", "1")  # RoPE + append in one launch: the same bits
+    fused_eager, _ = _colocated_tokens(model, use_cuda_graphs=False)
+    fused_graphs, _ = _colocated_tokens(model, use_cuda_graphs=True)
+    assert fused_eager == eager
+    assert fused_graphs == plain

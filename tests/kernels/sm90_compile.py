@@ -73,7 +73,21 @@ def fused_cases() -> list[dict]:
             fused.apply_rope_kernel, rope, dict(NUM_HEADS=40, HALF=64, BLOCK_H=32, BLOCK_HALF=64, PDL=pdl),
             ["x_ptr", "cos_ptr", "sin_ptr", "out_ptr", "stride_xt", "stride_xh", "stride_cos",
              "stride_sin", "stride_ot", "stride_oh"], num_warps=4, enable_fp_fusion=False)})
+        rows.append({"kernel": "rope_append", "pdl": pdl, **rope_append_case(pdl)})
     return rows
+
+
+def rope_append_case(pdl: bool) -> dict:
+    from disagg.kernels.rope_append import rope_append_kernel
+    types = dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", q_ptr="*bf16", kv_ptr="*bf16",
+                 slots_ptr="*i64", stride_qkv="i32", stride_cos="i32", stride_sin="i32",
+                 stride_qt="i32", stride_page="i64")
+    return compile_sm90(rope_append_kernel, types,
+                        dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HALF=64, PAGE_SIZE=16, BLOCK_H=64,
+                             BLOCK_HALF=64, PDL=pdl),
+                        ["qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "kv_ptr", "slots_ptr", "stride_qkv",
+                         "stride_cos", "stride_sin", "stride_qt", "stride_page"],
+                        num_warps=4, enable_fp_fusion=False)
 
 
 if __name__ == "__main__":

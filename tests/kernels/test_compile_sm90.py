@@ -44,6 +44,8 @@ def test_skinny_gemm_pipelines_weights_into_tensor_cores(rows):
 
 def test_pdl_flag_controls_the_grid_dependency_instructions(rows):
     for r in rows:
+        assert r["ld.global.b16"] == 0, f"scalar 16-bit loads (not vectorized): {r}"
         want = 1 if r["pdl"] else 0
         assert (r["griddepcontrol.wait"], r["griddepcontrol.launch"]) == (want, want), r
-    assert {r["kernel"] for r in rows if r["pdl"]} == {"linear", "add_rms_norm", "silu_mul", "apply_rope"}
+    assert {r["kernel"] for r in rows if r["pdl"]} == {"linear", "add_rms_norm", "silu_mul", "apply_rope",
+                                                         "rope_append"}

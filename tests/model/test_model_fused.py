@@ -92,3 +92,43 @@ def test_llama8b_shaped_bf16_fused_close_to_torch_layers(monkeypatch):
     rel = float((got - want).norm() / want.norm())
     assert rel < 1e-2, f"fused vs torch layer ops: relative error {rel:.2e}"
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_append_forward_equals_two_launches(monkeypatch, dtype):
+    """`DISAGG_ROPE_APPEND=1`: one launch per layer instead of apply_rope + append_kv, and the
+    logits (prefill and decode) bit for bit the same."""
+    from disagg.kernels import rope_append as rope_append_mod
+    from disagg.model import llama
+
+    model = load_model("dummy:tiny", device="cpu", dtype=dtype)
+    monkeypatch.delenv(layers.ROPE_APPEND_ENV, raising=False)
+    want = _generate(model, steps=2)
+    calls = []
+    real = rope_append_mod.rope_append
+    monkeypatch.setattr(llama, "rope_append", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(llama, "apply_rope", lambda *a, **kw: pytest.fail("apply_rope ran"))
+    monkeypatch.setenv(layers.ROPE_APPEND_ENV, "1")
+    got = _generate(model, steps=2)
+    assert len(calls) == 3 * model.config.num_layers
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_llama8b_shaped_bf16_rope_append_equals_two_launches(monkeypatch):
+    config = dataclasses.replace(preset_config("llama3-8b"), num_layers=2)
+    cuda = torch.device("cuda")
+    model = Model(config, random_weights(config, torch.bfloat16, cuda), dtype=torch.bfloat16, device=cuda)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (1, 7, 100)]
+
+    def prefill_and_decode() -> torch.Tensor:
+        runner = PagedRunner(model, num_pages=128, page_size=16)
+        first = runner.prefill(prompts)
+        return torch.stack([first, runner.decode(first.argmax(-1).tolist())])
+
+    monkeypatch.setenv(layers.ROPE_APPEND_ENV, "0")
+    want = prefill_and_decode()
+    monkeypatch.setenv(layers.ROPE_APPEND_ENV, "1")
+    assert torch.equal(prefill_and_decode(), want)
