@@ -2,6 +2,8 @@
 
     python3 benchmarks/bench_engine.py --out results/bench_engine.json           # dummy:llama3-8b bf16
     python3 benchmarks/bench_engine.py --model dummy:tiny --device cpu            # CPU smoke check
+    python3 benchmarks/bench_engine.py --batches 1,64 --contexts 1024 \
+        --variants 'base;DISAGG_LINEAR=triton;DISAGG_LAYER_PDL=1,DISAGG_ROPE_APPEND=1'   # opt-ins
 
 Rows (ours / anchor = ratio, target):
 - decode_B{b}_ctx{c}: one decode step replayed from its CUDA graph (plan copy-in included, back
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -43,6 +46,7 @@ from disagg.cache import PagedKVCache
 from disagg.engine import ColocatedEngine, DecodeEngine
 from disagg.engine.request import RequestFactory
 from disagg.engine.runner import ModelRunner
+from disagg.kernels import dispatch
 from disagg.kernels.linear import MAX_ROWS
 from disagg.kernels.linear import linear as skinny_linear
 from disagg.model import layers, load_model
@@ -50,6 +54,7 @@ from disagg.sampling import SamplingParams
 
 GiB = 1 << 30
 PAGE_SIZE = 16
+GROUPS = ("cold", "decode", "prefill", "mixed", "projections", "idle")
 
 
 class LocalHeap:
@@ -260,6 +265,31 @@ def decode_rows(bench: Bench, batches, contexts, bandwidth: float, free_bytes: i
     return rows
 
 
+def variant_decode_rows(model, variant: str, num_pages: int, batches, contexts, bandwidth: float,
+                        free_bytes: int) -> list[dict]:
+    """`decode_rows` with the environment settings of ``variant`` ("VAR=VALUE,..." or "base"),
+    on a fresh runner (its graphs captured under them); rows named `...[variant]`."""
+    settings = {} if variant == "base" else dict(item.split("=", 1) for item in variant.split(","))
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    try:
+        bench = Bench(model, num_pages, max_num_seqs=max(batches))
+        rows = decode_rows(bench, batches, contexts, bandwidth, free_bytes)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    for row in rows:
+        row["name"] += f"[{variant}]"
+        row["env"] = settings
+    del bench
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
 def decode_idle_row(model, batch: int, ctx: int, steps: int, async_scheduling: bool = False) -> dict:
     """Steady-state DecodeEngine step period vs the same step's GPU time back to back."""
     device = model.device
@@ -419,6 +449,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/bench_engine.json"))
     parser.add_argument("--profile", default=None, metavar="B,CTX",
                         help="only profile one decode step of batch B at context CTX (kernel table)")
+    parser.add_argument("--only", default=",".join(GROUPS),
+                        help=f"row groups to run, comma-separated, of {','.join(GROUPS)}")
+    parser.add_argument("--variants", default=None, metavar="V1;V2;...",
+                        help="only decode rows, once per variant: ';'-separated sets of "
+                             "comma-separated VAR=VALUE environment settings ('base' for none), "
+                             "each with a fresh runner and graphs, e.g. "
+                             "'base;DISAGG_LINEAR=triton;DISAGG_LINEAR=triton,DISAGG_LAYER_PDL=1'")
+    parser.add_argument("--batches", default=None, help="decode batch sizes (default 1,8,64,256)")
+    parser.add_argument("--contexts", default=None, help="decode contexts (default 1024,4096)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     device = torch.device(args.device)
@@ -427,6 +466,13 @@ def main() -> None:
     model = load_model(args.model, dtype=dtype, device=device)
     small = not gpu
     batches, contexts = ((1, 8), (64, 256)) if small else ((1, 8, 64, 256), (1024, 4096))
+    if args.batches:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    if args.contexts:
+        contexts = tuple(int(c) for c in args.contexts.split(","))
+    only = set(args.only.split(","))
+    if only - set(GROUPS):
+        parser.error(f"--only: expected groups of {GROUPS}, got {sorted(only - set(GROUPS))}")
     if gpu:
         torch.cuda.empty_cache()
         free_bytes = int(torch.cuda.mem_get_info(device)[0] * 0.85) - 4 * GiB
@@ -438,8 +484,23 @@ def main() -> None:
     bench = Bench(model, num_pages, max_num_seqs=max(batches))
     result = {"model": args.model, "dtype": str(dtype), "device": torch.cuda.get_device_name(device) if gpu else "cpu",
               "num_pages": num_pages, "page_size": PAGE_SIZE, "linear": layers.linear_backend(),
-              "fused_layers": layers.use_fused(torch.empty(1, device=device)), "rows": []}
+              "fused_layers": layers.use_fused(torch.empty(1, device=device)),
+              "rope_append": os.environ.get(layers.ROPE_APPEND_ENV, "0") == "1",
+              "layer_pdl": dispatch.layer_pdl(device), "rows": []}
     rows = result["rows"]
+    if args.variants:
+        bandwidth = copy_bandwidth(device, (256 << 20) if small else 4 * GiB)
+        result["copy_bandwidth_GBps"] = bandwidth / 1e9
+        del bench
+        for variant in args.variants.split(";"):
+            rows += variant_decode_rows(model, variant, num_pages, batches, contexts, bandwidth,
+                                        free_bytes)
+            for row in rows[-len(batches) * len(contexts):]:
+                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
+                      flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        return
     if args.profile:
         b, ctx = (int(v) for v in args.profile.split(","))
         if bench.runner.graphs is not None:
@@ -452,23 +513,30 @@ def main() -> None:
         for entry in row["top"]:
             print(f"{entry['us']:10.1f} us {entry['share']:6.1%} x{entry['per_step']:<4d} {entry['kernel']}")
         return
-    rows += cold_warm_rows(bench, 128 if small else 2048, list(batches), contexts[0])
+    if "cold" in only:
+        rows += cold_warm_rows(bench, 128 if small else 2048, list(batches), contexts[0])
     bandwidth = copy_bandwidth(device, (256 << 20) if small else 4 * GiB)
     result["copy_bandwidth_GBps"] = bandwidth / 1e9
-    rows += decode_rows(bench, batches, contexts, bandwidth, free_bytes)
-    rows.append(prefill_row(bench, 2 if small else 8, 128 if small else 2048, 512 if small else 8192))
-    rows.append(mixed_row(bench, 128 if small else 2048, 8 if small else 64, contexts[0]))
+    if "decode" in only:
+        rows += decode_rows(bench, batches, contexts, bandwidth, free_bytes)
+    if "prefill" in only:
+        rows.append(prefill_row(bench, 2 if small else 8, 128 if small else 2048, 512 if small else 8192))
+    if "mixed" in only:
+        rows.append(mixed_row(bench, 128 if small else 2048, 8 if small else 64, contexts[0]))
     del bench
     if gpu:
         torch.cuda.empty_cache()
-    try:  # new, not yet run on a GPU: a failure must not lose the rows above
-        rows.append(projection_variants_row(model, 1 if small else 64, bandwidth))
-    except Exception as exc:  # noqa: BLE001 - reported in the row
-        rows.append({"name": "projections_variants", "error": repr(exc)[:300]})
-    for async_scheduling in (False, True):
-        rows.append(decode_idle_row(model, 8 if small else 64, contexts[0], 10 if small else 100, async_scheduling))
-    for async_scheduling in (False, True):
-        rows.append(colocated_idle_row(model, 8 if small else 64, contexts[0], 10 if small else 100, async_scheduling))
+    if "projections" in only:
+        try:  # the skinny variant is new: a failure must not lose the rows above
+            rows.append(projection_variants_row(model, 1 if small else 64, bandwidth))
+        except Exception as exc:  # noqa: BLE001 - reported in the row
+            rows.append({"name": "projections_variants", "error": repr(exc)[:300]})
+    steps = 10 if small else 100
+    if "idle" in only:
+        for async_scheduling in (False, True):
+            rows.append(decode_idle_row(model, 8 if small else 64, contexts[0], steps, async_scheduling))
+        for async_scheduling in (False, True):
+            rows.append(colocated_idle_row(model, 8 if small else 64, contexts[0], steps, async_scheduling))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     for row in rows:
