@@ -3,7 +3,7 @@
     python3 benchmarks/bench_engine.py --out results/bench_engine.json           # dummy:llama3-8b bf16
     python3 benchmarks/bench_engine.py --model dummy:tiny --device cpu            # CPU smoke check
     python3 benchmarks/bench_engine.py --batches 1,64 --contexts 1024 \
-        --variants 'base;DISAGG_LINEAR=triton;DISAGG_LAYER_PDL=1,DISAGG_ROPE_APPEND=1'   # opt-ins
+        --variants 'base;DISAGG_LINEAR=cublas;DISAGG_ROPE_APPEND=0;DISAGG_LAYER_PDL=1'   # A/B
 
 Rows (ours / anchor = ratio, target):
 - decode_B{b}_ctx{c}: one decode step replayed from its CUDA graph (plan copy-in included, back
@@ -22,10 +22,10 @@ Rows (ours / anchor = ratio, target):
   alone + the 64 decodes alone from their graph). Below 1: mixing saves the decodes' weight reads.
 - colocated_idle_B64[_async]: the same for `ColocatedEngine` decode-only steps (the baseline's
   host time; it reserves the next step during this one as the decode engine does).
-- projections_B64_variants: the model's GEMMs alone under cuBLAS, cuBLASLt, transposed weights
-  and the skinny Triton GEMM (`disagg.kernels.linear`), each against the weights-only bound (which
-  GEMM choice the decode step should use). The decode rows with that kernel in the model:
-  `DISAGG_LINEAR=triton python3 benchmarks/bench_engine.py`.
+- projections_B64_variants: the model's GEMMs alone under cuBLAS, the model's own choice
+  (`DISAGG_LINEAR`, default auto: the skinny kernel for the LM head only), cuBLASLt, transposed
+  weights and the skinny Triton GEMM (`disagg.kernels.linear`) for every weight, each against the
+  weights-only bound. A/B of the model's choices as decode rows: `--variants`.
 - cold/warm: the first forward of each kind (kernel compilation) vs the next; graph capture
   seconds for every bucket up to 256 at context 1024.
 """
@@ -47,7 +47,6 @@ from disagg.engine import ColocatedEngine, DecodeEngine
 from disagg.engine.request import RequestFactory
 from disagg.engine.runner import ModelRunner
 from disagg.kernels import dispatch
-from disagg.kernels.linear import MAX_ROWS
 from disagg.kernels.linear import linear as skinny_linear
 from disagg.model import layers, load_model
 from disagg.sampling import SamplingParams
@@ -160,11 +159,13 @@ class Bench:
         self.runner.execute(plan, np.ones(plan.num_tokens, dtype=np.int64), rows, reqs)
 
 
-def linear_seconds(model, batch: int, skinny: bool = False) -> float:
+def linear_seconds(model, batch: int, backend: str | None = None) -> float:
     """The model's projections alone (every layer's GEMMs and the LM head) for ``batch`` rows,
-    replayed from a CUDA graph: the share of a decode step that is weight reads through cuBLAS
-    (``skinny``: through `disagg.kernels.linear`, what `DISAGG_LINEAR=triton` runs)."""
-    linear = skinny_linear if skinny else torch.nn.functional.linear
+    replayed from a CUDA graph: the share of a decode step that is weight reads. ``backend``:
+    None runs `layers.linear` (what the model chooses under `DISAGG_LINEAR`), "cublas" torch's
+    `F.linear`, "triton" the skinny kernel (`disagg.kernels.linear`) for every weight."""
+    linear = {None: layers.linear, "cublas": torch.nn.functional.linear,
+              "triton": skinny_linear}[backend]
     w = model.weights
     c = model.config
     x = torch.randn(batch, c.hidden_size, dtype=model.dtype, device=model.device)
@@ -200,23 +201,25 @@ def projection_variants_row(model, batch: int, bandwidth: float) -> dict:
     if model.device.type != "cuda":
         row["skipped"] = "GPU only"
         return row
-    row["cublas_us"] = linear_seconds(model, batch) * 1e6
+    row["cublas_us"] = linear_seconds(model, batch, "cublas") * 1e6
+    row["model_us"] = linear_seconds(model, batch) * 1e6
+    row["model_linear"] = layers.linear_backend()
     previous = torch.backends.cuda.preferred_blas_library()
     try:
         torch.backends.cuda.preferred_blas_library("cublaslt")
-        row["cublaslt_us"] = linear_seconds(model, batch) * 1e6
+        row["cublaslt_us"] = linear_seconds(model, batch, "cublas") * 1e6
     finally:
         torch.backends.cuda.preferred_blas_library(previous)
     w, c = model.weights, model.config
     x = torch.randn(batch, c.hidden_size, dtype=model.dtype, device=model.device)
     xq = torch.randn(batch, c.num_qo_heads * c.head_dim, dtype=model.dtype, device=model.device)
     xi = torch.randn(batch, c.intermediate_size, dtype=model.dtype, device=model.device)
-    layers = [(l.qkv.t().contiguous(), l.o_proj.t().contiguous(), l.gate_up.t().contiguous(),
-               l.down.t().contiguous()) for l in w.layers]
+    transposed = [(l.qkv.t().contiguous(), l.o_proj.t().contiguous(), l.gate_up.t().contiguous(),
+                   l.down.t().contiguous()) for l in w.layers]
     head = w.lm_head.t().contiguous()
 
     def run() -> None:
-        for qkv, o, gate_up, down in layers:
+        for qkv, o, gate_up, down in transposed:
             x @ qkv
             xq @ o
             x @ gate_up
@@ -229,10 +232,10 @@ def projection_variants_row(model, batch: int, bandwidth: float) -> dict:
     with torch.cuda.graph(graph):
         run()
     row["weight_t_us"] = timed(graph.replay, 10, model.device) * 1e6
-    del layers, head, graph
+    del transposed, head, graph
     torch.cuda.empty_cache()
-    row["triton_us"] = linear_seconds(model, batch, skinny=True) * 1e6
-    for key in ("cublas", "cublaslt", "weight_t", "triton"):
+    row["triton_us"] = linear_seconds(model, batch, "triton") * 1e6
+    for key in ("cublas", "model", "cublaslt", "weight_t", "triton"):
         row[f"{key}_ratio"] = row[f"{key}_us"] / row["anchor_us"]
     return row
 
@@ -241,9 +244,7 @@ def decode_rows(bench: Bench, batches, contexts, bandwidth: float, free_bytes: i
     rows = []
     model = bench.model
     for b in batches:
-        skinny = (layers.linear_backend() == "triton" and model.device.type == "cuda"
-                  and b <= MAX_ROWS)  # as the model chooses
-        linear = linear_seconds(model, b, skinny=skinny)
+        linear = linear_seconds(model, b)  # as the model chooses
         for ctx in contexts:
             kv_read = b * ctx * kv_bytes_per_token(model, model.dtype)
             name = f"decode_B{b}_ctx{ctx}"
@@ -485,7 +486,7 @@ def main() -> None:
     result = {"model": args.model, "dtype": str(dtype), "device": torch.cuda.get_device_name(device) if gpu else "cpu",
               "num_pages": num_pages, "page_size": PAGE_SIZE, "linear": layers.linear_backend(),
               "fused_layers": layers.use_fused(torch.empty(1, device=device)),
-              "rope_append": os.environ.get(layers.ROPE_APPEND_ENV, "0") == "1",
+              "rope_append": os.environ.get(layers.ROPE_APPEND_ENV, "1") != "0",
               "layer_pdl": dispatch.layer_pdl(device), "rows": []}
     rows = result["rows"]
     if args.variants:

@@ -10,9 +10,12 @@ programs. Split-K partials go to a float32 workspace; the last program of an out
 arrive (an atomic counter, as `paged_decode` merges its splits) sums them in split order, so
 results do not depend on timing.
 
-`disagg.model.layers.linear` calls it for decode-sized batches of 16-bit models when
-`DISAGG_LINEAR=triton` (cuBLAS otherwise). `benchmarks/sweep_linear.py` times the launch
-options per weight shape against cuBLAS and the bound; `CONFIGS` records its winners. The
+`disagg.model.layers.linear` calls it for decode-sized batches of 16-bit models: by default
+(`DISAGG_LINEAR=auto`) for vocabulary-wide weights only, where it beats cuBLAS (llama3-8b's LM
+head on an H200: 0.96-1.02x the weight-read bound at 1-64 rows against cuBLAS's 1.12-1.23x); for
+every projection with `DISAGG_LINEAR=triton` (slower than cuBLAS on the layers' smaller weights at
+64 rows). `benchmarks/sweep_linear.py` times the launch options per weight shape against cuBLAS
+and the bound; `CONFIGS` records its winners. The
 launcher allocates only value-independent buffers and never reads values on the host: it runs
 inside CUDA-graph capture, on the caller's current stream; with `DISAGG_LAYER_PDL=1` it launches
 with programmatic dependent launch, as the fused layer kernels do.
@@ -48,9 +51,12 @@ class LinearConfig:
 
 
 # Per weight shape `(N, K)`; other shapes get `default_config`. Entries are copied here by hand
-# from `benchmarks/sweep_linear.py` on an H200 with the measurement that chose them. None yet:
-# the kernel has not run on a GPU (the sweep is the first command of the next GPU sitting).
-CONFIGS: dict[tuple[int, int], LinearConfig] = {}
+# from `benchmarks/sweep_linear.py --quick` on an H200 (2026-11-25), with what chose them.
+CONFIGS: dict[tuple[int, int], LinearConfig] = {
+    # llama3-8b's LM head: 128-column tiles, no split: 255.7 us at 64 rows (1.02x the bound;
+    # 64 columns 261.2, cuBLAS 310.5), 1.01x at 32 rows; at 1-16 rows 64 columns were within 1%.
+    (128256, 4096): LinearConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=3),
+}
 
 
 def default_config(n: int, k: int, num_sms: int) -> LinearConfig:
@@ -81,7 +87,9 @@ def _prefetch_weights_l2(w_ptr, cols, N, k_lo, K, stride_wn, BLOCK_N: tl.constex
                               dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit
+# M (rows) is not specialized: a new batch size must not compile a new kernel mid-serving (only
+# BLOCK_M, one of 16/32/64, picks a variant; `row_tiles` gives one row count per variant).
+@triton.jit(do_not_specialize=["M"])
 def linear_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, k_per_split, stride_xm, stride_wn, stride_om,
@@ -149,6 +157,12 @@ def linear_kernel(
                 total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_ok)
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+def row_tiles(max_rows: int) -> list[int]:
+    """One row count per compiled variant (`BLOCK_M` 16, 32, 64) that calls of at most
+    ``max_rows`` rows can pick: run `linear` once with each to compile them all ahead of serving."""
+    return [rows for rows in (1, 17, 33) if rows <= min(max_rows, MAX_ROWS)]
 
 
 _counters: dict[torch.device, torch.Tensor] = {}

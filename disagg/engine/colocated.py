@@ -14,7 +14,8 @@ that plan and the sampled ids still on the device, skipping the scheduler (which
 exactly that batch); otherwise the reserved slots are rolled back and the scheduler runs.
 `async_scheduling=True` launches that reserved step before this one's tokens are read, as
 `DecodeEngine` does (a token sampled after a stop is discarded; the pages of a request that ends
-or is aborted meanwhile are released once no launched step writes them).
+or is aborted meanwhile are released once no launched step writes them). On by default, as on
+the decode engine, so a comparison of the two runs both with the same host overlap.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class ColocatedEngine:
 
     def __init__(self, model, *, num_pages: int, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype: torch.dtype | None = None,
-                 use_cuda_graphs: bool | None = None, async_scheduling: bool = False) -> None:
+                 use_cuda_graphs: bool | None = None, async_scheduling: bool = True) -> None:
         check_engine_sizes(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens)
         self.model = model

@@ -31,7 +31,8 @@ sync, its input ids the sampled ids still on the device; `step()` then returns t
 outputs while the next one runs. A request that stops on this step's token (a stop id) wastes
 its row of the step already launched: that token is discarded, and the pages of a request that
 ends or is aborted are freed only once no launched step writes them. Seeded draws stay a function
-of (seed, token index). Off by default until measured on GPUs.
+of (seed, token index). On by default: on an H200 (llama3-8b bf16, B=64 x 1024) the GPU idles
+7.2% of each step without it and none with it (`benchmarks/bench_engine.py`, row decode_idle_B64).
 """
 
 from __future__ import annotations
@@ -88,13 +89,13 @@ class DecodeEngine:
         use_cuda_graphs: None = on CUDA; False = eager always.
         clock: monotonic clock for leases (tests pass a fake one).
         async_scheduling: launch the next step before reading this one's tokens (see the module
-            docstring).
+            docstring); False reads every step's tokens before the next launch.
     """
 
     def __init__(self, model, heap, *, num_pages: int, page_size: int, max_num_seqs: int,
                  kv_dtype: torch.dtype | None = None, lease_s: float = 60.0,
                  use_cuda_graphs: bool | None = None, clock: Callable[[], float] = time.monotonic,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = True) -> None:
         check_engine_sizes(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs)
         self.model = model
         self.heap = heap

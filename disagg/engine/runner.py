@@ -67,6 +67,7 @@ class ModelRunner:
                  use_cuda_graphs: bool | None = None, kv_scales=None) -> None:
         self.model = model
         self.kv = kv
+        self.max_num_seqs = max_num_seqs
         self.device = kv.device
         self.kv_scales = kv_scales
         on_gpu = self.device.type == "cuda"
@@ -167,6 +168,8 @@ class ModelRunner:
                     finally:
                         self.graphs = graphs
                         cache.end_forward()
+                    if phase == "prefill":
+                        self.model.warm_lm_head(self.max_num_seqs)
                     seconds[phase] = time.perf_counter() - start
             if decode:
                 seconds["graphs"] = self.capture_graphs(None, max_kv_len)

@@ -15,12 +15,18 @@ run, for comparison). On an H200 they cut a llama3-8b B=64 x 1024 decode step fr
 (`tests/kernels/test_fused_gpu.py`, `tests/model/test_model_fused.py`). Under the interpreter they
 always run.
 
-The projections go through `linear`: torch's `F.linear` (cuBLAS), or with `DISAGG_LINEAR=triton`
-the skinny-GEMM kernel of `disagg.kernels.linear` for decode-sized batches of 16-bit models (and
-any dtype under the interpreter). It is opt-in until a GPU sweep (`benchmarks/sweep_linear.py`)
-shows per weight shape that it beats cuBLAS. Likewise opt-in until measured: `DISAGG_ROPE_APPEND=1`
-(RoPE and the K/V append in one launch, `use_rope_append`) and `DISAGG_LAYER_PDL=1` (the layer
-kernels under programmatic dependent launch, `disagg.kernels.dispatch.layer_pdl`).
+The projections go through `linear`: torch's `F.linear` (cuBLAS), or the skinny-GEMM kernel
+of `disagg.kernels.linear` for decode-sized batches (<= 64 rows) of 16-bit models. `DISAGG_LINEAR`
+picks: `auto` (the default) runs the skinny kernel only for vocabulary-wide weights (the LM
+head), where it beats cuBLAS at every decode batch; `cublas` never; `triton` for every
+projection (any dtype under the interpreter). On an H200, llama3-8b's LM head (128256 x 4096)
+at 1 / 8 / 32 / 64 rows: cuBLAS 1.12 / 1.13 / 1.20 / 1.23x its weight-read bound, the skinny
+kernel 0.96 / 0.97 / 0.99 / 1.02x; the layer projections stay on cuBLAS, which wins or ties
+there at 64 rows (qkv 1.35 against 1.60, down 1.26 against 1.30; `benchmarks/sweep_linear.py`,
+2026-11-25). RoPE and the K/V append run as one launch (`use_rope_append`, on unless
+`DISAGG_ROPE_APPEND=0`: B=64 x 1024 decode step 6916 -> 6868 us). `DISAGG_LAYER_PDL=1` (the
+layer kernels under programmatic dependent launch, `disagg.kernels.dispatch.layer_pdl`) stays
+opt-in: it measured 6946 against 6916 us at B=64 and 4788 against 4805 at B=1.
 """
 
 from __future__ import annotations
@@ -38,7 +44,10 @@ from disagg.kernels import linear as skinny
 FUSED_ENV = "DISAGG_FUSED_LAYERS"
 LINEAR_ENV = "DISAGG_LINEAR"
 ROPE_APPEND_ENV = "DISAGG_ROPE_APPEND"
-LINEAR_BACKENDS = ("cublas", "triton")
+LINEAR_BACKENDS = ("auto", "cublas", "triton")
+# `auto`: weights at least this wide (output features) take the skinny kernel: vocabularies,
+# never a layer projection (llama3-8b's widest, gate_up, is 28672).
+AUTO_MIN_OUT_FEATURES = 65536
 
 
 def use_fused(x: torch.Tensor) -> bool:
@@ -49,20 +58,23 @@ def use_fused(x: torch.Tensor) -> bool:
 
 
 def linear_backend() -> str:
-    """`DISAGG_LINEAR` (read per call): "cublas" (the default) or "triton".
+    """`DISAGG_LINEAR` (read per call): "auto" (the default), "cublas" or "triton".
 
     Raises:
         ValueError: any other value.
     """
-    backend = os.environ.get(LINEAR_ENV, "cublas")
+    backend = os.environ.get(LINEAR_ENV, "auto")
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"{LINEAR_ENV}: expected one of {LINEAR_BACKENDS}, got {backend!r}")
     return backend
 
 
-def use_skinny_linear(x: torch.Tensor) -> bool:
-    """Whether `linear` runs the skinny-GEMM kernel for `x` (see the module docstring)."""
-    if linear_backend() != "triton" or not dispatch.use_triton(x):
+def use_skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` runs the skinny-GEMM kernel for `x @ weight.T` (see the module docstring)."""
+    backend = linear_backend()
+    if backend == "cublas" or not dispatch.use_triton(x):
+        return False
+    if backend == "auto" and weight.shape[0] < AUTO_MIN_OUT_FEATURES:
         return False
     if x.device.type == "cuda" and x.dtype == torch.float32:
         return False  # float32 GPU models (tests) keep cuBLAS's numerics
@@ -71,16 +83,15 @@ def use_skinny_linear(x: torch.Tensor) -> bool:
 
 def use_rope_append(qkv: torch.Tensor, kv_layer: torch.Tensor) -> bool:
     """Whether a layer without receivers runs RoPE and the append as one launch
-    (`disagg.kernels.rope_append`): `DISAGG_ROPE_APPEND=1` (read per call; off by default until
-    measured on a GPU), the fused kernels on, and a cache of the activations' dtype (fp8 caches
-    quantize in `append_kv`)."""
-    return (os.environ.get(ROPE_APPEND_ENV, "0") == "1" and use_fused(qkv)
+    (`disagg.kernels.rope_append`): unless `DISAGG_ROPE_APPEND=0` (read per call), with the fused
+    kernels on and a cache of the activations' dtype (fp8 caches quantize in `append_kv`)."""
+    return (os.environ.get(ROPE_APPEND_ENV, "1") != "0" and use_fused(qkv)
             and kv_layer.dtype == qkv.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias`: `[T, K]` x `[N, K]` -> `[T, N]` in x's dtype (see `LINEAR_ENV`)."""
-    if use_skinny_linear(x):
+    if use_skinny_linear(x, weight):
         return skinny.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -4,7 +4,7 @@
 batch of sequences go through
 
     embed -> L x [ RMSNorm -> fused qkv proj (+bias) -> RoPE -> append K/V to the pages
-                   (one launch with DISAGG_ROPE_APPEND=1: `disagg.kernels.rope_append`)
+                   (one launch where Triton runs: `disagg.kernels.rope_append`)
                    -> paged attention -> o proj -> + residual
                    -> RMSNorm -> SwiGLU MLP (fused gate_up) -> + residual ]
           -> RMSNorm -> lm_head on each sequence's last new token
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from disagg.kernels import append_kv, copy_slots, paged_decode, paged_prefill
 from disagg.kernels.fp8 import FP8_DTYPE
+from disagg.kernels.linear import row_tiles
 from disagg.model.batch import AttentionBatch
 from disagg.model.config import ModelConfig
 from disagg.kernels.rope_append import rope_append
@@ -120,6 +121,14 @@ class Model:
         last = batch.logits_indices
         x, _ = add_rms_norm(hidden[last], residual[last], self.weights.norm, eps)
         return linear(x, self.weights.lm_head).float()
+
+    def warm_lm_head(self, max_rows: int) -> None:
+        """Run the LM head once per row tile that its GEMM may pick for up to ``max_rows`` rows
+        (one per sequence of a forward), so that every kernel variant compiles now, not when a
+        batch of a new size arrives while serving (`disagg.kernels.linear.row_tiles`)."""
+        for rows in row_tiles(max_rows):
+            linear(torch.zeros(rows, self.config.hidden_size, dtype=self.dtype, device=self.device),
+                   self.weights.lm_head)
 
     def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch: AttentionBatch, kv_layer: torch.Tensor,

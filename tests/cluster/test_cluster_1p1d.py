@@ -223,25 +223,29 @@ def _wait_until(predicate, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def test_async_scheduling_from_the_config_gives_the_same_tokens(ray_local):
-    """`scheduler.async_scheduling: true` reaches the decode and colocated engines (steps launched
-    ahead), and tokens equal the reference, stop ids (EOS-like ends) included."""
+@pytest.mark.parametrize("async_scheduling", [None, False], ids=["default", "off"])
+def test_async_scheduling_from_the_config_gives_the_same_tokens(ray_local, async_scheduling):
+    """`scheduler.async_scheduling` (default true) reaches the decode and colocated engines (steps
+    launched ahead, or none when false), and tokens equal the reference, stop ids (EOS-like ends)
+    included."""
     prompts = mixed_prompts(12, seed=5)
     max_tokens = [3, 16, 31, 9] * 3
     want = reference_tokens(prompts, max_tokens)
     stop = {i: want[i][2] for i in (1, 5)}  # two requests end early on a stop id
     params = [SamplingParams(max_tokens=n, stop_token_ids=(stop[i],) if i in stop else ())
               for i, n in enumerate(max_tokens)]
-    with launch("tiny-1p1d", scheduler__async_scheduling=True) as cluster:
+    overrides = {} if async_scheduling is None else {"scheduler__async_scheduling": async_scheduling}
+    with launch("tiny-1p1d", **overrides) as cluster:
         got = cluster.generate(prompts, params)
         stats = {inst["name"]: inst for inst in cluster.stats()["instances"]}
         wait_all_free(cluster)
-    assert stats["decode-0"]["num_steps_ahead"] > 0
-    with launch("tiny-colocated", scheduler__async_scheduling=True) as cluster:
+    assert (stats["decode-0"]["num_steps_ahead"] > 0) == (async_scheduling is None)
+    with launch("tiny-colocated", **overrides) as cluster:
         colocated = cluster.generate(prompts, params)
         stats.update({inst["name"]: inst for inst in cluster.stats()["instances"]})
         wait_all_free(cluster)
-    assert stats["colocated-0"]["num_steps_ahead"] + stats["colocated-1"]["num_steps_ahead"] > 0
+    ahead = stats["colocated-0"]["num_steps_ahead"] + stats["colocated-1"]["num_steps_ahead"]
+    assert (ahead > 0) == (async_scheduling is None)
     for i, (completion, twin, tokens) in enumerate(zip(got, colocated, want)):
         expected = tokens[:tokens.index(stop[i]) + 1] if i in stop else tokens
         assert completion.token_ids == expected == twin.token_ids, f"request {i}"

@@ -95,30 +95,47 @@ def test_prefill_gpu0_decode_gpu1_over_nvshmem_equals_colocated():
 
 
 @pytest.mark.gpu
-def test_no_kernel_compiles_after_warmup():
+@pytest.mark.parametrize("shape", ["smollm2", "llama3-8b-1-layer"])
+def test_no_kernel_compiles_after_warmup(shape):
     """Batches of new sizes and prompts of new lengths after warm-up reuse the compiled kernels: a
     compile stalls every request for seconds (seen as 2-3 s TTFT tails on two H200s when the
-    prefill kernel specialized on the batch size)."""
+    prefill kernel specialized on the batch size). The llama3-8b shape (one layer, bf16) also
+    runs its LM head through the skinny GEMM (a vocabulary of 128256: `DISAGG_LINEAR=auto`),
+    with up to 64 sequences, so every row tile of that kernel is needed."""
+    import dataclasses
+
     import torch
 
     from disagg.engine import ColocatedEngine
-    from disagg.kernels import append, copy, decode, fused, prefill
+    from disagg.kernels import append, copy, decode, fused, linear, prefill, rope_append
     from disagg.kernels.dispatch import compiled_variants
     from disagg.model import load_model
+    from disagg.model.llama import Model
+    from disagg.model.presets import preset_config
+    from disagg.model.weights import random_weights
 
-    model = load_model(SOURCE, dtype=torch.bfloat16, device="cuda")
-    engine = ColocatedEngine(model, num_pages=512, page_size=16, max_num_seqs=16,
+    if shape == "smollm2":
+        model, max_num_seqs, waves = load_model(SOURCE, dtype=torch.bfloat16, device="cuda"), 16, []
+    else:
+        config = dataclasses.replace(preset_config("llama3-8b"), num_layers=1)
+        cuda = torch.device("cuda")
+        model = Model(config, random_weights(config, torch.bfloat16, cuda), dtype=torch.bfloat16,
+                      device=cuda)
+        max_num_seqs, waves = 64, [[3] * 40, [5] * 21]
+    engine = ColocatedEngine(model, num_pages=1024, page_size=16, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=512, use_cuda_graphs=True)
     engine.warmup(max_kv_len=1024)
-    kernels = [prefill.paged_prefill_kernel, append.append_kv_kernel, decode.paged_decode_kernel,
-               copy.copy_slots_kernel, fused.add_rms_norm_kernel, fused.silu_mul_kernel,
-               fused.apply_rope_kernel]
+    used = [prefill.paged_prefill_kernel, decode.paged_decode_kernel, rope_append.rope_append_kernel,
+            fused.add_rms_norm_kernel, fused.silu_mul_kernel]
+    if shape != "smollm2":
+        used.append(linear.linear_kernel)
+    kernels = used + [append.append_kv_kernel, copy.copy_slots_kernel, fused.apply_rope_kernel]
     before = [compiled_variants(k) for k in kernels]
-    assert before[0] >= 1 and before[1] >= 1 and min(before[4:]) >= 1  # fused layers run by default
-    for wave, lengths in enumerate([[5], [64, 17], [1, 300, 33], [16, 48, 80, 127, 2], [7] * 9]):
+    assert min(before[:len(used)]) >= 1, f"kernels of the default path ran: {before}"
+    for wave, lengths in enumerate([[5], [64, 17], [1, 300, 33], [16, 48, 80, 127, 2], [7] * 9] + waves):
         for i, n in enumerate(lengths):
             engine.add(f"w{wave}-{i}", [(13 * i + 7 * j) % 40000 + 5 for j in range(n)],
-                       SamplingParams(max_tokens=3 + 5 * i, ignore_eos=True))
+                       SamplingParams(max_tokens=3 + 5 * (i % 4), ignore_eos=True))
         drain(engine)
     assert_all_free(engine)
     assert [compiled_variants(k) for k in kernels] == before
@@ -188,7 +205,7 @@ def test_async_scheduling_equals_sync_with_cuda_graphs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("linear", ["cublas", "triton"])
+@pytest.mark.parametrize("linear", ["auto", "cublas", "triton"])
 def test_layer_pdl_and_skinny_gemm_in_graphs_equal_eager(monkeypatch, linear):
     """bf16 (the skinny GEMM runs for 16-bit models only): with `DISAGG_LINEAR` as given, the
     layer kernels under PDL (`DISAGG_LAYER_PDL=1`) give the tokens they give without it, eager and
@@ -200,6 +217,7 @@ def test_layer_pdl_and_skinny_gemm_in_graphs_equal_eager(monkeypatch, linear):
     from disagg.model import load_model
 
     monkeypatch.setenv("DISAGG_LINEAR", linear)
+    monkeypatch.setenv("DISAGG_ROPE_APPEND", "0")  # two launches first, one at the end
     model = load_model(SOURCE, dtype=torch.bfloat16, device="cuda")
     monkeypatch.setenv("DISAGG_LAYER_PDL", "0")
     eager, _ = _colocated_tokens(model, use_cuda_graphs=False)

@@ -45,6 +45,9 @@ def _torch_layers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @needs_interpreter
 def test_model_launches_each_fused_kernel(monkeypatch):
+    """Every fused layer kernel runs, as often as the layers need it (RoPE as its own launch:
+    `DISAGG_ROPE_APPEND=0`; the default's single RoPE + append launch is counted below)."""
+    monkeypatch.setenv(layers.ROPE_APPEND_ENV, "0")
     model = load_model("dummy:tiny", device="cpu")
     calls = {name: 0 for name in ("add_rms_norm", "rms_norm", "silu_mul", "apply_rope")}
     for name in calls:
@@ -97,19 +100,20 @@ def test_llama8b_shaped_bf16_fused_close_to_torch_layers(monkeypatch):
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_append_forward_equals_two_launches(monkeypatch, dtype):
-    """`DISAGG_ROPE_APPEND=1`: one launch per layer instead of apply_rope + append_kv, and the
-    logits (prefill and decode) bit for bit the same."""
+    """RoPE + append in one launch (the default; `DISAGG_ROPE_APPEND=0` runs apply_rope +
+    append_kv): one launch per layer instead of two, and the logits (prefill and decode) bit for
+    bit the same."""
     from disagg.kernels import rope_append as rope_append_mod
     from disagg.model import llama
 
     model = load_model("dummy:tiny", device="cpu", dtype=dtype)
-    monkeypatch.delenv(layers.ROPE_APPEND_ENV, raising=False)
+    monkeypatch.setenv(layers.ROPE_APPEND_ENV, "0")
     want = _generate(model, steps=2)
     calls = []
     real = rope_append_mod.rope_append
     monkeypatch.setattr(llama, "rope_append", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(llama, "apply_rope", lambda *a, **kw: pytest.fail("apply_rope ran"))
-    monkeypatch.setenv(layers.ROPE_APPEND_ENV, "1")
+    monkeypatch.delenv(layers.ROPE_APPEND_ENV)  # the default
     got = _generate(model, steps=2)
     assert len(calls) == 3 * model.config.num_layers
     assert torch.equal(got, want)

@@ -36,7 +36,7 @@ def _generate(model, prompts, num_pages: int = 64, page_size: int = 4) -> torch.
 @needs_interpreter
 def test_triton_linear_forward_close_to_cublas(monkeypatch):
     model = load_model("dummy:tiny", device="cpu")
-    monkeypatch.delenv(layers.LINEAR_ENV, raising=False)
+    monkeypatch.setenv(layers.LINEAR_ENV, "cublas")
     want = _generate(model, PROMPTS)
     calls = []
     real = skinny.linear
@@ -49,6 +49,25 @@ def test_triton_linear_forward_close_to_cublas(monkeypatch):
     err = float((got - want).abs().max()) / float(want.abs().max())
     assert err <= 1e-5, f"logits differ by {err:.2e} of their scale"
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@needs_interpreter
+def test_auto_linear_takes_the_skinny_kernel_for_vocabulary_wide_weights_only(monkeypatch):
+    """`DISAGG_LINEAR` unset (auto): the skinny kernel for weights of >= 65536 output features
+    (an LM head), cuBLAS for narrower ones (every layer projection); `cublas` and `triton` force
+    one side; an unknown value is refused by name."""
+    x = torch.zeros(4, 8)
+    head, layer = torch.zeros(layers.AUTO_MIN_OUT_FEATURES, 8), torch.zeros(28672, 8)
+    monkeypatch.delenv(layers.LINEAR_ENV, raising=False)
+    assert layers.use_skinny_linear(x, head) and not layers.use_skinny_linear(x, layer)
+    assert not layers.use_skinny_linear(torch.zeros(skinny.MAX_ROWS + 1, 8), head)  # not a decode batch
+    monkeypatch.setenv(layers.LINEAR_ENV, "cublas")
+    assert not layers.use_skinny_linear(x, head)
+    monkeypatch.setenv(layers.LINEAR_ENV, "triton")
+    assert layers.use_skinny_linear(x, layer)
+    monkeypatch.setenv(layers.LINEAR_ENV, "cuda")
+    with pytest.raises(ValueError, match="DISAGG_LINEAR: expected one of"):
+        layers.use_skinny_linear(x, head)
 
 
 @pytest.mark.gpu
@@ -65,3 +84,20 @@ def test_llama8b_shaped_bf16_triton_linear_close_to_cublas(monkeypatch):
     rel = float((got - want).norm() / want.norm())
     assert rel < 1e-2, f"triton vs cuBLAS projections: relative error {rel:.2e}"
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@needs_interpreter
+def test_warm_lm_head_runs_one_call_per_row_tile(monkeypatch):
+    """`Model.warm_lm_head(max_rows)` runs the head once per BLOCK_M variant that batches of up to
+    max_rows sequences can pick (16 / 32 / 64 rows), so none compiles while serving."""
+    model = load_model("dummy:tiny", device="cpu")
+    monkeypatch.setenv(layers.LINEAR_ENV, "triton")
+    calls = []
+    real = skinny.linear
+    monkeypatch.setattr(skinny, "linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    model.warm_lm_head(64)
+    assert calls == [1, 17, 33]
+    calls.clear()
+    model.warm_lm_head(20)
+    assert calls == [1, 17]
+    assert skinny.row_tiles(1) == [1] and skinny.row_tiles(1000) == [1, 17, 33]
