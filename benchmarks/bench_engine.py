@@ -33,6 +33,7 @@ Rows (ours / anchor = ratio, target):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -162,7 +163,8 @@ class Bench:
 def linear_seconds(model, batch: int, backend: str | None = None) -> float:
     """The model's projections alone (every layer's GEMMs and the LM head) for ``batch`` rows,
     replayed from a CUDA graph: the share of a decode step that is weight reads. ``backend``:
-    None runs `layers.linear` (what the model chooses under `DISAGG_LINEAR`), "cublas" torch's
+    None runs `layers.linear` (what the model chooses under `DISAGG_LINEAR` and `DISAGG_BLAS`),
+    "cublas" torch's
     `F.linear`, "triton" the skinny kernel (`disagg.kernels.linear`) for every weight."""
     linear = {None: layers.linear, "cublas": torch.nn.functional.linear,
               "triton": skinny_linear}[backend]
@@ -182,11 +184,13 @@ def linear_seconds(model, batch: int, backend: str | None = None) -> float:
 
     if model.device.type != "cuda":
         return timed(run, 3, model.device)
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    blas = layers.preferred_blas(model.device, batch) if backend is None else contextlib.nullcontext()
+    with blas:
         run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
     return timed(graph.replay, 10, model.device)
 
 
@@ -487,7 +491,7 @@ def main() -> None:
               "num_pages": num_pages, "page_size": PAGE_SIZE, "linear": layers.linear_backend(),
               "fused_layers": layers.use_fused(torch.empty(1, device=device)),
               "rope_append": os.environ.get(layers.ROPE_APPEND_ENV, "1") != "0",
-              "layer_pdl": dispatch.layer_pdl(device), "rows": []}
+              "layer_pdl": dispatch.layer_pdl(device), "blas": os.environ.get(layers.BLAS_ENV, "auto"), "rows": []}
     rows = result["rows"]
     if args.variants:
         bandwidth = copy_bandwidth(device, (256 << 20) if small else 4 * GiB)

@@ -55,6 +55,15 @@ MID_VARIANTS = [  # bf16 decode, B=64 x 1024 (bench_engine's decode target shape
     (64, 4, 3, dict()),
     (64, 4, 4, dict()),
     (64, 8, 3, dict()),
+    # one split (the heuristic's choice there): tile depth, warps, stages, deferred sums
+    (32, 4, 4, dict(), 1),
+    (32, 2, 5, dict(), 1),
+    (128, 8, 3, dict(), 1),
+    (128, 4, 2, dict(), 1),
+    (64, 2, 4, dict(), 1),
+    (64, 4, 2, dict(), 1),
+    (64, 4, 5, dict(), 1),
+    (64, 4, 3, dict(DEFER_SUM=True), 1),
 ]
 LONG_VARIANTS = [  # bf16 decode, B=32 x 32768
     (64, 4, 3, dict()),

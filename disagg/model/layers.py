@@ -26,13 +26,17 @@ there at 64 rows (qkv 1.35 against 1.60, down 1.26 against 1.30; `benchmarks/swe
 2026-11-25). RoPE and the K/V append run as one launch (`use_rope_append`, on unless
 `DISAGG_ROPE_APPEND=0`: B=64 x 1024 decode step 6916 -> 6868 us). `DISAGG_LAYER_PDL=1` (the
 layer kernels under programmatic dependent launch, `disagg.kernels.dispatch.layer_pdl`) stays
-opt-in: it measured 6946 against 6916 us at B=64 and 4788 against 4805 at B=1.
+opt-in: it measured 6946 against 6916 us at B=64 and 4788 against 4805 at B=1. A forward's
+GEMMs run through cuBLASLt or cuBLAS by its token count (`preferred_blas`, `DISAGG_BLAS`): cuBLASLt
+reads the weights faster at 17-128 rows (B=64 x 1024 step 6861 -> 6633 us), slower at 8-16.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,6 +52,52 @@ LINEAR_BACKENDS = ("auto", "cublas", "triton")
 # `auto`: weights at least this wide (output features) take the skinny kernel: vocabularies,
 # never a layer projection (llama3-8b's widest, gate_up, is 28672).
 AUTO_MIN_OUT_FEATURES = 65536
+
+
+BLAS_ENV = "DISAGG_BLAS"
+BLAS_LIBRARIES = ("auto", "cublaslt", "cublas")
+# `auto`: cuBLASLt for forwards of this many tokens (rows of every GEMM), cuBLAS otherwise. An
+# H200, llama3-8b bf16 decode steps at context 1024 from CUDA graphs, cuBLAS -> cuBLASLt (two
+# passes each, 2026-11-25): B=32 5996 -> 5820 us, B=64 6861 -> 6633, B=128 9199 -> 9139; B=8
+# 5002 -> 5097 and B=16 5260 -> 5347 (cuBLASLt loses), B=1-4 equal, B=256 14343 -> 14443; an
+# 8 x 2048 prefill 373 ms either way.
+CUBLASLT_MIN_TOKENS, CUBLASLT_MAX_TOKENS = 17, 128
+
+
+def blas_library(num_tokens: int) -> str:
+    """The library torch's GEMMs use in a CUDA forward of ``num_tokens`` tokens: `DISAGG_BLAS`
+    (read per call) "cublaslt" or "cublas", or by default ("auto") the measured choice above.
+
+    Raises:
+        ValueError: any other value of `DISAGG_BLAS`.
+    """
+    library = os.environ.get(BLAS_ENV, "auto")
+    if library not in BLAS_LIBRARIES:
+        raise ValueError(f"{BLAS_ENV}: expected one of {BLAS_LIBRARIES}, got {library!r}")
+    if library == "auto":
+        fits = CUBLASLT_MIN_TOKENS <= num_tokens <= CUBLASLT_MAX_TOKENS
+        return "cublaslt" if fits else "cublas"
+    return library
+
+
+@contextlib.contextmanager
+def preferred_blas(device: torch.device, num_tokens: int) -> Iterator[None]:
+    """Run the block's CUDA GEMMs (a forward of ``num_tokens`` tokens) through
+    `blas_library(num_tokens)`, then restore the process's choice.
+
+    torch reads its preferred BLAS library at each GEMM call, so a CUDA graph captured inside
+    keeps the kernels chosen here. The setting is process-wide while the block runs: the engine
+    is the only thread that runs GEMMs in its process.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(blas_library(num_tokens))
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
 
 
 def use_fused(x: torch.Tensor) -> bool:

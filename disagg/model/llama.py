@@ -33,8 +33,8 @@ from disagg.kernels.linear import row_tiles
 from disagg.model.batch import AttentionBatch
 from disagg.model.config import ModelConfig
 from disagg.kernels.rope_append import rope_append
-from disagg.model.layers import (add_rms_norm, apply_rope, linear, rope_cos_sin, rope_inv_freq,
-                                 swiglu, use_rope_append)
+from disagg.model.layers import (add_rms_norm, apply_rope, linear, preferred_blas, rope_cos_sin,
+                                 rope_inv_freq, swiglu, use_rope_append)
 from disagg.model.weights import LayerWeights, ModelWeights
 
 if TYPE_CHECKING:
@@ -105,6 +105,11 @@ class Model:
             ValueError, TypeError: input_ids or kv do not fit the model or the batch.
         """
         self._check_inputs(input_ids, batch, kv, kv_scales)
+        with preferred_blas(self.device, input_ids.shape[0]):
+            return self._forward(input_ids, batch, kv, pusher, kv_scales)
+
+    def _forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor,
+                 pusher: "KVPusher | None", kv_scales: KVScales | None) -> torch.Tensor:
         if pusher is None and batch.fork_src_slots is not None:
             copy_slots(kv, batch.fork_src_slots, kv, batch.fork_dst_slots,
                        check_indices=batch.check_indices)
@@ -127,8 +132,9 @@ class Model:
         (one per sequence of a forward), so that every kernel variant compiles now, not when a
         batch of a new size arrives while serving (`disagg.kernels.linear.row_tiles`)."""
         for rows in row_tiles(max_rows):
-            linear(torch.zeros(rows, self.config.hidden_size, dtype=self.dtype, device=self.device),
-                   self.weights.lm_head)
+            with preferred_blas(self.device, rows):
+                linear(torch.zeros(rows, self.config.hidden_size, dtype=self.dtype,
+                                   device=self.device), self.weights.lm_head)
 
     def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch: AttentionBatch, kv_layer: torch.Tensor,

@@ -101,3 +101,33 @@ def test_warm_lm_head_runs_one_call_per_row_tile(monkeypatch):
     model.warm_lm_head(20)
     assert calls == [1, 17]
     assert skinny.row_tiles(1) == [1] and skinny.row_tiles(1000) == [1, 17, 33]
+
+
+def test_blas_library_by_token_count(monkeypatch):
+    """`DISAGG_BLAS=auto` (the default): cuBLASLt for forwards of 17-128 tokens (where it measured
+    faster), cuBLAS otherwise; an explicit library holds for every count; a bad value names the
+    variable and the choices."""
+    monkeypatch.delenv(layers.BLAS_ENV, raising=False)
+    assert [layers.blas_library(n) for n in (1, 16, 17, 64, 128, 129, 8192)] == \
+        ["cublas", "cublas", "cublaslt", "cublaslt", "cublaslt", "cublas", "cublas"]
+    monkeypatch.setenv(layers.BLAS_ENV, "cublas")
+    assert layers.blas_library(64) == "cublas"
+    monkeypatch.setenv(layers.BLAS_ENV, "cublaslt")
+    assert layers.blas_library(1) == "cublaslt"
+    monkeypatch.setenv(layers.BLAS_ENV, "rocblas")
+    with pytest.raises(ValueError, match="DISAGG_BLAS: expected one of"):
+        layers.blas_library(1)
+    with layers.preferred_blas(torch.device("cpu"), 64):  # a no-op off CUDA, even for a bad value
+        pass
+
+
+@pytest.mark.gpu
+def test_preferred_blas_sets_and_restores_the_library(monkeypatch):
+    monkeypatch.delenv(layers.BLAS_ENV, raising=False)
+    before = torch.backends.cuda.preferred_blas_library()
+    with layers.preferred_blas(torch.device("cuda"), 64):
+        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+    assert torch.backends.cuda.preferred_blas_library() == before
+    with layers.preferred_blas(torch.device("cuda"), 8):
+        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublas
+    assert torch.backends.cuda.preferred_blas_library() == before
