@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One single-GPU sitting (nvidia-h200) for the engine figures of issue 10, under 10 minutes:
-#   1. GPU tests of what has not yet run on a GPU (skinny GEMM, RoPE+append, layer PDL, async
-#      scheduling), 2. the skinny GEMM's tuning sweep at 64 rows, 3. bench_engine's decode rows
-#      under each opt-in, 4. the host-idle rows (sync and async scheduling).
+# One single-GPU sitting (nvidia-h200) for the engine figures, under 10 minutes:
+#   1. the engine and layer GPU tests, 2. the skinny GEMM's tuning sweep at 64 rows, 3.
+#   bench_engine's decode rows with each default turned off in turn (A/B in one process) and
+#   with layer PDL (still opt-in), 4. the host-idle rows (sync and async scheduling).
 # Usage (device tool: carry [".whl"]):  source .whl/gpu-env.sh && bash benchmarks/sitting_engine.sh
 # Everything lands in $OUT (default results/sitting-engine); each step has its own time limit, so
 # a hang or failure costs that step only.
@@ -23,5 +23,5 @@ step gpu_tests 200 python3 -m pytest -q -m gpu -x tests/kernels/test_linear_gpu.
 step sweep_linear 150 python3 benchmarks/sweep_linear.py --rows 64 --quick --out "$OUT/sweep_linear.json"
 step variants 150 python3 benchmarks/bench_engine.py --batches 1,64 --contexts 1024 \
     --out "$OUT/bench_variants.json" --variants \
-    'base;DISAGG_LINEAR=triton;DISAGG_LAYER_PDL=1;DISAGG_ROPE_APPEND=1;DISAGG_LINEAR=triton,DISAGG_LAYER_PDL=1,DISAGG_ROPE_APPEND=1'
+    'base;DISAGG_ROPE_APPEND=0;DISAGG_LINEAR=cublas;DISAGG_BLAS=cublas;DISAGG_LAYER_PDL=1;DISAGG_LINEAR=triton,DISAGG_LAYER_PDL=1'
 step idle 90 python3 benchmarks/bench_engine.py --only idle --out "$OUT/bench_idle.json"

@@ -142,7 +142,7 @@ class SchedulerSection(Section):
     async_scheduling: bool = Field(True, description="decode and colocated instances launch the next "
                                                      "decode-only step before reading this step's tokens "
                                                      "(hides the host's bookkeeping: on an H200 the GPU "
-                                                     "idles 7.2% of a B=64 decode step without it, 0% "
+                                                     "idles 3-7% of a B=64 decode step without it, 0% "
                                                      "with it); false: read every step's tokens first")
 
 

@@ -32,7 +32,7 @@ outputs while the next one runs. A request that stops on this step's token (a st
 its row of the step already launched: that token is discarded, and the pages of a request that
 ends or is aborted are freed only once no launched step writes them. Seeded draws stay a function
 of (seed, token index). On by default: on an H200 (llama3-8b bf16, B=64 x 1024) the GPU idles
-7.2% of each step without it and none with it (`benchmarks/bench_engine.py`, row decode_idle_B64).
+3-7% of each step without it and none with it (`benchmarks/bench_engine.py`, row decode_idle_B64).
 """
 
 from __future__ import annotations
