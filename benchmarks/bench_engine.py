@@ -491,7 +491,7 @@ def main() -> None:
               "num_pages": num_pages, "page_size": PAGE_SIZE, "linear": layers.linear_backend(),
               "fused_layers": layers.use_fused(torch.empty(1, device=device)),
               "rope_append": os.environ.get(layers.ROPE_APPEND_ENV, "1") != "0",
-              "layer_pdl": dispatch.layer_pdl(device), "blas": os.environ.get(layers.BLAS_ENV, "auto"), "rows": []}
+              "layer_pdl": os.environ.get(dispatch.LAYER_PDL_ENV, "auto"), "blas": os.environ.get(layers.BLAS_ENV, "auto"), "rows": []}
     rows = result["rows"]
     if args.variants:
         bandwidth = copy_bandwidth(device, (256 << 20) if small else 4 * GiB)

@@ -16,15 +16,20 @@ Every launcher in `disagg.kernels` asks this module two questions before it laun
   records work). `check_indices=True` during capture is refused.
 
 `layer_pdl(device)` says whether the decoder layer's small kernels (`disagg.kernels.fused`,
-`disagg.kernels.linear`) launch with programmatic dependent launch: `DISAGG_LAYER_PDL=1` on a
-CUDA device whose Triton has it. Off by default until measured on a GPU.
+`disagg.kernels.linear`, `disagg.kernels.rope_append`) launch with programmatic dependent launch,
+on a CUDA device whose Triton has it: with `DISAGG_LAYER_PDL=auto` (the default) inside the
+decode graphs of small batches (`small_batch_graph`, which `disagg.engine.graphs` sets while it
+captures them), with `1` always, with `0` never.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import threading
+from collections.abc import Iterator
 from typing import Callable, Sequence
 
 import torch
@@ -60,12 +65,40 @@ def runnable(kernel):
 
 
 LAYER_PDL_ENV = "DISAGG_LAYER_PDL"
+LAYER_PDL_SETTINGS = ("auto", "1", "0")
+_small_batch = threading.local()
+
+
+@contextlib.contextmanager
+def small_batch_graph(enabled: bool = True) -> Iterator[None]:
+    """Mark the forwards run inside (on this thread) as a small batch's decode graph: there the
+    layer kernels launch with PDL (`layer_pdl`) and the projections take the skinny GEMM
+    (`disagg.model.layers.use_skinny_linear`), by default. Nests; restores the outer mark."""
+    previous = getattr(_small_batch, "on", False)
+    _small_batch.on = bool(enabled)
+    try:
+        yield
+    finally:
+        _small_batch.on = previous
+
+
+def in_small_batch_graph() -> bool:
+    """Whether this thread is inside `small_batch_graph()`."""
+    return getattr(_small_batch, "on", False)
 
 
 def layer_pdl(device: torch.device) -> bool:
     """Whether the layer kernels launch with PDL on `device` (see the module docstring); the
-    variable is read per call."""
-    if device.type != "cuda" or os.environ.get(LAYER_PDL_ENV, "0") != "1":
+    variable is read per call.
+
+    Raises:
+        ValueError: `DISAGG_LAYER_PDL` is not one of auto, 1, 0.
+    """
+    setting = os.environ.get(LAYER_PDL_ENV, "auto")
+    if setting not in LAYER_PDL_SETTINGS:
+        raise ValueError(f"{LAYER_PDL_ENV}: expected one of {LAYER_PDL_SETTINGS}, got {setting!r}")
+    on = setting == "1" or (setting == "auto" and in_small_batch_graph())
+    if device.type != "cuda" or not on:
         return False
     from disagg.kernels.paged_tile import HAS_PDL, note_missing_pdl
     if not HAS_PDL:

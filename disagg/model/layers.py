@@ -17,16 +17,18 @@ always run.
 
 The projections go through `linear`: torch's `F.linear` (cuBLAS), or the skinny-GEMM kernel
 of `disagg.kernels.linear` for decode-sized batches (<= 64 rows) of 16-bit models. `DISAGG_LINEAR`
-picks: `auto` (the default) runs the skinny kernel only for vocabulary-wide weights (the LM
-head), where it beats cuBLAS at every decode batch; `cublas` never; `triton` for every
-projection (any dtype under the interpreter). On an H200, llama3-8b's LM head (128256 x 4096)
+picks: `auto` (the default) runs the skinny kernel for vocabulary-wide weights (the LM head),
+where it beats cuBLAS at every decode batch, and for every projection inside the decode graphs
+of small batches (`dispatch.small_batch_graph`, set by `disagg.engine.graphs` for <= 16
+sequences), where with the layer kernels under PDL it shortens the step (B=1 x 1024: 4871 ->
+4494 us); `cublas` never; `triton` for every projection (any dtype under the interpreter). On an H200, llama3-8b's LM head (128256 x 4096)
 at 1 / 8 / 32 / 64 rows: cuBLAS 1.12 / 1.13 / 1.20 / 1.23x its weight-read bound, the skinny
 kernel 0.96 / 0.97 / 0.99 / 1.02x; the layer projections stay on cuBLAS, which wins or ties
 there at 64 rows (qkv 1.35 against 1.60, down 1.26 against 1.30; `benchmarks/sweep_linear.py`,
 2026-11-25). RoPE and the K/V append run as one launch (`use_rope_append`, on unless
-`DISAGG_ROPE_APPEND=0`: B=64 x 1024 decode step 6916 -> 6868 us). `DISAGG_LAYER_PDL=1` (the
-layer kernels under programmatic dependent launch, `disagg.kernels.dispatch.layer_pdl`) stays
-opt-in: it measured 6946 against 6916 us at B=64 and 4788 against 4805 at B=1. A forward's
+`DISAGG_ROPE_APPEND=0`: B=64 x 1024 decode step 6916 -> 6868 us). The layer kernels launch
+under programmatic dependent launch (`disagg.kernels.dispatch.layer_pdl`) in those same small
+decode graphs (`DISAGG_LAYER_PDL=auto`; `1` everywhere measured 6946 against 6916 us at B=64). A forward's
 GEMMs run through cuBLASLt or cuBLAS by its token count (`preferred_blas`, `DISAGG_BLAS`): cuBLASLt
 reads the weights faster at 17-128 rows (B=64 x 1024 step 6861 -> 6633 us), slower at 8-16.
 """
@@ -124,7 +126,8 @@ def use_skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     backend = linear_backend()
     if backend == "cublas" or not dispatch.use_triton(x):
         return False
-    if backend == "auto" and weight.shape[0] < AUTO_MIN_OUT_FEATURES:
+    if (backend == "auto" and weight.shape[0] < AUTO_MIN_OUT_FEATURES
+            and not dispatch.in_small_batch_graph()):
         return False
     if x.device.type == "cuda" and x.dtype == torch.float32:
         return False  # float32 GPU models (tests) keep cuBLAS's numerics

@@ -131,3 +131,75 @@ def test_preferred_blas_sets_and_restores_the_library(monkeypatch):
     with layers.preferred_blas(torch.device("cuda"), 8):
         assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublas
     assert torch.backends.cuda.preferred_blas_library() == before
+
+
+@needs_interpreter
+def test_small_batch_graph_mark_routes_every_projection_to_the_skinny_kernel(monkeypatch):
+    """Inside `small_batch_graph()` (the decode graphs of <= 16 sequences), `DISAGG_LINEAR=auto`
+    sends every projection to the skinny kernel; outside, only vocabulary-wide weights; the mark
+    nests and is restored; `DISAGG_LINEAR=cublas` still wins."""
+    from disagg.kernels import dispatch
+
+    x, layer = torch.zeros(4, 8), torch.zeros(28672, 8)
+    monkeypatch.delenv(layers.LINEAR_ENV, raising=False)
+    assert not layers.use_skinny_linear(x, layer)
+    with dispatch.small_batch_graph():
+        assert layers.use_skinny_linear(x, layer)
+        with dispatch.small_batch_graph(False):
+            assert not layers.use_skinny_linear(x, layer)
+        assert dispatch.in_small_batch_graph()
+        monkeypatch.setenv(layers.LINEAR_ENV, "cublas")
+        assert not layers.use_skinny_linear(x, layer)
+    assert not dispatch.in_small_batch_graph()
+
+
+def test_layer_pdl_setting(monkeypatch):
+    """`DISAGG_LAYER_PDL`: never on CPU tensors; `auto` is off outside a small-batch graph; a bad
+    value names the variable."""
+    from disagg.kernels import dispatch
+
+    cpu = torch.device("cpu")
+    for setting in ("auto", "1", "0"):
+        monkeypatch.setenv(dispatch.LAYER_PDL_ENV, setting)
+        with dispatch.small_batch_graph():
+            assert not dispatch.layer_pdl(cpu)
+    monkeypatch.setenv(dispatch.LAYER_PDL_ENV, "yes")
+    with pytest.raises(ValueError, match="DISAGG_LAYER_PDL: expected one of"):
+        dispatch.layer_pdl(cpu)
+
+
+@pytest.mark.gpu
+def test_small_batch_graphs_take_skinny_gemms_and_pdl(monkeypatch):
+    """Capturing the decode graphs (bf16, llama3-8b shape, 1 layer): buckets of <= 16 sequences run
+    every projection through the skinny kernel and the layer kernels under PDL; larger buckets
+    keep cuBLAS(Lt) for the layer weights and plain launches."""
+    from disagg.engine import ColocatedEngine
+    from disagg.engine.graphs import SMALL_BATCH_MAX_ROWS
+    from disagg.kernels import dispatch
+
+    monkeypatch.delenv(layers.LINEAR_ENV, raising=False)
+    monkeypatch.delenv(dispatch.LAYER_PDL_ENV, raising=False)
+    config = dataclasses.replace(preset_config("llama3-8b"), num_layers=1)
+    cuda = torch.device("cuda")
+    model = Model(config, random_weights(config, torch.bfloat16, cuda), dtype=torch.bfloat16, device=cuda)
+    seen = {"skinny": set(), "pdl": set()}
+    real_linear, real_pdl = skinny.linear, dispatch.layer_pdl
+
+    def counted_linear(x, weight, *a, **kw):
+        if weight.shape[0] < layers.AUTO_MIN_OUT_FEATURES:  # a layer weight, not the head
+            seen["skinny"].add(x.shape[0])
+        return real_linear(x, weight, *a, **kw)
+
+    def counted_pdl(device):
+        on = real_pdl(device)
+        if on:
+            seen["pdl"].add(dispatch.in_small_batch_graph())
+        return on
+
+    monkeypatch.setattr(skinny, "linear", counted_linear)
+    monkeypatch.setattr(dispatch, "layer_pdl", counted_pdl)
+    engine = ColocatedEngine(model, num_pages=256, page_size=16, max_num_seqs=64,
+                             max_num_batched_tokens=256, use_cuda_graphs=True)
+    engine.runner.capture_graphs(None, 256)
+    assert seen["skinny"] == {b for b in (1, 2, 4, 8, 16) if b <= SMALL_BATCH_MAX_ROWS}
+    assert seen["pdl"] == {True}
