@@ -163,9 +163,9 @@ class Bench:
 def linear_seconds(model, batch: int, backend: str | None = None) -> float:
     """The model's projections alone (every layer's GEMMs and the LM head) for ``batch`` rows,
     replayed from a CUDA graph: the share of a decode step that is weight reads. ``backend``:
-    None runs `layers.linear` (what the model chooses under `DISAGG_LINEAR` and `DISAGG_BLAS`),
-    "cublas" torch's
-    `F.linear`, "triton" the skinny kernel (`disagg.kernels.linear`) for every weight."""
+    None runs `layers.linear` (what the model chooses under `DISAGG_LINEAR` and `DISAGG_BLAS`
+    outside small-batch graphs), "cublas" torch's `F.linear`, "triton" the skinny kernel
+    (`disagg.kernels.linear`) for every weight."""
     linear = {None: layers.linear, "cublas": torch.nn.functional.linear,
               "triton": skinny_linear}[backend]
     w = model.weights
@@ -491,7 +491,8 @@ def main() -> None:
               "num_pages": num_pages, "page_size": PAGE_SIZE, "linear": layers.linear_backend(),
               "fused_layers": layers.use_fused(torch.empty(1, device=device)),
               "rope_append": os.environ.get(layers.ROPE_APPEND_ENV, "1") != "0",
-              "layer_pdl": os.environ.get(dispatch.LAYER_PDL_ENV, "auto"), "blas": os.environ.get(layers.BLAS_ENV, "auto"), "rows": []}
+              "layer_pdl": os.environ.get(dispatch.LAYER_PDL_ENV, "auto"),
+              "blas": os.environ.get(layers.BLAS_ENV, "auto"), "rows": []}
     rows = result["rows"]
     if args.variants:
         bandwidth = copy_bandwidth(device, (256 << 20) if small else 4 * GiB)

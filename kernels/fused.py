@@ -8,8 +8,8 @@ places as that chain: every intermediate torch keeps in the activations' dtype i
 dtype here too, and float32 math stands where torch computes in float32 ("opmath"). What cannot
 match bit for bit is the order of the float32 sum in the norm's mean square. Launchers allocate
 only value-independent outputs and never read values on the host: they run inside CUDA-graph
-capture, on the caller's current stream. With `DISAGG_LAYER_PDL=1` (`dispatch.layer_pdl`) they
-launch with programmatic dependent launch: a kernel is scheduled while the one before it ends,
+capture, on the caller's current stream. Where `dispatch.layer_pdl` says so (by default inside
+the decode graphs of small batches) they launch with programmatic dependent launch: a kernel is scheduled while the one before it ends,
 waits for it before touching memory, and lets the next one launch once its loads are issued.
 """
 

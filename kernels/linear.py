@@ -11,14 +11,15 @@ arrive (an atomic counter, as `paged_decode` merges its splits) sums them in spl
 results do not depend on timing.
 
 `disagg.model.layers.linear` calls it for decode-sized batches of 16-bit models: by default
-(`DISAGG_LINEAR=auto`) for vocabulary-wide weights only, where it beats cuBLAS (llama3-8b's LM
-head on an H200: 0.96-1.02x the weight-read bound at 1-64 rows against cuBLAS's 1.12-1.23x); for
-every projection with `DISAGG_LINEAR=triton` (slower than cuBLAS on the layers' smaller weights at
-64 rows). `benchmarks/sweep_linear.py` times the launch options per weight shape against cuBLAS
-and the bound; `CONFIGS` records its winners. The
-launcher allocates only value-independent buffers and never reads values on the host: it runs
-inside CUDA-graph capture, on the caller's current stream; with `DISAGG_LAYER_PDL=1` it launches
-with programmatic dependent launch, as the fused layer kernels do.
+(`DISAGG_LINEAR=auto`) for vocabulary-wide weights, where it beats cuBLAS (llama3-8b's LM head on
+an H200: 0.96-1.02x the weight-read bound at 1-64 rows against cuBLAS's 1.12-1.23x), and for
+every projection inside the decode graphs of <= 16 sequences, where under PDL it overlaps the
+kernels around it; for every projection with `DISAGG_LINEAR=triton` (slower than cuBLAS on the
+layers' smaller weights at 32-64 rows). `benchmarks/sweep_linear.py` times the launch options
+per weight shape against cuBLAS and the bound; `CONFIGS` records its winners. The launcher
+allocates only value-independent buffers and never reads values on the host: it runs inside
+CUDA-graph capture, on the caller's current stream; where `dispatch.layer_pdl` says so it
+launches with programmatic dependent launch, as the fused layer kernels do.
 """
 
 from __future__ import annotations

@@ -15,22 +15,22 @@ run, for comparison). On an H200 they cut a llama3-8b B=64 x 1024 decode step fr
 (`tests/kernels/test_fused_gpu.py`, `tests/model/test_model_fused.py`). Under the interpreter they
 always run.
 
-The projections go through `linear`: torch's `F.linear` (cuBLAS), or the skinny-GEMM kernel
-of `disagg.kernels.linear` for decode-sized batches (<= 64 rows) of 16-bit models. `DISAGG_LINEAR`
-picks: `auto` (the default) runs the skinny kernel for vocabulary-wide weights (the LM head),
-where it beats cuBLAS at every decode batch, and for every projection inside the decode graphs
-of small batches (`dispatch.small_batch_graph`, set by `disagg.engine.graphs` for <= 16
-sequences), where with the layer kernels under PDL it shortens the step (B=1 x 1024: 4871 ->
-4494 us); `cublas` never; `triton` for every projection (any dtype under the interpreter). On an H200, llama3-8b's LM head (128256 x 4096)
-at 1 / 8 / 32 / 64 rows: cuBLAS 1.12 / 1.13 / 1.20 / 1.23x its weight-read bound, the skinny
-kernel 0.96 / 0.97 / 0.99 / 1.02x; the layer projections stay on cuBLAS, which wins or ties
-there at 64 rows (qkv 1.35 against 1.60, down 1.26 against 1.30; `benchmarks/sweep_linear.py`,
-2026-11-25). RoPE and the K/V append run as one launch (`use_rope_append`, on unless
-`DISAGG_ROPE_APPEND=0`: B=64 x 1024 decode step 6916 -> 6868 us). The layer kernels launch
-under programmatic dependent launch (`disagg.kernels.dispatch.layer_pdl`) in those same small
-decode graphs (`DISAGG_LAYER_PDL=auto`; `1` everywhere measured 6946 against 6916 us at B=64). A forward's
-GEMMs run through cuBLASLt or cuBLAS by its token count (`preferred_blas`, `DISAGG_BLAS`): cuBLASLt
-reads the weights faster at 17-128 rows (B=64 x 1024 step 6861 -> 6633 us), slower at 8-16.
+The projections go through `linear`: torch's `F.linear` (cuBLAS), or the skinny-GEMM kernel of
+`disagg.kernels.linear` for decode-sized batches (<= 64 rows) of 16-bit models. `DISAGG_LINEAR`
+picks: `auto` (the default), `cublas` (never the skinny kernel) or `triton` (every projection;
+any dtype under the interpreter). `auto` takes the skinny kernel where it measured faster on an
+H200 (llama3-8b, `benchmarks/sweep_linear.py` and `bench_engine.py`, 2026-11-25):
+- vocabulary-wide weights (the LM head, 128256 x 4096) at any decode batch: 0.96 / 0.97 / 0.99 /
+  1.02x the weight-read bound at 1 / 8 / 32 / 64 rows, against cuBLAS's 1.12 / 1.13 / 1.20 / 1.23x;
+- every projection inside the decode graphs of small batches (`dispatch.small_batch_graph`, set
+  by `disagg.engine.graphs` for <= 16 sequences), where the layer kernels also launch under
+  programmatic dependent launch (`dispatch.layer_pdl`, `DISAGG_LAYER_PDL=auto`): B=1 x 1024
+  4871 -> 4494 us. At 32-64 rows cuBLAS(Lt) wins on the layer weights (qkv at 64 rows: 1.35x
+  the bound against 1.60), and PDL everywhere cost 30 us at B=64.
+A forward's cuBLAS GEMMs run through cuBLASLt or cuBLAS by its token count (`preferred_blas`,
+`DISAGG_BLAS`): cuBLASLt reads the weights faster at 17-128 rows (B=64 x 1024 step 6861 -> 6633
+us), slower at 8-16. RoPE and the K/V append run as one launch (`use_rope_append`, on unless
+`DISAGG_ROPE_APPEND=0`: B=64 x 1024 step 6916 -> 6868 us).
 """
 
 from __future__ import annotations
