@@ -50,6 +50,13 @@ class AttentionBatch:
         positions: `[T]` RoPE position of each new token.
         logits_indices: `[B]` the row of each sequence's last new token (`qo_indptr[1:] - 1`).
         is_decode: every sequence appends exactly one token (the model runs `paged_decode`).
+        num_decodes: mixed batches only: how many leading sequences append one token each (the
+            colocated engine schedules running decodes first). Their queries go through
+            `paged_decode` with the table's first rows, the rest through `paged_prefill` with
+            the `prefill_*` tables; 0: one kernel for the whole batch.
+        prefill_qo_indptr, prefill_page_indptr, prefill_page_indices, prefill_last_page_len:
+            mixed batches only: the CSR tables of sequences num_decodes.. rebased to start at 0
+            (own 16-byte-aligned views, so no slice offset reaches a kernel), or None.
         max_kv_len: the longest sequence's tokens after the append (host int; decode split
             heuristic).
         fork_src_slots, fork_dst_slots: `[F]` slot copies a fork left pending (applied to every
@@ -78,6 +85,11 @@ class AttentionBatch:
     workspace: torch.Tensor | None = None
     num_splits: int | None = None
     input_ids: torch.Tensor | None = None
+    num_decodes: int = 0
+    prefill_qo_indptr: torch.Tensor | None = None
+    prefill_page_indptr: torch.Tensor | None = None
+    prefill_page_indices: torch.Tensor | None = None
+    prefill_last_page_len: torch.Tensor | None = None
     _static: "_StaticBuffers | None" = field(default=None, repr=False)
 
     @property
@@ -106,13 +118,18 @@ class AttentionBatch:
         qo_indptr = np.asarray(plan.qo_indptr, dtype=np.int32)
         arrays = {name: np.asarray(getattr(plan, name), dtype=np.int32) for name in _FIELDS[:-1]}
         arrays["logits_indices"] = qo_indptr[1:] - 1
+        single = np.diff(qo_indptr) == 1
+        is_decode = bool(np.all(single))
+        num_decodes = 0 if is_decode else int(np.argmin(single))  # leading one-token sequences
+        if num_decodes:
+            arrays.update(_prefill_tables(arrays, num_decodes))
         views = _to_device(arrays, torch.device(device))
         fork_src = fork_dst = None
         if len(plan.fork_src_slots):
             fork_src, fork_dst = (torch.as_tensor(np.asarray(a, dtype=np.int64), device=device)
                                   for a in (plan.fork_src_slots, plan.fork_dst_slots))
         max_kv_len = int(arrays["positions"][arrays["logits_indices"]].max()) + 1
-        return cls(**views, is_decode=bool(np.all(np.diff(qo_indptr) == 1)), max_kv_len=max_kv_len,
+        return cls(**views, is_decode=is_decode, num_decodes=num_decodes, max_kv_len=max_kv_len,
                    fork_src_slots=fork_src, fork_dst_slots=fork_dst, check_indices=check_indices)
 
     @classmethod
@@ -199,22 +216,32 @@ def _check_plan(plan: ForwardPlan) -> None:
                          "supported by the model's attention")
 
 
+def _prefill_tables(arrays: dict[str, np.ndarray], num_decodes: int) -> dict[str, np.ndarray]:
+    """The CSR tables of sequences ``num_decodes``.. of a mixed batch, rebased to start at 0."""
+    d = num_decodes
+    qo, pages = arrays["qo_indptr"], arrays["page_indptr"]
+    return {"prefill_qo_indptr": qo[d:] - qo[d], "prefill_page_indptr": pages[d:] - pages[d],
+            "prefill_page_indices": arrays["page_indices"][pages[d]:],
+            "prefill_last_page_len": arrays["last_page_len"][d:]}
+
+
 def _to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """Concatenate int32 arrays, copy once, return contiguous views in the same order.
+    """Concatenate int32 arrays, copy once, return contiguous views under the same names.
 
     Every view starts 16 bytes aligned: Triton specializes pointer arguments on 16-byte
     alignment, so views at offsets that followed the batch size compiled new kernel variants (1-3
     s each) mid-serving.
     """
-    sizes = [len(arrays[name]) for name in _FIELDS]
+    names = list(arrays)
+    sizes = [len(arrays[name]) for name in names]
     starts = np.cumsum([0] + [-(-n // _ALIGN) * _ALIGN for n in sizes])
     host = np.zeros(int(starts[-1]), dtype=np.int32)
-    for name, start, n in zip(_FIELDS, starts, sizes):
+    for name, start, n in zip(names, starts, sizes):
         host[start:start + n] = arrays[name]
     flat = torch.from_numpy(host)
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
-    return {name: flat[start:start + n] for name, start, n in zip(_FIELDS, starts, sizes)}
+    return {name: flat[start:start + n] for name, start, n in zip(names, starts, sizes)}
 
 
 class _StaticBuffers:

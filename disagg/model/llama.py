@@ -158,16 +158,32 @@ class Model:
             else:
                 append_kv(k, v, kv_layer, batch.append_slots, k_scale=k_scale, v_scale=v_scale,
                           check_indices=batch.check_indices)
-        tables = (batch.page_indptr, batch.page_indices, batch.last_page_len)
-        if batch.is_decode:
-            o = paged_decode(q, kv_layer, *tables, self.sm_scale, k_scale=k_scale, v_scale=v_scale,
-                             out=batch.out, num_splits=batch.num_splits,
-                             max_seq_len=batch.max_kv_len, workspace=batch.workspace,
-                             check_indices=batch.check_indices)
-        else:
-            o = paged_prefill(q, kv_layer, batch.qo_indptr, *tables, self.sm_scale, causal=True,
-                              k_scale=k_scale, v_scale=v_scale, check_indices=batch.check_indices)
+        o = self._paged_attention(q, kv_layer, batch, k_scale, v_scale)
         return linear(o.reshape(num_tokens, c.q_size), layer.o_proj)
+
+    def _paged_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBatch,
+                         k_scale, v_scale) -> torch.Tensor:
+        """`[T, H_q, D]` attention output: `paged_decode` for a decode batch, `paged_prefill` for
+        prompts, and for a mixed batch both, each over its own rows (one query per sequence in
+        the prefill kernel would read every KV page once per q head and waste its query tile)."""
+        scales = dict(k_scale=k_scale, v_scale=v_scale, check_indices=batch.check_indices)
+        if batch.is_decode:
+            return paged_decode(q, kv_layer, batch.page_indptr, batch.page_indices,
+                                batch.last_page_len, self.sm_scale, out=batch.out,
+                                num_splits=batch.num_splits, max_seq_len=batch.max_kv_len,
+                                workspace=batch.workspace, **scales)
+        d = batch.num_decodes
+        if not d:
+            return paged_prefill(q, kv_layer, batch.qo_indptr, batch.page_indptr, batch.page_indices,
+                                 batch.last_page_len, self.sm_scale, causal=True, **scales)
+        o = torch.empty_like(q)
+        paged_prefill(q[d:], kv_layer, batch.prefill_qo_indptr, batch.prefill_page_indptr,
+                      batch.prefill_page_indices, batch.prefill_last_page_len, self.sm_scale,
+                      causal=True, out=o[d:], **scales)
+        paged_decode(q[:d], kv_layer, batch.page_indptr[:d + 1], batch.page_indices,
+                     batch.last_page_len[:d], self.sm_scale, out=o[:d],
+                     max_seq_len=batch.max_kv_len, **scales)
+        return o
 
     def _check_inputs(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor,
                       kv_scales: KVScales | None) -> None:

@@ -188,21 +188,61 @@ def test_forward_rejects_bad_inputs(tiny):
     runner.cache.end_forward()
 
 
-def test_batch_index_views_are_16_byte_aligned():
+@pytest.mark.parametrize("num_decodes", [0, 1, 3])
+def test_batch_index_views_are_16_byte_aligned(num_decodes):
     """Triton specializes pointers on 16-byte alignment: index views whose offsets followed the
-    batch size compiled new kernel variants mid-serving."""
+    batch size compiled new kernel variants mid-serving. Mixed batches (leading decodes) carry
+    the prefill rows' tables as views of their own, rebased to 0."""
     from disagg.cache import PagedKVCache
 
-    for batch_size in range(1, 7):
+    names = ["qo_indptr", "page_indptr", "page_indices", "last_page_len", "append_slots", "positions"]
+    if num_decodes:
+        names += ["prefill_qo_indptr", "prefill_page_indptr", "prefill_page_indices",
+                  "prefill_last_page_len"]
+    for batch_size in range(num_decodes + 1, num_decodes + 7):
         cache = PagedKVCache(64, 4)
         for seq in range(batch_size):
             cache.add_sequence(seq)
-        plan = cache.begin_forward(list(range(batch_size)), [seq + 2 for seq in range(batch_size)])
+        cache.begin_forward(list(range(batch_size)), [seq + 3 for seq in range(batch_size)])
+        cache.end_forward()
+        appends = [1 if seq < num_decodes else seq + 2 for seq in range(batch_size)]
+        plan = cache.begin_forward(list(range(batch_size)), appends)
         try:
             batch = AttentionBatch.from_plan(plan, "cpu")
         finally:
             cache.end_forward()
-        for name in ("qo_indptr", "page_indptr", "page_indices", "last_page_len", "append_slots", "positions"):
+        assert batch.num_decodes == num_decodes
+        for name in names:
             view = getattr(batch, name)
             assert view.data_ptr() % 16 == 0, (batch_size, name)
         assert batch.page_indptr.tolist() == list(plan.page_indptr)
+        if num_decodes:
+            d, pages = num_decodes, list(plan.page_indptr)
+            assert batch.prefill_qo_indptr.tolist() == [q - plan.qo_indptr[d] for q in plan.qo_indptr[d:]]
+            assert batch.prefill_page_indptr.tolist() == [p - pages[d] for p in pages[d:]]
+            assert batch.prefill_page_indices.tolist() == list(plan.page_indices[pages[d]:])
+            assert batch.prefill_last_page_len.tolist() == list(plan.last_page_len[d:])
+
+
+def test_mixed_batch_splits_decode_and_prefill_kernels(tiny, reference_kernels, monkeypatch):
+    """A forward of two decodes and a prompt chunk runs `paged_decode` over the two decode rows
+    and `paged_prefill` over the chunk's, and its logits equal the forwards run apart."""
+    from disagg.model import llama
+
+    alone = PagedRunner(tiny)
+    alone.prefill(PROMPTS[:2])
+    expected_decodes = alone.decode([7, 8])
+    expected_chunk = PagedRunner(tiny).prefill([PROMPTS[2]])
+    calls = []
+    for name in ("paged_decode", "paged_prefill"):
+        real = getattr(llama, name)
+        monkeypatch.setattr(llama, name, lambda q, *a, _n=name, _f=real, **kw: calls.append((_n, q.shape[0])) or _f(q, *a, **kw))
+    mixed = PagedRunner(tiny)
+    mixed.prefill(PROMPTS[:2])
+    calls.clear()
+    logits = mixed.forward({0: [7], 1: [8], 2: PROMPTS[2]})
+    layers_ = tiny.config.num_layers
+    assert sorted(set(calls)) == [("paged_decode", 2), ("paged_prefill", len(PROMPTS[2]))]
+    assert len(calls) == 2 * layers_
+    torch.testing.assert_close(logits[:2], expected_decodes, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[2], expected_chunk[0], atol=2e-5, rtol=1e-5)
