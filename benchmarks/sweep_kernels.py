@@ -37,9 +37,12 @@ FP8_VARIANTS = [  # fp8 decode, B=64 x 4096 (interleaved, repeated): split count
     (64, 2, 5, dict(), 4),
     (64, 2, 5, dict(), 1),
 ] * 2
-BF16_VARIANTS = [  # bf16 decode, B=64 x 4096
+BF16_VARIANTS = [  # bf16 decode, B=64 x 4096 (the default first, repeated to see the spread)
     (64, 4, 3, dict(), 2),
-]
+    (64, 2, 4, dict(), 2),
+    (64, 2, 5, dict(), 2),
+    (32, 2, 5, dict(), 2),
+] * 2
 SMALL_VARIANTS = [  # bf16 decode, B=8 x 1024 (repeated: runs differ by ~15%)
     (64, 4, 3, dict(PDL=2), 4),
     (64, 4, 6, dict(PDL=2), 1),
@@ -64,10 +67,14 @@ MID_VARIANTS = [  # bf16 decode, B=64 x 1024 (bench_engine's decode target shape
     (64, 4, 2, dict(), 1),
     (64, 4, 5, dict(), 1),
     (64, 4, 3, dict(DEFER_SUM=True), 1),
+    (64, 4, 3, dict(), 1),  # the default again, for the spread
+    (64, 2, 4, dict(), 1),
 ]
 LONG_VARIANTS = [  # bf16 decode, B=32 x 32768
     (64, 4, 3, dict()),
     (64, 4, 3, SWAP_T),
+    (64, 2, 4, dict()),
+    (64, 2, 5, dict()),
 ]
 # Stream floors (benchmarks/bench_kernels.py stream_kv_kernel): (batch, ctx, dtype, splits,
 # paged, BLOCK_N, num_warps, num_stages).

@@ -65,6 +65,9 @@ FULL_GRID_MIN_SPLIT_TOKENS = 2048
 # spare the conversion pipe) 198-218 (239 registers against 182). Split count (2 warps, 5
 # stages, twice over): 1 split 175.6-175.9, 2 splits 178.0-179.2, 3 179.6-179.7, 4 183-187;
 # the heuristic's 2 stays (1.5% is not worth an fp8 case in it).
+# 16-bit, 2026-11-25 (sweep_kernels.py --groups bf16,long,mid, each twice): 2 warps x 64 tokens
+# x 4-5 stages 266-267 us at B=64 x 4096 against 254 for the default, 1021-1035 against 979 at
+# B=32 x 32768, 67.8-68.5 against 68.3 at B=64 x 1024 (1 split); 32-token tiles slower everywhere.
 # "16bit-small": 16-bit caches on grids launched with PDL (latency-bound, see below). B=8 x
 # 1024, 4 splits, interleaved over three passes: deferral 15.93-15.97 us against 16.36-16.43.
 CONFIGS = {
