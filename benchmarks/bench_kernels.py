@@ -114,14 +114,20 @@ def paged_batch(batch, ctx, num_kv_heads, head_dim, page_size, dtype, copies, sh
     return kv, tables
 
 
-def bench_decode(batch, ctx, dtype=torch.bfloat16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                 page_size=16, num_splits=None, shuffle=True, cache=None):
-    """Seconds per paged decode call (CUDA graph, copies rotated past L2); ``cache``: a
-    `paged_batch` result to run over instead of a fresh one."""
+def decode_cache(batch, ctx, dtype=torch.bfloat16, num_kv_heads=8, head_dim=128, page_size=16,
+                 shuffle=True):
+    """`paged_batch` with the decode benchmarks' shapes, enough copies to rotate past L2."""
     kv_bytes = batch * ctx * num_kv_heads * head_dim * 2 * torch.finfo(dtype).bits // 8
-    copies = copies_for(kv_bytes)
-    kv, tables = cache or paged_batch(batch, ctx, num_kv_heads, head_dim, page_size, dtype, copies,
-                                      shuffle)
+    return paged_batch(batch, ctx, num_kv_heads, head_dim, page_size, dtype, copies_for(kv_bytes),
+                       shuffle)
+
+
+def bench_decode(batch, ctx, dtype=torch.bfloat16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                 page_size=16, num_splits=None, cache=None):
+    """Seconds per paged decode call (CUDA graph, copies rotated past L2); ``cache``: a
+    `decode_cache` result to run over instead of a fresh one."""
+    kv_bytes = batch * ctx * num_kv_heads * head_dim * 2 * torch.finfo(dtype).bits // 8
+    kv, tables = cache or decode_cache(batch, ctx, dtype, num_kv_heads, head_dim, page_size)
     qdtype = torch.bfloat16
     qs = [torch.randn(batch, num_qo_heads, head_dim, device=CUDA, dtype=qdtype) for _ in tables]
     outs = [torch.empty_like(q) for q in qs]
@@ -181,10 +187,9 @@ def bench_stream_floor(batch, ctx, dtype=torch.bfloat16, num_kv_heads=8, head_di
                        page_size=16, num_splits=4, paged=True, block_n=64, num_warps=4,
                        num_stages=3, cache=None):
     """`stream_kv_kernel` over the decode benchmark's cache and tables (same rotation);
-    ``cache``: a `paged_batch` result to read instead of a fresh one."""
+    ``cache``: a `decode_cache` result to read instead of a fresh one."""
     kv_bytes = batch * ctx * num_kv_heads * head_dim * 2 * torch.finfo(dtype).bits // 8
-    kv, tables = cache or paged_batch(batch, ctx, num_kv_heads, head_dim, page_size, dtype,
-                                      copies_for(kv_bytes))
+    kv, tables = cache or decode_cache(batch, ctx, dtype, num_kv_heads, head_dim, page_size)
     words = dtype == torch.float8_e4m3fn
     if words:
         kv = kv.view(torch.int32)
@@ -292,54 +297,63 @@ def run_decode(copy_bw):
     figs.append(figure("decode bf16 B=8 ctx=1024 speed vs stream floor", 1 / figs[1]["seconds"],
                        1 / floor["seconds"], "calls/s", None, "stream floor (same grid)"))
     for batch, ctx in ((64, 4096), (8, 1024), (32, 32768)):
-        # Like for like: each round allocates one cache and times, over its very bytes, our
-        # kernel with the pages in order (one run per sequence, as the page allocator hands them
-        # out when it can), our kernel with the same pages shuffled (the worst case), and SDPA
-        # reading them as dense K and V. The same call swings by ~12% with the memory its
-        # allocation lands in (B=64 x 4096: 253 or 284 us for ours, 247 or 278 for SDPA), so
-        # separate allocations compared the luck of the draw. Four rounds, each side's median.
-        runs = {"shuffled": [], "in order": [], "sdpa": []}
-        for _ in range(4):
-            torch.cuda.empty_cache()
-            copies = copies_for(batch * ctx * 8 * 128 * 2 * 2)
-            kv, tables = paged_batch(batch, ctx, 8, 128, 16, torch.bfloat16, copies, shuffle=False)
-            perm = torch.randperm(kv.shape[0], device=CUDA).to(torch.int32)
-            shuffled = [(ptr, perm[idx.long()].contiguous(), last) for ptr, idx, last in tables]
-            runs["in order"].append(bench_decode(batch, ctx, cache=(kv, tables)))
-            runs["shuffled"].append(bench_decode(batch, ctx, cache=(kv, shuffled)))
-            runs["sdpa"].append(bench_sdpa_decode(batch, ctx, storage=kv))
-            del kv, tables, shuffled
-        sdpa = statistics.median(r["seconds"] for r in runs["sdpa"])
-        for label, key in (("", "shuffled"), (", pages in order", "in order")):
-            ours = statistics.median(r["seconds"] for r in runs[key])
-            figs.append(figure(f"decode bf16 B={batch} ctx={ctx} speed vs SDPA dense{label}",
-                               1 / ours, 1 / sdpa, "calls/s", 0.95,
-                               "SDPA default (dense, enable_gqa) over the same memory, median of 4",
-                               ours_us=[r["seconds"] * 1e6 for r in runs[key]],
-                               sdpa_us=[r["seconds"] * 1e6 for r in runs["sdpa"]],
-                               num_splits=runs[key][0]["num_splits"]))
-    # fp8 against the read-only floor over the very same fp8 cache, and against bf16 on fresh
-    # allocations; four rounds each (the cache emptied first), medians (see the SDPA rows).
-    fp8_kv_bytes = 64 * 4096 * 8 * 128 * 2
+        figs += sdpa_rows(batch, ctx)
+    figs += fp8_rows()
+    return figs
+
+
+def sdpa_rows(batch, ctx) -> list[dict]:
+    """bf16 decode against dense SDPA, like for like: each round allocates one cache and times,
+    over its very bytes, our kernel with the pages in order (one run per sequence, as the page
+    allocator hands them out when it can), our kernel with the same pages shuffled (the worst
+    case), and SDPA reading them as dense K and V. The same call swings by ~12% with the memory
+    its allocation lands in (B=64 x 4096: 253 or 284 us for ours, 247 or 278 for SDPA), so
+    separate allocations compared the luck of the draw. Four rounds, each side's median."""
+    runs = {"shuffled": [], "in order": [], "sdpa": []}
+    for _ in range(4):
+        torch.cuda.empty_cache()
+        kv, tables = decode_cache(batch, ctx, shuffle=False)
+        perm = torch.randperm(kv.shape[0], device=CUDA).to(torch.int32)
+        shuffled = [(ptr, perm[idx.long()].contiguous(), last) for ptr, idx, last in tables]
+        runs["in order"].append(bench_decode(batch, ctx, cache=(kv, tables)))
+        runs["shuffled"].append(bench_decode(batch, ctx, cache=(kv, shuffled)))
+        runs["sdpa"].append(bench_sdpa_decode(batch, ctx, storage=kv))
+        del kv, tables, shuffled
+    sdpa = statistics.median(r["seconds"] for r in runs["sdpa"])
+    figs = []
+    for label, key in (("", "shuffled"), (", pages in order", "in order")):
+        ours = statistics.median(r["seconds"] for r in runs[key])
+        figs.append(figure(f"decode bf16 B={batch} ctx={ctx} speed vs SDPA dense{label}",
+                           1 / ours, 1 / sdpa, "calls/s", 0.95,
+                           "SDPA default (dense, enable_gqa) over the same memory, median of 4",
+                           ours_us=[r["seconds"] * 1e6 for r in runs[key]],
+                           sdpa_us=[r["seconds"] * 1e6 for r in runs["sdpa"]],
+                           num_splits=runs[key][0]["num_splits"]))
+    return figs
+
+
+def fp8_rows(batch=64, ctx=4096) -> list[dict]:
+    """fp8 decode against the read-only floor over the very same fp8 cache, and against bf16 on
+    fresh allocations; four rounds each (the cache emptied first), medians (see `sdpa_rows`)."""
+    fp8_dtype = torch.float8_e4m3fn
     runs = {"bf16": [], "fp8": [], "floor": []}
     for _ in range(4):
         torch.cuda.empty_cache()
-        runs["bf16"].append(bench_decode(64, 4096)["seconds"])
+        runs["bf16"].append(bench_decode(batch, ctx)["seconds"])
         torch.cuda.empty_cache()
-        cache = paged_batch(64, 4096, 8, 128, 16, torch.float8_e4m3fn, copies_for(fp8_kv_bytes))
-        fp8 = bench_decode(64, 4096, dtype=torch.float8_e4m3fn, cache=cache)
+        cache = decode_cache(batch, ctx, fp8_dtype)
+        fp8 = bench_decode(batch, ctx, dtype=fp8_dtype, cache=cache)
         runs["fp8"].append(fp8["seconds"])
-        runs["floor"].append(bench_stream_floor(64, 4096, dtype=torch.float8_e4m3fn,
+        runs["floor"].append(bench_stream_floor(batch, ctx, dtype=fp8_dtype,
                                                 num_splits=fp8["num_splits"], cache=cache)["seconds"])
         del cache
     bf16, fp8_s, floor = (statistics.median(runs[k]) for k in ("bf16", "fp8", "floor"))
-    figs.append(figure("decode fp8 B=64 ctx=4096 speed vs bf16", 1 / fp8_s, 1 / bf16,
-                       "calls/s", 1.6, "our bf16 decode, median of 4 allocations",
-                       fp8_us=[t * 1e6 for t in runs["fp8"]], bf16_us=[t * 1e6 for t in runs["bf16"]]))
-    figs.append(figure("decode fp8 B=64 ctx=4096 speed vs stream floor", 1 / fp8_s, 1 / floor,
-                       "calls/s", 0.85, "stream floor (fp8 KV, same grid, same memory)",
-                       floor_us=[t * 1e6 for t in runs["floor"]], num_splits=fp8["num_splits"]))
-    return figs
+    return [figure(f"decode fp8 B={batch} ctx={ctx} speed vs bf16", 1 / fp8_s, 1 / bf16,
+                   "calls/s", 1.6, "our bf16 decode, median of 4 allocations",
+                   fp8_us=[t * 1e6 for t in runs["fp8"]], bf16_us=[t * 1e6 for t in runs["bf16"]]),
+            figure(f"decode fp8 B={batch} ctx={ctx} speed vs stream floor", 1 / fp8_s, 1 / floor,
+                   "calls/s", 0.85, "stream floor (fp8 KV, same grid, same memory)",
+                   floor_us=[t * 1e6 for t in runs["floor"]], num_splits=fp8["num_splits"])]
 
 
 def run_prefill():
