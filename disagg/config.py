@@ -99,6 +99,24 @@ class InstancesSection(Section):
     device: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="auto: one GPU per instance when the cluster has enough, else the CPU")
     cpus_per_instance: float = Field(1.0, gt=0.0, description="Ray CPU resources per instance actor, cores")
+    gpus_per_instance: float = Field(
+        1.0, gt=0.0,
+        description="GPUs per instance, a fraction 1/k puts k instances on one GPU (Ray fractional GPUs; "
+                    "NVSHMEM runs them as PEs of one GPU in its limited multi-process mode); each sizes "
+                    "its pages from its share of the GPU's memory; above 1 (tensor parallelism) is not "
+                    "supported. Timings of instances sharing a GPU are time-sliced: never a comparison "
+                    "of deployments")
+
+    @model_validator(mode="after")
+    def _whole_share(self) -> InstancesSection:
+        if self.gpus_per_instance > 1.0:
+            raise ValueError(f"gpus_per_instance above 1 needs tensor parallelism, which disagg does not "
+                             f"have yet; got {self.gpus_per_instance} (use 1.0, or 1/k to share a GPU)")
+        share = 1.0 / self.gpus_per_instance
+        if abs(share - round(share)) > 1e-6:
+            raise ValueError(f"gpus_per_instance must be 1/k for a whole k (1.0, 0.5, 0.25, ...), got "
+                             f"{self.gpus_per_instance}")
+        return self
 
     @model_validator(mode="after")
     def _one_mode(self) -> InstancesSection:
@@ -117,6 +135,16 @@ class InstancesSection(Section):
     @property
     def num_instances(self) -> int:
         return self.colocated or self.prefill + self.decode
+
+    @property
+    def instances_per_gpu(self) -> int:
+        """k of ``gpus_per_instance = 1/k``: how many instances share one GPU."""
+        return round(1.0 / self.gpus_per_instance)
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs the fleet occupies when it runs on GPUs (instances rounded up to whole GPUs)."""
+        return -(-self.num_instances // self.instances_per_gpu)
 
 
 class TransferSection(Section):
