@@ -1,7 +1,8 @@
 """From a validated config to a running, checked fleet of instance actors.
 
 `start_fleet(config)` connects to Ray (or starts an embedded local head), reserves one placement
-group bundle per instance (one GPU each, or CPU), starts one `InstanceActor` per instance, loads
+group bundle per instance (one GPU each, a share 1/k of one with ``instances.gpus_per_instance``,
+or CPU), starts one `InstanceActor` per instance, loads
 the weights everywhere at once, runs the preflight (`disagg.cluster.preflight`), bootstraps one
 symmetric heap over every prefill and decode actor (rank 0's unique id travels through Ray; every
 rank opens concurrently) and builds the engines. Every step is one `ray.get` over all actors.
@@ -21,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from disagg.cluster.actors import DEFAULT_ENGINE_MODULE, InstanceActor
 from disagg.cluster.preflight import CacheSizing, check_same_model, size_cache, transfer_paths
-from disagg.config import SMOLLM2_SOURCE, Config
+from disagg.config import SMOLLM2_SOURCE, Config, InstancesSection
 from disagg.errors import ClusterError, PreflightError
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,10 @@ logger = logging.getLogger(__name__)
 # Every GPU process keeps NVLink multicast off (DESIGN §8).
 NO_MULTICAST_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # Variables of the launching process that the actors inherit when set.
+# Said once per launch when instances share a GPU (instances.gpus_per_instance < 1).
+SHARED_GPU_NOTE = ("%d instances share each GPU (instances.gpus_per_instance): NVSHMEM runs their PEs in its "
+                   "limited multi-process mode and the GPU time-slices between them, so this fleet proves "
+                   "correctness; its timings are not a comparison of deployments")
 PASSED_ENV = ("TRITON_INTERPRET", "DISAGG_LOG", "NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_DEBUG", "HF_HOME")
 
 
@@ -101,16 +106,36 @@ def connect(config: Config) -> bool:
 
 
 def choose_device(config: Config) -> str:
-    """``instances.device`` with auto resolved: cuda when the cluster has a GPU per instance."""
-    wanted, needed = config.instances.device, config.instances.num_instances
-    num_gpus = int(ray.cluster_resources().get("GPU", 0))
-    if wanted == "cuda" and num_gpus < needed:
-        raise PreflightError(f"instances.device is cuda: {needed} instances need {needed} GPUs, the Ray "
-                             f"cluster has {num_gpus}")
-    if wanted == "auto":
-        wanted = "cuda" if num_gpus >= needed else "cpu"
-        logger.info("instances.device auto -> %s (%d GPUs for %d instances)", wanted, num_gpus, needed)
-    return wanted
+    """``instances.device`` with auto resolved against the Ray cluster's GPUs (`resolve_device`)."""
+    device = resolve_device(config.instances, float(ray.cluster_resources().get("GPU", 0)))
+    if device == "cuda" and config.instances.instances_per_gpu > 1:
+        logger.warning(SHARED_GPU_NOTE, config.instances.instances_per_gpu)
+    return device
+
+
+def resolve_device(inst: InstancesSection, num_gpus: float) -> str:
+    """"cuda" or "cpu" for ``inst`` on a cluster of ``num_gpus`` GPUs.
+
+    Instances need ``num_instances * gpus_per_instance`` GPUs: one each, or 1/k each when k
+    share a GPU. auto takes the GPUs when there are enough, else the CPU.
+
+    Raises:
+        PreflightError: ``device: cuda`` and too few GPUs (the message says how to share one).
+    """
+    needed = inst.num_instances * inst.gpus_per_instance
+    enough = num_gpus + 1e-9 >= needed
+    if inst.device == "cuda" and not enough:
+        share = "" if inst.instances_per_gpu == 1 else f" at {inst.gpus_per_instance:g} GPU each"
+        hint = f"; set instances.gpus_per_instance: {1 / inst.num_instances:g} to share one GPU" \
+            if num_gpus >= 1 and inst.num_instances > 1 else ""
+        raise PreflightError(f"instances.device is cuda: {inst.num_instances} instances{share} need {needed:g} "
+                             f"GPUs, the Ray cluster has {num_gpus:g}{hint}")
+    if inst.device == "auto":
+        device = "cuda" if enough and num_gpus > 0 else "cpu"
+        logger.info("instances.device auto -> %s (%g GPUs for %d instances at %g GPU each)", device, num_gpus,
+                    inst.num_instances, inst.gpus_per_instance)
+        return device
+    return inst.device
 
 
 def start_fleet(config: Config, *, engine_module: str = DEFAULT_ENGINE_MODULE,
@@ -157,7 +182,8 @@ def _place(config: Config, device: str, engine_module: str, env_vars: dict) -> t
     inst_cfg = config.instances
     roles = ([("prefill", i) for i in range(inst_cfg.prefill)] + [("decode", i) for i in range(inst_cfg.decode)]
              + [("colocated", i) for i in range(inst_cfg.colocated)])
-    bundle = {"CPU": inst_cfg.cpus_per_instance, **({"GPU": 1} if device == "cuda" else {})}
+    gpus = inst_cfg.gpus_per_instance if device == "cuda" else 0
+    bundle = {"CPU": inst_cfg.cpus_per_instance, **({"GPU": gpus} if gpus else {})}
     group = placement_group([dict(bundle) for _ in roles], strategy="PACK")
     try:
         ray.get(group.ready(), timeout=config.cluster.startup_timeout_s)
@@ -171,7 +197,7 @@ def _place(config: Config, device: str, engine_module: str, env_vars: dict) -> t
     for index, (role, i) in enumerate(roles):
         name = f"{role}-{i}"
         actor = remote.options(
-            num_cpus=inst_cfg.cpus_per_instance, num_gpus=1 if device == "cuda" else 0,
+            num_cpus=inst_cfg.cpus_per_instance, num_gpus=gpus,
             max_concurrency=64, runtime_env={"env_vars": env},
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
         ).remote(role, name, config.model_dump(), engine_module)

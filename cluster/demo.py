@@ -1,7 +1,9 @@
 """The main job (`make demo`): one prefill + one decode instance from a YAML, then vs colocated.
 
 Picks the deployment by what the machine has: `configs/llama3-8b-1p1d.yaml` when two GPUs are
-visible; else `configs/smollm2-1p1d.yaml` on the CPU (real weights and tokenizer) when the
+visible; with one GPU, `configs/llama3-8b-1gpu-1p1d.yaml` (both instances share it over NVSHMEM)
+against one colocated instance on that GPU, labelled as a check of both paths, not a comparison
+of deployments; else `configs/smollm2-1p1d.yaml` on the CPU (real weights and tokenizer) when the
 SmolLM2 conversion is cached or can be built; else `configs/tiny-1p1d.yaml`. It launches the
 fleet, streams a few prompts (text as it arrives, or token ids for random weights), then compares
 the disaggregated fleet with its colocated twin on the same devices through `disagg bench`'s
@@ -31,15 +33,22 @@ CHAT_PROMPTS = ["What is the capital of France? Answer in one sentence.",
 # Per machine kind: (disaggregated config, colocated config, streamed tokens, comparison workload).
 WORKLOADS = {
     "gpu": dict(max_tokens=64, num_prompts=64, rates=(4.0, 16.0), input_len=1024, output_len=128),
+    "gpu-shared": dict(max_tokens=64, num_prompts=32, rates=(4.0,), input_len=1024, output_len=128),
     "smollm2": dict(max_tokens=40, num_prompts=6, rates=(0.5,), input_len=64, output_len=12),
     "tiny": dict(max_tokens=24, num_prompts=8, rates=(8.0,), input_len=64, output_len=16),
 }
+
+
+SHARED_GPU_CAVEAT = ("one GPU: the 1P1D side's two instances time-slice it, so the figures below show both "
+                     "paths working; they are not a comparison of deployments (that needs two GPUs)")
 
 
 def choose(num_gpus: int) -> tuple[str, Path, Path]:
     """(kind, disaggregated config, colocated config) for this machine; see the module docstring."""
     if num_gpus >= 2:
         return "gpu", CONFIGS / "llama3-8b-1p1d.yaml", CONFIGS / "llama3-8b-colocated.yaml"
+    if num_gpus == 1:
+        return "gpu-shared", CONFIGS / "llama3-8b-1gpu-1p1d.yaml", CONFIGS / "llama3-8b-1gpu-colocated.yaml"
     try:
         from disagg.model.smollm2 import ensure_smollm2
         print(f"SmolLM2-135M-Instruct: {ensure_smollm2()}")
@@ -112,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             kind, config_a, config_b = choose(int(ray.cluster_resources().get("GPU", 0)))
         else:
             name = args.config.name
-            kind = "gpu" if "llama3" in name else "smollm2" if "smollm2" in name else "tiny"
+            kind = ("gpu-shared" if "1gpu" in name else "gpu" if "llama3" in name
+                    else "smollm2" if "smollm2" in name else "tiny")
             config_a = args.config
             config_b = args.compare or args.config.with_name(name.replace("1p1d", "colocated"))
         out_dir = args.out or Path("results") / time.strftime("demo-%Y%m%d-%H%M%S")
@@ -124,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = None
         if not args.no_compare:
             print(f"\ncomparing {config_a.name} with {config_b.name} on the same devices ...")
+            if kind == "gpu-shared":
+                print(SHARED_GPU_CAVEAT)
             summary = compare(kind, config_a, config_b, out_dir)
         (out_dir / "demo.json").write_text(json.dumps(
             {"kind": kind, "config": str(config_a), "compare": str(config_b), "streamed": shown,

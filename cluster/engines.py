@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 # Memory kept free for activations, logits, CUDA graphs and workspaces, beyond the KV pages.
 ACTIVATION_RESERVE_BYTES = 2 << 30
 CPU_DEFAULT_KV_BYTES = 256 << 20
+# An instance sharing a GPU counts its CUDA context and NVSHMEM's own buffers as this much (torch's
+# allocator does not see them).
+CUDA_CONTEXT_BYTES = 1 << 30
 
 
 def torch_dtype(name: str):
@@ -87,9 +90,7 @@ def describe(model: Any, config: Config, device: str) -> dict:
     elif cache.kv_bytes is not None:
         budget = cache.kv_bytes
     elif device == "cuda":
-        free, total = torch.cuda.mem_get_info()
-        used = total - free  # weights, CUDA context, anything else already on this GPU
-        budget = int(total * cache.gpu_memory_fraction) - used - _activation_bytes(config, model)
+        budget = _gpu_kv_budget(config) - _activation_bytes(config, model)
     else:
         budget = CPU_DEFAULT_KV_BYTES
     return {
@@ -105,6 +106,27 @@ def describe(model: Any, config: Config, device: str) -> dict:
         "has_tokenizer": getattr(model, "tokenizer", None) is not None,
         "device": str(getattr(model, "device", device)),
     }
+
+
+def _gpu_kv_budget(config: Config) -> int:
+    """Bytes of this GPU that this instance may still take: its share of
+    ``cache.gpu_memory_fraction`` of the GPU, less what it holds already.
+
+    Alone on a GPU (``gpus_per_instance: 1``) everything already in use counts against it
+    (weights, CUDA context, other processes). Sharing a GPU with k - 1 other instances, it owns
+    ``1/k`` of the fraction and counts only its own use (what torch reserved, plus a CUDA
+    context): the others load concurrently, so the GPU's used memory would count their weights
+    against every instance in turn.
+    """
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    share = config.instances.gpus_per_instance
+    if config.instances.instances_per_gpu == 1:
+        used = total - free
+    else:
+        used = torch.cuda.memory_reserved() + CUDA_CONTEXT_BYTES
+    return int(total * config.cache.gpu_memory_fraction * share) - used
 
 
 def _activation_bytes(config: Config, model: Any) -> int:

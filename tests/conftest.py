@@ -1,6 +1,14 @@
-"""Shared pytest set-up: GPU markers skip with a reason when the hardware is absent."""
+"""Shared pytest set-up: GPU markers skip with a reason when the hardware is absent.
+
+``multigpu`` tests run two or more instances (Ray actors, NVSHMEM PEs): on one GPU per instance
+where two GPUs are visible, else on one GPU shared by all of them (Ray fractional GPUs; NVSHMEM's
+limited multi-process mode), so the whole NVSHMEM path is testable on any single GPU. The
+``gpu_share`` fixture says which. ``two_gpus`` tests need two physical GPUs (bandwidth, NVLink).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 
@@ -13,12 +21,40 @@ def _num_cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+@dataclass(frozen=True)
+class GpuShare:
+    """How a multigpu test places its instances.
+
+    Attributes:
+        ray_num_gpus: GPUs to give ``ray.init``.
+        per_actor: ``num_gpus`` of each instance actor (1.0, or 0.5 when two share one GPU).
+        shared: True when the instances share one GPU (timings then prove nothing).
+    """
+
+    ray_num_gpus: int
+    per_actor: float
+    shared: bool
+
+    @property
+    def config_overrides(self) -> dict:
+        """Config overrides that place a fleet of two instances this way."""
+        return {"instances.gpus_per_instance": self.per_actor} if self.shared else {}
+
+
+@pytest.fixture(scope="session")
+def gpu_share() -> GpuShare:
+    """Two instances on two GPUs when two are visible, else both on GPU 0."""
+    if _num_cuda_devices() >= 2:
+        return GpuShare(ray_num_gpus=2, per_actor=1.0, shared=False)
+    return GpuShare(ray_num_gpus=1, per_actor=0.5, shared=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     num_gpus = _num_cuda_devices()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
-    skip_multi = pytest.mark.skip(reason=f"needs 2+ CUDA GPUs; {num_gpus} visible")
+    skip_two = pytest.mark.skip(reason=f"needs two physical CUDA GPUs; {num_gpus} visible")
     for item in items:
-        if "multigpu" in item.keywords and num_gpus < 2:
-            item.add_marker(skip_multi)
-        elif "gpu" in item.keywords and num_gpus < 1:
+        if "two_gpus" in item.keywords and num_gpus < 2:
+            item.add_marker(skip_two)
+        elif ("gpu" in item.keywords or "multigpu" in item.keywords) and num_gpus < 1:
             item.add_marker(skip_gpu)

@@ -198,7 +198,7 @@ def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: M
     if overrides:
         config = config.override(dict(overrides))
     label = label or config.name + "".join(f"[{k.split('.')[-1]}={v}]" for k, v in (overrides or {}).items())
-    common = {"label": label, "num_gpus": config.instances.num_instances, "config_path": str(config_path),
+    common = {"label": label, "num_gpus": config.instances.num_gpus, "config_path": str(config_path),
               "overrides": dict(overrides or {})}
     runs = []
     with Cluster.launch(config) as cluster:

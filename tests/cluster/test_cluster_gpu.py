@@ -1,7 +1,9 @@
-"""Two GPUs: a Llama-3-8B-shaped fleet (2 layers, float32) over NVSHMEM vs its colocated twin.
+"""A Llama-3-8B-shaped fleet (2 layers, float32) over NVSHMEM vs its colocated twin.
 
-Run on a host with two GPUs on one NVLink domain, from the project root (after
-``source .whl/gpu-env.sh``): ``python3 -m pytest -q -m multigpu tests/cluster/test_cluster_gpu.py``.
+Run on a GPU host from the project root (after ``source .whl/gpu-env.sh``):
+``python3 -m pytest -q -m multigpu tests/cluster/test_cluster_gpu.py``. Two GPUs on one NVLink
+domain give each instance its own; one GPU is shared by both (``instances.gpus_per_instance:
+0.5``), which runs the same NVSHMEM path.
 float32 keeps greedy tokens off near ties, so the disaggregated and colocated fleets (same
 kernels, different batches) must agree exactly. Prefill chunks of 512 tokens stretch a long
 prompt's push over many forwards, so aborts right after submission land mid-push.
@@ -35,14 +37,14 @@ def workload(num: int = 64, seed: int = 0) -> tuple[list[list[int]], list[Sampli
     return prompts, params
 
 
-def launch(name: str) -> Cluster:
-    config = Config.from_yaml(CONFIGS / f"{name}.yaml").override(OVERRIDES)
+def launch(name: str, share) -> Cluster:
+    config = Config.from_yaml(CONFIGS / f"{name}.yaml").override({**OVERRIDES, **share.config_overrides})
     return Cluster.launch(config, env_vars=ACTOR_ENV)  # CUDA tensors run the Triton kernels either way
 
 
-def test_llama3_shaped_1p1d_over_nvshmem_equals_colocated_and_aborts_mid_push(ray_local):
+def test_llama3_shaped_1p1d_over_nvshmem_equals_colocated_and_aborts_mid_push(ray_local, gpu_share):
     prompts, params = workload()
-    with launch("llama3-8b-1p1d") as cluster:
+    with launch("llama3-8b-1p1d", gpu_share) as cluster:
         stats = cluster.stats()
         assert (stats["device"], stats["backend"], stats["paths"]) == ("cuda", "nvshmem", {"0->1": "load/store"})
         disagg = cluster.generate(prompts, params)
@@ -60,7 +62,7 @@ def test_llama3_shaped_1p1d_over_nvshmem_equals_colocated_and_aborts_mid_push(ra
         assert all(e.finish_reason in ("abort", "length") for e in ends), ends
         assert any(not s.token_ids for s in streams), "no abort landed before the first token"
         wait_all_free(cluster, timeout_s=20.0)  # long before the lease: P answers each abort once quiesced
-    with launch("llama3-8b-colocated") as cluster:
+    with launch("llama3-8b-colocated", gpu_share) as cluster:
         colocated = cluster.generate(prompts, params)
         wait_all_free(cluster)
     mismatched = [_divergence(i, prompts[i], a.token_ids, b.token_ids)

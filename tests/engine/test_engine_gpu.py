@@ -63,15 +63,16 @@ def test_cuda_graph_decode_equals_eager():
 
 
 @pytest.mark.multigpu
-def test_prefill_gpu0_decode_gpu1_over_nvshmem_equals_colocated():
+def test_prefill_and_decode_over_nvshmem_equal_colocated(gpu_share):
+    """Prefill on one PE, decode on another (two GPUs, or both sharing GPU 0)."""
     ray = pytest.importorskip("ray")
     import engine_scenarios
 
     here = str(Path(__file__).parent)
     env = dict(GPU_ENV, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    ray.init(num_gpus=2, include_dashboard=False, runtime_env={"env_vars": env})
+    ray.init(num_gpus=gpu_share.ray_num_gpus, include_dashboard=False, runtime_env={"env_vars": env})
     try:
-        runner = ray.remote(num_gpus=1)(engine_scenarios.EngineRunner)
+        runner = ray.remote(num_gpus=gpu_share.per_actor)(engine_scenarios.EngineRunner)
         pair = [runner.remote() for _ in range(2)]
         uid = ray.get(pair[0].new_uid.remote("nvshmem"), timeout=120)
         sizes = dict(num_pages=256, page_size=16, max_num_seqs=8, max_num_batched_tokens=128, lease_s=120.0)

@@ -1,7 +1,8 @@
-"""The same scenarios on two GPUs: NVSHMEM heap across two Ray actors (one GPU each).
+"""The same scenarios over NVSHMEM: one heap across two Ray actors (one GPU each, or both on one GPU).
 
-Run on a host with two GPUs on one NVLink domain (after ``source .whl/gpu-env.sh``):
-``python3 -m pytest -m multigpu tests/transfer``. Both the peer-store path (fused append+push into
+Run on a GPU host (after ``source .whl/gpu-env.sh``): ``python3 -m pytest -m multigpu tests/transfer``.
+With two GPUs on one NVLink domain the actors get one each; with one GPU they share it as two PEs
+(NVSHMEM's limited multi-process mode), which exercises the same code paths. Both the peer-store path (fused append+push into
 the peer's pages) and the forced segment-put path (``putmem_on_stream`` per run) are covered.
 """
 
@@ -22,21 +23,21 @@ GPU_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM
 
 
 @pytest.fixture(scope="module")
-def actors():
+def actors(gpu_share):
     """Two actors with one NVSHMEM heap between them (rank 0 sends, rank 1 receives)."""
     ray = pytest.importorskip("ray")
     import transfer_scenarios
 
     here = str(Path(__file__).parent)
     env = dict(GPU_ENV, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    ray.init(num_gpus=2, include_dashboard=False, runtime_env={"env_vars": env})
-    runner = ray.remote(num_gpus=1)(transfer_scenarios.ScenarioRunner)
+    ray.init(num_gpus=gpu_share.ray_num_gpus, include_dashboard=False, runtime_env={"env_vars": env})
+    runner = ray.remote(num_gpus=gpu_share.per_actor)(transfer_scenarios.ScenarioRunner)
     pair = [runner.remote() for _ in range(2)]
     uid = ray.get(pair[0].new_uid.remote("nvshmem", HEAP_BYTES), timeout=TIMEOUT_S)
     setups = ray.get([a.run.remote("setup", dict(backend="nvshmem", uid=uid, rank=r, world_size=2,
                                                  geometry=GEOMETRY, dtype="bfloat16", size_bytes=HEAP_BYTES))
                       for r, a in enumerate(pair)], timeout=TIMEOUT_S)
-    assert setups[0]["reachable"] == [True, True], "the peer-store path needs NVLink peers"
+    assert setups[0]["reachable"] == [True, True], "the peer-store path needs load/store peers (NVLink or one GPU)"
     yield ray, pair
     ray.get([a.run.remote("teardown", {}) for a in pair], timeout=TIMEOUT_S)
     ray.shutdown()
