@@ -27,7 +27,7 @@ from disagg.errors import ClusterError, PreflightError
 
 logger = logging.getLogger(__name__)
 
-# Every GPU process keeps NVLink multicast off (DESIGN §8).
+# Every GPU process keeps NVLink multicast off (docs/ARCHITECTURE.md §8).
 NO_MULTICAST_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # Variables of the launching process that the actors inherit when set.
 # Said once per launch when instances share a GPU (instances.gpus_per_instance < 1).

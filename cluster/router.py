@@ -1,4 +1,4 @@
-"""The router: where a request enters the fleet, gets its pages, and streams back (DESIGN §7).
+"""The router: where a request enters the fleet, gets its pages, and streams back.
 
 Disaggregated: a FIFO queue feeds one dispatcher; for the head request it reserves pages on the
 least-loaded live decode instance D (`dest = D.reserve(...)`; OutOfPages on every D -> wait for
@@ -15,7 +15,7 @@ fails its own requests and is never routed to again. Failures are typed (`disagg
 `submit` raises `QueueFull`; a request that ends badly carries `NoLiveInstance`, `InstanceDied`,
 `RequestRefused`, `RequestTimedOut` or `SignalTimeout` (lease) as its last delta's ``cause``.
 Runs on one asyncio loop in the launching process (see `disagg.cluster.cluster`); callbacks to
-callers go through each request's sink.
+callers go through each request's sink. The whole path, file by file: docs/ARCHITECTURE.md §7.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ occupies and returns `ForwardPlan`s; it never touches KV memory, so every copy i
 `disagg.blocks` / `disagg.prefix`, `disagg.pages` and `disagg.sliding`; reservation in
 `disagg.reserve`, plan arrays in `disagg.forward`, pending copies in `disagg.copies`.
 
-Decisions where TVM and DESIGN.md are silent:
+Decisions where TVM is silent (the bookkeeping as a whole: docs/ARCHITECTURE.md §3):
 - Every call that changes state needs the forward closed (ForwardStateError otherwise), so pages
   that an open plan writes are never freed or handed out under it.
 - A failed call changes nothing: each operation checks everything (ids, lengths, maps, pages)

@@ -169,9 +169,9 @@ class SchedulerSection(Section):
                                                                 "chunk budget), tokens")
     async_scheduling: bool = Field(True, description="decode and colocated instances launch the next "
                                                      "decode-only step before reading this step's tokens "
-                                                     "(hides the host's bookkeeping: on an H200 the GPU "
-                                                     "idles 3-7% of a B=64 decode step without it, 0% "
-                                                     "with it); false: read every step's tokens first")
+                                                     "(hides the host's bookkeeping, which otherwise "
+                                                     "leaves the GPU idle between steps); false: read "
+                                                     "every step's tokens first")
 
 
 class RouterSection(Section):

@@ -33,12 +33,11 @@ from disagg.kernels.fp8 import FP8_DTYPE, Scales, load_scale, quantize_fp8, reso
 
 # A receiver's cache offset must keep 16-element alignment so stores stay vectorized.
 DST_ALIGN_ELEMENTS = 16
-# (elements of K, and of V, one program moves; its warps), by kernel variant. "append": tuned on
-# one H200 (benchmarks/bench_kernels.py: 65,536 tokens at 0.91 of copy bandwidth). "push": the
-# fused append+push, tuned over NVLink between two H200s (benchmarks/sweep_push.py, 1 GiB over
-# 16-token pages, ratio to a contiguous peer copy_ in the same run): 4096 x 16 warps 0.893
-# (remote stores alone 0.907), 4096 x 4 0.854, 8192 x 4..16 0.851-0.861, 16384 x 4..16
-# 0.859-0.863, 32768 x 4 0.495 (spills). Small programs leave short tails at each launch's end.
+# (elements of K, and of V, one program moves; its warps), by kernel variant. "append": local
+# stores only, large programs (benchmarks/bench_kernels.py). "push": the fused append+push
+# across NVLink (benchmarks/sweep_push.py): small programs leave short tails at each launch's
+# end and many warps keep enough stores in flight; far larger programs spill registers.
+# Figures: benchmarks/records/tuning-notes.md.
 LAUNCH = {"append": (16384, 4), "push": (4096, 16)}
 
 

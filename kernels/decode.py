@@ -29,60 +29,32 @@ from disagg.kernels.paged_tile import (HAS_PDL, NEG_BIG, check_sm_scale, gdc_lau
                                        prepare_q, softmax_step, softmax_step_t)
 
 # Split heuristic: aim for about this many programs per SM, never fewer than this many tokens
-# per split, and at most this many splits. Measured on one H200 (bf16, 8 kv heads; runs differ
-# by up to ~15% with the random page layout): B=8 x 1024 15.1-16.9 us with 4 splits against
-# 16.5-19.7 with 8 and 21-29 with 16-32; B=32 x 32768 952-1106 us with 4 splits against
-# 1072-1196 with 3; B=64 x 4096 keeps 2. Later, interleaved in one process (B=8 x 1024, PDL,
-# deferred sums): 4 splits 15.8-16.0 us; 2 splits with 5-6 stages 15.8-16.3, with 8 warps or
-# 128-token tiles 16.7-17.6; 1 split (no merge) 21.0-23.0 at 4-8 warps and 3-6 stages.
+# per split, and at most this many splits. Fewer, longer splits lose at small batch (idle SMs);
+# more, shorter ones pay for the merge. Figures: benchmarks/records/tuning-notes.md.
 PROGRAMS_PER_SM = 6
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 # Once the unsplit grid alone gives every SM this many programs, a split must hold at least
-# FULL_GRID_MIN_SPLIT_TOKENS tokens: the merge then costs more than the balance it buys. B=64 x
-# 1024 (512 programs on 132 SMs), 4 warps, 3-4 stages: 1 split 68.4-69.1 us, 2 splits 72.7-74.9,
-# 3 74.7-77.6 (sweep_kernels.py --groups mid, 2026-11-23); B=64 x 4096 keeps its 2 splits.
+# FULL_GRID_MIN_SPLIT_TOKENS tokens: the merge then costs more than the balance it buys.
 FULL_GRID_PROGRAMS_PER_SM = 2
 FULL_GRID_MIN_SPLIT_TOKENS = 2048
-# Launch options by cache dtype, measured on one H200 (benchmarks/sweep_kernels.py): BLOCK_N
-# tokens per K/V tile (halved for head_dim > 128 to bound registers), warps, pipeline stages,
-# and DEFER_SUM (keep the softmax row sums per column, reduce them once after the loop; see
-# `softmax_step`). 16-bit at B=64 x 4096: 3 stages, no deferral, 246-255 us (deferral 261-317;
-# SWAP_AB+PV_T 278; 1 warp x 32 tokens 254).
-# fp8 (K/V widened in registers, see `_attend_range`) at B=64 x 4096, 2 splits: 2 warps, 5
-# stages, deferral: 172 us in the sweep, 179 in bench_kernels.py (stream floor, a kernel that
-# only reads the same KV with the same grid: 143). Fewer
-# warps per program leave room for more programs per SM, which is what the fp8 path is short
-# of: 4 warps 201-210 at 2-6 stages, 8 warps 260, 1 warp x 32 tokens 169-191 (noisier),
-# 2 warps x 32 tokens 252, 2 warps x 128 tokens 215, no deferral 207. Tokens as the MMA's rows
-# (SWAP_AB, wgmma) were slower on Triton 3.6: 222-234 (both tiles widened as words), 240-278
-# (K cast by Triton into the wgmma register operand), 355 (V too), 361 (8 warps x 128 tokens).
-# Earlier: registers capped at 80/96 222-234, register double-buffering 239-263, cast at the
-# dot with byte-wise operand loads 264. Tried since, each interleaved with the default in one
-# process (default 173-177): the scores' dot in e4m3 (q quantized per program) 176-180, and
-# rel. error 0.027 against 0.001 (Triton's mma.sync path widens fp8 operands to f16 anyway);
-# widening with integer ops (prmt/shift/mask, values times 2**-8 folded into the scales, to
-# spare the conversion pipe) 198-218 (239 registers against 182). Split count (2 warps, 5
-# stages, twice over): 1 split 175.6-175.9, 2 splits 178.0-179.2, 3 179.6-179.7, 4 183-187;
-# the heuristic's 2 stays (1.5% is not worth an fp8 case in it).
-# 16-bit, 2026-11-25 (sweep_kernels.py --groups bf16,long,mid, each twice): 2 warps x 64 tokens
-# x 4-5 stages 266-267 us at B=64 x 4096 against 254 for the default, 1021-1035 against 979 at
-# B=32 x 32768, 67.8-68.5 against 68.3 at B=64 x 1024 (1 split); 32-token tiles slower everywhere.
-# "16bit-small": 16-bit caches on grids launched with PDL (latency-bound, see below). B=8 x
-# 1024, 4 splits, interleaved over three passes: deferral 15.93-15.97 us against 16.36-16.43.
+# Launch options by cache dtype (benchmarks/sweep_kernels.py picks them; what was tried, with
+# figures: benchmarks/records/tuning-notes.md): BLOCK_N tokens per K/V tile (halved for
+# head_dim > 128 to bound registers), warps, pipeline stages, and DEFER_SUM (keep the softmax
+# row sums per column, reduce them once after the loop; see `softmax_step`). The fp8 path
+# (K/V widened in registers, see `_attend_range`) runs 2 warps: fewer warps per program leave
+# room for more programs per SM, which is what it is short of; tokens as the MMA's rows
+# (SWAP_AB) lost on Triton 3.6. "16bit-small": 16-bit caches on latency-bound grids (launched
+# with PDL, see below), where deferring the sums wins.
 CONFIGS = {
     "16bit": dict(BLOCK_N=64, num_warps=4, num_stages=3, DEFER_SUM=False),
     "16bit-small": dict(BLOCK_N=64, num_warps=4, num_stages=3, DEFER_SUM=True),
     "fp8": dict(BLOCK_N=64, num_warps=2, num_stages=5, DEFER_SUM=True),
 }
 # Programmatic dependent launch (PDL == 2, see the kernel) for grids of at most this many
-# programs per SM, i.e. latency-bound launches. B=8 x 1024 bf16, 4 splits, decode calls back
-# to back in a graph (sweep, second pass over the same inputs): 14.3 us with it, 14.7 with the
-# trigger alone, 15.2 without (first passes 16.1-16.6 for all three; bench_kernels.py 16.1); at
-# B=64 x 4096 (8 programs per SM) it cost 254 -> 270 us, so big grids launch plainly.
-# Prefetching the split's K/V pages into L2 (`cp.async.bulk.prefetch.L2`) before the PDL wait
-# made it slower: B=8 x 1024 16.1-18.0 us with 4 pages, 23.4-24.2 with all 16, against
-# 14.4-16.2; B=64 x 4096 290 against 256.
+# programs per SM, i.e. latency-bound launches, where hiding the launch gap wins; big grids
+# launch plainly (PDL slowed them). Prefetching the split's pages into L2 before the PDL wait
+# was slower too. Figures: benchmarks/records/tuning-notes.md.
 PDL_MAX_PROGRAMS_PER_SM = 2
 MIN_ROWS = 16
 

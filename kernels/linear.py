@@ -2,24 +2,23 @@
 
 A decode step multiplies at most a few dozen rows by every weight matrix once, so its GEMMs are
 weight reads: the time to beat is the weight bytes over the memory bandwidth. cuBLAS picks
-tiles for compute and, at 64 rows, reads llama3-8b's small projections (qkv, o, down) at 1.4 to
-1.6x that bound on an H200 (`benchmarks/records/engine-2026-11-23/profile_B64x1024_fused.json`).
-This kernel streams the weight in `[BLOCK_N, BLOCK_K]` tiles, deep-pipelined, with enough
-programs in flight to cover the latency: small `BLOCK_N`, and split-K where N alone gives too few
-programs. Split-K partials go to a float32 workspace; the last program of an output tile to
-arrive (an atomic counter, as `paged_decode` merges its splits) sums them in split order, so
-results do not depend on timing.
+tiles for compute and reads such weights well above that bound at a few dozen rows
+(benchmarks/records/tuning-notes.md). This kernel streams the weight in `[BLOCK_N, BLOCK_K]`
+tiles, deep-pipelined, with enough programs in flight to cover the latency: small `BLOCK_N`, and
+split-K where N alone gives too few programs. Split-K partials go to a float32 workspace; the
+last program of an output tile to arrive (an atomic counter, as `paged_decode` merges its
+splits) sums them in split order, so results do not depend on timing.
 
 `disagg.model.layers.linear` calls it for decode-sized batches of 16-bit models: by default
-(`DISAGG_LINEAR=auto`) for vocabulary-wide weights, where it beats cuBLAS (llama3-8b's LM head on
-an H200: 0.96-1.02x the weight-read bound at 1-64 rows against cuBLAS's 1.12-1.23x), and for
-every projection inside the decode graphs of <= 16 sequences, where under PDL it overlaps the
-kernels around it; for every projection with `DISAGG_LINEAR=triton` (slower than cuBLAS on the
-layers' smaller weights at 32-64 rows). `benchmarks/sweep_linear.py` times the launch options
-per weight shape against cuBLAS and the bound; `CONFIGS` records its winners. The launcher
-allocates only value-independent buffers and never reads values on the host: it runs inside
-CUDA-graph capture, on the caller's current stream; where `dispatch.layer_pdl` says so it
-launches with programmatic dependent launch, as the fused layer kernels do.
+(`DISAGG_LINEAR=auto`) for vocabulary-wide weights, where it beats cuBLAS (it reads an LM head
+at about its weight-read bound at 1-64 rows, cuBLAS well above it), and for every projection
+inside the decode graphs of <= 16 sequences, where under PDL it overlaps the kernels around it;
+for every projection with `DISAGG_LINEAR=triton` (slower than cuBLAS on the layers' smaller
+weights at 32-64 rows). `benchmarks/sweep_linear.py` times the launch options per weight shape
+against cuBLAS and the bound; `CONFIGS` records its winners. The launcher allocates only
+value-independent buffers and never reads values on the host: it runs inside CUDA-graph capture,
+on the caller's current stream; where `dispatch.layer_pdl` says so it launches with programmatic
+dependent launch, as the fused layer kernels do.
 """
 
 from __future__ import annotations
@@ -52,10 +51,10 @@ class LinearConfig:
 
 
 # Per weight shape `(N, K)`; other shapes get `default_config`. Entries are copied here by hand
-# from `benchmarks/sweep_linear.py --quick` on an H200 (2026-11-25), with what chose them.
+# from `benchmarks/sweep_linear.py --quick`; what chose them: benchmarks/records/tuning-notes.md.
 CONFIGS: dict[tuple[int, int], LinearConfig] = {
-    # llama3-8b's LM head: 128-column tiles, no split: 255.7 us at 64 rows (1.02x the bound;
-    # 64 columns 261.2, cuBLAS 310.5), 1.01x at 32 rows; at 1-16 rows 64 columns were within 1%.
+    # llama3-8b's LM head: 128-column tiles, no split (the bound at 32-64 rows; 64 columns tie
+    # at 1-16 rows).
     (128256, 4096): LinearConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=3),
 }
 

@@ -28,16 +28,15 @@ from disagg.kernels.paged_tile import NEG_BIG, attend_tile, check_sm_scale, kv_r
 # a constexpr that followed the batch size compiled a new kernel (1-3 s) the first time a batch of a
 # new power of two came, which stalled serving (batch_size is not specialized for the same reason).
 SEARCH_BLOCK = 256
-# Launch options on CUDA by head_dim bound (tuned on one H200, benchmarks/sweep_kernels.py; causal
-# 8 x 2048, 32/8 heads, D=128: 128x128 tiles, 8 warps, 2 stages 325-329 TFLOP/s; 3 stages 315,
-# 128x64 tiles 281, 64x64 tiles with 4 warps 298, 64x128 198).
+# Launch options on CUDA by head_dim bound (benchmarks/sweep_kernels.py; the tiles, warps and
+# stages tried, with TFLOP/s: benchmarks/records/tuning-notes.md).
 CUDA_CONFIGS = {
     128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
     256: dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2),
 }
 INTERPRETER_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 # float32 q (IEEE dots on float32 tiles) doubles every tile's bytes: halve both tile sizes so the
-# pipelined K/V tiles still fit in shared memory (128 x 128 float32 tiles over-ran an H200's).
+# pipelined K/V tiles still fit in shared memory (128 x 128 float32 tiles over-run it).
 
 
 @triton.jit

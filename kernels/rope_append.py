@@ -7,9 +7,9 @@ decode sizes, 64 a llama3-8b step. This kernel rounds exactly as `apply_rope` do
 what `append_kv` stores, so q and the cache come out bit for bit the same. 16-bit caches of the
 activations' dtype only (an fp8 cache quantizes: the unfused path), and no receivers (a prefill
 that pushes goes through the KV pusher). `disagg.model.llama` uses it unless
-`DISAGG_ROPE_APPEND=0` (an H200, llama3-8b bf16, B=64 x 1024 decode step: 6868 us against 6916
-with the two launches). It runs inside CUDA-graph
-capture (no host reads of values unless `check_indices`), on the caller's current stream.
+`DISAGG_ROPE_APPEND=0` (it saves a launch per layer: benchmarks/records/tuning-notes.md). It
+runs inside CUDA-graph capture (no host reads of values unless `check_indices`), on the
+caller's current stream.
 """
 
 from __future__ import annotations

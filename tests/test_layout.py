@@ -1,4 +1,4 @@
-"""The repository layout and import rules of DESIGN §1, checked on the installed package.
+"""The layout and import rules of docs/ARCHITECTURE.md §1, checked on the installed package.
 
 - one import root: `kernels/`, `transfer/`, `cluster/` install as `disagg.kernels` etc., and no
   top-level `kernels`, `transfer` or `cluster` module is importable;

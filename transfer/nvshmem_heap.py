@@ -1,7 +1,7 @@
 """The ``"nvshmem"`` symmetric heap: nvshmem4py on one GPU per process (the only nvshmem import).
 
-Bootstrap (seen working on two H200s, /work/shared/device/README.md): rank 0 makes a unique id,
-its 128 bytes travel to every rank (through Ray), every rank binds its GPU and calls
+Bootstrap (docs/ARCHITECTURE.md §5): rank 0 makes a unique id, its 128 bytes travel to every
+rank (through Ray), every rank binds its GPU and calls
 ``nvshmem.core.init(..., initializer_method="uid")`` at the same time. Allocations are
 ``nvshmem.core.tensor`` (collective); ``get_peer_tensor`` gives load/store views of PEs on the
 same NVLink domain (never asked for this PE); other PEs take ``putmem_on_stream`` puts. `close`

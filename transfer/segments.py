@@ -3,8 +3,8 @@
 Used by the KV pusher for peers that are not load/store reachable (another node, or forced): one
 host-initiated put per run, never one per page or per token. Pure numpy; no device work.
 
-Layout (DESIGN §2): ``kv [num_layers, num_pages, 2, H, P, D]``, contiguous. Within one layer a
-page is ``2*H*P*D`` contiguous elements, so
+Layout (docs/ARCHITECTURE.md §2): ``kv [num_layers, num_pages, 2, H, P, D]``, contiguous.
+Within one layer a page is ``2*H*P*D`` contiguous elements, so
 
     whole pages, consecutive on both sides  -> ONE run (k pages * page bytes)
     part of one page (o .. o+n tokens)      -> 2*H runs of n*D elements (one per K/V and head)

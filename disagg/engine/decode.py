@@ -31,8 +31,9 @@ sync, its input ids the sampled ids still on the device; `step()` then returns t
 outputs while the next one runs. A request that stops on this step's token (a stop id) wastes
 its row of the step already launched: that token is discarded, and the pages of a request that
 ends or is aborted are freed only once no launched step writes them. Seeded draws stay a function
-of (seed, token index). On by default: on an H200 (llama3-8b bf16, B=64 x 1024) the GPU idles
-3-7% of each step without it and none with it (`benchmarks/bench_engine.py`, row decode_idle_B64).
+of (seed, token index). On by default: without it the GPU idles between steps while the host
+does the bookkeeping (`benchmarks/bench_engine.py`, row decode_idle_B64; figures in
+benchmarks/records/tuning-notes.md).
 """
 
 from __future__ import annotations

@@ -37,9 +37,8 @@ logger = logging.getLogger(__name__)
 MIN_KV_CLASS = 256
 # Buckets of at most this many sequences are captured under `small_batch_graph`: the skinny GEMM
 # for every projection and the layer kernels under PDL (the next kernel's prologue and weight
-# prefetch overlap this one's tail). An H200, llama3-8b bf16, context 1024, against cuBLAS and
-# plain launches, two passes (2026-11-25): B=1 4871 -> 4494 us, B=2 4895 -> 4541, B=4 4948 ->
-# 4640, B=8 5079 -> 4834, B=16 5357 -> 5254; B=32 5770 -> 6128 (cuBLASLt wins there).
+# prefetch overlap this one's tail). That wins while a step is latency-bound; from 32 sequences
+# cuBLASLt's GEMMs win (benchmarks/records/tuning-notes.md).
 SMALL_BATCH_MAX_ROWS = 16
 
 

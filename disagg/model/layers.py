@@ -10,27 +10,25 @@ instead, rounding at the same places. Everything here is shape-static and sync-f
 inside CUDA-graph capture.
 
 On CUDA the fused kernels run unless `DISAGG_FUSED_LAYERS=0` (read per call; the torch ops then
-run, for comparison). On an H200 they cut a llama3-8b B=64 x 1024 decode step from 9.25 to 7.14 ms
-(1084 to 405 launches; `benchmarks/bench_engine.py --profile 64,1024`), and their GPU tests pass
-(`tests/kernels/test_fused_gpu.py`, `tests/model/test_model_fused.py`). Under the interpreter they
-always run.
+run, for comparison): one launch instead of a chain of eager ops, which at decode sizes is what
+a step's time is made of. Their GPU tests: `tests/kernels/test_fused_gpu.py`,
+`tests/model/test_model_fused.py`. Under the interpreter they always run.
 
 The projections go through `linear`: torch's `F.linear` (cuBLAS), or the skinny-GEMM kernel of
 `disagg.kernels.linear` for decode-sized batches (<= 64 rows) of 16-bit models. `DISAGG_LINEAR`
 picks: `auto` (the default), `cublas` (never the skinny kernel) or `triton` (every projection;
-any dtype under the interpreter). `auto` takes the skinny kernel where it measured faster on an
-H200 (llama3-8b, `benchmarks/sweep_linear.py` and `bench_engine.py`, 2026-11-25):
-- vocabulary-wide weights (the LM head, 128256 x 4096) at any decode batch: 0.96 / 0.97 / 0.99 /
-  1.02x the weight-read bound at 1 / 8 / 32 / 64 rows, against cuBLAS's 1.12 / 1.13 / 1.20 / 1.23x;
+any dtype under the interpreter). `auto` takes the skinny kernel where it reads the weights
+closer to their bandwidth bound than cuBLAS does:
+- vocabulary-wide weights (the LM head) at any decode batch;
 - every projection inside the decode graphs of small batches (`dispatch.small_batch_graph`, set
   by `disagg.engine.graphs` for <= 16 sequences), where the layer kernels also launch under
-  programmatic dependent launch (`dispatch.layer_pdl`, `DISAGG_LAYER_PDL=auto`): B=1 x 1024
-  4871 -> 4494 us. At 32-64 rows cuBLAS(Lt) wins on the layer weights (qkv at 64 rows: 1.35x
-  the bound against 1.60), and PDL everywhere cost 30 us at B=64.
+  programmatic dependent launch (`dispatch.layer_pdl`, `DISAGG_LAYER_PDL=auto`), so each kernel's
+  prologue and weight prefetch overlap the previous one's tail. At 32-64 rows cuBLAS(Lt) wins on
+  the layer weights, and PDL outside small batches costs more than it hides.
 A forward's cuBLAS GEMMs run through cuBLASLt or cuBLAS by its token count (`preferred_blas`,
-`DISAGG_BLAS`): cuBLASLt reads the weights faster at 17-128 rows (B=64 x 1024 step 6861 -> 6633
-us), slower at 8-16. RoPE and the K/V append run as one launch (`use_rope_append`, on unless
-`DISAGG_ROPE_APPEND=0`: B=64 x 1024 step 6916 -> 6868 us).
+`DISAGG_BLAS`): cuBLASLt reads the weights faster at 17-128 rows, slower at 8-16. RoPE and the
+K/V append run as one launch (`use_rope_append`, on unless `DISAGG_ROPE_APPEND=0`). The
+measurements behind each rule: benchmarks/records/tuning-notes.md.
 """
 
 from __future__ import annotations
@@ -58,11 +56,9 @@ AUTO_MIN_OUT_FEATURES = 65536
 
 BLAS_ENV = "DISAGG_BLAS"
 BLAS_LIBRARIES = ("auto", "cublaslt", "cublas")
-# `auto`: cuBLASLt for forwards of this many tokens (rows of every GEMM), cuBLAS otherwise. An
-# H200, llama3-8b bf16 decode steps at context 1024 from CUDA graphs, cuBLAS -> cuBLASLt (two
-# passes each, 2026-11-25): B=32 5996 -> 5820 us, B=64 6861 -> 6633, B=128 9199 -> 9139; B=8
-# 5002 -> 5097 and B=16 5260 -> 5347 (cuBLASLt loses), B=1-4 equal, B=256 14343 -> 14443; an
-# 8 x 2048 prefill 373 ms either way.
+# `auto`: cuBLASLt for forwards of this many tokens (rows of every GEMM), cuBLAS otherwise:
+# cuBLASLt wins at 17-128 rows, loses at 8-16 and slightly at 256, ties at 1-4 rows and at
+# prefill sizes (benchmarks/records/tuning-notes.md).
 CUBLASLT_MIN_TOKENS, CUBLASLT_MAX_TOKENS = 17, 128
 
 

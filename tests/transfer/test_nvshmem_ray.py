@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multigpu
 GEOMETRY = dict(num_layers=4, num_pages=1536, num_kv_heads=8, page_size=16, head_dim=128)
 TIMEOUT_S = 120.0
 HEAP_BYTES = 1 << 30
-# Every GPU process keeps NVLink multicast off (see /work/shared/device/README.md).
+# Every GPU process keeps NVLink multicast off (docs/ARCHITECTURE.md §8).
 GPU_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
