@@ -1,20 +1,21 @@
 """The YAML schema of a deployment: one file describes the model, the fleet and every knob.
 
 `Config.from_yaml(path)` reads a file of `configs/` (top-level sections `model`, `cache`,
-`instances`, `transfer`, `scheduler`, `router`, `cluster`, `serve`, `bench`), validates it with
-pydantic v2 (unknown keys rejected, with the closest known key suggested; types strict: "1" is not
-an int, 1 is not a bool, though an int is a fine float; a key given twice in one mapping is an
-error, not "the last one wins") and raises `ConfigError` naming the file, the field path, what was
-expected and what it got. Cross-field rules that need
-only the file live here; the ones that need the model (heads divide, pages fit, geometry equal on
-every instance) run in the cluster's preflight. Pure Python: imported by the CLI, the cluster and
-tests, never imports torch or ray.
+`instances`, `transfer`, `scheduler`, `router`, `cluster`, `serve`, `bench`, and `kernels`: the
+kernel switches of `disagg.settings`), validates it with pydantic v2 (unknown keys rejected, with
+the closest known key suggested; types strict: "1" is not an int, 1 is not a bool, though an int
+is a fine float; a key given twice in one mapping is an error, not "the last one wins") and raises
+`ConfigError` naming the file, the field path, what was expected and what it got. Cross-field
+rules that need only the file live here; the ones that need the model (heads divide, pages fit,
+geometry equal on every instance) run in the cluster's preflight. Pure Python: imported by the
+CLI, the cluster and tests, never imports torch or ray.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +24,9 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
                       model_validator)
 
 from disagg.errors import ConfigError
+from disagg.settings import Settings
+
+logger = logging.getLogger(__name__)
 
 SMOLLM2_SOURCE = "smollm2"
 DUMMY_PREFIX = "dummy:"
@@ -274,6 +278,7 @@ class Config(Section):
     cluster: ClusterSection = ClusterSection()
     serve: ServeSection = ServeSection()
     bench: BenchSection = BenchSection()
+    kernels: Settings = Settings()
     _path: str | None = PrivateAttr(None)  # the file this was read from (set by from_yaml)
 
     @model_validator(mode="after")
@@ -356,6 +361,23 @@ class Config(Section):
         config = Config.from_dict(raw, origin=self.path or "<config>")
         config._path = self._path
         return config
+
+    def with_environment(self) -> Config:
+        """A copy whose `kernels` switches are overridden by the DISAGG_* environment variables
+        set now (`Settings.from_env`): the launcher calls it once, before the config goes to the
+        actors, so every actor, on this host or another, runs with this process's switches.
+
+        Raises:
+            ConfigError: a variable holds a value its switch does not have.
+        """
+        settings = Settings.from_env(self.kernels)
+        changed = settings.differences(self.kernels)
+        if not changed:
+            return self
+        logger.info("kernels: %s from the environment (the config says %s)",
+                    ", ".join(f"{name}={value!r}" for name, value in changed.items()),
+                    ", ".join(f"{name}={getattr(self.kernels, name)!r}" for name in changed))
+        return self.model_copy(update={"kernels": settings})
 
     # ------------------------------------------------------------------ conveniences
     @property
