@@ -47,10 +47,10 @@ from disagg.cache import PagedKVCache
 from disagg.engine import ColocatedEngine, DecodeEngine
 from disagg.engine.request import RequestFactory
 from disagg.engine.runner import ModelRunner
-from disagg.kernels import dispatch
 from disagg.kernels.linear import linear as skinny_linear
 from disagg.model import layers, load_model
 from disagg.sampling import SamplingParams
+from disagg.settings import Settings
 
 GiB = 1 << 30
 PAGE_SIZE = 16
@@ -273,14 +273,18 @@ def decode_rows(bench: Bench, batches, contexts, bandwidth: float, free_bytes: i
 def variant_decode_rows(model, variant: str, num_pages: int, batches, contexts, bandwidth: float,
                         free_bytes: int) -> list[dict]:
     """`decode_rows` with the environment settings of ``variant`` ("VAR=VALUE,..." or "base"),
-    on a fresh runner (its graphs captured under them); rows named `...[variant]`."""
+    on a fresh runner (its graphs captured under them); rows named `...[variant]`. The model reads
+    its DISAGG_* switches once (`disagg.settings`): they are read again here, over its own."""
     settings = {} if variant == "base" else dict(item.split("=", 1) for item in variant.split(","))
     saved = {key: os.environ.get(key) for key in settings}
     os.environ.update(settings)
+    model_settings = model.settings
     try:
+        model.settings = Settings.from_env(model_settings)
         bench = Bench(model, num_pages, max_num_seqs=max(batches))
         rows = decode_rows(bench, batches, contexts, bandwidth, free_bytes)
     finally:
+        model.settings = model_settings
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -488,11 +492,11 @@ def main() -> None:
     num_pages = int(min(needed, free_bytes // page_bytes))
     bench = Bench(model, num_pages, max_num_seqs=max(batches))
     result = {"model": args.model, "dtype": str(dtype), "device": torch.cuda.get_device_name(device) if gpu else "cpu",
-              "num_pages": num_pages, "page_size": PAGE_SIZE, "linear": layers.linear_backend(),
+              "num_pages": num_pages, "page_size": PAGE_SIZE, "linear": model.settings.linear,
               "fused_layers": layers.use_fused(torch.empty(1, device=device)),
-              "rope_append": os.environ.get(layers.ROPE_APPEND_ENV, "1") != "0",
-              "layer_pdl": os.environ.get(dispatch.LAYER_PDL_ENV, "auto"),
-              "blas": os.environ.get(layers.BLAS_ENV, "auto"), "rows": []}
+              "rope_append": model.settings.rope_append,
+              "layer_pdl": {True: "1", False: "0"}.get(model.settings.layer_pdl, "auto"),
+              "blas": model.settings.blas, "rows": []}
     rows = result["rows"]
     if args.variants:
         bandwidth = copy_bandwidth(device, (256 << 20) if small else 4 * GiB)

@@ -151,7 +151,7 @@ def start_fleet(config: Config, *, engine_module: str = DEFAULT_ENGINE_MODULE,
         PreflightError: a check failed (geometry, memory, devices); the message says which.
         ClusterError: placement, loading or the heap bootstrap failed or timed out.
     """
-    config = resolve_source(config)
+    config = resolve_source(config).with_environment()  # DISAGG_* switches, read once, travel with it
     started_ray = connect(config)
     instances, group = [], None
     try:

@@ -33,7 +33,8 @@ def torch_dtype(name: str):
 
 
 def load(config: Config, device: str) -> Any:
-    """Load the weights named by ``config.model`` on ``device`` ("cuda" or "cpu")."""
+    """Load the weights named by ``config.model`` on ``device`` ("cuda" or "cpu"); the model runs
+    with ``config.kernels`` as given (the launcher applied its environment: no actor reads its own)."""
     import torch
 
     from disagg.model import load_model
@@ -42,11 +43,13 @@ def load(config: Config, device: str) -> Any:
         torch.cuda.set_device(0)  # Ray shows each actor exactly its own GPU
     target = "cuda:0" if device == "cuda" else "cpu"
     if config.model.num_layers is not None:
-        return _dummy_with_layers(config.model.source, config.model.num_layers, config.model.dtype, target)
-    return load_model(config.model.source, dtype=torch_dtype(config.model.dtype), device=target)
+        return _dummy_with_layers(config.model.source, config.model.num_layers, config.model.dtype, target,
+                                  config.kernels)
+    return load_model(config.model.source, dtype=torch_dtype(config.model.dtype), device=target,
+                      settings=config.kernels)
 
 
-def _dummy_with_layers(source: str, num_layers: int, dtype: str, device: str) -> Any:
+def _dummy_with_layers(source: str, num_layers: int, dtype: str, device: str, settings: Any) -> Any:
     """A dummy preset cut (or grown) to ``num_layers`` decoder layers, other shapes unchanged."""
     import torch
 
@@ -60,7 +63,8 @@ def _dummy_with_layers(source: str, num_layers: int, dtype: str, device: str) ->
                                       name=f"{source}-{num_layers}l", source=f"preset {name!r}")
     resolved = torch_dtype(dtype) or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     weights = random_weights(config, resolved, torch.device(device))
-    return Model(config, weights, dtype=resolved, device=torch.device(device), tokenizer=None)
+    return Model(config, weights, dtype=resolved, device=torch.device(device), tokenizer=None,
+                 settings=settings)
 
 
 def kv_torch_dtype(config: Config, model: Any):
@@ -77,7 +81,7 @@ def describe(model: Any, config: Config, device: str) -> dict:
         {"geometry": {num_layers, num_kv_heads, page_size, head_dim, kv_dtype}, "page_bytes",
          "kv_budget_bytes" (bytes this instance may give to KV pages), "model_name",
          "max_position_embeddings", "num_qo_heads", "vocab_size", "eos_token_ids", "has_tokenizer",
-         "device"}
+         "device", "kernels" (the model's kernel switches)}
     """
     import torch
 
@@ -105,6 +109,7 @@ def describe(model: Any, config: Config, device: str) -> dict:
         "eos_token_ids": [int(t) for t in getattr(cfg, "eos_token_ids", ())],
         "has_tokenizer": getattr(model, "tokenizer", None) is not None,
         "device": str(getattr(model, "device", device)),
+        "kernels": model.settings.model_dump() if hasattr(model, "settings") else None,
     }
 
 

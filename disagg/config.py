@@ -1,25 +1,32 @@
 """The YAML schema of a deployment: one file describes the model, the fleet and every knob.
 
 `Config.from_yaml(path)` reads a file of `configs/` (top-level sections `model`, `cache`,
-`instances`, `transfer`, `scheduler`, `router`, `cluster`, `serve`, `bench`), validates it with
-pydantic v2 (unknown keys rejected, with the closest known key suggested) and raises `ConfigError`
-naming the file, the field path, what was expected and what it got. Cross-field rules that need
-only the file live here; the ones that need the model (heads divide, pages fit, geometry equal on
-every instance) run in the cluster's preflight. Pure Python: imported by the CLI, the cluster and
-tests, never imports torch or ray.
+`instances`, `transfer`, `scheduler`, `router`, `cluster`, `serve`, `bench`, and `kernels`: the
+kernel switches of `disagg.settings`), validates it with pydantic v2 (unknown keys rejected, with
+the closest known key suggested; types strict: "1" is not an int, 1 is not a bool, though an int
+is a fine float; a key given twice in one mapping is an error, not "the last one wins") and raises
+`ConfigError` naming the file, the field path, what was expected and what it got. Cross-field
+rules that need only the file live here; the ones that need the model (heads divide, pages fit,
+geometry equal on every instance) run in the cluster's preflight. Pure Python: imported by the
+CLI, the cluster and tests, never imports torch or ray.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
 
 from disagg.errors import ConfigError
+from disagg.settings import Settings
+
+logger = logging.getLogger(__name__)
 
 SMOLLM2_SOURCE = "smollm2"
 DUMMY_PREFIX = "dummy:"
@@ -27,16 +34,16 @@ MAX_PAGE_SIZE = 256
 
 
 class Section(BaseModel):
-    """Base of every section: unknown keys are errors, values are immutable once validated."""
+    """Base of every section: unknown keys are errors, values are immutable once validated, and
+    types are strict (no "1" for an int or a bool, no 2.0 for an int; an int for a float is fine)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, protected_namespaces=())
 
 
 class ModelSection(Section):
     """Which weights every instance loads."""
 
     source: str = Field(
-        min_length=1,
         description=f"an HF directory (config.json + *.safetensors), '{DUMMY_PREFIX}<preset>' (random "
                     f"weights: tiny, smollm2-135m, llama3-8b, llama3.1-8b), or '{SMOLLM2_SOURCE}' (the cached "
                     "conversion of the SmolLM2-135M-Instruct GGUF, built on first use)")
@@ -49,6 +56,14 @@ class ModelSection(Section):
     num_layers: int | None = Field(
         None, gt=0, description=f"'{DUMMY_PREFIX}<preset>' only: decoder layers (default: the preset's); "
                                 "fewer layers keep every layer's shapes (tests, quick GPU runs)")
+
+    @field_validator("source")
+    @classmethod
+    def _source_given(cls, source: str) -> str:
+        if not source.strip():
+            raise ValueError(f"expected an HF directory, '{DUMMY_PREFIX}<preset>' or '{SMOLLM2_SOURCE}', "
+                             "not an empty or blank string")
+        return source
 
     @model_validator(mode="after")
     def _layers_for_dummies_only(self) -> ModelSection:
@@ -243,6 +258,13 @@ class BenchSection(Section):
     seed: int = Field(0, description="seed of prompts and arrivals")
     options: dict[str, Any] = Field(default_factory=dict, description="further bench options, free-form")
 
+    @field_validator("compare_with")
+    @classmethod
+    def _compare_with_given(cls, path: str | None) -> str | None:
+        if path is not None and not path.strip():
+            raise ValueError("expected the path of another config, or null, not an empty or blank string")
+        return path
+
 
 class Config(Section):
     """A whole deployment; see `configs/*.yaml`. Build with `Config.from_yaml` or `model_validate`."""
@@ -256,6 +278,7 @@ class Config(Section):
     cluster: ClusterSection = ClusterSection()
     serve: ServeSection = ServeSection()
     bench: BenchSection = BenchSection()
+    kernels: Settings = Settings()
     _path: str | None = PrivateAttr(None)  # the file this was read from (set by from_yaml)
 
     @model_validator(mode="after")
@@ -286,12 +309,15 @@ class Config(Section):
         folder when they exist there.
 
         Raises:
-            ConfigError: the file is missing, is not YAML, or fails validation; the message names
-                the file, each failing field path, what was expected and what it got.
+            ConfigError: the file is missing, is not YAML, names a key twice in one mapping, or
+                fails validation; the message names the file, each failing field path (and line,
+                for a repeated key), what was expected and what it got.
         """
         path = Path(path)
         try:
-            raw = yaml.safe_load(path.read_text())
+            raw = load_yaml(path.read_text())
+        except DuplicateKey as err:
+            raise ConfigError(f"{path}: {err}") from None
         except OSError as err:
             raise ConfigError(f"{path}: cannot read the config: {err.strerror or err}") from err
         except yaml.YAMLError as err:
@@ -336,6 +362,23 @@ class Config(Section):
         config._path = self._path
         return config
 
+    def with_environment(self) -> Config:
+        """A copy whose `kernels` switches are overridden by the DISAGG_* environment variables
+        set now (`Settings.from_env`): the launcher calls it once, before the config goes to the
+        actors, so every actor, on this host or another, runs with this process's switches.
+
+        Raises:
+            ConfigError: a variable holds a value its switch does not have.
+        """
+        settings = Settings.from_env(self.kernels)
+        changed = settings.differences(self.kernels)
+        if not changed:
+            return self
+        logger.info("kernels: %s from the environment (the config says %s)",
+                    ", ".join(f"{name}={value!r}" for name, value in changed.items()),
+                    ", ".join(f"{name}={getattr(self.kernels, name)!r}" for name in changed))
+        return self.model_copy(update={"kernels": settings})
+
     # ------------------------------------------------------------------ conveniences
     @property
     def path(self) -> str | None:
@@ -365,11 +408,59 @@ def _resolve_paths(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
         part = raw.get(section)
         if isinstance(part, dict) and isinstance(part.get(key), str):
             value = part[key]
+            if not value.strip():  # "" is refused by validation, never turned into the folder
+                continue
             if not value.startswith(DUMMY_PREFIX) and value != SMOLLM2_SOURCE and not Path(value).is_absolute():
                 candidate = folder / value
                 if candidate.exists():
                     raw[section] = dict(part, **{key: str(candidate.resolve())})
     return raw
+
+
+class DuplicateKey(yaml.YAMLError):
+    """A YAML mapping names one key twice (safe_load would keep the last value silently)."""
+
+
+def load_yaml(text: str) -> Any:
+    """`yaml.safe_load`, except that a key repeated in one mapping (at any depth) raises.
+
+    Raises:
+        DuplicateKey: naming the key's path and both lines, e.g.
+            ``line 9: router.lease_s given twice (first at line 7); give each key once``.
+        yaml.YAMLError: the text is not YAML.
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_unique_keys(node, (), set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _check_unique_keys(node: yaml.Node, path: tuple[str, ...], seen: set[int]) -> None:
+    """Walk the composed YAML tree; raise `DuplicateKey` at the first mapping key given twice.
+    Merge keys (``<<: *anchor``) are left to YAML: keys written beside them override on purpose."""
+    if id(node) in seen:  # an alias of a node already walked (anchors may even be recursive)
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = (key_node.tag, str(key_node.value))
+            name = ".".join(path + (str(key_node.value),))
+            if key in first_line:
+                raise DuplicateKey(f"line {key_node.start_mark.line + 1}: {name} given twice (first at line "
+                                   f"{first_line[key]}); give each key once")
+            first_line[key] = key_node.start_mark.line + 1
+            _check_unique_keys(value_node, path + (str(key_node.value),), seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _check_unique_keys(item, path + (str(index),), seen)
 
 
 def format_errors(err: ValidationError, origin: str) -> str:

@@ -49,7 +49,9 @@ class SamplingParams:
         """Check every field; return self.
 
         Args:
-            vocab_size: when given, stop ids and top_k must be below / at most it.
+            vocab_size: the model's vocabulary size; when given, stop ids must be below it and
+                top_k at most it (callers that know the model pass it: the engines' `add` and
+                `reserve`, the HTTP front end).
 
         Raises:
             ValueError / TypeError: naming the field, what was expected and what was given.
@@ -57,6 +59,9 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, 1)
         _check_float("temperature", self.temperature, 0.0, math.inf, "a finite float >= 0")
         _check_int("top_k", self.top_k, 0)
+        if vocab_size is not None and self.top_k > vocab_size:
+            raise ValueError(f"top_k: expected at most the model's vocabulary size ({vocab_size} tokens; "
+                             f"0 keeps them all), got {self.top_k}")
         _check_float("top_p", self.top_p, 0.0, 1.0, "a float in (0, 1]")
         if self.top_p == 0.0:
             raise ValueError("top_p: expected a float in (0, 1], got 0.0")

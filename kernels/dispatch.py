@@ -17,9 +17,10 @@ Every launcher in `disagg.kernels` asks this module two questions before it laun
 
 `layer_pdl(device)` says whether the decoder layer's small kernels (`disagg.kernels.fused`,
 `disagg.kernels.linear`, `disagg.kernels.rope_append`) launch with programmatic dependent launch,
-on a CUDA device whose Triton has it: with `DISAGG_LAYER_PDL=auto` (the default) inside the
-decode graphs of small batches (`small_batch_graph`, which `disagg.engine.graphs` sets while it
-captures them), with `1` always, with `0` never.
+on a CUDA device whose Triton has it: with the `layer_pdl` setting (`disagg.settings`, env
+`DISAGG_LAYER_PDL`) "auto" (the default) inside the decode graphs of small batches
+(`small_batch_graph`, which `disagg.engine.graphs` sets while it captures them), true always,
+false never.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from typing import Callable, Sequence
 import torch
 from triton.runtime import driver
 from triton.runtime.interpreter import InterpretedFunction
+
+from disagg.settings import ENV_VARS, current
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +67,7 @@ def runnable(kernel):
     return kernel
 
 
-LAYER_PDL_ENV = "DISAGG_LAYER_PDL"
-LAYER_PDL_SETTINGS = ("auto", "1", "0")
+LAYER_PDL_ENV = ENV_VARS["layer_pdl"]
 _small_batch = threading.local()
 
 
@@ -88,16 +90,14 @@ def in_small_batch_graph() -> bool:
 
 
 def layer_pdl(device: torch.device) -> bool:
-    """Whether the layer kernels launch with PDL on `device` (see the module docstring); the
-    variable is read per call.
+    """Whether the layer kernels launch with PDL on `device` (see the module docstring), by the
+    settings of the forward running on this thread (`disagg.settings.current`).
 
     Raises:
-        ValueError: `DISAGG_LAYER_PDL` is not one of auto, 1, 0.
+        ConfigError (a ValueError): outside a forward, `DISAGG_LAYER_PDL` is not one of auto, 1, 0.
     """
-    setting = os.environ.get(LAYER_PDL_ENV, "auto")
-    if setting not in LAYER_PDL_SETTINGS:
-        raise ValueError(f"{LAYER_PDL_ENV}: expected one of {LAYER_PDL_SETTINGS}, got {setting!r}")
-    on = setting == "1" or (setting == "auto" and in_small_batch_graph())
+    setting = current().layer_pdl
+    on = setting is True or (setting == "auto" and in_small_batch_graph())
     if device.type != "cuda" or not on:
         return False
     from disagg.kernels.paged_tile import HAS_PDL, note_missing_pdl

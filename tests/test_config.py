@@ -209,3 +209,66 @@ def test_override_keeps_which_fields_were_given():
     assert served.serve.host == "127.0.0.1" and served.bench.goodput == {"ttft": 500, "tpot": 100.0}
     with pytest.raises(ConfigError, match=r"'lease_s' is not a section"):
         config.override({"router.lease_s.x": 1})
+
+
+@pytest.mark.parametrize("section, key, value, expected", [
+    ("instances", "prefill", "1", "integer"),       # a string for an int
+    ("scheduler", "max_num_seqs", 8.0, "integer"),  # a float for an int
+    ("router", "lease_s", "30", "number"),          # a string for a float
+    ("transfer", "force_segment_puts", 1, "boolean"),  # an int for a bool
+    ("cluster", "warmup", "yes", "boolean"),        # a string for a bool (YAML's unquoted yes is a bool)
+])
+def test_types_are_strict(tmp_path: Path, section: str, key: str, value, expected: str):
+    """A string is never read as a number or a bool, nor a number as a bool: the field, what was
+    expected and the value given are named."""
+    raw = tiny_raw()
+    raw.setdefault(section, {})[key] = value
+    with pytest.raises(ConfigError, match=rf"{section}\.{key}: .*{expected}.*\(got {value!r}\)"):
+        Config.from_yaml(write(tmp_path, raw))
+
+
+def test_ints_for_floats_and_yaml_booleans_still_load(tmp_path: Path):
+    path = tmp_path / "ok.yaml"
+    path.write_text(TINY.read_text() + "cluster:\n  warmup: no\n  startup_timeout_s: 60\n")
+    config = Config.from_yaml(path).override({"router.lease_s": 30, "bench.request_rates": [1, 2]})
+    assert config.router.lease_s == 30.0 and isinstance(config.router.lease_s, float)
+    assert config.cluster.warmup is False and config.cluster.startup_timeout_s == 60.0
+    assert config.bench.request_rates == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("text, key, line, first", [
+    ("model:\n  source: dummy:tiny\nmodel:\n  source: dummy:tiny\n", "model", 3, 1),
+    ("router:\n  lease_s: 30\n  lease_s: 5\n", "router.lease_s", 3, 2),
+    ("bench:\n  goodput: {ttft: 1, tpot: 2, ttft: 3}\n", "bench.goodput.ttft", 2, 2),
+])
+def test_a_key_given_twice_is_refused_with_its_path_and_lines(tmp_path: Path, text: str, key: str,
+                                                                line: int, first: int):
+    """YAML's safe_load keeps the last of two equal keys without a word; the config refuses it."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text + "instances: {prefill: 1, decode: 1, device: cpu}\n"
+                    + ("" if text.startswith("model") else "model: {source: 'dummy:tiny'}\n"))
+    with pytest.raises(ConfigError, match=rf"twice\.yaml: line {line}: {key} given twice \(first at line {first}\)"):
+        Config.from_yaml(path)
+
+
+def test_yaml_anchors_and_merge_keys_still_load(tmp_path: Path):
+    """Merge keys override on purpose (not a key given twice); aliases are not walked twice."""
+    path = tmp_path / "anchors.yaml"
+    path.write_text("model: {source: 'dummy:tiny'}\n"
+                    "instances:\n  <<: &counts {prefill: 1, decode: 1}\n  decode: 2\n  device: cpu\n"
+                    "bench:\n  options: {a: *counts, b: *counts}\n")
+    config = Config.from_yaml(path)
+    assert (config.instances.prefill, config.instances.decode) == (1, 2)
+    assert config.bench.options == {"a": {"prefill": 1, "decode": 1}, "b": {"prefill": 1, "decode": 1}}
+
+
+@pytest.mark.parametrize("source", ["", "   "])
+def test_empty_model_source_is_refused_not_turned_into_the_folder(tmp_path: Path, source: str):
+    raw = tiny_raw()
+    raw["model"]["source"] = source
+    with pytest.raises(ConfigError, match=r"model\.source: expected an HF directory.*not an empty or blank"):
+        Config.from_yaml(write(tmp_path, raw))
+    raw["model"]["source"] = "dummy:tiny"
+    raw["bench"] = {"compare_with": source}
+    with pytest.raises(ConfigError, match=r"bench\.compare_with: .*not an empty or blank"):
+        Config.from_yaml(write(tmp_path, raw))

@@ -40,6 +40,50 @@ def test_validate_stop_id_against_vocab():
     assert SamplingParams(stop_token_ids=(49,), seed=3, top_k=5, top_p=0.5, temperature=0.7).validate(VOCAB)
 
 
+def test_top_k_above_the_vocabulary_is_refused():
+    """top_k may keep the whole vocabulary (== vocab_size) but not more: the error names top_k,
+    the vocabulary size and the value given. Without a vocabulary (a client that does not know
+    the model) only the sign is checked."""
+    assert SamplingParams(top_k=VOCAB, temperature=1.0).validate(VOCAB).top_k == VOCAB
+    with pytest.raises(ValueError, match=rf"top_k: .*vocabulary size \({VOCAB} tokens.*got {VOCAB + 1}"):
+        SamplingParams(top_k=VOCAB + 1).validate(vocab_size=VOCAB)
+    assert SamplingParams(top_k=10**9).validate().top_k == 10**9
+
+
+def test_engine_refuses_top_k_above_the_vocabulary_and_keeps_nothing():
+    """Where the request meets the model (the engine's `add`): refused before any page is taken;
+    the engine runs the next request as if the bad one never came."""
+    from disagg.engine import ColocatedEngine
+    from disagg.model import load_model
+
+    model = load_model("dummy:tiny", device="cpu")
+    vocab = model.config.vocab_size
+    engine = ColocatedEngine(model, num_pages=8, page_size=4, max_num_seqs=2, max_num_batched_tokens=16)
+    before = engine.stats()
+    with pytest.raises(ValueError, match=rf"top_k: .*\({vocab} tokens.*got {vocab + 1}"):
+        engine.add("bad", [1, 2, 3], SamplingParams(top_k=vocab + 1, temperature=1.0))
+    assert engine.stats() == before and not engine.has_work()
+    engine.add("bad", [1, 2, 3], SamplingParams(max_tokens=2, top_k=vocab, temperature=1.0, seed=1))
+    while engine.has_work():
+        engine.step()
+    assert engine.stats()["free_pages"] == before["free_pages"]
+    engine.cache.check_integrity()
+
+
+def test_http_front_end_refuses_top_k_above_the_vocabulary():
+    """The HTTP front end knows the vocabulary (`ModelLimits.vocab_size`): a 400 naming top_k."""
+    from disagg.cluster.serve.errors import APIError
+    from disagg.cluster.serve.prompts import ModelLimits, prepare_completion
+    from disagg.cluster.serve.protocol import CompletionRequest
+
+    limits = ModelLimits(name="m", max_model_len=64, tokenizer=None, vocab_size=VOCAB)
+    ok = prepare_completion(CompletionRequest.model_validate({"prompt": [1, 2], "top_k": VOCAB}), limits)
+    assert ok.params.top_k == VOCAB
+    with pytest.raises(APIError, match=rf"top_k.*{VOCAB} tokens.*got {VOCAB + 1}") as err:
+        prepare_completion(CompletionRequest.model_validate({"prompt": [1, 2], "top_k": VOCAB + 1}), limits)
+    assert err.value.param == "top_k"
+
+
 def test_greedy_is_argmax():
     logits = torch.randn(4, VOCAB)
     got = sample(logits, _batch([SamplingParams()] * 4))

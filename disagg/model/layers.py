@@ -9,33 +9,36 @@ under TRITON_INTERPRET=1) the plain names launch one fused kernel of `disagg.ker
 instead, rounding at the same places. Everything here is shape-static and sync-free: it runs
 inside CUDA-graph capture.
 
-On CUDA the fused kernels run unless `DISAGG_FUSED_LAYERS=0` (read per call; the torch ops then
-run, for comparison): one launch instead of a chain of eager ops, which at decode sizes is what
-a step's time is made of. Their GPU tests: `tests/kernels/test_fused_gpu.py`,
+Every switch below is a field of `disagg.settings.Settings` (the config's `kernels:` section,
+overridden by its DISAGG_* variable when the model is built): the ops read the settings of the
+forward running on their thread (`disagg.settings.current()`), never the environment.
+
+On CUDA the fused kernels run unless `fused_layers` is false (`DISAGG_FUSED_LAYERS=0`; the torch
+ops then run, for comparison): one launch instead of a chain of eager ops, which at decode sizes
+is what a step's time is made of. Their GPU tests: `tests/kernels/test_fused_gpu.py`,
 `tests/model/test_model_fused.py`. Under the interpreter they always run.
 
 The projections go through `linear`: torch's `F.linear` (cuBLAS), or the skinny-GEMM kernel of
-`disagg.kernels.linear` for decode-sized batches (<= 64 rows) of 16-bit models. `DISAGG_LINEAR`
-picks: `auto` (the default), `cublas` (never the skinny kernel) or `triton` (every projection;
-any dtype under the interpreter). `auto` takes the skinny kernel where it reads the weights
-closer to their bandwidth bound than cuBLAS does:
+`disagg.kernels.linear` for decode-sized batches (<= 64 rows) of 16-bit models. `linear`
+(`DISAGG_LINEAR`) picks: `auto` (the default), `cublas` (never the skinny kernel) or `triton`
+(every projection; any dtype under the interpreter). `auto` takes the skinny kernel where it reads
+the weights closer to their bandwidth bound than cuBLAS does:
 - vocabulary-wide weights (the LM head) at any decode batch;
 - every projection inside the decode graphs of small batches (`dispatch.small_batch_graph`, set
   by `disagg.engine.graphs` for <= 16 sequences), where the layer kernels also launch under
-  programmatic dependent launch (`dispatch.layer_pdl`, `DISAGG_LAYER_PDL=auto`), so each kernel's
+  programmatic dependent launch (`dispatch.layer_pdl`, `layer_pdl: auto`), so each kernel's
   prologue and weight prefetch overlap the previous one's tail. At 32-64 rows cuBLAS(Lt) wins on
   the layer weights, and PDL outside small batches costs more than it hides.
-A forward's cuBLAS GEMMs run through cuBLASLt or cuBLAS by its token count (`preferred_blas`,
-`DISAGG_BLAS`): cuBLASLt reads the weights faster at 17-128 rows, slower at 8-16. RoPE and the
-K/V append run as one launch (`use_rope_append`, on unless `DISAGG_ROPE_APPEND=0`). The
-measurements behind each rule: benchmarks/records/tuning-notes.md.
+A forward's cuBLAS GEMMs run through cuBLASLt or cuBLAS by its token count (`preferred_blas`;
+`blas`, `DISAGG_BLAS`): cuBLASLt reads the weights faster at 17-128 rows, slower at 8-16. RoPE and
+the K/V append run as one launch (`use_rope_append`) unless `rope_append` is false
+(`DISAGG_ROPE_APPEND=0`). The measurements behind each rule: benchmarks/records/tuning-notes.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,18 +47,19 @@ import torch.nn.functional as F
 
 from disagg.kernels import dispatch, fused
 from disagg.kernels import linear as skinny
+from disagg.settings import ENV_VARS, allowed_values, current
 
-FUSED_ENV = "DISAGG_FUSED_LAYERS"
-LINEAR_ENV = "DISAGG_LINEAR"
-ROPE_APPEND_ENV = "DISAGG_ROPE_APPEND"
-LINEAR_BACKENDS = ("auto", "cublas", "triton")
+FUSED_ENV = ENV_VARS["fused_layers"]
+LINEAR_ENV = ENV_VARS["linear"]
+ROPE_APPEND_ENV = ENV_VARS["rope_append"]
+LINEAR_BACKENDS = allowed_values("linear")
 # `auto`: weights at least this wide (output features) take the skinny kernel: vocabularies,
 # never a layer projection (llama3-8b's widest, gate_up, is 28672).
 AUTO_MIN_OUT_FEATURES = 65536
 
 
-BLAS_ENV = "DISAGG_BLAS"
-BLAS_LIBRARIES = ("auto", "cublaslt", "cublas")
+BLAS_ENV = ENV_VARS["blas"]
+BLAS_LIBRARIES = allowed_values("blas")
 # `auto`: cuBLASLt for forwards of this many tokens (rows of every GEMM), cuBLAS otherwise:
 # cuBLASLt wins at 17-128 rows, loses at 8-16 and slightly at 256, ties at 1-4 rows and at
 # prefill sizes (benchmarks/records/tuning-notes.md).
@@ -63,15 +67,13 @@ CUBLASLT_MIN_TOKENS, CUBLASLT_MAX_TOKENS = 17, 128
 
 
 def blas_library(num_tokens: int) -> str:
-    """The library torch's GEMMs use in a CUDA forward of ``num_tokens`` tokens: `DISAGG_BLAS`
-    (read per call) "cublaslt" or "cublas", or by default ("auto") the measured choice above.
+    """The library torch's GEMMs use in a CUDA forward of ``num_tokens`` tokens: the `blas`
+    setting "cublaslt" or "cublas", or by default ("auto") the measured choice above.
 
     Raises:
-        ValueError: any other value of `DISAGG_BLAS`.
+        ConfigError (a ValueError): outside a forward, `DISAGG_BLAS` holds another value.
     """
-    library = os.environ.get(BLAS_ENV, "auto")
-    if library not in BLAS_LIBRARIES:
-        raise ValueError(f"{BLAS_ENV}: expected one of {BLAS_LIBRARIES}, got {library!r}")
+    library = current().blas
     if library == "auto":
         fits = CUBLASLT_MIN_TOKENS <= num_tokens <= CUBLASLT_MAX_TOKENS
         return "cublaslt" if fits else "cublas"
@@ -102,19 +104,16 @@ def use_fused(x: torch.Tensor) -> bool:
     """Whether the fused kernel runs for `x` (see the module docstring)."""
     if not dispatch.use_triton(x):
         return False
-    return x.device.type != "cuda" or os.environ.get(FUSED_ENV, "1") != "0"
+    return x.device.type != "cuda" or current().fused_layers
 
 
 def linear_backend() -> str:
-    """`DISAGG_LINEAR` (read per call): "auto" (the default), "cublas" or "triton".
+    """The `linear` setting: "auto" (the default), "cublas" or "triton".
 
     Raises:
-        ValueError: any other value.
+        ConfigError (a ValueError): outside a forward, `DISAGG_LINEAR` holds another value.
     """
-    backend = os.environ.get(LINEAR_ENV, "auto")
-    if backend not in LINEAR_BACKENDS:
-        raise ValueError(f"{LINEAR_ENV}: expected one of {LINEAR_BACKENDS}, got {backend!r}")
-    return backend
+    return current().linear
 
 
 def use_skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -132,14 +131,13 @@ def use_skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def use_rope_append(qkv: torch.Tensor, kv_layer: torch.Tensor) -> bool:
     """Whether a layer without receivers runs RoPE and the append as one launch
-    (`disagg.kernels.rope_append`): unless `DISAGG_ROPE_APPEND=0` (read per call), with the fused
+    (`disagg.kernels.rope_append`): unless the `rope_append` setting is false, with the fused
     kernels on and a cache of the activations' dtype (fp8 caches quantize in `append_kv`)."""
-    return (os.environ.get(ROPE_APPEND_ENV, "1") != "0" and use_fused(qkv)
-            and kv_layer.dtype == qkv.dtype)
+    return current().rope_append and use_fused(qkv) and kv_layer.dtype == qkv.dtype
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T + bias`: `[T, K]` x `[N, K]` -> `[T, N]` in x's dtype (see `LINEAR_ENV`)."""
+    """`x @ weight.T + bias`: `[T, K]` x `[N, K]` -> `[T, N]` in x's dtype (see `linear_backend`)."""
     if use_skinny_linear(x, weight):
         return skinny.linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -36,6 +36,7 @@ from disagg.kernels.rope_append import rope_append
 from disagg.model.layers import (add_rms_norm, apply_rope, linear, preferred_blas, rope_cos_sin,
                                  rope_inv_freq, swiglu, use_rope_append)
 from disagg.model.weights import LayerWeights, ModelWeights
+from disagg.settings import Settings, active
 
 if TYPE_CHECKING:
     from disagg.model.tokenizer import Tokenizer
@@ -52,10 +53,14 @@ class Model:
         dtype: activations' and weights' dtype.
         device: where the weights live and the forward runs.
         tokenizer: a `disagg.model.tokenizer.Tokenizer`, or None (token ids only).
+        settings: the kernel switches its forwards run with (`disagg.settings.Settings`), fixed
+            when it is built: the given ones, else the defaults overridden by the DISAGG_*
+            environment variables set then (an A/B test may assign others between forwards).
     """
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, dtype: torch.dtype,
-                 device: torch.device, tokenizer: "Tokenizer | None" = None) -> None:
+                 device: torch.device, tokenizer: "Tokenizer | None" = None,
+                 settings: Settings | None = None) -> None:
         self.config = config
         self.weights = weights
         self.dtype = dtype
@@ -63,6 +68,7 @@ class Model:
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" and "cuda:0" compare unequal
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.tokenizer = tokenizer
+        self.settings = Settings.from_env() if settings is None else settings
         self.sm_scale = config.head_dim ** -0.5
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, self.device)
 
@@ -105,7 +111,7 @@ class Model:
             ValueError, TypeError: input_ids or kv do not fit the model or the batch.
         """
         self._check_inputs(input_ids, batch, kv, kv_scales)
-        with preferred_blas(self.device, input_ids.shape[0]):
+        with active(self.settings), preferred_blas(self.device, input_ids.shape[0]):
             return self._forward(input_ids, batch, kv, pusher, kv_scales)
 
     def _forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor,
@@ -132,7 +138,7 @@ class Model:
         (one per sequence of a forward), so that every kernel variant compiles now, not when a
         batch of a new size arrives while serving (`disagg.kernels.linear.row_tiles`)."""
         for rows in row_tiles(max_rows):
-            with preferred_blas(self.device, rows):
+            with active(self.settings), preferred_blas(self.device, rows):
                 linear(torch.zeros(rows, self.config.hidden_size, dtype=self.dtype,
                                    device=self.device), self.weights.lm_head)
 

@@ -18,6 +18,7 @@ from disagg.model.llama import Model
 from disagg.model.presets import preset_config
 from disagg.model.tokenizer import Tokenizer
 from disagg.model.weights import load_checkpoint, random_weights
+from disagg.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None,
-               device: torch.device | str | None = None, seed: int = 0) -> Model:
+               device: torch.device | str | None = None, seed: int = 0,
+               settings: Settings | None = None) -> Model:
     """Load a model directory or build a dummy preset.
 
     Args:
@@ -36,11 +38,15 @@ def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None,
             float32 on CPU; on CUDA the checkpoint's bf16/fp16, else bfloat16.
         device: default "cuda" when available, else "cpu".
         seed: dummy presets only: the weights' seed.
+        settings: the kernel switches (`disagg.settings.Settings`); default: the defaults
+            overridden by the DISAGG_* environment variables, read now, once.
 
     Raises:
         ModelConfigError, UnsupportedArchitecture: bad or unsupported config / preset / dtype.
         WeightsError: missing or unreadable weights, missing/unexpected/misshaped tensors.
+        ConfigError: a DISAGG_* kernel switch holds a value it does not have.
     """
+    settings = Settings.from_env() if settings is None else settings  # before any weight is read
     device = _resolve_device(device)
     source = str(source)
     if source.startswith(DUMMY_PREFIX):
@@ -58,7 +64,7 @@ def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None,
         weights = load_checkpoint(model_dir, config, dtype, device)
         tokenizer = Tokenizer.from_dir(model_dir, config) if (model_dir / "tokenizer.json").is_file() else None
     logger.info("model %s: %d layers, %s on %s", config.name, config.num_layers, dtype, device)
-    return Model(config, weights, dtype=dtype, device=device, tokenizer=tokenizer)
+    return Model(config, weights, dtype=dtype, device=device, tokenizer=tokenizer, settings=settings)
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:

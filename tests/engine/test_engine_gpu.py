@@ -207,29 +207,29 @@ def test_async_scheduling_equals_sync_with_cuda_graphs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("linear", ["auto", "cublas", "triton"])
-def test_layer_pdl_and_skinny_gemm_in_graphs_equal_eager(monkeypatch, linear):
-    """bf16 (the skinny GEMM runs for 16-bit models only): with `DISAGG_LINEAR` as given, the
-    layer kernels under PDL (`DISAGG_LAYER_PDL=1`) give the tokens they give without it, eager and
+def test_layer_pdl_and_skinny_gemm_in_graphs_equal_eager(linear):
+    """bf16 (the skinny GEMM runs for 16-bit models only): with `kernels.linear` as given, the
+    layer kernels under PDL (`layer_pdl: true`) give the tokens they give without it, eager and
     from graphs, bit for bit (the same kernels run; PDL only moves their launches). Graphs vs
     eager is not compared here: in bf16 their other split counts may round a near tie apart.
-    Then with RoPE and the append in one launch (`DISAGG_ROPE_APPEND=1`): the same tokens again."""
+    Then with RoPE and the append in one launch (`rope_append: true`): the same tokens again."""
     import torch
 
     from disagg.model import load_model
+    from disagg.settings import Settings
 
-    monkeypatch.setenv("DISAGG_LINEAR", linear)
-    monkeypatch.setenv("DISAGG_ROPE_APPEND", "0")  # two launches first, one at the end
-    model = load_model(SOURCE, dtype=torch.bfloat16, device="cuda")
-    monkeypatch.setenv("DISAGG_LAYER_PDL", "0")
+    # two launches for RoPE and the append first, one at the end
+    model = load_model(SOURCE, dtype=torch.bfloat16, device="cuda",
+                       settings=Settings(linear=linear, rope_append=False, layer_pdl=False))
     eager, _ = _colocated_tokens(model, use_cuda_graphs=False)
     plain, _ = _colocated_tokens(model, use_cuda_graphs=True)
-    monkeypatch.setenv("DISAGG_LAYER_PDL", "1")
+    model.settings = model.settings.model_copy(update={"layer_pdl": True})
     pdl_eager, _ = _colocated_tokens(model, use_cuda_graphs=False)
     pdl, stats = _colocated_tokens(model, use_cuda_graphs=True)
     assert stats["num_graph_replays"] > 10
     assert pdl_eager == eager
     assert pdl == plain
-    monkeypatch.setenv("DISAGG_ROPE_APPEND", "1")  # RoPE + append in one launch: the same bits
+    model.settings = model.settings.model_copy(update={"rope_append": True})  # one launch: the same bits
     fused_eager, _ = _colocated_tokens(model, use_cuda_graphs=False)
     fused_graphs, _ = _colocated_tokens(model, use_cuda_graphs=True)
     assert fused_eager == eager

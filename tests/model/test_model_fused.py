@@ -22,6 +22,7 @@ from disagg.model import layers, load_model
 from disagg.model.llama import Model
 from disagg.model.presets import preset_config
 from disagg.model.weights import random_weights
+from disagg.settings import Settings
 from paged_runner import PagedRunner
 
 needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -46,9 +47,8 @@ def _torch_layers(monkeypatch: pytest.MonkeyPatch) -> None:
 @needs_interpreter
 def test_model_launches_each_fused_kernel(monkeypatch):
     """Every fused layer kernel runs, as often as the layers need it (RoPE as its own launch:
-    `DISAGG_ROPE_APPEND=0`; the default's single RoPE + append launch is counted below)."""
-    monkeypatch.setenv(layers.ROPE_APPEND_ENV, "0")
-    model = load_model("dummy:tiny", device="cpu")
+    `kernels.rope_append: false`; the default's single RoPE + append launch is counted below)."""
+    model = load_model("dummy:tiny", device="cpu", settings=Settings(rope_append=False))
     calls = {name: 0 for name in ("add_rms_norm", "rms_norm", "silu_mul", "apply_rope")}
     for name in calls:
         def counted(*args, _name=name, _fn=getattr(fused, name)):
@@ -77,10 +77,10 @@ def test_fused_forward_equals_torch_layers(monkeypatch, dtype, ulps):
 
 @pytest.mark.gpu
 def test_llama8b_shaped_bf16_fused_close_to_torch_layers(monkeypatch):
-    monkeypatch.setenv("DISAGG_FUSED_LAYERS", "1")  # the default; set so the test says what it runs
     config = dataclasses.replace(preset_config("llama3-8b"), num_layers=2)
     cuda = torch.device("cuda")
-    model = Model(config, random_weights(config, torch.bfloat16, cuda), dtype=torch.bfloat16, device=cuda)
+    model = Model(config, random_weights(config, torch.bfloat16, cuda), dtype=torch.bfloat16, device=cuda,
+                  settings=Settings(fused_layers=True))  # the default; given so the test says what it runs
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (1, 7, 100, 333)]
 
@@ -100,30 +100,30 @@ def test_llama8b_shaped_bf16_fused_close_to_torch_layers(monkeypatch):
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_append_forward_equals_two_launches(monkeypatch, dtype):
-    """RoPE + append in one launch (the default; `DISAGG_ROPE_APPEND=0` runs apply_rope +
+    """RoPE + append in one launch (the default; `rope_append: false` runs apply_rope +
     append_kv): one launch per layer instead of two, and the logits (prefill and decode) bit for
     bit the same."""
     from disagg.kernels import rope_append as rope_append_mod
     from disagg.model import llama
 
-    model = load_model("dummy:tiny", device="cpu", dtype=dtype)
-    monkeypatch.setenv(layers.ROPE_APPEND_ENV, "0")
+    model = load_model("dummy:tiny", device="cpu", dtype=dtype, settings=Settings(rope_append=False))
     want = _generate(model, steps=2)
     calls = []
     real = rope_append_mod.rope_append
     monkeypatch.setattr(llama, "rope_append", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(llama, "apply_rope", lambda *a, **kw: pytest.fail("apply_rope ran"))
-    monkeypatch.delenv(layers.ROPE_APPEND_ENV)  # the default
+    model.settings = Settings()  # the default
     got = _generate(model, steps=2)
     assert len(calls) == 3 * model.config.num_layers
     assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
-def test_llama8b_shaped_bf16_rope_append_equals_two_launches(monkeypatch):
+def test_llama8b_shaped_bf16_rope_append_equals_two_launches():
     config = dataclasses.replace(preset_config("llama3-8b"), num_layers=2)
     cuda = torch.device("cuda")
-    model = Model(config, random_weights(config, torch.bfloat16, cuda), dtype=torch.bfloat16, device=cuda)
+    model = Model(config, random_weights(config, torch.bfloat16, cuda), dtype=torch.bfloat16, device=cuda,
+                  settings=Settings(rope_append=False))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (1, 7, 100)]
 
@@ -132,7 +132,6 @@ def test_llama8b_shaped_bf16_rope_append_equals_two_launches(monkeypatch):
         first = runner.prefill(prompts)
         return torch.stack([first, runner.decode(first.argmax(-1).tolist())])
 
-    monkeypatch.setenv(layers.ROPE_APPEND_ENV, "0")
     want = prefill_and_decode()
-    monkeypatch.setenv(layers.ROPE_APPEND_ENV, "1")
+    model.settings = Settings(rope_append=True)
     assert torch.equal(prefill_and_decode(), want)

@@ -1,4 +1,4 @@
-"""The skinny GEMM (`DISAGG_LINEAR=triton`) in the model: logits close to cuBLAS's (`F.linear`),
+"""The skinny GEMM (`kernels.linear: triton`, `DISAGG_LINEAR=triton`) in the model: logits close to cuBLAS's (`F.linear`),
 the attention kernels the same in both runs, so only the projections differ.
 
 CPU (Triton's interpreter, dummy:tiny, float32): within 1e-5 of the logits' scale and the same
@@ -19,6 +19,7 @@ from disagg.model import layers, load_model
 from disagg.model.llama import Model
 from disagg.model.presets import preset_config
 from disagg.model.weights import random_weights
+from disagg.settings import Settings
 from paged_runner import PagedRunner
 
 needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -35,13 +36,12 @@ def _generate(model, prompts, num_pages: int = 64, page_size: int = 4) -> torch.
 
 @needs_interpreter
 def test_triton_linear_forward_close_to_cublas(monkeypatch):
-    model = load_model("dummy:tiny", device="cpu")
-    monkeypatch.setenv(layers.LINEAR_ENV, "cublas")
+    model = load_model("dummy:tiny", device="cpu", settings=Settings(linear="cublas"))
     want = _generate(model, PROMPTS)
     calls = []
     real = skinny.linear
     monkeypatch.setattr(skinny, "linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    monkeypatch.setenv(layers.LINEAR_ENV, "triton")
+    model.settings = Settings(linear="triton")
     got = _generate(model, PROMPTS)
     # prefill (20 tokens; 3 rows reach the head) and decode (3 rows): 4 per layer + the head each
     per_forward = 4 * model.config.num_layers + 1
@@ -53,7 +53,7 @@ def test_triton_linear_forward_close_to_cublas(monkeypatch):
 
 @needs_interpreter
 def test_auto_linear_takes_the_skinny_kernel_for_vocabulary_wide_weights_only(monkeypatch):
-    """`DISAGG_LINEAR` unset (auto): the skinny kernel for weights of >= 65536 output features
+    """Outside a forward the layer ops read the environment: `DISAGG_LINEAR` unset (auto): the skinny kernel for weights of >= 65536 output features
     (an LM head), cuBLAS for narrower ones (every layer projection); `cublas` and `triton` force
     one side; an unknown value is refused by name."""
     x = torch.zeros(4, 8)
@@ -74,12 +74,12 @@ def test_auto_linear_takes_the_skinny_kernel_for_vocabulary_wide_weights_only(mo
 def test_llama8b_shaped_bf16_triton_linear_close_to_cublas(monkeypatch):
     config = dataclasses.replace(preset_config("llama3-8b"), num_layers=2)
     cuda = torch.device("cuda")
-    model = Model(config, random_weights(config, torch.bfloat16, cuda), dtype=torch.bfloat16, device=cuda)
+    model = Model(config, random_weights(config, torch.bfloat16, cuda), dtype=torch.bfloat16, device=cuda,
+                  settings=Settings(linear="cublas"))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (1, 7, 30)]
-    monkeypatch.setenv(layers.LINEAR_ENV, "cublas")
     want = _generate(model, prompts, num_pages=128, page_size=16)
-    monkeypatch.setenv(layers.LINEAR_ENV, "triton")
+    model.settings = Settings(linear="triton")
     got = _generate(model, prompts, num_pages=128, page_size=16)
     rel = float((got - want).norm() / want.norm())
     assert rel < 1e-2, f"triton vs cuBLAS projections: relative error {rel:.2e}"
@@ -90,8 +90,7 @@ def test_llama8b_shaped_bf16_triton_linear_close_to_cublas(monkeypatch):
 def test_warm_lm_head_runs_one_call_per_row_tile(monkeypatch):
     """`Model.warm_lm_head(max_rows)` runs the head once per BLOCK_M variant that batches of up to
     max_rows sequences can pick (16 / 32 / 64 rows), so none compiles while serving."""
-    model = load_model("dummy:tiny", device="cpu")
-    monkeypatch.setenv(layers.LINEAR_ENV, "triton")
+    model = load_model("dummy:tiny", device="cpu", settings=Settings(linear="triton"))
     calls = []
     real = skinny.linear
     monkeypatch.setattr(skinny, "linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
@@ -177,11 +176,10 @@ def test_small_batch_graphs_take_skinny_gemms_and_pdl(monkeypatch):
     from disagg.engine.graphs import SMALL_BATCH_MAX_ROWS
     from disagg.kernels import dispatch
 
-    monkeypatch.delenv(layers.LINEAR_ENV, raising=False)
-    monkeypatch.delenv(dispatch.LAYER_PDL_ENV, raising=False)
     config = dataclasses.replace(preset_config("llama3-8b"), num_layers=1)
     cuda = torch.device("cuda")
-    model = Model(config, random_weights(config, torch.bfloat16, cuda), dtype=torch.bfloat16, device=cuda)
+    model = Model(config, random_weights(config, torch.bfloat16, cuda), dtype=torch.bfloat16, device=cuda,
+                  settings=Settings())  # linear and layer_pdl auto
     seen = {"skinny": set(), "pdl": set()}
     real_linear, real_pdl = skinny.linear, dispatch.layer_pdl
 

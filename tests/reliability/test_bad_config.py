@@ -1,0 +1,146 @@
+"""Replay of broken deployment files through `disagg check`, in process (typer's CliRunner).
+
+Every case is a real YAML file that must be refused before anything starts: exit status 2, one
+`ConfigError` message naming the file and the field path at fault (and the key and line for a
+key given twice), and no Python traceback. The classes: wrong types (strings for ints, floats,
+bools; numbers for bools; floats for ints), keys given twice (top level, nested, flow style),
+empty or blank paths, unknown keys and sections, bad enum values (kernels switches included),
+negative or zero counts, a share of a GPU that is not 1/k or above 1, and the cross-field rules.
+The launcher is replaced by a recorder: a case that got past validation counts as "launched".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from disagg.cluster import cli
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+BASE = CONFIGS / "tiny-1p1d.yaml"
+
+
+def _set(dotted: str, value) -> dict:
+    return {"set": (dotted, value)}
+
+
+def _text(text: str) -> dict:
+    return {"text": text}
+
+
+# name -> (what to break, text the message must hold: the field path, or the key and line)
+CASES = {
+    # strings, floats or numbers where the schema wants another type
+    "int as string": (_set("instances.prefill", "1"), "instances.prefill: Input should be a valid integer (got '1')"),
+    "page size as string": (_set("cache.page_size", "16"), "cache.page_size: Input should be a valid integer"),
+    "pages as float": (_set("cache.num_pages", 256.0), "cache.num_pages: Input should be a valid integer"),
+    "decode as float": (_set("instances.decode", 1.5), "instances.decode: Input should be a valid integer"),
+    "seconds as string": (_set("router.lease_s", "30"), "router.lease_s: Input should be a valid number"),
+    "timeout as word": (_set("router.request_timeout_s", "never"), "router.request_timeout_s:"),
+    "bool as int": (_set("transfer.force_segment_puts", 1), "transfer.force_segment_puts: Input should be a valid boolean"),
+    "bool as string": (_set("cluster.warmup", "yes"), "cluster.warmup: Input should be a valid boolean (got 'yes')"),
+    "bool as 'true'": (_set("scheduler.async_scheduling", "true"), "scheduler.async_scheduling: Input should be a valid boolean"),
+    "port as string": (_set("serve.port", "8000"), "serve.port: Input should be a valid integer"),
+    "rate as string": (_set("bench.request_rates", ["1"]), "bench.request_rates.0: Input should be a valid number"),
+    "section as list": (_set("router", [1, 2]), "router: Input should be a valid dictionary"),
+    "source as number": (_set("model.source", 7), "model.source: Input should be a valid string"),
+    # a key given twice: YAML's safe_load would keep the last one silently
+    "top-level twice": (_text("model:\n  source: 'dummy:tiny'\n"), "model given twice (first at line"),
+    "nested twice": (_text("router:\n  lease_s: 30\n  lease_s: 5\n"), "router given twice"),
+    "key twice": ({"replace": ("  page_size: 16", "  page_size: 16\n  page_size: 32")},
+                  "cache.page_size given twice (first at line"),
+    "flow twice": ({"replace": ("  device: cpu", "  device: cpu\n  device: cuda")}, "instances.device given twice"),
+    # empty or blank paths
+    "empty source": (_set("model.source", ""), "model.source: expected an HF directory"),
+    "blank source": (_set("model.source", "  "), "model.source: expected an HF directory"),
+    "empty compare_with": (_set("bench.compare_with", ""), "bench.compare_with: expected the path"),
+    # unknown keys and sections
+    "unknown key": (_set("cache.page_sise", 16), "cache.page_sise: unknown key; did you mean 'page_size'?"),
+    "unknown section": (_set("routr", {"lease_s": 3}), "routr: unknown key; did you mean 'router'?"),
+    "unknown kernel switch": (_set("kernels.linar", "triton"), "kernels.linar: unknown key; did you mean 'linear'?"),
+    # values outside an enum
+    "bad dtype": (_set("model.dtype", "fp16"), "model.dtype: Input should be"),
+    "bad backend": (_set("transfer.backend", "nccl"), "transfer.backend: Input should be"),
+    "bad device": (_set("instances.device", "gpu"), "instances.device: Input should be"),
+    "bad policy": (_set("router.policy", "random"), "router.policy: Input should be"),
+    "bad kv dtype": (_set("cache.kv_dtype", "int8"), "cache.kv_dtype: Input should be"),
+    "bad linear": (_set("kernels.linear", "cuda"), "kernels.linear: Input should be 'auto', 'cublas' or 'triton'"),
+    "bad pdl": (_set("kernels.layer_pdl", 1), "kernels.layer_pdl: expected 'auto', true or false"),
+    "bad rope append": (_set("kernels.rope_append", "0"), "kernels.rope_append: Input should be a valid boolean"),
+    # negative or zero counts and sizes
+    "negative prefill": (_set("instances.prefill", -1), "instances.prefill: Input should be greater than or equal to 0"),
+    "negative colocated": (_set("instances.colocated", -2), "instances.colocated: Input should be greater"),
+    "negative pages": (_set("cache.num_pages", -5), "cache.num_pages: Input should be greater than 0"),
+    "zero seqs": (_set("scheduler.max_num_seqs", 0), "scheduler.max_num_seqs: Input should be greater than 0"),
+    "negative lease": (_set("router.lease_s", -1), "router.lease_s: Input should be greater than 0"),
+    "zero gpus": (_set("instances.gpus_per_instance", 0), "instances.gpus_per_instance: Input should be greater"),
+    # a GPU share that is not 1/k, or more than one GPU
+    "gpu share 0.4": (_set("instances.gpus_per_instance", 0.4), "instances: gpus_per_instance must be 1/k"),
+    "gpu share 2": (_set("instances.gpus_per_instance", 2), "instances: gpus_per_instance above 1"),
+    # cross-field rules
+    "page size not a power of two": (_set("cache.page_size", 12), "cache: page_size must be a power of two"),
+    "no decode": (_set("instances.decode", 0), "instances: a disaggregated fleet needs prefill >= 1 and decode >= 1"),
+    "fp8 on cpu": (_set("cache.kv_dtype", "fp8_e4m3"), "cache.kv_dtype fp8_e4m3 needs GPUs"),
+    "missing model": ({"drop": "model"}, "model: Field required"),
+}
+
+
+def _write(tmp_path: Path, name: str, change: dict) -> Path:
+    text = BASE.read_text()
+    if "set" in change or "drop" in change:
+        raw = yaml.safe_load(text)
+        if "drop" in change:
+            del raw[change["drop"]]
+        else:
+            dotted, value = change["set"]
+            *sections, key = dotted.split(".")
+            node = raw
+            for section in sections:
+                node = node.setdefault(section, {})
+            node[key] = value
+        text = yaml.safe_dump(raw, sort_keys=False)
+    elif "replace" in change:
+        old, new = change["replace"]
+        assert old in text, f"{name}: {old!r} is not in {BASE.name}"
+        text = text.replace(old, new, 1)
+    else:
+        text += change["text"]
+    path = tmp_path / f"{name.replace(' ', '_').replace(chr(39), '')}.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_every_broken_config_exits_2_naming_the_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    launched = []
+
+    def recorder(config):
+        launched.append(config.path)
+        raise cli.typer.Exit(99)
+
+    monkeypatch.setattr(cli, "_launch", recorder)  # nothing may get this far
+    runner = CliRunner()
+    counts = {"tried": 0, "exit_2": 0, "named": 0, "tracebacks": 0, "launched": 0}
+    wrong = []
+    for name, (change, expected) in CASES.items():
+        path = _write(tmp_path, name, change)
+        result = runner.invoke(cli.app, ["check", str(path)])
+        counts["tried"] += 1
+        counts["exit_2"] += result.exit_code == 2
+        named = expected in result.output and str(path) in result.output
+        counts["named"] += named
+        counts["tracebacks"] += "Traceback" in result.output or (
+            result.exception is not None and not isinstance(result.exception, SystemExit))
+        if result.exit_code != 2 or not named:
+            wrong.append(f"{name}: exit {result.exit_code}, output {result.output.strip()!r}")
+    counts["launched"] = len(launched)
+    assert counts == {"tried": len(CASES), "exit_2": len(CASES), "named": len(CASES), "tracebacks": 0,
+                      "launched": 0}, "\n".join(wrong)
+    assert len(CASES) >= 40
+
+
+def test_the_base_config_is_valid():
+    """The replay breaks one thing at a time: the file it starts from passes."""
+    assert cli.load_config(BASE).instances.num_instances == 2
