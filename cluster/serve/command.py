@@ -148,21 +148,26 @@ def _origins(text: str | None) -> list[str] | None:
 
 
 def configure_logging(level: str | None) -> str:
-    """Set disagg's log level here and in the actors (DISAGG_LOG), and Ray's driver handlers'.
+    """Set the level of disagg's logs; a level given also reaches the actors and Ray's driver logs.
 
     Args:
-        level: a `LogLevel` value, or None: $DISAGG_LOG, else info.
+        level: a `LogLevel` value: disagg's loggers here, the actors' (DISAGG_LOG, passed on by
+            the bootstrap), the handlers of Ray's driver logger and Ray's processes
+            (RAY_LOGGER_LEVEL) take it. None: $DISAGG_LOG, else info, here only (the actors keep
+            $DISAGG_LOG, else WARNING).
 
     Returns:
         the level as uvicorn names it (lower case).
     """
+    given = level is not None
     level = (level or os.environ.get("DISAGG_LOG") or "info").lower()
     python_level = "DEBUG" if level == "trace" else level.upper()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("disagg").setLevel(python_level)
-    os.environ["DISAGG_LOG"] = python_level  # the actors read it (bootstrap passes it on)
-    os.environ.setdefault("RAY_LOGGER_LEVEL", python_level.lower())  # if Ray is not imported yet
-    # Ray sets its "ray" logger's level in ray.init; its handlers' levels are ours to set.
-    for handler in logging.getLogger("ray").handlers:
-        handler.setLevel(python_level)
+    if given:
+        os.environ["DISAGG_LOG"] = python_level
+        os.environ["RAY_LOGGER_LEVEL"] = python_level.lower()  # read by the Ray processes ray.init starts
+        # ray.init sets the "ray" logger's own level; its handlers' levels are left to us.
+        for handler in logging.getLogger("ray").handlers:
+            handler.setLevel(python_level)
     return level
