@@ -104,7 +104,8 @@ def serve_command(
         help='origins browsers may call from, as a JSON list: \'["https://app.example"]\' or \'["*"]\'; '
              "default: no CORS headers", show_default=False)] = None,
     disable_log_requests: Annotated[bool, typer.Option(
-        "--disable-log-requests", help="accepted for vLLM's sake: disagg logs no request (the access log is off)")] = False,
+        "--disable-log-requests",
+        help="accepted for vLLM's sake: disagg logs no request (the access log is off)")] = False,
     **vllm_options: Any,
 ) -> None:
     """Launch the fleet of CONFIG and serve the OpenAI API on serve.host:serve.port (/v1/completions,

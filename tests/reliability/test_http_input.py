@@ -50,7 +50,8 @@ def _bad_input_cases(max_model_len: int) -> list[tuple[str, str, bytes | dict, i
         # wrong types
         ("types", CMPL, {"prompt": 5}, 400), ("types", CMPL, {"prompt": {"text": "x"}}, 400),
         ("types", CMPL, {"prompt": [1, "a"]}, 400), ("types", CMPL, {"prompt": [1], "max_tokens": "8"}, 400),
-        ("types", CMPL, {"prompt": [1], "max_tokens": 1.5}, 400), ("types", CMPL, {"prompt": [1], "stream": "yes"}, 400),
+        ("types", CMPL, {"prompt": [1], "max_tokens": 1.5}, 400),
+        ("types", CMPL, {"prompt": [1], "stream": "yes"}, 400),
         ("types", CMPL, {"prompt": [1], "temperature": "hot"}, 400), ("types", CMPL, {"prompt": [1], "stop": 7}, 400),
         ("types", CHAT, {"messages": "hello"}, 400), ("types", CHAT, _chat(5), 400),
         ("types", CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400), ("types", CHAT, {"messages": []}, 400),
@@ -67,7 +68,8 @@ def _bad_input_cases(max_model_len: int) -> list[tuple[str, str, bytes | dict, i
         ("huge", CMPL, {"prompt": "a" * 200_000}, 400),  # tokenized (200k tokens), then over the context
         ("huge", CMPL, {"prompt": [5] * (max_model_len + 1)}, 400), ("huge", CMPL, {"prompt": huge_text}, 413),
         # max_tokens
-        ("max_tokens", CMPL, {"prompt": [1], "max_tokens": -1}, 400), ("max_tokens", CMPL, {"prompt": [1], "max_tokens": 0}, 400),
+        ("max_tokens", CMPL, {"prompt": [1], "max_tokens": -1}, 400),
+        ("max_tokens", CMPL, {"prompt": [1], "max_tokens": 0}, 400),
         ("max_tokens", CMPL, {"prompt": [1], "max_tokens": max_model_len}, 400),
         ("max_tokens", CMPL, {"prompt": [1], "max_tokens": 10 ** 30}, 400),
         ("max_tokens", CHAT, _chat("hi", max_completion_tokens=-3), 400),
@@ -76,8 +78,10 @@ def _bad_input_cases(max_model_len: int) -> list[tuple[str, str, bytes | dict, i
         ("model", CMPL, {"prompt": [1], "model": "gpt-4"}, 404), ("model", CHAT, _chat("hi", model="gpt-4"), 404),
         # unsupported or out-of-range fields
         ("fields", CMPL, {"prompt": [1], "max_tokenz": 3}, 400), ("fields", CMPL, {"prompt": [1], "n": 2}, 400),
-        ("fields", CMPL, {"prompt": [1], "logprobs": 5}, 400), ("fields", CMPL, {"prompt": [1], "temperature": -1}, 400),
-        ("fields", CMPL, b'{"prompt": [1], "temperature": NaN}', 400), ("fields", CMPL, {"prompt": [1], "top_p": 0}, 400),
+        ("fields", CMPL, {"prompt": [1], "logprobs": 5}, 400),
+        ("fields", CMPL, {"prompt": [1], "temperature": -1}, 400),
+        ("fields", CMPL, b'{"prompt": [1], "temperature": NaN}', 400),
+        ("fields", CMPL, {"prompt": [1], "top_p": 0}, 400),
         ("fields", CMPL, {"prompt": [1], "seed": 2 ** 70}, 400), ("fields", CMPL, {"prompt": [100_000]}, 400),
         ("fields", CHAT, _chat("hi", tools=[{"type": "function"}]), 400),
     ]
@@ -116,7 +120,8 @@ class Tally:
         self.counts["tried"] += 1
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         try:
-            response = client.post(path, content=content, headers={"Content-Type": "application/json", **(headers or {})})
+            response = client.post(path, content=content,
+                                   headers={"Content-Type": "application/json", **(headers or {})})
         except httpx.TimeoutException:
             self.bump("hangs", what)
             return None
@@ -184,7 +189,8 @@ def test_bad_http_input_replay(served):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"},
                         {"Authorization": "Bearer"}, {"Authorization": API_KEY}):
             tally.send(client, CMPL, {"prompt": [1], "max_tokens": 2}, 401, f"auth {headers}", headers)
-        tally.send(client, CMPL, {"prompt": [1], "max_tokens": 2}, 200, "auth ok", {"Authorization": f"Bearer {API_KEY}"})
+        tally.send(client, CMPL, {"prompt": [1], "max_tokens": 2}, 200, "auth ok",
+                   {"Authorization": f"Bearer {API_KEY}"})
     _drop_streams_midway(server, tally, num_streams=4)
     leaked = _wait_idle(cluster, LEASE_S + 20)
     counts = dict(tally.counts, pages_leaked=leaked, in_flight=server.app.state.server.num_in_flight)
