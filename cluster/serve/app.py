@@ -1,12 +1,13 @@
 """The FastAPI app of `disagg serve`: OpenAI routes over a launched `Cluster`.
 
 `build_app(cluster, config)` wires the routes (/v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics), the guards (API key on /v1, body size limit), OpenAI-shaped error handlers
-and a `ServerMetrics` registry. A request's path: validate (protocol.py) -> tokenize and check the
-context (prompts.py) -> admit (a bounded count of requests in flight, else 429) -> run on the
-cluster (generation.py) -> answer as one JSON body or as server-sent events (streaming.py). A
-client that disconnects, before or during its stream, has its request aborted on the cluster.
-Runs in uvicorn's event loop; `cluster.stream` bridges to the router's loop.
+/health, /metrics), the guards (API key on /v1, body size limit, CORS when origins are given),
+OpenAI-shaped error handlers with a catch-all, and a `ServerMetrics` registry. A request's path:
+validate (protocol.py) -> tokenize and check the context (prompts.py, in a worker thread) ->
+admit (a bounded count of requests in flight, else 429) -> run on the cluster (generation.py) ->
+answer as one JSON body or as server-sent events (streaming.py). A client that disconnects,
+before or during its stream, has its request aborted on the cluster. Runs in uvicorn's event
+loop; `cluster.stream` bridges to the router's loop.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
-from disagg.cluster.serve.errors import APIError, validation_message
+from disagg.cluster.serve.errors import APIError, CatchAllMiddleware, validation_message
 from disagg.cluster.serve.generation import Chunk, Generation, GenerationFailed
 from disagg.cluster.serve.guards import ApiKeyMiddleware, BodyLimitMiddleware, resolve_api_key
 from disagg.cluster.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -100,7 +102,7 @@ def _unavailable() -> APIError:
 
 
 def build_app(cluster: Any | None, config: Any = None, *, max_concurrent_requests: int | None = None,
-              max_body_bytes: int | None = None) -> FastAPI:
+              max_body_bytes: int | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
     """The OpenAI-compatible app over a launched cluster (or one still launching).
 
     Args:
@@ -111,6 +113,8 @@ def build_app(cluster: Any | None, config: Any = None, *, max_concurrent_request
         max_concurrent_requests: requests in flight before new ones get 429; default
             serve.max_concurrent_requests when the config has it, else 4096.
         max_body_bytes: largest request body, bytes; default serve.max_body_bytes, else 4 MiB.
+        allowed_origins: origins browsers may call the API from (CORS; ["*"]: any); None: no
+            CORS headers (vLLM allows every origin by default; here it takes `--allowed-origins`).
 
     Returns:
         the FastAPI app; `app.state.server` is its `ServerState`.
@@ -129,9 +133,14 @@ def build_app(cluster: Any | None, config: Any = None, *, max_concurrent_request
     app = FastAPI(title="disagg", summary="OpenAI-compatible API of a disaggregated prefill/decode cluster",
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
-    # Added last runs first: the API key is checked before the body is even read.
+    # Added last runs first: the API key is checked before the body is even read; CORS answers a
+    # browser's preflight (which carries no key) before that; the catch-all wraps everything.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, api_key=resolve_api_key(serve.api_key))
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(CatchAllMiddleware, on_error=state.record_failure)
     _install_error_handlers(app, state)
     _install_routes(app, state)
     return app
@@ -152,7 +161,8 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind).response()
+        error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind)
+        return error.response(exc.headers)  # 405 keeps its Allow header
 
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
@@ -176,14 +186,14 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         if not state.healthy:
             raise _unavailable()
-        prepared = prepare_completion(body, state.limits)
+        prepared = await asyncio.to_thread(prepare_completion, body, state.limits)  # tokenizes: off the loop
         return await _respond(state, request, body, prepared, "completion", "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         if not state.healthy:
             raise _unavailable()
-        prepared = prepare_chat(body, state.limits)
+        prepared = await asyncio.to_thread(prepare_chat, body, state.limits)
         return await _respond(state, request, body, prepared, "chat", "chatcmpl")
 
 

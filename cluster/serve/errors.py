@@ -2,17 +2,22 @@
 
 `APIError` is what route code raises; `app.py` installs handlers that turn it, FastAPI's request
 validation errors (malformed JSON, unknown fields, wrong types) and Starlette's HTTP errors
-(404, 405) into that shape. `validation_message` names the offending field in the message and
-in `param`, as OpenAI does.
+(404, 405) into that shape, and `CatchAllMiddleware` (outermost) turns any other exception into a
+500 in that shape, so no client ever gets a plain-text body. `validation_message` names the
+offending field in the message and in `param`, as OpenAI does.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Callable
 
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from disagg.cluster.serve.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
 
 # Tags pydantic puts in an error's `loc` for the member of a union it tried; not field names.
 _UNION_TAG_CHARS = ("[", "-")
@@ -34,9 +39,9 @@ class APIError(Exception):
                  param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.message = message
+        self.message = _encodable(message)
         self.type = type
-        self.param = param
+        self.param = None if param is None else _encodable(param)
         self.code = code
 
     def body(self) -> dict[str, Any]:
@@ -49,6 +54,49 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def _encodable(text: str) -> str:
+    """`text` with what UTF-8 cannot encode (a client's lone surrogate, echoed) as a backslash escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class CatchAllMiddleware:
+    """The last resort: an exception no handler took becomes a 500 in OpenAI's shape, logged once.
+
+    Outermost of the app's middleware. When the response has already begun (a stream), nothing
+    can be answered any more: the exception goes on to uvicorn, which closes the connection.
+
+    Args:
+        app: the wrapped ASGI app.
+        on_error: called with the failure reason ("internal_error") for the metrics.
+    """
+
+    def __init__(self, app: ASGIApp, on_error: Callable[[str], None] | None = None) -> None:
+        self.app = app
+        self._on_error = on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracking(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception as err:
+            if started:
+                raise
+            logger.exception("%s %s failed: %s: %s", scope.get("method"), scope.get("path"), type(err).__name__, err)
+            if self._on_error is not None:
+                self._on_error("internal_error")
+            error = APIError(500, f"internal server error: {type(err).__name__}: {err}", type="server_error",
+                             code="internal_error")
+            await error.response()(scope, receive, send)
 
 
 def _field_path(loc: tuple | list) -> str:
@@ -64,6 +112,10 @@ def _field_path(loc: tuple | list) -> str:
             continue
         parts.append(("." if parts else "") + item)
     return "".join(parts)
+
+
+def _top_field(path: str) -> str:
+    return path.split(".")[0].split("[")[0]
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -88,16 +140,16 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         return f"unknown field '{path}': this server does not accept it (check its spelling)", path
     if first["type"] == "missing":
         return f"missing required field '{path}'", path
-    top = path.split(".")[0].split("[")[0]
+    top = _top_field(path)
+    same_field = [err for err in errors if _top_field(_field_path(err["loc"])) == top]
+    refusals = [err for err in same_field if err["type"] == "value_error"]
+    if refusals:  # a validator's own sentence beats the type mismatches of a union's other members
+        path = _field_path(refusals[0]["loc"])
+        return f"invalid value for '{path}': {refusals[0]['msg'].removeprefix('Value error, ')}", path
     msgs: list[str] = []
-    for err in errors:
-        err_path = _field_path(err["loc"])
-        if err_path.split(".")[0].split("[")[0] == top:
-            msg = err["msg"].removeprefix("Value error, ")
-            if msg not in msgs:
-                msgs.append(msg)
-    if first["type"] == "value_error":
-        return f"invalid value for '{path}': {msgs[0]}", path
+    for err in same_field:
+        if err["msg"] not in msgs:
+            msgs.append(err["msg"])
     got = first.get("input")
     got_text = repr(got) if len(repr(got)) <= 80 else type(got).__name__
     return f"invalid value for '{path}': {'; or '.join(msgs[:3])} (got {got_text})", path

@@ -38,7 +38,7 @@ class ApiKeyMiddleware:
         self._key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._key is None or scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+        if self._key is None or scope["type"] != "http" or not _route_path(scope).startswith(PROTECTED_PREFIX):
             await self.app(scope, receive, send)
             return
         header = dict(scope["headers"]).get(b"authorization", b"")
@@ -52,6 +52,12 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         await error.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the routes see: uvicorn puts `--root-path` in front of it (as Starlette strips it)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 class BodyLimitMiddleware:

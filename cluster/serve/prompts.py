@@ -2,7 +2,10 @@
 
 `prepare_completion` / `prepare_chat` tokenize the prompt (chat: through the tokenizer's chat
 template), check it against the context limit, and translate OpenAI's sampling fields; every
-refusal is an `APIError` (400) naming the field. Runs in the server's event loop, before the
+refusal is an `APIError` (400, or 404 for an unknown model) naming the field. Text longer than
+`ModelLimits.max_prompt_chars` is refused before it is tokenized: a token never covers more than
+`MAX_CHARS_PER_TOKEN` characters, so such text cannot fit the context. `app.py` runs these in a
+worker thread (tokenizing megabytes takes seconds and must not stall the event loop), before the
 request reaches the cluster, so a refused request costs no page.
 """
 
@@ -19,6 +22,10 @@ from disagg.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request gives none
+# Characters one token covers at most. Byte-level BPE and SentencePiece tokens of the served
+# vocabularies are at most a few dozen characters (runs of spaces or '=' the longest); text
+# averages ~4. Only normalizers that delete characters could break this bound, on garbage input.
+MAX_CHARS_PER_TOKEN = 64
 
 
 @dataclass
@@ -48,17 +55,24 @@ class ModelLimits:
     vocab_size: int | None = None
     max_tokens_default: int = 256
 
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters of text beyond which a prompt cannot fit the context, whatever it says."""
+        return self.max_model_len * MAX_CHARS_PER_TOKEN
+
 
 def prepare_completion(request: CompletionRequest, limits: ModelLimits) -> PreparedRequest:
     """Tokenize a /v1/completions prompt (text or token ids) and build its sampling params.
 
     Raises:
-        APIError: 400 naming `prompt`, `stop`, `max_tokens` or a sampling field.
+        APIError: 400 naming `prompt`, `stop`, `max_tokens` or a sampling field; 404 naming `model`.
     """
+    _check_model(request, limits)
     if isinstance(request.prompt, str):
         if limits.tokenizer is None:
             raise bad_request(f"model '{limits.name}' has no tokenizer, so a text prompt cannot be "
                               "tokenized; send 'prompt' as a list of token ids", "prompt", "no_tokenizer")
+        _check_text_length(len(request.prompt), limits, "prompt")
         prompt_ids = list(limits.tokenizer.encode(request.prompt))
     else:
         prompt_ids = list(request.prompt)
@@ -70,17 +84,21 @@ def prepare_chat(request: ChatCompletionRequest, limits: ModelLimits) -> Prepare
     """Render `messages` through the model's chat template, tokenize, build sampling params.
 
     Raises:
-        APIError: 400 when the model has no tokenizer or no chat template, or a field is bad.
+        APIError: 400 when the model has no tokenizer or no chat template, or a field is bad; 404
+            naming `model`.
     """
+    _check_model(request, limits)
     if limits.tokenizer is None:
         raise bad_request(f"model '{limits.name}' has no tokenizer, hence no chat template; use "
                           "/v1/completions with a prompt of token ids", "messages", "no_chat_template")
     messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
                 for m in request.messages]
+    # The template copies every message's text into the prompt: their sum bounds it from below.
+    _check_text_length(sum(len(m["content"]) for m in messages), limits, "messages")
     try:
         text = limits.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except Exception as err:  # ChatTemplateError, or the template's own jinja errors
-        if type(err).__name__ == "ChatTemplateError":
+        if type(err).__name__ == "ChatTemplateError" and not getattr(limits.tokenizer, "chat_template", None):
             raise bad_request(f"model '{limits.name}' has no chat template ({err}); use /v1/completions",
                               "messages", "no_chat_template") from None
         raise bad_request(f"the chat template of model '{limits.name}' failed on these messages: {err}",
@@ -89,11 +107,23 @@ def prepare_chat(request: ChatCompletionRequest, limits: ModelLimits) -> Prepare
     return _prepare(request, prompt_ids, request.requested_max_tokens(), limits, "messages")
 
 
-def _prepare(request: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
-             limits: ModelLimits, prompt_field: str) -> PreparedRequest:
+def _check_model(request: SamplingFields, limits: ModelLimits) -> None:
     if request.model is not None and request.model != limits.name:
         raise APIError(404, f"the model '{request.model}' does not exist; this server serves "
                        f"'{limits.name}' (see /v1/models)", param="model", code="model_not_found")
+
+
+def _check_text_length(num_chars: int, limits: ModelLimits, prompt_field: str) -> None:
+    """Refuse text that cannot fit the context, before spending seconds tokenizing it."""
+    if num_chars > limits.max_prompt_chars:
+        raise bad_request(f"this model's maximum context length is {limits.max_model_len} tokens, but "
+                          f"'{prompt_field}' has {num_chars} characters, more than the "
+                          f"{limits.max_prompt_chars} ({MAX_CHARS_PER_TOKEN} per token) that could fit; "
+                          f"shorten '{prompt_field}'", prompt_field, "context_length_exceeded")
+
+
+def _prepare(request: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
+             limits: ModelLimits, prompt_field: str) -> PreparedRequest:
     if not prompt_ids:
         raise bad_request("the prompt tokenized to no tokens", prompt_field)
     room = limits.max_model_len - len(prompt_ids)

@@ -5,17 +5,37 @@ where OpenAI leaves a detail open). Requests reject unknown fields (`extra="forb
 gets a 400 naming the field instead of being ignored; fields that OpenAI defines but this server
 cannot honour are accepted at their neutral value and refused otherwise, naming the field. Two
 vLLM extensions are accepted: `top_k`, `ignore_eos`, and `return_token_ids` (the response then
-carries `prompt_token_ids` and each choice's `token_ids`). Built by `app.py`; pure pydantic.
+carries `prompt_token_ids` and each choice's `token_ids`). Every text field must be valid Unicode:
+a lone UTF-16 surrogate (JSON allows "\\ud800" alone; no tokenizer can encode it) is a 400 naming
+the field. Built by `app.py`; pure pydantic.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_SEQUENCES = 16
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _whole_unicode(text: str) -> str:
+    """`text` unchanged, or ValueError when it holds a surrogate code point (not encodable as UTF-8).
+
+    json.loads joins a valid surrogate pair into one character, so any surrogate left is lone.
+    """
+    found = _SURROGATE.search(text)
+    if found is not None:
+        raise ValueError(f"text must be valid Unicode; got a lone UTF-16 surrogate U+{ord(found.group()):04X} "
+                         f"at character {found.start()} (send a character outside the BMP as a surrogate "
+                         "pair, or as UTF-8)")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_whole_unicode)]
 
 
 class _Request(BaseModel):
@@ -42,12 +62,12 @@ def _refuse_unless(value: Any, neutral: tuple, what: str) -> Any:
 class SamplingFields(_Request):
     """Fields shared by completions and chat: what to sample and when to stop."""
 
-    model: str | None = Field(None, description="served model name; None: the only model")
+    model: Text | None = Field(None, description="served model name; None: the only model")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default 1.0 as OpenAI")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus mass; default 1.0")
     top_k: int | None = Field(None, ge=0, description="vLLM extension; 0 or absent = off")
     seed: int | None = Field(None, description="per-request sampling seed")
-    stop: str | list[str] | list[int] | None = Field(None, description="stop strings, or stop token ids")
+    stop: Text | list[Text] | list[int] | None = Field(None, description="stop strings, or stop token ids")
     stop_token_ids: list[int] | None = Field(None, description="vLLM extension: more stop token ids")
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past EOS")
     n: int = Field(1, description="choices per prompt; only 1")
@@ -100,7 +120,7 @@ class SamplingFields(_Request):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt`: one text, or one list of token ids."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = Field(None, ge=1, description="None: serve.max_tokens_default, within the context")
     echo: bool = False
     logprobs: int | None = None
@@ -143,15 +163,15 @@ class TextPart(_Request):
     """One `{"type": "text", "text": ...}` part of a message's content."""
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Request):
     """One message of `messages`. Only text content; tool calls are not supported."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -2,12 +2,14 @@
 
 `run_server(app, host, port)` blocks until SIGINT/SIGTERM. `BackgroundServer` starts uvicorn in
 a daemon thread on an already-bound socket (port 0 gives an ephemeral port, known before the
-first request), waits until it accepts, and stops it on exit; it is what the tests and
-`disagg bench` use to talk HTTP to a cluster in the same process.
+first request), waits until it accepts, and stops it on exit; it is what `disagg serve`, the tests
+and `disagg bench` use. A port that cannot be bound raises `BindError` (one sentence naming
+host:port and the likely fix), before anything else starts.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -16,14 +18,39 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
+from disagg.errors import DisaggError
+
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+_BIND_HINTS = {
+    errno.EADDRINUSE: "another process listens there; stop it or choose another --port or serve.port",
+    errno.EADDRNOTAVAIL: "not an address of this machine; use --host 127.0.0.1, 0.0.0.0 or one of its addresses",
+    errno.EACCES: "ports below 1024 need privileges; choose a port >= 1024",
+}
 
 
-def _uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
+class BindError(DisaggError, OSError):
+    """The HTTP port cannot be bound: in use, a host that is not this machine's, no permission.
+
+    Attributes:
+        host: the bind address asked for.
+        port: the TCP port asked for.
+    """
+
+    def __init__(self, host: str, port: int, cause: OSError) -> None:
+        if isinstance(cause, socket.gaierror):
+            hint = "unknown host; use --host 127.0.0.1, 0.0.0.0 or a name this machine resolves"
+        else:
+            hint = _BIND_HINTS.get(cause.errno, "")
+        reason = cause.strerror or str(cause)
+        super().__init__(f"cannot listen on {host}:{port}: {reason}" + (f" ({hint})" if hint else ""))
+        self.host, self.port = host, port
+
+
+def _uvicorn_config(app: FastAPI, host: str, port: int, log_level: str, root_path: str = "") -> uvicorn.Config:
     # h11 (pure Python) keeps behaviour identical everywhere; the access log is off on the hot path.
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, root_path=root_path,
                           http="h11", lifespan="off", timeout_graceful_shutdown=5)
 
 
@@ -34,6 +61,22 @@ def run_server(app: FastAPI, host: str = LOOPBACK, port: int = 8000, log_level: 
     uvicorn.Server(_uvicorn_config(app, host, port, log_level)).run()
 
 
+def _bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (not listening yet; uvicorn listens on it).
+
+    Raises:
+        BindError: the address is in use, not this machine's, unknown, or needs privileges.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT, never a live one
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise BindError(host, port, err) from None
+    return sock
+
+
 class BackgroundServer:
     """uvicorn in a daemon thread, as a context manager.
 
@@ -41,21 +84,24 @@ class BackgroundServer:
         app: the ASGI app.
         host: bind address (loopback by default).
         port: TCP port; 0 picks a free one.
+        log_level: uvicorn's log level.
+        root_path: the path prefix a reverse proxy strips (`--root-path`); "" for none.
 
     Attributes:
         port: the bound port.
         base_url: ``http://host:port``.
+
+    Raises:
+        BindError: host:port cannot be bound (raised by the constructor, before any thread starts).
     """
 
-    def __init__(self, app: FastAPI, host: str = LOOPBACK, port: int = 0, log_level: str = "warning") -> None:
+    def __init__(self, app: FastAPI, host: str = LOOPBACK, port: int = 0, log_level: str = "warning",
+                 root_path: str = "") -> None:
         self.app = app
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        self._sock = _bound_socket(host, port)
         self.port = self._sock.getsockname()[1]
         self.base_url = f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
-        self._server = uvicorn.Server(_uvicorn_config(app, host, self.port, log_level))
+        self._server = uvicorn.Server(_uvicorn_config(app, host, self.port, log_level, root_path))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name=f"uvicorn-{self.port}", daemon=True)
 
