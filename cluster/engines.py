@@ -153,7 +153,7 @@ def make_engine(role: str, model: Any, heap: Any, num_pages: int, config: Config
         return PrefillEngine(model, heap, max_num_batched_tokens=budget,
                              force_segment_puts=config.transfer.force_segment_puts, **common)
     if role == "decode":
-        return DecodeEngine(model, heap, lease_s=config.router.lease_s,
+        return DecodeEngine(model, heap, lease_s=config.router.lease_s, max_num_batched_tokens=budget,
                             async_scheduling=config.scheduler.async_scheduling, **common)
     if role == "colocated":
         return ColocatedEngine(model, max_num_batched_tokens=budget,

@@ -1,17 +1,21 @@
 """disagg.engine: the engines that own a model, a KV cache and its page tables (no Ray).
 
     ColocatedEngine(model, num_pages=, page_size=, max_num_seqs=, max_num_batched_tokens=)
+                                      .add(request_id, prompt_token_ids, params)
     PrefillEngine(model, heap, ...)   .add(request_id, prompt_token_ids, params, dest)
+                                      (dest None: kept, decoded here)
     DecodeEngine(model, heap, ...)    .reserve(request_id, prompt_len, params) -> RecvDest
                                       .start(request_id, first_token_id)
                                       .cancel_reservation(dest)  no sender will write: free now
+                                      .add(request_id, prompt_token_ids, params)  prefilled here
     every engine: .step() -> list[TokenOutput], .abort(request_id), .has_work(), .stats()
     (PrefillEngine.abort -> PushState | None: may a push of it still land in the decode pages?)
 
-Files: `request` (request state, TokenOutput, RecvDest, add-time checks), `scheduler` (colocated
-batching and preemption), `runner` (plan -> forward -> sample), `graphs` (decode CUDA graphs),
-`sampler` (on-device sampling), `lease` (decode reservations awaiting their doorbell),
-`colocated`, `prefill`, `decode` (the engines). Sampling parameters live in `disagg.sampling`.
+Files: `core` (`EngineCore`: the one step pipeline and request life cycle every engine is a
+configuration of), `request` (request state, TokenOutput, RecvDest, add-time checks), `scheduler`
+(batching, page commitments, preemption), `runner` (plan -> forward -> sample), `graphs` (decode
+CUDA graphs), `sampler` (on-device sampling), `lease` (reservations awaiting their doorbell),
+`colocated`, `prefill`, `decode` (the three roles). Sampling parameters live in `disagg.sampling`.
 """
 
 from __future__ import annotations

@@ -95,6 +95,15 @@ class Request:
     finish_reason: str | None = None
     in_cache: bool = False
     decoding: bool = False
+    dest: RecvDest | None = None  # pushed: its prompt's KV goes to this reservation, then it leaves
+    received: bool = False  # its prompt's KV arrives from a sender into pages reserved here
+    committed_pages: int = 0  # pages promised for its whole stay here (pushed, received); 0: none
+
+    @property
+    def preemptible(self) -> bool:
+        """Only a request computed and decoded here can be preempted (freed and recomputed): a
+        received one has no prompt ids to recompute, a pushed one has a sender's promise to keep."""
+        return self.dest is None and not self.received
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,6 +1,6 @@
-"""The colocated scheduler: which requests compute how many tokens in the next forward.
+"""The scheduler of every engine: which requests compute how many tokens in the next forward.
 
-Owned by `ColocatedEngine` (one per engine process). Continuous batching with chunked prefill,
+Owned by `EngineCore` (one per engine process, any role). Continuous batching with chunked prefill,
 in vLLM v1's terms: every request has tokens to compute (a whole prompt, the rest of a chunked
 prompt, or the one token of a decode); a step takes decodes first (one token each, oldest
 first), then prompt chunks in arrival order, under ``max_num_batched_tokens`` tokens and
@@ -10,6 +10,13 @@ front of the queue, its generated tokens appended to what it recomputes); a chun
 tokens that fit in the free pages. When nothing at all fits, partially computed prompts at the
 back give their pages to the head of the queue. `add` refuses a request that could never fit the
 cache alone, so the queue always makes progress and running out of pages is never a crash.
+
+Committed requests (`Request.committed_pages` > 0) hold a promise of pages for their whole stay:
+a prompt pushed to a decode worker (its whole prompt, so a started push never waits for pages)
+and a request whose KV was received (prompt + max_tokens, so a decode never waits either). The
+pages promised but not yet taken are kept out of everyone else's budget (`outstanding_pages`);
+committed requests are never preempted and draw their pages from their own promise. A pushed
+prompt enters the cache only when its whole promise fits, in arrival order.
 """
 
 from __future__ import annotations
@@ -56,7 +63,23 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.committed: dict[int, Request] = {}  # seq id -> committed request in the cache
         self.num_preemptions = 0
+
+    def commit(self, req: Request) -> None:
+        """Count ``req`` (in the cache, ``committed_pages`` set) against everyone else's pages."""
+        assert req.in_cache and req.committed_pages > 0, "commit: a committed request is in the cache"
+        self.committed[req.seq_id] = req
+
+    def outstanding_pages(self) -> int:
+        """Pages promised to committed requests and not yet taken by them."""
+        size = self.cache.page_size
+        return sum(max(0, r.committed_pages - pages_for(self.cache.seq_length(r.seq_id), size))
+                   for r in self.committed.values())
+
+    def free_pages(self) -> int:
+        """Free pages that no committed request has been promised."""
+        return self.cache.num_free_pages - self.outstanding_pages()
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -81,14 +104,16 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Pick the next forward's batch (possibly empty only when there is no work)."""
         batch = ScheduledBatch([], [])
-        free = self._schedule_decodes(batch, self.cache.num_free_pages)
+        free = self._schedule_decodes(batch, self.free_pages())
         self._schedule_chunks(batch, free)
         if not batch and self.waiting and self._free_pages_for_head():
-            self._schedule_chunks(batch, self.cache.num_free_pages)
+            self._schedule_chunks(batch, self.free_pages())
         for req in batch.requests:
             if not req.in_cache:
                 self.cache.add_sequence(req.seq_id)
                 req.in_cache = True
+                if req.committed_pages:
+                    self.commit(req)
         return batch
 
     def finish_prompt(self, req: Request) -> None:
@@ -102,9 +127,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and len(batch) < self.max_num_seqs and self._budget(batch) > 0:
             req = self.running[i]
+            if req.committed_pages:  # its page comes out of its own promise
+                batch.append(req, 1)
+                i += 1
+                continue
             need = self._pages_needed(req, 1)
-            while need > free and len(self.running) - 1 > i:
-                free += self._preempt(self.running.pop())
+            while need > free and self._newest_preemptible(after=i) is not None:
+                free += self._preempt(self.running.pop(self._newest_preemptible(after=i)))
             if need > free:
                 free += self._preempt(self.running.pop(i))
                 break
@@ -113,12 +142,26 @@ class Scheduler:
             i += 1
         return free
 
+    def _newest_preemptible(self, after: int) -> int | None:
+        """Index of the newest running request behind ``after`` that may be preempted."""
+        for j in range(len(self.running) - 1, after, -1):
+            if self.running[j].preemptible:
+                return j
+        return None
+
     def _schedule_chunks(self, batch: ScheduledBatch, free: int) -> None:
         page_size = self.cache.page_size
         for req in self.waiting:
             budget = self._budget(batch)
             if len(batch) >= self.max_num_seqs or budget <= 0:
                 return
+            if req.committed_pages:
+                if not req.in_cache:  # enters only when its whole promise fits, in arrival order
+                    if req.committed_pages > free:
+                        return
+                    free -= req.committed_pages
+                batch.append(req, min(req.num_to_compute, budget))
+                continue
             tail = (-req.num_computed) % page_size if req.in_cache else 0
             n = min(req.num_to_compute, budget, free * page_size + tail)
             if n <= 0:
@@ -131,7 +174,7 @@ class Scheduler:
         keep their place in the queue and recompute). True if any did."""
         freed = False
         for req in list(self.waiting)[1:]:
-            if req.in_cache:
+            if req.in_cache and req.preemptible:
                 self._release(req)
                 self.num_preemptions += 1
                 freed = True
@@ -160,4 +203,5 @@ class Scheduler:
         if req.in_cache:
             self.cache.remove_sequence(req.seq_id)
             req.in_cache = False
+        self.committed.pop(req.seq_id, None)
         req.num_computed = 0

@@ -196,12 +196,14 @@ def test_out_of_pages_at_reserve_changes_nothing(engines):
     with pytest.raises(OutOfPages, match="needs 6 pages"):
         decode.reserve("next", 10, SamplingParams(max_tokens=12))
     assert decode.stats() == before
-    decode.abort("big")  # quarantined: its pages stay committed until the lease ends
-    with pytest.raises(OutOfPages):
-        decode.reserve("next", 10, SamplingParams(max_tokens=12))
+    decode.abort("big")  # quarantined: the 15 pages its push may still write stay taken until
+    # the lease ends; its promise of 5 more pages for decoding is void at once
+    with pytest.raises(OutOfPages, match="needs 10 pages.*9 are free"):
+        decode.reserve("next", 30, SamplingParams(max_tokens=10))
+    assert decode.reserve("next", 10, SamplingParams(max_tokens=12)).request_id == "next"
     clock.now += 5.0
     decode.step()
-    assert decode.reserve("next", 10, SamplingParams(max_tokens=12)).request_id == "next"
+    assert decode.stats()["free_pages"] == 24  # both leases expired: every page is back
 
 
 @pytest.mark.parametrize("call,kind,match", [

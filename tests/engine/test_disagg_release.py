@@ -99,8 +99,9 @@ def test_abort_before_any_push_is_quiesced(engines, tiny_model):
     dests["q"] = decode.reserve("q", 3, GREEDY)
     prefill.add("q", [1, 2, 3], GREEDY, dests["q"])
     ended = [o.request_id for o in prefill.step()]  # "a" takes the whole 5-token budget:
-    assert ended == ["c"]                            # "q" is admitted but never scheduled
-    assert prefill.stats()["running"] == 2 and prefill.stats()["pushed_bytes"] == 5 * prefill.token_bytes
+    assert ended == ["c"]                            # "q" waits (it enters the cache when scheduled)
+    stats = prefill.stats()
+    assert (stats["running"], stats["waiting"], stats["pushed_bytes"]) == (1, 1, 5 * prefill.token_bytes)
     assert prefill.abort("q") is PushState.QUIESCED
     for rid in ("c", "q"):
         assert decode.abort(rid)  # quarantined, as the router does first

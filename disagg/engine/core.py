@@ -1,0 +1,577 @@
+"""`EngineCore`: the one step pipeline and request life cycle behind every engine role.
+
+A plain object one process owns (a Ray actor, a test, a script). Prefill, decode and colocated
+engines are configurations of it (`prefill.py`, `decode.py`, `colocated.py`), and any instance
+holds requests in every state (docs/ARCHITECTURE.md §6):
+
+    local       add(id, prompt, params)         computed here (chunked), decoded here
+    pushed      add(id, prompt, params, dest)   computed here, KV pushed layer by layer into
+                                                ``dest`` (a decode worker's pages); leaves once
+                                                its first token is out and its pushes landed
+    received    reserve(id, prompt_len, params) pages reserved for a sender's push; start(id,
+                -> dest; start(id, first)       first) once rung, then decoded here
+
+Each `step` is one forward: the scheduler (`scheduler.py`) picks decodes first, then prompt
+chunks, under the token and sequence budgets; the runner (`runner.py`) runs the forward (a CUDA
+graph replay for pure-decode steps), pushing the layers of pushed prompts through the `KVPusher`,
+and samples. While the GPU runs a step the host polls doorbells and leases and reserves the next
+pure-decode step's slots and plan; if after the sync the batch is the same (nobody ended, was
+aborted or arrived) the next step reuses that plan and the sampled ids still on the device.
+``async_scheduling`` launches that reserved step before this one's tokens are read (a token
+sampled after a stop is discarded; pages of requests that end meanwhile are released once no
+launched step writes them).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+import numpy as np
+import torch
+
+from disagg import posmap
+from disagg.cache import PagedKVCache
+from disagg.engine.lease import Lease, LeaseBook
+from disagg.engine.request import (PushState, RecvDest, Request, RequestFactory, TokenOutput,
+                                   check_engine_sizes, check_fits, check_new_request, pages_for)
+from disagg.engine.runner import ModelRunner, PendingTokens
+from disagg.engine.scheduler import ScheduledBatch, Scheduler
+from disagg.errors import OutOfPages
+from disagg.plan import ForwardPlan
+from disagg.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _NextStep:
+    """A pure-decode step reserved while the GPU ran the one before it (module docstring)."""
+
+    requests: list[Request]
+    plan: ForwardPlan
+    device_ids: torch.Tensor | None = None
+
+
+@dataclass
+class _Launched:
+    """A launched forward whose sampled ids have not been read."""
+
+    requests: list[Request]  # every row of the forward
+    sampled: list[Request]
+    pending: PendingTokens
+    seq_ids: frozenset[int]
+    num_pushed_tokens: int = 0
+    start_s: float = 0.0
+
+
+class EngineCore:
+    """Continuous batching of local, pushed and received requests over one paged KV cache.
+
+    Args:
+        model: a `disagg.model` Model.
+        num_pages, page_size: this engine's KV cache.
+        max_num_seqs: sequences per forward (and decoding at once).
+        max_num_batched_tokens: tokens per forward (the prefill chunk budget).
+        heap: this PE's symmetric heap, or None. With a heap the KV tensor is allocated from it
+            (collective) and the engine can push (`KVPusher`) and receive (doorbells, leases).
+        kv_dtype: KV dtype (default: the model's).
+        use_cuda_graphs: None = on CUDA; False = eager always.
+        async_scheduling: launch a reserved decode-only step before reading the tokens of the one
+            before it (module docstring).
+        lease_s: seconds a reservation waits for its doorbell before its pages are released.
+        clock: monotonic clock for leases (tests pass a fake one).
+        force_segment_puts: push with segment puts even to load/store-reachable peers.
+    """
+
+    def __init__(self, model, *, num_pages: int, page_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, heap=None, kv_dtype: torch.dtype | None = None,
+                 use_cuda_graphs: bool | None = None, async_scheduling: bool = True, lease_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic, force_segment_puts: bool = False) -> None:
+        check_engine_sizes(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens)
+        self.model = model
+        self.heap = heap
+        self.max_model_len = int(model.config.max_position_embeddings)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.cache = PagedKVCache(num_pages, page_size)
+        shape, dtype = model.kv_shape(num_pages, page_size), kv_dtype or model.dtype
+        self.kv = heap.alloc(shape, dtype) if heap is not None else torch.zeros(shape, dtype=dtype,
+                                                                              device=model.device)
+        self.runner = ModelRunner(model, self.kv, max_num_seqs=max_num_seqs, use_cuda_graphs=use_cuda_graphs)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        self.requests: dict[Hashable, Request] = {}
+        self._factory = RequestFactory(tuple(model.config.eos_token_ids))
+        self._outputs: list[TokenOutput] = []  # abort notices and the like, returned by the next step
+        self.async_scheduling = bool(async_scheduling)
+        self._next: _NextStep | None = None
+        self._inflight: _Launched | None = None  # async scheduling: launched, ids not read
+        self._deferred: list[Request] = []  # ended requests whose pages a launched step still writes
+        self.num_reserved_steps = 0  # steps that ran a plan reserved during the step before
+        self.num_steps_ahead = 0
+        # Pushing (needs a heap): pushed prompts done but maybe still in flight, aborted ones.
+        self.pusher = None
+        if heap is not None:
+            from disagg.transfer import KVPusher
+            self.pusher = KVPusher(heap, self.kv, force_segment_puts=force_segment_puts)
+        self.draining: list[tuple[Request, torch.cuda.Event | None]] = []
+        self.quiescing: dict[Hashable, torch.cuda.Event] = {}  # aborted: fence after its pushes
+        self.token_bytes = self.kv.element_size() * self.kv.numel() // (num_pages * page_size)
+        self.pushed_bytes = 0
+        self.push_s = 0.0  # wall time of the forwards that pushed (compute included: it overlaps)
+        # Receiving (needs a heap): reservations awaiting their doorbell, rung + started requests.
+        self.leases = None
+        if heap is not None:
+            from disagg.transfer import DoorbellTable
+            self.leases = LeaseBook(DoorbellTable(heap), lease_s, clock)
+        self.ready: list[Request] = []  # rung and started, waiting for a batch slot
+        self._quarantined: dict[Hashable, Request] = {}
+        self.num_doorbells_rung = 0
+        self.num_reservations_cancelled = 0
+        self.doorbell_wait_s = 0.0  # reserve to ring seen, summed over rung reservations (lease clock)
+
+    @property
+    def running(self) -> list[Request]:
+        """Requests decoding here (local, kept and received), oldest first."""
+        return self.scheduler.running
+
+    @property
+    def num_committed_pages(self) -> int:
+        return sum(r.committed_pages for r in self.requests.values() if r.received)
+
+    # ------------------------------------------------------------------ local and pushed requests
+    def _add(self, request_id: Hashable, prompt_token_ids: list[int], params: SamplingParams | None,
+             dest: RecvDest | None = None) -> None:
+        """Queue a request computed here; with ``dest`` its KV is pushed there and it leaves after
+        its first token. Raises ValueError/TypeError (nothing changes) on bad input."""
+        params = SamplingParams() if params is None else params
+        prompt = check_new_request(request_id, prompt_token_ids, params, known=self._known_ids(),
+                                   vocab_size=self.model.config.vocab_size, max_model_len=self.max_model_len)
+        if request_id in self.quiescing:  # its abort output must stay unambiguous
+            raise ValueError(f"request_id: {request_id!r} was aborted and its pushes may still be in "
+                             f"flight; expected a new id (or this one again after its abort output)")
+        size = self.cache.page_size
+        if dest is not None:
+            self._check_dest(request_id, len(prompt), dest)
+            if pages_for(len(prompt), size) > self.cache.num_pages:
+                raise ValueError(f"prompt_token_ids: request {request_id!r} has {len(prompt)} tokens, more than "
+                                 f"this cache holds ({self.cache.num_pages} pages of {size})")
+        else:
+            check_fits(request_id, len(prompt), params, max_model_len=self.max_model_len,
+                       num_pages=self.cache.num_pages, page_size=size)
+        req = self._factory.new(request_id, prompt, params)
+        if dest is not None:
+            req.dest, req.committed_pages = dest, pages_for(len(prompt), size)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _known_ids(self) -> set:
+        """Ids a new request may not take: live ones and quarantined reservations (an id whose
+        aborted pushes are quiescing gets its own error in `_add`)."""
+        return self.requests.keys() | self._quarantined.keys()
+
+    def _check_dest(self, request_id: Hashable, prompt_len: int, dest: object) -> None:
+        if self.pusher is None:
+            raise ValueError(f"dest: request {request_id!r}: this engine has no symmetric heap, so it cannot "
+                             f"push KV; expected dest=None")
+        if not isinstance(dest, RecvDest):
+            raise TypeError(f"dest: expected the RecvDest from DecodeEngine.reserve, got {type(dest).__name__}")
+        if dest.request_id != request_id:
+            raise ValueError(f"dest: reserved for request {dest.request_id!r}, got request {request_id!r}")
+        if not 0 <= dest.pe < self.heap.world_size or dest.pe == self.heap.rank or dest.ticket.pe != dest.pe:
+            raise ValueError(f"dest.pe: expected a receiver PE in [0, {self.heap.world_size}) other than "
+                             f"this one ({self.heap.rank}) and equal to its ticket's, got {dest.pe} "
+                             f"(ticket PE {dest.ticket.pe})")
+        num_slots = len(posmap.decompress(dest.cmap))
+        if num_slots != prompt_len:
+            raise ValueError(f"dest.cmap: request {request_id!r} has {prompt_len} prompt tokens; "
+                             f"expected a map of that many slots, got {num_slots}")
+
+    # ------------------------------------------------------------------ received requests
+    def _reserve(self, request_id: Hashable, prompt_len: int, params: SamplingParams | None) -> RecvDest:
+        """Reserve pages for a prompt's KV and arm its doorbell (see `DecodeEngine.reserve`)."""
+        if self.leases is None:
+            raise ValueError(f"reserve: request {request_id!r}: this engine has no symmetric heap, so no "
+                             f"sender can push into it")
+        params = SamplingParams() if params is None else params
+        self._check_reserve(request_id, prompt_len, params)
+        need = pages_for(min(prompt_len + params.max_tokens, self.max_model_len), self.cache.page_size)
+        free = self.scheduler.free_pages()
+        if need > free:
+            raise OutOfPages(f"reserve: request {request_id!r} needs {need} pages (prompt {prompt_len} + "
+                             f"max_tokens {params.max_tokens}); {free} are free and not committed",
+                             num_needed=need, num_free=free)
+        req = self._factory.new(request_id, [0] * prompt_len, params)
+        self.cache.add_sequence(req.seq_id)
+        try:
+            cmap = self.cache.disagg_prepare_recv(req.seq_id, prompt_len)
+            self.cache.end_forward()
+            ticket = self.leases.doorbells.arm(request_id)
+        except BaseException:
+            self.cache.remove_sequence(req.seq_id)
+            raise
+        self.leases.open(request_id, ticket)
+        req.num_computed, req.in_cache = prompt_len, True
+        req.received, req.committed_pages = True, need
+        self.scheduler.commit(req)
+        self.requests[request_id] = req
+        return RecvDest(request_id, [int(x) for x in cmap], self.heap.rank, ticket)
+
+    def _check_reserve(self, request_id: Hashable, prompt_len: object, params: object) -> None:
+        try:
+            known = request_id in self._known_ids()
+        except TypeError:
+            raise TypeError(f"request_id: expected a hashable id, got {type(request_id).__name__}") from None
+        if known:
+            raise ValueError(f"request_id: {request_id!r} is already in this engine; expected a new id")
+        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int):
+            raise TypeError(f"prompt_len: expected an int, got {type(prompt_len).__name__}")
+        if not 1 <= prompt_len < self.max_model_len:
+            raise ValueError(f"prompt_len: request {request_id!r}: expected 1..{self.max_model_len - 1} "
+                             f"(the model's context is {self.max_model_len}), got {prompt_len}")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        params.validate(self.model.config.vocab_size)
+        need = pages_for(min(prompt_len + params.max_tokens, self.max_model_len), self.cache.page_size)
+        if need > self.cache.num_pages:
+            raise ValueError(f"max_tokens: request {request_id!r} (prompt {prompt_len} + max_tokens "
+                             f"{params.max_tokens}) needs {need} pages; expected at most the cache's "
+                             f"{self.cache.num_pages}")
+
+    def _start(self, request_id: Hashable, first_token_id: int) -> None:
+        """Hand a received request its first token (see `DecodeEngine.start`)."""
+        req = self.requests.get(request_id)
+        if req is None or not req.received:
+            raise ValueError(f"request_id: {request_id!r} has no reservation here; call reserve first")
+        if req.num_output_tokens:
+            raise ValueError(f"request_id: {request_id!r} was already started")
+        vocab = self.model.config.vocab_size
+        if isinstance(first_token_id, bool) or not isinstance(first_token_id, (int, np.integer)):
+            raise TypeError(f"first_token_id: expected an int, got {type(first_token_id).__name__}")
+        if not 0 <= first_token_id < vocab:
+            raise ValueError(f"first_token_id: expected an id in [0, {vocab}), got {first_token_id}")
+        if req.append(int(first_token_id), self.max_model_len).finished:
+            self._drop(req)
+        elif request_id not in self.leases:
+            self.ready.append(req)
+
+    def _cancel_reservation(self, dest: RecvDest) -> None:
+        """Free a reservation no sender will write (see `DecodeEngine.cancel_reservation`)."""
+        if not isinstance(dest, RecvDest):
+            raise TypeError(f"dest: expected the RecvDest from reserve, got {type(dest).__name__}")
+        request_id = dest.request_id
+        lease = self.leases.get(request_id) if self.leases is not None else None
+        if lease is None:
+            if request_id in self.requests:
+                raise ValueError(f"dest: the doorbell of request {request_id!r} has rung (its KV landed); "
+                                 f"expected a reservation still waiting for it: call abort({request_id!r})")
+            raise ValueError(f"dest: request {request_id!r} has no open reservation here (unknown, or freed "
+                             f"already by its ring, lease expiry or an earlier cancel)")
+        if lease.ticket != dest.ticket:
+            raise ValueError(f"dest.ticket: request {request_id!r}'s open reservation waits on doorbell word "
+                             f"{lease.ticket.index} epoch {lease.ticket.epoch}, got word {dest.ticket.index} "
+                             f"epoch {dest.ticket.epoch} (an earlier reservation under the same id)")
+        self.leases.cancel(request_id)
+        req = self._quarantined.pop(request_id, None)
+        if req is None:
+            req = self.requests.pop(request_id)
+            if req in self.ready:
+                self.ready.remove(req)
+            self._outputs.append(TokenOutput(request_id, None, True, "abort"))
+        self.num_reservations_cancelled += 1
+        self._release_when_safe(req)
+
+    def _close_leases(self, outputs: list[TokenOutput]) -> None:
+        """Rung reservations: started ones get ready to decode; expired ones fail and free."""
+        if self.leases is None or not len(self.leases):
+            return
+        rung, expired = self.leases.poll()
+        now = self.leases.clock()
+        for lease in rung:
+            self.num_doorbells_rung += 1
+            self.doorbell_wait_s += max(0.0, now - (lease.deadline - self.leases.lease_s))
+            req = self._quarantined.pop(lease.request_id, None)
+            if req is not None:
+                self._release_when_safe(req)
+            elif self.requests[lease.request_id].num_output_tokens:
+                self.ready.append(self.requests[lease.request_id])
+        for lease in expired:
+            self._expire(lease, outputs)
+
+    def _expire(self, lease: Lease, outputs: list[TokenOutput]) -> None:
+        req = self._quarantined.pop(lease.request_id, None)
+        if req is None:
+            req = self.requests.pop(lease.request_id)
+            message = (f"lease expired: the KV of request {lease.request_id!r} did not land within "
+                       f"{self.leases.lease_s} s (doorbell word {lease.ticket.index} on PE {lease.ticket.pe})")
+            logger.warning("%s", message)
+            outputs.append(TokenOutput(lease.request_id, None, True, "error", message))
+        self._release_when_safe(req)
+
+    def _admit_ready(self) -> None:
+        """Rung and started requests join the running batch while there is room."""
+        while self.ready and len(self.running) < self.max_num_seqs:
+            req = self.ready.pop(0)
+            req.decoding = True
+            self.running.append(req)
+
+    def _joining(self) -> bool:
+        """Someone waits to join the next step (so it will not be this step's batch again)."""
+        return bool(self.scheduler.waiting) or bool(self.ready and len(self.running) < self.max_num_seqs)
+
+    # ------------------------------------------------------------------ ending requests
+    def _abort(self, request_id: Hashable) -> PushState | None:
+        """Drop a request (the caller's answer per role); None when unknown.
+
+        A pushed prompt in the cache stops pushing; its answer says whether a push may still land
+        (`PushState`); the ``"abort"`` output comes now (QUIESCED) or from the step that sees its
+        pushes complete (IN_FLIGHT). Every other request answers QUIESCED and ends with an
+        ``"abort"`` output in the next step; a received one whose KV may still land is
+        quarantined (pages kept until the ring, the lease expiry or `cancel_reservation`).
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.dest is not None:
+            return self._abort_pushed(req)
+        self._drop(req)
+        self._outputs.append(TokenOutput(request_id, None, True, "abort"))
+        return PushState.QUIESCED
+
+    def _abort_pushed(self, req: Request) -> PushState:
+        del self.requests[req.request_id]
+        pushed = req.in_cache and req.num_computed > 0  # some forward pushed part of it
+        if req.in_cache:
+            self.pusher.detach_doorbell(req.seq_id)
+        self.scheduler.remove(req, release=False)
+        self._release_when_safe(req)
+        fence = self._fence_pushes() if pushed else None
+        if fence is not None and not fence.query():
+            self.quiescing[req.request_id] = fence
+            return PushState.IN_FLIGHT
+        self._outputs.append(TokenOutput(req.request_id, None, True, "abort"))
+        return PushState.QUIESCED
+
+    def _fence_pushes(self) -> torch.cuda.Event | None:
+        """An event after every push issued so far (None on the CPU: the shm pushes ran inline).
+
+        On CUDA the current stream already waits for each forward's transfer streams (`KVPusher.
+        end_forward`); a quiet completes the segment puts to peers without load/store access.
+        """
+        if not self.kv.is_cuda:
+            return None
+        self.heap.quiet_async()
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _poll_quiescing(self, outputs: list[TokenOutput]) -> None:
+        """Report the aborts whose pushes have completed since the last step."""
+        for request_id, fence in list(self.quiescing.items()):
+            if fence.query():
+                del self.quiescing[request_id]
+                outputs.append(TokenOutput(request_id, None, True, "abort"))
+
+    def _drop(self, req: Request) -> None:
+        """Forget ``req``; free its pages now, once no launched step writes them, or (received,
+        KV maybe in flight) once its lease closes."""
+        del self.requests[req.request_id]
+        if req in self.ready:
+            self.ready.remove(req)
+        self.scheduler.remove(req, release=False)
+        if self.leases is not None and req.request_id in self.leases:
+            self.leases.quarantine(req.request_id)
+            req.committed_pages = 0  # it will not decode: only the pages it holds stay taken
+            self._quarantined[req.request_id] = req
+        else:
+            self._release_when_safe(req)
+
+    def _leave_after_push(self, req: Request, push_done: torch.cuda.Event | None) -> None:
+        """A pushed prompt is complete: it leaves; its pages go once its pushes have landed."""
+        del self.requests[req.request_id]
+        self.scheduler.remove(req, release=False)
+        self.draining.append((req, push_done))
+
+    def _drain(self) -> None:
+        """Free the pages of completed pushed prompts whose pushes and doorbell are done."""
+        keep = []
+        for req, event in self.draining:
+            if event is None or event.query():
+                self._release_when_safe(req)
+            else:
+                keep.append((req, event))
+        self.draining = keep
+
+    def _release_when_safe(self, req: Request) -> None:
+        if self._inflight is not None and req.seq_id in self._inflight.seq_ids:
+            self._deferred.append(req)  # a launched step still appends to its pages
+        else:
+            self.scheduler.release(req)
+
+    def _release_deferred(self) -> None:
+        """Release the ended requests that no launched step writes any more."""
+        waiting, self._deferred = self._deferred, []
+        for req in waiting:
+            self._release_when_safe(req)
+
+    # ------------------------------------------------------------------ queries
+    def has_work(self) -> bool:
+        return bool(self.scheduler.has_work() or self._outputs or self._inflight is not None or self._deferred
+                    or self.ready or (self.leases is not None and len(self.leases)) or self.draining
+                    or self.quiescing)
+
+    def _core_stats(self) -> dict:
+        return {"free_pages": self.cache.num_free_pages, "total_pages": self.cache.num_pages,
+                "running": len(self.running), "waiting": len(self.scheduler.waiting),
+                "num_preemptions": self.scheduler.num_preemptions, "num_forwards": self.runner.num_forwards,
+                "num_graph_replays": self.runner.num_graph_replays,
+                "num_reserved_steps": self.num_reserved_steps, "num_steps_ahead": self.num_steps_ahead}
+
+    def _warmup(self, *, prompt_len: int | None, decode: bool, max_kv_len: int | None) -> dict[str, float]:
+        """Compile the kernels (and capture the decode graphs) while idle: see `ModelRunner.warmup`."""
+        if self.requests or (self.leases is not None and len(self.leases)):
+            raise RuntimeError("warmup: the engine has requests; call it before the first one")
+        self._take_reserved()  # a step reserved before the last request ended: nothing to keep
+        return self.runner.warmup(self.cache, prompt_len=prompt_len or 1, prefill=prompt_len is not None,
+                                  decode=decode, max_kv_len=max_kv_len)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[TokenOutput]:
+        """Run one forward (if there is work); return this step's outputs."""
+        outputs, self._outputs = self._outputs, []
+        self._poll_quiescing(outputs)
+        self._drain()
+        current, self._inflight = self._inflight, None
+        polled = current is None
+        if current is None:
+            current = self._launch_next(outputs)
+            if current is None:
+                return outputs
+            self._close_leases(outputs)  # while the GPU runs this step
+            self._reserve_next(current.requests)
+        if self.async_scheduling:
+            self._inflight = self._launch_ahead(current)
+        tokens = current.pending.result()
+        if current.num_pushed_tokens:
+            self.push_s += time.perf_counter() - current.start_s
+            self.pushed_bytes += current.num_pushed_tokens * self.token_bytes
+        for req, token in zip(current.sampled, tokens):
+            if self.requests.get(req.request_id) is not req:
+                continue  # aborted, or ended on the previous token, since this step's launch
+            out = req.append(token, self.max_model_len)
+            outputs.append(out)
+            if req.dest is not None:
+                self._leave_after_push(req, current.pending.push_done)
+                continue
+            if not req.decoding:
+                self.scheduler.finish_prompt(req)
+            if out.finished:
+                self._drop(req)
+        self._release_deferred()
+        self._drain()
+        ahead = self._inflight
+        if ahead is not None:
+            if not polled:
+                self._close_leases(outputs)  # while the step launched ahead runs
+            self._reserve_next([r for r in ahead.sampled if self.requests.get(r.request_id) is r])
+        elif self._next is not None and _same(self._next.requests, current.sampled):
+            self._next.device_ids = current.pending.device_tokens  # row i is request i's next input
+        return outputs
+
+    def _launch_next(self, outputs: list[TokenOutput]) -> _Launched | None:
+        """Launch the reserved step if it is still what the scheduler would pick, else schedule
+        (None when nothing runs, even after polling the doorbells)."""
+        self._admit_ready()
+        reserved = self._take_reserved()
+        if reserved is not None:
+            self.num_reserved_steps += 1
+            return self._launch_reserved(reserved, reserved.device_ids, step_offset=0)
+        batch = self.scheduler.schedule()
+        if not batch and self.leases is not None and len(self.leases):
+            self._close_leases(outputs)
+            self._admit_ready()
+            batch = self.scheduler.schedule()
+        return self._launch(batch) if batch else None
+
+    def _launch(self, batch: ScheduledBatch) -> _Launched:
+        """Launch one forward over ``batch`` (the scheduler's); pushed prompts push their layers."""
+        reqs, counts = batch.requests, batch.num_tokens
+        for req in reqs:
+            if req.dest is not None and req.num_computed == 0:  # entered the cache for this forward
+                self.cache.disagg_mark_send(req.seq_id, 0, req.dest.cmap, req.dest.pe)
+                self.pusher.attach_doorbell(req.seq_id, req.dest.ticket)
+        ids = np.concatenate([np.asarray(r.token_ids[r.num_computed: r.num_computed + n], dtype=np.int64)
+                              for r, n in zip(reqs, counts)])
+        rows = [i for i, (r, n) in enumerate(zip(reqs, counts)) if r.num_computed + n == len(r.token_ids)]
+        sampled = [reqs[i] for i in rows]
+        num_pushed = sum(n for r, n in zip(reqs, counts) if r.dest is not None)
+        start = time.perf_counter()
+        plan = self.cache.begin_forward([r.seq_id for r in reqs], counts)
+        try:
+            pending = self.runner.execute(plan, ids, np.asarray(rows, dtype=np.int64), sampled,
+                                          pusher=self.pusher if num_pushed else None)
+        finally:
+            self.cache.end_forward()
+        for r, n in zip(reqs, counts):
+            r.num_computed += n
+        return _Launched(reqs, sampled, pending, frozenset(r.seq_id for r in reqs), num_pushed, start)
+
+    def _launch_reserved(self, reserved: _NextStep, ids: torch.Tensor, step_offset: int) -> _Launched:
+        reqs = list(reserved.requests)
+        pending = self.runner.execute(reserved.plan, ids, np.arange(len(reqs)), reqs, step_offset=step_offset)
+        for req in reqs:
+            req.num_computed += 1
+        return _Launched(reqs, reqs, pending, frozenset(r.seq_id for r in reqs))
+
+    def _launch_ahead(self, current: _Launched) -> _Launched | None:
+        """Launch the reserved next step before ``current``'s ids are read, when it holds exactly
+        ``current``'s requests (all running, none waiting to join); its input ids are
+        ``current``'s sampled ids on the device."""
+        nxt = self._next
+        if nxt is None or self._joining() or not _same(nxt.requests, current.sampled):
+            return None
+        if not _same(nxt.requests, self.running) or any(
+                self.requests.get(r.request_id) is not r for r in nxt.requests):
+            return None
+        self._next = None
+        self.num_steps_ahead += 1
+        return self._launch_reserved(nxt, current.pending.device_tokens, step_offset=1)
+
+    def _reserve_next(self, reqs: list[Request]) -> None:
+        """Reserve the next step's slots when it will surely be this pure-decode batch again:
+        ``reqs`` are exactly the running requests (so decodes only, one token each: a prompt chunk
+        belongs to a waiting request), nobody waits to join, none at its length limit."""
+        if (self._joining() or not _same(reqs, self.running)
+                or any(r.num_output_tokens + 1 >= r.params.max_tokens
+                       or len(r.token_ids) + 1 >= self.max_model_len for r in reqs)):
+            return
+        size = self.cache.page_size
+        lengths = [self.cache.seq_length(r.seq_id) for r in reqs if not r.committed_pages]
+        need = sum(pages_for(n + 1, size) - pages_for(n, size) for n in lengths)  # committed ones
+        if need > self.scheduler.free_pages():                                     # draw on their promise
+            return  # the scheduler will preempt at the next step
+        plan = self.cache.begin_forward([r.seq_id for r in reqs], [1] * len(reqs))
+        self.cache.end_forward()
+        self._next = _NextStep(list(reqs), plan)
+
+    def _take_reserved(self) -> _NextStep | None:
+        """The reserved step if the scheduler would pick exactly its batch now, else None (its
+        slots rolled back)."""
+        nxt, self._next = self._next, None
+        if nxt is None:
+            return None
+        if (nxt.device_ids is not None and not self._joining() and _same(nxt.requests, self.running)
+                and all(self.requests.get(r.request_id) is r for r in nxt.requests)):
+            return nxt
+        for req in nxt.requests:
+            if req.in_cache and req.seq_id in self.cache:
+                self.cache.popn(req.seq_id, 1)
+        return None
+
+
+def _same(a: list[Request], b: list[Request]) -> bool:
+    """The same request objects in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
