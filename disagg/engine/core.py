@@ -113,10 +113,8 @@ class EngineCore:
         self.num_reserved_steps = 0  # steps that ran a plan reserved during the step before
         self.num_steps_ahead = 0
         # Pushing (needs a heap): pushed prompts done but maybe still in flight, aborted ones.
-        self.pusher = None
-        if heap is not None:
-            from disagg.transfer import KVPusher
-            self.pusher = KVPusher(heap, self.kv, force_segment_puts=force_segment_puts)
+        self._pusher = None  # built on the first pushed prompt: a receive-only instance never needs one
+        self._force_segment_puts = force_segment_puts
         self.draining: list[tuple[Request, torch.cuda.Event | None]] = []
         self.quiescing: dict[Hashable, torch.cuda.Event] = {}  # aborted: fence after its pushes
         self.token_bytes = self.kv.element_size() * self.kv.numel() // (num_pages * page_size)
@@ -168,13 +166,21 @@ class EngineCore:
         self.requests[request_id] = req
         self.scheduler.add(req)
 
+    @property
+    def pusher(self):
+        """The `KVPusher` of this engine's pages (None without a heap), built on first use."""
+        if self._pusher is None and self.heap is not None:
+            from disagg.transfer import KVPusher
+            self._pusher = KVPusher(self.heap, self.kv, force_segment_puts=self._force_segment_puts)
+        return self._pusher
+
     def _known_ids(self) -> set:
         """Ids a new request may not take: live ones and quarantined reservations (an id whose
         aborted pushes are quiescing gets its own error in `_add`)."""
         return self.requests.keys() | self._quarantined.keys()
 
     def _check_dest(self, request_id: Hashable, prompt_len: int, dest: object) -> None:
-        if self.pusher is None:
+        if self.heap is None:
             raise ValueError(f"dest: request {request_id!r}: this engine has no symmetric heap, so it cannot "
                              f"push KV; expected dest=None")
         if not isinstance(dest, RecvDest):
