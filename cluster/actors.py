@@ -17,6 +17,7 @@ import os
 import threading
 from typing import Any
 
+from disagg.cluster.messages import OutputBatch
 from disagg.cluster.step_loop import StepLoop
 from disagg.config import Config
 from disagg.engine.request import PushState
@@ -164,23 +165,20 @@ class InstanceActor:
         """Decode: free a reservation at once; the caller vouches that no sender will write it."""
         await self._run(lambda: self.loop.engine.cancel_reservation(dest))
 
-    async def next_outputs(self, wait_s: float) -> dict:
-        """Every output since the previous call, waiting up to ``wait_s`` seconds for one.
-
-        Returns:
-            {"outputs": [(request_id, token_id, finished, finish_reason, error, emit_time), ...],
-             "fatal": None, or the engine's traceback once it failed (the instance is dead)}
-        """
+    async def next_outputs(self, wait_s: float) -> OutputBatch:
+        """Every output since the previous call, waiting up to ``wait_s`` seconds for one, with
+        the step samples since then and the load after the last step (`disagg.cluster.messages`)."""
         self._bind_event_loop()
         self._wakeup.clear()
-        rows = self.loop.drain()
+        rows, steps = self.loop.drain()
         if not rows and self.loop.fatal is None:
             try:
                 await asyncio.wait_for(self._wakeup.wait(), wait_s)
             except asyncio.TimeoutError:
                 pass
-            rows = self.loop.drain()
-        return {"outputs": rows, "fatal": self.loop.fatal}
+            more_rows, more_steps = self.loop.drain()
+            rows, steps = rows + more_rows, steps + more_steps
+        return OutputBatch(rows, self.loop.fatal, steps, self.loop.load)
 
     async def stats(self) -> dict:
         """The engine's stats plus this instance's name, role and PE."""

@@ -165,7 +165,8 @@ def warm_up(engine: Any, role: str, config: Config) -> dict:
     """Compile the kernels and capture every decode graph before the first request.
 
     The engine's own `warmup` (a scratch sequence whose pages are freed again): on CUDA a prompt
-    of the whole token budget, and the decode graphs of every batch bucket and context class up
+    of the whole token budget (prefill and colocated instances; every instance when the router
+    may place requests locally or keep them, `router.placement`), and the decode graphs of every batch bucket and context class up
     to the model's length, so no capture or compile runs mid-serving (each stalls every running
     request); on the CPU a short prompt, which proves the path and costs little.
 
@@ -178,10 +179,11 @@ def warm_up(engine: Any, role: str, config: Config) -> dict:
     budget = config.scheduler.max_num_batched_tokens
     prompt_len = budget if gpu else min(budget, 16)
     max_kv_len = max_len if gpu else min(max_len, 64)
+    both = config.router.placement != "disaggregated"  # local / kept requests: both phases everywhere
     if role == "prefill":
-        return engine.warmup(prompt_len=prompt_len)
+        return engine.warmup(prompt_len=prompt_len, max_kv_len=max_kv_len if both else None)
     if role == "decode":
-        return engine.warmup(max_kv_len=max_kv_len)
+        return engine.warmup(max_kv_len=max_kv_len, prompt_len=prompt_len if both else None)
     return engine.warmup(prompt_len=prompt_len, max_kv_len=max_kv_len)
 
 

@@ -255,10 +255,10 @@ class Router:
             except ray.exceptions.RayTaskError as err:
                 self._instance_died(inst, f"next_outputs failed: {_cause(err)}")
                 return
-            if batch["outputs"]:
-                self._on_rows(inst, batch["outputs"])
-            if batch["fatal"]:
-                self._instance_died(inst, "its engine failed: " + batch["fatal"].strip().splitlines()[-1])
+            if batch.outputs:
+                self._on_rows(inst, batch.outputs)
+            if batch.fatal:
+                self._instance_died(inst, "its engine failed: " + batch.fatal.strip().splitlines()[-1])
                 return
 
     def _on_rows(self, inst: Instance, rows: list[tuple]) -> None:

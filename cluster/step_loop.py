@@ -18,14 +18,14 @@ import time
 import traceback
 from typing import Any, Callable
 
+from disagg.cluster.messages import InstanceLoad, OutputRow, StepSample
+
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05      # how long the thread sleeps when the engine has no work (woken by calls)
 EMPTY_STEP_WAIT_S = 0.001  # pause after a step that produced nothing (e.g. waiting on doorbells)
 
-# One output row as it crosses the process boundary: (request_id, token_id or None, finished,
-# finish_reason, error, emit_time). Tuples pickle far smaller than objects.
-OutputRow = tuple[Any, "int | None", bool, "str | None", "str | None", float]
+MAX_STEP_SAMPLES = 256  # step samples kept between two drains (the newest win)
 
 
 class StepLoop:
@@ -44,6 +44,8 @@ class StepLoop:
         self._cond = threading.Condition()
         self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
         self._outbox: list[OutputRow] = []
+        self._samples: collections.deque[StepSample] = collections.deque(maxlen=MAX_STEP_SAMPLES)
+        self.load: InstanceLoad | None = None  # after the last step (read from any thread)
         self._end_watches: dict[Any, concurrent.futures.Future] = {}
         self._steps_left: int | None = None  # test hook `pause_steps`: None = step freely
         self._stopping = False
@@ -63,11 +65,13 @@ class StepLoop:
             self._cond.notify()
         return future
 
-    def drain(self) -> list[OutputRow]:
-        """Take every output produced since the previous drain (any thread)."""
+    def drain(self) -> tuple[list[OutputRow], list[StepSample]]:
+        """Take every output and step sample produced since the previous drain (any thread)."""
         with self._cond:
             rows, self._outbox = self._outbox, []
-        return rows
+            samples = list(self._samples)
+            self._samples.clear()
+        return rows, samples
 
     def watch_end(self, request_id: Any) -> concurrent.futures.Future:
         """Loop thread only (inside a `call`): a future resolved with the finish_reason of the
@@ -139,15 +143,17 @@ class StepLoop:
         except Exception:
             self._fail("step")
             return True
+        seconds = time.perf_counter() - start
         self.num_steps += 1
         if self._steps_left:
             self._steps_left -= 1
+        self._record(seconds)
         if not outputs:
             return False
-        self.busy_s += time.perf_counter() - start
+        self.busy_s += seconds
         now = time.time()
-        rows = [(o.request_id, None if o.token_id is None else int(o.token_id), bool(o.finished),
-                 o.finish_reason, getattr(o, "error", None), now) for o in outputs]
+        rows = [OutputRow(o.request_id, None if o.token_id is None else int(o.token_id), bool(o.finished),
+                          o.finish_reason, getattr(o, "error", None), now) for o in outputs]
         with self._cond:
             self._outbox.extend(rows)
         for row in rows:
@@ -156,6 +162,17 @@ class StepLoop:
         if self._on_output is not None:
             self._on_output()
         return True
+
+    def _record(self, seconds: float) -> None:
+        """Keep the step's sample (engines that report a `last_step_shape`) and the load."""
+        shape = getattr(self.engine, "last_step_shape", None)
+        load = getattr(self.engine, "load", None)
+        if load is not None:
+            self.load = load()
+        if shape is not None:
+            with self._cond:
+                self._samples.append(StepSample(shape.num_prefill_tokens, shape.num_decode_seqs,
+                                                shape.num_context_tokens, seconds))
 
     def _fail(self, what: str) -> None:
         """The engine raised: it is unusable from now on; the router fails its requests."""

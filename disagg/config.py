@@ -206,6 +206,20 @@ class RouterSection(Section):
         None, gt=0, description="prompt tokens queued on a prefill instance before the router holds the next "
                                 "request back (so decode pages are reserved just in time); default: 4 x "
                                 "scheduler.max_num_batched_tokens")
+    placement: Literal["disaggregated", "local", "adaptive"] = Field(
+        "disaggregated", description="where a prompt is prefilled (prefill + decode fleets only): "
+                                     "disaggregated: on a prefill instance, its KV pushed to a decode "
+                                     "instance; local: by the decode instance itself, in chunks beside "
+                                     "its decodes; adaptive: per request, remote / local / kept (prefilled "
+                                     "and decoded by a prefill instance) by the instances' predicted step "
+                                     "times and load (docs/ARCHITECTURE.md §7)")
+    slo_ttft_ms: float | None = Field(None, gt=0.0, description="time-to-first-token target the adaptive "
+                                                                "placement predicts against, ms; null: none "
+                                                                "(then it minimises the predicted TTFT)")
+    slo_tpot_ms: float | None = Field(None, gt=0.0, description="time-per-output-token target of the "
+                                                                "adaptive placement, ms; null: keep every "
+                                                                "decode step under 1.1 x its length without "
+                                                                "the new request's prefill")
     poll_wait_s: float = Field(0.25, gt=0.0, le=5.0, description="how long an actor's next_outputs() waits "
                                                                  "when it has no output (it returns at once "
                                                                  "when it has some), seconds")
@@ -290,6 +304,10 @@ class Config(Section):
                 raise ValueError(f"cache.num_pages ({cache.num_pages}) holds fewer than one sequence of "
                                  f"model.max_model_len ({self.model.max_model_len} tokens = {pages_needed} "
                                  f"pages of {cache.page_size}); raise num_pages or lower max_model_len")
+        if self.router.placement != "disaggregated" and self.instances.mode == "colocated":
+            raise ValueError(f"router.placement {self.router.placement} chooses between prefill and decode "
+                             "instances, but instances.colocated is set; use placement: disaggregated (the "
+                             "default) with a colocated fleet")
         if cache.kv_dtype == "fp8_e4m3" and self.instances.device == "cpu":
             raise ValueError("cache.kv_dtype fp8_e4m3 needs GPUs, but instances.device is cpu")
         if self.transfer.backend == "nvshmem" and self.instances.device == "cpu":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable, Hashable
 
 import numpy as np
@@ -39,32 +38,11 @@ from disagg.engine.request import (PushState, RecvDest, Request, RequestFactory,
                                    check_engine_sizes, check_fits, check_new_request, pages_for)
 from disagg.engine.runner import ModelRunner, PendingTokens
 from disagg.engine.scheduler import ScheduledBatch, Scheduler
+from disagg.engine.steps import InstanceLoad, Launched, NextStep, StepShape, same_requests
 from disagg.errors import OutOfPages
-from disagg.plan import ForwardPlan
 from disagg.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _NextStep:
-    """A pure-decode step reserved while the GPU ran the one before it (module docstring)."""
-
-    requests: list[Request]
-    plan: ForwardPlan
-    device_ids: torch.Tensor | None = None
-
-
-@dataclass
-class _Launched:
-    """A launched forward whose sampled ids have not been read."""
-
-    requests: list[Request]  # every row of the forward
-    sampled: list[Request]
-    pending: PendingTokens
-    seq_ids: frozenset[int]
-    num_pushed_tokens: int = 0
-    start_s: float = 0.0
 
 
 class EngineCore:
@@ -107,9 +85,10 @@ class EngineCore:
         self._factory = RequestFactory(tuple(model.config.eos_token_ids))
         self._outputs: list[TokenOutput] = []  # abort notices and the like, returned by the next step
         self.async_scheduling = bool(async_scheduling)
-        self._next: _NextStep | None = None
-        self._inflight: _Launched | None = None  # async scheduling: launched, ids not read
+        self._next: NextStep | None = None
+        self._inflight: Launched | None = None  # async scheduling: launched, ids not read
         self._deferred: list[Request] = []  # ended requests whose pages a launched step still writes
+        self.last_step_shape: StepShape | None = None  # of the forward whose tokens the last step() read
         self.num_reserved_steps = 0  # steps that ran a plan reserved during the step before
         self.num_steps_ahead = 0
         # Pushing (needs a heap): pushed prompts done but maybe still in flight, aborted ones.
@@ -429,6 +408,11 @@ class EngineCore:
                     or self.ready or (self.leases is not None and len(self.leases)) or self.draining
                     or self.quiescing)
 
+    def load(self) -> InstanceLoad:
+        """Pages and batch now, as the router sees them."""
+        return InstanceLoad(self.scheduler.free_pages(), self.cache.num_pages, len(self.running),
+                            len(self.scheduler.waiting))
+
     def _core_stats(self) -> dict:
         return {"free_pages": self.cache.num_free_pages, "total_pages": self.cache.num_pages,
                 "running": len(self.running), "waiting": len(self.scheduler.waiting),
@@ -448,6 +432,7 @@ class EngineCore:
     def step(self) -> list[TokenOutput]:
         """Run one forward (if there is work); return this step's outputs."""
         outputs, self._outputs = self._outputs, []
+        self.last_step_shape = None
         self._poll_quiescing(outputs)
         self._drain()
         current, self._inflight = self._inflight, None
@@ -461,6 +446,7 @@ class EngineCore:
         if self.async_scheduling:
             self._inflight = self._launch_ahead(current)
         tokens = current.pending.result()
+        self.last_step_shape = current.shape
         if current.num_pushed_tokens:
             self.push_s += time.perf_counter() - current.start_s
             self.pushed_bytes += current.num_pushed_tokens * self.token_bytes
@@ -483,11 +469,11 @@ class EngineCore:
             if not polled:
                 self._close_leases(outputs)  # while the step launched ahead runs
             self._reserve_next([r for r in ahead.sampled if self.requests.get(r.request_id) is r])
-        elif self._next is not None and _same(self._next.requests, current.sampled):
+        elif self._next is not None and same_requests(self._next.requests, current.sampled):
             self._next.device_ids = current.pending.device_tokens  # row i is request i's next input
         return outputs
 
-    def _launch_next(self, outputs: list[TokenOutput]) -> _Launched | None:
+    def _launch_next(self, outputs: list[TokenOutput]) -> Launched | None:
         """Launch the reserved step if it is still what the scheduler would pick, else schedule
         (None when nothing runs, even after polling the doorbells)."""
         self._admit_ready()
@@ -502,7 +488,7 @@ class EngineCore:
             batch = self.scheduler.schedule()
         return self._launch(batch) if batch else None
 
-    def _launch(self, batch: ScheduledBatch) -> _Launched:
+    def _launch(self, batch: ScheduledBatch) -> Launched:
         """Launch one forward over ``batch`` (the scheduler's); pushed prompts push their layers."""
         reqs, counts = batch.requests, batch.num_tokens
         for req in reqs:
@@ -514,6 +500,7 @@ class EngineCore:
         rows = [i for i, (r, n) in enumerate(zip(reqs, counts)) if r.num_computed + n == len(r.token_ids)]
         sampled = [reqs[i] for i in rows]
         num_pushed = sum(n for r, n in zip(reqs, counts) if r.dest is not None)
+        shape = StepShape.of(reqs, counts)
         start = time.perf_counter()
         plan = self.cache.begin_forward([r.seq_id for r in reqs], counts)
         try:
@@ -523,23 +510,24 @@ class EngineCore:
             self.cache.end_forward()
         for r, n in zip(reqs, counts):
             r.num_computed += n
-        return _Launched(reqs, sampled, pending, frozenset(r.seq_id for r in reqs), num_pushed, start)
+        return Launched(reqs, sampled, pending, frozenset(r.seq_id for r in reqs), num_pushed, start, shape)
 
-    def _launch_reserved(self, reserved: _NextStep, ids: torch.Tensor, step_offset: int) -> _Launched:
+    def _launch_reserved(self, reserved: NextStep, ids: torch.Tensor, step_offset: int) -> Launched:
         reqs = list(reserved.requests)
+        shape = StepShape.of(reqs, [1] * len(reqs))
         pending = self.runner.execute(reserved.plan, ids, np.arange(len(reqs)), reqs, step_offset=step_offset)
         for req in reqs:
             req.num_computed += 1
-        return _Launched(reqs, reqs, pending, frozenset(r.seq_id for r in reqs))
+        return Launched(reqs, reqs, pending, frozenset(r.seq_id for r in reqs), shape=shape)
 
-    def _launch_ahead(self, current: _Launched) -> _Launched | None:
+    def _launch_ahead(self, current: Launched) -> Launched | None:
         """Launch the reserved next step before ``current``'s ids are read, when it holds exactly
         ``current``'s requests (all running, none waiting to join); its input ids are
         ``current``'s sampled ids on the device."""
         nxt = self._next
-        if nxt is None or self._joining() or not _same(nxt.requests, current.sampled):
+        if nxt is None or self._joining() or not same_requests(nxt.requests, current.sampled):
             return None
-        if not _same(nxt.requests, self.running) or any(
+        if not same_requests(nxt.requests, self.running) or any(
                 self.requests.get(r.request_id) is not r for r in nxt.requests):
             return None
         self._next = None
@@ -550,7 +538,7 @@ class EngineCore:
         """Reserve the next step's slots when it will surely be this pure-decode batch again:
         ``reqs`` are exactly the running requests (so decodes only, one token each: a prompt chunk
         belongs to a waiting request), nobody waits to join, none at its length limit."""
-        if (self._joining() or not _same(reqs, self.running)
+        if (self._joining() or not same_requests(reqs, self.running)
                 or any(r.num_output_tokens + 1 >= r.params.max_tokens
                        or len(r.token_ids) + 1 >= self.max_model_len for r in reqs)):
             return
@@ -561,15 +549,15 @@ class EngineCore:
             return  # the scheduler will preempt at the next step
         plan = self.cache.begin_forward([r.seq_id for r in reqs], [1] * len(reqs))
         self.cache.end_forward()
-        self._next = _NextStep(list(reqs), plan)
+        self._next = NextStep(list(reqs), plan)
 
-    def _take_reserved(self) -> _NextStep | None:
+    def _take_reserved(self) -> NextStep | None:
         """The reserved step if the scheduler would pick exactly its batch now, else None (its
         slots rolled back)."""
         nxt, self._next = self._next, None
         if nxt is None:
             return None
-        if (nxt.device_ids is not None and not self._joining() and _same(nxt.requests, self.running)
+        if (nxt.device_ids is not None and not self._joining() and same_requests(nxt.requests, self.running)
                 and all(self.requests.get(r.request_id) is r for r in nxt.requests)):
             return nxt
         for req in nxt.requests:
@@ -577,7 +565,3 @@ class EngineCore:
                 self.cache.popn(req.seq_id, 1)
         return None
 
-
-def _same(a: list[Request], b: list[Request]) -> bool:
-    """The same request objects in the same order."""
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))

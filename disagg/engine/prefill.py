@@ -92,9 +92,11 @@ class PrefillEngine(EngineCore):
                 "pushed_bytes": self.pushed_bytes, "push_s": self.push_s,
                 "push_gbps": self.pushed_bytes / self.push_s / 1e9 if self.push_s else 0.0}
 
-    def warmup(self, prompt_len: int | None = None) -> dict[str, float]:
+    def warmup(self, prompt_len: int | None = None, max_kv_len: int | None = None) -> dict[str, float]:
         """Compile the prefill kernels (attention, projections) before the first request (idle
-        only); the push kernel compiles on the first push."""
+        only); with ``max_kv_len``, the decode kernels too (for kept requests). The push kernel
+        compiles on the first push."""
         if self.has_work():
             raise RuntimeError("warmup: the engine has requests; call it before the first add")
-        return self._warmup(prompt_len=prompt_len or self.max_num_batched_tokens, decode=False, max_kv_len=None)
+        return self._warmup(prompt_len=prompt_len or self.max_num_batched_tokens, decode=max_kv_len is not None,
+                            max_kv_len=max_kv_len)

@@ -114,7 +114,7 @@ def test_step_loop_runs_calls_and_steps_on_one_thread_and_batches_outputs():
     rows = []
     deadline = time.monotonic() + 5
     while sum(r[2] for r in rows) < 2 and time.monotonic() < deadline:
-        rows += loop.drain()
+        rows += loop.drain()[0]
         time.sleep(0.01)
     assert sorted((r[0], r[2], r[3]) for r in rows if r[2]) == [("a", True, "length"), ("b", True, "length")]
     assert [r[0] for r in rows].count("a") == 3

@@ -1,0 +1,132 @@
+"""The adaptive placement's decision and step-time model (`disagg.cluster.placement`), on
+constructed loads and models: no fleet, no Ray."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from disagg.cluster.placement import (PREFERENCE, InstanceView, StepTimeModel, Targets, decide,
+                                      predict)
+
+# 10 ms a step, 0.1 ms per prompt token, 0.05 ms per decoding sequence, 1 ms per 10k context tokens.
+COEF = (1e-2, 1e-4, 5e-5, 1e-7)
+
+
+def model(coef=COEF, error=0.05) -> StepTimeModel:
+    m = StepTimeModel(prior=coef)
+    m.error = error
+    return m
+
+
+def view(name, *, queued=0, decoding=0, context=0, free_pages=None, chunk=512, coef=COEF, error=0.05):
+    return InstanceView(name, model(coef, error), chunk, queued, decoding, context, free_pages, 16)
+
+
+def test_a_short_prompt_with_an_idle_decode_side_goes_local():
+    d = decide(32, [view("P", queued=4096)], [view("D")])
+    assert d.path == "local" and d.chosen.decode == "D"
+
+
+def test_a_long_prompt_goes_remote_when_local_chunks_would_slow_running_decodes():
+    decodes = [view("D", decoding=64, context=64 * 1000)]
+    d = decide(4000, [view("P")], decodes, Targets.from_ms(None, 25))  # D steps 20 ms
+    assert d.path == "remote", d.predictions
+    local = next(p for p in d.predictions if p.path == "local")
+    assert not local.admissible and "TPOT" in local.why
+    # Without a TPOT target the bound is 1.1 x the remote step: local is refused all the same.
+    assert decide(4000, [view("P")], decodes).path == "remote"
+
+
+def test_a_decode_side_out_of_pages_makes_the_prefill_side_keep_the_request():
+    d = decide(100, [view("P", free_pages=500)], [view("D", decoding=8, context=8000, free_pages=3)])
+    assert d.path == "kept" and d.chosen.prefill == d.chosen.decode == "P"
+    assert all(not p.admissible for p in d.predictions if p.path != "kept")
+
+
+def test_a_decode_side_over_its_tpot_target_makes_the_prefill_side_keep_the_request():
+    # D's step with 256 long sequences is 10 + 12.8 + 25.6 ms = 48 ms > 30 ms; P's is ~10 ms.
+    d = decide(100, [view("P")], [view("D", decoding=256, context=256_000)], Targets.from_ms(None, 30))
+    assert d.path == "kept", d.predictions
+
+
+def test_no_pages_anywhere_means_wait():
+    d = decide(100, [view("P", free_pages=0)], [view("D", free_pages=0)])
+    assert d.chosen is None and d.path is None and len(d.predictions) == 3
+
+
+def test_a_long_prefill_queue_sends_the_prompt_to_the_decode_side_when_it_can_take_it():
+    # P has 20k tokens queued (~2.2 s); D decodes 4 sequences: a 256-token chunk adds 26 ms to a
+    # 10 ms step -> over the bound, unless the TTFT target rules remote out first.
+    prefills, decodes = [view("P", queued=20_000)], [view("D", decoding=4, context=4000, chunk=256)]
+    assert decide(256, prefills, decodes).path == "remote"
+    d = decide(256, prefills, decodes, Targets.from_ms(500, 100))
+    assert d.path == "local", d.predictions
+
+
+def test_when_nothing_is_admissible_the_smallest_violation_wins():
+    d = decide(2000, [view("P", queued=50_000)], [view("D", decoding=32, context=32_000)],
+               Targets.from_ms(10, 5))
+    assert d.chosen is not None and not d.chosen.admissible
+    worst = {p.path: max(p.ttft_s / 0.010, p.tpot_s / 0.005) for p in d.predictions}
+    assert worst[d.path] == pytest.approx(min(worst.values()), rel=1e-6)
+
+
+def test_predictions_cover_every_path_and_instance():
+    preds = predict(64, [view("P0"), view("P1", queued=1000)], [view("D0"), view("D1")])
+    paths = sorted((p.path, p.prefill, p.decode) for p in preds)
+    assert paths == [("kept", "P0", "P0"), ("kept", "P1", "P1"), ("local", "D0", "D0"), ("local", "D1", "D1"),
+                     ("remote", "P0", "D0"), ("remote", "P0", "D1")]  # remote via the faster P
+
+
+loads = st.fixed_dictionaries({
+    "queued": st.integers(0, 50_000), "decoding": st.integers(0, 256), "context": st.integers(0, 500_000),
+    "free_pages": st.one_of(st.none(), st.integers(0, 4000)), "chunk": st.sampled_from([64, 512, 2048]),
+    "error": st.floats(0.0, 0.5)})
+coefs = st.tuples(st.floats(1e-4, 5e-2), st.floats(1e-7, 1e-3), st.floats(1e-7, 1e-3), st.floats(0, 1e-6))
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt_len=st.integers(1, 8000), p_loads=st.lists(loads, min_size=1, max_size=3),
+       d_loads=st.lists(loads, min_size=1, max_size=3), p_coef=coefs, d_coef=coefs,
+       ttft_ms=st.one_of(st.none(), st.floats(1, 5000)), tpot_ms=st.one_of(st.none(), st.floats(1, 200)))
+def test_the_choice_is_never_slower_to_first_token_than_an_admissible_path_beyond_the_margin(
+        prompt_len, p_loads, d_loads, p_coef, d_coef, ttft_ms, tpot_ms):
+    prefills = [view(f"P{i}", coef=p_coef, **load) for i, load in enumerate(p_loads)]
+    decodes = [view(f"D{i}", coef=d_coef, **load) for i, load in enumerate(d_loads)]
+    d = decide(prompt_len, prefills, decodes, Targets.from_ms(ttft_ms, tpot_ms))
+    fits = {v.name: v.fits(prompt_len) for v in prefills + decodes}
+    admissible = [p for p in d.predictions if p.admissible]
+    if d.chosen is None:
+        assert not any(fits[p.decode] for p in d.predictions)
+        return
+    assert fits[d.chosen.decode]  # never a path without the pages
+    if admissible:
+        assert d.chosen.admissible
+        best = min(p.ttft_s for p in admissible)
+        assert d.chosen.ttft_s <= best * (1 + d.chosen.margin) + 1e-12
+        # A faster admissible path was passed over only for one earlier in the preference order.
+        for p in admissible:
+            if p.ttft_s < d.chosen.ttft_s:
+                assert PREFERENCE.index(d.chosen.path) < PREFERENCE.index(p.path)
+
+
+def test_the_model_learns_step_times_from_samples_and_keeps_its_prior_where_none_vary():
+    truth = np.array([2e-3, 5e-5, 0.0, 0.0])
+    m = StepTimeModel()
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # a prefill instance: prompt tokens only
+        n = int(rng.integers(16, 4096))
+        m.observe(n, 0, 0, float(truth[0] + truth[1] * n) * (1 + rng.normal(0, 0.02)))
+    assert m.step_s(1000, 0, 0) == pytest.approx(truth[0] + truth[1] * 1000, rel=0.05)
+    assert m.step_s(0, 64, 0) - m.step_s(0, 0, 0) == pytest.approx(64 * m.prior[2], rel=1e-6)  # still the prior
+    assert m.error < 0.05 and m.num_samples == 200
+    assert StepTimeModel().error == pytest.approx(0.3)  # unfitted: a wide margin
+
+
+def test_the_model_ignores_empty_and_nonpositive_steps():
+    m = StepTimeModel()
+    m.observe(0, 0, 0, 0.01)
+    m.observe(10, 0, 0, 0.0)
+    assert m.num_samples == 0
