@@ -33,12 +33,15 @@ class Request:
         sink: where deltas go (see `Sink`).
         metrics: timings, filled as the request moves.
         stage: one of `STAGES`.
-        prefill, decode, colocated: the instances holding it (None until placed).
+        prefill, decode, colocated: the instances it was placed on (None until placed);
+            `holders` says which of them it still depends on.
         dest: the decode reservation (`RecvDest`) handed to the prefill instance, or None.
         deadline: ``time.monotonic()`` after which it is aborted (request_timeout_s), or None.
         lease_deadline: ``time.monotonic()`` after which a reservation whose KV has not landed
             (no first token yet) is failed, or None.
         num_output: tokens produced so far.
+        kv_landed: the decode instance produced a token of it: the doorbell rang, so every push
+            of the prefill instance landed and the prefill instance has let the request go.
     """
 
     request_id: str
@@ -54,6 +57,7 @@ class Request:
     deadline: float | None = None
     lease_deadline: float | None = None
     num_output: int = 0
+    kv_landed: bool = False
 
     @property
     def done(self) -> bool:
@@ -64,8 +68,18 @@ class Request:
         return len(self.prompt_token_ids)
 
     def holders(self) -> list[Instance]:
-        """Instances that may hold pages or queue entries of this request."""
-        return [inst for inst in (self.prefill, self.decode, self.colocated) if inst is not None]
+        """The instances that can still affect this request: the death of one fails it.
+
+        Colocated: its one instance. Disaggregated: the prefill and the decode instance while
+        the prompt is with the prefill side (queued there, prefilling, pushing: its first token
+        may have come, but until the decode side produced a token its KV may not have landed);
+        then the decode instance alone (`kv_landed`).
+        """
+        if self.colocated is not None:
+            return [self.colocated]
+        if self.kv_landed:
+            return [self.decode]
+        return [inst for inst in (self.prefill, self.decode) if inst is not None]
 
 
 @dataclass

@@ -11,9 +11,10 @@ watchdog enforces `lease_s` (first token never came: fail, release D's pages) an
 (`cancel_reservation`) whenever no push can land in it: P refused the request or never got it,
 or P's abort answered `PushState.QUIESCED` (at once, or once its in-flight pushes completed);
 else D quarantines it until the ring or its lease (a dead or silent P). An instance that dies
-fails its own requests and is never routed to again. Failures are typed (`disagg.errors`):
-`submit` raises `QueueFull`; a request that ends badly carries `NoLiveInstance`, `InstanceDied`,
-`RequestRefused`, `RequestTimedOut` or `SignalTimeout` (lease) as its last delta's ``cause``.
+fails the requests it holds (`Request.holders`: P and D until D produced a token, then D alone)
+and is never routed to again. Failures are typed (`disagg.errors`): `submit` raises `QueueFull`;
+a request that ends badly carries `NoLiveInstance`, `InstanceDied`, `RequestRefused`,
+`RequestTimedOut` or `SignalTimeout` (lease) as its last delta's ``cause``.
 Runs on one asyncio loop in the launching process (see `disagg.cluster.cluster`); callbacks to
 callers go through each request's sink. The whole path, file by file: docs/ARCHITECTURE.md §7.
 """
@@ -303,6 +304,7 @@ class Router:
                 return
             tokens.append(token_id)
             times.append(emit_time)
+            req.kv_landed = True  # a decode token: its doorbell rang, the prefill side let it go
             if finished:
                 self._end(req, reason or "stop", tokens=tokens, times=times, release=False)
                 return
@@ -406,7 +408,8 @@ class Router:
                 self._end(req, "abort", ClusterError("the caller's sink raised"))
 
     def _instance_died(self, inst: Instance, reason: str) -> None:
-        """Never route to ``inst`` again; fail its requests; release their other side."""
+        """Never route to ``inst`` again; fail the requests it holds (`Request.holders`) and
+        release their other side; the others go on."""
         if not inst.alive:
             return
         inst.alive, inst.error = False, reason
