@@ -3,13 +3,16 @@
 `Request` records where a request is (queued -> reserving -> prefilling -> decoding -> done in
 disaggregated mode; queued -> running -> done colocated), which instances hold it, its deadlines,
 and what it has produced. `Picker` chooses an instance per role: least-loaded (prefill: queued
-prompt tokens; decode and colocated: reserved + running tokens) or round-robin. Used only by
-`disagg.cluster.router`, on the router's event loop.
+prompt tokens; decode and colocated: reserved + running tokens) or round-robin. `RecentIds`
+remembers request ids for a bounded count and time (aborts that came before their submit, ids
+that ended). Used only by `disagg.cluster.router`, on the router's event loop.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -80,6 +83,50 @@ class Request:
         if self.kv_landed:
             return [self.decode]
         return [inst for inst in (self.prefill, self.decode) if inst is not None]
+
+
+class RecentIds:
+    """Request ids, each with the time it was noted; the oldest go first once there are more
+    than ``max_ids`` or they are older than ``ttl_s``.
+
+    Args:
+        max_ids: how many ids are kept at most.
+        ttl_s: seconds an id is kept, or None (kept until ``max_ids`` pushes it out).
+        clock: a monotonic clock, seconds (tests pass a fake one).
+    """
+
+    def __init__(self, max_ids: int, ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_ids < 1:
+            raise ValueError(f"max_ids: expected at least 1, got {max_ids}")
+        self.max_ids, self.ttl_s, self.clock = max_ids, ttl_s, clock
+        self._noted: collections.OrderedDict[Any, float] = collections.OrderedDict()
+
+    def add(self, request_id: Any) -> None:
+        """Note ``request_id`` now (again: its time is renewed)."""
+        self._noted.pop(request_id, None)
+        self._noted[request_id] = self.clock()
+        self._trim()
+
+    def pop(self, request_id: Any) -> bool:
+        """Forget ``request_id``; True when it was noted (and not expired)."""
+        self._trim()
+        return self._noted.pop(request_id, None) is not None
+
+    def __contains__(self, request_id: Any) -> bool:
+        self._trim()
+        return request_id in self._noted
+
+    def __len__(self) -> int:
+        self._trim()
+        return len(self._noted)
+
+    def _trim(self) -> None:
+        while len(self._noted) > self.max_ids:
+            self._noted.popitem(last=False)
+        if self.ttl_s is not None:
+            oldest = self.clock() - self.ttl_s
+            while self._noted and next(iter(self._noted.values())) < oldest:
+                self._noted.popitem(last=False)
 
 
 @dataclass
