@@ -68,6 +68,26 @@ def test_abort_right_after_the_stream_started_is_not_lost(cluster):
     assert cluster.router_stats()["counts"]["abort"] == before + 1
 
 
+def test_stream_cancelled_before_its_submit_ran_leaves_nothing(cluster):
+    """The submit is dropped (its future was cancelled first) and no abort is left remembered:
+    the id runs normally right after."""
+    (want,) = reference_tokens([PROMPT], [PARAMS.max_tokens])
+
+    async def run():
+        with hold_router_loop(cluster):
+            first = asyncio.ensure_future(cluster.stream(PROMPT, PARAMS, request_id="cancelled").__anext__())
+            await asyncio.sleep(0.2)
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+        return await _collect(cluster.stream(PROMPT, PARAMS, request_id="cancelled"))
+
+    submitted = cluster.router_stats()["counts"]["submitted"]
+    tokens, last = asyncio.run(run())
+    assert (last.finish_reason, tokens) == ("length", want), last
+    assert cluster.router_stats()["counts"]["submitted"] == submitted + 1  # the cancelled one never was
+    assert cluster._call(_async(lambda: len(cluster._router.early_aborts))) == 0
+
+
 def test_remembered_abort_is_used_once_and_late_aborts_are_dropped(cluster):
     (want,) = reference_tokens([PROMPT], [PARAMS.max_tokens])
     forwards = _num_forwards(cluster)
