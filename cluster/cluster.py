@@ -2,9 +2,10 @@
 
 `Cluster.launch(config)` starts the fleet (`disagg.cluster.bootstrap`) and the router on its own
 thread and event loop. `stream` is an async generator usable from any event loop or thread: the
-request is submitted to the router's loop with `run_coroutine_threadsafe` and its deltas come
-back with `call_soon_threadsafe`; closing the generator or cancelling its task aborts the
-request. `generate` is the blocking form for lists of prompts. Runs in the launching process.
+request is submitted to the router's loop with `call_soon_threadsafe`, as aborts are, so an
+abort sent after a submit reaches the router after it; its deltas come back the same way.
+Closing the generator or cancelling its task (even before the submit ran) aborts the request.
+`generate` is the blocking form for lists of prompts. Runs in the launching process.
 """
 
 from __future__ import annotations
@@ -142,15 +143,15 @@ class Cluster:
             caller_loop.call_soon_threadsafe(deltas.put_nowait, delta)
 
         request_id, _, submitted = self._submit(prompt, params, request_id, sink)
-        await asyncio.wrap_future(submitted)
         finished = False
         try:
+            await asyncio.wrap_future(submitted)  # cancelled here: the submit is dropped or aborted
             while not finished:
                 delta = await deltas.get()
                 finished = delta.finished
                 yield delta
         finally:
-            if not finished:
+            if not finished and _may_have_run(submitted):
                 self.abort(request_id)
 
     def generate(self, prompts: Sequence[Prompt], params: Any = None,
@@ -168,9 +169,9 @@ class Cluster:
         collectors = [_Collector() for _ in prompts]
         try:
             for prompt, param, collector in zip(prompts, per_prompt, collectors):
-                collector.request_id, collector.prompt_token_ids, submitted = self._submit(
-                    prompt, param, None, collector.sink)
+                request_id, collector.prompt_token_ids, submitted = self._submit(prompt, param, None, collector.sink)
                 submitted.result()
+                collector.request_id = request_id  # only ids the router took are aborted below
         except BaseException:  # a bad prompt: the ones already submitted are not left running
             for collector in collectors:
                 if collector.request_id:
@@ -184,23 +185,43 @@ class Cluster:
         return [c.completion(self.tokenizer) for c in collectors]
 
     def abort(self, request_id: str) -> None:
-        """Abort a live request (no-op when it is not live); its pages are released on both sides."""
+        """Abort a request; its pages are released on both sides.
+
+        Sent after `stream` began (or `generate` returned its id), it reaches the router after
+        the submit. One that reaches the router before any submit with that id is remembered,
+        and the first such submit ends at once as aborted; one for an id that has just ended
+        does nothing (`Router.abort` says how long each is remembered).
+        """
         if not self._closed:
             self._loop.call_soon_threadsafe(self._router.abort, request_id)
 
     def _submit(self, prompt: Prompt, params: Any, request_id: str | None, sink
                 ) -> tuple[str, list[int], concurrent.futures.Future]:
-        """Hand a request to the router's loop; the future raises what `Router.submit` raised."""
+        """Hand a request to the router's loop; the future raises what `Router.submit` raised.
+
+        A plain callback (not a task, which would run one loop turn later), so that an `abort`
+        sent after this call reaches the router after the submit. A cancelled future (the
+        caller gave up before the loop got to it) submits nothing.
+        """
         if self._closed:
             raise NoLiveInstance("the cluster is shut down")
         token_ids = self._encode(prompt)
         params = params if params is not None else _default_params()
         request_id = request_id or uuid.uuid4().hex
+        submitted: concurrent.futures.Future = concurrent.futures.Future()
 
-        async def submit() -> None:
-            self._router.submit(request_id, token_ids, params, sink)
+        def submit() -> None:
+            if not submitted.set_running_or_notify_cancel():
+                return
+            try:
+                self._router.submit(request_id, token_ids, params, sink)
+            except BaseException as err:  # handed to the caller's thread
+                submitted.set_exception(err)
+            else:
+                submitted.set_result(None)
 
-        return request_id, token_ids, asyncio.run_coroutine_threadsafe(submit(), self._loop)
+        self._loop.call_soon_threadsafe(submit)
+        return request_id, token_ids, submitted
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -273,6 +294,14 @@ class Cluster:
 
 async def _async(fn):
     return fn()
+
+
+def _may_have_run(submitted: concurrent.futures.Future) -> bool:
+    """False when a submit surely did not create the request (cancelled before it ran, or
+    refused): an abort then would only be remembered for a later request with the same id."""
+    if submitted.cancelled():
+        return False
+    return not submitted.done() or submitted.exception() is None
 
 
 def _answer(inst: Instance, ref: Any) -> dict:

@@ -3,13 +3,16 @@
 `Request` records where a request is (queued -> reserving -> prefilling -> decoding -> done in
 disaggregated mode; queued -> running -> done colocated), which instances hold it, its deadlines,
 and what it has produced. `Picker` chooses an instance per role: least-loaded (prefill: queued
-prompt tokens; decode and colocated: reserved + running tokens) or round-robin. Used only by
-`disagg.cluster.router`, on the router's event loop.
+prompt tokens; decode and colocated: reserved + running tokens) or round-robin. `RecentIds`
+remembers request ids for a bounded count and time (aborts that came before their submit, ids
+that ended). Used only by `disagg.cluster.router`, on the router's event loop.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,12 +36,15 @@ class Request:
         sink: where deltas go (see `Sink`).
         metrics: timings, filled as the request moves.
         stage: one of `STAGES`.
-        prefill, decode, colocated: the instances holding it (None until placed).
+        prefill, decode, colocated: the instances it was placed on (None until placed);
+            `holders` says which of them it still depends on.
         dest: the decode reservation (`RecvDest`) handed to the prefill instance, or None.
         deadline: ``time.monotonic()`` after which it is aborted (request_timeout_s), or None.
         lease_deadline: ``time.monotonic()`` after which a reservation whose KV has not landed
             (no first token yet) is failed, or None.
         num_output: tokens produced so far.
+        kv_landed: the decode instance produced a token of it: the doorbell rang, so every push
+            of the prefill instance landed and the prefill instance has let the request go.
     """
 
     request_id: str
@@ -54,6 +60,7 @@ class Request:
     deadline: float | None = None
     lease_deadline: float | None = None
     num_output: int = 0
+    kv_landed: bool = False
 
     @property
     def done(self) -> bool:
@@ -64,8 +71,62 @@ class Request:
         return len(self.prompt_token_ids)
 
     def holders(self) -> list[Instance]:
-        """Instances that may hold pages or queue entries of this request."""
-        return [inst for inst in (self.prefill, self.decode, self.colocated) if inst is not None]
+        """The instances that can still affect this request: the death of one fails it.
+
+        Colocated: its one instance. Disaggregated: the prefill and the decode instance while
+        the prompt is with the prefill side (queued there, prefilling, pushing: its first token
+        may have come, but until the decode side produced a token its KV may not have landed);
+        then the decode instance alone (`kv_landed`).
+        """
+        if self.colocated is not None:
+            return [self.colocated]
+        if self.kv_landed:
+            return [self.decode]
+        return [inst for inst in (self.prefill, self.decode) if inst is not None]
+
+
+class RecentIds:
+    """Request ids, each with the time it was noted; the oldest go first once there are more
+    than ``max_ids`` or they are older than ``ttl_s``.
+
+    Args:
+        max_ids: how many ids are kept at most.
+        ttl_s: seconds an id is kept, or None (kept until ``max_ids`` pushes it out).
+        clock: a monotonic clock, seconds (tests pass a fake one).
+    """
+
+    def __init__(self, max_ids: int, ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_ids < 1:
+            raise ValueError(f"max_ids: expected at least 1, got {max_ids}")
+        self.max_ids, self.ttl_s, self.clock = max_ids, ttl_s, clock
+        self._noted: collections.OrderedDict[Any, float] = collections.OrderedDict()
+
+    def add(self, request_id: Any) -> None:
+        """Note ``request_id`` now (again: its time is renewed)."""
+        self._noted.pop(request_id, None)
+        self._noted[request_id] = self.clock()
+        self._trim()
+
+    def pop(self, request_id: Any) -> bool:
+        """Forget ``request_id``; True when it was noted (and not expired)."""
+        self._trim()
+        return self._noted.pop(request_id, None) is not None
+
+    def __contains__(self, request_id: Any) -> bool:
+        self._trim()
+        return request_id in self._noted
+
+    def __len__(self) -> int:
+        self._trim()
+        return len(self._noted)
+
+    def _trim(self) -> None:
+        while len(self._noted) > self.max_ids:
+            self._noted.popitem(last=False)
+        if self.ttl_s is not None:
+            oldest = self.clock() - self.ttl_s
+            while self._noted and next(iter(self._noted.values())) < oldest:
+                self._noted.popitem(last=False)
 
 
 @dataclass

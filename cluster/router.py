@@ -11,9 +11,12 @@ watchdog enforces `lease_s` (first token never came: fail, release D's pages) an
 (`cancel_reservation`) whenever no push can land in it: P refused the request or never got it,
 or P's abort answered `PushState.QUIESCED` (at once, or once its in-flight pushes completed);
 else D quarantines it until the ring or its lease (a dead or silent P). An instance that dies
-fails its own requests and is never routed to again. Failures are typed (`disagg.errors`):
-`submit` raises `QueueFull`; a request that ends badly carries `NoLiveInstance`, `InstanceDied`,
-`RequestRefused`, `RequestTimedOut` or `SignalTimeout` (lease) as its last delta's ``cause``.
+fails the requests it holds (`Request.holders`: P and D until D produced a token, then D alone)
+and is never routed to again. An abort that arrives before its request's submit is remembered
+(`EARLY_ABORT_TTL_S`, `MAX_REMEMBERED_IDS`) and ends that request at its submit. Failures are
+typed (`disagg.errors`): `submit` raises `QueueFull`; a request that ends badly carries
+`NoLiveInstance`, `InstanceDied`, `RequestRefused`, `RequestTimedOut` or `SignalTimeout` (lease)
+as its last delta's ``cause``.
 Runs on one asyncio loop in the launching process (see `disagg.cluster.cluster`); callbacks to
 callers go through each request's sink. The whole path, file by file: docs/ARCHITECTURE.md §7.
 """
@@ -31,7 +34,7 @@ import ray
 
 from disagg.cluster.bootstrap import Fleet, Instance
 from disagg.cluster.outputs import RequestMetrics, StreamDelta
-from disagg.cluster.requests import Picker, Request, Sink
+from disagg.cluster.requests import Picker, RecentIds, Request, Sink
 from disagg.engine.request import PushState
 from disagg.errors import (ClusterError, DisaggError, InstanceDied, NoLiveInstance, OutOfPages, QueueFull,
                            RequestRefused, RequestTimedOut, SignalTimeout)
@@ -40,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 WATCHDOG_PERIOD_S = 0.05   # how often deadlines and leases are checked
 PAGES_RETRY_S = 0.2        # out of pages everywhere: retry the queue head at least this often
+# An abort for an id the router has not seen waits this long for that id's submit (the caller's
+# abort may overtake it on the way to the router's loop); the first submit with the id consumes it.
+EARLY_ABORT_TTL_S = 30.0
+MAX_REMEMBERED_IDS = 4096  # early aborts kept at most; ended ids are kept 4 times as many
 
 
 class Router:
@@ -58,6 +65,9 @@ class Router:
         self.counts: collections.Counter[str] = collections.Counter()
         self.aborts: collections.Counter[str] = collections.Counter()    # by `failure_reason`
         self.failures: collections.Counter[str] = collections.Counter()  # by `failure_reason`
+        self.early_aborts = RecentIds(MAX_REMEMBERED_IDS, EARLY_ABORT_TTL_S)
+        # An abort of one of these came after its request ended: it must not wait for a submit.
+        self.ended_ids = RecentIds(4 * MAX_REMEMBERED_IDS)
         config = fleet.config
         self.prefill_queue_tokens = (self.settings.prefill_queue_tokens
                                      or 4 * config.scheduler.max_num_batched_tokens)
@@ -107,6 +117,9 @@ class Router:
         if len(prompt_token_ids) + max_tokens > limit:
             raise ValueError(f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
                              f"({max_tokens}) exceeds max_model_len ({limit} tokens)")
+        if self.early_aborts.pop(request_id):
+            self._abort_at_submit(request_id, prompt_token_ids, params, sink)
+            return
         if len(self.queue) >= self.settings.max_queue:
             raise QueueFull(f"the router's queue is full ({self.settings.max_queue} requests waiting for a "
                                "prefill slot or decode pages, router.max_queue); retry later")
@@ -115,6 +128,7 @@ class Router:
                       deadline=None if timeout is None else time.monotonic() + timeout)
         self.requests[request_id] = req
         self.counts["submitted"] += 1
+        self.ended_ids.pop(request_id)  # a new life of the id: its aborts are this request's
         if self.fleet.config.mode == "colocated":
             self._place_colocated(req)
         else:
@@ -122,12 +136,30 @@ class Router:
             self._wake.set()
 
     def abort(self, request_id: str) -> bool:
-        """Abort a live request at whatever stage; False when it is not live."""
+        """Abort a live request at whatever stage; False when it is not live.
+
+        An abort for an id that is not live and did not end recently is remembered for
+        `EARLY_ABORT_TTL_S`: the first `submit` with that id consumes it, and that request ends
+        as aborted before anything reaches an engine. An abort for an id that ended recently
+        (the last `4 * MAX_REMEMBERED_IDS` ends) is late and dropped, so a later request reusing
+        the id is not hit; the cost: an abort that overtakes the submit of such a reused id is
+        lost (`Cluster` sends submits and aborts in order, so only one sent before `stream`
+        began can overtake).
+        """
         req = self.requests.get(request_id)
         if req is None:
+            if request_id not in self.ended_ids:
+                self.early_aborts.add(request_id)
             return False
         self._end(req, "abort")
         return True
+
+    def _abort_at_submit(self, request_id: str, prompt_token_ids: list[int], params: Any, sink: Sink) -> None:
+        """End a request whose abort came before its submit: one aborted delta, no engine call."""
+        req = Request(request_id, list(prompt_token_ids), params, sink, RequestMetrics(arrival_time=time.time()))
+        self.requests[request_id] = req
+        self.counts["submitted"] += 1
+        self._end(req, "abort")
 
     # ------------------------------------------------------------------ placement
     def _place_colocated(self, req: Request) -> None:
@@ -303,6 +335,7 @@ class Router:
                 return
             tokens.append(token_id)
             times.append(emit_time)
+            req.kv_landed = True  # a decode token: its doorbell rang, the prefill side let it go
             if finished:
                 self._end(req, reason or "stop", tokens=tokens, times=times, release=False)
                 return
@@ -331,6 +364,7 @@ class Router:
             return
         stage, req.stage = req.stage, "done"
         self.requests.pop(req.request_id, None)
+        self.ended_ids.add(req.request_id)
         if stage == "queued" and req in self.queue:
             self.queue.remove(req)
         if release:
@@ -406,7 +440,8 @@ class Router:
                 self._end(req, "abort", ClusterError("the caller's sink raised"))
 
     def _instance_died(self, inst: Instance, reason: str) -> None:
-        """Never route to ``inst`` again; fail its requests; release their other side."""
+        """Never route to ``inst`` again; fail the requests it holds (`Request.holders`) and
+        release their other side; the others go on."""
         if not inst.alive:
             return
         inst.alive, inst.error = False, reason

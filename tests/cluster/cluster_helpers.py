@@ -1,7 +1,10 @@
-"""Helpers of the cluster tests: launching shipped configs, waiting for free pages, references."""
+"""Helpers of the cluster tests: launching shipped configs, waiting for free pages, references,
+holding the router's loop."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +36,23 @@ def wait_all_free(cluster: Cluster, timeout_s: float = 20.0) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"pages not all free after {timeout_s} s: {stats['instances']}")
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def hold_router_loop(cluster: Cluster, timeout_s: float = 30.0):
+    """Block the router's event loop for the ``with`` block: what callers send to the router
+    meanwhile (submits, aborts) runs once it exits, in the order it was sent."""
+    release, held = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(timeout_s)
+    cluster._loop.call_soon_threadsafe(hold)
+    assert held.wait(timeout_s), "the router's loop did not come to the hold"
+    try:
+        yield
+    finally:
+        release.set()
 
 
 def mixed_prompts(num: int, seed: int = 0, vocab: int = 256) -> list[list[int]]:
