@@ -130,7 +130,7 @@ def launch_or_exit(config: Config) -> Any:
     except DisaggError as err:
         typer.echo(f"{config.path or 'config'}: {type(err).__name__}: {err}", err=True)
         raise typer.Exit(EXIT_RUNTIME) from None
-    _catch_sigterm()  # ray.init replaced our handler with its own sys.exit(15)
+    catch_sigterm()  # ray.init replaced our handler with its own sys.exit(15)
     return cluster
 
 
@@ -146,7 +146,7 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
     raise Interrupted(signum)
 
 
-def _catch_sigterm() -> None:
+def catch_sigterm() -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_interrupted)
 
@@ -159,7 +159,7 @@ def interrupts_exit(command: str) -> Iterator[None]:
     SIGTERM handler calls sys.exit(15): that exit is taken for SIGTERM too.
     """
     previous = signal.getsignal(signal.SIGTERM)
-    _catch_sigterm()
+    catch_sigterm()
     try:
         yield
     except KeyboardInterrupt as err:
