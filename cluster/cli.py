@@ -53,6 +53,11 @@ def main(version: Annotated[Optional[bool], typer.Option(
     """Disaggregated prefill/decode LLM serving on Ray: one YAML file per deployment."""
 
 
+def _launch(config: Config):
+    """`launch_or_exit(config)`, looked up here at call time so tests can replace the launcher."""
+    return launch_or_exit(config)
+
+
 def describe(cluster) -> str:
     """A few lines: mode, device, instances with their PEs and pages, transfer paths."""
     stats = cluster.stats()
@@ -96,7 +101,7 @@ def launch(config: ConfigArg, set_: SetOpt = None,
         _serve(cfg, level)
         return
     with interrupts_exit("disagg launch"):  # Ctrl-C / SIGTERM while the fleet starts (or stops): 130 / 143
-        cluster = launch_or_exit(cfg)
+        cluster = _launch(cfg)
         typer.echo(describe(cluster))
         try:
             while True:
@@ -137,7 +142,7 @@ def check(config: ConfigArg, set_: SetOpt = None, log_level: LogLevelOpt = None,
     setup_logging(log_level, verbose)
     cfg = load_config(config, set_)
     with interrupts_exit("disagg check"):
-        cluster = launch_or_exit(cfg)
+        cluster = _launch(cfg)
         try:
             typer.echo(describe(cluster))
             typer.echo("preflight OK")

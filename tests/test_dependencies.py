@@ -39,7 +39,8 @@ def _normalize(name: str) -> str:
 
 
 def core_requirements() -> list[str]:
-    return [_requirement_name(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return [_requirement_name(r) for r in project["dependencies"]]
 
 
 def dependency_closure(names: list[str]) -> set[str]:
