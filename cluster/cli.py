@@ -19,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from disagg.cluster.cli_common import (EXIT_RUNTIME, ConfigArg, Interrupted, LogLevelOpt, SetOpt, VerboseOpt,
-                                       catch_sigterm, interrupts_exit, launch_or_exit, load_config, setup_logging)
+                                       interrupts_exit, launch_or_exit, load_config, setup_logging)
 from disagg.cluster.generate_command import generate_command, stream_to_stdout  # noqa: F401  (demo.py)
 from disagg.config import Config
 from disagg.errors import DisaggError
@@ -118,14 +118,11 @@ def _serve(config: Config, log_level: str) -> None:
     from disagg.cluster.serve.command import serve_config
 
     def on_launch(cluster, base_url: str) -> None:
-        catch_sigterm()  # ray.init replaced serve_config's SIGTERM handler with its own sys.exit(15)
         typer.echo(describe(cluster))
         typer.echo(f"serving the OpenAI API on {base_url}/v1 until Ctrl-C")
     with interrupts_exit("disagg launch"):  # Ctrl-C / SIGTERM before the fleet serves: 130 / 143
         try:
             serve_config(config, log_level=log_level, on_launch=on_launch)
-        except Interrupted:  # SIGTERM while serving: the fleet and the port are closed on the way out
-            pass
         except DisaggError as err:
             typer.echo(f"{config.path or 'config'}: {type(err).__name__}: {err}", err=True)
             raise typer.Exit(EXIT_RUNTIME) from None
