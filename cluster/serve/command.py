@@ -69,6 +69,7 @@ def serve_config(config: Config, *, log_level: str = "info",
             logger.info("http on %s (/health is 503 until the preflight passes); launching the cluster",
                         server.base_url)
             with Cluster.launch(config) as cluster:
+                signal.signal(signal.SIGTERM, lambda *_: stop.set())  # ray.init put in its own sys.exit(15)
                 app.state.server.attach(cluster)
                 logger.info("serving %s on %s/v1", app.state.server.model_name, server.base_url)
                 if on_launch is not None:

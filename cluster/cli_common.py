@@ -1,0 +1,179 @@
+"""What every `disagg` verb shares: exit codes, the CONFIG/--set/--log-level options, config loading,
+logging set-up (disagg's, the actors' and Ray's), fleet launch and the Ctrl-C/SIGTERM exit.
+
+Exit status of every verb (the README's CLI section has the same table):
+
+    0    done; `launch` / `serve` stopped by Ctrl-C or SIGTERM (their normal end)
+    1    runtime failure: the preflight or fleet launch failed, a port cannot be bound, a request failed
+    2    bad input: invalid YAML or --set, a bad option or prompt (too long for max_model_len, ...)
+    130  a verb that had not finished (`check`, `generate`, a fleet still launching) got Ctrl-C
+    143  the same for SIGTERM
+
+Used by `disagg.cluster.cli` and the verbs' own modules (generate_command.py); runs in the
+launching process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Iterator, Optional
+
+import typer
+import yaml
+
+from disagg.config import Config
+from disagg.errors import ConfigError, DisaggError
+
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class LogLevel(str, Enum):
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
+
+
+ConfigArg = Annotated[Path, typer.Argument(metavar="CONFIG", help="deployment YAML (see configs/)",
+                                           show_default=False)]
+SetOpt = Annotated[Optional[list[str]], typer.Option(
+    "--set", metavar="KEY=VALUE", show_default=False,
+    help="override a field: section.key=value (value read as YAML), repeatable")]
+LogLevelOpt = Annotated[Optional[LogLevel], typer.Option(
+    metavar="LEVEL", show_default=False,
+    help="critical|error|warning|info|debug: disagg's logs here and in the actors, and Ray's; "
+         "default $DISAGG_LOG, else warning")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="INFO logs (--log-level info)")]
+
+
+def load_config(path: Path, overrides: Optional[list[str]] = None) -> Config:
+    """Read ``path`` and apply ``--set`` overrides; exit 2 with the reason when invalid."""
+    try:
+        config = Config.from_yaml(path)
+        if overrides:
+            config = config.override(dict(parse_override(text) for text in overrides))
+        return config
+    except ConfigError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``section.key=value`` -> (key, the value read as YAML).
+
+    Raises:
+        ConfigError: no ``=``, no key, or a value that is not YAML.
+    """
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. router.lease_s=10")
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(f"--set {text!r}: the value is not valid YAML ({problem}); quote it for a "
+                          f"string, e.g. --set '{key.strip()}=\"...\"'") from None
+
+
+class _HideTokenAuthNotice(logging.Filter):
+    """Drops Ray's "Token authentication is enabled" notice, printed by every embedded `ray.init`:
+    it reports the secure default, not a problem. Its "disabled" warning still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Token authentication is enabled")
+
+
+def setup_logging(log_level: Optional[LogLevel], verbose: bool = False) -> str:
+    """Set the level of disagg's logs here and in the actors, and of Ray's driver logs.
+
+    Below INFO (the default, warning), Ray's start-up lines ("Started a local Ray instance", the
+    token-auth notice) are hidden; --log-level info or -v shows them.
+
+    Args:
+        log_level: the level; None: info with `verbose`, else $DISAGG_LOG, else warning.
+        verbose: -v, the same as --log-level info.
+
+    Returns:
+        the level as uvicorn names it (lower case).
+    """
+    import ray  # noqa: F401  (its import installs the "ray" logger's handlers set below)
+
+    level = (log_level.value if log_level else "info" if verbose
+             else os.environ.get("DISAGG_LOG") or "warning").upper()
+    logging.basicConfig(format=LOG_FORMAT)
+    logging.getLogger("disagg").setLevel(level)
+    os.environ["DISAGG_LOG"] = level                  # the actors read it (passed on by the bootstrap)
+    os.environ["RAY_LOGGER_LEVEL"] = level.lower()    # the Ray processes that ray.init starts
+    quiet = logging.getLevelName(level) > logging.INFO
+    # ray.init sets the "ray" logger's own level back to INFO; the level of its handlers is ours.
+    for handler in logging.getLogger("ray").handlers:
+        handler.setLevel(level)
+        if quiet and not any(isinstance(f, _HideTokenAuthNotice) for f in handler.filters):
+            handler.addFilter(_HideTokenAuthNotice())
+    return level.lower()
+
+
+def launch_or_exit(config: Config) -> Any:
+    """`Cluster.launch(config)`; exit 1 with one line when the preflight or launch fails."""
+    from disagg.cluster import Cluster
+
+    try:
+        cluster = Cluster.launch(config)
+    except DisaggError as err:
+        typer.echo(f"{config.path or 'config'}: {type(err).__name__}: {err}", err=True)
+        raise typer.Exit(EXIT_RUNTIME) from None
+    catch_sigterm()  # ray.init replaced our handler with its own sys.exit(15)
+    return cluster
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would raise KeyboardInterrupt, so both unwind the same way."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+def catch_sigterm() -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupted)
+
+
+@contextmanager
+def interrupts_exit(command: str) -> Iterator[None]:
+    """Turn Ctrl-C and SIGTERM inside the block into one line on stderr and exit 130 / 143.
+
+    The block's own `finally` clauses (the fleet's shutdown) run first. During `ray.init`, Ray's
+    SIGTERM handler calls sys.exit(15): that exit is taken for SIGTERM too.
+    """
+    previous = signal.getsignal(signal.SIGTERM)
+    catch_sigterm()
+    try:
+        yield
+    except KeyboardInterrupt as err:
+        _exit_interrupted(command, getattr(err, "signum", signal.SIGINT))
+    except SystemExit as err:
+        if err.code != signal.SIGTERM:
+            raise
+        _exit_interrupted(command, signal.SIGTERM)
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_interrupted(command: str, signum: int) -> None:
+    name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    typer.echo(f"{command}: interrupted by {name}; stopped", err=True)
+    raise typer.Exit(128 + signum)
