@@ -228,8 +228,8 @@ async def stream_to_stdout(cluster, prompt, params, out=None):
 #     app.command("bench")(bench_command)
 # ---------------------------------------------------------------------------------------------
 
-from disagg.cluster.bench.command import bench_command  # noqa: E402  (bench owns its command)
-app.command("bench")(bench_command)
+from disagg.cluster.bench.command import BenchCommand, bench_command  # noqa: E402  (bench owns its command)
+app.command("bench", cls=BenchCommand)(bench_command)
 
 from disagg.cluster.serve.command import serve_command  # noqa: E402  (serve owns its command)
 app.command("serve")(serve_command)

@@ -20,7 +20,7 @@ from disagg.cluster.bench import compare as cmp
 from disagg.cluster.bench.report import check_result, load_json
 from disagg.cluster.bench.sweep import SweepOptions, bench_config, busy_fractions, compare_configs
 
-from disagg.cluster.bench.command import bench_command
+from disagg.cluster.bench.command import BenchCommand, bench_command
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 TINY_1P1D = str(CONFIGS / "tiny-1p1d.yaml")
@@ -30,7 +30,7 @@ TINY_COLOCATED = str(CONFIGS / "tiny-colocated.yaml")
 def _app() -> typer.Typer:
     app = typer.Typer()
     app.callback()(lambda: None)
-    app.command("bench")(bench_command)
+    app.command("bench", cls=BenchCommand)(bench_command)
     return app
 
 
@@ -111,7 +111,7 @@ def test_cli_compare_with_variants_and_calibrated_slos(stand_in, tmp_path):
     assert calibration["slos_ms"]["tpot"] == pytest.approx(2.5 * calibration["isolated_tpot_ms"])
     assert summary["slos_ms"] == calibration["slos_ms"]
     assert [row["scale"] for row in summary["comparison"]["rows"]] == [1.0, 4.0]
-    assert "Per-GPU goodput" in result.output
+    assert "Goodput per instance" in result.output        # a CPU fleet: per instance, not per GPU
 
 
 def test_cli_single_config_saves_named_result(stand_in, tmp_path):
@@ -255,6 +255,15 @@ def test_summary_markdown_names_the_winner(stand_in, tmp_path):
                            output_len=2, goodput_slos_ms={"ttft": 1000, "tpot": 1000}, slo_scales=(1.0, 2.0),
                            show_progress=False)
     compare_configs(TINY_1P1D, [TINY_COLOCATED], tmp_path, options)
-    table = (tmp_path / "summary.md").read_text().splitlines()
-    assert table[0].startswith("| workload | SLO scale |") and len(table) == 2 + 2 * 2
-    assert table[2].startswith("| random | 1 | ttft 1000, tpot 1000 | tiny-1p1d | 100.0+ | tiny-colocated | 100.0+ | 1.000 |")
+    text = (tmp_path / "summary.md").read_text()
+    lines = text.splitlines()
+    for fact in ("- date: 2", "commit: ", "- device: CPU only", "- model: dummy:tiny (float32)",
+                 "- rates offered (req/s): 100, 200; prompts per run: 4", "- workload random: input 6 tokens",
+                 "- workload chat: "):
+        assert fact in text, fact
+    head = lines.index("| workload | SLO scale | SLOs | under test | goodput | best other | goodput | ratio |")
+    assert lines[head + 2] == ("| random | 1x | TTFT 1000 ms, TPOT 1000 ms | tiny-1p1d | 100.0+ | tiny-colocated "
+                               "| 100.0+ | 1.000 |")
+    tails = lines.index("| workload | deployment | rate (req/s) | p99 TTFT (ms) | p99 TPOT (ms) | SLO attainment |")
+    assert [line.split(" | ")[1:3] for line in lines[tails + 2:tails + 6]] == [
+        ["tiny-1p1d", "200"], ["tiny-colocated", "200"], ["tiny-1p1d", "200"], ["tiny-colocated", "200"]]
