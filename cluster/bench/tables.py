@@ -106,9 +106,12 @@ def run_table(result: Mapping[str, Any], metrics: Sequence[str] = LATENCY_METRIC
     rows += [("Output token throughput (tok/s)", result["output_throughput"]),
              ("Total token throughput (tok/s)", result["total_token_throughput"])]
     percentiles = [p for p in result.get("percentiles") or (99,) if p != 50]
+    if not result["completed"]:
+        rows.append(("Latencies (ms)", "- (no request succeeded)"))
+        metrics = ()
     for name in [*metrics, "client_overhead"]:
         word = "client overhead" if name == "client_overhead" else name.upper()
-        if name == "client_overhead" and not result.get("mean_client_overhead_ms"):
+        if name == "client_overhead" and not (metrics and result.get("mean_client_overhead_ms")):
             continue  # a server that sends no emit times: nothing measured
         rows += [(f"Mean {word} (ms)", result.get(f"mean_{name}_ms")),
                  (f"Median {word} (ms)", result.get(f"median_{name}_ms"))]

@@ -4,76 +4,17 @@ serving: the end-to-end comparison on the real cluster is test_bench_e2e.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
-import typer
+from stand_in import TINY_1P1D, TINY_COLOCATED, StandInCluster, bench_app as _app
 from typer.testing import CliRunner
 
-import disagg.cluster
-from disagg.cluster.outputs import StreamDelta
 from disagg.cluster.bench import compare as cmp
 from disagg.cluster.bench.report import check_result, load_json
 from disagg.cluster.bench.sweep import SweepOptions, bench_config, busy_fractions, compare_configs
-
-from disagg.cluster.bench.command import BenchCommand, bench_command
-
-CONFIGS = Path(__file__).resolve().parents[3] / "configs"
-TINY_1P1D = str(CONFIGS / "tiny-1p1d.yaml")
-TINY_COLOCATED = str(CONFIGS / "tiny-colocated.yaml")
-
-
-def _app() -> typer.Typer:
-    app = typer.Typer()
-    app.callback()(lambda: None)
-    app.command("bench", cls=BenchCommand)(bench_command)
-    return app
-
-
-class StandInCluster:
-    """Cluster-shaped: launch/context manager, max_model_len, vocab_size, stats(), stream()."""
-
-    launched: list = []
-
-    def __init__(self, config) -> None:
-        self.config = config
-        self.max_model_len = 128
-        self.vocab_size = 64
-        self.busy_s = 0.0
-        self.step_s = 0.001 if config.mode == "disaggregated" else 0.002
-
-    @classmethod
-    def launch(cls, config):
-        cls.launched.append(config)
-        return cls(config)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def stats(self) -> dict:
-        return {"instances": [{"name": f"{self.config.mode}-{i}", "busy_s": self.busy_s} for i in range(2)]}
-
-    async def stream(self, prompt, params, request_id=None):
-        assert all(0 <= t < self.vocab_size for t in prompt) and len(prompt) + params.max_tokens <= 128
-        for i in range(params.max_tokens):
-            await asyncio.sleep(self.step_s)
-            self.busy_s += self.step_s
-            last = i == params.max_tokens - 1
-            yield StreamDelta(request_id, [i], [time.time()], finished=last, finish_reason="length" if last else None)
-
-
-@pytest.fixture
-def stand_in(monkeypatch):
-    StandInCluster.launched = []
-    monkeypatch.setattr(disagg.cluster, "Cluster", StandInCluster, raising=False)
-    return StandInCluster
 
 
 def test_quick_compare_writes_results_and_plots(stand_in, tmp_path):
