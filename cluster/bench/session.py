@@ -120,12 +120,12 @@ def _single(console, plan: Plan, options, tally: Tally) -> None:
         runs = sweep.bench_config(plan.config, options, overrides=plan.overrides, label=plan.label,
                                   extra=plan.metadata, on_result=saver)
     for one in runs:
-        console.print(tables.slo_line(one.dataset, one.slos_ms, one.info.get("calibration")))
+        console.print(tables.slo_line(one.dataset, one.slos_ms, one.info.get("calibration")), markup=False)
         if options.save_results:
             folder = _folder(options, plan.out_dir, one.dataset)
             summary = sweep.summarize_comparison([one], options, folder) if one.slos_ms else None
             path = report.write_markdown(folder / "summary.md", markdown.single_summary(one, summary))
-            console.print(f"results and summary: {path.parent}")
+            console.print(f"results and summary: {path.parent}", markup=False)
 
 
 def _usage(message: str) -> Exception:
@@ -217,5 +217,5 @@ def _print_comparison(console, summary: dict, options, out_dir: Path) -> None:
         console.print(f"[bold]workload {one.get('dataset', name)}[/bold]")
         console.print(tables.comparison_table(one))
         console.print(tables.common_rate_table(one))
-        console.print(f"plots: {', '.join(Path(p).name for p in one['plots'])}")
-    console.print(f"results, compare.json, summary.md and plots under {out_dir}")
+        console.print(f"plots: {', '.join(Path(p).name for p in one['plots'])}", markup=False)
+    console.print(f"results, compare.json, summary.md and plots under {out_dir}", markup=False)

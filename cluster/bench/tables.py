@@ -77,8 +77,11 @@ def unit_of(summary: Mapping[str, Any]) -> str:
 
 
 def _table(title: str, caption: str | None = None, **kwargs: Any):
+    from rich.markup import escape
     from rich.table import Table
 
+    # labels carry "[key=value]" (a variant): escaped, or rich would read them as markup and drop them
+    title, caption = escape(title), escape(caption) if caption else None
     # min_width: captions and titles wrap over most of an 80-column line, not a narrow table's width
     return Table(title=title, caption=caption, caption_justify="left", title_justify="left", min_width=64,
                  **kwargs)
