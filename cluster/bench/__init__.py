@@ -7,7 +7,8 @@ recomputes from its own per-request lists), `compare` (SLO attainment, DistServe
 goodput, SLO-scale sweeps, the same-model check, `quick_compare`), `sweep` (launch, sweep,
 compare), `stored` (compare sweeps made in separate sittings), `tables` (80-column console
 tables), `markdown` (summary.md), `plots` (PNG figures), `flags` (flag values), `session` (one
-invocation: print, save, exit status) and `command` (the typer command, vLLM's option names). HEADLINE.md is the two-H200 recipe. These modules import no torch; ray comes only with
+invocation: print, save, exit status) and `command` (the typer command, vLLM's option names).
+HEADLINE.md is the two-H200 recipe. These modules import no torch; ray comes only with
 the parent package (disagg.cluster) and the Cluster they drive.
 """
 

@@ -43,8 +43,8 @@ def bench_command(
     compare_variant: Annotated[Optional[list[str]], Opt(help="KEY=V1,V2: also run each --compare config with "
                                "these dotted overrides; the best per SLO scale is compared")] = None,
     no_compare: Annotated[bool, Opt("--no-compare", help="ignore bench.compare_with")] = False,
-    allow_mismatch: Annotated[bool, Opt(help="compare deployments that differ in model, dtype or workload "
-                              "(refused otherwise), with a warning")] = False,
+    allow_mismatch: Annotated[bool, Opt("--allow-mismatch", help="compare deployments that differ in model, "
+                              "dtype or workload (refused otherwise), with a warning")] = False,
     set_: Annotated[Optional[list[str]], Opt("--set", help="KEY=VALUE: a dotted override of CONFIG, "
                     "e.g. --set scheduler.max_num_batched_tokens=2048")] = None,
     from_results: Annotated[Optional[list[Path]], Opt(help="compare result folders written earlier "
@@ -86,8 +86,8 @@ def bench_command(
     request_timeout: Annotated[Optional[float], Opt(help="seconds before a request is cancelled")] = None,
     goodput: Annotated[Optional[list[str]], Opt(help="SLOs in ms: --goodput ttft:500 tpot:50 (vLLM's "
                        "form; repeating the flag works too)")] = None,
-    slo_calibrate: Annotated[bool, Opt(help="derive SLOs from isolated requests on CONFIG "
-                             "(ttft 3x isolated TTFT, tpot 2.5x batch-1 decode step)")] = False,
+    slo_calibrate: Annotated[bool, Opt("--slo-calibrate", help="derive SLOs from isolated requests on "
+                             "CONFIG (ttft 3x isolated TTFT, tpot 2.5x batch-1 decode step)")] = False,
     slo_scales: Annotated[Optional[str], Opt(help="SLO multipliers judged from the same runs")] = None,
     percentile_metrics: Annotated[Optional[str], Opt(help="latencies the tables show: some of "
                                   "ttft,tpot,itl,e2el (default all)", show_default=False)] = None,
@@ -103,8 +103,8 @@ def bench_command(
     run_seconds: Annotated[Optional[float], Opt(min=0.001, help="per rate, send about rate x this many "
                            "requests (at least --min-prompts, at most --num-prompts)")] = None,
     min_prompts: Annotated[int, Opt(min=1, help="fewest requests of a run under --run-seconds")] = 50,
-    early_stop: Annotated[bool, Opt(help="sweep rates upward and stop once attainment under the "
-                          "loosest --slo-scales SLOs falls below 90%")] = False,
+    early_stop: Annotated[bool, Opt("--early-stop", help="sweep rates upward and stop once attainment under "
+                          "the loosest --slo-scales SLOs falls below 90%")] = False,
     **vllm_options: Any,
 ) -> None:
     """Measure serving at the client as `vllm bench serve` does; compare deployments by goodput.
