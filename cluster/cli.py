@@ -156,8 +156,8 @@ app.command("generate")(generate_command)
 #     app.command("bench")(bench_command)
 # ---------------------------------------------------------------------------------------------
 
-from disagg.cluster.bench.command import bench_command  # noqa: E402  (bench owns its command)
-app.command("bench")(bench_command)
+from disagg.cluster.bench.command import BenchCommand, bench_command  # noqa: E402  (bench owns its command)
+app.command("bench", cls=BenchCommand)(bench_command)
 
 from disagg.cluster.serve.command import serve_command  # noqa: E402  (serve owns its command)
 app.command("serve")(serve_command)

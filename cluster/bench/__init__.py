@@ -3,10 +3,12 @@
 Rooms: `workloads` (seeded synthetic requests), `arrivals` (Poisson/gamma send times), `runner`
 (drives a backend at one rate and times every token), `backends` (a launched Cluster, or an
 OpenAI-compatible server), `metrics` (vLLM's metric names and rules), `report` (result JSON that
-recomputes from its own per-request lists, rich tables), `compare` (SLO attainment, DistServe's
-per-GPU goodput, SLO-scale sweeps, `quick_compare`), `sweep` (launch, sweep, compare), `stored`
-(compare sweeps made in separate sittings), `plots` (PNG figures) and `command` (the typer
-command). HEADLINE.md is the two-H200 recipe. These modules import no torch; ray comes only with
+recomputes from its own per-request lists), `compare` (SLO attainment, DistServe's per-GPU
+goodput, SLO-scale sweeps, the same-model check, `quick_compare`), `sweep` (launch, sweep,
+compare), `stored` (compare sweeps made in separate sittings), `tables` (80-column console
+tables), `markdown` (summary.md), `plots` (PNG figures), `flags` (flag values), `session` (one
+invocation: print, save, exit status) and `command` (the typer command, vLLM's option names).
+HEADLINE.md is the two-H200 recipe. These modules import no torch; ray comes only with
 the parent package (disagg.cluster) and the Cluster they drive.
 """
 

@@ -4,22 +4,26 @@
 its own loop; the stream bridges to ours) and passes each `StreamDelta`'s emit times through,
 so the client overhead (actor emit -> client sees it) is measured. `HttpBackend` posts to
 `/v1/completions` with a token-id prompt, `stream=True`, `ignore_eos=True`, `return_token_ids`
-(vLLM's extension: exact tokens per chunk) and reads the SSE
-chunks with httpx, as vLLM's `openai` request function does with aiohttp; the usage block at the
-end gives the output token count. Both run in the bench process.
+(vLLM's extension: exact tokens per chunk) and reads the SSE chunks with httpx, as vLLM's
+`openai` request function does with aiohttp; the usage block at the end gives the output token
+count. `HttpBackend.check` asks /v1/models before any run, so an unreachable server or a refused
+key is one `TargetError` line rather than a run of failed requests. Both run in the bench process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from disagg.cluster.bench.runner import Chunk
 from disagg.cluster.bench.workloads import SampleRequest
+from disagg.errors import DisaggError
 
 logger = logging.getLogger(__name__)
 _RUN_IDS = itertools.count()
@@ -57,6 +61,10 @@ class ClusterBackend:
                     return
 
 
+class TargetError(DisaggError):
+    """The server to benchmark cannot be used (unreachable, refuses the key, lists no model); one line."""
+
+
 class HttpBackend:
     """Serve bench requests with an OpenAI-compatible `/v1/completions` server (SSE streaming).
 
@@ -65,34 +73,77 @@ class HttpBackend:
         model: the model name to send; None asks `/v1/models` for the first one.
         endpoint: the completions path.
         api_key: sent as a Bearer token when given.
+        headers: more headers (vLLM's `--header`); they win over the key's.
+        verify: check TLS certificates (False: vLLM's `--insecure`).
         transport: an httpx transport to use instead of the network (tests).
     """
 
     def __init__(self, base_url: str, *, model: str | None = None, endpoint: str = "/v1/completions",
-                 api_key: str | None = None, transport: Any = None) -> None:
+                 api_key: str | None = None, headers: dict[str, str] | None = None, verify: bool = True,
+                 transport: Any = None) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"--base-url: expected an http:// or https:// URL, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.endpoint = endpoint
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers.update(headers or {})
         self.name = self.base_url
+        self._verify = verify
         self._transport = transport
         self._client = None
 
     async def open(self) -> None:
+        self._connect()
+        if self.model is None:
+            self.model = await self._first_model()
+
+    def _connect(self) -> None:
         import httpx
 
-        self._client = httpx.AsyncClient(base_url=self.base_url, headers=self.headers,
+        self._client = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, verify=self._verify,
                                          timeout=httpx.Timeout(None, connect=30.0),
                                          limits=httpx.Limits(max_connections=None), transport=self._transport)
-        if self.model is None:
-            response = await self._client.get("/v1/models")
-            response.raise_for_status()
-            models = response.json().get("data") or []
-            if not models:
-                raise RuntimeError(f"{self.base_url}/v1/models lists no model; pass --model")
-            self.model = models[0]["id"]
+
+    async def check(self, ready_timeout_s: float = 0.0) -> None:
+        """Ask /v1/models once before any run (retrying up to `ready_timeout_s` while unreachable), so a
+        wrong URL or key is one line, not a run of failed requests; learn the model name if unset.
+
+        Raises:
+            TargetError: unreachable, HTTP 401/403 (the key), or no model to send.
+        """
+        import httpx
+
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            self._connect()
+            try:
+                listed = await self._first_model(required=self.model is None)
+                self.model = self.model or listed
+                return
+            except httpx.TransportError as err:
+                if time.monotonic() >= deadline:
+                    raise TargetError(f"cannot reach {self.base_url} ({type(err).__name__}: {err or 'no answer'});"
+                                      " is the server up? (--ready-check-timeout-sec N waits for it)") from None
+            finally:
+                await self.aclose()
+            await asyncio.sleep(1.0)
+
+    async def _first_model(self, required: bool = True) -> str | None:
+        url = f"{self.base_url}/v1/models"
+        response = await self._client.get("/v1/models")
+        if response.status_code in (401, 403):
+            raise TargetError(f"{url} answered HTTP {response.status_code}: {_reason(response)}; pass the "
+                              "server's key with --api-key KEY or OPENAI_API_KEY=KEY")
+        if response.status_code != 200:
+            if not required:
+                return None
+            raise TargetError(f"{url} answered HTTP {response.status_code}: {_reason(response)}; name the "
+                              "model with --model")
+        models = response.json().get("data") or []
+        if not models and required:
+            raise TargetError(f"{url} lists no model; name the model with --model")
+        return models[0]["id"] if models else None
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -105,13 +156,24 @@ class HttpBackend:
                 "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
         async with self._client.stream("POST", self.endpoint, json=body) as response:
             if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")[:500]
-                yield Chunk(0, error=f"HTTP {response.status_code}: {text}")
+                await response.aread()
+                yield Chunk(0, error=f"HTTP {response.status_code}: {_reason(response)}")
                 return
             async for line in response.aiter_lines():
                 chunk = parse_sse_line(line)
                 if chunk is not None:
                     yield chunk
+
+
+def _reason(response: Any) -> str:
+    """An error response's message (OpenAI's {"error": {"message"}}, FastAPI's {"detail"}), one line."""
+    try:
+        body = response.json()
+        error = body.get("error", body.get("detail", body)) if isinstance(body, dict) else body
+        text = error.get("message", error) if isinstance(error, dict) else error
+    except ValueError:
+        text = response.text
+    return " ".join(str(text).split())[:300] or response.reason_phrase
 
 
 def parse_sse_line(line: str) -> Chunk | None:

@@ -11,15 +11,67 @@ scale sweep) without another run. Pure Python; `quick_compare` at the bottom lau
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from disagg.cluster.bench.metrics import slo_attainment
 from disagg.cluster.bench.report import outputs_from_result, rate_from_json
+from disagg.errors import DisaggError
+
+logger = logging.getLogger(__name__)
 
 TARGET_ATTAINMENT = 0.9
 DEFAULT_SLO_SCALES: tuple[float, ...] = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+
+
+class Mismatch(DisaggError, ValueError):
+    """The deployments of a comparison differ in model, dtype or workload (and that was not allowed)."""
+
+
+def setup_mismatches(setups: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """How deployments differ from the first in what a fair comparison holds equal.
+
+    Args:
+        setups: label -> {"model": ..., "dtype": ..., "workload": {...}} (a key left out or None is
+            not compared).
+
+    Returns:
+        one phrase per differing key, e.g. "model: tiny-1p1d runs 'dummy:tiny', smol runs 'smollm2'".
+    """
+    items = list(setups.items())
+    if len(items) < 2:
+        return []
+    (first_label, first), found = items[0], []
+    for key in ("model", "dtype", "workload"):
+        differing = [(label, setup.get(key)) for label, setup in items[1:]
+                     if setup.get(key) is not None and first.get(key) is not None and setup.get(key) != first.get(key)]
+        if differing:
+            found.append(f"{key}: {first_label} runs {_short(first.get(key))}, " +
+                         ", ".join(f"{label} runs {_short(value)}" for label, value in differing))
+    return found
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k} {v}" for k, v in value.items() if k not in ("source",)) + "}"
+    return repr(value)
+
+
+def config_mismatches(config: Any, others: Sequence[Any], overrides: Mapping[str, Any] | None = None,
+                      variants: Sequence[Mapping[str, Any]] = ()) -> list[str]:
+    """`setup_mismatches` of CONFIG (+ overrides) and each comparison config (+ each variant), read
+    from the YAML files before anything launches (model.source and model.dtype)."""
+    from disagg.config import Config
+
+    setups = {}
+    for path, override in [(config, overrides)] + [(p, v) for p in others for v in (list(variants) or [None])]:
+        loaded = Config.from_yaml(path)
+        loaded = loaded.override(dict(override)) if override else loaded
+        label = loaded.name + "".join(f"[{k.split('.')[-1]}={v}]" for k, v in (override or {}).items())
+        setups[label] = {"model": loaded.model.source, "dtype": loaded.model.dtype}
+    return setup_mismatches(setups)
 
 
 def scale_slos(slos_ms: Mapping[str, float], scale: float) -> dict[str, float]:
@@ -144,7 +196,7 @@ def slo_scale_curve(result: Mapping[str, Any], slos_ms: Mapping[str, float],
 def quick_compare(config_a: str, config_b: str, out_dir: str, *, num_prompts: int = 16,
                   rates: Sequence[float] = (1.0, 4.0), dataset_name: str = "random",
                   goodput: Mapping[str, float] | None = None, seed: int = 0, progress: bool = False,
-                  **workload_overrides: Any) -> dict[str, Any]:
+                  allow_mismatch: bool = False, **workload_overrides: Any) -> dict[str, Any]:
     """Compare two configs on one workload in one call (the demo's entry); prints a small table.
 
     Args:
@@ -154,6 +206,7 @@ def quick_compare(config_a: str, config_b: str, out_dir: str, *, num_prompts: in
         num_prompts / rates / dataset_name / seed: the workload and the sweep.
         goodput: SLOs in ms ({"ttft": .., "tpot": ..}); None takes config_a's `bench.goodput`.
         progress: show a progress bar per run.
+        allow_mismatch: compare configs of different models or dtypes (logged as a warning).
         workload_overrides: input_len, output_len, range_ratio for the workload.
 
     Returns:
@@ -163,12 +216,18 @@ def quick_compare(config_a: str, config_b: str, out_dir: str, *, num_prompts: in
 
     from rich.console import Console
 
-    from disagg.cluster.bench.report import common_rate_table, comparison_table
+    from disagg.cluster.bench.tables import common_rate_table, comparison_table
 
     options = SweepOptions(num_prompts=num_prompts, rates=list(rates), dataset_name=dataset_name,
                            goodput_slos_ms=dict(goodput) if goodput else None, seed=seed,
                            show_progress=progress, **workload_overrides)
-    summary = compare_configs(config_a, [config_b], out_dir, options)
+    differences = config_mismatches(config_a, [config_b])
+    if differences and not allow_mismatch:
+        raise Mismatch(f"{config_a} and {config_b} differ: {'; '.join(differences)}; compare one model and "
+                       "dtype, or pass allow_mismatch=True")
+    for what in differences:
+        logger.warning("comparing deployments that differ: %s", what)
+    summary = compare_configs(config_a, [config_b], out_dir, options, mismatches=differences)
     Console().print(comparison_table(summary))
     Console().print(common_rate_table(summary))
     return summary

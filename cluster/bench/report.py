@@ -177,100 +177,31 @@ def load_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text())
 
 
-def run_table(result: Mapping[str, Any]):
-    """A rich table of one run, in the order `vllm bench serve` prints its summary."""
-    from rich.table import Table
-
-    table = Table(title=f"{result.get('label', '')} @ {result['request_rate']} req/s", show_header=False)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    rows = [("Successful requests", result["completed"]), ("Failed requests", result["failed"]),
-            ("Benchmark duration (s)", result["duration"]), ("Total input tokens", result["total_input_tokens"]),
-            ("Total generated tokens", result["total_output_tokens"]),
-            ("Request throughput (req/s)", result["request_throughput"]),
-            ("Request goodput (req/s)", result["request_goodput"]), ("SLO attainment", result["slo_attainment"]),
-            ("Output token throughput (tok/s)", result["output_throughput"]),
-            ("Total token throughput (tok/s)", result["total_token_throughput"])]
-    for name in ("ttft", "tpot", "itl", "e2el", "client_overhead"):
-        rows += [(f"{stat.capitalize()} {name.upper()} (ms)", result.get(f"{stat}_{name}_ms"))
-                 for stat in ("mean", "median", "p99")]
-    for name, value in rows:
-        table.add_row(name, _fmt(value))
-    return table
+def run_context(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """When, where and on what a set of runs was made (the head of summary.md): date, commit,
+    device, models, rates, prompts per run and the workloads."""
+    first = results[0] if results else {}
+    rates = sorted({rate_from_json(r["request_rate"]) for r in results})
+    return {"date": first.get("date"), "git_commit": first.get("git_commit"),
+            "device": describe_device(first.get("device") or {}),
+            "models": sorted({f"{r.get('model_id')} ({r.get('dtype') or 'dtype not recorded'})" for r in results
+                              if r.get("model_id")}),
+            "rates": [rate_to_json(r) for r in rates], "num_prompts": sorted({r["num_prompts"] for r in results}),
+            "workloads": {r["workload"].get("dataset_name"): r["workload"] for r in results if r.get("workload")}}
 
 
-def comparison_table(summary: Mapping[str, Any]):
-    """A rich table: per SLO scale, each side's per-GPU goodput and side 0's ratio to the best other."""
-    from rich.table import Table
-
-    sides = [side["label"] for side in summary["sides"]]
-    table = Table(title=f"Per-GPU goodput (req/s/GPU at >= {summary['comparison']['target_attainment']:.0%} "
-                        f"SLO attainment); base SLOs {summary['slos_ms']} ms")
-    for header in ["SLO scale", *sides, "ratio (best own / best other)"]:
-        table.add_column(header, justify="right")
-    for row in summary["comparison"]["rows"]:
-        cells = [_fmt(row["scale"])]
-        for label in sides:
-            value, bound = row["per_gpu_goodput"][label], row["bound"][label]
-            cells.append(_fmt(value) + {"at_least": "+", "below_range": " (<min)"}.get(bound, ""))
-        own = row.get("best_own", sides[0])
-        cells.append(_fmt(row["ratio"]) + (f" ({own} vs {row['best_other']})" if row["best_other"] else ""))
-        table.add_row(*cells)
-    return table
+def describe_device(device: Mapping[str, Any]) -> str:
+    """'2 x NVIDIA H200, 143771 MiB (host h)' or 'CPU only (host h)'."""
+    gpus = list(device.get("gpus") or [])
+    host = f" (host {device['host']})" if device.get("host") else ""
+    if not gpus:
+        return f"CPU only{host}"
+    kinds = sorted(set(gpus))
+    return ", ".join(f"{gpus.count(kind)} x {kind}" for kind in kinds) + host
 
 
-def markdown_summary(summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    """One Markdown table over workloads and SLO scales: who wins, by how much (for a README).
-
-    Goodputs are req/s/GPU at >= 90% attainment; "+" marks a lower bound (every swept rate held),
-    "<" an upper bound (even the lowest rate missed); p99s are at each workload's common rate.
-    """
-    lines = ["| workload | SLO scale | SLOs (ms) | under test | goodput | best other | goodput | ratio | "
-             "p99 TTFT (ms) | p99 TPOT (ms) |", "|" + " --- |" * 10]
-    for dataset, summary in summaries.items():
-        common = summary.get("at_common_rate") or {}
-        for row in summary["comparison"]["rows"]:
-            first = row.get("best_own", summary["sides"][0]["label"])
-            other = row["best_other"]
-            tails = [common.get(label) or {} for label in (first, other)]
-            slos = ", ".join(f"{k} {v:.0f}" for k, v in row["slos_ms"].items())
-            lines.append(f"| {dataset} | {row['scale']:g} | {slos} | {first} | {_bounded(row, first)} | "
-                         f"{other or '-'} | {_bounded(row, other) if other else '-'} | {_fmt(row['ratio'])} | "
-                         + " | ".join(" / ".join(_fmt(t.get(key)) for t in tails) for key in ("p99_ttft_ms", "p99_tpot_ms"))
-                         + " |")
-    return "\n".join(lines) + "\n"
-
-
-def _bounded(row: Mapping[str, Any], label: str) -> str:
-    mark = {"at_least": "+", "below_range": "<"}.get(row["bound"][label], "")
-    return f"{_fmt(row['per_gpu_goodput'][label])}{mark}"
-
-
-def common_rate_table(summary: Mapping[str, Any]):
-    """A rich table of each side at the common rate: p99 TTFT/TPOT, attainment, client overhead,
-    busy fraction per instance (from cluster stats' busy_s) and GPU utilization (nvidia-smi)."""
-    from rich.table import Table
-
-    common = summary.get("at_common_rate") or {}
-    table = Table(title=f"At a common rate ({common.get('rate', '-')} req/s)")
-    for header in ("deployment", "p99 TTFT (ms)", "p99 TPOT (ms)", "attainment", "client overhead (ms)",
-                   "busy fraction per instance", "GPU utilization (nvidia-smi)"):
-        table.add_column(header, justify="right")
-    for side in summary["sides"]:
-        row = common.get(side["label"]) or {}
-        table.add_row(side["label"], _fmt(row.get("p99_ttft_ms")), _fmt(row.get("p99_tpot_ms")),
-                      _fmt(row.get("attainment")), _fmt(row.get("mean_client_overhead_ms")),
-                      _fractions(row.get("busy_fraction")), _fractions(row.get("gpu_utilization")))
-    return table
-
-
-def _fractions(values: Mapping[str, float] | None) -> str:
-    return " ".join(f"{name}={value:.2f}" for name, value in (values or {}).items()) or "-"
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
-    return str(value)
+def write_markdown(path: str | Path, text: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path

@@ -105,7 +105,7 @@ async def measure_request(backend: Backend, request: SampleRequest) -> RequestOu
         out.success = True
     except (Exception, asyncio.TimeoutError) as exc:  # a failed request is data, not a crash
         out.success, out.output_len = False, 0
-        out.error = f"{type(exc).__name__}: {exc}"
+        out.error = str(exc) if isinstance(exc, StreamError) else f"{type(exc).__name__}: {exc}"
     return out
 
 

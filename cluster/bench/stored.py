@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from disagg.cluster.bench.report import PER_REQUEST_KEYS, load_json, markdown_summary, rate_from_json, save_json
+from disagg.cluster.bench.compare import setup_mismatches
+from disagg.cluster.bench.markdown import comparison_summary
+from disagg.cluster.bench.report import PER_REQUEST_KEYS, load_json, rate_from_json, save_json, write_markdown
 from disagg.cluster.bench.sweep import DatasetRuns, SweepOptions, summarize_comparison
 
 logger = logging.getLogger(__name__)
@@ -56,18 +58,55 @@ def load_runs(paths: Sequence[str | Path]) -> list[DatasetRuns]:
             if key not in groups:
                 groups[key] = DatasetRuns(dataset, [], result.get("goodput") or None, {
                     "label": key[0], "num_gpus": result.get("num_gpus") or 1,
+                    "device_unit": result.get("device_unit", "GPU"),
                     "config_path": result.get("config_path"), "overrides": result.get("overrides") or {},
                     "workload": result.get("workload"), "calibration": result.get("calibration"),
                     "result_files": []})
             groups[key].results.append(result)
             groups[key].info["result_files"].append(str(file))
     for runs in groups.values():
-        runs.results.sort(key=lambda r: rate_from_json(r["request_rate"]))
+        runs.results = _latest_per_rate(runs)
     return list(groups.values())
 
 
+def _latest_per_rate(runs: DatasetRuns) -> list[dict[str, Any]]:
+    """One result per rate, the newest (a re-run writes a newly dated file beside the old one)."""
+    latest: dict[float, dict[str, Any]] = {}
+    for result in runs.results:
+        rate = rate_from_json(result["request_rate"])
+        if rate in latest:
+            older, newer = sorted([latest[rate], result], key=lambda r: str(r.get("date")))
+            logger.warning("%s / %s at %s req/s: two results (%s and %s); comparing the newer", runs.info["label"],
+                           runs.dataset, rate, older.get("date"), newer.get("date"))
+            result = newer
+        latest[rate] = result
+    return [latest[rate] for rate in sorted(latest)]
+
+
+def mismatches(sides: Sequence[DatasetRuns]) -> list[str]:
+    """How the stored deployments differ in model, dtype or workload, per workload (see
+    compare.setup_mismatches); results without a recorded model are not compared on it."""
+    found: list[str] = []
+    by_dataset: dict[str, dict[str, dict[str, Any]]] = {}
+    for runs in sides:
+        first = runs.results[0] if runs.results else {}
+        model = (first.get("config") or {}).get("model") or {}
+        by_dataset.setdefault(runs.dataset, {})[runs.info["label"]] = {
+            "model": first.get("model_id") or model.get("source"), "dtype": first.get("dtype") or model.get("dtype"),
+            "workload": {k: v for k, v in (first.get("workload") or {}).items() if k != "num_prompts"} or None}
+    for setups in by_dataset.values():
+        found += [what for what in setup_mismatches(setups) if what not in found]
+    return found
+
+
 def compare_stored(paths: Sequence[str | Path], out_dir: str | Path, options: SweepOptions) -> dict[str, Any]:
-    """compare.json, plots and the summary per workload from stored results.
+    """`compare_runs` of the results under `paths` (see load_runs)."""
+    return compare_runs(load_runs(paths), out_dir, options)
+
+
+def compare_runs(sides: Sequence[DatasetRuns], out_dir: str | Path, options: SweepOptions,
+                 mismatches: Sequence[str] = ()) -> dict[str, Any]:
+    """compare.json, plots and summary.md per workload from stored results.
 
     The first deployment found is the one under test. SLOs: `options.goodput_slos_ms` when
     given, else those stored with the first deployment's results of that workload.
@@ -80,18 +119,18 @@ def compare_stored(paths: Sequence[str | Path], out_dir: str | Path, options: Sw
     """
     out_dir = Path(out_dir)
     by_dataset: dict[str, list[DatasetRuns]] = {}
-    for runs in load_runs(paths):
+    for runs in sides:
         by_dataset.setdefault(runs.dataset, []).append(runs)
     summaries = {}
-    for dataset, sides in by_dataset.items():
-        slos = options.goodput_slos_ms or sides[0].slos_ms
+    for dataset, group in by_dataset.items():
+        slos = options.goodput_slos_ms or group[0].slos_ms
         if not slos:
             raise ValueError(f"--goodput: the stored results of {dataset!r} carry no SLOs; give --goodput")
-        for side in sides:
+        for side in group:
             side.slos_ms = dict(slos)
         folder = out_dir if len(by_dataset) == 1 else out_dir / dataset
-        summaries[dataset] = summarize_comparison(sides, options, folder)
-    (out_dir / "summary.md").write_text(markdown_summary(summaries))
+        summaries[dataset] = summarize_comparison(group, options, folder, mismatches)
+    write_markdown(out_dir / "summary.md", comparison_summary(summaries))
     if len(summaries) == 1:
         return next(iter(summaries.values()))
     everything = {"datasets": summaries}

@@ -22,8 +22,10 @@ import numpy as np
 
 from disagg.cluster.bench import compare as cmp
 from disagg.cluster.bench.metrics import DEFAULT_PERCENTILES, slo_attainment
-from disagg.cluster.bench.report import build_result, markdown_summary, rate_to_json, save_json
+from disagg.cluster.bench.markdown import comparison_summary
+from disagg.cluster.bench.report import build_result, rate_to_json, run_context, save_json, write_markdown
 from disagg.cluster.bench.runner import Backend, run, warm_up
+from disagg.cluster.bench.tables import fmt_slos
 from disagg.cluster.bench.utilization import sample_gpus
 from disagg.cluster.bench.workloads import SampleRequest, WorkloadSpec, sample_requests
 
@@ -181,7 +183,7 @@ def _busy_seconds(stats: Mapping) -> dict[str, float]:
 
 def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: Mapping[str, Any] | None = None,
                  slos_by_dataset: Mapping[str, Mapping[str, float] | None] | None = None,
-                 label: str | None = None,
+                 label: str | None = None, extra: Mapping[str, Any] | None = None,
                  on_result: Callable[[dict[str, Any]], None] | None = None) -> list[DatasetRuns]:
     """Launch the cluster of `config_path` (+ overrides), sweep every workload, shut down.
 
@@ -189,6 +191,7 @@ def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: M
         slos_by_dataset: SLOs per workload (from an earlier deployment's calibration); a workload
             without any takes `options.goodput_slos_ms`, else calibrates (`--slo-calibrate`), else
             the config's `bench.goodput`.
+        extra: stored in each result (vLLM's --metadata).
     """
     from disagg.cluster import Cluster
     from disagg.cluster.bench.backends import ClusterBackend
@@ -199,9 +202,11 @@ def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: M
         config = config.override(dict(overrides))
     label = label or config.name + "".join(f"[{k.split('.')[-1]}={v}]" for k, v in (overrides or {}).items())
     common = {"label": label, "num_gpus": config.instances.num_gpus, "config_path": str(config_path),
-              "overrides": dict(overrides or {})}
+              "overrides": dict(overrides or {}), "model_id": config.model.source, "dtype": config.model.dtype,
+              "tokenizer_id": config.model.source}  # the tokenizer is read from model.source
     runs = []
     with Cluster.launch(config) as cluster:
+        common["device_unit"] = device_unit(config, cluster)
         backend = ClusterBackend(cluster, name=label)
         for dataset in options.dataset_names:
             spec = workload_for(cluster, replace(options, dataset_name=dataset))
@@ -210,15 +215,27 @@ def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: M
             info = dict(common, workload=spec.to_dict(), calibration=None)
             if not slos and options.calibrate_slos:
                 info["calibration"] = calibrate(backend, requests, options)
-                logger.warning("%s / %s: calibrated SLOs %s ms (%s)", label, dataset,
-                               info["calibration"]["slos_ms"], info["calibration"]["rule"])
+                logger.warning("%s / %s: calibrated SLOs %s (%s)", label, dataset,
+                               fmt_slos(info["calibration"]["slos_ms"]), info["calibration"]["rule"])
             slos = dict(slos or (info["calibration"] or {}).get("slos_ms") or config.bench.goodput)
-            extra = dict(common, calibration=info["calibration"])
+            stored = dict(extra or {}, **common, calibration=info["calibration"])
             results = run_sweep(backend, requests, options, label=label, slos_ms=slos, stats=cluster.stats,
-                                workload=spec.to_dict(), config=config.model_dump(mode="json"), extra=extra,
+                                workload=spec.to_dict(), config=config.model_dump(mode="json"), extra=stored,
                                 on_result=on_result)
             runs.append(DatasetRuns(dataset, results, slos, info))
     return runs
+
+
+def device_unit(config: Any, cluster: Any) -> str:
+    """What one of `num_gpus` is on this run: "GPU", or "instance" on a CPU fleet (per-GPU figures
+    then count CPU instances, and tables and plots say so)."""
+    device = config.instances.device
+    if device == "auto":
+        try:
+            device = str(cluster.stats().get("device", "cuda"))
+        except Exception:  # stats are a nicety here; the unit defaults to the GPU
+            device = "cuda"
+    return "instance" if device.startswith("cpu") else "GPU"
 
 
 def workload_for(cluster: Any, options: SweepOptions) -> WorkloadSpec:
@@ -265,13 +282,20 @@ def _first_attr(obj: Any, *paths: tuple[str, ...]) -> Any:
 
 def compare_configs(config_a: str | Path, others: Sequence[str | Path], out_dir: str | Path,
                     options: SweepOptions, *, variants: Sequence[Mapping[str, Any]] = (),
-                    overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    overrides: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
+                    mismatches: Sequence[str] = (),
+                    on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Sweep CONFIG (with `overrides`) and every comparison config (each also with every override
     set of `variants`).
 
     Each deployment is launched once and runs every workload. Per workload it writes
-    <dir>/<label>-<rate>qps.json per run, compare.json and the PNG plots, where <dir> is out_dir
-    for one workload and out_dir/<dataset> for several.
+    <dir>/<label>-<rate>qps-<date>.json per run (as each run ends; its path goes into the
+    result as "result_file" before `on_result` sees it), compare.json and the PNG plots, where
+    <dir> is out_dir for one workload and out_dir/<dataset> for several; summary.md goes to out_dir.
+
+    Args:
+        extra: stored in each result (vLLM's --metadata).
+        mismatches: how the deployments differ (allowed by the caller), noted in the summaries.
 
     Returns:
         the summary of the one workload, or {"datasets": {name: summary}} for several.
@@ -286,17 +310,20 @@ def compare_configs(config_a: str | Path, others: Sequence[str | Path], out_dir:
 
     def save(result: dict[str, Any]) -> None:
         dataset = result["workload"]["dataset_name"]
-        path = folders[dataset] / f"{safe_name(result['label'])}-{result['request_rate']}qps.json"
-        files.setdefault((result["label"], dataset), []).append(str(save_json(result, path)))
+        result["result_file"] = str(save_json(result, folders[dataset] / result_name(result)))
+        files.setdefault((result["label"], dataset), []).append(result["result_file"])
+        if on_result is not None:
+            on_result(result)
 
     for path, overrides in deployments:
-        for runs in bench_config(path, options, overrides=overrides, slos_by_dataset=slos,
-                                 on_result=save if options.save_results else None):
+        for runs in bench_config(path, options, overrides=overrides, slos_by_dataset=slos, extra=extra,
+                                 on_result=save):
             slos.setdefault(runs.dataset, runs.slos_ms)
             runs.info["result_files"] = files.get((runs.info["label"], runs.dataset), [])
             collected[runs.dataset].append(runs)
-    summaries = {name: summarize_comparison(collected[name], options, folders[name]) for name in names}
-    (out_dir / "summary.md").write_text(markdown_summary(summaries))
+    summaries = {name: summarize_comparison(collected[name], options, folders[name], mismatches)
+                 for name in names}
+    write_markdown(out_dir / "summary.md", comparison_summary(summaries))
     if len(names) == 1:
         return summaries[names[0]]
     everything = {"datasets": summaries}
@@ -304,16 +331,21 @@ def compare_configs(config_a: str | Path, others: Sequence[str | Path], out_dir:
     return everything
 
 
-def summarize_comparison(sides_runs: Sequence[DatasetRuns], options: SweepOptions, folder: Path) -> dict[str, Any]:
-    """compare.json and the plots of one workload's sweeps on every deployment."""
+def summarize_comparison(sides_runs: Sequence[DatasetRuns], options: SweepOptions, folder: Path,
+                         mismatches: Sequence[str] = ()) -> dict[str, Any]:
+    """compare.json and the plots of one workload's sweeps on every deployment (or one alone)."""
     from disagg.cluster.bench import plots
 
     slos = sides_runs[0].slos_ms
-    sides = [cmp.side_summary(runs.info["label"], runs.results, runs.info["num_gpus"], slos, options.slo_scales)
-             for runs in sides_runs]
+    sides = [cmp.side_summary(runs.info["label"], runs.results, runs.info["num_gpus"] or 1, slos,
+                              options.slo_scales) for runs in sides_runs]
+    for side, runs in zip(sides, sides_runs):
+        side["device_unit"] = runs.info.get("device_unit", "GPU")
     summary = {"dataset": sides_runs[0].dataset, "sides": sides, "comparison": cmp.compare_sides(sides, slos),
                "runs": [runs.info for runs in sides_runs], "slos_ms": slos, "slo_scales": list(options.slo_scales),
-               "options": vars(replace(options, rates=[rate_to_json(r) for r in options.rates]))}
+               "options": vars(replace(options, rates=[rate_to_json(r) for r in options.rates])),
+               "context": run_context([r for runs in sides_runs for r in runs.results]),
+               "mismatches": list(mismatches)}
     summary["plots"] = plots.write_all({runs.info["label"]: runs.results for runs in sides_runs}, summary, folder)
     save_json(summary, folder / "compare.json")
     return summary
@@ -323,21 +355,36 @@ def safe_name(label: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in label)
 
 
-def bench_url(base_url: str, options: SweepOptions, *, slos_ms: Mapping[str, float] | None,
-              model: str | None = None, endpoint: str = "/v1/completions", api_key: str | None = None,
-              max_model_len: int | None = None, label: str | None = None,
+def result_name(result: Mapping[str, Any]) -> str:
+    """vLLM's result file name, <label>-<rate>qps-<date>.json: a re-run writes a new file."""
+    return f"{safe_name(result['label'])}-{result['request_rate']}qps-{result['date']}.json"
+
+
+def bench_url(target: Any, options: SweepOptions, *, slos_ms: Mapping[str, float] | None,
+              max_model_len: int | None = None, label: str | None = None, extra: Mapping[str, Any] | None = None,
               on_result: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Sweep an OpenAI-compatible server (no cluster stats, no emit times unless it sends them).
 
+    Args:
+        target: a `flags.Target` (URL, endpoint, key, headers, model, tokenizer).
+        extra: stored in each result (vLLM's --metadata).
+
     Raises:
         ValueError: `options.vocab_size` is unset (a server does not say its vocabulary size).
+        TargetError: the server is unreachable, refuses the key or names no model (before any run).
     """
+    import asyncio
+
     from disagg.cluster.bench.backends import HttpBackend
 
     if options.vocab_size is None:
         raise ValueError("--vocab-size: required with --base-url (prompt token ids are drawn below it), got none")
     spec = WorkloadSpec(options.dataset_name, options.num_prompts, options.seed, options.vocab_size,
                         max_model_len, options.input_len, options.output_len, options.range_ratio).resolved()
-    backend = HttpBackend(base_url, model=model, endpoint=endpoint, api_key=api_key)
-    return run_sweep(backend, sample_requests(spec), options, label=label or base_url, slos_ms=slos_ms,
-                     workload=spec.to_dict(), extra={"base_url": base_url, "num_gpus": None}, on_result=on_result)
+    backend = HttpBackend(target.base_url, model=target.model, endpoint=target.endpoint, api_key=target.api_key,
+                          headers=target.headers, verify=not target.insecure)
+    asyncio.run(backend.check(target.ready_timeout_s))
+    info = dict(extra or {}, base_url=target.base_url, num_gpus=None, device_unit="GPU",
+                model_id=target.model_id or backend.model, tokenizer_id=target.tokenizer_id)
+    return run_sweep(backend, sample_requests(spec), options, label=label or target.base_url, slos_ms=slos_ms,
+                     workload=spec.to_dict(), extra=info, on_result=on_result)

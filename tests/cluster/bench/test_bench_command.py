@@ -9,7 +9,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from disagg.cluster.bench.command import bench_command
+from disagg.cluster.bench.command import BenchCommand, bench_command
 
 CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "tiny-1p1d.yaml")
 
@@ -17,7 +17,7 @@ CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "tiny-1p1d.yaml")
 def _app() -> typer.Typer:
     app = typer.Typer()
     app.callback()(lambda: None)          # keep `bench` a subcommand, as in disagg.cluster.cli
-    app.command("bench")(bench_command)
+    app.command("bench", cls=BenchCommand)(bench_command)
     return app
 
 

@@ -4,76 +4,17 @@ serving: the end-to-end comparison on the real cluster is test_bench_e2e.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
-import time
 from pathlib import Path
 
 import pytest
-import typer
+from stand_in import TINY_1P1D, TINY_COLOCATED, StandInCluster, bench_app as _app
 from typer.testing import CliRunner
 
-import disagg.cluster
-from disagg.cluster.outputs import StreamDelta
 from disagg.cluster.bench import compare as cmp
 from disagg.cluster.bench.report import check_result, load_json
 from disagg.cluster.bench.sweep import SweepOptions, bench_config, busy_fractions, compare_configs
-
-from disagg.cluster.bench.command import bench_command
-
-CONFIGS = Path(__file__).resolve().parents[3] / "configs"
-TINY_1P1D = str(CONFIGS / "tiny-1p1d.yaml")
-TINY_COLOCATED = str(CONFIGS / "tiny-colocated.yaml")
-
-
-def _app() -> typer.Typer:
-    app = typer.Typer()
-    app.callback()(lambda: None)
-    app.command("bench")(bench_command)
-    return app
-
-
-class StandInCluster:
-    """Cluster-shaped: launch/context manager, max_model_len, vocab_size, stats(), stream()."""
-
-    launched: list = []
-
-    def __init__(self, config) -> None:
-        self.config = config
-        self.max_model_len = 128
-        self.vocab_size = 64
-        self.busy_s = 0.0
-        self.step_s = 0.001 if config.mode == "disaggregated" else 0.002
-
-    @classmethod
-    def launch(cls, config):
-        cls.launched.append(config)
-        return cls(config)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def stats(self) -> dict:
-        return {"instances": [{"name": f"{self.config.mode}-{i}", "busy_s": self.busy_s} for i in range(2)]}
-
-    async def stream(self, prompt, params, request_id=None):
-        assert all(0 <= t < self.vocab_size for t in prompt) and len(prompt) + params.max_tokens <= 128
-        for i in range(params.max_tokens):
-            await asyncio.sleep(self.step_s)
-            self.busy_s += self.step_s
-            last = i == params.max_tokens - 1
-            yield StreamDelta(request_id, [i], [time.time()], finished=last, finish_reason="length" if last else None)
-
-
-@pytest.fixture
-def stand_in(monkeypatch):
-    StandInCluster.launched = []
-    monkeypatch.setattr(disagg.cluster, "Cluster", StandInCluster, raising=False)
-    return StandInCluster
 
 
 def test_quick_compare_writes_results_and_plots(stand_in, tmp_path):
@@ -111,7 +52,7 @@ def test_cli_compare_with_variants_and_calibrated_slos(stand_in, tmp_path):
     assert calibration["slos_ms"]["tpot"] == pytest.approx(2.5 * calibration["isolated_tpot_ms"])
     assert summary["slos_ms"] == calibration["slos_ms"]
     assert [row["scale"] for row in summary["comparison"]["rows"]] == [1.0, 4.0]
-    assert "Per-GPU goodput" in result.output
+    assert "Goodput per instance" in result.output        # a CPU fleet: per instance, not per GPU
 
 
 def test_cli_single_config_saves_named_result(stand_in, tmp_path):
@@ -255,6 +196,15 @@ def test_summary_markdown_names_the_winner(stand_in, tmp_path):
                            output_len=2, goodput_slos_ms={"ttft": 1000, "tpot": 1000}, slo_scales=(1.0, 2.0),
                            show_progress=False)
     compare_configs(TINY_1P1D, [TINY_COLOCATED], tmp_path, options)
-    table = (tmp_path / "summary.md").read_text().splitlines()
-    assert table[0].startswith("| workload | SLO scale |") and len(table) == 2 + 2 * 2
-    assert table[2].startswith("| random | 1 | ttft 1000, tpot 1000 | tiny-1p1d | 100.0+ | tiny-colocated | 100.0+ | 1.000 |")
+    text = (tmp_path / "summary.md").read_text()
+    lines = text.splitlines()
+    for fact in ("- date: 2", "commit: ", "- device: CPU only", "- model: dummy:tiny (float32)",
+                 "- rates offered (req/s): 100, 200; prompts per run: 4", "- workload random: input 6 tokens",
+                 "- workload chat: "):
+        assert fact in text, fact
+    head = lines.index("| workload | SLO scale | SLOs | under test | goodput | best other | goodput | ratio |")
+    assert lines[head + 2] == ("| random | 1x | TTFT 1000 ms, TPOT 1000 ms | tiny-1p1d | 100.0+ | tiny-colocated "
+                               "| 100.0+ | 1.000 |")
+    tails = lines.index("| workload | deployment | rate (req/s) | p99 TTFT (ms) | p99 TPOT (ms) | SLO attainment |")
+    assert [line.split(" | ")[1:3] for line in lines[tails + 2:tails + 6]] == [
+        ["tiny-1p1d", "200"], ["tiny-colocated", "200"], ["tiny-1p1d", "200"], ["tiny-colocated", "200"]]
