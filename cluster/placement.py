@@ -246,3 +246,54 @@ def _violation(cand: Prediction, targets: Targets, bound: float | None) -> float
     if targets.ttft_s is not None:
         ratios.append(cand.ttft_s / targets.ttft_s)
     return max(ratios) + 1e-9 * cand.ttft_s
+
+
+class FleetModel:
+    """The router's picture of its instances for `decide`: a `StepTimeModel` per instance fed
+    from its step samples, its last reported load, and its live requests' prompt and decode work.
+
+    Args:
+        chunk_tokens: every engine's prompt-token budget per step (scheduler.max_num_batched_tokens).
+        page_size: tokens per page.
+    """
+
+    def __init__(self, chunk_tokens: int, page_size: int) -> None:
+        self.chunk_tokens, self.page_size = chunk_tokens, page_size
+        self.models: dict[str, StepTimeModel] = {}
+        self.loads: dict[str, object] = {}  # name -> `InstanceLoad` of its last batch
+
+    def model_of(self, name: str) -> StepTimeModel:
+        return self.models.setdefault(name, StepTimeModel())
+
+    def observe(self, name: str, steps: list, load: object | None) -> None:
+        """Feed one `OutputBatch`'s step samples and load of instance ``name``."""
+        model = self.model_of(name)
+        for sample in steps:
+            model.observe(*sample)
+        if load is not None:
+            self.loads[name] = load
+
+    def view(self, inst, requests: list) -> InstanceView:
+        """``inst`` (an `Instance`) with the work of the router's live ``requests`` on it."""
+        queued = decoding = context = 0
+        for req in requests:
+            if inst is req.colocated:  # local or kept: prompt here until its first token
+                computing = req.num_output == 0
+            elif inst is req.prefill and req.stage in ("reserving", "prefilling"):
+                computing = True
+            elif inst is req.decode and req.stage == "decoding":
+                computing = False
+            else:
+                continue
+            if computing:
+                queued += req.prompt_len
+            else:
+                decoding += 1
+                context += req.prompt_len + req.num_output
+        load = self.loads.get(inst.name)
+        return InstanceView(inst.name, self.model_of(inst.name), self.chunk_tokens, queued, decoding, context,
+                            None if load is None else load.free_pages, self.page_size)
+
+    def snapshot(self) -> dict:
+        """Each instance's fitted model (coefficients, error, samples)."""
+        return {name: model.to_dict() for name, model in self.models.items()}

@@ -4,7 +4,11 @@ Disaggregated: a FIFO queue feeds one dispatcher; for the head request it reserv
 least-loaded live decode instance D (`dest = D.reserve(...)`; OutOfPages on every D -> wait for
 pages to free, in order), hands the prompt to the least-loaded prefill instance P
 (`P.add(req, dest)`), and when P's first token arrives calls `D.start(req, first)`; D's tokens
-follow. Colocated: each request goes straight to the least-loaded colocated instance. One poller
+follow. Colocated: each request goes straight to the least-loaded colocated instance.
+`router.placement` local sends every request to the least-loaded decode instance to prefill
+and decode itself; adaptive decides per request (`disagg.cluster.placement`): remote (the path
+above), local, or kept (a prefill instance prefills and decodes it); local and kept requests
+are, from here on, colocated requests on that instance. One poller
 per instance keeps one `next_outputs` call outstanding and fans each batch out per request; a
 watchdog enforces `lease_s` (first token never came: fail, release D's pages) and
 `request_timeout_s`. Aborts release pages on both sides. D's reservation is freed at once
@@ -34,6 +38,7 @@ import ray
 
 from disagg.cluster.bootstrap import Fleet, Instance
 from disagg.cluster.outputs import RequestMetrics, StreamDelta
+from disagg.cluster.placement import PATHS, Decision, FleetModel, Targets, decide
 from disagg.cluster.requests import Picker, RecentIds, Request, Sink
 from disagg.engine.request import PushState
 from disagg.errors import (ClusterError, DisaggError, InstanceDied, NoLiveInstance, OutOfPages, QueueFull,
@@ -42,6 +47,7 @@ from disagg.errors import (ClusterError, DisaggError, InstanceDied, NoLiveInstan
 logger = logging.getLogger(__name__)
 
 WATCHDOG_PERIOD_S = 0.05   # how often deadlines and leases are checked
+DECISIONS_KEPT = 32        # adaptive placement: the latest decisions, with their predictions, in stats
 PAGES_RETRY_S = 0.2        # out of pages everywhere: retry the queue head at least this often
 # An abort for an id the router has not seen waits this long for that id's submit (the caller's
 # abort may overtake it on the way to the router's loop); the first submit with the id consumes it.
@@ -71,6 +77,11 @@ class Router:
         config = fleet.config
         self.prefill_queue_tokens = (self.settings.prefill_queue_tokens
                                      or 4 * config.scheduler.max_num_batched_tokens)
+        self._by_name = {inst.name: inst for inst in fleet.instances}
+        self.fleet_model = FleetModel(config.scheduler.max_num_batched_tokens, config.cache.page_size)
+        self.targets = Targets.from_ms(self.settings.slo_ttft_ms, self.settings.slo_tpot_ms)
+        self.placements: collections.Counter[str] = collections.Counter({path: 0 for path in PATHS})
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self._stopping = False
@@ -203,6 +214,19 @@ class Router:
         live = list(self.requests.values())
         decodes = self.picker.order(self.fleet.of_role("decode"), live)
         prefills = self.fleet.of_role("prefill")
+        placement = self.settings.placement
+        if placement == "local" and decodes:
+            self._place_alone(req, decodes[0], "local")
+            return True
+        if placement == "adaptive" and decodes and any(inst.alive for inst in prefills):
+            decision = self._decide(req, [inst for inst in prefills if inst.alive], decodes, live)
+            if decision.chosen is None:
+                return False  # no instance has the pages: wait for some to free
+            if decision.path != "remote":
+                self._place_alone(req, self._by_name[decision.chosen.decode], decision.path)
+                return True
+            chosen = self._by_name[decision.chosen.decode]
+            decodes = [chosen] + [inst for inst in decodes if inst is not chosen]
         if not decodes or not any(inst.alive for inst in prefills):
             role = "decode" if not decodes else "prefill"
             self._end(req, "error", NoLiveInstance(f"no live {role} instance", role=role))
@@ -240,6 +264,26 @@ class Router:
         self._hand_to_prefill(req, dest)
         return True
 
+    def _decide(self, req: Request, prefills: list[Instance], decodes: list[Instance],
+                live: list[Request]) -> Decision:
+        """The adaptive placement's choice for ``req`` (`disagg.cluster.placement.decide`), kept
+        with its predictions for `snapshot`."""
+        view = self.fleet_model.view
+        decision = decide(req.prompt_len, [view(inst, live) for inst in prefills],
+                          [view(inst, live) for inst in decodes], self.targets)
+        self.decisions.append(decision)
+        return decision
+
+    def _place_alone(self, req: Request, inst: Instance, path: str) -> None:
+        """``inst`` prefills and decodes ``req`` (path "local": a decode instance; "kept": a prefill
+        instance): from the router's side, a colocated request on that instance."""
+        req.colocated, req.stage = inst, "running"
+        req.metrics.dispatch_time = time.time()
+        req.metrics.decode_instance = req.metrics.prefill_instance = inst.name
+        self.placements[path] += 1
+        ref = inst.actor.add.remote(req.request_id, req.prompt_token_ids, req.params)
+        self._spawn(self._await(inst, ref, "add", req))
+
     def _hand_to_prefill(self, req: Request, dest: Any) -> None:
         prefills = self.picker.order(self.fleet.of_role("prefill"), list(self.requests.values()))
         if not prefills:
@@ -248,6 +292,7 @@ class Router:
             return
         inst = prefills[0]
         req.prefill, req.stage, req.dest = inst, "prefilling", dest
+        self.placements["remote"] += 1
         req.lease_deadline = time.monotonic() + self.settings.lease_s
         req.metrics.dispatch_time = time.time()
         req.metrics.prefill_instance, req.metrics.decode_instance = inst.name, req.decode.name
@@ -265,7 +310,7 @@ class Router:
                 if what == "add":  # the engine checks the prompt there
                     cause = _cause(err)
                     refusal = _refusal(inst, f"{inst.name}.add failed: {cause}", cause)
-                    if inst.role == "prefill":  # P never took it: no push will land in D's pages
+                    if req.dest is not None:  # P never took it: no push will land in D's pages
                         self._end(req, "error", refusal, release=False)
                         self._cancel_on(req.decode, req.dest)
                     else:
@@ -287,6 +332,7 @@ class Router:
             except ray.exceptions.RayTaskError as err:
                 self._instance_died(inst, f"next_outputs failed: {_cause(err)}")
                 return
+            self.fleet_model.observe(inst.name, batch.steps, batch.load)
             if batch.outputs:
                 self._on_rows(inst, batch.outputs)
             if batch.fatal:
@@ -301,9 +347,11 @@ class Router:
             req = self.requests.get(request_id)
             if req is None or all(holder is not inst for holder in req.holders()):
                 continue  # ended already (abort, timeout, failure): late outputs are dropped
-            if inst.role == "prefill":
+            if inst is req.colocated:  # colocated, or placed local / kept: every token comes from it
+                self._on_tokens(req, inst, own)
+            elif inst.role == "prefill":
                 self._on_first_token(req, inst, own[0])
-            elif inst is req.decode or inst is req.colocated:
+            elif inst is req.decode:
                 self._on_tokens(req, inst, own)
 
     def _on_first_token(self, req: Request, inst: Instance, row: tuple) -> None:
@@ -476,12 +524,26 @@ class Router:
         return {"queued": len(self.queue), "live": len(live),
                 "stages": dict(collections.Counter(req.stage for req in live)),
                 "counts": dict(self.counts), "aborts": dict(self.aborts), "failures": dict(self.failures),
-                "loads": self.picker.loads(self.fleet.instances, live)}
+                "loads": self.picker.loads(self.fleet.instances, live), "placements": dict(self.placements),
+                "placement": {"mode": self.settings.placement, "models": self.fleet_model.snapshot(),
+                              "decisions": [_decision_row(d) for d in self.decisions]}}
 
     def clear_counts(self) -> None:
-        """Forget outcome, abort and failure counts (after the warm-up requests)."""
+        """Forget outcome, abort, failure and placement counts (after the warm-up requests)."""
         for counter in (self.counts, self.aborts, self.failures):
             counter.clear()
+        for path in PATHS:
+            self.placements[path] = 0
+        self.decisions.clear()
+
+
+def _decision_row(decision: Decision) -> dict:
+    """One adaptive decision as plain data: the chosen path and each candidate's predictions (ms)."""
+    return {"path": decision.path,
+            "candidates": [{"path": p.path, "prefill": p.prefill, "decode": p.decode,
+                            "ttft_ms": round(p.ttft_s * 1e3, 3), "tpot_ms": round(p.tpot_s * 1e3, 3),
+                            "margin": round(p.margin, 3), "admissible": p.admissible, "why": p.why}
+                           for p in decision.predictions]}
 
 
 def failure_reason(error: BaseException | None) -> str:

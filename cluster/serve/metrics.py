@@ -167,7 +167,10 @@ def _router_families(router: dict) -> list:
             ("aborts", "disagg:cluster_request_aborts", "Requests the cluster aborted, by reason (caller, "
              "request_timed_out, no_live_instance: shutting down, ...).", "reason"),
             ("failures", "disagg:cluster_request_failures", "Requests the cluster failed, by reason "
-             "(instance_died, no_live_instance, request_refused, signal_timeout: lease expired, ...).", "reason")):
+             "(instance_died, no_live_instance, request_refused, signal_timeout: lease expired, ...).", "reason"),
+            ("placements", "disagg:router_placements", "Prompts placed, by path (remote: a prefill instance "
+             "pushed it; local: the decode instance prefilled it; kept: a prefill instance prefilled and "
+             "decoded it; router.placement).", "path")):
         counts = router.get(key)
         if isinstance(counts, dict):
             family = CounterMetricFamily(name, doc, labels=[label])

@@ -1,0 +1,123 @@
+"""`router.placement` on tiny-1p1d (two CPU actors, shm heap): local, adaptive and a forced mix
+of remote / local / kept give the colocated engine's tokens; placements are counted; every page
+comes back, and aborts free pages on every path."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
+
+from disagg.cluster.placement import Decision, Prediction
+from disagg.sampling import SamplingParams
+
+# Prompt lengths: one token, page boundaries (page_size 16), several chunks (budget 256).
+LENGTHS = [1, 15, 16, 17, 32, 33, 255, 256, 257, 600]
+
+
+def prompts_of(lengths, seed=7):
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module", params=["local", "adaptive"])
+def cluster(ray_local, request):
+    cluster = launch("tiny-1p1d", router__placement=request.param)
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def pages_free_after(cluster):
+    yield
+    wait_all_free(cluster, timeout_s=20)
+
+
+def force_paths(cluster, monkeypatch, paths):
+    """Make the router's adaptive decisions give ``paths`` in turn to new requests (whatever the
+    model says); a request retried at the queue head keeps its path."""
+    router = cluster._router
+    turns, given = itertools.cycle(paths), {}
+
+    def forced(req, prefills, decodes, live):
+        if req.request_id not in given:
+            given[req.request_id] = next(turns)
+        path = given[req.request_id]
+        inst = prefills[0] if path == "kept" else decodes[0]
+        pred = Prediction(path, inst.name if path != "remote" else prefills[0].name, inst.name, 0.0, 0.0, 0.0)
+        return Decision(pred, (pred,))
+
+    monkeypatch.setattr(router, "_decide", forced)
+
+
+def test_every_placement_matches_the_colocated_engine(cluster):
+    mode = cluster.config.router.placement
+    prompts = prompts_of(LENGTHS)
+    max_tokens = [1, 7, 16, 3, 20, 9, 2, 12, 5, 11]
+    want = reference_tokens(prompts, max_tokens)
+    before = dict(cluster.router_stats()["placements"])
+    got = cluster.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
+    for i, (completion, tokens) in enumerate(zip(got, want)):
+        assert completion.error is None and completion.token_ids == tokens, f"request {i} ({LENGTHS[i]} tokens)"
+    placed = cluster.router_stats()["placements"]
+    delta = {path: placed[path] - before[path] for path in placed}
+    assert sum(delta.values()) == len(prompts)
+    if mode == "local":
+        assert delta == {"remote": 0, "local": len(prompts), "kept": 0}
+        assert {c.metrics.prefill_instance for c in got} == {"decode-0"}
+
+
+def test_a_forced_mix_of_paths_matches_and_frees_every_page(cluster, monkeypatch):
+    if cluster.config.router.placement != "adaptive":
+        pytest.skip("forcing decisions needs the adaptive placement")
+    force_paths(cluster, monkeypatch, ["remote", "local", "kept"])
+    prompts = prompts_of(LENGTHS * 2, seed=8)
+    max_tokens = [4, 9, 1, 17, 6, 2, 13, 8, 3, 10] * 2
+    want = reference_tokens(prompts, max_tokens)
+    before = dict(cluster.router_stats()["placements"])
+    got = [cluster.generate([p], SamplingParams(max_tokens=n))[0] for p, n in zip(prompts[:6], max_tokens[:6])]
+    got += cluster.generate(prompts[6:], [SamplingParams(max_tokens=n) for n in max_tokens[6:]])
+    for i, (completion, tokens) in enumerate(zip(got, want)):
+        assert completion.error is None and completion.token_ids == tokens, f"request {i}"
+    placed = cluster.router_stats()["placements"]
+    assert {path: placed[path] - before[path] for path in placed} == {"remote": 7, "local": 7, "kept": 6}
+    # Consecutive requests took different paths: remote on P -> D, local on D, kept on P.
+    assert [(c.metrics.prefill_instance, c.metrics.decode_instance) for c in got[:3]] == [
+        ("prefill-0", "decode-0"), ("decode-0", "decode-0"), ("prefill-0", "prefill-0")]
+
+
+def test_aborts_on_every_path_free_every_page(cluster, monkeypatch):
+    if cluster.config.router.placement == "adaptive":
+        force_paths(cluster, monkeypatch, ["remote", "local", "kept"])
+    prompts = prompts_of([40, 300, 90, 17, 500, 64], seed=9)
+    ids = [f"abort-{cluster.config.router.placement}-{i}" for i in range(len(prompts))]
+    streams = [BackgroundStream(cluster, p, SamplingParams(max_tokens=400, ignore_eos=True), request_id=rid)
+               for p, rid in zip(prompts, ids)]
+    time.sleep(0.3)
+    for rid in ids[::2]:
+        cluster.abort(rid)
+    for i, stream in enumerate(streams):
+        last = stream.result()
+        if i % 2 == 0:
+            assert last.finish_reason == "abort", last
+        else:
+            assert last.finish_reason == "length" and len(stream.token_ids) == 400
+
+
+def test_adaptive_decisions_are_inspectable(cluster):
+    stats = cluster.router_stats()
+    assert set(stats["placements"]) == {"remote", "local", "kept"}
+    placement = stats["placement"]
+    assert placement["mode"] == cluster.config.router.placement
+    if placement["mode"] == "adaptive":
+        cluster.generate(prompts_of([20, 200]), SamplingParams(max_tokens=8))
+        placement = cluster.router_stats()["placement"]
+        row = placement["decisions"][-1]
+        assert row["path"] in ("remote", "local", "kept")
+        assert {c["path"] for c in row["candidates"]} == {"remote", "local", "kept"}
+        # The models learned from the instances' own steps.
+        assert all(m["num_samples"] > 0 for m in placement["models"].values()), placement["models"]
