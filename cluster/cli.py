@@ -18,8 +18,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from disagg.cluster.cli_common import (EXIT_RUNTIME, ConfigArg, Interrupted, LogLevelOpt, SetOpt, VerboseOpt,
-                                       interrupts_exit, launch_or_exit, load_config, setup_logging)
+from disagg.cluster.cli_common import (EXIT_RUNTIME, ConfigArg, Interrupted, LogLevelOpt, ReadableCommand, SetOpt,
+                                       VerboseOpt, interrupts_exit, launch_or_exit, load_config, setup_logging)
 from disagg.cluster.generate_command import generate_command, stream_to_stdout  # noqa: F401  (demo.py)
 from disagg.config import Config
 from disagg.errors import DisaggError
@@ -86,7 +86,7 @@ def status_line(stats: dict) -> str:
     return f"{time.strftime('%H:%M:%S')} | " + " | ".join(parts) + f" | queued {router.get('queued', 0)} | {counts}"
 
 
-@app.command()
+@app.command(cls=ReadableCommand)
 def launch(config: ConfigArg, set_: SetOpt = None,
            status_every_s: Annotated[float, typer.Option(metavar="SECONDS", help="seconds between status lines")] = 5.0,
            serve: Annotated[bool, typer.Option(
@@ -129,7 +129,7 @@ def _serve(config: Config, log_level: str) -> None:
     typer.echo("shutting down")
 
 
-@app.command()
+@app.command(cls=ReadableCommand)
 def check(config: ConfigArg, set_: SetOpt = None, log_level: LogLevelOpt = None, verbose: VerboseOpt = False) -> None:
     """Run the preflight of CONFIG (load weights, compare geometry, size pages, bootstrap the heap), then stop.
 
@@ -147,7 +147,7 @@ def check(config: ConfigArg, set_: SetOpt = None, log_level: LogLevelOpt = None,
             cluster.shutdown()
 
 
-app.command("generate")(generate_command)
+app.command("generate", cls=ReadableCommand)(generate_command)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ from disagg.cluster.bench.command import BenchCommand, bench_command  # noqa: E4
 app.command("bench", cls=BenchCommand)(bench_command)
 
 from disagg.cluster.serve.command import serve_command  # noqa: E402  (serve owns its command)
-app.command("serve")(serve_command)
+app.command("serve", cls=ReadableCommand)(serve_command)
 
 
 if __name__ == "__main__":  # python -m disagg.cluster.cli (hosts without the console script)

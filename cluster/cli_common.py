@@ -24,8 +24,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Iterator, Optional
 
+import click
 import typer
 import yaml
+from typer.core import TyperCommand
 
 from disagg.config import Config
 from disagg.errors import ConfigError, DisaggError
@@ -52,6 +54,43 @@ LogLevelOpt = Annotated[Optional[LogLevel], typer.Option(
     help="critical|error|warning|info|debug: disagg's logs here and in the actors, and Ray's; "
          "default $DISAGG_LOG, else warning")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="INFO logs (--log-level info)")]
+
+
+METAVARS = {"str": "TEXT", "int": "N", "int range": "N", "float": "X", "float range": "X", "Path": "PATH",
+            "path": "PATH", "file": "PATH", "dir": "DIR", "bool": ""}
+
+
+class ReadableCommand(TyperCommand):
+    """A typer command whose help names values as users read them (PATH, TEXT, N) where typer 0.29
+    prints Python types (``<list[str]>``, ``<bool>``), and shows on/off flags bare. Register every
+    verb with ``cls=ReadableCommand`` (or a subclass)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if param.metavar is None:
+                param.metavar = readable_metavar(param)
+            if param.param_type_name == "argument":  # its name says it; no "<path>" column beside it
+                param.display_type_rich = lambda ctx: None
+
+    def get_help_option(self, ctx: Any) -> Any:
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+def readable_metavar(param: Any) -> str:
+    """The value's kind for help (`METAVARS`; a list shows its element's), the argument's name in
+    capitals, choices as ``a|b``; ``""`` for an on/off flag."""
+    if getattr(param, "is_bool_flag", False) or getattr(param, "is_flag", False):
+        return ""
+    if param.param_type_name == "argument":
+        return (param.name or "arg").upper()
+    label = param.display_type(click.Context(click.Command("help"))).strip("<>")
+    if label.startswith("list[") and label.endswith("]"):
+        label = label[len("list["):-1]
+    return METAVARS.get(label, label)
 
 
 def load_config(path: Path, overrides: Optional[list[str]] = None) -> Config:

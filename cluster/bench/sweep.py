@@ -112,7 +112,8 @@ def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: Swee
                           request_timeout_s=options.request_timeout_s, on_done=tick)
         after = stats() if stats else None
         more = dict(extra or {}, busy_fraction=busy_fractions(before, after, outcome.duration_s),
-                    gpu_utilization=gpus["gpu_utilization"], cluster_stats=after)
+                    gpu_utilization=gpus["gpu_utilization"], placements=placements_of(before, after),
+                    cluster_stats=after)
         results.append(build_result(outcome, goodput_slos_ms=slos_ms, percentiles=options.percentiles,
                                     label=label, workload=workload, config=config, extra=more))
         if on_result is not None:
@@ -124,6 +125,15 @@ def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: Swee
                             "higher rates skipped", label, rate)
                 break
     return results
+
+
+def placements_of(before: dict | None, after: dict | None) -> dict[str, int] | None:
+    """Prompts placed remote / local / kept during one run (router stats before and after it)."""
+    if not before or not after:
+        return None
+    old = (before.get("router") or {}).get("placements") or {}
+    new = (after.get("router") or {}).get("placements") or {}
+    return {path: new[path] - old.get(path, 0) for path in new} or None
 
 
 @contextlib.contextmanager

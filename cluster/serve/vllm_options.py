@@ -27,6 +27,8 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 from typer.core import TyperCommand
 
+from disagg.cluster.cli_common import ReadableCommand
+
 
 @dataclass(frozen=True)
 class MappedOption:
@@ -206,7 +208,7 @@ def greedy_command(values: dict[str, str]) -> type[TyperCommand]:
     """
     patterns = {flag: re.compile(pattern) for flag, pattern in values.items()}
 
-    class GreedyCommand(TyperCommand):
+    class GreedyCommand(ReadableCommand):
         def parse_args(self, ctx, args: list[str]) -> list[str]:
             return super().parse_args(ctx, fold_greedy(args, patterns))
 

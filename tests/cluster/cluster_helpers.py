@@ -1,14 +1,16 @@
 """Helpers of the cluster tests: launching shipped configs, waiting for free pages, references,
-holding the router's loop."""
+holding the router's loop, forcing placements."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from pathlib import Path
 
 from disagg.cluster import Cluster
+from disagg.cluster.placement import Decision, Prediction
 from disagg.config import Config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -143,3 +145,20 @@ class BackgroundStream:
     @property
     def token_ids(self) -> list[int]:
         return [t for d in self.deltas for t in d.token_ids]
+
+
+def force_paths(cluster: Cluster, monkeypatch, paths: list[str]) -> None:
+    """Make the router's adaptive decisions give ``paths`` in turn to new requests (whatever the
+    model says); a request retried at the queue head keeps its path."""
+    router = cluster._router
+    turns, given = itertools.cycle(paths), {}
+
+    def forced(req, prefills, decodes, live):
+        if req.request_id not in given:
+            given[req.request_id] = next(turns)
+        path = given[req.request_id]
+        inst = prefills[0] if path == "kept" else decodes[0]
+        pred = Prediction(path, inst.name if path != "remote" else prefills[0].name, inst.name, 0.0, 0.0, 0.0)
+        return Decision(pred, (pred,))
+
+    monkeypatch.setattr(router, "_decide", forced)

@@ -15,7 +15,7 @@ import random
 import time
 
 import pytest
-from cluster_helpers import ACTOR_ENV, CONFIGS, BackgroundStream, wait_all_free
+from cluster_helpers import ACTOR_ENV, CONFIGS, BackgroundStream, force_paths, wait_all_free
 
 from disagg.cluster import Cluster
 from disagg.config import Config
@@ -37,8 +37,9 @@ def workload(num: int = 64, seed: int = 0) -> tuple[list[list[int]], list[Sampli
     return prompts, params
 
 
-def launch(name: str, share) -> Cluster:
-    config = Config.from_yaml(CONFIGS / f"{name}.yaml").override({**OVERRIDES, **share.config_overrides})
+def launch(name: str, share, **overrides) -> Cluster:
+    config = Config.from_yaml(CONFIGS / f"{name}.yaml").override({**OVERRIDES, **share.config_overrides,
+                                                                   **overrides})
     return Cluster.launch(config, env_vars=ACTOR_ENV)  # CUDA tensors run the Triton kernels either way
 
 
@@ -69,6 +70,31 @@ def test_llama3_shaped_1p1d_over_nvshmem_equals_colocated_and_aborts_mid_push(ra
                   for i, (a, b) in enumerate(zip(disagg, colocated)) if a.token_ids != b.token_ids]
     assert not mismatched, f"{len(mismatched)} of 64 differ: {mismatched[:5]}"
     assert [len(c.token_ids) for c in disagg] == [p.max_tokens for p in params]
+
+
+def test_llama3_shaped_placements_over_nvshmem_equal_colocated(ray_local, gpu_share, monkeypatch):
+    """Adaptive placement, first forced through remote / local / kept in turn (local prefill beside
+    CUDA-graph decodes on D; a prefill instance decoding), then deciding on its own from the
+    step times it measured: every token equals the colocated fleet's, every page comes back."""
+    prompts, params = workload(48, seed=3)
+    with launch("llama3-8b-1p1d", gpu_share, **{"router.placement": "adaptive"}) as cluster:
+        with monkeypatch.context() as patch:
+            force_paths(cluster, patch, ["remote", "local", "kept"])
+            forced = cluster.generate(prompts[:24], params[:24])
+        decided = cluster.generate(prompts[24:], params[24:])
+        stats = cluster.router_stats()
+        wait_all_free(cluster)
+    placed = stats["placements"]
+    assert placed["remote"] >= 8 and placed["local"] >= 8 and placed["kept"] >= 8, placed
+    models = stats["placement"]["models"]
+    assert all(m["num_samples"] > 0 for m in models.values()), models
+    got = forced + decided
+    assert all(c.error is None for c in got), [c.error for c in got if c.error][:3]
+    with launch("llama3-8b-colocated", gpu_share) as cluster:
+        colocated = cluster.generate(prompts, params)
+    mismatched = [_divergence(i, prompts[i], a.token_ids, b.token_ids)
+                  for i, (a, b) in enumerate(zip(got, colocated)) if a.token_ids != b.token_ids]
+    assert not mismatched, f"{len(mismatched)} of {len(prompts)} differ: {mismatched[:5]}; placements {placed}"
 
 
 def _divergence(index: int, prompt: list[int], disagg: list[int], colocated: list[int]) -> dict:

@@ -4,13 +4,11 @@ comes back, and aborts free pages on every path."""
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import pytest
-from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
+from cluster_helpers import BackgroundStream, force_paths, launch, reference_tokens, wait_all_free
 
-from disagg.cluster.placement import Decision, Prediction
 from disagg.sampling import SamplingParams
 
 # Prompt lengths: one token, page boundaries (page_size 16), several chunks (budget 256).
@@ -35,23 +33,6 @@ def cluster(ray_local, request):
 def pages_free_after(cluster):
     yield
     wait_all_free(cluster, timeout_s=20)
-
-
-def force_paths(cluster, monkeypatch, paths):
-    """Make the router's adaptive decisions give ``paths`` in turn to new requests (whatever the
-    model says); a request retried at the queue head keeps its path."""
-    router = cluster._router
-    turns, given = itertools.cycle(paths), {}
-
-    def forced(req, prefills, decodes, live):
-        if req.request_id not in given:
-            given[req.request_id] = next(turns)
-        path = given[req.request_id]
-        inst = prefills[0] if path == "kept" else decodes[0]
-        pred = Prediction(path, inst.name if path != "remote" else prefills[0].name, inst.name, 0.0, 0.0, 0.0)
-        return Decision(pred, (pred,))
-
-    monkeypatch.setattr(router, "_decide", forced)
 
 
 def test_every_placement_matches_the_colocated_engine(cluster):
