@@ -87,7 +87,11 @@ def readable_metavar(param: Any) -> str:
         return ""
     if param.param_type_name == "argument":
         return (param.name or "arg").upper()
-    label = param.display_type(click.Context(click.Command("help"))).strip("<>")
+    display_type = getattr(param, "display_type", None)  # typer >= 0.2x's own parameter types
+    if display_type is None:  # typer on click: click's names (text, integer, path, ...)
+        kind = getattr(param.type, "name", "text")
+        return {"text": "TEXT", "integer": "N", "float": "X", "path": "PATH", "boolean": ""}.get(kind, kind.upper())
+    label = display_type(click.Context(click.Command("help"))).strip("<>")
     if label.startswith("list[") and label.endswith("]"):
         label = label[len("list["):-1]
     return METAVARS.get(label, label)
