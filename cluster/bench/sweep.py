@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -362,7 +363,9 @@ def summarize_comparison(sides_runs: Sequence[DatasetRuns], options: SweepOption
 
 
 def safe_name(label: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in label)
+    """``label`` as a file name any shell or copy tool takes: letters, digits, ``-_.``; runs of
+    anything else become one ``_`` (``base[router.placement=local]`` -> ``base_router.placement_local``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "run"
 
 
 def result_name(result: Mapping[str, Any]) -> str:
