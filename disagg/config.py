@@ -255,8 +255,8 @@ class ClusterSection(Section):
             try:
                 ipaddress.ip_address(host)
             except ValueError:
-                raise ValueError(f"expected an IP address of this host such as 127.0.0.1 (Ray advertises it "
-                                 f"to every process, so no host name), or null, got {host!r}") from None
+                raise ValueError("expected an IP address of this host such as 127.0.0.1, or null (Ray "
+                                 "advertises it to every process, so no host name)") from None
         return host
 
 
@@ -272,7 +272,7 @@ def parse_ray_address(address: str) -> tuple[str, int] | None:
     """
     text = address.strip()
     if not text:
-        raise ValueError("expected a Ray address ('auto', 'host:6379', 'ray://host:10001') or null, got a blank "
+        raise ValueError("expected a Ray address ('auto', 'host:6379', 'ray://host:10001') or null, not a blank "
                          "string")
     scheme, sep, rest = text.rpartition("://")
     if text == "auto" or (sep and scheme != "ray"):
@@ -282,11 +282,11 @@ def parse_ray_address(address: str) -> tuple[str, int] | None:
         parts = urlsplit(f"//{rest}")
         host, port = parts.hostname, parts.port
     except ValueError as err:
-        raise ValueError(f"expected host:port with a port in 1-65535, got {address!r} ({err})") from None
+        raise ValueError(f"expected host:port with a port in 1-65535 ({err})") from None
     if not host or parts.path or parts.query or parts.fragment or parts.username:
-        raise ValueError(f"expected host:port (e.g. 10.0.0.5:6379) or ray://host:port, got {address!r}")
+        raise ValueError("expected host:port (e.g. 10.0.0.5:6379) or ray://host:port")
     if port == 0:
-        raise ValueError(f"expected a port in 1-65535, got 0 in {address!r}")
+        raise ValueError("expected a port in 1-65535, not 0")
     return host, port or default_port
 
 
