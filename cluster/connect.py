@@ -90,7 +90,8 @@ def start_embedded_head(bind_host: str | None, **init_kwargs) -> None:
 
     Args:
         bind_host: an IP of this host (127.0.0.1: loopback only), or None for Ray's own choice.
-        init_kwargs: further `ray.init` arguments (num_cpus, include_dashboard, log_to_driver).
+        init_kwargs: further `ray.init` arguments (num_cpus, include_dashboard, log_to_driver;
+            namespace, "disagg" by default).
 
     Raises:
         ClusterError: Ray could not start the head (one line: its first line of error).
@@ -103,7 +104,7 @@ def start_embedded_head(bind_host: str | None, **init_kwargs) -> None:
     try:
         with _keep_loopback(bind_host):
             # "local" is the one address Ray never replaces by RAY_ADDRESS.
-            ray.init(address="local", namespace="disagg", **node_ip, **init_kwargs)
+            ray.init(**{"address": "local", "namespace": "disagg", **node_ip, **init_kwargs})
     except Exception as err:
         raise ClusterError(f"starting the embedded Ray head (cluster.bind_host {bind_host}) failed: "
                            f"{_first_line(err)}") from err
@@ -153,10 +154,7 @@ def try_grpc_greeting(host: str, port: int, timeout_s: float) -> str | None:
     """None when a gRPC server answers at host:port within ``timeout_s``, else why not."""
     deadline = time.monotonic() + timeout_s
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            sock.sendall(HTTP2_PREFACE)
-            header = _read(sock, 9, deadline)
+        sock = socket.create_connection((host, port), timeout=timeout_s)
     except socket.gaierror as err:
         return f"the host {host!r} does not resolve ({err.strerror})"
     except ConnectionRefusedError:
@@ -165,6 +163,15 @@ def try_grpc_greeting(host: str, port: int, timeout_s: float) -> str | None:
         return "no answer within the timeout (a firewall, a host that is down, or not a Ray port)"
     except OSError as err:
         return f"cannot connect: {err.strerror or err}"
+    with sock:
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock.sendall(HTTP2_PREFACE)
+            header = _read(sock, 9, deadline)
+        except (TimeoutError, socket.timeout):
+            return "no answer within the timeout: it accepts TCP connections but sent no gRPC greeting"
+        except (ConnectionResetError, BrokenPipeError):
+            header = b""
     if len(header) < 9:
         return "it accepts TCP connections but closed this one without a gRPC greeting: not a Ray port"
     if header[3] != HTTP2_SETTINGS:
