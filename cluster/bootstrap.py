@@ -1,12 +1,14 @@
 """From a validated config to a running, checked fleet of instance actors.
 
-`start_fleet(config)` connects to Ray (or starts an embedded local head), reserves one placement
-group bundle per instance (one GPU each, a share 1/k of one with ``instances.gpus_per_instance``,
-or CPU), starts one `InstanceActor` per instance, loads
-the weights everywhere at once, runs the preflight (`disagg.cluster.preflight`), bootstraps one
-symmetric heap over every prefill and decode actor (rank 0's unique id travels through Ray; every
-rank opens concurrently) and builds the engines. Every step is one `ray.get` over all actors.
-Runs in the launching process; on any failure everything started so far is torn down.
+`start_fleet(config)` connects to Ray (`disagg.cluster.connect`: joins ``cluster.address`` or
+starts an embedded head on loopback, token authentication on), reserves one placement group
+bundle per instance (one GPU each, a share 1/k of one with ``instances.gpus_per_instance``, or
+CPU), starts one `InstanceActor` per instance (its config without secrets: `SECRET_FIELDS`),
+loads the weights everywhere at once, runs the preflight (`disagg.cluster.preflight`),
+bootstraps one symmetric heap over every prefill and decode actor (rank 0's unique id travels
+through Ray; every rank opens concurrently) and builds the engines. Every step is one `ray.get`
+over all actors. Runs in the launching process; on any failure everything started so far is
+torn down.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from disagg.cluster.actors import DEFAULT_ENGINE_MODULE, InstanceActor
+from disagg.cluster.connect import connect
 from disagg.cluster.preflight import CacheSizing, check_same_model, size_cache, transfer_paths
 from disagg.config import SMOLLM2_SOURCE, Config, InstancesSection
 from disagg.errors import ClusterError, PreflightError
@@ -29,12 +32,14 @@ logger = logging.getLogger(__name__)
 
 # Every GPU process keeps NVLink multicast off (docs/ARCHITECTURE.md §8).
 NO_MULTICAST_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-# Variables of the launching process that the actors inherit when set.
 # Said once per launch when instances share a GPU (instances.gpus_per_instance < 1).
 SHARED_GPU_NOTE = ("%d instances share each GPU (instances.gpus_per_instance): NVSHMEM runs their PEs in its "
                    "limited multi-process mode and the GPU time-slices between them, so this fleet proves "
                    "correctness; its timings are not a comparison of deployments")
+# Variables of the launching process that the actors inherit when set.
 PASSED_ENV = ("TRITON_INTERPRET", "DISAGG_LOG", "NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_DEBUG", "HF_HOME")
+# Fields the actors never need, kept out of the config dict Ray pickles to them (and to their logs).
+SECRET_FIELDS = {"serve": {"api_key"}}
 
 
 @dataclass
@@ -90,19 +95,9 @@ def resolve_source(config: Config) -> Config:
     return config.override({"model.source": str(ensure_smollm2())})
 
 
-def connect(config: Config) -> bool:
-    """Connect to ``cluster.address``, or start an embedded head; True when this call started Ray."""
-    if ray.is_initialized():
-        return False
-    section = config.cluster
-    if section.address is not None:
-        ray.init(address=section.address, log_to_driver=section.log_to_driver, namespace="disagg")
-        return True
-    num_cpus = section.num_cpus or max(os.cpu_count() or 1,
-                                       int(config.instances.num_instances * config.instances.cpus_per_instance + 1))
-    ray.init(num_cpus=num_cpus, include_dashboard=section.dashboard, log_to_driver=section.log_to_driver,
-             namespace="disagg")
-    return True
+def actor_config(config: Config) -> dict:
+    """``config`` as the dict each actor is built from, without its secrets (`SECRET_FIELDS`)."""
+    return config.model_dump(exclude=SECRET_FIELDS)
 
 
 def choose_device(config: Config) -> str:
@@ -200,7 +195,7 @@ def _place(config: Config, device: str, engine_module: str, env_vars: dict) -> t
             num_cpus=inst_cfg.cpus_per_instance, num_gpus=gpus,
             max_concurrency=64, runtime_env={"env_vars": env},
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-        ).remote(role, name, config.model_dump(), engine_module)
+        ).remote(role, name, actor_config(config), engine_module)
         instances.append(Instance(name=name, role=role, actor=actor))
     return group, instances
 

@@ -112,10 +112,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from disagg.cluster import Cluster
     from disagg.cluster.cli import describe
+    from disagg.cluster.connect import enable_token_auth, start_embedded_head
 
     start = time.time()
-    ray.init(include_dashboard=False, log_to_driver=True, namespace="disagg-demo",
-             num_cpus=max(4, os.cpu_count() or 1))
+    enable_token_auth()  # and on loopback, as every embedded head (README "Security")
+    start_embedded_head("127.0.0.1", include_dashboard=False, log_to_driver=True, namespace="disagg-demo",
+                        num_cpus=max(4, os.cpu_count() or 1))
     try:
         if args.config is None:
             kind, config_a, config_b = choose(int(ray.cluster_resources().get("GPU", 0)))

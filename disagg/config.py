@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import copy
 import difflib
+import ipaddress
 import logging
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
@@ -31,6 +33,7 @@ logger = logging.getLogger(__name__)
 SMOLLM2_SOURCE = "smollm2"
 DUMMY_PREFIX = "dummy:"
 MAX_PAGE_SIZE = 256
+RAY_GCS_PORT, RAY_CLIENT_PORT = 6379, 10001  # `ray start --head` defaults
 
 
 class Section(BaseModel):
@@ -226,19 +229,79 @@ class RouterSection(Section):
 
 
 class ClusterSection(Section):
-    """Where the Ray cluster is."""
+    """Where the Ray cluster is, and how the launching process reaches or starts it."""
 
     address: str | None = Field(
-        None, description="Ray address ('auto', 'ray://host:10001', 'host:6379'); null: start an "
-                          "embedded local head in this process")
-    dashboard: bool = Field(False, description="start Ray's dashboard with the embedded head")
+        None, description="Ray address to join ('auto': the cluster `ray start` left on this host, "
+                          "'host:6379': its GCS, 'ray://host:10001': a Ray Client server); null: start an "
+                          "embedded local head in this process, whatever RAY_ADDRESS says (it is ignored, "
+                          "with a warning)")
+    connect_timeout_s: float = Field(
+        60.0, gt=0.0, description="address only: seconds to reach the head (TCP connect and its gRPC "
+                                  "greeting) and join it; past them the launch fails naming the address")
+    bind_host: str | None = Field(
+        "127.0.0.1", description="embedded head only: the IP its GCS, raylet and workers advertise and "
+                                 "listen on; 127.0.0.1 keeps them on this machine (nothing else can join "
+                                 "or reach them); another IP of this host, or null (Ray picks a routable "
+                                 "one), lets other hosts join, and Ray then listens on every interface, "
+                                 "guarded by its token authentication")
+    dashboard: bool = Field(False, description="start Ray's dashboard with the embedded head (on 127.0.0.1)")
     num_cpus: int | None = Field(
         None, gt=0, description="logical CPUs of the embedded head; default: enough for the instances")
     log_to_driver: bool = Field(True, description="forward the actors' logs to this process")
     startup_timeout_s: float = Field(600.0, gt=0.0, description="actor placement, weight loading and "
-                                                                "preflight, seconds")
+                                                                "preflight, seconds (reaching "
+                                                                "cluster.address: connect_timeout_s)")
     warmup: bool = Field(True, description="before accepting requests, run a short request through every "
                                            "instance (compiles the kernels, proves each KV path end to end)")
+
+    @field_validator("address")
+    @classmethod
+    def _address_parses(cls, address: str | None) -> str | None:
+        if address is not None:
+            parse_ray_address(address)
+        return address
+
+    @field_validator("bind_host")
+    @classmethod
+    def _bind_host_is_an_ip(cls, host: str | None) -> str | None:
+        if host is not None:
+            try:
+                ipaddress.ip_address(host)
+            except ValueError:
+                raise ValueError("expected an IP address of this host such as 127.0.0.1, or null (Ray "
+                                 "advertises it to every process, so no host name)") from None
+        return host
+
+
+def parse_ray_address(address: str) -> tuple[str, int] | None:
+    """The (host, port) that ``cluster.address`` reaches first, or None when Ray finds it ('auto')
+    or a scheme other than ray:// names it.
+
+    'host' and 'host:port' name a GCS (port 6379 by default), 'ray://host[:port]' a Ray Client
+    server (port 10001 by default); an IPv6 host goes in brackets: '[::1]:6379'.
+
+    Raises:
+        ValueError: a blank address, an empty host, or a port that is not an integer in 1-65535.
+    """
+    text = address.strip()
+    if not text:
+        raise ValueError("expected a Ray address ('auto', 'host:6379', 'ray://host:10001') or null, not a blank "
+                         "string")
+    scheme, sep, rest = text.rpartition("://")
+    if text == "auto" or (sep and scheme != "ray"):
+        return None
+    default_port = RAY_CLIENT_PORT if sep else RAY_GCS_PORT
+    try:
+        parts = urlsplit(f"//{rest}")
+        host, port = parts.hostname, parts.port
+    except ValueError as err:
+        raise ValueError(f"expected host:port with a port in 1-65535 ({err})") from None
+    if not host or parts.path or parts.query or parts.fragment or parts.username:
+        raise ValueError("expected host:port (e.g. 10.0.0.5:6379) or ray://host:port")
+    if port == 0:
+        raise ValueError("expected a port in 1-65535, not 0")
+    return host, port or default_port
 
 
 class ServeSection(Section):
