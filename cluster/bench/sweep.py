@@ -29,6 +29,7 @@ from disagg.cluster.bench.runner import Backend, run, warm_up
 from disagg.cluster.bench.tables import fmt_slos
 from disagg.cluster.bench.utilization import sample_gpus
 from disagg.cluster.bench.workloads import SampleRequest, WorkloadSpec, sample_requests
+from disagg.cluster.bootstrap import SECRET_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,12 @@ def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: Swee
     return results
 
 
+def public_overrides(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``overrides`` as results may show them: a secret field's value (`SECRET_FIELDS`) hidden."""
+    secret = {f"{section}.{key}" for section, keys in SECRET_FIELDS.items() for key in keys}
+    return {k: ("<hidden>" if k in secret else v) for k, v in (overrides or {}).items()}
+
+
 def placements_of(before: dict | None, after: dict | None) -> dict[str, int] | None:
     """Prompts placed remote / local / kept during one run (router stats before and after it)."""
     if not before or not after:
@@ -211,9 +218,10 @@ def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: M
     config = Config.from_yaml(config_path)
     if overrides:
         config = config.override(dict(overrides))
-    label = label or config.name + "".join(f"[{k.split('.')[-1]}={v}]" for k, v in (overrides or {}).items())
+    shown = public_overrides(overrides)
+    label = label or config.name + "".join(f"[{k.split('.')[-1]}={v}]" for k, v in shown.items())
     common = {"label": label, "num_gpus": config.instances.num_gpus, "config_path": str(config_path),
-              "overrides": dict(overrides or {}), "model_id": config.model.source, "dtype": config.model.dtype,
+              "overrides": shown, "model_id": config.model.source, "dtype": config.model.dtype,
               "tokenizer_id": config.model.source}  # the tokenizer is read from model.source
     runs = []
     with Cluster.launch(config) as cluster:
@@ -231,7 +239,7 @@ def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: M
             slos = dict(slos or (info["calibration"] or {}).get("slos_ms") or config.bench.goodput)
             stored = dict(extra or {}, **common, calibration=info["calibration"])
             results = run_sweep(backend, requests, options, label=label, slos_ms=slos, stats=cluster.stats,
-                                workload=spec.to_dict(), config=config.model_dump(mode="json"), extra=stored,
+                                workload=spec.to_dict(), config=config.model_dump(mode="json", exclude=SECRET_FIELDS), extra=stored,
                                 on_result=on_result)
             runs.append(DatasetRuns(dataset, results, slos, info))
     return runs

@@ -57,7 +57,7 @@ def test_cli_compare_with_variants_and_calibrated_slos(stand_in, tmp_path):
 
 def test_cli_single_config_saves_named_result(stand_in, tmp_path):
     result = CliRunner().invoke(_app(), [
-        "bench", TINY_1P1D, "--no-compare", "--num-prompts", "3", "--request-rate", "100",
+        "bench", TINY_1P1D, "--no-compare", "--set", "serve.api_key=sekrit", "--num-prompts", "3", "--request-rate", "100",
         "--dataset-name", "decode-heavy", "--random-output-len", "3", "--random-input-len", "4",
         "--goodput", "ttft:500", "--goodput", "tpot:500", "--save-result", "--result-dir", str(tmp_path),
         "--result-filename", "one.json", "--disable-tqdm"], env={"COLUMNS": "250"})
@@ -66,6 +66,8 @@ def test_cli_single_config_saves_named_result(stand_in, tmp_path):
     check_result(saved)
     assert saved["goodput"] == {"ttft": 500.0, "tpot": 500.0} and saved["workload"]["dataset_name"] == "decode-heavy"
     assert "Mean TTFT (ms)" in result.output
+    assert "sekrit" not in (tmp_path / "one.json").read_text()  # the server's key never lands in results
+    assert saved["placements"] == {"remote": 3, "local": 0, "kept": 0} or saved["placements"] is None
 
 
 def test_busy_fractions_read_either_stats_shape():
