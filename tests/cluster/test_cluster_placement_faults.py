@@ -1,0 +1,60 @@
+"""Killing an instance mid-request under the adaptive placement fails exactly the requests of
+the paths it takes part in (tiny-1p1d, CPU actors, decisions forced to remote / local / kept).
+
+Kill the prefill instance: its kept requests fail; local ones (on the decode instance) and
+remote ones already decoding there finish with the colocated engine's tokens. Kill the decode
+instance: its local and remote requests fail; kept ones finish on the prefill instance. The
+survivor's pages all come back.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from cluster_helpers import BackgroundStream, force_paths, launch, mixed_prompts, reference_tokens, wait_all_free
+
+from disagg.errors import InstanceDied
+from disagg.sampling import SamplingParams
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+TOKENS = 48
+PATHS = ["remote", "local", "kept"] * 2
+
+
+@pytest.mark.parametrize("victim", ["prefill-0", "decode-0"])
+def test_a_killed_instance_fails_only_the_placements_it_takes_part_in(ray_local, monkeypatch, victim):
+    with launch("tiny-1p1d", router__placement="adaptive", router__lease_s=2.0) as cluster:
+        force_paths(cluster, monkeypatch, PATHS)
+        prompts = mixed_prompts(len(PATHS), seed=11)
+        params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+        want = reference_tokens(prompts, [TOKENS] * len(prompts))
+        streams = []
+        for i, prompt in enumerate(prompts):  # one at a time: each takes the path given in turn
+            streams.append(BackgroundStream(cluster, prompt, params, request_id=f"{PATHS[i]}-{i}"))
+            _wait_until(lambda: len(streams[-1].token_ids) >= 2)  # decoding (a remote one's KV landed)
+        others = [name for name in ("prefill-0", "decode-0") if name != victim]
+        for name in (victim, *others):  # hold both: nobody finishes before the kill
+            ray_local.get(cluster.instance(name).actor.pause_steps.remote(0))
+        ray_local.kill(cluster.instance(victim).actor, no_restart=True)
+        ray_local.get(cluster.instance(others[0]).actor.resume_steps.remote())
+        involved = {"prefill-0": {"kept"}, "decode-0": {"remote", "local"}}[victim]
+        for i, (stream, tokens) in enumerate(zip(streams, want)):
+            last = stream.result()
+            if PATHS[i] in involved:
+                assert last.finish_reason == "error" and isinstance(last.cause, InstanceDied), (PATHS[i], last)
+                assert last.cause.instance == victim
+            else:
+                assert (last.finish_reason, last.error) == ("length", None), (PATHS[i], last)
+                assert stream.token_ids == tokens, PATHS[i]
+        stats = wait_all_free(cluster, timeout_s=20)
+        assert [inst["name"] for inst in stats["instances"] if not inst["alive"]] == [victim]
+        assert stats["router"]["failures"] == {"instance_died": 2 * len(involved)}
+
+
+def _wait_until(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
