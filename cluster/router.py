@@ -556,10 +556,9 @@ def failure_reason(error: BaseException | None) -> str:
 
 def _refusal(inst: Instance, message: str, cause: BaseException) -> ClusterError:
     """The error of a request ``inst``'s engine did not accept: `RequestRefused` for bad input
-    (the engine's ValueError/TypeError, whose message starts with the argument it names)."""
+    (the engine's ValueError/TypeError; `InvalidArgument` names the argument at fault)."""
     if isinstance(cause, (ValueError, TypeError)):
-        named = re.match(r"([A-Za-z_][\w.]*): ", str(cause))
-        return RequestRefused(message, instance=inst.name, argument=named.group(1) if named else None)
+        return RequestRefused(message, instance=inst.name, argument=getattr(cause, "argument", None))
     return ClusterError(message)
 
 

@@ -139,13 +139,30 @@ class InstanceDied(ClusterError):
         self.reason = reason
 
 
+class InvalidArgument(DisaggError, ValueError):
+    """An engine call's argument the engine refuses; the message starts with ``argument``.
+
+    Attributes:
+        argument: the argument at fault ("prompt_token_ids", "dest", "max_tokens", ...): the
+            router reports it without parsing the message (`RequestRefused.argument`).
+    """
+
+    def __init__(self, message: str, *, argument: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
+class InvalidArgumentType(InvalidArgument, TypeError):
+    """`InvalidArgument` for an argument of the wrong type (also a TypeError)."""
+
+
 class RequestRefused(ClusterError, ValueError):
     """An instance's engine refused the request's input (e.g. a token id outside the vocabulary).
 
     Attributes:
         instance: the refusing instance's name.
-        argument: the engine argument at fault as its message names it ("prompt_token_ids",
-            "max_tokens", ...), or None when it names none.
+        argument: the engine argument at fault (`InvalidArgument.argument`: "prompt_token_ids",
+            "max_tokens", ...), or None when the engine named none.
     """
 
     def __init__(self, message: str, *, instance: str, argument: str | None = None) -> None:

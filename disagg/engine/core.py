@@ -39,7 +39,7 @@ from disagg.engine.request import (PushState, RecvDest, Request, RequestFactory,
 from disagg.engine.runner import ModelRunner, PendingTokens
 from disagg.engine.scheduler import ScheduledBatch, Scheduler
 from disagg.engine.steps import InstanceLoad, Launched, NextStep, StepShape, same_requests
-from disagg.errors import OutOfPages
+from disagg.errors import InvalidArgument, InvalidArgumentType, OutOfPages
 from disagg.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -128,14 +128,16 @@ class EngineCore:
         prompt = check_new_request(request_id, prompt_token_ids, params, known=self._known_ids(),
                                    vocab_size=self.model.config.vocab_size, max_model_len=self.max_model_len)
         if request_id in self.quiescing:  # its abort output must stay unambiguous
-            raise ValueError(f"request_id: {request_id!r} was aborted and its pushes may still be in "
-                             f"flight; expected a new id (or this one again after its abort output)")
+            raise InvalidArgument(f"request_id: {request_id!r} was aborted and its pushes may still be in "
+                                  f"flight; expected a new id (or this one again after its abort output)",
+                                  argument="request_id")
         size = self.cache.page_size
         if dest is not None:
             self._check_dest(request_id, len(prompt), dest)
             if pages_for(len(prompt), size) > self.cache.num_pages:
-                raise ValueError(f"prompt_token_ids: request {request_id!r} has {len(prompt)} tokens, more than "
-                                 f"this cache holds ({self.cache.num_pages} pages of {size})")
+                raise InvalidArgument(f"prompt_token_ids: request {request_id!r} has {len(prompt)} tokens, more than "
+                                      f"this cache holds ({self.cache.num_pages} pages of {size})",
+                                      argument="prompt_token_ids")
         else:
             check_fits(request_id, len(prompt), params, max_model_len=self.max_model_len,
                        num_pages=self.cache.num_pages, page_size=size)
@@ -160,27 +162,29 @@ class EngineCore:
 
     def _check_dest(self, request_id: Hashable, prompt_len: int, dest: object) -> None:
         if self.heap is None:
-            raise ValueError(f"dest: request {request_id!r}: this engine has no symmetric heap, so it cannot "
-                             f"push KV; expected dest=None")
+            raise InvalidArgument(f"dest: request {request_id!r}: this engine has no symmetric heap, so it cannot "
+                                  f"push KV; expected dest=None", argument="dest")
         if not isinstance(dest, RecvDest):
-            raise TypeError(f"dest: expected the RecvDest from DecodeEngine.reserve, got {type(dest).__name__}")
+            raise InvalidArgumentType(f"dest: expected the RecvDest from DecodeEngine.reserve, got "
+                                      f"{type(dest).__name__}", argument="dest")
         if dest.request_id != request_id:
-            raise ValueError(f"dest: reserved for request {dest.request_id!r}, got request {request_id!r}")
+            raise InvalidArgument(f"dest: reserved for request {dest.request_id!r}, got request {request_id!r}",
+                                  argument="dest")
         if not 0 <= dest.pe < self.heap.world_size or dest.pe == self.heap.rank or dest.ticket.pe != dest.pe:
-            raise ValueError(f"dest.pe: expected a receiver PE in [0, {self.heap.world_size}) other than "
-                             f"this one ({self.heap.rank}) and equal to its ticket's, got {dest.pe} "
-                             f"(ticket PE {dest.ticket.pe})")
+            raise InvalidArgument(f"dest.pe: expected a receiver PE in [0, {self.heap.world_size}) other than "
+                                  f"this one ({self.heap.rank}) and equal to its ticket's, got {dest.pe} "
+                                  f"(ticket PE {dest.ticket.pe})", argument="dest.pe")
         num_slots = len(posmap.decompress(dest.cmap))
         if num_slots != prompt_len:
-            raise ValueError(f"dest.cmap: request {request_id!r} has {prompt_len} prompt tokens; "
-                             f"expected a map of that many slots, got {num_slots}")
+            raise InvalidArgument(f"dest.cmap: request {request_id!r} has {prompt_len} prompt tokens; "
+                                  f"expected a map of that many slots, got {num_slots}", argument="dest.cmap")
 
     # ------------------------------------------------------------------ received requests
     def _reserve(self, request_id: Hashable, prompt_len: int, params: SamplingParams | None) -> RecvDest:
         """Reserve pages for a prompt's KV and arm its doorbell (see `DecodeEngine.reserve`)."""
         if self.leases is None:
-            raise ValueError(f"reserve: request {request_id!r}: this engine has no symmetric heap, so no "
-                             f"sender can push into it")
+            raise InvalidArgument(f"reserve: request {request_id!r}: this engine has no symmetric heap, so no "
+                                  f"sender can push into it", argument="reserve")
         params = SamplingParams() if params is None else params
         self._check_reserve(request_id, prompt_len, params)
         need = pages_for(min(prompt_len + params.max_tokens, self.max_model_len), self.cache.page_size)
@@ -209,35 +213,43 @@ class EngineCore:
         try:
             known = request_id in self._known_ids()
         except TypeError:
-            raise TypeError(f"request_id: expected a hashable id, got {type(request_id).__name__}") from None
+            raise InvalidArgumentType(f"request_id: expected a hashable id, got {type(request_id).__name__}",
+                                      argument="request_id") from None
         if known:
-            raise ValueError(f"request_id: {request_id!r} is already in this engine; expected a new id")
+            raise InvalidArgument(f"request_id: {request_id!r} is already in this engine; expected a new id",
+                                  argument="request_id")
         if isinstance(prompt_len, bool) or not isinstance(prompt_len, int):
-            raise TypeError(f"prompt_len: expected an int, got {type(prompt_len).__name__}")
+            raise InvalidArgumentType(f"prompt_len: expected an int, got {type(prompt_len).__name__}",
+                                      argument="prompt_len")
         if not 1 <= prompt_len < self.max_model_len:
-            raise ValueError(f"prompt_len: request {request_id!r}: expected 1..{self.max_model_len - 1} "
-                             f"(the model's context is {self.max_model_len}), got {prompt_len}")
+            raise InvalidArgument(f"prompt_len: request {request_id!r}: expected 1..{self.max_model_len - 1} "
+                                  f"(the model's context is {self.max_model_len}), got {prompt_len}",
+                                  argument="prompt_len")
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+            raise InvalidArgumentType(f"params: expected SamplingParams, got {type(params).__name__}",
+                                      argument="params")
         params.validate(self.model.config.vocab_size)
         need = pages_for(min(prompt_len + params.max_tokens, self.max_model_len), self.cache.page_size)
         if need > self.cache.num_pages:
-            raise ValueError(f"max_tokens: request {request_id!r} (prompt {prompt_len} + max_tokens "
-                             f"{params.max_tokens}) needs {need} pages; expected at most the cache's "
-                             f"{self.cache.num_pages}")
+            raise InvalidArgument(f"max_tokens: request {request_id!r} (prompt {prompt_len} + max_tokens "
+                                  f"{params.max_tokens}) needs {need} pages; expected at most the cache's "
+                                  f"{self.cache.num_pages}", argument="max_tokens")
 
     def _start(self, request_id: Hashable, first_token_id: int) -> None:
         """Hand a received request its first token (see `DecodeEngine.start`)."""
         req = self.requests.get(request_id)
         if req is None or not req.received:
-            raise ValueError(f"request_id: {request_id!r} has no reservation here; call reserve first")
+            raise InvalidArgument(f"request_id: {request_id!r} has no reservation here; call reserve first",
+                                  argument="request_id")
         if req.num_output_tokens:
-            raise ValueError(f"request_id: {request_id!r} was already started")
+            raise InvalidArgument(f"request_id: {request_id!r} was already started", argument="request_id")
         vocab = self.model.config.vocab_size
         if isinstance(first_token_id, bool) or not isinstance(first_token_id, (int, np.integer)):
-            raise TypeError(f"first_token_id: expected an int, got {type(first_token_id).__name__}")
+            raise InvalidArgumentType(f"first_token_id: expected an int, got {type(first_token_id).__name__}",
+                                      argument="first_token_id")
         if not 0 <= first_token_id < vocab:
-            raise ValueError(f"first_token_id: expected an id in [0, {vocab}), got {first_token_id}")
+            raise InvalidArgument(f"first_token_id: expected an id in [0, {vocab}), got {first_token_id}",
+                                  argument="first_token_id")
         if req.append(int(first_token_id), self.max_model_len).finished:
             self._drop(req)
         elif request_id not in self.leases:
@@ -246,19 +258,22 @@ class EngineCore:
     def _cancel_reservation(self, dest: RecvDest) -> None:
         """Free a reservation no sender will write (see `DecodeEngine.cancel_reservation`)."""
         if not isinstance(dest, RecvDest):
-            raise TypeError(f"dest: expected the RecvDest from reserve, got {type(dest).__name__}")
+            raise InvalidArgumentType(f"dest: expected the RecvDest from reserve, got {type(dest).__name__}",
+                                      argument="dest")
         request_id = dest.request_id
         lease = self.leases.get(request_id) if self.leases is not None else None
         if lease is None:
             if request_id in self.requests:
-                raise ValueError(f"dest: the doorbell of request {request_id!r} has rung (its KV landed); "
-                                 f"expected a reservation still waiting for it: call abort({request_id!r})")
-            raise ValueError(f"dest: request {request_id!r} has no open reservation here (unknown, or freed "
-                             f"already by its ring, lease expiry or an earlier cancel)")
+                raise InvalidArgument(f"dest: the doorbell of request {request_id!r} has rung (its KV landed); "
+                                      f"expected a reservation still waiting for it: call abort({request_id!r})",
+                                      argument="dest")
+            raise InvalidArgument(f"dest: request {request_id!r} has no open reservation here (unknown, or freed "
+                                  f"already by its ring, lease expiry or an earlier cancel)", argument="dest")
         if lease.ticket != dest.ticket:
-            raise ValueError(f"dest.ticket: request {request_id!r}'s open reservation waits on doorbell word "
-                             f"{lease.ticket.index} epoch {lease.ticket.epoch}, got word {dest.ticket.index} "
-                             f"epoch {dest.ticket.epoch} (an earlier reservation under the same id)")
+            raise InvalidArgument(f"dest.ticket: request {request_id!r}'s open reservation waits on doorbell word "
+                                  f"{lease.ticket.index} epoch {lease.ticket.epoch}, got word {dest.ticket.index} "
+                                  f"epoch {dest.ticket.epoch} (an earlier reservation under the same id)",
+                                  argument="dest.ticket")
         self.leases.cancel(request_id)
         req = self._quarantined.pop(request_id, None)
         if req is None:

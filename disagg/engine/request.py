@@ -25,6 +25,7 @@ import random
 from dataclasses import dataclass
 from typing import Hashable, NamedTuple
 
+from disagg.errors import InvalidArgument, InvalidArgumentType
 from disagg.sampling import SamplingParams
 from disagg.transfer.doorbell import DoorbellTicket
 
@@ -155,26 +156,30 @@ def check_new_request(request_id: Hashable, prompt_token_ids: object, params: ob
     try:
         duplicate = request_id in known  # type: ignore[operator]
     except TypeError:
-        raise TypeError(f"request_id: expected a hashable id, got {type(request_id).__name__}") from None
+        raise InvalidArgumentType(f"request_id: expected a hashable id, got {type(request_id).__name__}",
+                                  argument="request_id") from None
     if duplicate:
-        raise ValueError(f"request_id: {request_id!r} is already in this engine; expected a new id")
+        raise InvalidArgument(f"request_id: {request_id!r} is already in this engine; expected a new id",
+                              argument="request_id")
     if not isinstance(params, SamplingParams):
-        raise TypeError(f"params: expected SamplingParams, got {type(params).__name__}")
+        raise InvalidArgumentType(f"params: expected SamplingParams, got {type(params).__name__}", argument="params")
     params.validate(vocab_size)
     try:
         prompt = [int(t) for t in prompt_token_ids]  # type: ignore[union-attr]
     except (TypeError, ValueError):
-        raise TypeError(f"prompt_token_ids: expected a sequence of ints, got "
-                        f"{type(prompt_token_ids).__name__}") from None
+        raise InvalidArgumentType(f"prompt_token_ids: expected a sequence of ints, got "
+                                  f"{type(prompt_token_ids).__name__}", argument="prompt_token_ids") from None
     if not prompt:
-        raise ValueError(f"prompt_token_ids: request {request_id!r}: expected at least 1 token, got 0")
+        raise InvalidArgument(f"prompt_token_ids: request {request_id!r}: expected at least 1 token, got 0",
+                              argument="prompt_token_ids")
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt_token_ids: request {request_id!r}: expected ids in [0, {vocab_size}), "
-                         f"got {bad[:4]}")
+        raise InvalidArgument(f"prompt_token_ids: request {request_id!r}: expected ids in [0, {vocab_size}), "
+                              f"got {bad[:4]}", argument="prompt_token_ids")
     if len(prompt) >= max_model_len:
-        raise ValueError(f"prompt_token_ids: request {request_id!r} has {len(prompt)} tokens; the model's "
-                         f"context is {max_model_len}, so expected at most {max_model_len - 1}")
+        raise InvalidArgument(f"prompt_token_ids: request {request_id!r} has {len(prompt)} tokens; the model's "
+                              f"context is {max_model_len}, so expected at most {max_model_len - 1}",
+                              argument="prompt_token_ids")
     return prompt
 
 
@@ -193,9 +198,9 @@ def check_fits(request_id: Hashable, num_prompt_tokens: int, params: SamplingPar
     longest = min(num_prompt_tokens + params.max_tokens, max_model_len)
     need = pages_for(longest, page_size)
     if need > num_pages:
-        raise ValueError(f"max_tokens: request {request_id!r} ({num_prompt_tokens} prompt tokens + "
-                         f"max_tokens={params.max_tokens}) needs {need} pages of {page_size} tokens; "
-                         f"expected at most the cache's {num_pages}")
+        raise InvalidArgument(f"max_tokens: request {request_id!r} ({num_prompt_tokens} prompt tokens + "
+                              f"max_tokens={params.max_tokens}) needs {need} pages of {page_size} tokens; "
+                              f"expected at most the cache's {num_pages}", argument="max_tokens")
 
 
 def check_engine_sizes(**sizes: int) -> None:
@@ -206,6 +211,7 @@ def check_engine_sizes(**sizes: int) -> None:
     """
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}: expected an int >= 1, got {type(value).__name__} {value!r}")
+            raise InvalidArgumentType(f"{name}: expected an int >= 1, got {type(value).__name__} {value!r}",
+                                      argument=name)
         if value < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {value}")
+            raise InvalidArgument(f"{name}: expected an int >= 1, got {value}", argument=name)

@@ -12,7 +12,7 @@ import time
 import pytest
 from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
 
-from disagg.errors import QueueFull, RequestTimedOut, SignalTimeout
+from disagg.errors import QueueFull, RequestRefused, RequestTimedOut, SignalTimeout
 from disagg.sampling import SamplingParams
 
 LEASE_S = 2.0
@@ -210,6 +210,14 @@ def test_bad_requests_are_refused_before_queueing(cluster):
         second.result()
     cluster.abort("dup")
     assert first.result().finish_reason == "abort"
+
+
+def test_an_engine_refusal_names_its_argument_as_a_field(cluster):
+    """The decode engine refuses a token id outside the vocabulary (tiny: 256); the router's
+    RequestRefused carries the argument the engine's InvalidArgument named, not parsed text."""
+    last = BackgroundStream(cluster, [3, 999], SamplingParams(max_tokens=2), request_id="bad-id").result()
+    assert last.finish_reason == "error" and isinstance(last.cause, RequestRefused), last
+    assert last.cause.argument == "prompt_token_ids" and "[0, 256)" in last.error
 
 
 def _wait_stage(cluster, stage: str, timeout_s: float = 30.0) -> None:
