@@ -72,6 +72,8 @@ class ReadableCommand(TyperCommand):
                 param.metavar = readable_metavar(param)
             if param.param_type_name == "argument":  # its name says it; no "<path>" column beside it
                 param.display_type_rich = lambda ctx: None
+                if param.required:  # click's usage form, CONFIG (typer 0.29 writes {CONFIG})
+                    param.get_usage_pieces = lambda ctx, name=param.metavar: [name]
 
     def get_help_option(self, ctx: Any) -> Any:
         option = super().get_help_option(ctx)

@@ -169,7 +169,7 @@ def test_version():
 def test_help_metavars_are_readable(verb: str):
     result = CliRunner().invoke(app, [verb, "--help"], env={"COLUMNS": "160"})
     assert result.exit_code == 0
-    for unreadable in ("{config}", "--no-ignore-eos", "--no-verbose", "--no-serve", "--no-raw"):
+    for unreadable in ("{config}", "{CONFIG}", "--no-ignore-eos", "--no-verbose", "--no-serve", "--no-raw"):
         assert unreadable not in result.output, (unreadable, result.output)
     python_types = re.findall(r"<[a-z]+(?:\[[A-Za-z]+\])?>", result.output)  # typer's <list[str]>, <bool>
     assert not python_types, (python_types, result.output)
