@@ -43,6 +43,7 @@ def setup_mismatches(setups: Mapping[str, Mapping[str, Any]]) -> list[str]:
     items = list(setups.items())
     if len(items) < 2:
         return []
+    items = [(label, {**setup, "workload": _workload_only(setup.get("workload"))}) for label, setup in items]
     (first_label, first), found = items[0], []
     for key in ("model", "dtype", "workload"):
         differing = [(label, setup.get(key)) for label, setup in items[1:]
@@ -51,6 +52,21 @@ def setup_mismatches(setups: Mapping[str, Mapping[str, Any]]) -> list[str]:
             found.append(f"{key}: {first_label} runs {_short(first.get(key))}, " +
                          ", ".join(f"{label} runs {_short(value)}" for label, value in differing))
     return found
+
+
+def _workload_only(workload: Any) -> Any:
+    """``workload`` as the requests it makes: its ``max_model_len`` (the deployment's limit,
+    recorded with it) counts only when it clips a length, i.e. below the longest request that
+    input_len, range_ratio and output_len allow; two limits that clip nothing are the same workload."""
+    if not isinstance(workload, Mapping) or workload.get("max_model_len") is None:
+        return workload
+    try:
+        longest = math.ceil(workload["input_len"] * (1 + (workload.get("range_ratio") or 0))) + workload["output_len"]
+    except (KeyError, TypeError):
+        return workload
+    if longest <= workload["max_model_len"]:
+        return {k: v for k, v in workload.items() if k != "max_model_len"}
+    return workload
 
 
 def _short(value: Any) -> str:

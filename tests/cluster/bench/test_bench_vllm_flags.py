@@ -146,3 +146,15 @@ def test_stored_results_of_different_workloads_are_refused(stand_in, tmp_path):
     result, text = _invoke("--from-results", str(tmp_path / "a"), "--from-results", str(tmp_path / "b"),
                            "--result-dir", str(tmp_path / "ab"))
     assert result.exit_code == 2 and "workload: tiny-1p1d runs {" in text and "input_len 4" in text, text
+
+
+def test_a_max_model_len_that_clips_nothing_is_not_a_workload_difference():
+    from disagg.cluster.bench.compare import setup_mismatches
+
+    work = {"dataset_name": "chat", "input_len": 40, "output_len": 4, "range_ratio": 0.5}
+    same = setup_mismatches({"a": {"workload": {**work, "max_model_len": 2048}},
+                             "b": {"workload": {**work, "max_model_len": 4096}}})
+    assert same == []
+    clipped = setup_mismatches({"a": {"workload": {**work, "max_model_len": 50}},
+                                "b": {"workload": {**work, "max_model_len": 4096}}})
+    assert clipped and clipped[0].startswith("workload: a runs")
