@@ -60,4 +60,4 @@ def test_each_split_against_four_colocated_from_stored_results(ray_local, tmp_pa
                 for path in run["result_files"]:
                     result = json.loads(Path(path).read_text())
                     assert result["completed"] == NUM_PROMPTS and result["failed"] == 0, result["errors"]
-        assert "| prefill-heavy | 1x | TTFT 20000 ms, TPOT 5000 ms | tiny-2p2d |" in (out / "summary.md").read_text()
+        assert "| prefill-heavy | 1x | TTFT 20000 ms, TPOT 5000 ms | tiny-2p2d" in (out / "summary.md").read_text()
