@@ -25,6 +25,7 @@ ray = pytest.importorskip("ray")
 from typer.testing import CliRunner  # noqa: E402
 
 from disagg.cluster import bootstrap, cli  # noqa: E402
+from disagg.cluster.cli_common import EXIT_RUNTIME  # noqa: E402
 from disagg.cluster.connect import MIN_RAY_VERSION, check_ray_version, connect, enable_token_auth  # noqa: E402
 from disagg.config import Config  # noqa: E402
 from disagg.errors import ClusterError  # noqa: E402
@@ -106,7 +107,7 @@ def test_disagg_check_on_a_closed_port_exits_1_with_one_line(no_ray):
     port = closed_port()
     result = finishes(lambda: CliRunner().invoke(cli.app, [
         "check", str(TINY), "--set", f"cluster.address=127.0.0.1:{port}", "--set", "cluster.connect_timeout_s=5"]))
-    assert result.exit_code == cli.EXIT_PREFLIGHT, result.output
+    assert result.exit_code == EXIT_RUNTIME, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert lines == [lines[0]] and lines[0].startswith(f"{TINY}: ClusterError: cannot join the Ray cluster")
     assert f"127.0.0.1:{port}" in lines[0] and "Traceback" not in result.output
