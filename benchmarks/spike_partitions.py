@@ -242,7 +242,7 @@ def partition_check(part: Partition, split, whole) -> dict:
             row[f"{key}_ms"], row[f"{key}_all_ms"] = on_part * 1e3, on_all * 1e3
             row[f"{key}_ratio"] = on_part / on_all
     finally:
-        split.rollback(None)
+        split.rollback(None, (part.decode_stream, whole.decode_stream))
     row["cublas_inside"] = row["cublas_matmul_ratio"] >= 0.6 * row["expected_ratio"]
     row["decode_graph_slower"] = row["decode_graph_ratio"] > 1.2
     return row

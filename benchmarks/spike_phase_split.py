@@ -2,7 +2,7 @@
 
     python3 benchmarks/spike_phase_split.py --out results/spike.json        # dummy:llama3.1-8b bf16
     python3 benchmarks/spike_phase_split.py --device cpu --model dummy:tiny --num-decodes 4 \
-        --context 32 --prompt 48 --chunks 16,48                            # CPU: mixed rows only
+        --context 32 --prompt 48 --chunks 16,48 [--split-on-cpu --launch interleaved]   # CPU
 
 One KV cache, ``--num-decodes`` requests decoding at context ``--context`` (CUDA graphs), then one
 ``--prompt``-token prompt arrives. Over the window until the prompt's KV is complete (its first
@@ -10,15 +10,19 @@ token is out), every row reports decode tokens/s, the longest gap between two to
 request, prefill tokens/s and the window length:
 
 - mixed_chunk{C}: the real `ColocatedEngine` (scheduler, async scheduling, graphs) with
-  ``max_num_batched_tokens`` = C: every step is the decodes plus a chunk of the prompt.
-- split_{method}_N{N}: the same engine's cache and decode runner; decode steps (graph replays) run
-  on an N-SM green context and the prompt's eager forwards (``--split-chunk`` tokens each) on a
-  green context over the remaining SMs, concurrently. Work goes to the stream of each context
-  (``ctx.Stream()`` under ``torch``, ``cuGreenCtxStreamCreate`` under ``driver``); no context is
-  made current. ``--launch threads``: one host thread per phase (GIL switch interval lowered);
+  ``max_num_batched_tokens`` = C: every step is the decodes plus a chunk of the prompt (the
+  decodes' 4k contexts are computed once, with a larger budget, before the rows).
+- split_none_all_sms: the split loops below on two plain streams (no partition), for reference.
+- split_{method}_N{N}: the same engine's cache and decode runner; decode steps (graph replays, each
+  launched before the previous one's tokens are read, as async scheduling) run on an N-SM green
+  context and the prompt's eager forwards (``--split-chunk`` tokens each) on a green context over
+  the remaining SMs, concurrently. Work goes to the stream of each context (``ctx.Stream()`` under
+  ``torch``, ``cuGreenCtxStreamCreate`` under ``driver``); no context is made current.
+  ``--launch threads``: one host thread per phase (GIL switch interval lowered to 0.1 ms);
   ``interleaved``: one thread launches a chunk, then decode steps until the chunk's event is done.
   ``torch`` makes two independent green contexts (N and total-N SMs: they may overlap, see the
   check); ``driver`` (libcuda via ctypes) splits the SMs once into N and the rest (disjoint).
+  Slots the split rows take are given back after each window (``split_slots_returned``).
 - check_{method}_N{N}: does a partition hold? Distinct SM ids (%smid) a Triton kernel ran on, eager
   and replayed from a CUDA graph, on each side and their overlap; times of a cuBLAS matmul, a
   compute-bound Triton kernel and our decode-step graph on the N-SM side against the whole GPU
@@ -194,14 +198,18 @@ class PhaseSplit:
             self.cache.end_forward()
         return plan
 
-    def decode_step(self, ids):
-        """One decode step of every running request, waited for; returns its device ids."""
+    def decode_launch(self, ids):
+        """Launch one decode step of every running request (input ``ids``: ``[B]`` int64, host
+        or device); its `PendingTokens`. Its ids feed the next step, launched before these are
+        read (double-buffered plan copies, as the engine's async scheduling)."""
         plan = self.plan(self.seq_ids, [1] * len(self.seq_ids))
-        pending = self.engine.runner.execute(plan, ids, self.rows, self.decodes)
+        self.decode_steps += 1
+        return self.engine.runner.execute(plan, ids, self.rows, self.decodes)
+
+    def decode_wait(self, pending) -> None:
+        """Wait for a launched step's tokens; every running request got one now."""
         pending.result()
         self.times.append(time.perf_counter())
-        self.decode_steps += 1
-        return pending.device_tokens
 
     def prompt_chunk_async(self, req, start: int, n: int) -> torch.cuda.Event | None:
         """Launch ``n`` prompt tokens from ``start``; an event after them (None on the CPU)."""
@@ -215,8 +223,12 @@ class PhaseSplit:
         event.record()
         return event
 
-    def rollback(self, prompt_seq: int | None) -> None:
-        """Give back the slots of the decode steps run since the last rollback and the prompt."""
+    def rollback(self, prompt_seq: int | None, streams=()) -> None:
+        """Give back the slots of the decode steps run since the last rollback and the prompt,
+        once ``streams`` (green-context streams, which a device sync may not cover) are idle."""
+        for stream in streams:
+            if stream is not None:
+                stream.synchronize()
         sync(self.engine.model.device)
         for seq_id in self.seq_ids:
             self.cache.popn(seq_id, self.decode_steps)
@@ -243,7 +255,7 @@ def split_window(split: PhaseSplit, part, prompt_len: int, chunk: int, launch: s
         times = {i: list(split.times) for i in range(len(split.seq_ids))}
         return {**window_metrics(times, t0, t_end, prompt_len), "decode_steps": split.decode_steps}
     finally:
-        split.rollback(req.seq_id)
+        split.rollback(req.seq_id, (part.decode_stream, part.prefill_stream))
 
 
 def _threads_window(split, part, req, starts, chunk, ones) -> tuple[float, float]:
@@ -251,12 +263,17 @@ def _threads_window(split, part, req, starts, chunk, ones) -> tuple[float, float
 
     def decode_loop() -> None:
         try:
+            if ones.is_cuda:
+                torch.cuda.set_device(ones.device)
             with on(part.decode_stream):
-                ids = ones
+                previous = split.decode_launch(ones)
                 while not stop.is_set():
-                    ids = split.decode_step(ids)
-                    if split.decode_steps >= WARM_STEPS:
+                    pending = split.decode_launch(previous.device_tokens)
+                    split.decode_wait(previous)
+                    previous = pending
+                    if len(split.times) >= WARM_STEPS:
                         warm.set()
+                split.decode_wait(previous)
         except BaseException as exc:  # noqa: BLE001 - re-raised by the main thread
             errors.append(exc)
             warm.set()
@@ -265,6 +282,8 @@ def _threads_window(split, part, req, starts, chunk, ones) -> tuple[float, float
     thread.start()
     warm.wait()
     try:
+        if errors:
+            raise errors[0]
         with on(part.prefill_stream):
             t0 = time.perf_counter()
             for start in starts:
@@ -272,8 +291,8 @@ def _threads_window(split, part, req, starts, chunk, ones) -> tuple[float, float
                 if event is not None:
                     event.synchronize()
             t_end = time.perf_counter()
-        steps = split.decode_steps
-        while split.decode_steps < steps + 1 and thread.is_alive() and not errors:
+        steps = len(split.times)
+        while len(split.times) < steps + 1 and thread.is_alive() and not errors:
             time.sleep(1e-4)  # a token after the window bounds its last gap
     finally:
         stop.set()
@@ -284,26 +303,34 @@ def _threads_window(split, part, req, starts, chunk, ones) -> tuple[float, float
 
 
 def _interleaved_window(split, part, req, starts, chunk, ones) -> tuple[float, float]:
-    ids = ones
+    """One host thread: a chunk is launched whenever none is in flight, between decode steps."""
     with on(part.decode_stream):
-        for _ in range(WARM_STEPS):
-            ids = split.decode_step(ids)
+        previous = split.decode_launch(ones)
+    while len(split.times) < WARM_STEPS:
+        previous = _decode_next(split, part, previous)
     t0, in_flight, pending_starts = time.perf_counter(), None, list(starts)
     while True:
         if in_flight is None and pending_starts:
             start = pending_starts.pop(0)
             with on(part.prefill_stream):
                 in_flight = split.prompt_chunk_async(req, start, min(chunk, len(req.token_ids) - start))
-        with on(part.decode_stream):
-            ids = split.decode_step(ids)
+        previous = _decode_next(split, part, previous)
         if in_flight is None or in_flight.query():
             in_flight = None
             if not pending_starts:
                 t_end = time.perf_counter()
                 break
-    with on(part.decode_stream):
-        split.decode_step(ids)
+    previous = _decode_next(split, part, previous)  # a token after the window bounds its last gap
+    split.decode_wait(previous)
     return t0, t_end
+
+
+def _decode_next(split, part, previous):
+    """Launch the step after ``previous``, then wait for ``previous``'s tokens."""
+    with on(part.decode_stream):
+        pending = split.decode_launch(previous.device_tokens)
+    split.decode_wait(previous)
+    return pending
 
 
 # ---------------------------------------------------------------------------- main
@@ -415,18 +442,23 @@ def run_split(engine, decodes, args, result: dict, rows: list[dict], errors: lis
 def _run_split(engine, decodes, args, result: dict, rows: list[dict], errors: list[str]) -> None:
     split = PhaseSplit(engine, decodes)
     result["launch"] = {"mode": args.launch, "streams": "ctx.Stream() / cuGreenCtxStreamCreate; "
-                        "no context made current", "gil_switch_interval_s": sys.getswitchinterval()}
+                        "no context made current", "gil_switch_interval_s": sys.getswitchinterval(),
+                        "decode": "graph replays, each step launched before the previous one's "
+                                  "tokens are read (as async scheduling)",
+                        "prefill": "eager forwards of --split-chunk tokens, each waited for by an event"}
     whole = _WholeGpu(engine.model.device)
     before = _cache_state(split)
     for _ in range(WARM_WINDOWS):  # compiles the prompt's eager forward
         split_window(split, whole, args.prompt, args.split_chunk, args.launch)
     rows.append({"name": "split_none_all_sms", **split_window(split, whole, args.prompt, args.split_chunk,
                                                                args.launch), "note": "two plain streams"})
+    parts = []  # kept alive to the end: a green context must outlive its streams' work
     for method in args.partition.split(",") if engine.model.device.type == "cuda" else ():
         for n in args.sms:
             name = f"split_{method}_N{n}"
             try:
                 part = make_partition(method, engine.model.device, n)
+                parts.append(part)
                 result["checks"].append(partition_check(part, split, whole))
                 row = split_window(split, part, args.prompt, args.split_chunk, args.launch)
                 rows.append({"name": name, "method": method, "num_sms": n, **part.describe(), **row})
