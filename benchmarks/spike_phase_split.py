@@ -12,14 +12,15 @@ request, prefill tokens/s and the window length:
 - mixed_chunk{C}: the real `ColocatedEngine` (scheduler, async scheduling, graphs) with
   ``max_num_batched_tokens`` = C: every step is the decodes plus a chunk of the prompt (the
   decodes' 4k contexts are computed once, with a larger budget, before the rows).
-- split_none_all_sms: the split loops below on two plain streams (no partition), for reference.
-- split_{method}_N{N}: the same engine's cache and decode runner; decode steps (graph replays, each
+- split_none_all_sms_{launch}: the split loops below on two plain streams (no partition).
+- split_{method}_N{N}_{launch}: the same engine's cache and decode runner; decode steps (graph replays, each
   launched before the previous one's tokens are read, as async scheduling) run on an N-SM green
   context and the prompt's eager forwards (``--split-chunk`` tokens each) on a green context over
   the remaining SMs, concurrently. Work goes to the stream of each context (``ctx.Stream()`` under
   ``torch``, ``cuGreenCtxStreamCreate`` under ``driver``); no context is made current.
-  ``--launch threads``: one host thread per phase (GIL switch interval lowered to 0.1 ms);
-  ``interleaved``: one thread launches a chunk, then decode steps until the chunk's event is done.
+  ``--launch`` (each row once per mode): ``threads``, one host thread per phase (GIL switch
+  interval lowered to 0.1 ms); ``interleaved``, one thread launches a chunk, then decode steps
+  until the chunk's event is done.
   ``torch`` makes two independent green contexts (N and total-N SMs: they may overlap, see the
   check); ``driver`` (libcuda via ctypes) splits the SMs once into N and the rest (disjoint).
   Slots the split rows take are given back after each window (``split_slots_returned``).
@@ -379,7 +380,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--split-chunk", type=int, default=8192, help="prompt tokens per forward (split)")
     parser.add_argument("--partition", default="torch,driver",
                         help="comma-separated methods: torch (torch.cuda.GreenContext), driver (libcuda)")
-    parser.add_argument("--launch", choices=("threads", "interleaved"), default="threads")
+    parser.add_argument("--launch", default="threads,interleaved",
+                        help="comma-separated: threads (a host thread per phase), interleaved (one thread)")
     parser.add_argument("--split-on-cpu", action="store_true",
                         help="on the CPU, run the split rows without partitions (tests the host loops)")
     parser.add_argument("--decode-room", type=int, default=1024,
@@ -388,6 +390,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [m for m in args.partition.split(",") if m not in ("torch", "driver")]
     if bad:
         parser.error(f"--partition: expected methods of torch,driver, got {bad}")
+    bad = [m for m in args.launch.split(",") if m not in ("threads", "interleaved")]
+    if bad:
+        parser.error(f"--launch: expected modes of threads,interleaved, got {bad}")
     return args
 
 
@@ -441,17 +446,23 @@ def run_split(engine, decodes, args, result: dict, rows: list[dict], errors: lis
 
 def _run_split(engine, decodes, args, result: dict, rows: list[dict], errors: list[str]) -> None:
     split = PhaseSplit(engine, decodes)
-    result["launch"] = {"mode": args.launch, "streams": "ctx.Stream() / cuGreenCtxStreamCreate; "
+    launches = args.launch.split(",")
+    if engine.model.device.type != "cuda" and "threads" in launches:  # Triton's interpreter has global state
+        launches.remove("threads")
+        result["skipped"].append("--launch threads on the CPU: Triton's interpreter is not thread-safe")
+    result["launch"] = {"modes": launches, "streams": "ctx.Stream() / cuGreenCtxStreamCreate; "
                         "no context made current", "gil_switch_interval_s": sys.getswitchinterval(),
                         "decode": "graph replays, each step launched before the previous one's "
                                   "tokens are read (as async scheduling)",
                         "prefill": "eager forwards of --split-chunk tokens, each waited for by an event"}
     whole = _WholeGpu(engine.model.device)
     before = _cache_state(split)
-    for _ in range(WARM_WINDOWS):  # compiles the prompt's eager forward
-        split_window(split, whole, args.prompt, args.split_chunk, args.launch)
-    rows.append({"name": "split_none_all_sms", **split_window(split, whole, args.prompt, args.split_chunk,
-                                                               args.launch), "note": "two plain streams"})
+    for launch in launches:
+        for _ in range(WARM_WINDOWS):  # compiles the prompt's eager forward, starts the threads
+            split_window(split, whole, args.prompt, args.split_chunk, launch)
+        row = split_window(split, whole, args.prompt, args.split_chunk, launch)
+        rows.append({"name": f"split_none_all_sms_{launch}", "launch": launch, **row,
+                     "note": "two plain streams of the primary context: no partition"})
     parts = []  # kept alive to the end: a green context must outlive its streams' work
     for method in args.partition.split(",") if engine.model.device.type == "cuda" else ():
         for n in args.sms:
@@ -460,8 +471,10 @@ def _run_split(engine, decodes, args, result: dict, rows: list[dict], errors: li
                 part = make_partition(method, engine.model.device, n)
                 parts.append(part)
                 result["checks"].append(partition_check(part, split, whole))
-                row = split_window(split, part, args.prompt, args.split_chunk, args.launch)
-                rows.append({"name": name, "method": method, "num_sms": n, **part.describe(), **row})
+                for launch in launches:
+                    row = split_window(split, part, args.prompt, args.split_chunk, launch)
+                    rows.append({"name": f"{name}_{launch}", "method": method, "num_sms": n, "launch": launch,
+                                 **part.describe(), **row})
             except Exception as exc:  # noqa: BLE001 - one line per failed method, the rest still runs
                 if not isinstance(exc, PartitionUnavailable):
                     exc = PartitionUnavailable(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")

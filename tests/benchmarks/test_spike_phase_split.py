@@ -60,7 +60,7 @@ def test_cpu_run_writes_json_and_hands_back_every_slot(spike, tmp_path, capsys, 
     assert rc == 0
     result = json.loads(out.read_text())
     mixed, split = result["rows"]
-    assert (mixed["name"], split["name"]) == ("mixed_chunk8", "split_none_all_sms")
+    assert (mixed["name"], split["name"]) == ("mixed_chunk8", "split_none_all_sms_interleaved")
     assert mixed["steps"] >= 2  # 8 prompt tokens under a budget of 8 - 2 decodes
     assert mixed["decode_tokens"] > 0 and split["decode_tokens"] > 0
     assert split["decode_steps"] > 1 and result["split_slots_returned"] is True
