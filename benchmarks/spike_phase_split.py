@@ -339,12 +339,12 @@ def print_table(result: dict) -> None:
     print(f"\n{result['device']}  torch {result['torch']}  commit {result['commit'][:10]}  "
           f"{result['config']['model']}  {result['config']['num_decodes']} decodes @ ctx "
           f"{result['config']['context']}, prompt {result['config']['prompt']}")
-    print(f"{'row':<24}{'decode tok/s':>14}{'longest gap ms':>16}{'prefill tok/s':>15}{'window ms':>11}")
+    print(f"{'row':<32}{'decode tok/s':>14}{'longest gap ms':>16}{'prefill tok/s':>15}{'window ms':>11}")
     for row in result["rows"]:
         if "error" in row:
-            print(f"{row['name']:<24}  error: {row['error']}")
+            print(f"{row['name']:<32}  error: {row['error']}")
         else:
-            print(f"{row['name']:<24}{row['decode_tok_s']:>14.0f}{row['longest_gap_ms']:>16.1f}"
+            print(f"{row['name']:<32}{row['decode_tok_s']:>14.0f}{row['longest_gap_ms']:>16.1f}"
                   f"{row['prefill_tok_s']:>15.0f}{row['window_ms']:>11.1f}")
     for check in result["checks"]:
         print("check", json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in check.items()
