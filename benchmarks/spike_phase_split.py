@@ -281,8 +281,9 @@ def _threads_window(split, part, req, starts, chunk, ones) -> tuple[float, float
 
     thread = threading.Thread(target=decode_loop, name="decode", daemon=True)
     thread.start()
-    warm.wait()
     try:
+        if not warm.wait(timeout=120):
+            raise RuntimeError(f"the decode thread made {len(split.times)} steps in 120 s; expected {WARM_STEPS}")
         if errors:
             raise errors[0]
         with on(part.prefill_stream):
@@ -356,6 +357,14 @@ def print_table(result: dict) -> None:
           f"{json.dumps({k: v[k] for k in v if k != 'strict'})}")
 
 
+def write(path: Path, result: dict, row: dict | None = None) -> None:
+    """Rewrite the JSON; print ``row`` (progress, for a run cut short)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    if row is not None:
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -410,22 +419,24 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     engine, decodes = build_engine(model, args)
     result["setup_s"] = time.perf_counter() - t_start
-    mixed = [mixed_row(engine, chunk, args.prompt) for chunk in args.chunks]
-    result["rows"] += mixed
-    split_rows, errors = [], []
+    mixed = result["rows"]  # written after every row: a run cut short keeps what it measured
+    for chunk in args.chunks:
+        mixed.append(mixed_row(engine, chunk, args.prompt))
+        write(args.out, result, mixed[-1])
+    mixed = list(mixed)
+    errors = []
     if gpu or args.split_on_cpu:
         try:
-            run_split(engine, decodes, args, result, split_rows, errors)
+            run_split(engine, decodes, args, result, errors)
         except Exception as exc:  # noqa: BLE001 - the rows so far are still written
             errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             result["split_error"] = errors[-1]
     if not gpu:
         result["skipped"].append(f"partition split and check rows: SM partitions need a CUDA device (got {device})")
-    result["rows"] += split_rows
+    split_rows = result["rows"][len(mixed):]
     result["verdict"] = verdict(mixed, [r for r in split_rows if "num_sms" in r])
     result["total_s"] = time.perf_counter() - t_start
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write(args.out, result)
     print_table(result)
     if errors and not any("num_sms" in r and "error" not in r for r in split_rows):
         print(f"spike_phase_split: no partition row measured: {errors[0]}", file=sys.stderr)
@@ -433,19 +444,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_split(engine, decodes, args, result: dict, rows: list[dict], errors: list[str]) -> None:
+def run_split(engine, decodes, args, result: dict, errors: list[str]) -> None:
     """Append the check and split rows of every partition method and N to ``result["checks"]``
-    and ``rows``, one-line errors to ``errors``."""
+    and ``result["rows"]`` (the file rewritten after each), one-line errors to ``errors``."""
     previous = sys.getswitchinterval()
     sys.setswitchinterval(1e-4)  # threads: the decode thread gets the GIL back within 0.1 ms
     try:
-        _run_split(engine, decodes, args, result, rows, errors)
+        _run_split(engine, decodes, args, result, errors)
     finally:
         sys.setswitchinterval(previous)
 
 
-def _run_split(engine, decodes, args, result: dict, rows: list[dict], errors: list[str]) -> None:
-    split = PhaseSplit(engine, decodes)
+def _run_split(engine, decodes, args, result: dict, errors: list[str]) -> None:
+    split, rows = PhaseSplit(engine, decodes), result["rows"]
     launches = args.launch.split(",")
     if engine.model.device.type != "cuda" and "threads" in launches:  # Triton's interpreter has global state
         launches.remove("threads")
@@ -463,6 +474,7 @@ def _run_split(engine, decodes, args, result: dict, rows: list[dict], errors: li
         row = split_window(split, whole, args.prompt, args.split_chunk, launch)
         rows.append({"name": f"split_none_all_sms_{launch}", "launch": launch, **row,
                      "note": "two plain streams of the primary context: no partition"})
+        write(args.out, result, rows[-1])
     parts = []  # kept alive to the end: a green context must outlive its streams' work
     for method in args.partition.split(",") if engine.model.device.type == "cuda" else ():
         for n in args.sms:
@@ -471,10 +483,12 @@ def _run_split(engine, decodes, args, result: dict, rows: list[dict], errors: li
                 part = make_partition(method, engine.model.device, n)
                 parts.append(part)
                 result["checks"].append(partition_check(part, split, whole))
+                write(args.out, result, result["checks"][-1])
                 for launch in launches:
                     row = split_window(split, part, args.prompt, args.split_chunk, launch)
                     rows.append({"name": f"{name}_{launch}", "method": method, "num_sms": n, "launch": launch,
                                  **part.describe(), **row})
+                    write(args.out, result, rows[-1])
             except Exception as exc:  # noqa: BLE001 - one line per failed method, the rest still runs
                 if not isinstance(exc, PartitionUnavailable):
                     exc = PartitionUnavailable(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
