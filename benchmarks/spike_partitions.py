@@ -205,13 +205,15 @@ def _seconds_on(stream: torch.cuda.Stream, fn, reps: int, device: torch.device) 
         return timed(fn, reps, device)
 
 
-def partition_check(part: Partition, split, whole) -> dict:
+def partition_check(part: Partition, split, whole, prompt_tokens: int) -> dict:
     """Whether Triton kernels, cuBLAS and graph replay launched to ``part`` stay on its SMs.
 
     ``split``: the spike's `PhaseSplit` (the engine's decode graphs); ``whole``: plain streams of
     the primary context (the whole GPU). A partition holds if the Triton kernel's SM ids number at
     most the partition's SMs (eager and from a graph) and compute-bound work slows down about as
     total/N SMs (the ``*_ratio`` keys: time on N SMs / time on all; ``expected_ratio``: total/N).
+    ``decode_graph``: the engine's decode step alone on N SMs; ``prompt_forward``: one eager
+    forward of ``prompt_tokens`` prompt tokens alone on the other side.
     """
     device = split.engine.model.device
     row = {"name": f"check_{part.name}", "method": part.method, "num_sms": part.num_sms, **part.describe()}
@@ -227,22 +229,48 @@ def partition_check(part: Partition, split, whole) -> dict:
                 "sms_prefill_triton": len(prefill), "sms_overlap": len(decode & prefill),
                 "triton_inside": len(decode) <= cap, "graph_inside": len(in_graph) <= cap,
                 "expected_ratio": len(all_ids) / max(1, len(decode))})
-    a = torch.randn(4096, 4096, dtype=split.engine.model.dtype, device=device)
-    kernel, out = _sm_id_kernel(), torch.empty(16 * len(all_ids), dtype=torch.int32, device=device)
-    work = {"cublas_matmul": (lambda: a @ a, 10),
-            "triton_spin": (lambda: kernel[(out.numel(),)](out, 200000), 5)}
-    plan = split.plan(split.seq_ids, [1] * len(split.seq_ids))
-    split.decode_steps += 1  # the plan's slot, given back below
-    ids = torch.ones(len(split.seq_ids), dtype=torch.int64, device=device)
-    work["decode_graph"] = (lambda: split.engine.runner.graphs.run(plan, ids), 10)
     try:
-        for key, (fn, reps) in work.items():
-            on_part = _seconds_on(part.decode_stream, fn, reps, device)
-            on_all = _seconds_on(whole.decode_stream, fn, reps, device)
-            row[f"{key}_ms"], row[f"{key}_all_ms"] = on_part * 1e3, on_all * 1e3
-            row[f"{key}_ratio"] = on_part / on_all
+        _time_work(row, part, split, whole, device, len(all_ids), prompt_tokens)
     finally:
-        split.rollback(None, (part.decode_stream, whole.decode_stream))
-    row["cublas_inside"] = row["cublas_matmul_ratio"] >= 0.6 * row["expected_ratio"]
+        split.rollback(split.pop_scratch(), (part.decode_stream, part.prefill_stream, whole.decode_stream,
+                                             whole.prefill_stream))
+    for key in ("cublas_matmul", "cublaslt_matmul", "triton_spin"):  # compute-bound: ~ total/N slower
+        row[f"{key}_scales"] = row[f"{key}_ratio"] >= 0.6 * row["expected_ratio"]
     row["decode_graph_slower"] = row["decode_graph_ratio"] > 1.2
     return row
+
+
+def _time_work(row: dict, part: Partition, split, whole, device: torch.device, num_sms_all: int,
+               prompt_tokens: int) -> None:
+    """Time each piece of work on the partition's side and on the whole GPU (memoised on
+    ``whole.seconds``); ``row`` gets ``{key}_ms``, ``{key}_all_ms`` and ``{key}_ratio``."""
+    a = torch.randn(4096, 4096, dtype=split.engine.model.dtype, device=device)
+    kernel, out = _sm_id_kernel(), torch.empty(16 * num_sms_all, dtype=torch.int32, device=device)
+    plan = split.plan(split.seq_ids, [1] * len(split.seq_ids))
+    split.decode_steps += 1  # the plan's slot, given back by the caller
+    ids = torch.ones(len(split.seq_ids), dtype=torch.int64, device=device)
+    prompt = split.scratch_prompt(prompt_tokens)
+    work = {  # key: (function, repetitions, the side it runs on)
+        "cublas_matmul": (lambda: a @ a, 10, "decode"),
+        "cublaslt_matmul": (lambda: _lt(lambda: a @ a), 10, "decode"),
+        "triton_spin": (lambda: kernel[(out.numel(),)](out, 200000), 5, "decode"),
+        "decode_graph": (lambda: split.engine.runner.graphs.run(plan, ids), 10, "decode"),
+        "prompt_forward": (prompt, 1, "prefill"),
+    }
+    for key, (fn, reps, side) in work.items():
+        stream, whole_stream = getattr(part, f"{side}_stream"), getattr(whole, f"{side}_stream")
+        on_part = _seconds_on(stream, fn, reps, device)
+        if key not in whole.seconds:
+            whole.seconds[key] = _seconds_on(whole_stream, fn, reps, device)
+        row[f"{key}_ms"], row[f"{key}_all_ms"] = on_part * 1e3, whole.seconds[key] * 1e3
+        row[f"{key}_ratio"] = on_part / whole.seconds[key]
+
+
+def _lt(fn):
+    """``fn()`` with cuBLASLt as torch's BLAS library."""
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return fn()
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)

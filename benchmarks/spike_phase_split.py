@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import GiB, PAGE_SIZE, kv_bytes_per_token, sync, timed  # noqa: E402
+from bench_engine import GiB, PAGE_SIZE, kv_bytes_per_token, sync  # noqa: E402
 from spike_partitions import PartitionUnavailable, make_partition, partition_check  # noqa: E402
 
 from disagg.engine import ColocatedEngine  # noqa: E402
@@ -192,6 +192,7 @@ class PhaseSplit:
         self.lock = threading.Lock()
         self.decode_steps = 0
         self.times: list[float] = []
+        self._scratch: int | None = None  # seq id of `scratch_prompt`'s sequence
 
     def plan(self, seq_ids: list[int], counts: list[int]):
         with self.lock:
@@ -223,6 +224,20 @@ class PhaseSplit:
         event = torch.cuda.Event()
         event.record()
         return event
+
+    def scratch_prompt(self, num_tokens: int):
+        """A new sequence of ``num_tokens`` prompt tokens (given back by `rollback(pop_scratch())`)
+        and a function running their forward, sampled, each call over the same slots."""
+        req = self.engine._factory.new(("scratch",), [3] * num_tokens, SamplingParams(max_tokens=1))
+        self.cache.add_sequence(req.seq_id)
+        self._scratch = req.seq_id
+        plan = self.plan([req.seq_id], [num_tokens])
+        rows = np.zeros(1, dtype=np.int64)
+        return lambda: self.prefill_runner.execute(plan, req.token_ids, rows, [req])
+
+    def pop_scratch(self) -> int | None:
+        seq_id, self._scratch = self._scratch, None
+        return seq_id
 
     def rollback(self, prompt_seq: int | None, streams=()) -> None:
         """Give back the slots of the decode steps run since the last rollback and the prompt,
@@ -482,7 +497,7 @@ def _run_split(engine, decodes, args, result: dict, errors: list[str]) -> None:
             try:
                 part = make_partition(method, engine.model.device, n)
                 parts.append(part)
-                result["checks"].append(partition_check(part, split, whole))
+                result["checks"].append(partition_check(part, split, whole, min(args.prompt, args.split_chunk)))
                 write(args.out, result, result["checks"][-1])
                 for launch in launches:
                     row = split_window(split, part, args.prompt, args.split_chunk, launch)
@@ -513,6 +528,7 @@ class _WholeGpu:
         gpu = device.type == "cuda"
         self.decode_stream = torch.cuda.Stream(device) if gpu else None
         self.prefill_stream = torch.cuda.Stream(device) if gpu else None
+        self.seconds: dict[str, float] = {}  # the checks' whole-GPU times, measured once
 
     def describe(self) -> dict:
         return {}
