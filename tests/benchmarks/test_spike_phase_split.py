@@ -67,3 +67,16 @@ def test_cpu_run_writes_json_and_hands_back_every_slot(spike, tmp_path, capsys, 
     assert result["verdict"]["go"] is None and "CUDA" in result["skipped"][0]
     assert {"device", "torch", "commit", "config"} <= result.keys()
     assert "verdict: undecided" in capsys.readouterr().out
+
+
+def test_partition_failures_are_one_line_errors(spike):
+    import torch
+    partitions = sys.modules["spike_partitions"]
+    with pytest.raises(partitions.PartitionUnavailable, match="need a CUDA device"):
+        partitions.make_partition("torch", torch.device("cpu"), 16)
+    if torch.cuda.is_available():
+        pytest.skip("the API failures below are those of a host without CUDA")
+    for make in (lambda: partitions._torch_partition(0, 16, 132), lambda: partitions._driver_partition(0, 16)):
+        with pytest.raises(partitions.PartitionUnavailable) as info:
+            make()
+        assert "\n" not in str(info.value) and str(info.value)
