@@ -190,6 +190,22 @@ class SchedulerSection(Section):
                                                      "(hides the host's bookkeeping, which otherwise "
                                                      "leaves the GPU idle between steps); false: read "
                                                      "every step's tokens first")
+    phase_split: Literal["off", "sm", "auto"] = Field(
+        "off", description="off: prompt chunks and decodes share each step (chunked prefill); sm and "
+                           "auto (prefill and decode on separate SM partitions of one GPU) are refused: "
+                           "the spike measured no gain (benchmarks/records/phase-split-2026-11-27)")
+
+    @field_validator("phase_split", mode="before")
+    @classmethod
+    def _phase_split_off_only(cls, value: object) -> object:
+        if value is False:  # YAML 1.1 reads a bare `off` as false
+            return "off"
+        if value in ("sm", "auto"):
+            raise ValueError(f"expected 'off', got {value!r}: SM partitions of one GPU are not built "
+                             "(a prompt on a partition still takes the decodes' memory bandwidth: 1.16x "
+                             "decode tokens/s at best, benchmarks/records/phase-split-2026-11-27); use "
+                             "scheduler.max_num_batched_tokens (a smaller chunk) or router.placement")
+        return value
 
 
 class RouterSection(Section):

@@ -272,3 +272,16 @@ def test_empty_model_source_is_refused_not_turned_into_the_folder(tmp_path: Path
     raw["bench"] = {"compare_with": source}
     with pytest.raises(ConfigError, match=r"bench\.compare_with: .*not an empty or blank"):
         Config.from_yaml(write(tmp_path, raw))
+
+
+def test_phase_split_off_is_accepted_as_yaml_writes_it_and_sm_is_refused_with_the_reason(tmp_path: Path):
+    path = tmp_path / "split.yaml"
+    raw = TINY.read_text()
+    assert "scheduler:" in raw
+    path.write_text(raw.replace("scheduler:", "scheduler:\n  phase_split: off", 1))  # YAML 1.1: false
+    assert Config.from_yaml(path).scheduler.phase_split == "off"
+    for value in ("sm", "auto"):
+        path.write_text(raw.replace("scheduler:", f"scheduler:\n  phase_split: {value}", 1))
+        with pytest.raises(ConfigError, match=r"scheduler\.phase_split: expected 'off', got '" + value
+                           + r"': SM partitions of one GPU are not built .*phase-split-2026-11-27"):
+            Config.from_yaml(path)
