@@ -68,8 +68,9 @@ def test_launch_prints_status_until_ctrl_c(tmp_path: Path):
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1")
     command = [sys.executable, "-c", "from disagg.cluster.cli import app; app()", "launch",
                str(CONFIGS / "tiny-colocated.yaml"), "--status-every-s", "0.5"]
+    # SIG_DFL in the child: under a suite started in the background SIGINT arrives ignored.
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines, deadline = [], time.monotonic() + 240
     try:
         while time.monotonic() < deadline:

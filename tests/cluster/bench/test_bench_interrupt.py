@@ -18,6 +18,13 @@ CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tiny-1p1d.yaml"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
+def ctrl_c_enabled() -> None:
+    """In the child before exec: a test suite started in the background (`make test &`) hands its
+    children SIGINT ignored, as shells do for background jobs, and Python then never raises
+    KeyboardInterrupt; Ctrl-C is what this test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     # A fast first rate (its table marks the moment), then a slow one to interrupt.
     command = [sys.executable, "-m", "disagg.cluster.cli", "bench", str(CONFIG), "--no-compare",
@@ -25,7 +32,8 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
                "--goodput", "ttft:60000", "tpot:60000", "--save-result", "--result-dir", str(tmp_path),
                "--disable-tqdm"]
     env = dict(os.environ, COLUMNS="80", DISAGG_LOG="ERROR", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=ctrl_c_enabled)
     seen, first_run_done = [], threading.Event()
 
     def read_stdout() -> None:  # a thread: select() cannot see lines already in the pipe's buffer
