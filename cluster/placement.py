@@ -35,6 +35,7 @@ PREFERENCE = ("local", "remote", "kept")
 TPOT_SLACK = 1.1  # without a TPOT target: a decode step may grow to 1.1 x the remote path's step
 MIN_SAMPLES_TO_FIT = 8
 PRIOR_WEIGHT = 2.0  # the prior counts as this many samples in the fit
+PROFILE_PRIOR_WEIGHT = 1e-3  # a profile's grid covers every direction: its fit barely leans on the prior
 FEATURE_SCALE = np.array([1.0, 1e3, 1e2, 1e5])  # per step: 1, prompt tokens, sequences, context tokens
 
 
@@ -49,6 +50,7 @@ class StepTimeModel:
 
     prior: tuple[float, float, float, float] = (8e-3, 8e-5, 3e-5, 5e-8)
     max_samples: int = 512
+    prior_weight: float = PRIOR_WEIGHT
     coef: np.ndarray = field(init=False)
     error: float = field(init=False, default=0.3)  # relative RMS error of the fit (the margin)
     _samples: collections.deque = field(init=False)
@@ -79,12 +81,45 @@ class StepTimeModel:
         x = np.column_stack([np.ones(len(data)), data[:, :3]]) / FEATURE_SCALE
         y = data[:, 3]
         prior = np.asarray(self.prior) * FEATURE_SCALE
-        lam = PRIOR_WEIGHT * float(np.mean(x * x, axis=0).mean() or 1.0)
+        lam = self.prior_weight * float(np.mean(x * x, axis=0).mean() or 1.0)
         a = x.T @ x + lam * np.eye(4)
         scaled = np.linalg.solve(a, x.T @ y + lam * prior)
         self.coef = np.maximum(scaled, 0.0) / FEATURE_SCALE
         predicted = np.maximum(np.column_stack([np.ones(len(data)), data[:, :3]]) @ self.coef, 1e-9)
         self.error = float(np.sqrt(np.mean(((predicted - y) / y) ** 2)))
+
+    @classmethod
+    def from_samples(cls, samples: list[tuple[int, int, int, float]],
+                     prior: tuple[float, float, float, float] | None = None) -> StepTimeModel:
+        """A model fitted to every one of ``samples`` (``(prompt_tokens, decode_seqs,
+        context_tokens, seconds)`` each, e.g. `disagg profile`'s grid), ridge towards ``prior``."""
+        model = cls(prior=prior or cls.prior, max_samples=max(len(samples), 1), prior_weight=PROFILE_PRIOR_WEIGHT)
+        for sample in samples:
+            model.observe(*sample)
+        if model.num_samples:
+            model.fit()
+        return model
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StepTimeModel:
+        """The model `to_dict` wrote (a profile's fit): its coefficients, as the prior too."""
+        coef = tuple(float(v) for v in data["coef_s"])
+        if len(coef) != 4 or any(not math.isfinite(v) or v < 0 for v in coef):
+            raise ValueError(f"coef_s: expected 4 finite coefficients >= 0 (1, prompt_tokens, decode_seqs, "
+                             f"context_tokens), got {data['coef_s']!r}")
+        model = cls(prior=coef)
+        model.error = float(data.get("error", model.error))
+        return model
+
+    def errors_by_region(self, samples: list[tuple[int, int, int, float]]) -> dict[str, dict]:
+        """Relative RMS error of the fit over ``samples``, per region: prefill (no decodes),
+        decode (no prompt tokens) and mixed steps."""
+        regions: dict[str, list[float]] = {"prefill": [], "decode": [], "mixed": []}
+        for prompt, seqs, context, seconds in samples:
+            region = "decode" if prompt == 0 else "prefill" if seqs == 0 else "mixed"
+            regions[region].append((self.step_s(prompt, seqs, context) - seconds) / seconds)
+        return {name: {"num_samples": len(errs), "rms_rel_error": float(np.sqrt(np.mean(np.square(errs))))
+                       if errs else None} for name, errs in regions.items()}
 
     def step_s(self, num_prefill_tokens: float, num_decode_seqs: float, num_context_tokens: float) -> float:
         """Predicted seconds of one step computing that much."""
