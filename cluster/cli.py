@@ -163,8 +163,9 @@ app.command("bench", cls=BenchCommand)(bench_command)
 from disagg.cluster.serve.command import serve_command  # noqa: E402  (serve owns its command)
 app.command("serve", cls=ReadableCommand)(serve_command)
 
-from disagg.cluster.simulate.command import profile_command  # noqa: E402  (the simulator owns its verbs)
-app.command("profile", cls=ReadableCommand)(profile_command)
+from disagg.cluster.simulate.command import greedy_class, profile_command, simulate_command  # noqa: E402
+app.command("profile", cls=ReadableCommand)(profile_command)  # the simulator owns its verbs
+app.command("simulate", cls=greedy_class())(simulate_command)
 
 
 if __name__ == "__main__":  # python -m disagg.cluster.cli (hosts without the console script)

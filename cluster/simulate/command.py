@@ -12,7 +12,7 @@ Runs in the CLI process (no Ray).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -20,6 +20,14 @@ from disagg.cluster.cli_common import (EXIT_RUNTIME, EXIT_USAGE, ConfigArg, LogL
                                        load_config, setup_logging)
 
 Opt = typer.Option
+
+
+def greedy_class():
+    """`disagg bench`'s command class: ``--goodput ttft:500 tpot:50`` reads as there (vLLM's form)."""
+    from disagg.cluster.bench.flags import GREEDY_FLAGS
+    from disagg.cluster.serve.vllm_options import greedy_command
+
+    return greedy_command(GREEDY_FLAGS)
 
 
 def profile_command(
@@ -55,4 +63,80 @@ def read_profile(path: Path) -> dict:
         return load_profile(path)
     except ValueError as err:
         typer.echo(str(err), err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+def simulate_command(
+    config: ConfigArg,
+    profile: Annotated[Path, Opt("--profile", help="a `disagg profile` JSON (step times of the instance)")],
+    link_gbps: Annotated[float, Opt(help="KV push bandwidth per prefill instance, GB/s (NVLink measured "
+                                         "364; 400/200 Gb/s networks ~50/25)")] = 364.0,
+    set_: SetOpt = None,
+    dataset_name: Annotated[str, Opt(help="the bench's workloads, comma-separated")] = "random",
+    num_prompts: Annotated[Optional[int], Opt(min=1, help="requests per run (default bench.num_prompts)")] = None,
+    input_len: Annotated[Optional[int], Opt(min=1, help="prompt tokens (= --random-input-len)")] = None,
+    output_len: Annotated[Optional[int], Opt(min=1, help="output tokens (= --random-output-len)")] = None,
+    random_input_len: Annotated[Optional[int], Opt(min=1, help="prompt tokens")] = None,
+    random_output_len: Annotated[Optional[int], Opt(min=1, help="output tokens")] = None,
+    random_range_ratio: Annotated[Optional[float], Opt(help="lengths uniform in len*(1 +- r)")] = None,
+    seed: Annotated[Optional[int], Opt(help="seed of prompts and arrivals (default bench.seed)")] = None,
+    request_rate: Annotated[Optional[str], Opt(help="req/s; a sweep: 1,2,4,inf (default bench.request_rates)")] = None,
+    burstiness: Annotated[Optional[float], Opt(help="gamma shape of arrivals; 1 = Poisson")] = None,
+    max_concurrency: Annotated[Optional[int], Opt(min=1, help="requests in flight at most")] = None,
+    goodput: Annotated[Optional[list[str]], Opt(help="SLOs in ms: --goodput ttft:500 tpot:50 (default bench.goodput)")] = None,
+    metric_percentiles: Annotated[str, Opt(help="percentiles reported")] = "50,90,99",
+    label: Annotated[Optional[str], Opt(help="name of the results (default: the config's name + '-sim')")] = None,
+    result_dir: Annotated[Optional[Path], Opt(help="where the JSON results go (default bench.results_dir)")] = None,
+    result_filename: Annotated[Optional[str], Opt(help="file name of a single run's JSON")] = None,
+    metadata: Annotated[Optional[list[str]], Opt(help="KEY=VALUE pairs stored in every result")] = None,
+    log_level: LogLevelOpt = None, verbose: VerboseOpt = False,
+) -> None:
+    """Simulate CONFIG's fleet on a virtual clock (the real scheduler, pages and placement; step
+    times from --profile) under the bench's workload and rates; write `disagg bench`'s result JSON
+    ("simulated": true), which `disagg bench --from-results` compares with measured runs."""
+    from rich.console import Console
+
+    from disagg.cluster.bench import flags, tables
+    from disagg.cluster.bench.report import save_json
+    from disagg.cluster.bench.sweep import public_overrides, result_name
+    from disagg.cluster.simulate.fleet import SimFleet
+    from disagg.cluster.simulate.run import simulate_run, simulated_result, workload_spec
+
+    setup_logging(log_level, verbose)
+    cfg = load_config(config, set_)
+    prof = read_profile(profile)
+    datasets = flags.datasets(dataset_name)
+    bench = cfg.bench
+    rates = flags.rates(request_rate) or list(bench.request_rates)
+    slos = flags.goodput(goodput) or dict(bench.goodput)
+    percentiles = flags.percentiles(metric_percentiles)
+    shown = public_overrides(flags.overrides(set_))
+    label = label or cfg.name + "".join(f"[{k.split('.')[-1]}={v}]" for k, v in shown.items()) + "-sim"
+    random_only = datasets == ["random"]
+    out_dir = result_dir or Path(bench.results_dir)
+    extra = flags.key_values(metadata, "--metadata", "version=0.3.3")
+    console = Console()
+    try:
+        for dataset in datasets:
+            for rate in rates:
+                fleet = SimFleet(cfg, prof, link_gbps)
+                spec = workload_spec(
+                    prof, fleet.max_model_len, dataset_name=dataset, num_prompts=num_prompts or bench.num_prompts,
+                    seed=bench.seed if seed is None else seed, input_len=input_len or random_input_len
+                    or (bench.input_len if random_only else None), output_len=output_len or random_output_len
+                    or (bench.output_len if random_only else None), range_ratio=random_range_ratio)
+                sim = simulate_run(cfg, prof, spec, request_rate=rate, burstiness=burstiness or bench.burstiness,
+                                   max_concurrency=max_concurrency, seed=spec.seed, link_gbps=link_gbps, fleet=fleet)
+                result = simulated_result(sim, cfg, prof, label=label, config_path=str(config), overrides=shown,
+                                          link_gbps=link_gbps, goodput_slos_ms=slos, percentiles=percentiles,
+                                          extra=extra)
+                single = len(rates) == 1 and len(datasets) == 1
+                folder = out_dir if len(datasets) == 1 else out_dir / dataset
+                name = result_filename if result_filename and single else result_name(result)
+                path = save_json(result, folder / name)
+                console.print(tables.run_table(result))
+                console.print(f"simulated {len(sim.run.outputs)} requests in {sim.wall_s:.1f} s: {path}",
+                              markup=False)
+    except ValueError as err:
+        typer.echo(f"disagg simulate: {err}", err=True)
         raise typer.Exit(EXIT_USAGE) from None

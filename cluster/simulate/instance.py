@@ -1,0 +1,172 @@
+"""One simulated instance: the real engine scheduler over real page tables, with no model.
+
+`SimEngine` keeps the engine's request life cycle (`disagg.engine.core.EngineCore`,
+docs/ARCHITECTURE.md §6) for the three kinds of request an instance holds, local, pushed and
+received, with the same objects: `Request`s from a `RequestFactory`, the `Scheduler` that picks
+every forward (decodes first, then prompt chunks, page budget, preemption by recompute,
+committed pages) and a `PagedKVCache` whose pages each forward really takes
+(`append_without_plan`: `begin_forward`'s reservation, no plan).
+What it does not have is a model: a step's duration is the profile's `StepTimeModel` of the
+step's `StepShape`, and sampled tokens are 0 (requests run to ``max_tokens``, EOS ignored, as
+the bench's workloads do). A step is split in two at the virtual clock: `begin_step` schedules
+and takes the pages (the launch), `finish_step` appends the tokens (after the forward's time),
+as the engine does around its forward; async scheduling's step launched ahead changes when a
+step starts, not what it holds, so it is not modelled. Used by `fleet.py` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+from disagg.cache import PagedKVCache
+from disagg.cluster.placement import StepTimeModel
+from disagg.engine.request import Request, RequestFactory, pages_for
+from disagg.engine.scheduler import Scheduler
+from disagg.engine.steps import InstanceLoad, StepShape
+from disagg.sampling import SamplingParams
+
+PUSHED = object()  # `Request.dest` of a prompt whose KV is pushed (the engine's `RecvDest`; no heap here)
+
+
+@dataclass
+class SimStep:
+    """One launched forward: its rows, the rows sampled at its end, its shape and duration."""
+
+    requests: list[Request]
+    num_tokens: list[int]
+    sampled: list[Request]
+    shape: StepShape
+    seconds: float
+    num_pushed_tokens: int
+
+
+class SimEngine:
+    """A model-less engine of one instance (module docstring).
+
+    Args:
+        model: the step-time model (a profile's fit).
+        num_pages, page_size: the KV cache.
+        max_num_seqs, max_num_batched_tokens: the scheduler's budgets.
+        max_model_len: the context limit.
+    """
+
+    def __init__(self, model: StepTimeModel, *, num_pages: int, page_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int) -> None:
+        self.model = model
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.cache = PagedKVCache(num_pages, page_size)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        self.requests: dict[Hashable, Request] = {}
+        self.ready: list[Request] = []  # received, started, waiting for a batch slot
+        self._factory = RequestFactory(())
+        self.current: SimStep | None = None  # the forward running now
+        self.busy_s = 0.0
+        self.num_steps = 0
+        self.min_free_pages = self.scheduler.free_pages()
+        self.step_log: list[tuple[int, int, int]] | None = None  # shapes, when a test asks for them
+
+    # ------------------------------------------------------------------ requests
+    def fits(self, prompt_len: int, max_tokens: int) -> bool:
+        """Whether the request could ever fit this cache alone (the engine's `check_fits`)."""
+        return pages_for(min(prompt_len + max_tokens, self.max_model_len), self.cache.page_size) <= self.cache.num_pages
+
+    def add(self, request_id: Hashable, prompt_len: int, max_tokens: int, pushed: bool = False) -> None:
+        """Queue a local request, or (``pushed``) a prompt whose KV goes to a decode instance."""
+        req = self._new(request_id, prompt_len, max_tokens)
+        if pushed:
+            req.dest, req.committed_pages = PUSHED, pages_for(prompt_len, self.cache.page_size)
+        self.scheduler.add(req)
+
+    def reserve(self, request_id: Hashable, prompt_len: int, max_tokens: int) -> bool:
+        """Reserve pages for a pushed prompt and the whole answer (the engine's `_reserve`);
+        False when the free, unpromised pages are too few (the engine's OutOfPages)."""
+        need = pages_for(min(prompt_len + max_tokens, self.max_model_len), self.cache.page_size)
+        if need > self.scheduler.free_pages():
+            return False
+        req = self._new(request_id, prompt_len, max_tokens)
+        self.cache.add_sequence(req.seq_id)
+        self.cache.disagg_prepare_recv(req.seq_id, prompt_len)
+        self.cache.end_forward()
+        req.num_computed, req.in_cache = prompt_len, True
+        req.received, req.committed_pages = True, need
+        self.scheduler.commit(req)
+        return True
+
+    def start(self, request_id: Hashable) -> bool:
+        """The prompt's KV landed and its first token came (the engine's `_start` after the ring):
+        it decodes here from the next step. True when that token already ended it."""
+        req = self.requests[request_id]
+        if req.append(0, self.max_model_len).finished:
+            self._drop(req)
+            return True
+        self.ready.append(req)
+        return False
+
+    def release_pushed(self, req: Request) -> None:
+        """A pushed prompt's pushes have landed: its pages go (the engine's `_drain`)."""
+        self.scheduler.release(req)
+
+    def _new(self, request_id: Hashable, prompt_len: int, max_tokens: int) -> Request:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        req = self._factory.new(request_id, [0] * prompt_len, params)
+        self.requests[request_id] = req
+        return req
+
+    def _drop(self, req: Request) -> None:
+        del self.requests[req.request_id]
+        self.scheduler.remove(req)
+
+    # ------------------------------------------------------------------ steps
+    def has_work(self) -> bool:
+        return bool(self.scheduler.has_work() or self.ready)
+
+    def begin_step(self) -> SimStep | None:
+        """Schedule and launch the next forward (its pages taken); None when nothing can run."""
+        while self.ready and len(self.scheduler.running) < self.max_num_seqs:  # the engine's _admit_ready
+            req = self.ready.pop(0)
+            req.decoding = True
+            self.scheduler.running.append(req)
+        batch = self.scheduler.schedule()
+        if not batch:
+            return None
+        reqs, counts = batch.requests, batch.num_tokens
+        shape = StepShape.of(reqs, counts)
+        self.cache.append_without_plan([r.seq_id for r in reqs], counts)
+        for req, n in zip(reqs, counts):
+            req.num_computed += n
+        sampled = [r for r in reqs if r.num_computed == len(r.token_ids)]
+        pushed = sum(n for r, n in zip(reqs, counts) if r.dest is not None)
+        seconds = max(self.model.step_s(shape.num_prefill_tokens, shape.num_decode_seqs,
+                                        shape.num_context_tokens), 1e-6)
+        self.min_free_pages = min(self.min_free_pages, self.scheduler.free_pages(), self.cache.num_free_pages)
+        if self.step_log is not None:
+            self.step_log.append((shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens))
+        self.current = SimStep(list(reqs), list(counts), sampled, shape, seconds, pushed)
+        self.num_steps += 1
+        self.busy_s += seconds
+        return self.current
+
+    def finish_step(self) -> list[tuple[Request, bool]]:
+        """End the running forward: append its sampled tokens. Returns ``(request, finished)`` per
+        token; a pushed prompt's first token ends its stay here (its pages wait for its pushes:
+        `release_pushed`)."""
+        step, self.current = self.current, None
+        out = []
+        for req in step.sampled:
+            finished = req.append(0, self.max_model_len).finished
+            out.append((req, finished))
+            if req.dest is not None:
+                del self.requests[req.request_id]
+                self.scheduler.remove(req, release=False)
+                continue
+            if not req.decoding:
+                self.scheduler.finish_prompt(req)
+            if finished:
+                self._drop(req)
+        return out
+
+    def load(self) -> InstanceLoad:
+        return InstanceLoad(self.scheduler.free_pages(), self.cache.num_pages, len(self.scheduler.running),
+                            len(self.scheduler.waiting))
