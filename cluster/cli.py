@@ -163,9 +163,11 @@ app.command("bench", cls=BenchCommand)(bench_command)
 from disagg.cluster.serve.command import serve_command  # noqa: E402  (serve owns its command)
 app.command("serve", cls=ReadableCommand)(serve_command)
 
-from disagg.cluster.simulate.command import greedy_class, profile_command, simulate_command  # noqa: E402
+from disagg.cluster.simulate.command import (greedy_class, plan_command, profile_command,  # noqa: E402
+                                             simulate_command)
 app.command("profile", cls=ReadableCommand)(profile_command)  # the simulator owns its verbs
 app.command("simulate", cls=greedy_class())(simulate_command)
+app.command("plan", cls=greedy_class())(plan_command)
 
 
 if __name__ == "__main__":  # python -m disagg.cluster.cli (hosts without the console script)

@@ -140,3 +140,71 @@ def simulate_command(
     except ValueError as err:
         typer.echo(f"disagg simulate: {err}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
+
+
+def plan_command(
+    profile: Annotated[Path, Opt("--profile", help="a `disagg profile` JSON (step times of the instance)")],
+    dataset_name: Annotated[str, Opt(help="the bench's workload to plan for")] = "random",
+    goodput: Annotated[Optional[list[str]], Opt(help="SLOs in ms: --goodput ttft:500 tpot:50")] = None,
+    gpus: Annotated[int, Opt("--gpus", min=1, help="GPUs of the deployment (one instance each)")] = 1,
+    out: Annotated[Optional[Path], Opt("--out", help="write the best deployment's YAML here")] = None,
+    chunk_sizes: Annotated[str, Opt(help="prompt chunk sizes of the colocated candidates, tokens")] = "512,2048,8192",
+    link_gbps: Annotated[float, Opt(help="KV push bandwidth per prefill instance, GB/s")] = 364.0,
+    random_input_len: Annotated[Optional[int], Opt(min=1, help="prompt tokens (random dataset)")] = None,
+    random_output_len: Annotated[Optional[int], Opt(min=1, help="output tokens (random dataset)")] = None,
+    random_range_ratio: Annotated[Optional[float], Opt(help="lengths uniform in len*(1 +- r)")] = None,
+    seed: Annotated[int, Opt(help="seed of prompts and arrivals (the same for every candidate)")] = 0,
+    run_seconds: Annotated[float, Opt(min=0.001, help="virtual seconds of arrivals per simulated run")] = 30.0,
+    max_prompts: Annotated[int, Opt(min=1, help="most requests of one simulated run")] = 3000,
+    log_level: LogLevelOpt = None, verbose: VerboseOpt = False,
+) -> None:
+    """Search xPyD splits, colocated chunk sizes and the adaptive placement for --gpus GPUs by
+    simulation (`disagg simulate`'s fleet, --profile's step times); print each one's goodput per
+    GPU (the highest rate with 90% of requests inside --goodput's SLOs), the best, and its YAML."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from disagg.cluster.bench import flags
+    from disagg.cluster.simulate import plan as planner
+
+    setup_logging(log_level, verbose)
+    prof = read_profile(profile)
+    flags.datasets(dataset_name)
+    slos = flags.goodput(goodput)
+    if not slos:
+        raise typer.BadParameter("expected SLOs such as --goodput ttft:500 tpot:50", param_hint="--goodput")
+    chunks = [int(c) for c in flags.positive_floats(chunk_sizes, "--chunk-sizes")]
+    console = Console()
+    lengths = dict(input_len=random_input_len, output_len=random_output_len, range_ratio=random_range_ratio)
+    try:
+        ranked = planner.plan(prof, dataset_name=dataset_name, slos_ms=slos, num_gpus=gpus, chunk_sizes=chunks,
+                              run_length=planner.RunLength(run_seconds, min(100, max_prompts), max_prompts),
+                              seed=seed, link_gbps=link_gbps,
+                              on_judged=lambda c: console.print(f"{c.label}: {c.goodput_per_gpu:.3f} req/s per GPU",
+                                                                markup=False),
+                              **lengths)
+    except ValueError as err:
+        typer.echo(f"disagg plan: {err}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    table = Table(title=f"{dataset_name} on {gpus} GPU(s), SLOs {tables_slos(slos)}, pushes at {link_gbps:g} GB/s "
+                        f"(simulated, profile {prof.get('model')} on {(prof.get('device') or {}).get('gpus') or 'cpu'})")
+    for header in ("deployment", "goodput (req/s)", "per GPU", "vs colocated"):
+        table.add_column(header, justify="left" if header == "deployment" else "right")
+    for row in planner.table_rows(ranked):
+        table.add_row(*(escape(cell) for cell in row))  # labels hold [chunk=...]: not markup
+    console.print(table)
+    text = planner.best_yaml(ranked[0], planner.base_sections(prof, slos), dataset_name=dataset_name,
+                             link_gbps=link_gbps, ranked=ranked)
+    typer.echo(f"best: {ranked[0].label}")
+    typer.echo(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        console.print(f"written: {out}", markup=False)
+
+
+def tables_slos(slos: dict) -> str:
+    from disagg.cluster.bench.tables import fmt_slos
+
+    return fmt_slos(slos)
