@@ -4,9 +4,10 @@ shapes and fit the router's step-time model to it.
 The instance of CONFIG (its model, dtype, page size, budgets, CUDA graphs and async scheduling as
 served) is built in this process as a colocated engine, which runs every kind of step, and driven
 through three scenarios, each step timed at the host (`engine.step()`, which returns once the
-step's tokens are read; async scheduling is off while profiling, so one call is one forward and
-the host overlap it buys a served decode step is not credited) and recorded with the shape the
-engine reports (`last_step_shape`):
+step's tokens are read, then a device synchronize, since a prompt chunk that samples nothing
+returns before its forward ends; async scheduling is off while profiling, so one call is one
+forward and the host overlap it buys a served decode step is not credited) and recorded with the
+shape the engine reports (`last_step_shape`):
 
     prefill  one prompt computed in chunks of T tokens (the chunk budget set to T), so chunk k
              runs over a prefix of k*T tokens: T x context
@@ -91,12 +92,14 @@ class StepRecorder:
 
     def __init__(self, engine: Any, clock: Callable[[], float] = time.perf_counter) -> None:
         self.engine, self.clock = engine, clock
+        self.sync = _synchronizer(engine)
         self.samples: list[list] = []
         self._ids = 0
 
     def step(self, scenario: str) -> None:
         start = self.clock()
         self.engine.step()
+        self.sync()  # a chunk that samples nothing returns before its forward ends
         seconds = self.clock() - start
         shape = self.engine.last_step_shape
         if shape is not None and seconds > 0:
@@ -119,6 +122,16 @@ class StepRecorder:
             self.engine.abort(request_id)
         while self.engine.has_work():
             self.engine.step()
+
+
+def _synchronizer(engine: Any) -> Callable[[], None]:
+    """Waits for the engine's device (a no-op on the CPU, where forwards run inline)."""
+    device = getattr(engine.model, "device", None)
+    if getattr(device, "type", "cpu") != "cuda":
+        return lambda: None
+    import torch
+
+    return lambda: torch.cuda.synchronize(device)
 
 
 def profile_prefill(rec: StepRecorder, grid: Grid, budget: int, max_len: int) -> None:
@@ -236,8 +249,8 @@ def summary_lines(profile: dict) -> list[str]:
     coef = profile["fit"]["coef_s"]
     lines = [f"{profile['model']} ({profile['dtype']}) on {profile['device'].get('torch_device')}: "
              f"{len(profile['samples'])} steps timed in {profile['wall_s']:.1f} s",
-             f"step_s = {coef[0]:.3e} + {coef[1]:.3e} * prompt_tokens + {coef[2]:.3e} * decode_seqs "
-             f"+ {coef[3]:.3e} * context_tokens"]
+             f"step_s = ({coef[4]:.3e} with prompt tokens, else {coef[0]:.3e}) + {coef[1]:.3e} * prompt_tokens "
+             f"+ {coef[2]:.3e} * decode_seqs + {coef[3]:.3e} * context_tokens"]
     for region, err in profile["errors"].items():
         rms = "-" if err["rms_rel_error"] is None else f"{100 * err['rms_rel_error']:.1f}%"
         lines.append(f"  {region:8s} {err['num_samples']:5d} steps, relative RMS error {rms}")

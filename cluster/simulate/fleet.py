@@ -114,7 +114,7 @@ class SimFleet:
         sched = self.config.scheduler
         engine = SimEngine(self.model, num_pages=self.num_pages, page_size=self.page_size,
                            max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-                           max_model_len=self.max_model_len)
+                           max_model_len=self.max_model_len, async_scheduling=sched.async_scheduling)
         return Instance(name=name, role=role, actor=engine)
 
     def of_role(self, role: str) -> list[Instance]:

@@ -10,12 +10,15 @@ What it does not have is a model: a step's duration is the profile's `StepTimeMo
 step's `StepShape`, and sampled tokens are 0 (requests run to ``max_tokens``, EOS ignored, as
 the bench's workloads do). A step is split in two at the virtual clock: `begin_step` schedules
 and takes the pages (the launch), `finish_step` appends the tokens (after the forward's time),
-as the engine does around its forward; async scheduling's step launched ahead changes when a
-step starts, not what it holds, so it is not modelled. Used by `fleet.py` only.
+as the engine does around its forward. With ``async_scheduling`` a pure-decode step of every
+running request, with nobody waiting, is followed by the same batch launched ahead (the
+engine's `_launch_ahead`): requests that arrive meanwhile join the step after it, so the next
+step is scheduled with the queue hidden. Used by `fleet.py` only.
 """
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -52,7 +55,7 @@ class SimEngine:
     """
 
     def __init__(self, model: StepTimeModel, *, num_pages: int, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int) -> None:
+                 max_num_batched_tokens: int, max_model_len: int, async_scheduling: bool = False) -> None:
         self.model = model
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -62,6 +65,8 @@ class SimEngine:
         self.ready: list[Request] = []  # received, started, waiting for a batch slot
         self._factory = RequestFactory(())
         self.current: SimStep | None = None  # the forward running now
+        self.async_scheduling = async_scheduling
+        self._ahead = False  # the next step was launched with the last one (async scheduling)
         self.busy_s = 0.0
         self.num_steps = 0
         self.min_free_pages = self.scheduler.free_pages()
@@ -124,11 +129,13 @@ class SimEngine:
 
     def begin_step(self) -> SimStep | None:
         """Schedule and launch the next forward (its pages taken); None when nothing can run."""
-        while self.ready and len(self.scheduler.running) < self.max_num_seqs:  # the engine's _admit_ready
-            req = self.ready.pop(0)
-            req.decoding = True
-            self.scheduler.running.append(req)
-        batch = self.scheduler.schedule()
+        batch = self._launched_ahead() if self._ahead else None
+        if batch is None:
+            while self.ready and len(self.scheduler.running) < self.max_num_seqs:  # the engine's _admit_ready
+                req = self.ready.pop(0)
+                req.decoding = True
+                self.scheduler.running.append(req)
+            batch = self.scheduler.schedule()
         if not batch:
             return None
         reqs, counts = batch.requests, batch.num_tokens
@@ -136,6 +143,7 @@ class SimEngine:
         self.cache.append_without_plan([r.seq_id for r in reqs], counts)
         for req, n in zip(reqs, counts):
             req.num_computed += n
+        self._ahead = self.async_scheduling and self._will_launch_ahead(batch)
         sampled = [r for r in reqs if r.num_computed == len(r.token_ids)]
         pushed = sum(n for r, n in zip(reqs, counts) if r.dest is not None)
         seconds = max(self.model.step_s(shape.num_prefill_tokens, shape.num_decode_seqs,
@@ -147,6 +155,30 @@ class SimEngine:
         self.num_steps += 1
         self.busy_s += seconds
         return self.current
+
+    def _will_launch_ahead(self, batch) -> bool:
+        """The engine launches the same batch ahead (`_reserve_next` + `_launch_ahead`, called once
+        this batch's pages are taken): a pure decode of every running request, nobody waiting to
+        join, none at its length limit, and the pages of one more token free."""
+        running = self.scheduler.running
+        if (not batch or len(batch) != len(running) or self.scheduler.waiting or self.ready
+                or any(r is not q for r, q in zip(batch.requests, running))
+                or any(r.num_output_tokens + 1 >= r.params.max_tokens
+                       or len(r.token_ids) + 1 >= self.max_model_len for r in running)):
+            return False
+        size = self.cache.page_size
+        lengths = [self.cache.seq_length(r.seq_id) for r in running if not r.committed_pages]
+        return sum(pages_for(n + 1, size) - pages_for(n, size) for n in lengths) <= self.scheduler.free_pages()
+
+    def _launched_ahead(self):
+        """The step launched with the last one: the scheduler's pick with the queue hidden (the
+        arrivals since came after its launch); None when its batch changed (someone ended)."""
+        waiting, self.scheduler.waiting = self.scheduler.waiting, collections.deque()
+        try:
+            batch = self.scheduler.schedule()
+        finally:
+            self.scheduler.waiting = waiting
+        return batch if batch and all(r.decoding for r in batch.requests) else None
 
     def finish_step(self) -> list[tuple[Request, bool]]:
         """End the running forward: append its sampled tokens. Returns ``(request, finished)`` per

@@ -14,7 +14,7 @@ from disagg.cluster.placement import StepTimeModel
 from disagg.cluster.profile import load_profile
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-TRUE_COEF = (4e-3, 6e-5, 2e-4, 3e-8)
+TRUE_COEF = (4e-3, 6e-5, 2e-4, 3e-8, 9e-3)  # decode-step intercept ... prompt-step intercept
 
 
 def synthetic_samples(coef, n: int = 300, noise: float = 0.0, seed: int = 0) -> list[tuple]:
@@ -26,7 +26,7 @@ def synthetic_samples(coef, n: int = 300, noise: float = 0.0, seed: int = 0) -> 
         prompt = 0 if kind == 1 else int(rng.integers(16, 8192))
         seqs = 0 if kind == 0 else int(rng.integers(1, 256))
         context = seqs * int(rng.integers(16, 4096))
-        seconds = coef[0] + coef[1] * prompt + coef[2] * seqs + coef[3] * context
+        seconds = (coef[4] if prompt else coef[0]) + coef[1] * prompt + coef[2] * seqs + coef[3] * context
         samples.append((prompt, seqs, context, seconds * (1 + noise * rng.standard_normal())))
     return samples
 
@@ -48,7 +48,7 @@ def test_model_round_trips_through_its_dict():
     model = StepTimeModel.from_samples(synthetic_samples(TRUE_COEF))
     again = StepTimeModel.from_dict(json.loads(json.dumps(model.to_dict())))
     assert again.step_s(512, 8, 4096) == pytest.approx(model.step_s(512, 8, 4096))
-    with pytest.raises(ValueError, match="4 finite coefficients"):
+    with pytest.raises(ValueError, match="4 or 5 finite coefficients"):
         StepTimeModel.from_dict({"coef_s": [1.0, -1.0, 0.0, 0.0]})
 
 

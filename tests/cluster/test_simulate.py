@@ -103,21 +103,22 @@ def test_refused_request_fails_with_the_reason():
     assert len(fleet.timelines["small"].token_times) == 5
 
 
-@pytest.mark.slow  # ~7 s: fifteen steps of the real tiny engine under TRITON_INTERPRET
-def test_simulated_engine_schedules_the_real_engines_steps():
+@pytest.mark.slow  # ~7 s each: fifteen steps of the real tiny engine under TRITON_INTERPRET
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_simulated_engine_schedules_the_real_engines_steps(async_scheduling: bool):
     """Given the same arrivals per step, the real colocated engine and the simulated one run the
-    same forwards (prompt tokens, decodes, context), preemption included."""
+    same forwards (prompt tokens, decodes, context), preemption and steps launched ahead included."""
     from disagg.cluster import engines
     from disagg.engine import ColocatedEngine
     from disagg.sampling import SamplingParams
 
     sizes = dict(num_pages=8, page_size=16, max_num_seqs=3, max_num_batched_tokens=32)
     config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml").override({"model.num_layers": 1})
-    real = ColocatedEngine(engines.load(config, "cpu"), async_scheduling=False, **sizes)
+    real = ColocatedEngine(engines.load(config, "cpu"), async_scheduling=async_scheduling, **sizes)
     from disagg.cluster.placement import StepTimeModel
-    sim = SimEngine(StepTimeModel(), max_model_len=real.max_model_len, **sizes)
+    sim = SimEngine(StepTimeModel(), max_model_len=real.max_model_len, async_scheduling=async_scheduling, **sizes)
     sim.step_log = []
-    arrivals = {0: [(20, 8)], 1: [(35, 6)], 3: [(40, 10), (18, 7)], 9: [(30, 5)]}
+    arrivals = {0: [(20, 8)], 1: [(35, 6)], 3: [(40, 10), (18, 7)], 9: [(30, 5)], 16: [(10, 9)], 21: [(12, 4)]}
     real_shapes = []
     for k in range(40):
         for i, (prompt_len, max_tokens) in enumerate(arrivals.get(k, [])):
@@ -129,9 +130,10 @@ def test_simulated_engine_schedules_the_real_engines_steps():
             real_shapes.append((shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens))
         if sim.begin_step() is not None:
             sim.finish_step()
-        if k > 9 and not real.has_work():
+        if k > 21 and not real.has_work():
             break
     assert real.scheduler.num_preemptions > 0  # the case where page budgets matter
+    assert (real.num_steps_ahead > 0) == async_scheduling
     assert sim.step_log == real_shapes
     assert sim.scheduler.num_preemptions == real.scheduler.num_preemptions and not sim.has_work()
 
