@@ -64,6 +64,7 @@ class StepTimeModel:
     prior: tuple[float, ...] = (8e-3, 8e-5, 3e-5, 5e-8, 8e-3)  # 4 values: one intercept for both kinds
     max_samples: int = 512
     prior_weight: float = PRIOR_WEIGHT
+    relative: bool = False  # fit relative errors (each step weighs 1 / seconds): a profile's 7 ms and 200 ms steps alike
     coef: np.ndarray = field(init=False)
     error: float = field(init=False, default=0.3)  # relative RMS error of the fit (the margin)
     _samples: collections.deque = field(init=False)
@@ -95,12 +96,13 @@ class StepTimeModel:
         self._since_fit = 0
         data = np.asarray(self._samples, dtype=np.float64)
         raw = features(data[:, 0], data[:, 1], data[:, 2])
-        x = raw / FEATURE_SCALE
         y = data[:, 3]
+        weight = 1.0 / y if self.relative else np.ones_like(y)
+        x = raw / FEATURE_SCALE * weight[:, None]
         prior = np.asarray(self.prior) * FEATURE_SCALE
         lam = self.prior_weight * float(np.mean(x * x, axis=0).mean() or 1.0)
         a = x.T @ x + lam * np.eye(len(FEATURES))
-        scaled = np.linalg.solve(a, x.T @ y + lam * prior)
+        scaled = np.linalg.solve(a, x.T @ (y * weight) + lam * prior)
         self.coef = np.maximum(scaled, 0.0) / FEATURE_SCALE
         predicted = np.maximum(raw @ self.coef, 1e-9)
         self.error = float(np.sqrt(np.mean(((predicted - y) / y) ** 2)))
@@ -110,7 +112,8 @@ class StepTimeModel:
                      prior: tuple[float, ...] | None = None) -> StepTimeModel:
         """A model fitted to every one of ``samples`` (``(prompt_tokens, decode_seqs,
         context_tokens, seconds)`` each, e.g. `disagg profile`'s grid), ridge towards ``prior``."""
-        model = cls(prior=prior or cls.prior, max_samples=max(len(samples), 1), prior_weight=PROFILE_PRIOR_WEIGHT)
+        model = cls(prior=prior or cls.prior, max_samples=max(len(samples), 1), prior_weight=PROFILE_PRIOR_WEIGHT,
+                    relative=True)
         for sample in samples:
             model.observe(*sample)
         if model.num_samples:
