@@ -19,7 +19,7 @@ The samples fit `disagg.cluster.placement.StepTimeModel` (the one model the adap
 uses; `StepTimeModel.from_samples`), and profile.json keeps the raw samples, the fit, its error
 per region, the engine's sizes (pages, KV bytes per token for push times) and where it was
 measured (device, dtype, model, commit). `disagg simulate` and `disagg plan` read it
-(docs/ARCHITECTURE.md, "Simulator"). Runs in the CLI process; no Ray, no heap.
+(docs/ARCHITECTURE.md §11). Runs in the CLI process; no Ray, no heap.
 """
 
 from __future__ import annotations

@@ -3,5 +3,5 @@
 instance.py: one instance (the real `Scheduler` over a real `PagedKVCache`, step times from a
 profile); fleet.py: the fleet on a virtual clock with the router's placement; run.py: a workload
 through it, as `disagg bench`'s result; plan.py: the deployment search; command.py: the verbs.
-The design: docs/ARCHITECTURE.md, "Simulator".
+The design: docs/ARCHITECTURE.md §11.
 """
