@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +108,7 @@ class SimFleet:
         self.timelines: dict[str, Timeline] = {}
         self._link_free = {inst.name: 0.0 for inst in self.instances}
         self.num_events = 0
+        self.fuse = True  # run the pure-decode forwards no event can change in one event (`SimEngine.fuse`)
 
     def _instance(self, name: str, role: str) -> Instance:
         from disagg.cluster.simulate.instance import SimEngine
@@ -134,8 +136,7 @@ class SimFleet:
             self.num_events += 1
             touched = self._handle(kind, payload)
             self._dispatch(touched)
-            for name in sorted(touched):
-                self._launch(self._by_name[name])
+            self._launch([self._by_name[name] for name in sorted(touched)])
 
     def _push(self, t: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._events, (t, next(self._order), kind, payload))
@@ -154,13 +155,30 @@ class SimFleet:
             self._end(req)
         return {prefill.name, req.decode.name}
 
-    def _launch(self, inst: Instance) -> None:
-        engine = inst.actor
-        if engine.current is not None or not engine.has_work():
-            return
-        step = engine.begin_step()
-        if step is not None:
-            self._push(self.now + step.seconds, STEP_END, inst)
+    def _launch(self, instances: list[Instance]) -> None:
+        """Launch the next forward of each idle instance with work; then fuse the pure-decode
+        forwards that surely follow, up to the first event any of them could see."""
+        launched = []
+        for inst in instances:
+            engine = inst.actor
+            if engine.current is None and engine.has_work() and engine.begin_step() is not None:
+                launched.append(inst)
+        nxt = self._events[0][0] if self._events else math.inf
+        firsts = [self.now + inst.actor.current.seconds for inst in launched]
+        for i, inst in enumerate(launched):
+            if self.fuse:
+                inst.actor.fuse(self.now, min([nxt] + firsts[:i] + firsts[i + 1:]))
+            step = inst.actor.current
+            step.end_times = self._end_times(step)
+            self._push(step.end_times[-1], STEP_END, inst)
+
+    def _end_times(self, step) -> list[float]:
+        """When each of a step's forwards ends, accumulated as the clock would, forward by forward."""
+        times, t = [], self.now
+        for seconds in step.durations:
+            t = t + seconds
+            times.append(t)
+        return times
 
     # ------------------------------------------------------------------ router
     def _arrive(self, request_id: str, prompt_len: int, max_tokens: int) -> set[str]:
@@ -239,13 +257,14 @@ class SimFleet:
     def _step_end(self, inst: Instance) -> set[str]:
         engine = inst.actor
         step = engine.current
+        times = step.end_times
         push_start = max(self.now - step.seconds, self._link_free[inst.name])
         if step.num_pushed_tokens:
             self._link_free[inst.name] = push_start + step.num_pushed_tokens * self.token_bytes / self.link_bytes_per_s
         touched = {inst.name}
-        for engine_req, finished in engine.finish_step():
+        for engine_req, finished, num_tokens in engine.finish_step():
             req = self.placed[engine_req.request_id]
-            self._token(req)
+            self._tokens(req, times[-num_tokens:])
             if engine_req.dest is not None:  # pushed: the first token; decoding waits for the push
                 req.stage = "decoding"
                 self.picker.tokens[req.prefill.name] -= req.prompt_len
@@ -256,10 +275,10 @@ class SimFleet:
                 self._end(req)
         return touched
 
-    def _token(self, req: Request) -> None:
-        self.timelines[req.request_id].token_times.append(self.now)
-        req.num_output += 1
-        self.picker.tokens[(req.colocated or req.decode).name] += 1
+    def _tokens(self, req: Request, times: list[float]) -> None:
+        self.timelines[req.request_id].token_times.extend(times)
+        req.num_output += len(times)
+        self.picker.tokens[(req.colocated or req.decode).name] += len(times)
 
     def _end(self, req: Request, error: str = "") -> None:
         if req.done:

@@ -19,13 +19,13 @@ step is scheduled with the queue hidden. Used by `fleet.py` only.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Hashable
 
 from disagg.cache import PagedKVCache
 from disagg.cluster.placement import StepTimeModel
 from disagg.engine.request import Request, RequestFactory, pages_for
-from disagg.engine.scheduler import Scheduler
+from disagg.engine.scheduler import ScheduledBatch, Scheduler
 from disagg.engine.steps import InstanceLoad, StepShape
 from disagg.sampling import SamplingParams
 
@@ -42,6 +42,12 @@ class SimStep:
     shape: StepShape
     seconds: float
     num_pushed_tokens: int
+    durations: list[float] = field(default_factory=list)  # per forward: more than one when fused
+    end_times: list[float] = field(default_factory=list)  # per forward, on the fleet's clock
+
+    @property
+    def num_forwards(self) -> int:
+        return len(self.durations)
 
 
 class SimEngine:
@@ -151,10 +157,54 @@ class SimEngine:
         self.min_free_pages = min(self.min_free_pages, self.scheduler.free_pages(), self.cache.num_free_pages)
         if self.step_log is not None:
             self.step_log.append((shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens))
-        self.current = SimStep(list(reqs), list(counts), sampled, shape, seconds, pushed)
+        self.current = SimStep(list(reqs), list(counts), sampled, shape, seconds, pushed, [seconds])
         self.num_steps += 1
         self.busy_s += seconds
         return self.current
+
+    def fuse(self, start: float, horizon: float) -> None:
+        """Run on the launched forward the pure-decode forwards that surely follow it, while each
+        ends before ``horizon`` (no event can change them: the fleet's next event).
+
+        Those forwards are what the scheduler would pick (every running request decodes, nobody
+        waits, none ends before the last, their pages are free, so nobody is preempted): as the
+        engine replays a reserved step without scheduling, their pages and tokens are taken in
+        bulk. The last one's tokens come with `finish_step`; the durations are the model's, step
+        by step, and their end times accumulate as the clock's would.
+        """
+        step, running = self.current, self.scheduler.running
+        reqs = step.requests
+        if (step.shape.num_prefill_tokens or step.num_pushed_tokens or self.scheduler.waiting or self.ready
+                or len(reqs) != len(running) or any(not r.decoding for r in reqs)):
+            return
+        limit = min(min(r.params.max_tokens - r.num_output_tokens, self.max_model_len - len(r.token_ids))
+                    for r in reqs) - 1  # the forward, after this one, whose token ends someone
+        n, context = len(reqs), step.shape.num_context_tokens
+        size, free = self.cache.page_size, self.scheduler.free_pages()
+        lengths = [self.cache.seq_length(r.seq_id) for r in reqs if not r.committed_pages]
+        end, extra = start + step.seconds, 0
+        while extra < limit:
+            context += n
+            seconds = max(self.model.step_s(0, n, context), 1e-6)
+            need = sum(pages_for(length + extra + 1, size) - pages_for(length, size) for length in lengths)
+            if end + seconds >= horizon or need > free:
+                break
+            extra += 1
+            end += seconds
+            step.durations.append(seconds)
+            if self.step_log is not None:
+                self.step_log.append((0, n, context))
+        if not extra:
+            return
+        for req in reqs:  # the tokens of every forward but the last, then the forwards' pages
+            req.token_ids.extend([0] * extra)
+            req.num_computed += extra
+        self.cache.append_without_plan([r.seq_id for r in reqs], [extra] * n)
+        step.seconds = sum(step.durations)
+        self.busy_s += step.seconds - step.durations[0]
+        self.num_steps += extra
+        self.min_free_pages = min(self.min_free_pages, self.scheduler.free_pages(), self.cache.num_free_pages)
+        self._ahead = self.async_scheduling and self._will_launch_ahead(ScheduledBatch(reqs, [1] * n))
 
     def _will_launch_ahead(self, batch) -> bool:
         """The engine launches the same batch ahead (`_reserve_next` + `_launch_ahead`, called once
@@ -180,15 +230,16 @@ class SimEngine:
             self.scheduler.waiting = waiting
         return batch if batch and all(r.decoding for r in batch.requests) else None
 
-    def finish_step(self) -> list[tuple[Request, bool]]:
-        """End the running forward: append its sampled tokens. Returns ``(request, finished)`` per
-        token; a pushed prompt's first token ends its stay here (its pages wait for its pushes:
+    def finish_step(self) -> list[tuple[Request, bool, int]]:
+        """End the running forward (forwards, when fused): append its sampled tokens. Returns
+        ``(request, finished, tokens)`` per sampled request (tokens: one per forward run); a
+        pushed prompt's first token ends its stay here (its pages wait for its pushes:
         `release_pushed`)."""
         step, self.current = self.current, None
         out = []
         for req in step.sampled:
             finished = req.append(0, self.max_model_len).finished
-            out.append((req, finished))
+            out.append((req, finished, step.num_forwards))
             if req.dest is not None:
                 del self.requests[req.request_id]
                 self.scheduler.remove(req, release=False)

@@ -19,7 +19,7 @@ PROFILE = {
                "max_model_len": 4096, "kv_bytes_per_token": 512, "vocab_size": 256, "eos_token_ids": [2]},
     "fit": {"coef_s": [1.5e-3, 2e-5, 1.8e-4, 5e-8], "error": 0.1}, "samples": [],
 }
-SHORT = planner.RunLength(seconds=4.0, min_prompts=40, max_prompts=200)
+SHORT = planner.RunLength(seconds=3.0, min_prompts=40, max_prompts=150)
 
 
 def test_max_rate_brackets_and_bisects():

@@ -162,3 +162,22 @@ def test_cli_refuses_a_file_that_is_not_a_profile(tmp_path: Path):
     bad.write_text("{}")
     result = CliRunner().invoke(app, ["simulate", str(CONFIGS / "tiny-1p1d.yaml"), "--profile", str(bad)])
     assert result.exit_code == 2 and "expected a profile written by `disagg profile`" in result.output
+
+
+@pytest.mark.parametrize("name", ["colocated", "1p1d", "adaptive", "3p1d-tight"])
+def test_fused_decode_forwards_change_nothing(name: str):
+    """Fusing the pure-decode forwards no event can change gives the step-by-step run exactly."""
+    runs = []
+    for fuse in (False, True):
+        path, overrides = FLEETS[name]
+        config = Config.from_yaml(CONFIGS / path)
+        config = config.override(overrides) if overrides else config
+        fleet = SimFleet(config, PROFILE)
+        fleet.fuse = fuse
+        spec = workload_spec(PROFILE, 512, dataset_name="decode-heavy", num_prompts=40, seed=2, output_len=64)
+        runs.append(simulate_run(config, PROFILE, spec, request_rate=5.0, seed=2, fleet=fleet))
+    step_by_step, fused = runs
+    assert [t.token_times for t in fused.fleet.timelines.values()] == \
+        [t.token_times for t in step_by_step.fleet.timelines.values()]
+    assert [i.actor.num_steps for i in fused.fleet.instances] == [i.actor.num_steps for i in step_by_step.fleet.instances]
+    assert fused.fleet.num_events < step_by_step.fleet.num_events  # it did fuse
