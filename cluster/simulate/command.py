@@ -71,6 +71,8 @@ def simulate_command(
     profile: Annotated[Path, Opt("--profile", help="a `disagg profile` JSON (step times of the instance)")],
     link_gbps: Annotated[float, Opt(help="KV push bandwidth per prefill instance, GB/s (NVLink measured "
                                          "364; 400/200 Gb/s networks ~50/25)")] = 364.0,
+    hop_ms: Annotated[float, Opt(help="ms from a request's send to the router's placement (HTTP, router "
+                                      "and Ray hops, not modelled otherwise)")] = 0.0,
     set_: SetOpt = None,
     dataset_name: Annotated[str, Opt(help="the bench's workloads, comma-separated")] = "random",
     num_prompts: Annotated[Optional[int], Opt(min=1, help="requests per run (default bench.num_prompts)")] = None,
@@ -119,7 +121,7 @@ def simulate_command(
     try:
         for dataset in datasets:
             for rate in rates:
-                fleet = SimFleet(cfg, prof, link_gbps)
+                fleet = SimFleet(cfg, prof, link_gbps, hop_ms)
                 spec = workload_spec(
                     prof, fleet.max_model_len, dataset_name=dataset, num_prompts=num_prompts or bench.num_prompts,
                     seed=bench.seed if seed is None else seed, input_len=input_len or random_input_len

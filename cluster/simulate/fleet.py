@@ -76,11 +76,16 @@ class SimFleet:
         profile: a `disagg profile` result (its fit, and its engine's pages when the config
             sizes the cache from GPU memory).
         link_gbps: the push bandwidth, GB/s per prefill instance.
+        hop_ms: from a request's send to its arrival at the router's placement (HTTP, router and
+            Ray hops; the client's clock starts at the send), ms.
     """
 
-    def __init__(self, config: Config, profile: dict, link_gbps: float = 364.0) -> None:
+    def __init__(self, config: Config, profile: dict, link_gbps: float = 364.0, hop_ms: float = 0.0) -> None:
         if not link_gbps > 0:
             raise ValueError(f"--link-gbps: expected a bandwidth > 0 GB/s, got {link_gbps}")
+        if not 0 <= hop_ms < float("inf"):
+            raise ValueError(f"--hop-ms: expected a finite number of milliseconds >= 0, got {hop_ms}")
+        self.hop_s = hop_ms / 1e3
         self.config = config
         engine = profile["engine"]
         self.page_size = config.cache.page_size
@@ -124,8 +129,8 @@ class SimFleet:
 
     # ------------------------------------------------------------------ the clock
     def submit_at(self, t: float, request_id: str, prompt_len: int, max_tokens: int) -> None:
-        """A request that reaches the router at virtual time ``t``."""
-        self._push(t, ARRIVAL, (request_id, prompt_len, max_tokens))
+        """A request sent at virtual time ``t``: it reaches the router ``hop_ms`` later."""
+        self._push(t + self.hop_s, ARRIVAL, (request_id, prompt_len, max_tokens, t))
 
     def run(self, on_end: Any = None) -> None:
         """Process events until none is left. ``on_end(request_id, now)`` hears each request end."""
@@ -181,8 +186,8 @@ class SimFleet:
         return times
 
     # ------------------------------------------------------------------ router
-    def _arrive(self, request_id: str, prompt_len: int, max_tokens: int) -> set[str]:
-        self.timelines[request_id] = Timeline(prompt_len, max_tokens, self.now)
+    def _arrive(self, request_id: str, prompt_len: int, max_tokens: int, sent: float) -> set[str]:
+        self.timelines[request_id] = Timeline(prompt_len, max_tokens, sent)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         req = Request(request_id, [0] * prompt_len, params, _sink, RequestMetrics(arrival_time=self.now))
         longest = pages_for(min(prompt_len + max_tokens, self.max_model_len), self.page_size)

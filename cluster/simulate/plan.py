@@ -3,7 +3,8 @@
 The candidates, one instance per GPU, all with the profiled instance's model, pages and budgets:
 
     colocated-N[chunk=C]   N colocated instances, prompt chunks of C tokens (`--chunk-sizes`)
-    xPyD                   x prefill + y decode instances (x + y = N), every prompt pushed
+    xPyD                   x prefill + y decode instances (x + y = N; beyond 8 GPUs nine
+                           ratios, `prefill_counts`), every prompt pushed
     xPyD-adaptive          the same fleet with `router.placement: adaptive` (per-request
                            remote / local / kept from the profile's step-time model)
 
@@ -64,9 +65,18 @@ def base_sections(profile: dict, slos_ms: Mapping[str, float]) -> dict[str, Any]
             "bench": {"goodput": dict(slos_ms)}}
 
 
+def prefill_counts(num_gpus: int) -> list[int]:
+    """The prefill instance counts x of the xPyD splits searched: every one up to 8 GPUs, beyond
+    that the splits nearest to x/N = 1/8, 1/6, 1/4, 1/3, 1/2, 2/3, 3/4, 5/6, 7/8."""
+    if num_gpus <= 8:
+        return list(range(1, num_gpus))
+    fractions = (1 / 8, 1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 3 / 4, 5 / 6, 7 / 8)
+    return sorted({min(num_gpus - 1, max(1, round(num_gpus * f))) for f in fractions})
+
+
 def candidates(num_gpus: int, chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, *, splits: bool = True,
                adaptive: bool = True, colocated: bool = True) -> list[Candidate]:
-    """Every deployment of the search for ``num_gpus`` (module docstring)."""
+    """Every deployment of the search for ``num_gpus`` (module docstring; `prefill_counts`)."""
     if num_gpus < 1:
         raise ValueError(f"--gpus: expected at least 1 GPU, got {num_gpus}")
     out = []
@@ -74,7 +84,7 @@ def candidates(num_gpus: int, chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, 
         for chunk in chunk_sizes:
             out.append(Candidate(f"colocated-{num_gpus}[chunk={chunk}]", {
                 "instances": {"colocated": num_gpus}, "scheduler": {"max_num_batched_tokens": chunk}}))
-    for x in range(1, num_gpus) if splits or adaptive else ():
+    for x in prefill_counts(num_gpus) if splits or adaptive else ():
         instances = {"prefill": x, "decode": num_gpus - x}
         if splits:
             out.append(Candidate(f"{x}P{num_gpus - x}D", {"instances": instances}))

@@ -49,7 +49,7 @@ def workload_spec(profile: dict, fleet_max_model_len: int, *, dataset_name: str,
 
 def simulate_run(config: Config, profile: dict, spec: WorkloadSpec, *, request_rate: float,
                  burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
-                 link_gbps: float = 364.0, fleet: SimFleet | None = None) -> Simulation:
+                 link_gbps: float = 364.0, hop_ms: float = 0.0, fleet: SimFleet | None = None) -> Simulation:
     """Run ``spec`` at ``request_rate`` through the fleet of ``config`` (module docstring).
 
     Raises:
@@ -58,7 +58,7 @@ def simulate_run(config: Config, profile: dict, spec: WorkloadSpec, *, request_r
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"--max-concurrency: expected an integer >= 1, got {max_concurrency}")
     started = time.perf_counter()
-    fleet = fleet or SimFleet(config, profile, link_gbps)
+    fleet = fleet or SimFleet(config, profile, link_gbps, hop_ms)
     input_lens, output_lens = sample_lengths(spec)
     offsets = arrival_offsets(len(input_lens), request_rate, burstiness, seed)
     ids = [f"{spec.dataset_name}-{i}" for i in range(len(input_lens))]
@@ -119,7 +119,7 @@ def simulated_result(sim: Simulation, config: Config, profile: dict, *, label: s
             "busy_fraction": busy, "placements": dict(fleet.placements) if config.mode == "disaggregated" else None,
             "simulation": {"profile_date": profile.get("date"), "profile_commit": profile.get("commit"),
                            "profile_model": profile.get("model"), "fit": profile["fit"],
-                           "link_gbps": link_gbps, "num_pages": fleet.num_pages, "num_events": fleet.num_events,
+                           "link_gbps": link_gbps, "hop_ms": fleet.hop_s * 1e3, "num_pages": fleet.num_pages, "num_events": fleet.num_events,
                            "num_steps": {i.name: i.actor.num_steps for i in fleet.instances},
                            "min_free_pages": min(i.actor.min_free_pages for i in fleet.instances),
                            "wall_s": sim.wall_s}}

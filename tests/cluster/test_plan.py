@@ -69,3 +69,13 @@ def test_cli_needs_slos(tmp_path: Path):
     profile.write_text(json.dumps(PROFILE))
     result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--gpus", "2"])
     assert result.exit_code == 2 and "--goodput" in result.output
+
+
+def test_search_space_every_split_up_to_8_gpus_then_ratios():
+    labels = [c.label for c in planner.candidates(4, chunk_sizes=(512,))]
+    assert labels == ["colocated-4[chunk=512]", "1P3D", "1P3D-adaptive", "2P2D", "2P2D-adaptive", "3P1D",
+                      "3P1D-adaptive"]
+    assert planner.prefill_counts(8) == list(range(1, 8))
+    assert planner.prefill_counts(64) == [8, 11, 16, 21, 32, 43, 48, 53, 56]
+    with pytest.raises(ValueError, match="at least 1 GPU"):
+        planner.candidates(0)

@@ -181,3 +181,16 @@ def test_fused_decode_forwards_change_nothing(name: str):
         [t.token_times for t in step_by_step.fleet.timelines.values()]
     assert [i.actor.num_steps for i in fused.fleet.instances] == [i.actor.num_steps for i in step_by_step.fleet.instances]
     assert fused.fleet.num_events < step_by_step.fleet.num_events  # it did fuse
+
+
+def test_hop_delays_every_first_token_by_the_hop():
+    config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml")
+    firsts = []
+    for hop_ms in (0.0, 25.0):
+        fleet = SimFleet(config, PROFILE, hop_ms=hop_ms)
+        fleet.submit_at(1.0, "a", 30, 4)
+        fleet.run()
+        firsts.append(fleet.timelines["a"].token_times[0] - fleet.timelines["a"].sent)
+    assert firsts[1] - firsts[0] == pytest.approx(0.025)
+    with pytest.raises(ValueError, match="--hop-ms"):
+        SimFleet(config, PROFILE, hop_ms=-1.0)
