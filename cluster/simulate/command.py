@@ -11,6 +11,7 @@ Runs in the CLI process (no Ray).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -171,6 +172,8 @@ def plan_command(
     from disagg.cluster.simulate import plan as planner
 
     setup_logging(log_level, verbose)
+    if not verbose and log_level is None:  # one workload, many runs: its clipping notice would repeat each time
+        logging.getLogger("disagg.cluster.bench.workloads").setLevel(logging.ERROR)
     prof = read_profile(profile)
     flags.datasets(dataset_name)
     slos = flags.goodput(goodput)

@@ -6,7 +6,8 @@ The candidates, one instance per GPU, all with the profiled instance's model, pa
     xPyD                   x prefill + y decode instances (x + y = N; beyond 8 GPUs nine
                            ratios, `prefill_counts`), every prompt pushed
     xPyD-adaptive          the same fleet with `router.placement: adaptive` (per-request
-                           remote / local / kept from the profile's step-time model)
+                           remote / local / kept from the profile's step-time model), its
+                           targets `router.slo_ttft_ms` / `slo_tpot_ms` the SLOs judged
 
 Each candidate's goodput is DistServe's: the highest request rate whose SLO attainment (the
 fraction of requests within every `--goodput` SLO) is at least 90% (`bench.compare.
@@ -181,6 +182,10 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
     base = base_sections(profile, slos_ms)
     judged = []
     for cand in search if search is not None else candidates(num_gpus, chunk_sizes):
+        router = cand.sections.get("router") or {}
+        if router.get("placement") == "adaptive":  # it predicts against the SLOs it is judged by
+            router.setdefault("slo_ttft_ms", slos_ms.get("ttft"))
+            router.setdefault("slo_tpot_ms", slos_ms.get("tpot"))
         judged.append(judge(cand, base, profile, dataset_name=dataset_name, slos_ms=slos_ms, run_length=run_length,
                             seed=seed, link_gbps=link_gbps, **lengths))
         if on_judged is not None:
