@@ -194,3 +194,16 @@ def test_hop_delays_every_first_token_by_the_hop():
     assert firsts[1] - firsts[0] == pytest.approx(0.025)
     with pytest.raises(ValueError, match="--hop-ms"):
         SimFleet(config, PROFILE, hop_ms=-1.0)
+
+
+def test_max_concurrency_holds_requests_at_the_client():
+    config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml")
+    spec = workload_spec(PROFILE, 512, dataset_name="random", num_prompts=30, seed=0, input_len=32, output_len=8)
+    sim = simulate_run(config, PROFILE, spec, request_rate=float("inf"), max_concurrency=2)
+    spans = [(t.sent, t.token_times[-1]) for t in sim.fleet.timelines.values()]
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans], key=lambda e: (e[0], e[1]))
+    open_now = peak = 0
+    for _, step in events:
+        open_now += step
+        peak = max(peak, open_now)
+    assert peak == 2 and all(out.success for out in sim.run.outputs)
