@@ -4,6 +4,7 @@
     disagg check CONFIG                 preflight only; exit 1 with the reason when it fails
     disagg generate CONFIG --prompt TEXT [--prompt ...] | --prompt-file FILE | --prompt-ids 1,2,3
     disagg bench ... / disagg serve ...  registered below by their own packages
+    disagg profile / simulate / plan     the simulator's verbs (disagg.cluster.simulate.command)
     disagg --version
 
 Every verb takes ``--set section.key=value`` (repeatable; the value is read as YAML) to override
@@ -161,6 +162,12 @@ app.command("bench", cls=BenchCommand)(bench_command)
 
 from disagg.cluster.serve.command import serve_command  # noqa: E402  (serve owns its command)
 app.command("serve", cls=ReadableCommand)(serve_command)
+
+from disagg.cluster.simulate.command import (greedy_class, plan_command, profile_command,  # noqa: E402
+                                             simulate_command)
+app.command("profile", cls=ReadableCommand)(profile_command)  # the simulator owns its verbs
+app.command("simulate", cls=greedy_class())(simulate_command)
+app.command("plan", cls=greedy_class())(plan_command)
 
 
 if __name__ == "__main__":  # python -m disagg.cluster.cli (hosts without the console script)

@@ -8,7 +8,9 @@
     kept    a prefill instance P prefills it and also decodes it
 
 from predicted times: each instance has a `StepTimeModel` (one step's seconds as a linear
-function of its prompt tokens, decoding sequences and their context) fitted online from the
+function of its prompt tokens, decoding sequences and their context, with one intercept for
+pure-decode steps, which replay CUDA graphs, and one for steps with prompt tokens, which run
+eagerly) fitted online from the
 instance's own measured steps (`disagg.cluster.messages.StepSample`) and seeded with a prior, and
 an `InstanceView` of its live load (prompt tokens queued, sequences decoding, free pages).
 `decide` predicts TTFT and TPOT on every path and keeps the admissible ones: the pages fit, and
@@ -35,26 +37,43 @@ PREFERENCE = ("local", "remote", "kept")
 TPOT_SLACK = 1.1  # without a TPOT target: a decode step may grow to 1.1 x the remote path's step
 MIN_SAMPLES_TO_FIT = 8
 PRIOR_WEIGHT = 2.0  # the prior counts as this many samples in the fit
-FEATURE_SCALE = np.array([1.0, 1e3, 1e2, 1e5])  # per step: 1, prompt tokens, sequences, context tokens
+PROFILE_PRIOR_WEIGHT = 1e-3  # a profile's grid covers every direction: its fit barely leans on the prior
+# Per step: is it pure decode (0/1), prompt tokens, sequences, context tokens, has it prompt tokens (0/1).
+FEATURE_SCALE = np.array([1.0, 1e3, 1e2, 1e5, 1.0])
+FEATURES = ("decode_step", "prompt_tokens", "decode_seqs", "context_tokens", "prompt_step")
+
+
+def features(num_prefill_tokens, num_decode_seqs, num_context_tokens) -> np.ndarray:
+    """The model's features of steps (scalars or ``[N]`` arrays): ``[..., 5]`` as `FEATURES`."""
+    prompt = np.asarray(num_prefill_tokens, dtype=np.float64)
+    step = (prompt > 0) * 1.0
+    return np.stack(np.broadcast_arrays(1.0 - step, prompt, np.asarray(num_decode_seqs, np.float64),
+                                        np.asarray(num_context_tokens, np.float64), step), axis=-1)
 
 
 @dataclass
 class StepTimeModel:
-    """One step's seconds ~= c0 + c1 * prompt_tokens + c2 * decode_seqs + c3 * context_tokens.
+    """One step's seconds ~= (c4 if prompt_tokens else c0) + c1 * prompt_tokens + c2 * decode_seqs
+    + c3 * context_tokens.
 
     Ridge-fitted to the samples (newest ``max_samples``), pulled towards ``prior`` (the seed:
     defaults of the right order for an 8B model on one H100-class GPU, or a profile's fit), so a
     direction no sample varies (a prefill instance that never decodes) keeps its prior.
     """
 
-    prior: tuple[float, float, float, float] = (8e-3, 8e-5, 3e-5, 5e-8)
+    prior: tuple[float, ...] = (8e-3, 8e-5, 3e-5, 5e-8, 8e-3)  # 4 values: one intercept for both kinds
     max_samples: int = 512
+    prior_weight: float = PRIOR_WEIGHT
+    relative: bool = False  # fit relative errors (each step weighs 1 / seconds): a profile's 7 ms and 200 ms steps alike
     coef: np.ndarray = field(init=False)
     error: float = field(init=False, default=0.3)  # relative RMS error of the fit (the margin)
     _samples: collections.deque = field(init=False)
     _since_fit: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
+        if len(self.prior) not in (4, 5):
+            raise ValueError(f"prior: expected 4 or 5 coefficients ({', '.join(FEATURES)}), got {self.prior!r}")
+        self.prior = tuple(float(v) for v in self.prior) + (float(self.prior[0]),) * (5 - len(self.prior))
         self.coef = np.asarray(self.prior, dtype=np.float64)
         self._samples = collections.deque(maxlen=self.max_samples)
 
@@ -76,24 +95,60 @@ class StepTimeModel:
         """Refit ``coef`` and ``error`` to the samples (ridge towards the prior, coefficients >= 0)."""
         self._since_fit = 0
         data = np.asarray(self._samples, dtype=np.float64)
-        x = np.column_stack([np.ones(len(data)), data[:, :3]]) / FEATURE_SCALE
+        raw = features(data[:, 0], data[:, 1], data[:, 2])
         y = data[:, 3]
+        weight = 1.0 / y if self.relative else np.ones_like(y)
+        x = raw / FEATURE_SCALE * weight[:, None]
         prior = np.asarray(self.prior) * FEATURE_SCALE
-        lam = PRIOR_WEIGHT * float(np.mean(x * x, axis=0).mean() or 1.0)
-        a = x.T @ x + lam * np.eye(4)
-        scaled = np.linalg.solve(a, x.T @ y + lam * prior)
+        lam = self.prior_weight * float(np.mean(x * x, axis=0).mean() or 1.0)
+        a = x.T @ x + lam * np.eye(len(FEATURES))
+        scaled = np.linalg.solve(a, x.T @ (y * weight) + lam * prior)
         self.coef = np.maximum(scaled, 0.0) / FEATURE_SCALE
-        predicted = np.maximum(np.column_stack([np.ones(len(data)), data[:, :3]]) @ self.coef, 1e-9)
+        predicted = np.maximum(raw @ self.coef, 1e-9)
         self.error = float(np.sqrt(np.mean(((predicted - y) / y) ** 2)))
+
+    @classmethod
+    def from_samples(cls, samples: list[tuple[int, int, int, float]],
+                     prior: tuple[float, ...] | None = None) -> StepTimeModel:
+        """A model fitted to every one of ``samples`` (``(prompt_tokens, decode_seqs,
+        context_tokens, seconds)`` each, e.g. `disagg profile`'s grid), ridge towards ``prior``."""
+        model = cls(prior=prior or cls.prior, max_samples=max(len(samples), 1), prior_weight=PROFILE_PRIOR_WEIGHT,
+                    relative=True)
+        for sample in samples:
+            model.observe(*sample)
+        if model.num_samples:
+            model.fit()
+        return model
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StepTimeModel:
+        """The model `to_dict` wrote (a profile's fit): its coefficients, as the prior too."""
+        coef = tuple(float(v) for v in data["coef_s"])
+        if len(coef) not in (4, 5) or any(not math.isfinite(v) or v < 0 for v in coef):
+            raise ValueError(f"coef_s: expected 4 or 5 finite coefficients >= 0 ({', '.join(FEATURES)}), "
+                             f"got {data['coef_s']!r}")
+        model = cls(prior=coef)  # 4 coefficients (an older profile): one intercept for both kinds
+        model.error = float(data.get("error", model.error))
+        return model
+
+    def errors_by_region(self, samples: list[tuple[int, int, int, float]]) -> dict[str, dict]:
+        """Relative RMS error of the fit over ``samples``, per region: prefill (no decodes),
+        decode (no prompt tokens) and mixed steps."""
+        regions: dict[str, list[float]] = {"prefill": [], "decode": [], "mixed": []}
+        for prompt, seqs, context, seconds in samples:
+            region = "decode" if prompt == 0 else "prefill" if seqs == 0 else "mixed"
+            regions[region].append((self.step_s(prompt, seqs, context) - seconds) / seconds)
+        return {name: {"num_samples": len(errs), "rms_rel_error": float(np.sqrt(np.mean(np.square(errs))))
+                       if errs else None} for name, errs in regions.items()}
 
     def step_s(self, num_prefill_tokens: float, num_decode_seqs: float, num_context_tokens: float) -> float:
         """Predicted seconds of one step computing that much."""
         c = self.coef
-        return float(c[0] + c[1] * num_prefill_tokens + c[2] * num_decode_seqs + c[3] * num_context_tokens)
+        return float((c[4] if num_prefill_tokens > 0 else c[0]) + c[1] * num_prefill_tokens
+                     + c[2] * num_decode_seqs + c[3] * num_context_tokens)
 
     def to_dict(self) -> dict:
-        return {"coef_s": [float(v) for v in self.coef], "features": ["1", "prompt_tokens", "decode_seqs",
-                                                                      "context_tokens"],
+        return {"coef_s": [float(v) for v in self.coef], "features": list(FEATURES),
                 "error": self.error, "num_samples": self.num_samples}
 
 

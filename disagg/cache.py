@@ -289,6 +289,24 @@ class PagedKVCache:
         self._open = "begin_forward"
         return plan
 
+    def append_without_plan(self, seq_ids: SequenceLike[int], append_lengths: SequenceLike[int]) -> None:
+        """`begin_forward` + `end_forward` for a forward that computes nothing: the batch's slots
+        are reserved (pages taken exactly as `begin_forward` takes them) and no plan is built.
+        The simulator's forward (`disagg.cluster.simulate`); refused while fork copies or sends
+        are pending, since only a plan carries those out.
+
+        Raises:
+            ForwardStateError, SequenceNotFound, CacheError (bad batch, pending copies or
+            sends), OutOfPages. State unchanged.
+        """
+        self._require_closed("append_without_plan")
+        if self._senders or self._copies.fork:
+            raise CacheError("append_without_plan: copies or sends are pending; they need begin_forward's plan")
+        ids, lens = self._check_batch(seq_ids, append_lengths)
+        seqs = [self._get(i, "append_without_plan") for i in ids]
+        reserve_batch(self._blocks, self._pool, seqs, lens, self.page_size, "append_without_plan")
+        self._pool.release_deferred()
+
     def end_forward(self) -> None:
         """Close the open forward (or `disagg_prepare_recv`); parked pages whose copies ran are freed."""
         if self._open is None:

@@ -145,14 +145,29 @@ def sample_requests(spec: WorkloadSpec) -> list[SampleRequest]:
     """
     spec = spec.resolved()
     rng = np.random.default_rng(spec.seed)
-    input_lens, output_lens = _sample_lengths(spec, rng)
-    input_lens, output_lens = _fit_context(input_lens, output_lens, spec.max_model_len)
+    input_lens, output_lens = _lengths(spec, rng)
     allowed = _allowed_ids(spec.vocab_size, spec.avoid_token_ids)
     requests = []
     for index, (num_in, num_out) in enumerate(zip(input_lens.tolist(), output_lens.tolist())):
         ids = allowed[rng.integers(0, len(allowed), size=num_in)]
         requests.append(SampleRequest(f"{spec.dataset_name}-{index}", ids.tolist(), int(num_out)))
     return requests
+
+
+def sample_lengths(spec: WorkloadSpec) -> tuple[np.ndarray, np.ndarray]:
+    """The prompt and output lengths of `sample_requests(spec)`, without drawing any token id
+    (the simulator's workloads: 10,000 long prompts need no ids).
+
+    Returns:
+        ``([num_prompts], [num_prompts])`` int64 prompt and output lengths, request by request.
+    """
+    spec = spec.resolved()
+    return _lengths(spec, np.random.default_rng(spec.seed))
+
+
+def _lengths(spec: WorkloadSpec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    input_lens, output_lens = _sample_lengths(spec, rng)
+    return _fit_context(input_lens, output_lens, spec.max_model_len)
 
 
 def _sample_lengths(spec: WorkloadSpec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

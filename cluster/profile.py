@@ -1,0 +1,257 @@
+"""`disagg profile CONFIG --out profile.json`: time one instance's real engine over a grid of step
+shapes and fit the router's step-time model to it.
+
+The instance of CONFIG (its model, dtype, page size, budgets, CUDA graphs and async scheduling as
+served) is built in this process as a colocated engine, which runs every kind of step, and driven
+through three scenarios, each step timed at the host (`engine.step()`, which returns once the
+step's tokens are read, then a device synchronize, since a prompt chunk that samples nothing
+returns before its forward ends; async scheduling is off while profiling, so one call is one
+forward and the host overlap it buys a served decode step is not credited) and recorded with the
+shape the engine reports (`last_step_shape`):
+
+    prefill  one prompt computed in chunks of T tokens (the chunk budget set to T), so chunk k
+             runs over a prefix of k*T tokens: T x context
+    decode   B sequences of C prompt tokens decoding together: B x C (B grows by adding
+             sequences; their prompt chunks beside the running decodes are the mixed steps)
+    mixed    those steps with prompt chunks and decodes in one forward
+
+The samples fit `disagg.cluster.placement.StepTimeModel` (the one model the adaptive router
+uses; `StepTimeModel.from_samples`), and profile.json keeps the raw samples, the fit, its error
+per region, the engine's sizes (pages, KV bytes per token for push times) and where it was
+measured (device, dtype, model, commit). `disagg simulate` and `disagg plan` read it
+(docs/ARCHITECTURE.md §11). Runs in the CLI process; no Ray, no heap.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from disagg.cluster.placement import StepTimeModel
+from disagg.config import Config
+
+logger = logging.getLogger(__name__)
+
+PROFILE_KIND = "disagg-profile"
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The shapes timed.
+
+    Attributes:
+        chunk_tokens: prefill chunk sizes T (those above the config's token budget are skipped).
+        chunks_per_prompt: chunks of each profiled prompt (its contexts: 0, T, ..., (k-1)T).
+        contexts: decode context per sequence C (prompt tokens of each decoding sequence).
+        batches: decode batch sizes B (above max_num_seqs skipped).
+        decode_steps: timed decode steps per (B, C).
+        max_tokens_per_context: B x C above this is skipped (prefilling it costs the most).
+    """
+
+    chunk_tokens: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
+    chunks_per_prompt: int = 4
+    contexts: tuple[int, ...] = (128, 512, 1024, 2048, 4096)
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    decode_steps: int = 8
+    max_tokens_per_context: int = 256 * 1024
+
+
+SMALL_GRID = Grid(chunk_tokens=(16, 32), chunks_per_prompt=2, contexts=(16,), batches=(1, 2),
+                  decode_steps=2, max_tokens_per_context=4096)
+
+
+def build_engine(config: Config) -> tuple[Any, dict]:
+    """The colocated engine of CONFIG's instance in this process, warmed up as served.
+
+    Returns:
+        (engine, description): the engine and `disagg.cluster.engines.describe`'s dict.
+    """
+    import torch
+
+    from disagg.cluster import engines
+
+    device = config.instances.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = engines.load(config, device)
+    info = engines.describe(model, config, device)
+    num_pages = max(1, info["kv_budget_bytes"] // info["page_bytes"])
+    engine = engines.make_engine("colocated", model, None, int(num_pages), config)
+    engines.warm_up(engine, "colocated", config)
+    return engine, info
+
+
+class StepRecorder:
+    """Runs engine steps, timing each and keeping ``(prompt, seqs, context, seconds, scenario)``."""
+
+    def __init__(self, engine: Any, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.engine, self.clock = engine, clock
+        self.sync = _synchronizer(engine)
+        self.samples: list[list] = []
+        self._ids = 0
+
+    def step(self, scenario: str) -> None:
+        start = self.clock()
+        self.engine.step()
+        self.sync()  # a chunk that samples nothing returns before its forward ends
+        seconds = self.clock() - start
+        shape = self.engine.last_step_shape
+        if shape is not None and seconds > 0:
+            self.samples.append([shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens,
+                                 seconds, scenario])
+
+    def add(self, prompt_len: int, max_tokens: int) -> str:
+        from disagg.sampling import SamplingParams
+
+        self._ids += 1
+        request_id = f"profile-{self._ids}"
+        vocab = self.engine.model.config.vocab_size
+        prompt = [(7 * i + self._ids) % vocab for i in range(prompt_len)]
+        self.engine.add(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        return request_id
+
+    def drain(self) -> None:
+        """Abort every request and step until the engine is idle (its pages all free again)."""
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+        while self.engine.has_work():
+            self.engine.step()
+
+
+def _synchronizer(engine: Any) -> Callable[[], None]:
+    """Waits for the engine's device (a no-op on the CPU, where forwards run inline)."""
+    device = getattr(engine.model, "device", None)
+    if getattr(device, "type", "cpu") != "cuda":
+        return lambda: None
+    import torch
+
+    return lambda: torch.cuda.synchronize(device)
+
+
+def profile_prefill(rec: StepRecorder, grid: Grid, budget: int, max_len: int) -> None:
+    """Prompts in chunks of T: samples of T prompt tokens over a growing prefix."""
+    scheduler = rec.engine.scheduler
+    for chunk in [t for t in grid.chunk_tokens if t <= budget]:
+        prompt_len = min(chunk * grid.chunks_per_prompt, max_len - 2)
+        if prompt_len < chunk:
+            continue
+        scheduler.max_num_batched_tokens = chunk
+        try:
+            rec.add(prompt_len, 1)
+            while rec.engine.has_work():
+                rec.step("prefill")
+        finally:
+            scheduler.max_num_batched_tokens = budget
+
+
+def profile_decode(rec: StepRecorder, grid: Grid, max_seqs: int, max_len: int) -> None:
+    """Per context C, B sequences decoding for B in the grid (sequences added as B grows: their
+    prompt chunks beside the running decodes are mixed steps)."""
+    engine = rec.engine
+    capacity = engine.cache.num_pages * engine.cache.page_size
+    for context in [c for c in grid.contexts if c + 64 < max_len]:
+        batches = [b for b in grid.batches if b <= max_seqs and b * context <= grid.max_tokens_per_context]
+        max_tokens = min(max_len - context - 1, 4 * len(batches) * (grid.decode_steps + 4) + 64)
+        running = 0
+        for batch in batches:
+            if batch * (context + max_tokens) > capacity:
+                break
+            for _ in range(batch - running):
+                rec.add(context, max_tokens)
+            running = batch
+            while engine.scheduler.waiting:
+                rec.step("mixed")
+            for _ in range(grid.decode_steps):
+                rec.step("decode")
+        rec.drain()
+
+
+def run_profile(config: Config, grid: Grid = Grid(), engine_and_info: tuple[Any, dict] | None = None) -> dict:
+    """Profile CONFIG's instance over ``grid`` and fit the step-time model.
+
+    Args:
+        config: the deployment (its instance: model, dtype, cache, scheduler budgets, device).
+        grid: the shapes to time (`SMALL_GRID` for a quick CPU run).
+        engine_and_info: an engine already built (`build_engine`), else built here.
+
+    Returns:
+        The profile (module docstring; `save_profile` writes it).
+    """
+    from disagg.cluster.bench.report import device_info, git_commit
+
+    started = time.perf_counter()
+    engine, info = engine_and_info or build_engine(config)
+    budget, max_seqs = engine.scheduler.max_num_batched_tokens, engine.max_num_seqs
+    max_len = min(config.model.max_model_len or engine.max_model_len, engine.max_model_len)
+    served_async, engine.async_scheduling = engine.async_scheduling, False  # one step(): one forward
+    rec = StepRecorder(engine)
+    profile_prefill(rec, grid, budget, max_len)
+    profile_decode(rec, grid, max_seqs, max_len)
+    samples = [tuple(s[:4]) for s in rec.samples]
+    model = StepTimeModel.from_samples(samples)
+    device = dict(device_info(), torch_device=str(engine.model.device))
+    return {
+        "kind": PROFILE_KIND, "version": PROFILE_VERSION,
+        "date": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"),
+        "config_path": config.path, "model": config.model.source, "model_name": info.get("model_name"),
+        "dtype": str(engine.model.dtype).removeprefix("torch."), "kv_dtype": info["geometry"]["kv_dtype"],
+        "device": device, "commit": git_commit(),
+        "engine": {"num_pages": engine.cache.num_pages, "page_size": engine.cache.page_size,
+                   "max_num_seqs": max_seqs, "max_num_batched_tokens": budget, "max_model_len": max_len,
+                   "kv_bytes_per_token": int(engine.token_bytes), "vocab_size": int(info["vocab_size"]),
+                   "eos_token_ids": info["eos_token_ids"],
+                   "async_scheduling": bool(served_async)},
+        "grid": asdict(grid),
+        "sample_fields": ["prompt_tokens", "decode_seqs", "context_tokens", "seconds", "scenario"],
+        "samples": rec.samples,
+        "fit": model.to_dict(),
+        "errors": model.errors_by_region(samples),
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def save_profile(profile: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile, indent=1) + "\n")
+    return path
+
+
+def load_profile(path: str | Path) -> dict:
+    """Read a profile written by `disagg profile`.
+
+    Raises:
+        ValueError: not a readable JSON profile (the message names the file and what is wrong).
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--profile: cannot read {str(path)!r} as JSON ({err})") from None
+    if not isinstance(data, dict) or data.get("kind") != PROFILE_KIND:
+        raise ValueError(f"--profile: expected a profile written by `disagg profile` (kind {PROFILE_KIND!r}), "
+                         f"got {str(path)!r} with kind {data.get('kind') if isinstance(data, dict) else None!r}")
+    for key in ("fit", "engine"):
+        if key not in data:
+            raise ValueError(f"--profile: {str(path)!r} has no {key!r} section")
+    StepTimeModel.from_dict(data["fit"])  # raises naming a bad coefficient
+    return data
+
+
+def summary_lines(profile: dict) -> list[str]:
+    """What `disagg profile` prints: the fit and its error per region."""
+    coef = profile["fit"]["coef_s"]
+    lines = [f"{profile['model']} ({profile['dtype']}) on {profile['device'].get('torch_device')}: "
+             f"{len(profile['samples'])} steps timed in {profile['wall_s']:.1f} s",
+             f"step_s = ({coef[4]:.3e} with prompt tokens, else {coef[0]:.3e}) + {coef[1]:.3e} * prompt_tokens "
+             f"+ {coef[2]:.3e} * decode_seqs + {coef[3]:.3e} * context_tokens"]
+    for region, err in profile["errors"].items():
+        rms = "-" if err["rms_rel_error"] is None else f"{100 * err['rms_rel_error']:.1f}%"
+        lines.append(f"  {region:8s} {err['num_samples']:5d} steps, relative RMS error {rms}")
+    return lines

@@ -1,0 +1,7 @@
+"""The simulator of a fleet and the planning verbs: `disagg profile`, `disagg simulate`, `disagg plan`.
+
+instance.py: one instance (the real `Scheduler` over a real `PagedKVCache`, step times from a
+profile); fleet.py: the fleet on a virtual clock with the router's placement; run.py: a workload
+through it, as `disagg bench`'s result; plan.py: the deployment search; command.py: the verbs.
+The design: docs/ARCHITECTURE.md §11.
+"""

@@ -1,0 +1,215 @@
+"""The typer commands `disagg profile`, `disagg simulate` and `disagg plan` (registered by
+`disagg.cluster.cli`).
+
+    disagg profile CONFIG --out profile.json [--small-grid]
+    disagg simulate CONFIG --profile profile.json [bench's workload, rate and result flags]
+    disagg plan --profile profile.json --dataset-name W --goodput ttft:MS tpot:MS --gpus N [--out best.yaml]
+
+Exit status: 0 done; 1 the engine could not be built or run; 2 a bad flag, config or profile.
+Runs in the CLI process (no Ray).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from disagg.cluster.cli_common import (EXIT_RUNTIME, EXIT_USAGE, ConfigArg, LogLevelOpt, SetOpt, VerboseOpt,
+                                       load_config, setup_logging)
+
+Opt = typer.Option
+
+
+def greedy_class():
+    """`disagg bench`'s command class: ``--goodput ttft:500 tpot:50`` reads as there (vLLM's form)."""
+    from disagg.cluster.bench.flags import GREEDY_FLAGS
+    from disagg.cluster.serve.vllm_options import greedy_command
+
+    return greedy_command(GREEDY_FLAGS)
+
+
+def profile_command(
+    config: ConfigArg,
+    out: Annotated[Path, Opt("--out", help="where the profile JSON goes")] = Path("profile.json"),
+    small_grid: Annotated[bool, Opt("--small-grid", help="a few shapes only (CPU tests, a quick look)")] = False,
+    set_: SetOpt = None, log_level: LogLevelOpt = None, verbose: VerboseOpt = False,
+) -> None:
+    """Time CONFIG's instance (its real engine, in this process) over a grid of prefill, decode and
+    mixed steps; fit the router's step-time model; write the samples, the fit and its error per
+    region to --out."""
+    from disagg.cluster.profile import SMALL_GRID, Grid, run_profile, save_profile, summary_lines
+    from disagg.errors import DisaggError
+
+    setup_logging(log_level, verbose)
+    cfg = load_config(config, set_)
+    try:
+        profile = run_profile(cfg, SMALL_GRID if small_grid else Grid())
+    except DisaggError as err:
+        typer.echo(f"disagg profile: {type(err).__name__}: {err}", err=True)
+        raise typer.Exit(EXIT_RUNTIME) from None
+    path = save_profile(profile, out)
+    for line in summary_lines(profile):
+        typer.echo(line)
+    typer.echo(f"profile: {path}")
+
+
+def read_profile(path: Path) -> dict:
+    """The profile at ``path``; exit 2 naming the problem when it is not one."""
+    from disagg.cluster.profile import load_profile
+
+    try:
+        return load_profile(path)
+    except ValueError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+def simulate_command(
+    config: ConfigArg,
+    profile: Annotated[Path, Opt("--profile", help="a `disagg profile` JSON (step times of the instance)")],
+    link_gbps: Annotated[float, Opt(help="KV push bandwidth per prefill instance, GB/s (NVLink measured "
+                                         "364; 400/200 Gb/s networks ~50/25)")] = 364.0,
+    hop_ms: Annotated[float, Opt(help="ms from a request's send to the router's placement (HTTP, router "
+                                      "and Ray hops, not modelled otherwise)")] = 0.0,
+    set_: SetOpt = None,
+    dataset_name: Annotated[str, Opt(help="the bench's workloads, comma-separated")] = "random",
+    num_prompts: Annotated[Optional[int], Opt(min=1, help="requests per run (default bench.num_prompts)")] = None,
+    input_len: Annotated[Optional[int], Opt(min=1, help="prompt tokens (= --random-input-len)")] = None,
+    output_len: Annotated[Optional[int], Opt(min=1, help="output tokens (= --random-output-len)")] = None,
+    random_input_len: Annotated[Optional[int], Opt(min=1, help="prompt tokens")] = None,
+    random_output_len: Annotated[Optional[int], Opt(min=1, help="output tokens")] = None,
+    random_range_ratio: Annotated[Optional[float], Opt(help="lengths uniform in len*(1 +- r)")] = None,
+    seed: Annotated[Optional[int], Opt(help="seed of prompts and arrivals (default bench.seed)")] = None,
+    request_rate: Annotated[Optional[str], Opt(help="req/s; a sweep: 1,2,4,inf (default bench.request_rates)")] = None,
+    burstiness: Annotated[Optional[float], Opt(help="gamma shape of arrivals; 1 = Poisson")] = None,
+    max_concurrency: Annotated[Optional[int], Opt(min=1, help="requests in flight at most")] = None,
+    goodput: Annotated[Optional[list[str]], Opt(help="SLOs in ms: --goodput ttft:500 tpot:50 (default bench.goodput)")] = None,
+    metric_percentiles: Annotated[str, Opt(help="percentiles reported")] = "50,90,99",
+    label: Annotated[Optional[str], Opt(help="name of the results (default: the config's name + '-sim')")] = None,
+    result_dir: Annotated[Optional[Path], Opt(help="where the JSON results go (default bench.results_dir)")] = None,
+    result_filename: Annotated[Optional[str], Opt(help="file name of a single run's JSON")] = None,
+    metadata: Annotated[Optional[list[str]], Opt(help="KEY=VALUE pairs stored in every result")] = None,
+    log_level: LogLevelOpt = None, verbose: VerboseOpt = False,
+) -> None:
+    """Simulate CONFIG's fleet on a virtual clock (the real scheduler, pages and placement; step
+    times from --profile) under the bench's workload and rates; write `disagg bench`'s result JSON
+    ("simulated": true), which `disagg bench --from-results` compares with measured runs."""
+    from rich.console import Console
+
+    from disagg.cluster.bench import flags, tables
+    from disagg.cluster.bench.report import save_json
+    from disagg.cluster.bench.sweep import public_overrides, result_name
+    from disagg.cluster.simulate.fleet import SimFleet
+    from disagg.cluster.simulate.run import simulate_run, simulated_result, workload_spec
+
+    setup_logging(log_level, verbose)
+    cfg = load_config(config, set_)
+    prof = read_profile(profile)
+    datasets = flags.datasets(dataset_name)
+    bench = cfg.bench
+    rates = flags.rates(request_rate) or list(bench.request_rates)
+    slos = flags.goodput(goodput) or dict(bench.goodput)
+    percentiles = flags.percentiles(metric_percentiles)
+    shown = public_overrides(flags.overrides(set_))
+    label = label or cfg.name + "".join(f"[{k.split('.')[-1]}={v}]" for k, v in shown.items()) + "-sim"
+    random_only = datasets == ["random"]
+    out_dir = result_dir or Path(bench.results_dir)
+    extra = flags.key_values(metadata, "--metadata", "version=0.3.3")
+    console = Console()
+    try:
+        for dataset in datasets:
+            for rate in rates:
+                fleet = SimFleet(cfg, prof, link_gbps, hop_ms)
+                spec = workload_spec(
+                    prof, fleet.max_model_len, dataset_name=dataset, num_prompts=num_prompts or bench.num_prompts,
+                    seed=bench.seed if seed is None else seed, input_len=input_len or random_input_len
+                    or (bench.input_len if random_only else None), output_len=output_len or random_output_len
+                    or (bench.output_len if random_only else None), range_ratio=random_range_ratio)
+                sim = simulate_run(cfg, prof, spec, request_rate=rate, burstiness=burstiness or bench.burstiness,
+                                   max_concurrency=max_concurrency, seed=spec.seed, link_gbps=link_gbps, fleet=fleet)
+                result = simulated_result(sim, cfg, prof, label=label, config_path=str(config), overrides=shown,
+                                          link_gbps=link_gbps, goodput_slos_ms=slos, percentiles=percentiles,
+                                          extra=extra)
+                single = len(rates) == 1 and len(datasets) == 1
+                folder = out_dir if len(datasets) == 1 else out_dir / dataset
+                name = result_filename if result_filename and single else result_name(result)
+                path = save_json(result, folder / name)
+                console.print(tables.run_table(result))
+                console.print(f"simulated {len(sim.run.outputs)} requests in {sim.wall_s:.1f} s: {path}",
+                              markup=False)
+    except ValueError as err:
+        typer.echo(f"disagg simulate: {err}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+def plan_command(
+    profile: Annotated[Path, Opt("--profile", help="a `disagg profile` JSON (step times of the instance)")],
+    dataset_name: Annotated[str, Opt(help="the bench's workload to plan for")] = "random",
+    goodput: Annotated[Optional[list[str]], Opt(help="SLOs in ms: --goodput ttft:500 tpot:50")] = None,
+    gpus: Annotated[int, Opt("--gpus", min=1, help="GPUs of the deployment (one instance each)")] = 1,
+    out: Annotated[Optional[Path], Opt("--out", help="write the best deployment's YAML here")] = None,
+    chunk_sizes: Annotated[str, Opt(help="prompt chunk sizes of the colocated candidates, tokens")] = "512,2048,8192",
+    link_gbps: Annotated[float, Opt(help="KV push bandwidth per prefill instance, GB/s")] = 364.0,
+    random_input_len: Annotated[Optional[int], Opt(min=1, help="prompt tokens (random dataset)")] = None,
+    random_output_len: Annotated[Optional[int], Opt(min=1, help="output tokens (random dataset)")] = None,
+    random_range_ratio: Annotated[Optional[float], Opt(help="lengths uniform in len*(1 +- r)")] = None,
+    seed: Annotated[int, Opt(help="seed of prompts and arrivals (the same for every candidate)")] = 0,
+    run_seconds: Annotated[float, Opt(min=0.001, help="virtual seconds of arrivals per simulated run")] = 30.0,
+    max_prompts: Annotated[int, Opt(min=1, help="most requests of one simulated run")] = 3000,
+    log_level: LogLevelOpt = None, verbose: VerboseOpt = False,
+) -> None:
+    """Search xPyD splits, colocated chunk sizes and the adaptive placement for --gpus GPUs by
+    simulation (`disagg simulate`'s fleet, --profile's step times); print each one's goodput per
+    GPU (the highest rate with 90% of requests inside --goodput's SLOs), the best, and its YAML."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from disagg.cluster.bench import flags
+    from disagg.cluster.simulate import plan as planner
+
+    setup_logging(log_level, verbose)
+    if not verbose and log_level is None:  # one workload, many runs: its clipping notice would repeat each time
+        logging.getLogger("disagg.cluster.bench.workloads").setLevel(logging.ERROR)
+    prof = read_profile(profile)
+    flags.datasets(dataset_name)
+    slos = flags.goodput(goodput)
+    if not slos:
+        raise typer.BadParameter("expected SLOs such as --goodput ttft:500 tpot:50", param_hint="--goodput")
+    chunks = [int(c) for c in flags.positive_floats(chunk_sizes, "--chunk-sizes")]
+    console = Console()
+    lengths = dict(input_len=random_input_len, output_len=random_output_len, range_ratio=random_range_ratio)
+    try:
+        ranked = planner.plan(prof, dataset_name=dataset_name, slos_ms=slos, num_gpus=gpus, chunk_sizes=chunks,
+                              run_length=planner.RunLength(run_seconds, min(100, max_prompts), max_prompts),
+                              seed=seed, link_gbps=link_gbps,
+                              on_judged=lambda c: console.print(f"{c.label}: {c.goodput_per_gpu:.3f} req/s per GPU",
+                                                                markup=False),
+                              **lengths)
+    except ValueError as err:
+        typer.echo(f"disagg plan: {err}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    table = Table(title=f"{dataset_name} on {gpus} GPU(s), SLOs {tables_slos(slos)}, pushes at {link_gbps:g} GB/s "
+                        f"(simulated, profile {prof.get('model')} on {(prof.get('device') or {}).get('gpus') or 'cpu'})")
+    for header in ("deployment", "goodput (req/s)", "per GPU", "vs colocated"):
+        table.add_column(header, justify="left" if header == "deployment" else "right")
+    for row in planner.table_rows(ranked):
+        table.add_row(*(escape(cell) for cell in row))  # labels hold [chunk=...]: not markup
+    console.print(table)
+    text = planner.best_yaml(ranked[0], planner.base_sections(prof, slos), dataset_name=dataset_name,
+                             link_gbps=link_gbps, ranked=ranked)
+    typer.echo(f"best: {ranked[0].label}")
+    typer.echo(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        console.print(f"written: {out}", markup=False)
+
+
+def tables_slos(slos: dict) -> str:
+    from disagg.cluster.bench.tables import fmt_slos
+
+    return fmt_slos(slos)

@@ -1,0 +1,313 @@
+"""A fleet on a virtual clock: simulated instances (`instance.py`) and the router's placement.
+
+Discrete events, in time order (ties in the order they were made, so a run is deterministic):
+
+    arrival    a request reaches the router (the bench's arrival offsets; with max_concurrency
+               it waits at the client for a free slot, as `vllm bench serve` does)
+    step_end   an instance's forward ends: its tokens reach the router (no hop time)
+    push_end   a pushed prompt's KV has landed on its decode instance: the prefill side frees
+               its pages, the decode side starts it (the doorbell's ring)
+
+After each event every touched instance that is idle and has work launches its next forward
+(`SimEngine.begin_step`), which ends ``StepTimeModel.step_s(shape)`` later. Placement is the
+router's (`disagg.cluster.router.Router._place`, docs/ARCHITECTURE.md §7) with its own pieces:
+the `Picker` (least-loaded / round-robin over the same `Request` records), the prefill queue
+bound, decode reservations tried in the picker's order, and `router.placement` local or adaptive
+(`disagg.cluster.placement.decide` over `FleetModel.view`s whose models are the profile's fit).
+Pushes: layer by layer beside the forward that computes the tokens; a prefill instance's link
+carries one forward's tokens after the other at ``link_gbps``, and a push ends no earlier than
+its forward. Not modelled: router and network hops, request timeouts, instance failures.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg.cluster.bootstrap import Instance
+from disagg.cluster.outputs import RequestMetrics
+from disagg.cluster.placement import PATHS, FleetModel, StepTimeModel, Targets, decide
+from disagg.cluster.requests import Picker, Request
+from disagg.config import Config
+from disagg.engine.request import pages_for
+from disagg.sampling import SamplingParams
+
+ARRIVAL, STEP_END, PUSH_END = 0, 1, 2
+
+
+@dataclass
+class Timeline:
+    """What the client sees of one request: send time and each token's time (virtual seconds)."""
+
+    prompt_len: int
+    max_tokens: int
+    sent: float
+    token_times: list[float] = field(default_factory=list)
+    error: str = ""
+    ended: bool = False
+
+
+class TrackedPicker(Picker):
+    """The router's `Picker` with its loads kept up to date as requests move instead of summed
+    over every live request at each pick (the same numbers: `SimFleet.check_loads`), so an
+    overloaded fleet of 10,000 queued requests costs O(instances) per placement."""
+
+    def __init__(self, policy: str) -> None:
+        super().__init__(policy)
+        self.tokens: collections.Counter[str] = collections.Counter()
+
+    def loads(self, instances: list[Instance], requests: Any) -> dict[str, int]:
+        return {inst.name: self.tokens[inst.name] for inst in instances}
+
+
+def _sink(delta: Any, metrics: Any) -> None:  # the router's sink; the fleet records tokens itself
+    return None
+
+
+class SimFleet:
+    """The instances of ``config`` and its router on one virtual clock.
+
+    Args:
+        config: the deployment (instances, cache, scheduler, router sections).
+        profile: a `disagg profile` result (its fit, and its engine's pages when the config
+            sizes the cache from GPU memory).
+        link_gbps: the push bandwidth, GB/s per prefill instance.
+        hop_ms: from a request's send to its arrival at the router's placement (HTTP, router and
+            Ray hops; the client's clock starts at the send), ms.
+    """
+
+    def __init__(self, config: Config, profile: dict, link_gbps: float = 364.0, hop_ms: float = 0.0) -> None:
+        if not link_gbps > 0:
+            raise ValueError(f"--link-gbps: expected a bandwidth > 0 GB/s, got {link_gbps}")
+        if not 0 <= hop_ms < float("inf"):
+            raise ValueError(f"--hop-ms: expected a finite number of milliseconds >= 0, got {hop_ms}")
+        self.hop_s = hop_ms / 1e3
+        self.config = config
+        engine = profile["engine"]
+        self.page_size = config.cache.page_size
+        self.num_pages = config.cache.num_pages or _pages_of(profile, config)
+        self.max_model_len = min(config.model.max_model_len or engine["max_model_len"], engine["max_model_len"])
+        self.token_bytes = float(engine["kv_bytes_per_token"])
+        self.link_bytes_per_s = link_gbps * 1e9
+        self.model = StepTimeModel.from_dict(profile["fit"])
+        self.instances = [self._instance(f"{role}-{i}", role) for role in ("prefill", "decode", "colocated")
+                          for i in range(getattr(config.instances, role))]
+        self._by_name = {inst.name: inst for inst in self.instances}
+        router = config.router
+        self.picker = TrackedPicker(router.policy)
+        self.placement = router.placement
+        self.prefill_queue_tokens = router.prefill_queue_tokens or 4 * config.scheduler.max_num_batched_tokens
+        self.fleet_model = FleetModel(config.scheduler.max_num_batched_tokens, self.page_size)
+        self.fleet_model.models = {inst.name: self.model for inst in self.instances}
+        self.targets = Targets.from_ms(router.slo_ttft_ms, router.slo_tpot_ms)
+        self.placements = collections.Counter({path: 0 for path in PATHS})
+        self.now = 0.0
+        self._events: list[tuple] = []
+        self._order = itertools.count()
+        self._queue: collections.deque[Request] = collections.deque()
+        self.placed: dict[str, Request] = {}  # live requests placed on instances (the picker's view)
+        self.timelines: dict[str, Timeline] = {}
+        self._link_free = {inst.name: 0.0 for inst in self.instances}
+        self.num_events = 0
+        self.fuse = True  # run the pure-decode forwards no event can change in one event (`SimEngine.fuse`)
+
+    def _instance(self, name: str, role: str) -> Instance:
+        from disagg.cluster.simulate.instance import SimEngine
+
+        sched = self.config.scheduler
+        engine = SimEngine(self.model, num_pages=self.num_pages, page_size=self.page_size,
+                           max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+                           max_model_len=self.max_model_len, async_scheduling=sched.async_scheduling)
+        return Instance(name=name, role=role, actor=engine)
+
+    def of_role(self, role: str) -> list[Instance]:
+        return [inst for inst in self.instances if inst.role == role]
+
+    # ------------------------------------------------------------------ the clock
+    def submit_at(self, t: float, request_id: str, prompt_len: int, max_tokens: int) -> None:
+        """A request sent at virtual time ``t``: it reaches the router ``hop_ms`` later."""
+        self._push(t + self.hop_s, ARRIVAL, (request_id, prompt_len, max_tokens, t))
+
+    def run(self, on_end: Any = None) -> None:
+        """Process events until none is left. ``on_end(request_id, now)`` hears each request end."""
+        self._on_end = on_end
+        while self._events:
+            t, _, kind, payload = heapq.heappop(self._events)
+            self.now = t
+            self.num_events += 1
+            touched = self._handle(kind, payload)
+            self._dispatch(touched)
+            self._launch([self._by_name[name] for name in sorted(touched)])
+
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._events, (t, next(self._order), kind, payload))
+
+    def _handle(self, kind: int, payload: Any) -> set[str]:
+        """Apply one event; the names of the instances it touched."""
+        if kind == ARRIVAL:
+            return self._arrive(*payload)
+        if kind == STEP_END:
+            return self._step_end(payload)
+        req, prefill, engine_req = payload
+        prefill.actor.release_pushed(engine_req)
+        # The decode side learns the first token even when it ended the request (it frees the
+        # reservation then), as the router's `_on_first_token` tells it.
+        if req.decode.actor.start(req.request_id):
+            self._end(req)
+        return {prefill.name, req.decode.name}
+
+    def _launch(self, instances: list[Instance]) -> None:
+        """Launch the next forward of each idle instance with work; then fuse the pure-decode
+        forwards that surely follow, up to the first event any of them could see."""
+        launched = []
+        for inst in instances:
+            engine = inst.actor
+            if engine.current is None and engine.has_work() and engine.begin_step() is not None:
+                launched.append(inst)
+        nxt = self._events[0][0] if self._events else math.inf
+        firsts = [self.now + inst.actor.current.seconds for inst in launched]
+        for i, inst in enumerate(launched):
+            if self.fuse:
+                inst.actor.fuse(self.now, min([nxt] + firsts[:i] + firsts[i + 1:]))
+            step = inst.actor.current
+            step.end_times = self._end_times(step)
+            self._push(step.end_times[-1], STEP_END, inst)
+
+    def _end_times(self, step) -> list[float]:
+        """When each of a step's forwards ends, accumulated as the clock would, forward by forward."""
+        times, t = [], self.now
+        for seconds in step.durations:
+            t = t + seconds
+            times.append(t)
+        return times
+
+    # ------------------------------------------------------------------ router
+    def _arrive(self, request_id: str, prompt_len: int, max_tokens: int, sent: float) -> set[str]:
+        self.timelines[request_id] = Timeline(prompt_len, max_tokens, sent)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        req = Request(request_id, [0] * prompt_len, params, _sink, RequestMetrics(arrival_time=self.now))
+        longest = pages_for(min(prompt_len + max_tokens, self.max_model_len), self.page_size)
+        if prompt_len + max_tokens > self.max_model_len or longest > self.num_pages:
+            self._end(req, f"RequestRefused: prompt {prompt_len} + max_tokens {max_tokens} does not fit "
+                           f"max_model_len {self.max_model_len} / {self.num_pages} pages of {self.page_size}")
+            return set()
+        if self.config.mode == "colocated":
+            inst = self.picker.order(self.of_role("colocated"), list(self.placed.values()))[0]
+            return {self._place_alone(req, inst, None)}
+        self._queue.append(req)
+        return set()
+
+    def _dispatch(self, touched: set[str]) -> None:
+        """Place queued requests in order while the head can go (the router's dispatch loop)."""
+        while self._queue:
+            placed = self._place(self._queue[0])
+            if placed is None:
+                return
+            self._queue.popleft()
+            touched.update(placed)
+
+    def _place(self, req: Request) -> set[str] | None:
+        """The router's `_place` (module docstring): the instances it touched, None to wait."""
+        live = self.placed.values()  # the tracked picker does not walk them; the adaptive views do
+        decodes = self.picker.order(self.of_role("decode"), live)
+        prefills = self.of_role("prefill")
+        if self.placement == "local":
+            return {self._place_alone(req, decodes[0], "local")}
+        if self.placement == "adaptive":
+            for inst in self.instances:
+                self.fleet_model.loads[inst.name] = inst.actor.load()
+            view = self.fleet_model.view
+            live = list(live)
+            decision = decide(req.prompt_len, [view(p, live) for p in prefills], [view(d, live) for d in decodes],
+                              self.targets)
+            if decision.chosen is None:
+                return None
+            if decision.path != "remote":
+                return {self._place_alone(req, self._by_name[decision.chosen.decode], decision.path)}
+            chosen = self._by_name[decision.chosen.decode]
+            decodes = [chosen] + [inst for inst in decodes if inst is not chosen]
+        loads = self.picker.loads(prefills, live)
+        queued = min(loads.values())
+        if queued and queued + req.prompt_len > self.prefill_queue_tokens:
+            return None
+        for inst in decodes:
+            if inst.actor.reserve(req.request_id, req.prompt_len, req.params.max_tokens):
+                req.decode = inst
+                break
+        else:
+            return None
+        prefill = self.picker.order(prefills, live)[0]
+        req.prefill, req.stage = prefill, "prefilling"
+        self.picker.tokens[prefill.name] += req.prompt_len
+        self.picker.tokens[req.decode.name] += req.prompt_len
+        self.placements["remote"] += 1
+        prefill.actor.add(req.request_id, req.prompt_len, req.params.max_tokens, pushed=True)
+        self.placed[req.request_id] = req
+        return {prefill.name, req.decode.name}
+
+    def _place_alone(self, req: Request, inst: Instance, path: str | None) -> str:
+        req.colocated, req.stage = inst, "running"
+        self.picker.tokens[inst.name] += req.prompt_len
+        if path is not None:
+            self.placements[path] += 1
+        inst.actor.add(req.request_id, req.prompt_len, req.params.max_tokens)
+        self.placed[req.request_id] = req
+        return inst.name
+
+    # ------------------------------------------------------------------ outputs
+    def _step_end(self, inst: Instance) -> set[str]:
+        engine = inst.actor
+        step = engine.current
+        times = step.end_times
+        push_start = max(self.now - step.seconds, self._link_free[inst.name])
+        if step.num_pushed_tokens:
+            self._link_free[inst.name] = push_start + step.num_pushed_tokens * self.token_bytes / self.link_bytes_per_s
+        touched = {inst.name}
+        for engine_req, finished, num_tokens in engine.finish_step():
+            req = self.placed[engine_req.request_id]
+            self._tokens(req, times[-num_tokens:])
+            if engine_req.dest is not None:  # pushed: the first token; decoding waits for the push
+                req.stage = "decoding"
+                self.picker.tokens[req.prefill.name] -= req.prompt_len
+                self._push(max(self.now, self._link_free[inst.name]), PUSH_END, (req, inst, engine_req))
+                if finished:
+                    self._end(req)
+            elif finished:
+                self._end(req)
+        return touched
+
+    def _tokens(self, req: Request, times: list[float]) -> None:
+        self.timelines[req.request_id].token_times.extend(times)
+        req.num_output += len(times)
+        self.picker.tokens[(req.colocated or req.decode).name] += len(times)
+
+    def _end(self, req: Request, error: str = "") -> None:
+        if req.done:
+            return
+        if self.placed.pop(req.request_id, None) is not None:
+            self.picker.tokens[(req.colocated or req.decode).name] -= req.prompt_len + req.num_output
+            if req.stage in ("reserving", "prefilling"):
+                self.picker.tokens[req.prefill.name] -= req.prompt_len
+        req.stage = "done"
+        timeline = self.timelines[req.request_id]
+        assert not timeline.ended, f"request {req.request_id} ended twice"
+        timeline.ended, timeline.error = True, error
+        if self._on_end is not None:
+            self._on_end(req.request_id, self.now)
+
+
+    def check_loads(self) -> None:
+        """Assert that the tracked loads are the router's `Picker.loads` over the live requests."""
+        expected = Picker("least_loaded").loads(self.instances, list(self.placed.values()))
+        tracked = self.picker.loads(self.instances, ())
+        assert tracked == expected, f"tracked loads {tracked} != the picker's {expected}"
+
+
+def _pages_of(profile: dict, config: Config) -> int:
+    """Pages of one instance when the config sizes them from memory: the profiled engine's,
+    divided among the instances sharing a GPU."""
+    return max(1, int(profile["engine"]["num_pages"] * config.instances.gpus_per_instance))

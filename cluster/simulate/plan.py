@@ -1,0 +1,215 @@
+"""`disagg plan`: which deployment of N GPUs serves a workload with the most goodput per GPU.
+
+The candidates, one instance per GPU, all with the profiled instance's model, pages and budgets:
+
+    colocated-N[chunk=C]   N colocated instances, prompt chunks of C tokens (`--chunk-sizes`)
+    xPyD                   x prefill + y decode instances (x + y = N; beyond 8 GPUs nine
+                           ratios, `prefill_counts`), every prompt pushed
+    xPyD-adaptive          the same fleet with `router.placement: adaptive` (per-request
+                           remote / local / kept from the profile's step-time model), its
+                           targets `router.slo_ttft_ms` / `slo_tpot_ms` the SLOs judged
+
+Each candidate's goodput is DistServe's: the highest request rate whose SLO attainment (the
+fraction of requests within every `--goodput` SLO) is at least 90% (`bench.compare.
+TARGET_ATTAINMENT`), found by simulating (`run.simulate_run`, the same workload and arrival seed
+for every candidate and rate; `RunLength`: about 30 s of arrivals) at doubling rates, then bisecting between the last rate that held
+and the first that missed. The table ranks them by goodput per GPU; the best one's YAML is what
+`disagg launch` / `disagg bench` run. Pure Python; no GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from disagg.cluster.bench.compare import TARGET_ATTAINMENT
+from disagg.cluster.bench.metrics import slo_attainment
+from disagg.cluster.simulate.fleet import SimFleet
+from disagg.cluster.simulate.run import simulate_run, workload_spec
+from disagg.config import Config
+
+DEFAULT_CHUNK_SIZES = (512, 2048, 8192)
+MAX_DOUBLINGS = 12
+BISECTIONS = 5
+
+
+@dataclass
+class Candidate:
+    """One deployment of the search, its goodput once judged."""
+
+    label: str
+    sections: dict[str, Any]  # the YAML sections that make it (instances, scheduler, router)
+    goodput_rps: float = 0.0
+    attainment_at: dict[float, float] = field(default_factory=dict)
+
+    @property
+    def num_gpus(self) -> int:
+        inst = self.sections["instances"]
+        return inst.get("colocated", 0) + inst.get("prefill", 0) + inst.get("decode", 0)
+
+    @property
+    def goodput_per_gpu(self) -> float:
+        return self.goodput_rps / self.num_gpus
+
+
+def base_sections(profile: dict, slos_ms: Mapping[str, float]) -> dict[str, Any]:
+    """The YAML of the profiled instance: model, cache page size, scheduler budgets, the SLOs."""
+    engine = profile["engine"]
+    on_cpu = str((profile.get("device") or {}).get("torch_device", "cuda")).startswith("cpu")
+    dtype = profile.get("dtype") if profile.get("dtype") in ("float32", "bfloat16", "float16") else "auto"
+    return {"model": {"source": profile["model"], "dtype": dtype},
+            "cache": {"page_size": engine["page_size"]},
+            "instances": {"device": "cpu" if on_cpu else "cuda"},
+            "scheduler": {"max_num_seqs": engine["max_num_seqs"],
+                          "max_num_batched_tokens": engine["max_num_batched_tokens"]},
+            "bench": {"goodput": dict(slos_ms)}}
+
+
+def prefill_counts(num_gpus: int) -> list[int]:
+    """The prefill instance counts x of the xPyD splits searched: every one up to 8 GPUs, beyond
+    that the splits nearest to x/N = 1/8, 1/6, 1/4, 1/3, 1/2, 2/3, 3/4, 5/6, 7/8."""
+    if num_gpus <= 8:
+        return list(range(1, num_gpus))
+    fractions = (1 / 8, 1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 3 / 4, 5 / 6, 7 / 8)
+    return sorted({min(num_gpus - 1, max(1, round(num_gpus * f))) for f in fractions})
+
+
+def candidates(num_gpus: int, chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, *, splits: bool = True,
+               adaptive: bool = True, colocated: bool = True) -> list[Candidate]:
+    """Every deployment of the search for ``num_gpus`` (module docstring; `prefill_counts`)."""
+    if num_gpus < 1:
+        raise ValueError(f"--gpus: expected at least 1 GPU, got {num_gpus}")
+    out = []
+    if colocated:
+        for chunk in chunk_sizes:
+            out.append(Candidate(f"colocated-{num_gpus}[chunk={chunk}]", {
+                "instances": {"colocated": num_gpus}, "scheduler": {"max_num_batched_tokens": chunk}}))
+    for x in prefill_counts(num_gpus) if splits or adaptive else ():
+        instances = {"prefill": x, "decode": num_gpus - x}
+        if splits:
+            out.append(Candidate(f"{x}P{num_gpus - x}D", {"instances": instances}))
+        if adaptive:
+            out.append(Candidate(f"{x}P{num_gpus - x}D-adaptive", {
+                "instances": instances, "router": {"placement": "adaptive"}}))
+    return out
+
+
+def config_of(base: dict[str, Any], candidate: Candidate) -> dict[str, Any]:
+    """The base sections with the candidate's merged in (a YAML-ready dict)."""
+    merged = {name: dict(section) for name, section in base.items()}
+    for name, section in candidate.sections.items():
+        merged.setdefault(name, {}).update(section)
+    return merged
+
+
+def max_rate(attainment: Callable[[float], float], start: float, target: float = TARGET_ATTAINMENT) -> float:
+    """The highest rate whose ``attainment(rate)`` holds ``target`` (0.0 when even a rate 2^-12 of
+    ``start`` misses): doubling (or halving) from ``start`` to a bracket, then `BISECTIONS`
+    halvings of it."""
+    rate = start
+    if attainment(rate) >= target:
+        low, high = rate, None
+        for _ in range(MAX_DOUBLINGS):
+            rate *= 2
+            if attainment(rate) < target:
+                high = rate
+                break
+            low = rate
+        if high is None:
+            return low
+    else:
+        low, high = None, rate
+        for _ in range(MAX_DOUBLINGS):
+            rate /= 2
+            if attainment(rate) >= target:
+                low = rate
+                break
+            high = rate
+        if low is None:
+            return 0.0
+    for _ in range(BISECTIONS):
+        mid = (low + high) / 2
+        if attainment(mid) >= target:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """How many requests a simulated run sends: ``rate x seconds`` of arrivals (a steady state,
+    not one burst that a fleet drains within its SLOs), between ``min_prompts`` and ``max_prompts``."""
+
+    seconds: float = 30.0
+    min_prompts: int = 100
+    max_prompts: int = 3000
+
+    def prompts_at(self, rate: float) -> int:
+        return int(min(self.max_prompts, max(self.min_prompts, math.ceil(rate * self.seconds))))
+
+
+def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_name: str,
+          slos_ms: Mapping[str, float], run_length: RunLength = RunLength(), seed: int = 0,
+          link_gbps: float = 364.0, start_rate: float | None = None, **lengths: Any) -> Candidate:
+    """Simulate ``candidate`` at the rates `max_rate` asks for; set its goodput."""
+    config = Config.from_dict(config_of(base, candidate), origin=candidate.label)
+
+    def attainment(rate: float) -> float:
+        fleet = SimFleet(config, profile, link_gbps)
+        spec = workload_spec(profile, fleet.max_model_len, dataset_name=dataset_name,
+                             num_prompts=run_length.prompts_at(rate), seed=seed, **lengths)
+        sim = simulate_run(config, profile, spec, request_rate=rate, seed=seed, fleet=fleet)
+        candidate.attainment_at[rate] = slo_attainment(sim.run.outputs, slos_ms)
+        return candidate.attainment_at[rate]
+
+    candidate.goodput_rps = max_rate(attainment, start_rate or float(candidate.num_gpus))
+    return candidate
+
+
+def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_gpus: int,
+         chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, run_length: RunLength = RunLength(), seed: int = 0,
+         link_gbps: float = 364.0, search: Sequence[Candidate] | None = None,
+         on_judged: Callable[[Candidate], None] | None = None, **lengths: Any) -> list[Candidate]:
+    """Judge every candidate; return them best first (goodput per GPU, then the order searched).
+
+    Raises:
+        ValueError: a bad GPU count, SLOs missing, or a workload flag out of range.
+    """
+    if not slos_ms:
+        raise ValueError("--goodput: expected SLOs such as ttft:500 tpot:50, got none")
+    base = base_sections(profile, slos_ms)
+    judged = []
+    for cand in search if search is not None else candidates(num_gpus, chunk_sizes):
+        router = cand.sections.get("router") or {}
+        if router.get("placement") == "adaptive":  # it predicts against the SLOs it is judged by
+            router.setdefault("slo_ttft_ms", slos_ms.get("ttft"))
+            router.setdefault("slo_tpot_ms", slos_ms.get("tpot"))
+        judged.append(judge(cand, base, profile, dataset_name=dataset_name, slos_ms=slos_ms, run_length=run_length,
+                            seed=seed, link_gbps=link_gbps, **lengths))
+        if on_judged is not None:
+            on_judged(judged[-1])
+    order = {id(c): i for i, c in enumerate(judged)}
+    return sorted(judged, key=lambda c: (-round(c.goodput_per_gpu, 9), order[id(c)]))
+
+
+def best_yaml(best: Candidate, base: dict[str, Any], *, dataset_name: str, link_gbps: float,
+              ranked: Sequence[Candidate]) -> str:
+    """The YAML of ``best`` with a header saying how it was chosen."""
+    import yaml
+
+    colocated = [c for c in ranked if c.label.startswith("colocated")]
+    versus = (f" ({best.goodput_per_gpu / colocated[0].goodput_per_gpu:.2f}x the best colocated)"
+              if colocated and colocated[0].goodput_per_gpu > 0 else "")
+    header = (f"# `disagg plan`: the best of {len(ranked)} deployments of {best.num_gpus} GPU(s) for workload "
+              f"{dataset_name!r},\n# simulated goodput {best.goodput_per_gpu:.3f} req/s per GPU{versus}; "
+              f"pushes at {link_gbps:g} GB/s.\n")
+    return header + yaml.safe_dump(config_of(base, best), sort_keys=False)
+
+
+def table_rows(ranked: Sequence[Candidate]) -> list[tuple[str, str, str, str]]:
+    """(deployment, goodput req/s, per GPU, vs the best colocated) per candidate, best first."""
+    colocated = max((c.goodput_per_gpu for c in ranked if c.label.startswith("colocated")), default=0.0)
+    return [(c.label, f"{c.goodput_rps:.3f}", f"{c.goodput_per_gpu:.3f}",
+             f"{c.goodput_per_gpu / colocated:.2f}x" if colocated > 0 else "-") for c in ranked]

@@ -1,0 +1,129 @@
+"""A workload through a simulated fleet, as `disagg bench`'s result.
+
+`simulate_run` draws the bench's workload lengths (`workloads.sample_lengths`, the same lengths
+`disagg bench` sends for the same flags) and arrival offsets (`arrivals.arrival_offsets`), sends
+them into a `SimFleet` at those virtual times (with ``max_concurrency``, a request waits for a
+free slot, in order, as the bench client's semaphore makes it), runs the clock to the end and
+turns each request's token times into the client's `RequestOutput`. `simulated_result` writes
+that as `report.build_result` does for a measured run, with ``"simulated": true`` and what the
+simulation assumed, so `disagg bench --from-results` reads, compares and plots it beside
+measured runs. Pure Python; no GPU, no Ray.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from disagg.cluster.bench.arrivals import arrival_offsets
+from disagg.cluster.bench.metrics import DEFAULT_PERCENTILES, RequestOutput
+from disagg.cluster.bench.report import build_result
+from disagg.cluster.bench.runner import RunResult
+from disagg.cluster.bench.workloads import WorkloadSpec, sample_lengths
+from disagg.cluster.simulate.fleet import SimFleet, Timeline
+from disagg.config import Config
+
+
+@dataclass
+class Simulation:
+    """One simulated run: the client's records, the fleet after it, and its cost."""
+
+    run: RunResult
+    fleet: SimFleet
+    spec: WorkloadSpec
+    wall_s: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def workload_spec(profile: dict, fleet_max_model_len: int, *, dataset_name: str, num_prompts: int, seed: int,
+                  input_len: int | None = None, output_len: int | None = None,
+                  range_ratio: float | None = None) -> WorkloadSpec:
+    """The bench's workload spec sized to the profiled model (vocabulary, context, EOS ids)."""
+    engine = profile["engine"]
+    return WorkloadSpec(dataset_name, num_prompts, seed, int(engine.get("vocab_size") or 32000),
+                        fleet_max_model_len, input_len, output_len, range_ratio,
+                        tuple(int(t) for t in engine.get("eos_token_ids") or ())).resolved()
+
+
+def simulate_run(config: Config, profile: dict, spec: WorkloadSpec, *, request_rate: float,
+                 burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
+                 link_gbps: float = 364.0, hop_ms: float = 0.0, fleet: SimFleet | None = None) -> Simulation:
+    """Run ``spec`` at ``request_rate`` through the fleet of ``config`` (module docstring).
+
+    Raises:
+        ValueError: a bad rate, burstiness, concurrency or link bandwidth.
+    """
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"--max-concurrency: expected an integer >= 1, got {max_concurrency}")
+    started = time.perf_counter()
+    fleet = fleet or SimFleet(config, profile, link_gbps, hop_ms)
+    input_lens, output_lens = sample_lengths(spec)
+    offsets = arrival_offsets(len(input_lens), request_rate, burstiness, seed)
+    ids = [f"{spec.dataset_name}-{i}" for i in range(len(input_lens))]
+    limit = len(ids) if max_concurrency is None else min(max_concurrency, len(ids))
+    sent = iter(range(len(ids)))
+
+    def send(i: int, not_before: float) -> None:
+        fleet.submit_at(max(float(offsets[i]), not_before), ids[i], int(input_lens[i]), int(output_lens[i]))
+
+    for i in itertools.islice(sent, limit):
+        send(i, 0.0)
+
+    def on_end(request_id: str, now: float) -> None:
+        nxt = next(sent, None)
+        if nxt is not None:
+            send(nxt, now)
+
+    fleet.run(on_end)
+    outputs = [client_output(fleet.timelines[i]) for i in ids]
+    ends = [out.start_time + out.latency for out in outputs if out.success]
+    duration = max(ends + [float(offsets[-1]), 1e-9])
+    run = RunResult(outputs, duration, request_rate, burstiness, max_concurrency)
+    return Simulation(run, fleet, spec, time.perf_counter() - started)
+
+
+def client_output(timeline: Timeline) -> RequestOutput:
+    """The bench client's record of one simulated request (its clock starts when it was sent)."""
+    out = RequestOutput(prompt_len=timeline.prompt_len, expected_output_len=timeline.max_tokens,
+                        start_time=timeline.sent)
+    times = timeline.token_times
+    if timeline.error or not times:
+        out.error = timeline.error or "the simulated request ended without a token"
+        return out
+    out.success, out.output_len = True, len(times)
+    out.ttft = times[0] - timeline.sent
+    out.itl = [b - a for a, b in zip(times, times[1:])]
+    out.latency = times[-1] - timeline.sent
+    return out
+
+
+def simulated_result(sim: Simulation, config: Config, profile: dict, *, label: str, config_path: str | None,
+                     overrides: Mapping[str, Any] | None = None, link_gbps: float = 364.0,
+                     goodput_slos_ms: Mapping[str, float] | None = None,
+                     percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+                     extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`disagg bench`'s result object of a simulated run (vLLM's names, per-request lists), with
+    ``"simulated": true``, the profile's device as the device, and the simulation's assumptions."""
+    from disagg.cluster.bootstrap import SECRET_FIELDS
+
+    fleet = sim.fleet
+    duration = sim.run.duration_s
+    busy = {inst.name: inst.actor.busy_s / duration for inst in fleet.instances} if duration > 0 else None
+    on_cpu = str((profile.get("device") or {}).get("torch_device", "cuda")).startswith("cpu")
+    info = {"simulated": True, "label": label, "num_gpus": config.instances.num_gpus,
+            "device_unit": "instance" if on_cpu else "GPU",
+            "config_path": config_path, "overrides": dict(overrides or {}), "model_id": config.model.source,
+            "dtype": config.model.dtype, "tokenizer_id": config.model.source, "device": profile.get("device"),
+            "busy_fraction": busy, "placements": dict(fleet.placements) if config.mode == "disaggregated" else None,
+            "simulation": {"profile_date": profile.get("date"), "profile_commit": profile.get("commit"),
+                           "profile_model": profile.get("model"), "fit": profile["fit"],
+                           "link_gbps": link_gbps, "hop_ms": fleet.hop_s * 1e3, "num_pages": fleet.num_pages, "num_events": fleet.num_events,
+                           "num_steps": {i.name: i.actor.num_steps for i in fleet.instances},
+                           "min_free_pages": min(i.actor.min_free_pages for i in fleet.instances),
+                           "wall_s": sim.wall_s}}
+    info.update(extra or {})
+    return build_result(sim.run, goodput_slos_ms=goodput_slos_ms, percentiles=percentiles, label=label,
+                        workload=sim.spec.to_dict(), config=config.model_dump(mode="json", exclude=SECRET_FIELDS),
+                        extra=info)

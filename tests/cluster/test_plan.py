@@ -1,0 +1,81 @@
+"""`disagg plan`: the search finds the known best split, and writes a YAML that launches it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from disagg.cluster.cli import app
+from disagg.cluster.simulate import plan as planner
+from disagg.config import Config
+
+PROFILE = {
+    "kind": "disagg-profile", "version": 1, "model": "dummy:tiny", "dtype": "float32",
+    "device": {"host": "test", "gpus": [], "torch_device": "cpu"},
+    "engine": {"num_pages": 256, "page_size": 16, "max_num_seqs": 16, "max_num_batched_tokens": 256,
+               "max_model_len": 4096, "kv_bytes_per_token": 512, "vocab_size": 256, "eos_token_ids": [2]},
+    "fit": {"coef_s": [1.5e-3, 2e-5, 1.8e-4, 5e-8], "error": 0.1}, "samples": [],
+}
+SHORT = planner.RunLength(seconds=3.0, min_prompts=40, max_prompts=150)
+
+
+def test_max_rate_brackets_and_bisects():
+    assert planner.max_rate(lambda r: 1.0 if r <= 37.0 else 0.0, 4.0) == pytest.approx(37.0, rel=0.1)
+    assert planner.max_rate(lambda r: 1.0 if r <= 0.3 else 0.0, 4.0) == pytest.approx(0.3, rel=0.1)
+    assert planner.max_rate(lambda r: 0.0, 4.0) == 0.0
+
+
+@pytest.mark.parametrize("lengths, best, worst", [
+    (dict(input_len=200, output_len=6), "3P1D", "1P3D"),   # prompts dominate: prefill instances
+    (dict(input_len=8, output_len=64), "1P3D", "3P1D"),    # answers dominate: decode instances
+])
+def test_plan_finds_the_known_best_split(lengths, best, worst):
+    search = [c for c in planner.candidates(4, adaptive=False, colocated=False)]
+    ranked = planner.plan(PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=4,
+                          search=search, run_length=SHORT, **lengths)
+    assert [c.label for c in search] == ["1P3D", "2P2D", "3P1D"]
+    assert ranked[0].label == best and ranked[-1].label == worst
+    assert ranked[0].goodput_per_gpu > 1.2 * ranked[-1].goodput_per_gpu
+
+
+def test_tiny_chunks_lose_to_the_budget():
+    search = planner.candidates(2, chunk_sizes=(16, 256), splits=False, adaptive=False)
+    ranked = planner.plan(PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=2,
+                          search=search, run_length=SHORT, input_len=200, output_len=8)
+    assert [c.label for c in ranked] == ["colocated-2[chunk=256]", "colocated-2[chunk=16]"]
+
+
+def test_cli_prints_every_candidate_and_writes_a_loadable_yaml(tmp_path: Path):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    out = tmp_path / "best.yaml"
+    result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--dataset-name", "random",
+                                      "--random-input-len", "64", "--random-output-len", "16", "--goodput",
+                                      "ttft:300", "tpot:20", "--gpus", "2", "--chunk-sizes", "256",
+                                      "--run-seconds", "3", "--max-prompts", "150", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    for label in ("colocated-2[chunk=256]", "1P1D", "1P1D-adaptive"):
+        assert label in result.output
+    config = Config.from_yaml(out)
+    assert config.instances.num_gpus == 2 and config.model.source == "dummy:tiny"
+    assert config.bench.goodput == {"ttft": 300.0, "tpot": 20.0}
+
+
+def test_cli_needs_slos(tmp_path: Path):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--gpus", "2"])
+    assert result.exit_code == 2 and "--goodput" in result.output
+
+
+def test_search_space_every_split_up_to_8_gpus_then_ratios():
+    labels = [c.label for c in planner.candidates(4, chunk_sizes=(512,))]
+    assert labels == ["colocated-4[chunk=512]", "1P3D", "1P3D-adaptive", "2P2D", "2P2D-adaptive", "3P1D",
+                      "3P1D-adaptive"]
+    assert planner.prefill_counts(8) == list(range(1, 8))
+    assert planner.prefill_counts(64) == [8, 11, 16, 21, 32, 43, 48, 53, 56]
+    with pytest.raises(ValueError, match="at least 1 GPU"):
+        planner.candidates(0)

@@ -1,0 +1,209 @@
+"""`disagg simulate`: the real scheduler on a virtual clock.
+
+Determinism under a seed, conservation (every request ends exactly once, pages never negative
+and all free at the end, the router's loads), the same steps as the real tiny engine given the
+same arrivals, and a result that `disagg bench --from-results` reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from disagg.cluster.cli import app
+from disagg.cluster.simulate.fleet import SimFleet
+from disagg.cluster.simulate.instance import SimEngine
+from disagg.cluster.simulate.run import simulate_run, simulated_result, workload_spec
+from disagg.config import Config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PROFILE = {  # a profile of the tiny model's shape (what `disagg profile --small-grid` writes, abridged)
+    "kind": "disagg-profile", "version": 1, "date": "20261127-000000", "model": "dummy:tiny", "commit": None,
+    "device": {"host": "test", "gpus": [], "torch_device": "cpu"},
+    "engine": {"num_pages": 256, "page_size": 16, "max_num_seqs": 16, "max_num_batched_tokens": 256,
+               "max_model_len": 4096, "kv_bytes_per_token": 512, "vocab_size": 256, "eos_token_ids": [2]},
+    "fit": {"coef_s": [1.5e-3, 2e-5, 1.8e-4, 5e-8], "error": 0.1}, "samples": [],
+}
+FLEETS = {  # name: (config, overrides)
+    "colocated": ("tiny-colocated.yaml", {}),
+    "1p1d": ("tiny-1p1d.yaml", {}),
+    "adaptive": ("tiny-2p2d.yaml", {"router.placement": "adaptive"}),
+    "local": ("tiny-1p1d.yaml", {"router.placement": "local"}),
+    "3p1d-tight": ("tiny-1p1d.yaml", {"instances.prefill": 3, "cache.num_pages": 40}),
+}
+
+
+def simulate(name: str, *, rate: float = 40.0, num_prompts: int = 120, seed: int = 0, dataset: str = "chat",
+             check_loads: bool = False, **spec_args):
+    path, overrides = FLEETS[name]
+    config = Config.from_yaml(CONFIGS / path)
+    config = config.override(overrides) if overrides else config
+    fleet = SimFleet(config, copy.deepcopy(PROFILE))
+    spec = workload_spec(PROFILE, 512, dataset_name=dataset, num_prompts=num_prompts, seed=seed, **spec_args)
+    if check_loads:  # the tracked loads, checked at every request's end
+        run = fleet.run
+        fleet.run = lambda on_end: run(lambda rid, now: (fleet.check_loads(), on_end(rid, now)))
+    return config, simulate_run(config, PROFILE, spec, request_rate=rate, seed=seed, fleet=fleet)
+
+
+@pytest.mark.parametrize("name", list(FLEETS))
+def test_every_request_ends_once_and_every_page_comes_back(name: str):
+    _, sim = simulate(name, check_loads=True)
+    fleet = sim.fleet
+    assert all(t.ended for t in fleet.timelines.values()) and len(fleet.timelines) == 120
+    assert all(out.success and out.output_len == out.expected_output_len for out in sim.run.outputs)
+    for inst in fleet.instances:
+        engine = inst.actor
+        assert engine.min_free_pages >= 0
+        assert not engine.requests and not engine.has_work() and engine.current is None
+        assert engine.cache.num_free_pages == engine.cache.num_pages  # every page back
+    assert not fleet.placed and all(v == 0 for v in fleet.picker.tokens.values())
+    if name == "3p1d-tight":
+        assert len(fleet.of_role("prefill")) == 3 and fleet.placements["remote"] == 120
+
+
+def test_tight_pages_preempt_and_still_conserve():
+    config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml").override({"cache.num_pages": 30})
+    fleet = SimFleet(config, PROFILE)
+    spec = workload_spec(PROFILE, 512, dataset_name="random", num_prompts=60, seed=1, input_len=200, output_len=64)
+    sim = simulate_run(config, PROFILE, spec, request_rate=200.0, fleet=fleet)
+    assert sum(i.actor.scheduler.num_preemptions for i in fleet.instances) > 0
+    assert all(out.success for out in sim.run.outputs)
+    assert all(i.actor.cache.num_free_pages == 30 and i.actor.min_free_pages >= 0 for i in fleet.instances)
+
+
+def test_same_seed_same_run_and_another_seed_another():
+    results = [simulated_result(sim, config, PROFILE, label="x", config_path=None)
+               for config, sim in (simulate("adaptive", seed=s, num_prompts=50) for s in (3, 3, 4))]
+    keys = ("ttfts", "itls", "latencies", "start_times", "input_lens", "output_lens")
+    assert all(results[0][k] == results[1][k] for k in keys)
+    assert results[0]["ttfts"] != results[2]["ttfts"]
+    assert results[0]["placements"] == results[1]["placements"]
+
+
+def test_events_run_in_time_order():
+    _, sim = simulate("1p1d")
+    for out in sim.run.outputs:  # each request's tokens after its send, in order
+        assert out.ttft > 0 and all(gap >= 0 for gap in out.itl)
+    times = sorted(t for tl in sim.fleet.timelines.values() for t in tl.token_times)
+    assert sim.fleet.now == pytest.approx(times[-1])
+
+
+def test_refused_request_fails_with_the_reason():
+    config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml").override({"cache.num_pages": 4})
+    fleet = SimFleet(config, PROFILE)
+    fleet.submit_at(0.0, "big", 100, 10)
+    fleet.submit_at(0.0, "small", 10, 5)
+    fleet.run()
+    assert "RequestRefused" in fleet.timelines["big"].error and fleet.timelines["big"].ended
+    assert len(fleet.timelines["small"].token_times) == 5
+
+
+@pytest.mark.slow  # ~7 s each: fifteen steps of the real tiny engine under TRITON_INTERPRET
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_simulated_engine_schedules_the_real_engines_steps(async_scheduling: bool):
+    """Given the same arrivals per step, the real colocated engine and the simulated one run the
+    same forwards (prompt tokens, decodes, context), preemption and steps launched ahead included."""
+    from disagg.cluster import engines
+    from disagg.engine import ColocatedEngine
+    from disagg.sampling import SamplingParams
+
+    sizes = dict(num_pages=8, page_size=16, max_num_seqs=3, max_num_batched_tokens=32)
+    config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml").override({"model.num_layers": 1})
+    real = ColocatedEngine(engines.load(config, "cpu"), async_scheduling=async_scheduling, **sizes)
+    from disagg.cluster.placement import StepTimeModel
+    sim = SimEngine(StepTimeModel(), max_model_len=real.max_model_len, async_scheduling=async_scheduling, **sizes)
+    sim.step_log = []
+    arrivals = {0: [(20, 8)], 1: [(35, 6)], 3: [(40, 10), (18, 7)], 9: [(30, 5)], 16: [(10, 9)], 21: [(12, 4)]}
+    real_shapes = []
+    for k in range(40):
+        for i, (prompt_len, max_tokens) in enumerate(arrivals.get(k, [])):
+            real.add(f"r{k}-{i}", [5] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            sim.add(f"r{k}-{i}", prompt_len, max_tokens)
+        real.step()
+        shape = real.last_step_shape
+        if shape is not None:
+            real_shapes.append((shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens))
+        if sim.begin_step() is not None:
+            sim.finish_step()
+        if k > 21 and not real.has_work():
+            break
+    assert real.scheduler.num_preemptions > 0  # the case where page budgets matter
+    assert (real.num_steps_ahead > 0) == async_scheduling
+    assert sim.step_log == real_shapes
+    assert sim.scheduler.num_preemptions == real.scheduler.num_preemptions and not sim.has_work()
+
+
+def test_cli_writes_a_result_that_bench_from_results_reads(tmp_path: Path):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    runner = CliRunner()
+    for config, out in (("tiny-1p1d.yaml", "a"), ("tiny-colocated.yaml", "b")):
+        result = runner.invoke(app, ["simulate", str(CONFIGS / config), "--profile", str(profile),
+                                     "--dataset-name", "chat", "--num-prompts", "20", "--request-rate", "5,50",
+                                     "--goodput", "ttft:500", "tpot:50", "--result-dir", str(tmp_path / out)])
+        assert result.exit_code == 0, result.output
+    stored = json.loads(next((tmp_path / "a").glob("*5.0qps*.json")).read_text())
+    assert stored["simulated"] is True and stored["label"] == "tiny-1p1d-sim" and len(stored["ttfts"]) == 20
+    assert stored["placements"] == {"remote": 20, "local": 0, "kept": 0}
+    result = runner.invoke(app, ["bench", "--from-results", str(tmp_path / "a"), "--from-results", str(tmp_path / "b"),
+                                 "--result-dir", str(tmp_path / "cmp")])
+    assert result.exit_code == 0, result.output
+    compared = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert [side["label"] for side in compared["sides"]] == ["tiny-1p1d-sim", "tiny-colocated-sim"]
+
+
+def test_cli_refuses_a_file_that_is_not_a_profile(tmp_path: Path):
+    bad = tmp_path / "p.json"
+    bad.write_text("{}")
+    result = CliRunner().invoke(app, ["simulate", str(CONFIGS / "tiny-1p1d.yaml"), "--profile", str(bad)])
+    assert result.exit_code == 2 and "expected a profile written by `disagg profile`" in result.output
+
+
+@pytest.mark.parametrize("name", ["colocated", "1p1d", "adaptive", "3p1d-tight"])
+def test_fused_decode_forwards_change_nothing(name: str):
+    """Fusing the pure-decode forwards no event can change gives the step-by-step run exactly."""
+    runs = []
+    for fuse in (False, True):
+        path, overrides = FLEETS[name]
+        config = Config.from_yaml(CONFIGS / path)
+        config = config.override(overrides) if overrides else config
+        fleet = SimFleet(config, PROFILE)
+        fleet.fuse = fuse
+        spec = workload_spec(PROFILE, 512, dataset_name="decode-heavy", num_prompts=40, seed=2, output_len=64)
+        runs.append(simulate_run(config, PROFILE, spec, request_rate=5.0, seed=2, fleet=fleet))
+    step_by_step, fused = runs
+    assert [t.token_times for t in fused.fleet.timelines.values()] == \
+        [t.token_times for t in step_by_step.fleet.timelines.values()]
+    assert [i.actor.num_steps for i in fused.fleet.instances] == [i.actor.num_steps for i in step_by_step.fleet.instances]
+    assert fused.fleet.num_events < step_by_step.fleet.num_events  # it did fuse
+
+
+def test_hop_delays_every_first_token_by_the_hop():
+    config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml")
+    firsts = []
+    for hop_ms in (0.0, 25.0):
+        fleet = SimFleet(config, PROFILE, hop_ms=hop_ms)
+        fleet.submit_at(1.0, "a", 30, 4)
+        fleet.run()
+        firsts.append(fleet.timelines["a"].token_times[0] - fleet.timelines["a"].sent)
+    assert firsts[1] - firsts[0] == pytest.approx(0.025)
+    with pytest.raises(ValueError, match="--hop-ms"):
+        SimFleet(config, PROFILE, hop_ms=-1.0)
+
+
+def test_max_concurrency_holds_requests_at_the_client():
+    config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml")
+    spec = workload_spec(PROFILE, 512, dataset_name="random", num_prompts=30, seed=0, input_len=32, output_len=8)
+    sim = simulate_run(config, PROFILE, spec, request_rate=float("inf"), max_concurrency=2)
+    spans = [(t.sent, t.token_times[-1]) for t in sim.fleet.timelines.values()]
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans], key=lambda e: (e[0], e[1]))
+    open_now = peak = 0
+    for _, step in events:
+        open_now += step
+        peak = max(peak, open_now)
+    assert peak == 2 and all(out.success for out in sim.run.outputs)
