@@ -7,8 +7,8 @@ from pathlib import Path
 
 import disagg
 
-BOOKKEEPING = ["blocks", "copies", "forward", "integrity", "pages", "plan", "posmap", "prefix",
-               "reserve", "sliding"]
+BOOKKEEPING = ["batch_checks", "blocks", "copies", "forward", "integrity", "pages", "plan", "posmap", "prefix",
+               "prefix_cache", "prefix_index", "reserve", "sliding"]
 
 
 def _imports(module: str) -> set[str]:
