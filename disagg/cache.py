@@ -190,7 +190,7 @@ class PagedKVCache:
             block = self._blocks.get()
             block.external_ref_cnt = 1
             self._seqs[seq_id] = Sequence(seq_id, block.index, 0, np.empty(0, dtype=np.int32))
-        if prefix is not None:
+        if prefix is not None and self._cached.enabled:
             self._cached.num_query_tokens += prefix.num_query_tokens
             self._cached.num_hit_tokens += prefix.num_tokens
 
@@ -209,8 +209,9 @@ class PagedKVCache:
         parent_id, num = (None, 0)
         if self._cached.enabled and query > self.page_size:
             parent_id, num = self._cached.index.match(token_ids, query - 1)
-        if num % self.page_size and (page_aligned or self._pool.num_free < 1):
-            num -= num % self.page_size
+        if num % self.page_size and (page_aligned or (self._pool.num_free < 1 and not self._cached.can_free_one(
+                self._blocks, self._pool, self._seqs, parent_id))):
+            num -= num % self.page_size  # no page to copy the partial one into
         if not num:
             return PrefixMatch(None, 0, query, 0, self._epoch)
         parent = self._seqs[parent_id]
@@ -293,14 +294,14 @@ class PagedKVCache:
                     f"within its {sinks} sink tokens; got fork_pos={fork_pos}"
                 )
         if fork_pos % self.page_size and self._pool.num_free < 1:
-            if self._num_evictable() < 1:
+            if not self._cached.can_free_one(self._blocks, self._pool, self._seqs, parent.seq_id):
                 raise OutOfPages(
                     f"fork_sequence: forking {parent.seq_id} at {fork_pos} copies a partial page and "
                     "needs 1 free page; none is free",
                     num_needed=1,
                     num_free=0,
                 )
-            self._make_room(1, "fork_sequence")  # a live parent's pages are never evicted
+            self._cached.evict(self._blocks, self._pool, self._seqs, 1, protect=parent.seq_id)
         self._cached.invalidate()
         table = parent.table[: fork_pos // self.page_size]
         child_block = prefix.fork_blocks(

@@ -86,15 +86,31 @@ class CachedSequences:
             return len(pages)
         return pool.num_untouched(pages)
 
-    def evict(self, blocks: BlockPool, pool: PagePool, seqs: dict[int, Sequence], num_free: int) -> None:
+    def can_free_one(self, blocks: BlockPool, pool: PagePool, seqs: dict[int, Sequence], protect: int) -> bool:
+        """Whether `evict` can free a page without touching cached sequence ``protect``'s pages."""
+        for seq_id in self.lru:
+            if seq_id == protect:
+                continue
+            idx = seqs[seq_id].last_block_idx
+            while idx != -1 and blocks.blocks[idx].external_ref_cnt == 1:
+                if any(p not in pool.touched for p in blocks.blocks[idx].page_ids):
+                    return True
+                idx = blocks.blocks[idx].parent_idx
+        return False
+
+    def evict(self, blocks: BlockPool, pool: PagePool, seqs: dict[int, Sequence], num_free: int,
+              protect: int | None = None) -> None:
         """Evict until ``pool.num_free >= num_free`` (the caller checked that it can).
 
-        Least recently used cached sequence first; from it, its last pages first (a pop to a
-        page boundary of its private blocks), the whole sequence once they do not suffice.
+        Least recently used cached sequence first (never ``protect``: a fork is about to share its
+        pages); from it, its last pages first (a pop to a page boundary of its private blocks), the
+        whole sequence once they do not suffice. Another sequence's private pages are never on
+        ``protect``'s trace, so evicting them leaves its pages alone.
         """
         while pool.num_free < num_free:
-            assert self.lru, f"evict: {num_free - pool.num_free} pages short with nothing cached left"
-            seq = seqs[next(iter(self.lru))]
+            victim = next((i for i in self.lru if i != protect), None)
+            assert victim is not None, f"evict: {num_free - pool.num_free} pages short with nothing cached left"
+            seq = seqs[victim]
             chain_pages, top_start = _private_tail(blocks, seq)
             want = num_free - pool.num_free
             before = pool.num_free

@@ -70,15 +70,19 @@ class RecvDest:
 
     Attributes:
         request_id: the request.
-        cmap: compressed position map of the reserved slots (`disagg.posmap` format).
+        cmap: compressed position map of the reserved slots, for prompt positions
+            ``num_cached_tokens ..`` (`disagg.posmap` format).
         pe: the decode worker's PE.
         ticket: the doorbell the prefill side's pusher rings after the last write.
+        num_cached_tokens: prompt tokens whose KV the decode worker already holds (its prefix
+            cache; whole pages): the prefill side pushes only the positions after them.
     """
 
     request_id: Hashable
     cmap: list[int]
     pe: int
     ticket: DoorbellTicket
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -99,6 +103,9 @@ class Request:
     dest: RecvDest | None = None  # pushed: its prompt's KV goes to this reservation, then it leaves
     received: bool = False  # its prompt's KV arrives from a sender into pages reserved here
     committed_pages: int = 0  # pages promised for its whole stay here (pushed, received); 0: none
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it entered the cache
+    prompt_known: bool = True  # False: a reservation made without the prompt's ids (placeholders)
+    sending: bool = False  # pushed: its send map is marked in the cache
 
     @property
     def preemptible(self) -> bool:
