@@ -31,11 +31,10 @@ from typing import Callable, Hashable
 import numpy as np
 import torch
 
-from disagg import posmap
 from disagg.cache import PagedKVCache
 from disagg.engine.lease import Lease, LeaseBook
-from disagg.engine.request import (PushState, RecvDest, Request, RequestFactory, TokenOutput,
-                                   check_engine_sizes, check_fits, check_new_request, pages_for)
+from disagg.engine.request import (PushState, RecvDest, Request, RequestFactory, TokenOutput, check_dest,
+                                   check_engine_sizes, check_fits, check_new_request, check_reserve, pages_for)
 from disagg.engine.runner import ModelRunner, PendingTokens
 from disagg.engine.scheduler import ScheduledBatch, Scheduler
 from disagg.engine.steps import InstanceLoad, Launched, NextStep, StepShape, same_requests
@@ -137,7 +136,7 @@ class EngineCore:
                                   argument="request_id")
         size = self.cache.page_size
         if dest is not None:
-            self._check_dest(request_id, len(prompt), dest)
+            check_dest(request_id, len(prompt), dest, self.heap)
             if pages_for(len(prompt), size) > self.cache.num_pages:
                 raise InvalidArgument(f"prompt_token_ids: request {request_id!r} has {len(prompt)} tokens, more than "
                                       f"this cache holds ({self.cache.num_pages} pages of {size})",
@@ -164,31 +163,6 @@ class EngineCore:
         aborted pushes are quiescing gets its own error in `_add`)."""
         return self.requests.keys() | self._quarantined.keys()
 
-    def _check_dest(self, request_id: Hashable, prompt_len: int, dest: object) -> None:
-        if self.heap is None:
-            raise InvalidArgument(f"dest: request {request_id!r}: this engine has no symmetric heap, so it cannot "
-                                  f"push KV; expected dest=None", argument="dest")
-        if not isinstance(dest, RecvDest):
-            raise InvalidArgumentType(f"dest: expected the RecvDest from DecodeEngine.reserve, got "
-                                      f"{type(dest).__name__}", argument="dest")
-        if dest.request_id != request_id:
-            raise InvalidArgument(f"dest: reserved for request {dest.request_id!r}, got request {request_id!r}",
-                                  argument="dest")
-        if not 0 <= dest.pe < self.heap.world_size or dest.pe == self.heap.rank or dest.ticket.pe != dest.pe:
-            raise InvalidArgument(f"dest.pe: expected a receiver PE in [0, {self.heap.world_size}) other than "
-                                  f"this one ({self.heap.rank}) and equal to its ticket's, got {dest.pe} "
-                                  f"(ticket PE {dest.ticket.pe})", argument="dest.pe")
-        cached = dest.num_cached_tokens
-        if isinstance(cached, bool) or not isinstance(cached, int) or not 0 <= cached < prompt_len:
-            raise InvalidArgument(f"dest.num_cached_tokens: request {request_id!r} has {prompt_len} prompt "
-                                  f"tokens; expected an int in [0, {prompt_len}), got {cached!r}",
-                                  argument="dest.num_cached_tokens")
-        num_slots = len(posmap.decompress(dest.cmap))
-        if num_slots != prompt_len - cached:
-            raise InvalidArgument(f"dest.cmap: request {request_id!r} has {prompt_len} prompt tokens, "
-                                  f"{cached} of them cached on the receiver; expected a map of "
-                                  f"{prompt_len - cached} slots, got {num_slots}", argument="dest.cmap")
-
     # ------------------------------------------------------------------ received requests
     def _reserve(self, request_id: Hashable, prompt_len: int, params: SamplingParams | None,
                  prompt_token_ids: list[int] | None = None) -> RecvDest:
@@ -197,8 +171,10 @@ class EngineCore:
             raise InvalidArgument(f"reserve: request {request_id!r}: this engine has no symmetric heap, so no "
                                   f"sender can push into it", argument="reserve")
         params = SamplingParams() if params is None else params
-        self._check_reserve(request_id, prompt_len, params)
-        prompt = self._check_reserve_prompt(request_id, prompt_len, prompt_token_ids)
+        check_reserve(request_id, prompt_len, params, prompt_token_ids, known=self._known_ids(),
+                      vocab_size=self.model.config.vocab_size, max_model_len=self.max_model_len,
+                      num_pages=self.cache.num_pages, page_size=self.cache.page_size)
+        prompt = None if prompt_token_ids is None else [int(t) for t in prompt_token_ids]
         size = self.cache.page_size
         total = pages_for(min(prompt_len + params.max_tokens, self.max_model_len), size)
         match = self.cache.match_prefix(prompt, page_aligned=True) if prompt is not None else None
@@ -224,48 +200,6 @@ class EngineCore:
         self.scheduler.commit(req)
         self.requests[request_id] = req
         return RecvDest(request_id, [int(x) for x in cmap], self.heap.rank, ticket, num_cached_tokens=hit)
-
-    def _check_reserve_prompt(self, request_id: Hashable, prompt_len: int,
-                              prompt_token_ids: object) -> list[int] | None:
-        """The prompt's ids given to `reserve` (None when not given), checked."""
-        if prompt_token_ids is None:
-            return None
-        try:
-            prompt = [int(t) for t in prompt_token_ids]  # type: ignore[union-attr]
-        except (TypeError, ValueError):
-            raise InvalidArgumentType(f"prompt_token_ids: expected a sequence of ints, got "
-                                      f"{type(prompt_token_ids).__name__}", argument="prompt_token_ids") from None
-        vocab = self.model.config.vocab_size
-        if len(prompt) != prompt_len or not all(0 <= t < vocab for t in prompt):
-            raise InvalidArgument(f"prompt_token_ids: request {request_id!r}: expected {prompt_len} ids (prompt_len) "
-                                  f"in [0, {vocab}), got {len(prompt)} ids", argument="prompt_token_ids")
-        return prompt
-
-    def _check_reserve(self, request_id: Hashable, prompt_len: object, params: object) -> None:
-        try:
-            known = request_id in self._known_ids()
-        except TypeError:
-            raise InvalidArgumentType(f"request_id: expected a hashable id, got {type(request_id).__name__}",
-                                      argument="request_id") from None
-        if known:
-            raise InvalidArgument(f"request_id: {request_id!r} is already in this engine; expected a new id",
-                                  argument="request_id")
-        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int):
-            raise InvalidArgumentType(f"prompt_len: expected an int, got {type(prompt_len).__name__}",
-                                      argument="prompt_len")
-        if not 1 <= prompt_len < self.max_model_len:
-            raise InvalidArgument(f"prompt_len: request {request_id!r}: expected 1..{self.max_model_len - 1} "
-                                  f"(the model's context is {self.max_model_len}), got {prompt_len}",
-                                  argument="prompt_len")
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgumentType(f"params: expected SamplingParams, got {type(params).__name__}",
-                                      argument="params")
-        params.validate(self.model.config.vocab_size)
-        need = pages_for(min(prompt_len + params.max_tokens, self.max_model_len), self.cache.page_size)
-        if need > self.cache.num_pages:
-            raise InvalidArgument(f"max_tokens: request {request_id!r} (prompt {prompt_len} + max_tokens "
-                                  f"{params.max_tokens}) needs {need} pages; expected at most the cache's "
-                                  f"{self.cache.num_pages}", argument="max_tokens")
 
     def _start(self, request_id: Hashable, first_token_id: int) -> None:
         """Hand a received request its first token (see `DecodeEngine.start`)."""
