@@ -266,7 +266,8 @@ def check_reserve(request_id: Hashable, prompt_len: object, params: object, prom
     Raises:
         ValueError / TypeError: duplicate or unhashable id, a length outside the context, bad
             params, more pages than the cache holds, or prompt ids that are not ``prompt_len``
-            ids of the vocabulary.
+            ints. The ids' values are the sender's to check (`check_new_request` on the prefill
+            side): here they are only matched against the cache, where no bad id is ever held.
     """
     try:
         duplicate = request_id in known  # type: ignore[operator]
@@ -297,6 +298,6 @@ def check_reserve(request_id: Hashable, prompt_len: object, params: object, prom
     except (TypeError, ValueError):
         raise InvalidArgumentType(f"prompt_token_ids: expected a sequence of ints, got "
                                   f"{type(prompt_token_ids).__name__}", argument="prompt_token_ids") from None
-    if len(prompt) != prompt_len or not all(0 <= t < vocab_size for t in prompt):
-        raise InvalidArgument(f"prompt_token_ids: request {request_id!r}: expected {prompt_len} ids (prompt_len) "
-                              f"in [0, {vocab_size}), got {len(prompt)} ids", argument="prompt_token_ids")
+    if len(prompt) != prompt_len:
+        raise InvalidArgument(f"prompt_token_ids: request {request_id!r}: expected {prompt_len} ids (prompt_len), "
+                              f"got {len(prompt)}", argument="prompt_token_ids")
