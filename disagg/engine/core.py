@@ -20,6 +20,13 @@ aborted or arrived) the next step reuses that plan and the sampled ids still on 
 ``async_scheduling`` launches that reserved step before this one's tokens are read (a token
 sampled after a stop is discarded; pages of requests that end meanwhile are released once no
 launched step writes them).
+
+Prefix caching (``prefix_caching``, `disagg.cache`): a prompt enters the cache forked from its
+longest cached prefix (`Scheduler._enter`) and computes only the rest; KV known to be written is
+registered (`PagedKVCache.cache_tokens`: prompt chunks as they are computed, the whole request when
+it finishes) and stays cached after the request leaves, evicted least recently used when pages
+run short. A reservation made with the prompt's ids receives only the positions past the decode
+side's cached whole pages (`RecvDest.num_cached_tokens`), and its sender pushes only those.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ and a request whose KV was received (prompt + max_tokens, so a decode never wait
 pages promised but not yet taken are kept out of everyone else's budget (`outstanding_pages`);
 committed requests are never preempted and draw their pages from their own promise. A pushed
 prompt enters the cache only when its whole promise fits, in arrival order.
+
+With prefix caching a waiting request enters the cache forked from its longest cached prefix
+(`_enter`), whose tokens then count as computed, when the pages the fork pins fit the budget;
+otherwise it enters empty and its reservation evicts cached pages like any other.
 """
 
 from __future__ import annotations

@@ -108,6 +108,6 @@ class PrefixMachine(RuleBasedStateMachine):
 
 
 PrefixMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestPrefixCaching = PrefixMachine.TestCase

@@ -99,8 +99,8 @@ def test_concurrent_requests_under_page_pressure(tiny_model, torch_reference):
     """Shared prefixes, chunked prompts, preemption and eviction at once: integrity after every step."""
     system = [11, 12, 13, 14, 15, 16, 17, 18, 19]
     prompts = {f"r{i}": system[: 5 + i % 5] + [40 + i] * (1 + i % 3) for i in range(10)}
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    eng = engine(tiny_model, True, num_pages=12, max_num_seqs=3, budget=8)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    eng = engine(tiny_model, True, num_pages=10, max_num_seqs=4, budget=8)
     results: dict = {}
     pending = list(prompts.items())
     for _ in range(500):
@@ -116,6 +116,6 @@ def test_concurrent_requests_under_page_pressure(tiny_model, torch_reference):
         assert 0 <= stats["free_pages"] <= stats["total_pages"]
     assert {rid: tokens for rid, tokens in results.items()} == uncached(tiny_model, prompts, params)
     stats = eng.stats()
-    assert stats["prefix_hit_tokens"] > 0 and stats["prefix_evicted_pages"] > 0
+    assert stats["prefix_hit_tokens"] > 0 and stats["prefix_evicted_pages"] > 0 and stats["num_preemptions"] > 0
     assert_all_free(eng)
     assert eng.cache.num_cached_pages == stats["prefix_cached_pages"] > 0
