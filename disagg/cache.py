@@ -218,8 +218,9 @@ class PagedKVCache:
         cost = int(num % self.page_size > 0)
         evictable = self._cached.evictable_pages(self._blocks, self._seqs)
         if evictable:
-            shared = set(parent.table[: num // self.page_size].tolist())
-            cost += sum(1 for p in evictable if p in shared and p not in self._pool.touched)
+            touched = self._pool.touched
+            cost += sum(1 for p in parent.table[: num // self.page_size].tolist()
+                        if p in evictable and p not in touched)
         return PrefixMatch(parent_id, num, query, cost, self._epoch)
 
     def cache_tokens(self, seq_id: int, token_ids: SequenceLike[int]) -> None:

@@ -45,7 +45,7 @@ class CachedSequences:
         self.num_hit_tokens = 0
         self.num_evicted_pages = 0
         self._next_id = -1
-        self._unpinned: list[int] | None = []  # pages held only by cached sequences; None: stale
+        self._unpinned: set[int] | None = set()  # pages held only by cached sequences; None: stale
 
     def invalidate(self) -> None:
         """The block tree changed: recount the evictable pages when next asked."""
@@ -64,10 +64,10 @@ class CachedSequences:
             del self.lru[seq_id]
             self.lru[seq_id] = None
 
-    def evictable_pages(self, blocks: BlockPool, seqs: dict[int, Sequence]) -> list[int]:
+    def evictable_pages(self, blocks: BlockPool, seqs: dict[int, Sequence]) -> set[int]:
         """Pages of blocks that no live sequence's trace reaches (touched ones included)."""
         if not self.lru:
-            return []
+            return set()
         if self._unpinned is None:
             seen: set[int] = set()
             for seq_id, seq in seqs.items():
@@ -76,7 +76,7 @@ class CachedSequences:
             pages: list[int] = []
             for seq_id in self.lru:
                 _walk(blocks, seqs[seq_id].last_block_idx, seen, pages)
-            self._unpinned = pages
+            self._unpinned = set(pages)
         return self._unpinned
 
     def num_evictable(self, blocks: BlockPool, pool: PagePool, seqs: dict[int, Sequence]) -> int:
@@ -84,7 +84,7 @@ class CachedSequences:
         pages = self.evictable_pages(blocks, seqs)
         if not pool.touched or not pages:
             return len(pages)
-        return pool.num_untouched(pages)
+        return len(pages) - len(pages & pool.touched)
 
     def can_free_one(self, blocks: BlockPool, pool: PagePool, seqs: dict[int, Sequence], protect: int) -> bool:
         """Whether `evict` can free a page without touching cached sequence ``protect``'s pages."""
