@@ -52,7 +52,6 @@ from collections.abc import Sequence as SequenceLike
 import numpy as np
 
 from disagg import forward, integrity, posmap, prefix, sliding
-from disagg.batch_checks import check_batch, check_send_room
 from disagg.blocks import BlockPool, Sequence, SendState
 from disagg.copies import PendingCopies
 from disagg.errors import (
@@ -399,10 +398,10 @@ class PagedKVCache:
             PositionMapError (a push past a send map's end), OutOfPages. State unchanged.
         """
         self._require_closed("begin_forward")
-        ids, lens = check_batch(seq_ids, append_lengths)
+        ids, lens = forward.check_batch(seq_ids, append_lengths)
         seqs = [self._get(i, "begin_forward") for i in ids]
         if self._senders:
-            check_send_room(seqs, lens)
+            forward.check_send_room(seqs, lens)
         len_before, windowed = reserve_batch(
             self._blocks, self._pool, seqs, lens, self.page_size, "begin_forward", self._room()
         )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import disagg
 
-BOOKKEEPING = ["batch_checks", "blocks", "copies", "forward", "integrity", "pages", "plan", "posmap", "prefix",
+BOOKKEEPING = ["blocks", "copies", "forward", "integrity", "pages", "plan", "posmap", "prefix",
                "prefix_cache", "prefix_index", "reserve", "sliding"]
 
 
