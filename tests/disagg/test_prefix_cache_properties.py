@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from disagg import posmap
 from disagg.cache import PagedKVCache
 from disagg.errors import OutOfPages
 
@@ -64,6 +65,28 @@ class PrefixMachine(RuleBasedStateMachine):
         self.hits += match.num_tokens
         self.live[seq_id] = (prompt, match.num_tokens)
         self.forward([], [])  # run the fork's page copy now
+
+    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14), lands=st.booleans())
+    def receive(self, prompt: list[int], lands: bool) -> None:
+        """A decode reservation: whole cached pages, the rest received (written by a 'sender'), or
+        dropped before its KV landed (abort, lease expiry): nothing of it may become matchable."""
+        match = self.cache.match_prefix(prompt, page_aligned=True)
+        assert match.num_tokens % self.cache.page_size == 0
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        self.cache.add_sequence(seq_id, prefix=match)
+        self.hits += match.num_tokens  # counted when found, whatever happens next
+        try:
+            cmap = self.cache.disagg_prepare_recv(seq_id, len(prompt) - match.num_tokens)
+        except OutOfPages:
+            self.cache.remove_sequence(seq_id)  # the forked prefix stays cached
+            return
+        self.cache.end_forward()
+        if not lands:
+            self.cache.remove_sequence(seq_id)
+            return
+        self.kv[posmap.decompress(cmap)] = tags(prompt)[match.num_tokens:]
+        self.cache.cache_tokens(seq_id, prompt)  # rung: the KV landed
+        self.live[seq_id] = (prompt, len(prompt))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
