@@ -130,9 +130,12 @@ class InstanceActor:
         else:
             await self._run(lambda: self.loop.engine.add(request_id, prompt_token_ids, params))
 
-    async def reserve(self, request_id: Any, prompt_len: int, params: Any) -> Any:
-        """Decode: reserve pages for the prompt's KV; return the `RecvDest` (raises OutOfPages)."""
-        return await self._run(lambda: self.loop.engine.reserve(request_id, prompt_len, params))
+    async def reserve(self, request_id: Any, prompt_len: int, params: Any,
+                      prompt_token_ids: list[int] | None = None) -> Any:
+        """Decode: reserve pages for the prompt's KV past this instance's cached prefix of
+        ``prompt_token_ids`` (when given); return the `RecvDest` (raises OutOfPages)."""
+        return await self._run(lambda: self.loop.engine.reserve(request_id, prompt_len, params,
+                                                                prompt_token_ids=prompt_token_ids))
 
     async def start(self, request_id: Any, first_token_id: int) -> None:
         """Decode: the prefill side produced ``first_token_id``; decode once the KV has landed."""

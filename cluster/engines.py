@@ -147,7 +147,8 @@ def make_engine(role: str, model: Any, heap: Any, num_pages: int, config: Config
 
     kv_dtype = None if config.cache.kv_dtype == "auto" else kv_torch_dtype(config, model)
     common = dict(num_pages=num_pages, page_size=config.cache.page_size,
-                  max_num_seqs=config.scheduler.max_num_seqs, kv_dtype=kv_dtype)
+                  max_num_seqs=config.scheduler.max_num_seqs, kv_dtype=kv_dtype,
+                  prefix_caching=config.cache.prefix_caching)
     budget = config.scheduler.max_num_batched_tokens
     if role == "prefill":
         return PrefillEngine(model, heap, max_num_batched_tokens=budget,

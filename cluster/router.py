@@ -240,7 +240,8 @@ class Router:
             if req.done:  # aborted or timed out while an earlier instance refused
                 return True
             try:
-                dest = await inst.actor.reserve.remote(req.request_id, req.prompt_len, req.params)
+                dest = await inst.actor.reserve.remote(req.request_id, req.prompt_len, req.params,
+                                                       req.prompt_token_ids)
             except ray.exceptions.RayActorError as err:
                 self._instance_died(inst, _died(err))
                 continue

@@ -32,6 +32,16 @@ Decisions where TVM is silent (the bookkeeping as a whole: docs/ARCHITECTURE.md 
   `popn` drops those of popped positions (later pushes resend them). Send records in a plan come
   in the order of the `disagg_mark_send` calls. `begin_forward([], [])` is allowed (it drains
   pending copies).
+
+Automatic prefix caching (``prefix_caching=True``; vLLM's, on TVM's forks; `disagg.prefix_index`,
+`disagg.prefix_cache`): `cache_tokens(seq, token_ids)` says which tokens a sequence's written KV
+holds; `remove_sequence` then keeps those positions as a cached sequence (negative id, invisible
+to callers) instead of freeing them. `match_prefix(token_ids)` finds the longest cached prefix
+(whole pages, then token by token into the next page; never the whole prompt: one token is always
+computed) and `add_sequence(seq, prefix=match)` forks from it (a mid-page hit copies that page, by
+the fork rule). `num_free_pages` counts free plus evictable pages (held only by cached
+sequences); reservations evict them least recently used first; pages on a live sequence's trace
+are never evicted.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from disagg.blocks import BlockPool, Sequence, SendState
 from disagg.copies import PendingCopies
 from disagg.errors import (
     CacheError,
+    CacheIntegrityError,
     ForwardStateError,
     OutOfPages,
     PositionMapError,
@@ -54,6 +65,8 @@ from disagg.errors import (
 )
 from disagg.pages import PagePool
 from disagg.plan import ForwardPlan
+from disagg.prefix_cache import CachedSequences
+from disagg.prefix_index import PrefixMatch
 from disagg.reserve import reserve_batch
 
 logger = logging.getLogger(__name__)
@@ -71,12 +84,14 @@ class PagedKVCache:
     Args:
         num_pages: pages in the KV allocation (>= 1).
         page_size: tokens per page (>= 1).
+        prefix_caching: keep the registered positions of removed sequences cached for
+            `match_prefix` (module docstring).
 
     Raises:
         CacheError: either argument is not a positive int.
     """
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, prefix_caching: bool = False) -> None:
         for name, value in (("num_pages", num_pages), ("page_size", page_size)):
             if _as_int(value, name) < 1:
                 raise CacheError(f"{name}: expected an int >= 1, got {value}")
@@ -89,16 +104,35 @@ class PagedKVCache:
         self._senders: dict[int, Sequence] = {}
         self._copies = PendingCopies(self._pool, self.page_size)
         self._open: str | None = None
+        self._cached = CachedSequences(self.page_size, bool(prefix_caching))
+        self._epoch = 0  # bumped by every call that changes state (stale PrefixMatch check)
 
     # ---------------------------------------------------------------- queries
 
     @property
     def num_free_pages(self) -> int:
-        """Pages that the next reservation can take (parked pages excluded)."""
-        return self._pool.num_free
+        """Pages that the next reservation can take: free plus evictable (held only by cached
+        sequences; parked pages and pages a pending copy touches excluded)."""
+        return self._pool.num_free + self._num_evictable()
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self._cached.enabled
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Evictable pages: held only by cached sequences (part of `num_free_pages`)."""
+        return self._num_evictable()
+
+    def prefix_stats(self) -> dict[str, int]:
+        """Prompt tokens looked up and found by `add_sequence(prefix=)`, cached and evicted pages."""
+        return {"prefix_query_tokens": self._cached.num_query_tokens,
+                "prefix_hit_tokens": self._cached.num_hit_tokens,
+                "prefix_cached_pages": self._num_evictable(),
+                "prefix_evicted_pages": self._cached.num_evicted_pages}
 
     def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._seqs
+        return seq_id in self._seqs and seq_id not in self._cached.lru
 
     def seq_length(self, seq_id: int) -> int:
         """Tokens of `seq_id` held in the cache (for a sliding window, at most the window)."""
@@ -113,7 +147,7 @@ class PagedKVCache:
         Raises:
             SequenceNotFound: unknown id. CacheError: not ``0 <= start <= end <= seq_length``.
         """
-        seq = self._get(seq_id, "slots")
+        seq = self._get(seq_id, "slots", cached_ok=True)
         end = seq.seq_length if end is None else _as_int(end, "end")
         start = _as_int(start, "start")
         if not 0 <= start <= end <= seq.seq_length:
@@ -124,29 +158,106 @@ class PagedKVCache:
         return self._position_slots(seq, np.arange(start, end, dtype=np.int64))
 
     def check_integrity(self) -> None:
-        """Raise `CacheIntegrityError` if any invariant is broken (see `disagg.integrity`)."""
+        """Raise `CacheIntegrityError` if any invariant is broken (see `disagg.integrity`), or the
+        prefix cache's index or cached sequences disagree with the sequences."""
         integrity.check_integrity(self)
+        problems = self._cached.problems(self._seqs)
+        if problems:
+            raise CacheIntegrityError("; ".join(problems))
 
     # ------------------------------------------------------ sequence management
 
-    def add_sequence(self, seq_id: int) -> None:
-        """Add an empty sequence. Raises SequenceExists, CacheError (bad id), ForwardStateError."""
+    def add_sequence(self, seq_id: int, prefix: PrefixMatch | None = None) -> None:
+        """Add a sequence: empty, or holding the cached prefix ``prefix`` (from `match_prefix`,
+        with no state change since; counted in `prefix_stats`).
+
+        Raises:
+            SequenceExists, CacheError (bad id, stale match), ForwardStateError.
+        """
+        if prefix is not None and prefix.epoch != self._epoch:
+            raise CacheError(f"add_sequence: sequence {seq_id}: the prefix match is stale (the cache "
+                             "changed since match_prefix); match again")
         self._require_closed("add_sequence")
         seq_id = _as_int(seq_id, "seq_id")
         if seq_id in self._seqs:
             raise SequenceExists(f"add_sequence: sequence {seq_id} is already in the cache")
-        block = self._blocks.get()
-        block.external_ref_cnt = 1
-        self._seqs[seq_id] = Sequence(seq_id, block.index, 0, np.empty(0, dtype=np.int32))
+        if prefix is not None and prefix.seq_id is not None and prefix.num_tokens:
+            self._fork(self._seqs[prefix.seq_id], seq_id, prefix.num_tokens)
+            self._cached.touch(prefix.seq_id)
+        else:
+            self._cached.invalidate()
+            block = self._blocks.get()
+            block.external_ref_cnt = 1
+            self._seqs[seq_id] = Sequence(seq_id, block.index, 0, np.empty(0, dtype=np.int32))
+        if prefix is not None and self._cached.enabled:
+            self._cached.num_query_tokens += prefix.num_query_tokens
+            self._cached.num_hit_tokens += prefix.num_tokens
+
+    def match_prefix(self, token_ids: SequenceLike[int], *, page_aligned: bool = False) -> PrefixMatch:
+        """The longest cached prefix of a prompt (registered positions of live or cached sequences).
+
+        At most ``len(token_ids) - 1`` tokens (one is always computed). A hit that ends mid page
+        forks by copying that page; it is cut to the page boundary when ``page_aligned`` or when no
+        page is free for the copy. Changes nothing.
+
+        Returns:
+            A `PrefixMatch` for `add_sequence` (``seq_id`` None and 0 tokens on a miss or with
+            prefix caching off).
+        """
+        query = len(token_ids)
+        parent_id, num = (None, 0)
+        if self._cached.enabled and query > self.page_size:
+            parent_id, num = self._cached.index.match(token_ids, query - 1)
+        if num % self.page_size and (page_aligned or (self._pool.num_free < 1 and not self._cached.can_free_one(
+                self._blocks, self._pool, self._seqs, parent_id))):
+            num -= num % self.page_size  # no page to copy the partial one into
+        if not num:
+            return PrefixMatch(None, 0, query, 0, self._epoch)
+        parent = self._seqs[parent_id]
+        cost = int(num % self.page_size > 0)
+        evictable = self._cached.evictable_pages(self._blocks, self._seqs)
+        if evictable:
+            touched = self._pool.touched
+            cost += sum(1 for p in parent.table[: num // self.page_size].tolist()
+                        if p in evictable and p not in touched)
+        return PrefixMatch(parent_id, num, query, cost, self._epoch)
+
+    def cache_tokens(self, seq_id: int, token_ids: SequenceLike[int]) -> None:
+        """The written KV of `seq_id`'s first ``len(token_ids)`` positions holds these tokens.
+
+        With prefix caching on, its full pages become matchable, and `remove_sequence` keeps these
+        positions cached. Call it only once the KV is written (or ordered before any later
+        forward); a no-op with prefix caching off.
+
+        Raises:
+            SequenceNotFound, ForwardStateError, CacheError: more tokens than the sequence holds,
+            a windowed sequence, or tokens that disagree with those registered before.
+        """
+        self._require_closed("cache_tokens")
+        seq = self._get(seq_id, "cache_tokens")
+        if not self._cached.enabled:
+            return
+        if len(token_ids) > seq.seq_length or seq.windowed:
+            raise CacheError(f"cache_tokens: sequence {seq.seq_id} holds {seq.seq_length} tokens"
+                             f"{' in a sliding window' if seq.windowed else ''}; expected at most that "
+                             f"many tokens of a windowless sequence, got {len(token_ids)}")
+        if not self._cached.index.register(seq.seq_id, token_ids):
+            raise CacheError(f"cache_tokens: sequence {seq.seq_id}: the tokens disagree with those "
+                             "registered before")
 
     def remove_sequence(self, seq_id: int) -> None:
         """Remove a sequence, free the pages only it held, and drop its unsent copies."""
         self._require_closed("remove_sequence")
         seq = self._get(seq_id, "remove_sequence")
-        prefix.release_sequence(self._blocks, self._pool, seq)
-        del self._seqs[seq.seq_id]
         self._windowed.discard(seq.seq_id)
         self._senders.pop(seq.seq_id, None)
+        self._cached.invalidate()
+        if self._cached.index.length(seq.seq_id) >= self.page_size:
+            self._keep_cached(seq)
+        else:
+            self._cached.index.drop(seq.seq_id)
+            prefix.release_sequence(self._blocks, self._pool, seq)
+            del self._seqs[seq.seq_id]
         self._copies.refresh(self._senders)
 
     def fork_sequence(self, parent_id: int, child_id: int, fork_pos: int = -1) -> None:
@@ -161,6 +272,9 @@ class PagedKVCache:
         """
         self._require_closed("fork_sequence")
         parent = self._get(parent_id, "fork_sequence")
+        self._fork(parent, child_id, fork_pos)
+
+    def _fork(self, parent: Sequence, child_id: int, fork_pos: int) -> None:
         child_id = _as_int(child_id, "child_id")
         if child_id in self._seqs:
             raise SequenceExists(f"fork_sequence: child sequence {child_id} is already in the cache")
@@ -180,12 +294,15 @@ class PagedKVCache:
                     f"within its {sinks} sink tokens; got fork_pos={fork_pos}"
                 )
         if fork_pos % self.page_size and self._pool.num_free < 1:
-            raise OutOfPages(
-                f"fork_sequence: forking {parent.seq_id} at {fork_pos} copies a partial page and "
-                "needs 1 free page; none is free",
-                num_needed=1,
-                num_free=0,
-            )
+            if not self._cached.can_free_one(self._blocks, self._pool, self._seqs, parent.seq_id):
+                raise OutOfPages(
+                    f"fork_sequence: forking {parent.seq_id} at {fork_pos} copies a partial page and "
+                    "needs 1 free page; none is free",
+                    num_needed=1,
+                    num_free=0,
+                )
+            self._cached.evict(self._blocks, self._pool, self._seqs, 1, protect=parent.seq_id)
+        self._cached.invalidate()
         table = parent.table[: fork_pos // self.page_size]
         child_block = prefix.fork_blocks(
             self._blocks, self._pool, self._copies.fork, parent, fork_pos, self.page_size
@@ -193,6 +310,7 @@ class PagedKVCache:
         own_pages = np.asarray(child_block.page_ids, dtype=np.int32)
         child = Sequence(child_id, child_block.index, fork_pos, np.concatenate((table, own_pages)))
         self._seqs[child_id] = child
+        self._cached.index.copy_prefix(parent.seq_id, child_id, fork_pos)
         self._refresh_sinks(parent)
         self._copies.refresh(self._senders)
 
@@ -223,7 +341,9 @@ class PagedKVCache:
                     num_needed=1,
                     num_free=self._pool.num_free,
                 )
+        self._cached.invalidate()
         prefix.commit_pop(self._blocks, self._pool, self._copies.fork, seq, plan, self.page_size)
+        self._cached.index.truncate(seq.seq_id, seq.seq_length)
         self._refresh_sinks(seq)
         if seq.send is not None:
             seq.send.trim(seq.seq_length)
@@ -259,6 +379,7 @@ class PagedKVCache:
         seq.attn_sink_size = sink_size
         seq.last_block_attn_sink_size = max(sink_size - prefix_len, 0)
         self._windowed.add(seq.seq_id)
+        self._cached.index.drop(seq.seq_id)
 
     # ----------------------------------------------------------------- forward
 
@@ -277,11 +398,12 @@ class PagedKVCache:
             PositionMapError (a push past a send map's end), OutOfPages. State unchanged.
         """
         self._require_closed("begin_forward")
-        ids, lens = self._check_batch(seq_ids, append_lengths)
+        ids, lens = forward.check_batch(seq_ids, append_lengths)
         seqs = [self._get(i, "begin_forward") for i in ids]
-        self._check_send_room(seqs, lens)
+        if self._senders:
+            forward.check_send_room(seqs, lens)
         len_before, windowed = reserve_batch(
-            self._blocks, self._pool, seqs, lens, self.page_size, "begin_forward"
+            self._blocks, self._pool, seqs, lens, self.page_size, "begin_forward", self._room()
         )
         plan = forward.build_plan(
             ids, seqs, lens, len_before, windowed, self.page_size, self._senders, self._copies
@@ -312,6 +434,7 @@ class PagedKVCache:
         if self._open is None:
             raise ForwardStateError("end_forward: no forward is open; call begin_forward first")
         self._open = None
+        self._epoch += 1
         self._pool.release_deferred()
 
     def disagg_prepare_recv(self, seq_id: int, append_length: int) -> list[int]:
@@ -341,7 +464,7 @@ class PagedKVCache:
         self._check_no_copy_overlap(seq)
         lens = np.array([length], dtype=np.int64)
         len_before, windowed = reserve_batch(
-            self._blocks, self._pool, [seq], lens, self.page_size, "disagg_prepare_recv"
+            self._blocks, self._pool, [seq], lens, self.page_size, "disagg_prepare_recv", self._room()
         )
         plan = forward.build_plan([seq.seq_id], [seq], lens, len_before, windowed, self.page_size, {}, None)
         self._open = "disagg_prepare_recv"
@@ -387,16 +510,58 @@ class PagedKVCache:
     def _require_closed(self, op: str) -> None:
         if self._open is not None:
             raise ForwardStateError(f"{op}: a forward ({self._open}) is still open; call end_forward first")
+        self._epoch += 1
 
-    def _get(self, seq_id: object, op: str) -> Sequence:
+    def _get(self, seq_id: object, op: str, cached_ok: bool = False) -> Sequence:
+        """The live sequence ``seq_id`` (or a cached one, when ``cached_ok``: read-only uses)."""
         try:
             seq = self._seqs.get(seq_id)  # type: ignore[arg-type]
         except TypeError:
             seq = None
-        if seq is None:
+        if seq is None or (not cached_ok and seq_id in self._cached.lru):
             _as_int(seq_id, "seq_id")
             raise SequenceNotFound(f"{op}: sequence {seq_id} is not in the cache")
         return seq
+
+    def _num_evictable(self) -> int:
+        return self._cached.num_evictable(self._blocks, self._pool, self._seqs) if self._cached.lru else 0
+
+    def _room(self):
+        """What `reserve_batch` calls when the free pool is short: evict cached pages, or None."""
+        return self._make_room if self._cached.lru else None
+
+    def _make_room(self, num_pages: int, op: str, best_effort: bool = False) -> None:
+        """Evict cached pages until ``num_pages`` are free; raise `OutOfPages` (nothing changed)
+        when even evicting all of them would not do, unless ``best_effort``."""
+        short = num_pages - self._pool.num_free
+        if short <= 0:
+            return
+        evictable = self._num_evictable()
+        if short > evictable:
+            if not best_effort:
+                raise OutOfPages(f"{op}: needs {num_pages} new pages, {self._pool.num_free + evictable} are "
+                                 f"free ({evictable} of them cached)", num_needed=num_pages,
+                                 num_free=self._pool.num_free + evictable)
+            short = evictable
+        self._cached.evict(self._blocks, self._pool, self._seqs, self._pool.num_free + short)
+
+    def _keep_cached(self, seq: Sequence) -> None:
+        """`remove_sequence` of a registered sequence: its registered positions stay cached (popped
+        to them; to a page boundary when they end inside a shared block), under a new id."""
+        keep = self._cached.index.length(seq.seq_id)
+        if keep < self._prefix_length(seq):
+            keep -= keep % self.page_size
+        seq.send = None
+        if keep < seq.seq_length:
+            plan = prefix.plan_pop(self._blocks, seq, seq.seq_length - keep, self.page_size)
+            prefix.commit_pop(self._blocks, self._pool, self._copies.fork, seq, plan, self.page_size)
+            self._cached.index.truncate(seq.seq_id, keep)
+        new_id = self._cached.new_id(self._seqs)
+        del self._seqs[seq.seq_id]
+        self._cached.index.rename(seq.seq_id, new_id)
+        seq.seq_id = new_id
+        self._seqs[new_id] = seq
+        self._cached.lru[new_id] = None
 
     def _prefix_length(self, seq: Sequence) -> int:
         return prefix.prefix_length(self._blocks, seq)
@@ -413,47 +578,6 @@ class PagedKVCache:
             seq.table[offsets // self.page_size].astype(np.int64) * self.page_size + offsets % self.page_size
         )
         return slots.astype(np.int32)
-
-    def _check_batch(
-        self, seq_ids: SequenceLike[int], append_lengths: SequenceLike[int]
-    ) -> tuple[list[int], np.ndarray]:
-        ids = np.asarray(seq_ids)
-        lens = np.asarray(append_lengths)
-        if ids.ndim != 1 or lens.ndim != 1 or ids.size != lens.size:
-            raise CacheError(
-                f"begin_forward: expected seq_ids and append_lengths of one equal length, got shapes "
-                f"{ids.shape} and {lens.shape}"
-            )
-        if ids.size == 0:
-            return [], np.zeros(0, dtype=np.int64)
-        if ids.dtype.kind not in "iu" or lens.dtype.kind not in "iu":
-            raise CacheError(
-                f"begin_forward: expected integer ids and lengths, got dtypes {ids.dtype} and {lens.dtype}"
-            )
-        lens = lens.astype(np.int64)
-        if lens.min() < 1:
-            i = int(np.argmin(lens))
-            raise CacheError(f"begin_forward: sequence {ids[i]}: expected append length >= 1, got {lens[i]}")
-        id_list = ids.tolist()
-        if len(set(id_list)) != len(id_list):
-            values, counts = np.unique(ids, return_counts=True)
-            raise CacheError(
-                f"begin_forward: a batch names each sequence once; {values[counts > 1].tolist()} repeat"
-            )
-        return id_list, lens
-
-    def _check_send_room(self, seqs: list[Sequence], lens: np.ndarray) -> None:
-        if not self._senders:
-            return
-        for i, seq in enumerate(seqs):
-            send = seq.send
-            if send is not None and seq.seq_length + int(lens[i]) - send.begin > len(send.remote_slots):
-                raise PositionMapError(
-                    f"begin_forward: sequence {seq.seq_id} would push positions up to "
-                    f"{seq.seq_length + int(lens[i]) - 1}, but its map (begin={send.begin}) covers "
-                    f"{len(send.remote_slots)} tokens, up to position "
-                    f"{send.begin + len(send.remote_slots) - 1}"
-                )
 
     def _check_no_copy_overlap(self, seq: Sequence) -> None:
         """Refuse to let a receiver write a slot that a pending copy still reads or writes."""

@@ -96,6 +96,11 @@ class CacheSection(Section):
     kv_dtype: Literal["auto", "fp8_e4m3"] = Field(
         "auto", description="KV storage dtype; auto: the model dtype; fp8_e4m3 halves the pages' "
                             "bytes (GPU only, per-layer scales)")
+    prefix_caching: bool = Field(
+        True, description="automatic prefix caching on every instance: full pages of computed prompts "
+                          "and finished requests stay cached (evicted least recently used when pages "
+                          "run short); a prompt computes only what follows its longest cached prefix, "
+                          "and a decode instance receives only what follows its own")
 
     @model_validator(mode="after")
     def _page_size_sane(self) -> CacheSection:

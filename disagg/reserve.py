@@ -10,6 +10,8 @@ Called by `disagg.cache`.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from disagg import sliding
@@ -37,8 +39,17 @@ class WindowedAppend:
         self.last_len_before = last_len_before
 
 
+MakeRoom = Callable[..., None]
+
+
 def reserve_batch(
-    blocks: BlockPool, pool: PagePool, seqs: list[Sequence], lens: np.ndarray, page_size: int, op: str
+    blocks: BlockPool,
+    pool: PagePool,
+    seqs: list[Sequence],
+    lens: np.ndarray,
+    page_size: int,
+    op: str,
+    make_room: MakeRoom | None = None,
 ) -> tuple[np.ndarray, list[WindowedAppend]]:
     """Reserve ``lens[i]`` slots at the end of ``seqs[i]`` for every i, or raise with nothing changed.
 
@@ -46,6 +57,9 @@ def reserve_batch(
         seqs: the batch, B distinct sequences.
         lens: ``[B]`` int64 append lengths (>= 1).
         op: the caller's name, for the error message.
+        make_room: ``make_room(num_pages, op, best_effort=False)`` frees pages (evicts cached
+            ones) until ``num_pages`` are free, or raises `OutOfPages` changing nothing; None when
+            nothing can be evicted.
 
     Returns:
         ``(len_before [B] int64, windowed)``: lengths before the append, and the sliding-window
@@ -61,9 +75,17 @@ def reserve_batch(
     need = (len_before + lens + page_size - 1) // page_size - num_pages
     if any(s.sliding_window_size > 0 for s in seqs):
         need_list = need.tolist()
+        if make_room is not None:  # best effort: the in-order check below decides
+            gross = sum(
+                sliding.gross_need(blocks.blocks[s.last_block_idx], n, page_size) if s.windowed else k
+                for s, n, k in zip(seqs, lens.tolist(), need_list)
+            )
+            make_room(gross, op, best_effort=True)
         _check_in_order(blocks, pool, seqs, lens.tolist(), need_list, page_size, op)
         return len_before, _reserve_in_order(blocks, pool, seqs, lens.tolist(), need_list, page_size)
     total = int(need.sum())
+    if total > pool.num_free and make_room is not None:
+        make_room(total, op)
     if total > pool.num_free:
         raise OutOfPages(
             f"{op}: the batch needs {total} new pages, {pool.num_free} are free",

@@ -115,7 +115,7 @@ def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: Swee
         after = stats() if stats else None
         more = dict(extra or {}, busy_fraction=busy_fractions(before, after, outcome.duration_s),
                     gpu_utilization=gpus["gpu_utilization"], placements=placements_of(before, after),
-                    cluster_stats=after)
+                    prefix_cache=prefix_cache_of(before, after), cluster_stats=after)
         results.append(build_result(outcome, goodput_slos_ms=slos_ms, percentiles=options.percentiles,
                                     label=label, workload=workload, config=config, extra=more))
         if on_result is not None:
@@ -142,6 +142,37 @@ def placements_of(before: dict | None, after: dict | None) -> dict[str, int] | N
     old = (before.get("router") or {}).get("placements") or {}
     new = (after.get("router") or {}).get("placements") or {}
     return {path: new[path] - old.get(path, 0) for path in new} or None
+
+
+def prefix_cache_of(before: dict | None, after: dict | None) -> dict[str, Any] | None:
+    """Prefix-cache hits of one run, per instance and over all (engine stats before and after it).
+
+    Returns:
+        ``{"hit_rate", "query_tokens", "hit_tokens", "instances": {name: {the same three}},
+        "pushed_bytes"}``: prompt tokens looked up and found during the run (a hit rate of a
+        prefill instance is the share of prompt tokens it did not compute; of a decode instance,
+        the share it did not receive); pushed_bytes: KV the prefill instances pushed. None
+        without engine stats.
+    """
+    if not before or not after:
+        return None
+    old = {inst.get("name"): inst for inst in before.get("instances") or [] if isinstance(inst, Mapping)}
+    instances, pushed = {}, 0
+    for inst in after.get("instances") or []:
+        prev = old.get(inst.get("name")) if isinstance(inst, Mapping) else None
+        if prev is None or "prefix_query_tokens" not in inst or "prefix_query_tokens" not in prev:
+            continue
+        query = inst["prefix_query_tokens"] - prev["prefix_query_tokens"]
+        hits = inst["prefix_hit_tokens"] - prev["prefix_hit_tokens"]
+        instances[str(inst["name"])] = {"hit_rate": hits / query if query else None, "query_tokens": query,
+                                        "hit_tokens": hits}
+        pushed += inst.get("pushed_bytes", 0) - prev.get("pushed_bytes", 0)
+    if not instances:
+        return None
+    query = sum(v["query_tokens"] for v in instances.values())
+    hits = sum(v["hit_tokens"] for v in instances.values())
+    return {"hit_rate": hits / query if query else None, "query_tokens": query, "hit_tokens": hits,
+            "instances": instances, "pushed_bytes": pushed}
 
 
 @contextlib.contextmanager

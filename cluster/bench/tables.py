@@ -108,6 +108,10 @@ def run_table(result: Mapping[str, Any], metrics: Sequence[str] = LATENCY_METRIC
                  ("SLO attainment (all requests)", _percent(result["slo_attainment"]))]
     rows += [("Output token throughput (tok/s)", result["output_throughput"]),
              ("Total token throughput (tok/s)", result["total_token_throughput"])]
+    cache = result.get("prefix_cache")
+    if cache:
+        per = ", ".join(f"{name} {_percent(one['hit_rate'])}" for name, one in cache["instances"].items())
+        rows.append(("Prefix cache hit rate", f"{_percent(cache['hit_rate'])} ({per})"))
     percentiles = [p for p in result.get("percentiles") or (99,) if p != 50]
     if not result["completed"]:
         rows.append(("Latencies (ms)", "- (no request succeeded)"))

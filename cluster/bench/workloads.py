@@ -21,6 +21,10 @@ Datasets (``--dataset-name``):
                  chosen to give the heavy right tail that ShareGPT/LMSYS-Chat-1M length histograms
                  show (Zheng et al. 2023, LMSYS-Chat-1M, Fig./Table 1); clipped to [4, 8192] in
                  and [4, 2048] out.
+  shared-prefix  groups of 16 requests sharing a 2048-token system prompt, 128-token questions,
+                 128 out (SGLang's generated-shared-prefix; `prefix_workloads`).
+  multi-turn     conversations of 4 turns, each resending the conversation so far: 256-token
+                 messages, 128-token answers, r=0.5 (`prefix_workloads`).
 Every length is then clipped so that prompt + output fits `max_model_len`.
 """
 
@@ -32,6 +36,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+from disagg.cluster.bench import prefix_workloads
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +77,12 @@ DATASETS: dict[str, DatasetDefaults] = {
     "decode-heavy": DatasetDefaults(128, 1024, 0.5, "short prompt, long answer"),
     "long-prompt": DatasetDefaults(20480, 40, 0.6, "prompts 8k-32k, answers 16-64 (LongBench-like)"),
     "chat": DatasetDefaults(1020, 129, 0.0, "lognormal; Splitwise conversation medians (ISCA 2024)"),
+    "shared-prefix": DatasetDefaults(2048, 128, 0.0, "groups of 16 sharing a system prompt (input_len), "
+                                     "128-token questions; SGLang generated-shared-prefix"),
+    "multi-turn": DatasetDefaults(256, 128, 0.5, "4-turn conversations resending themselves; input_len per "
+                                  "message, output_len per answer"),
 }
+PREFIX_DATASETS = {"shared-prefix": prefix_workloads.shared_prefix, "multi-turn": prefix_workloads.multi_turn}
 CHAT_SIGMA_INPUT = 0.8
 CHAT_SIGMA_OUTPUT = 0.9
 CHAT_INPUT_CLIP = (4, 8192)
@@ -145,6 +156,8 @@ def sample_requests(spec: WorkloadSpec) -> list[SampleRequest]:
     """
     spec = spec.resolved()
     rng = np.random.default_rng(spec.seed)
+    if spec.dataset_name in PREFIX_DATASETS:
+        return _prefix_requests(spec, rng)
     input_lens, output_lens = _lengths(spec, rng)
     allowed = _allowed_ids(spec.vocab_size, spec.avoid_token_ids)
     requests = []
@@ -162,12 +175,28 @@ def sample_lengths(spec: WorkloadSpec) -> tuple[np.ndarray, np.ndarray]:
         ``([num_prompts], [num_prompts])`` int64 prompt and output lengths, request by request.
     """
     spec = spec.resolved()
-    return _lengths(spec, np.random.default_rng(spec.seed))
+    rng = np.random.default_rng(spec.seed)
+    if spec.dataset_name in PREFIX_DATASETS:  # their lengths come with their shared prompts
+        requests = _prefix_requests(spec, rng)
+        return (np.array([r.prompt_len for r in requests], dtype=np.int64),
+                np.array([r.expected_output_len for r in requests], dtype=np.int64))
+    return _lengths(spec, rng)
 
 
 def _lengths(spec: WorkloadSpec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     input_lens, output_lens = _sample_lengths(spec, rng)
     return _fit_context(input_lens, output_lens, spec.max_model_len)
+
+
+def _prefix_requests(spec: WorkloadSpec, rng: np.random.Generator) -> list[SampleRequest]:
+    """The workloads whose prompts share prefixes (`prefix_workloads`), clipped to the context."""
+    allowed = _allowed_ids(spec.vocab_size, spec.avoid_token_ids)
+    pairs = PREFIX_DATASETS[spec.dataset_name](spec.num_prompts, spec.input_len, spec.output_len,
+                                               spec.range_ratio, rng, allowed)
+    input_lens, output_lens = _fit_context(np.array([len(p) for p, _ in pairs], dtype=np.int64),
+                                           np.array([n for _, n in pairs], dtype=np.int64), spec.max_model_len)
+    return [SampleRequest(f"{spec.dataset_name}-{i}", prompt[:num_in], num_out)
+            for i, ((prompt, _), num_in, num_out) in enumerate(zip(pairs, input_lens.tolist(), output_lens.tolist()))]
 
 
 def _sample_lengths(spec: WorkloadSpec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

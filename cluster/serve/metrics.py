@@ -6,7 +6,8 @@ apps in one process, as in tests, do not collide). Request histograms follow vLL
 latency) and are observed when a request ends; counters count tokens, successes by finish reason,
 aborts and failures by reason (as the HTTP server saw them). `ClusterCollector` turns
 `cluster.stats()` into per-instance gauges (running, waiting, KV pages used/total, usage, push
-GB/s) and counters (preemptions, pushed bytes, doorbell wait), and the router's queue, outcomes,
+GB/s, prefix-cache pages) and counters (preemptions, pushed bytes, doorbell wait, prefix-cache
+queries and hits in prompt tokens), and the router's queue, outcomes,
 aborts and failures by reason, when /metrics is scraped.
 """
 
@@ -44,6 +45,8 @@ INSTANCE_GAUGES = {
                     "their doorbell or lease expiry before reuse."),
     "alive": ("disagg:instance_alive", "1 while the instance's actor is alive."),
     "push_gbps": ("disagg:kv_push_gbps", "Recent KV push rate of a prefill instance, GB/s."),
+    "prefix_cached_pages": ("disagg:prefix_cache_pages", "KV pages held only by the prefix cache (evictable; "
+                            "counted as free)."),
 }
 # Per-instance totals since launch.
 INSTANCE_COUNTERS = {
@@ -54,6 +57,10 @@ INSTANCE_COUNTERS = {
     "doorbell_wait_s": ("disagg:doorbell_wait_seconds", "Time decode reservations waited for their KV "
                         "(reserve to doorbell ring), summed, seconds."),
     "num_doorbells_rung": ("disagg:kv_doorbells_rung", "Decode reservations whose KV landed (doorbell rang)."),
+    "prefix_query_tokens": ("disagg:prefix_cache_queries", "Prompt tokens looked up in the instance's prefix "
+                            "cache (vLLM's prefix_cache_queries)."),
+    "prefix_hit_tokens": ("disagg:prefix_cache_hits", "Prompt tokens found in the instance's prefix cache, "
+                          "so not computed (prefill) or not received (decode)."),
 }
 
 

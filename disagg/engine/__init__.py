@@ -4,7 +4,8 @@
                                       .add(request_id, prompt_token_ids, params)
     PrefillEngine(model, heap, ...)   .add(request_id, prompt_token_ids, params, dest)
                                       (dest None: kept, decoded here)
-    DecodeEngine(model, heap, ...)    .reserve(request_id, prompt_len, params) -> RecvDest
+    DecodeEngine(model, heap, ...)    .reserve(request_id, prompt_len, params, prompt_token_ids=)
+                                      -> RecvDest (num_cached_tokens: push only past them)
                                       .start(request_id, first_token_id)
                                       .cancel_reservation(dest)  no sender will write: free now
                                       .add(request_id, prompt_token_ids, params)  prefilled here

@@ -31,14 +31,17 @@ class ColocatedEngine(EngineCore):
         use_cuda_graphs: None = on CUDA; False = eager always.
         async_scheduling: launch a reserved decode-only step before reading the tokens of the
             one before it (see `EngineCore`).
+        prefix_caching: prompts fork from the longest cached prefix and compute only the rest.
     """
 
     def __init__(self, model, *, num_pages: int, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype: torch.dtype | None = None,
-                 use_cuda_graphs: bool | None = None, async_scheduling: bool = True) -> None:
+                 use_cuda_graphs: bool | None = None, async_scheduling: bool = True,
+                 prefix_caching: bool = True) -> None:
         super().__init__(model, num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype,
-                         use_cuda_graphs=use_cuda_graphs, async_scheduling=async_scheduling)
+                         use_cuda_graphs=use_cuda_graphs, async_scheduling=async_scheduling,
+                         prefix_caching=prefix_caching)
 
     def add(self, request_id: Hashable, prompt_token_ids: list[int],
             params: SamplingParams | None = None) -> None:

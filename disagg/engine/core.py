@@ -20,6 +20,13 @@ aborted or arrived) the next step reuses that plan and the sampled ids still on 
 ``async_scheduling`` launches that reserved step before this one's tokens are read (a token
 sampled after a stop is discarded; pages of requests that end meanwhile are released once no
 launched step writes them).
+
+Prefix caching (``prefix_caching``, `disagg.cache`): a prompt enters the cache forked from its
+longest cached prefix (`Scheduler._enter`) and computes only the rest; KV known to be written is
+registered (`PagedKVCache.cache_tokens`: prompt chunks as they are computed, the whole request when
+it finishes) and stays cached after the request leaves, evicted least recently used when pages
+run short. A reservation made with the prompt's ids receives only the positions past the decode
+side's cached whole pages (`RecvDest.num_cached_tokens`), and its sender pushes only those.
 """
 
 from __future__ import annotations
@@ -31,11 +38,10 @@ from typing import Callable, Hashable
 import numpy as np
 import torch
 
-from disagg import posmap
 from disagg.cache import PagedKVCache
 from disagg.engine.lease import Lease, LeaseBook
-from disagg.engine.request import (PushState, RecvDest, Request, RequestFactory, TokenOutput,
-                                   check_engine_sizes, check_fits, check_new_request, pages_for)
+from disagg.engine.request import (PushState, RecvDest, Request, RequestFactory, TokenOutput, check_dest,
+                                   check_engine_sizes, check_fits, check_new_request, check_reserve, pages_for)
 from disagg.engine.runner import ModelRunner, PendingTokens
 from disagg.engine.scheduler import ScheduledBatch, Scheduler
 from disagg.engine.steps import InstanceLoad, Launched, NextStep, StepShape, same_requests
@@ -62,12 +68,16 @@ class EngineCore:
         lease_s: seconds a reservation waits for its doorbell before its pages are released.
         clock: monotonic clock for leases (tests pass a fake one).
         force_segment_puts: push with segment puts even to load/store-reachable peers.
+        prefix_caching: automatic prefix caching (`disagg.cache`): prompts fork from the longest
+            cached prefix and compute only the rest; a decode reservation made with the prompt's
+            ids receives only the rest.
     """
 
     def __init__(self, model, *, num_pages: int, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, heap=None, kv_dtype: torch.dtype | None = None,
                  use_cuda_graphs: bool | None = None, async_scheduling: bool = True, lease_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic, force_segment_puts: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic, force_segment_puts: bool = False,
+                 prefix_caching: bool = True) -> None:
         check_engine_sizes(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens)
         self.model = model
@@ -75,7 +85,7 @@ class EngineCore:
         self.max_model_len = int(model.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.cache = PagedKVCache(num_pages, page_size)
+        self.cache = PagedKVCache(num_pages, page_size, prefix_caching=prefix_caching)
         shape, dtype = model.kv_shape(num_pages, page_size), kv_dtype or model.dtype
         self.kv = heap.alloc(shape, dtype) if heap is not None else torch.zeros(shape, dtype=dtype,
                                                                               device=model.device)
@@ -133,7 +143,7 @@ class EngineCore:
                                   argument="request_id")
         size = self.cache.page_size
         if dest is not None:
-            self._check_dest(request_id, len(prompt), dest)
+            check_dest(request_id, len(prompt), dest, self.heap)
             if pages_for(len(prompt), size) > self.cache.num_pages:
                 raise InvalidArgument(f"prompt_token_ids: request {request_id!r} has {len(prompt)} tokens, more than "
                                       f"this cache holds ({self.cache.num_pages} pages of {size})",
@@ -160,80 +170,43 @@ class EngineCore:
         aborted pushes are quiescing gets its own error in `_add`)."""
         return self.requests.keys() | self._quarantined.keys()
 
-    def _check_dest(self, request_id: Hashable, prompt_len: int, dest: object) -> None:
-        if self.heap is None:
-            raise InvalidArgument(f"dest: request {request_id!r}: this engine has no symmetric heap, so it cannot "
-                                  f"push KV; expected dest=None", argument="dest")
-        if not isinstance(dest, RecvDest):
-            raise InvalidArgumentType(f"dest: expected the RecvDest from DecodeEngine.reserve, got "
-                                      f"{type(dest).__name__}", argument="dest")
-        if dest.request_id != request_id:
-            raise InvalidArgument(f"dest: reserved for request {dest.request_id!r}, got request {request_id!r}",
-                                  argument="dest")
-        if not 0 <= dest.pe < self.heap.world_size or dest.pe == self.heap.rank or dest.ticket.pe != dest.pe:
-            raise InvalidArgument(f"dest.pe: expected a receiver PE in [0, {self.heap.world_size}) other than "
-                                  f"this one ({self.heap.rank}) and equal to its ticket's, got {dest.pe} "
-                                  f"(ticket PE {dest.ticket.pe})", argument="dest.pe")
-        num_slots = len(posmap.decompress(dest.cmap))
-        if num_slots != prompt_len:
-            raise InvalidArgument(f"dest.cmap: request {request_id!r} has {prompt_len} prompt tokens; "
-                                  f"expected a map of that many slots, got {num_slots}", argument="dest.cmap")
-
     # ------------------------------------------------------------------ received requests
-    def _reserve(self, request_id: Hashable, prompt_len: int, params: SamplingParams | None) -> RecvDest:
+    def _reserve(self, request_id: Hashable, prompt_len: int, params: SamplingParams | None,
+                 prompt_token_ids: list[int] | None = None) -> RecvDest:
         """Reserve pages for a prompt's KV and arm its doorbell (see `DecodeEngine.reserve`)."""
         if self.leases is None:
             raise InvalidArgument(f"reserve: request {request_id!r}: this engine has no symmetric heap, so no "
                                   f"sender can push into it", argument="reserve")
         params = SamplingParams() if params is None else params
-        self._check_reserve(request_id, prompt_len, params)
-        need = pages_for(min(prompt_len + params.max_tokens, self.max_model_len), self.cache.page_size)
+        check_reserve(request_id, prompt_len, params, prompt_token_ids, known=self._known_ids(),
+                      vocab_size=self.model.config.vocab_size, max_model_len=self.max_model_len,
+                      num_pages=self.cache.num_pages, page_size=self.cache.page_size)
+        prompt = None if prompt_token_ids is None else [int(t) for t in prompt_token_ids]
+        size = self.cache.page_size
+        total = pages_for(min(prompt_len + params.max_tokens, self.max_model_len), size)
+        match = self.cache.match_prefix(prompt, page_aligned=True) if prompt is not None else None
+        hit = match.num_tokens if match is not None else 0
+        need = total - hit // size + (match.num_pages if match is not None else 0)
         free = self.scheduler.free_pages()
         if need > free:
             raise OutOfPages(f"reserve: request {request_id!r} needs {need} pages (prompt {prompt_len} + "
-                             f"max_tokens {params.max_tokens}); {free} are free and not committed",
-                             num_needed=need, num_free=free)
-        req = self._factory.new(request_id, [0] * prompt_len, params)
-        self.cache.add_sequence(req.seq_id)
+                             f"max_tokens {params.max_tokens}, {hit} tokens cached); {free} are free and not "
+                             f"committed", num_needed=need, num_free=free)
+        req = self._factory.new(request_id, [0] * prompt_len if prompt is None else prompt, params)
+        self.cache.add_sequence(req.seq_id, prefix=match)
         try:
-            cmap = self.cache.disagg_prepare_recv(req.seq_id, prompt_len)
+            cmap = self.cache.disagg_prepare_recv(req.seq_id, prompt_len - hit)
             self.cache.end_forward()
             ticket = self.leases.doorbells.arm(request_id)
         except BaseException:
             self.cache.remove_sequence(req.seq_id)
             raise
         self.leases.open(request_id, ticket)
-        req.num_computed, req.in_cache = prompt_len, True
-        req.received, req.committed_pages = True, need
+        req.num_computed, req.in_cache, req.num_cached_tokens = prompt_len, True, hit
+        req.received, req.committed_pages, req.prompt_known = True, total, prompt is not None
         self.scheduler.commit(req)
         self.requests[request_id] = req
-        return RecvDest(request_id, [int(x) for x in cmap], self.heap.rank, ticket)
-
-    def _check_reserve(self, request_id: Hashable, prompt_len: object, params: object) -> None:
-        try:
-            known = request_id in self._known_ids()
-        except TypeError:
-            raise InvalidArgumentType(f"request_id: expected a hashable id, got {type(request_id).__name__}",
-                                      argument="request_id") from None
-        if known:
-            raise InvalidArgument(f"request_id: {request_id!r} is already in this engine; expected a new id",
-                                  argument="request_id")
-        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int):
-            raise InvalidArgumentType(f"prompt_len: expected an int, got {type(prompt_len).__name__}",
-                                      argument="prompt_len")
-        if not 1 <= prompt_len < self.max_model_len:
-            raise InvalidArgument(f"prompt_len: request {request_id!r}: expected 1..{self.max_model_len - 1} "
-                                  f"(the model's context is {self.max_model_len}), got {prompt_len}",
-                                  argument="prompt_len")
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgumentType(f"params: expected SamplingParams, got {type(params).__name__}",
-                                      argument="params")
-        params.validate(self.model.config.vocab_size)
-        need = pages_for(min(prompt_len + params.max_tokens, self.max_model_len), self.cache.page_size)
-        if need > self.cache.num_pages:
-            raise InvalidArgument(f"max_tokens: request {request_id!r} (prompt {prompt_len} + max_tokens "
-                                  f"{params.max_tokens}) needs {need} pages; expected at most the cache's "
-                                  f"{self.cache.num_pages}", argument="max_tokens")
+        return RecvDest(request_id, [int(x) for x in cmap], self.heap.rank, ticket, num_cached_tokens=hit)
 
     def _start(self, request_id: Hashable, first_token_id: int) -> None:
         """Hand a received request its first token (see `DecodeEngine.start`)."""
@@ -343,8 +316,8 @@ class EngineCore:
 
     def _abort_pushed(self, req: Request) -> PushState:
         del self.requests[req.request_id]
-        pushed = req.in_cache and req.num_computed > 0  # some forward pushed part of it
-        if req.in_cache:
+        pushed = req.sending and req.num_computed > req.num_cached_tokens  # some forward pushed part of it
+        if req.sending:
             self.pusher.detach_doorbell(req.seq_id)
         self.scheduler.remove(req, release=False)
         self._release_when_safe(req)
@@ -377,7 +350,11 @@ class EngineCore:
 
     def _drop(self, req: Request) -> None:
         """Forget ``req``; free its pages now, once no launched step writes them, or (received,
-        KV maybe in flight) once its lease closes."""
+        KV maybe in flight) once its lease closes. A finished request's KV stays in the prefix
+        cache (not an aborted one's, nor a reservation's whose KV may not have landed)."""
+        if (req.finish_reason in ("stop", "length") and self.cache.prefix_caching and req.in_cache
+                and req.prompt_known and not (self.leases is not None and req.request_id in self.leases)):
+            self.cache.cache_tokens(req.seq_id, req.token_ids[:req.num_computed])
         del self.requests[req.request_id]
         if req in self.ready:
             self.ready.remove(req)
@@ -433,7 +410,8 @@ class EngineCore:
                 "running": len(self.running), "waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions, "num_forwards": self.runner.num_forwards,
                 "num_graph_replays": self.runner.num_graph_replays,
-                "num_reserved_steps": self.num_reserved_steps, "num_steps_ahead": self.num_steps_ahead}
+                "num_reserved_steps": self.num_reserved_steps, "num_steps_ahead": self.num_steps_ahead,
+                **self.cache.prefix_stats()}
 
     def _warmup(self, *, prompt_len: int | None, decode: bool, max_kv_len: int | None) -> dict[str, float]:
         """Compile the kernels (and capture the decode graphs) while idle: see `ModelRunner.warmup`."""
@@ -507,24 +485,27 @@ class EngineCore:
         """Launch one forward over ``batch`` (the scheduler's); pushed prompts push their layers."""
         reqs, counts = batch.requests, batch.num_tokens
         for req in reqs:
-            if req.dest is not None and req.num_computed == 0:  # entered the cache for this forward
-                self.cache.disagg_mark_send(req.seq_id, 0, req.dest.cmap, req.dest.pe)
+            if req.dest is not None and not req.sending:  # entered the cache for this forward
+                self.cache.disagg_mark_send(req.seq_id, req.dest.num_cached_tokens, req.dest.cmap, req.dest.pe)
                 self.pusher.attach_doorbell(req.seq_id, req.dest.ticket)
+                req.sending = True
         ids = np.concatenate([np.asarray(r.token_ids[r.num_computed: r.num_computed + n], dtype=np.int64)
                               for r, n in zip(reqs, counts)])
         rows = [i for i, (r, n) in enumerate(zip(reqs, counts)) if r.num_computed + n == len(r.token_ids)]
         sampled = [reqs[i] for i in rows]
-        num_pushed = sum(n for r, n in zip(reqs, counts) if r.dest is not None)
         shape = StepShape.of(reqs, counts)
         start = time.perf_counter()
         plan = self.cache.begin_forward([r.seq_id for r in reqs], counts)
+        num_pushed = int(np.count_nonzero(plan.push_slots >= 0)) + len(plan.copy_remote_slots)
         try:
             pending = self.runner.execute(plan, ids, np.asarray(rows, dtype=np.int64), sampled,
-                                          pusher=self.pusher if num_pushed else None)
+                                          pusher=self.pusher if plan.has_transfers else None)
         finally:
             self.cache.end_forward()
         for r, n in zip(reqs, counts):
             r.num_computed += n
+            if not r.decoding and self.cache.prefix_caching:  # a prompt chunk: its KV is written
+                self.cache.cache_tokens(r.seq_id, r.token_ids[:r.num_computed])
         return Launched(reqs, sampled, pending, frozenset(r.seq_id for r in reqs), num_pushed, start, shape)
 
     def _launch_reserved(self, reserved: NextStep, ids: torch.Tensor, step_offset: int) -> Launched:

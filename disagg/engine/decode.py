@@ -69,26 +69,36 @@ class DecodeEngine(EngineCore):
             docstring); False reads every step's tokens before the next launch.
         max_num_batched_tokens: tokens per forward when it prefills local requests (default:
             ``max(max_num_seqs, 2048)``).
+        prefix_caching: keep finished requests' KV to fork later prompts from (`EngineCore`).
     """
 
     def __init__(self, model, heap, *, num_pages: int, page_size: int, max_num_seqs: int,
                  kv_dtype: torch.dtype | None = None, lease_s: float = 60.0,
                  use_cuda_graphs: bool | None = None, clock: Callable[[], float] = time.monotonic,
-                 async_scheduling: bool = True, max_num_batched_tokens: int | None = None) -> None:
+                 async_scheduling: bool = True, max_num_batched_tokens: int | None = None,
+                 prefix_caching: bool = True) -> None:
         budget = max(max_num_seqs, 2048) if max_num_batched_tokens is None else max_num_batched_tokens
         super().__init__(model, heap=heap, num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=budget, kv_dtype=kv_dtype, use_cuda_graphs=use_cuda_graphs,
-                         async_scheduling=async_scheduling, lease_s=lease_s, clock=clock)
+                         async_scheduling=async_scheduling, lease_s=lease_s, clock=clock,
+                         prefix_caching=prefix_caching)
 
-    def reserve(self, request_id: Hashable, prompt_len: int, params: SamplingParams | None = None) -> RecvDest:
+    def reserve(self, request_id: Hashable, prompt_len: int, params: SamplingParams | None = None, *,
+                prompt_token_ids: list[int] | None = None) -> RecvDest:
         """Reserve pages for a prompt's KV and arm its doorbell.
+
+        With ``prompt_token_ids`` (and prefix caching on), the prompt forks from the longest prefix
+        of whole pages this instance holds in its prefix cache (never the whole prompt), pages are
+        reserved only for the rest, and the returned `RecvDest` says how many tokens that prefix
+        holds (``num_cached_tokens``): its map covers only the positions after them. Without the
+        ids nothing is matched, and the request's KV is not kept in the cache when it ends.
 
         Raises:
             ValueError / TypeError: bad id, length or params (nothing changes).
             OutOfPages: the request's pages do not fit now (nothing changes; queue and retry).
             HeapError: every doorbell word is armed (nothing changes).
         """
-        return self._reserve(request_id, prompt_len, params)
+        return self._reserve(request_id, prompt_len, params, prompt_token_ids)
 
     def start(self, request_id: Hashable, first_token_id: int) -> None:
         """Hand over the first token (sampled by the prefill side); decoding starts once rung.

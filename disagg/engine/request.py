@@ -4,7 +4,8 @@
 cache, sampling and stopping rules). `TokenOutput` is one token of one request in a step's
 output list. `RecvDest` is what `DecodeEngine.reserve` returns and `PrefillEngine.add` takes:
 where the prompt's KV must land (picklable; it crosses processes). `check_new_request` is the
-`add`-time validation every engine runs before touching a page. `PushState` is what
+`add`-time validation every engine runs before touching a page (`check_dest`, `check_reserve`:
+a pushed request's destination, a decode reservation). `PushState` is what
 `PrefillEngine.abort` says about the aborted request's pushes. Used by every engine process.
 
 The token life of a request (vLLM v1's "num_computed_tokens" view, no prefill/decode flag):
@@ -25,6 +26,7 @@ import random
 from dataclasses import dataclass
 from typing import Hashable, NamedTuple
 
+from disagg import posmap
 from disagg.errors import InvalidArgument, InvalidArgumentType
 from disagg.sampling import SamplingParams
 from disagg.transfer.doorbell import DoorbellTicket
@@ -70,15 +72,19 @@ class RecvDest:
 
     Attributes:
         request_id: the request.
-        cmap: compressed position map of the reserved slots (`disagg.posmap` format).
+        cmap: compressed position map of the reserved slots, for prompt positions
+            ``num_cached_tokens ..`` (`disagg.posmap` format).
         pe: the decode worker's PE.
         ticket: the doorbell the prefill side's pusher rings after the last write.
+        num_cached_tokens: prompt tokens whose KV the decode worker already holds (its prefix
+            cache; whole pages): the prefill side pushes only the positions after them.
     """
 
     request_id: Hashable
     cmap: list[int]
     pe: int
     ticket: DoorbellTicket
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -99,6 +105,9 @@ class Request:
     dest: RecvDest | None = None  # pushed: its prompt's KV goes to this reservation, then it leaves
     received: bool = False  # its prompt's KV arrives from a sender into pages reserved here
     committed_pages: int = 0  # pages promised for its whole stay here (pushed, received); 0: none
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it entered the cache
+    prompt_known: bool = True  # False: a reservation made without the prompt's ids (placeholders)
+    sending: bool = False  # pushed: its send map is marked in the cache
 
     @property
     def preemptible(self) -> bool:
@@ -215,3 +224,80 @@ def check_engine_sizes(**sizes: int) -> None:
                                       argument=name)
         if value < 1:
             raise InvalidArgument(f"{name}: expected an int >= 1, got {value}", argument=name)
+
+
+def check_dest(request_id: Hashable, prompt_len: int, dest: object, heap) -> None:
+    """A pushed request's ``dest`` against this engine's heap and the prompt's length.
+
+    Raises:
+        ValueError / TypeError: no heap, not a RecvDest, another request's, a bad PE, a cached
+            length outside ``[0, prompt_len)``, or a map not of ``prompt_len - num_cached_tokens``
+            slots.
+    """
+    if heap is None:
+        raise InvalidArgument(f"dest: request {request_id!r}: this engine has no symmetric heap, so it cannot "
+                              f"push KV; expected dest=None", argument="dest")
+    if not isinstance(dest, RecvDest):
+        raise InvalidArgumentType(f"dest: expected the RecvDest from DecodeEngine.reserve, got "
+                                  f"{type(dest).__name__}", argument="dest")
+    if dest.request_id != request_id:
+        raise InvalidArgument(f"dest: reserved for request {dest.request_id!r}, got request {request_id!r}",
+                              argument="dest")
+    if not 0 <= dest.pe < heap.world_size or dest.pe == heap.rank or dest.ticket.pe != dest.pe:
+        raise InvalidArgument(f"dest.pe: expected a receiver PE in [0, {heap.world_size}) other than "
+                              f"this one ({heap.rank}) and equal to its ticket's, got {dest.pe} "
+                              f"(ticket PE {dest.ticket.pe})", argument="dest.pe")
+    cached = dest.num_cached_tokens
+    if isinstance(cached, bool) or not isinstance(cached, int) or not 0 <= cached < prompt_len:
+        raise InvalidArgument(f"dest.num_cached_tokens: request {request_id!r} has {prompt_len} prompt "
+                              f"tokens; expected an int in [0, {prompt_len}), got {cached!r}",
+                              argument="dest.num_cached_tokens")
+    num_slots = len(posmap.decompress(dest.cmap))
+    if num_slots != prompt_len - cached:
+        raise InvalidArgument(f"dest.cmap: request {request_id!r} has {prompt_len} prompt tokens, "
+                              f"{cached} of them cached on the receiver; expected a map of "
+                              f"{prompt_len - cached} slots, got {num_slots}", argument="dest.cmap")
+
+
+def check_reserve(request_id: Hashable, prompt_len: object, params: object, prompt_token_ids: object, *,
+                  known: object, vocab_size: int, max_model_len: int, num_pages: int, page_size: int) -> None:
+    """A decode reservation's arguments (`DecodeEngine.reserve`), before anything changes.
+
+    Raises:
+        ValueError / TypeError: duplicate or unhashable id, a length outside the context, bad
+            params, more pages than the cache holds, or prompt ids that are not ``prompt_len``
+            ints. The ids' values are the sender's to check (`check_new_request` on the prefill
+            side): here they are only matched against the cache, where no bad id is ever held.
+    """
+    try:
+        duplicate = request_id in known  # type: ignore[operator]
+    except TypeError:
+        raise InvalidArgumentType(f"request_id: expected a hashable id, got {type(request_id).__name__}",
+                                  argument="request_id") from None
+    if duplicate:
+        raise InvalidArgument(f"request_id: {request_id!r} is already in this engine; expected a new id",
+                              argument="request_id")
+    if isinstance(prompt_len, bool) or not isinstance(prompt_len, int):
+        raise InvalidArgumentType(f"prompt_len: expected an int, got {type(prompt_len).__name__}",
+                                  argument="prompt_len")
+    if not 1 <= prompt_len < max_model_len:
+        raise InvalidArgument(f"prompt_len: request {request_id!r}: expected 1..{max_model_len - 1} "
+                              f"(the model's context is {max_model_len}), got {prompt_len}", argument="prompt_len")
+    if not isinstance(params, SamplingParams):
+        raise InvalidArgumentType(f"params: expected SamplingParams, got {type(params).__name__}", argument="params")
+    params.validate(vocab_size)
+    need = pages_for(min(prompt_len + params.max_tokens, max_model_len), page_size)
+    if need > num_pages:
+        raise InvalidArgument(f"max_tokens: request {request_id!r} (prompt {prompt_len} + max_tokens "
+                              f"{params.max_tokens}) needs {need} pages; expected at most the cache's "
+                              f"{num_pages}", argument="max_tokens")
+    if prompt_token_ids is None:
+        return
+    try:
+        prompt = [int(t) for t in prompt_token_ids]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise InvalidArgumentType(f"prompt_token_ids: expected a sequence of ints, got "
+                                  f"{type(prompt_token_ids).__name__}", argument="prompt_token_ids") from None
+    if len(prompt) != prompt_len:
+        raise InvalidArgument(f"prompt_token_ids: request {request_id!r}: expected {prompt_len} ids (prompt_len), "
+                              f"got {len(prompt)}", argument="prompt_token_ids")

@@ -17,11 +17,16 @@ and a request whose KV was received (prompt + max_tokens, so a decode never wait
 pages promised but not yet taken are kept out of everyone else's budget (`outstanding_pages`);
 committed requests are never preempted and draw their pages from their own promise. A pushed
 prompt enters the cache only when its whole promise fits, in arrival order.
+
+With prefix caching a waiting request enters the cache forked from its longest cached prefix
+(`_enter`), whose tokens then count as computed, when the pages the fork pins fit the budget;
+otherwise it enters empty and its reservation evicts cached pages like any other.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -108,12 +113,6 @@ class Scheduler:
         self._schedule_chunks(batch, free)
         if not batch and self.waiting and self._free_pages_for_head():
             self._schedule_chunks(batch, self.free_pages())
-        for req in batch.requests:
-            if not req.in_cache:
-                self.cache.add_sequence(req.seq_id)
-                req.in_cache = True
-                if req.committed_pages:
-                    self.commit(req)
         return batch
 
     def finish_prompt(self, req: Request) -> None:
@@ -155,19 +154,43 @@ class Scheduler:
             budget = self._budget(batch)
             if len(batch) >= self.max_num_seqs or budget <= 0:
                 return
+            if not req.in_cache:  # a committed one enters only when its whole promise fits, in order
+                taken = self._enter(req, free)
+                if taken is None:
+                    return
+                free -= taken
             if req.committed_pages:
-                if not req.in_cache:  # enters only when its whole promise fits, in arrival order
-                    if req.committed_pages > free:
-                        return
-                    free -= req.committed_pages
                 batch.append(req, min(req.num_to_compute, budget))
                 continue
-            tail = (-req.num_computed) % page_size if req.in_cache else 0
+            tail = (-req.num_computed) % page_size
             n = min(req.num_to_compute, budget, free * page_size + tail)
             if n <= 0:
                 return
             free -= self._pages_needed(req, n)
             batch.append(req, n)
+
+    def _enter(self, req: Request, free: int) -> int | None:
+        """Put a waiting request's sequence in the cache, forked from its longest cached prefix
+        (those tokens count as computed) when that fits ``free``. Returns the pages of ``free`` it
+        took (a committed request: its whole promise), or None when it cannot enter now."""
+        size = self.cache.page_size
+        match = self.cache.match_prefix(req.token_ids)
+        hit = match.num_tokens
+        if req.committed_pages:
+            taken = match.num_pages + req.committed_pages - pages_for(hit, size)
+            if taken > free:
+                return None
+        else:
+            if match.num_pages > free or (hit % size == 0 and match.num_pages >= free):
+                match, hit = dataclasses.replace(match, seq_id=None, num_tokens=0, num_pages=0), 0
+                if free <= 0:
+                    return None  # not even one token would fit
+            taken = match.num_pages
+        self.cache.add_sequence(req.seq_id, prefix=match)
+        req.in_cache, req.num_computed, req.num_cached_tokens = True, hit, hit
+        if req.committed_pages:
+            self.commit(req)
+        return taken
 
     def _free_pages_for_head(self) -> bool:
         """Nothing fits: partially computed prompts behind the head give back their pages (they
@@ -190,8 +213,11 @@ class Scheduler:
         return pages_for(req.num_computed + n, size) - pages_for(req.num_computed, size)
 
     def _preempt(self, req: Request) -> int:
-        """Free ``req``'s pages; it recomputes prompt + output later. Returns the pages freed."""
+        """Free ``req``'s pages; it recomputes prompt + output later (from the prefix cache, where
+        its pages are still there then). Returns the pages freed."""
         before = self.cache.num_free_pages
+        if self.cache.prefix_caching:
+            self.cache.cache_tokens(req.seq_id, req.token_ids[:req.num_computed])
         self._release(req)
         self.num_preemptions += 1
         req.decoding = False

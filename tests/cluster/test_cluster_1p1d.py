@@ -62,6 +62,32 @@ def test_24_mixed_requests_match_the_colocated_engine(cluster):
         assert (m.prefill_instance, m.decode_instance) == ("prefill-0", "decode-0")
 
 
+def test_a_shared_prefix_is_computed_and_pushed_once(cluster):
+    """Prefix caching on both instances (the default): later requests sharing a 50-token system
+    prompt compute only their own tokens and receive only the pages past the decode side's match
+    (3 whole pages of 16)."""
+    import random
+
+    rng = random.Random(7)
+    system = [rng.randrange(3, 256) for _ in range(50)]
+    prompts = [system + [rng.randrange(3, 256) for _ in range(5)] for _ in range(3)]
+    want = reference_tokens(prompts, [4] * 3)
+
+    def totals() -> dict:
+        return {i["name"]: i for i in cluster.stats()["instances"]}
+
+    seen = [totals()]
+    for prompt, tokens in zip(prompts, want):
+        assert cluster.generate([prompt], SamplingParams(max_tokens=4))[0].token_ids == tokens
+        seen.append(totals())
+    steps = list(zip(seen, seen[1:]))
+    pushed = [after["prefill-0"]["pushed_bytes"] - before["prefill-0"]["pushed_bytes"] for before, after in steps]
+    assert pushed[1] == pushed[2] == pushed[0] * (55 - 48) // 55  # 7 of 55 prompt tokens cross
+    hits = [{name: after[name]["prefix_hit_tokens"] - before[name]["prefix_hit_tokens"] for name in after}
+            for before, after in steps]
+    assert hits == [{"prefill-0": 0, "decode-0": 0}] + [{"prefill-0": 50, "decode-0": 48}] * 2
+
+
 def test_stream_from_other_threads_and_loops(cluster):
     prompts = mixed_prompts(4, seed=2)
     streams = [BackgroundStream(cluster, p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]

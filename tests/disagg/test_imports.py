@@ -8,7 +8,7 @@ from pathlib import Path
 import disagg
 
 BOOKKEEPING = ["blocks", "copies", "forward", "integrity", "pages", "plan", "posmap", "prefix",
-               "reserve", "sliding"]
+               "prefix_cache", "prefix_index", "reserve", "sliding"]
 
 
 def _imports(module: str) -> set[str]:

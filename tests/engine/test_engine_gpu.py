@@ -62,6 +62,44 @@ def test_cuda_graph_decode_equals_eager():
     assert ahead == eager
 
 
+def _prefix_waves(model, prefix_caching: bool, use_cuda_graphs: bool) -> tuple[list[dict], dict]:
+    """Two waves of prompts sharing a 40-token system prompt (hits on a page boundary, mid page, the
+    whole prompt), on 24 pages of 16 so that the second wave evicts part of the first's cache."""
+    from disagg.engine import ColocatedEngine
+
+    system = [(13 * j) % 200 + 7 for j in range(40)]
+    waves = [{f"w{w}q{i}": system[: 16 * (1 + i % 3) + (i % 2) * 5] + [100 * w + i + 1] * (2 + i) for i in range(6)}
+             for w in range(2)]
+    waves[1]["again"] = waves[0]["w0q1"]
+    engine = ColocatedEngine(model, num_pages=24, page_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+                             use_cuda_graphs=use_cuda_graphs, async_scheduling=True, prefix_caching=prefix_caching)
+    if use_cuda_graphs:
+        engine.warmup(max_kv_len=256)
+    out = []
+    for wave in waves:
+        for rid, prompt in wave.items():
+            engine.add(rid, prompt, PARAMS)
+        out.append({rid: r["tokens"] for rid, r in drain(engine).items()})
+        engine.cache.check_integrity()
+    assert_all_free(engine)
+    return out, engine.stats()
+
+
+@pytest.mark.gpu
+def test_prefix_cache_hits_under_graphs_equal_uncached():
+    """Colocated with CUDA graphs and async scheduling: forks of cached prefixes (fork copies on the
+    GPU), eviction and preemption give the tokens of an engine without prefix caching."""
+    import torch
+
+    from disagg.model import load_model
+
+    model = load_model(SOURCE, dtype=torch.float32, device="cuda")
+    cached, stats = _prefix_waves(model, prefix_caching=True, use_cuda_graphs=True)
+    uncached, _ = _prefix_waves(model, prefix_caching=False, use_cuda_graphs=True)
+    assert cached == uncached
+    assert stats["prefix_hit_tokens"] > 0 and stats["prefix_evicted_pages"] > 0 and stats["num_graph_replays"] > 0
+
+
 @pytest.mark.multigpu
 def test_prefill_and_decode_over_nvshmem_equal_colocated(gpu_share):
     """Prefill on one PE, decode on another (two GPUs, or both sharing GPU 0)."""

@@ -96,3 +96,30 @@ def test_prefill_decode_over_shm_equals_transformers(smollm2, hf_tokens, torch_r
         for heap in heaps:
             heap.close()
     assert shm_leftovers(uid) == []
+
+
+def test_prefix_cache_hits_give_the_uncached_tokens(smollm2, torch_reference):
+    """Real weights, fp32: a shared system prompt (hits on page boundaries and mid page) and a
+    second turn that resends the first turn's outputs give the tokens of an uncached engine."""
+    _, model = smollm2
+    system = model.tokenizer.encode(TEXTS[2])
+    questions = [system + model.tokenizer.encode(" fib(10) is"), system + model.tokenizer.encode(" n == 1")]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def serve(prefix_caching: bool, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+        engine = ColocatedEngine(model, max_num_batched_tokens=64, prefix_caching=prefix_caching, **SIZES)
+        out = []
+        for i, prompt in enumerate(prompts):
+            engine.add(i, prompt, params)
+            out.append(drain(engine)[i]["tokens"])
+            engine.cache.check_integrity()
+        assert_all_free(engine)
+        return out, engine.stats()["prefix_hit_tokens"]
+
+    cached, hits = serve(True, questions)
+    assert cached == serve(False, questions)[0]
+    assert hits >= len(system) - 1  # the second question found the system prompt
+    turn2 = questions[0] + cached[0] + model.tokenizer.encode(" And fib(11)?")
+    cached, hits = serve(True, [questions[0], turn2])
+    assert cached == serve(False, [questions[0], turn2])[0]
+    assert hits == len(questions[0]) + len(cached[0]) - 1  # all but the last output token

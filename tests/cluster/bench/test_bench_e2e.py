@@ -41,3 +41,24 @@ def test_tiny_1p1d_vs_colocated(tmp_path, monkeypatch):
     assert (tmp_path / "compare.json").exists()
     for name in ("attainment_vs_rate.png", "ttft_cdf.png", "tpot_cdf.png", "throughput_vs_rate.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_shared_prefix_and_multi_turn_report_hit_rates(monkeypatch):
+    from disagg.cluster.bench import prefix_workloads
+    from disagg.cluster.bench.sweep import SweepOptions, bench_config
+    from disagg.cluster.bench.tables import run_table
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the actors inherit it: torch reference kernels
+    monkeypatch.setattr(prefix_workloads, "QUESTION_LEN", 8)  # short prompts, a quick test
+    options = SweepOptions(num_prompts=8, datasets=["shared-prefix", "multi-turn"], input_len=20, output_len=3,
+                           show_progress=False, save_results=False, num_warmups=0)
+    runs = bench_config(str(CONFIGS / "tiny-1p1d.yaml"), options, label="tiny")
+    for one in runs:
+        (result,) = one.results
+        assert result["completed"] == 8, result["errors"]
+        cache = result["prefix_cache"]
+        assert set(cache["instances"]) == {"prefill-0", "decode-0"}
+        assert cache["query_tokens"] == 2 * result["total_input_tokens"]  # looked up on both sides
+        assert 0 < cache["hit_rate"] < 1 and cache["pushed_bytes"] > 0
+        rows = {row for row in run_table(result).columns[0].cells}
+        assert "Prefix cache hit rate" in rows

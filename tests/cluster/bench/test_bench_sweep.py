@@ -210,3 +210,21 @@ def test_summary_markdown_names_the_winner(stand_in, tmp_path):
     tails = lines.index("| workload | deployment | rate (req/s) | p99 TTFT (ms) | p99 TPOT (ms) | SLO attainment |")
     assert [line.split(" | ")[1:3] for line in lines[tails + 2:tails + 6]] == [
         ["tiny-1p1d", "200"], ["tiny-colocated", "200"], ["tiny-1p1d", "200"], ["tiny-colocated", "200"]]
+
+
+def test_prefix_cache_of_one_run():
+    from disagg.cluster.bench.sweep import prefix_cache_of
+
+    def stats(pq, ph, dq, dh, pushed):
+        return {"instances": [
+            {"name": "prefill-0", "prefix_query_tokens": pq, "prefix_hit_tokens": ph, "pushed_bytes": pushed},
+            {"name": "decode-0", "prefix_query_tokens": dq, "prefix_hit_tokens": dh}]}
+
+    got = prefix_cache_of(stats(100, 10, 100, 0, 500), stats(300, 110, 300, 50, 1500))
+    assert got == {"hit_rate": 150 / 400, "query_tokens": 400, "hit_tokens": 150, "pushed_bytes": 1000,
+                   "instances": {"prefill-0": {"hit_rate": 0.5, "query_tokens": 200, "hit_tokens": 100},
+                                 "decode-0": {"hit_rate": 0.25, "query_tokens": 200, "hit_tokens": 50}}}
+    assert prefix_cache_of(None, stats(1, 1, 1, 1, 1)) is None
+    assert prefix_cache_of({"instances": [{"name": "x"}]}, {"instances": [{"name": "x"}]}) is None
+    idle = prefix_cache_of(stats(1, 0, 1, 0, 0), stats(1, 0, 1, 0, 0))
+    assert idle["hit_rate"] is None and idle["instances"]["decode-0"]["hit_rate"] is None

@@ -63,6 +63,31 @@ def test_long_prompt_and_chat_shapes():
     assert max(r.expected_output_len for r in heavy) < min(r.expected_output_len for r in light)
 
 
+def test_shared_prefix_groups_share_exactly_their_system_prompt():
+    reqs = sample_requests(WorkloadSpec("shared-prefix", 40, seed=2, vocab_size=1000, input_len=64, output_len=8))
+    assert all(r.prompt_len == 64 + 128 and r.expected_output_len == 8 for r in reqs)
+    groups: dict[tuple, list] = {}
+    for r in reqs:
+        groups.setdefault(tuple(r.prompt_token_ids[:64]), []).append(r)
+    assert sorted(len(g) for g in groups.values()) == [8, 16, 16]  # 40 = 16 + 16 + 8
+    assert len({tuple(r.prompt_token_ids[64:]) for r in reqs}) == 40  # every question its own
+    order = [next(i for i, g in enumerate(groups) if tuple(r.prompt_token_ids[:64]) == g) for r in reqs]
+    assert order != sorted(order)  # the groups are interleaved, not one after the other
+    clipped = sample_requests(WorkloadSpec("shared-prefix", 4, vocab_size=1000, max_model_len=100, output_len=8))
+    assert all(r.prompt_len == 92 for r in clipped)
+
+
+def test_multi_turn_resends_the_conversation():
+    reqs = sample_requests(WorkloadSpec("multi-turn", 10, seed=5, vocab_size=1000, input_len=20, output_len=6))
+    convs = 3  # ceil(10 / 4 turns); turn t of conversation c is request t * 3 + c
+    for index in range(convs, 10):
+        earlier, later = reqs[index - convs], reqs[index]
+        resent = earlier.prompt_len + earlier.expected_output_len  # the prompt, then the stand-in answer
+        assert later.prompt_token_ids[:earlier.prompt_len] == earlier.prompt_token_ids
+        assert 10 <= later.prompt_len - resent <= 30  # the new message: 20 within r=0.5
+    assert [r.prompt_len for r in reqs[:convs]] == [len(r.prompt_token_ids) for r in reqs[:convs]]
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("dataset_name", "sharegpt", "--dataset-name"), ("num_prompts", 0, "--num-prompts"),
     ("range_ratio", 1.0, "--random-range-ratio"), ("input_len", -3, "--random-input-len"),

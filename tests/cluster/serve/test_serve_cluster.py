@@ -204,6 +204,8 @@ def test_metrics_parse_and_move(served):
     for inst in (prefill, decode):
         labels = tuple(sorted(inst.items()))
         assert after[("disagg:num_preemptions_total", labels)] == 0
+        queried = _delta(after, before, "disagg:prefix_cache_queries_total", **inst)
+        assert queried > 0 and 0 <= _delta(after, before, "disagg:prefix_cache_hits_total", **inst) < queried
         assert {("disagg:num_requests_running", labels), ("disagg:num_requests_waiting", labels),
                 ("disagg:kv_pages_used", labels)} <= set(after)
     assert ("disagg:num_requests_queued", ()) in after

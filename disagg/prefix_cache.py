@@ -1,0 +1,171 @@
+"""Automatic prefix caching, the pages: cached sequences, which of their pages are evictable, LRU eviction.
+
+When a registered sequence is removed (`PagedKVCache.remove_sequence`), its registered positions
+stay in the cache as a *cached sequence* (a negative id, invisible to callers) instead of being
+freed: TVM's block tree keeps sharing their pages with any live sequence that forked from them,
+and a new prompt forks from them (`disagg.prefix_index` finds which). Pages are then in one of:
+
+    free       in the page pool
+    live       on the block trace of a live sequence (running, draining, quarantined, ...):
+               never evicted, whatever else shares them
+    evictable  held only by cached sequences; counted as free (`PagedKVCache.num_free_pages`)
+               and evicted, least recently used sequence first and its last pages first, when a
+               reservation needs them (vLLM's free queue of cached blocks)
+
+Pages that a pending copy still reads or writes are not counted as evictable (given back, they
+would be parked, not freed). Used only by `disagg.cache`; mutates its block and page pools.
+"""
+
+from __future__ import annotations
+
+from disagg import prefix
+from disagg.blocks import BlockPool, Sequence
+from disagg.pages import PagePool
+from disagg.prefix_index import PrefixIndex
+
+
+class CachedSequences:
+    """The cached sequences of one cache (LRU order) and its prefix-cache counters.
+
+    Attributes:
+        enabled: whether removal keeps registered pages cached.
+        index: the content index of every registered sequence (live and cached).
+        lru: cached sequence ids, least recently used first.
+        num_query_tokens, num_hit_tokens: prompt tokens looked up / found (vLLM's
+            prefix_cache_queries / prefix_cache_hits).
+        num_evicted_pages: pages evicted so far.
+    """
+
+    def __init__(self, page_size: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.page_size = page_size
+        self.index = PrefixIndex(page_size)
+        self.lru: dict[int, None] = {}
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+        self.num_evicted_pages = 0
+        self._next_id = -1
+        self._unpinned: set[int] | None = set()  # pages held only by cached sequences; None: stale
+
+    def invalidate(self) -> None:
+        """The block tree changed: recount the evictable pages when next asked."""
+        self._unpinned = None
+
+    def new_id(self, seqs: dict[int, Sequence]) -> int:
+        """A negative id no sequence has."""
+        while self._next_id in seqs:
+            self._next_id -= 1
+        seq_id, self._next_id = self._next_id, self._next_id - 1
+        return seq_id
+
+    def touch(self, seq_id: int) -> None:
+        """A hit on ``seq_id``: it becomes the most recently used."""
+        if seq_id in self.lru:
+            del self.lru[seq_id]
+            self.lru[seq_id] = None
+
+    def evictable_pages(self, blocks: BlockPool, seqs: dict[int, Sequence]) -> set[int]:
+        """Pages of blocks that no live sequence's trace reaches (touched ones included)."""
+        if not self.lru:
+            return set()
+        if self._unpinned is None:
+            seen: set[int] = set()
+            for seq_id, seq in seqs.items():
+                if seq_id not in self.lru:
+                    _walk(blocks, seq.last_block_idx, seen, None)
+            pages: list[int] = []
+            for seq_id in self.lru:
+                _walk(blocks, seqs[seq_id].last_block_idx, seen, pages)
+            self._unpinned = set(pages)
+        return self._unpinned
+
+    def num_evictable(self, blocks: BlockPool, pool: PagePool, seqs: dict[int, Sequence]) -> int:
+        """Pages eviction can free now (not counting pages a pending copy touches)."""
+        pages = self.evictable_pages(blocks, seqs)
+        if not pool.touched or not pages:
+            return len(pages)
+        return len(pages) - len(pages & pool.touched)
+
+    def can_free_one(self, blocks: BlockPool, pool: PagePool, seqs: dict[int, Sequence], protect: int) -> bool:
+        """Whether `evict` can free a page without touching cached sequence ``protect``'s pages."""
+        for seq_id in self.lru:
+            if seq_id == protect:
+                continue
+            idx = seqs[seq_id].last_block_idx
+            while idx != -1 and blocks.blocks[idx].external_ref_cnt == 1:
+                if any(p not in pool.touched for p in blocks.blocks[idx].page_ids):
+                    return True
+                idx = blocks.blocks[idx].parent_idx
+        return False
+
+    def evict(self, blocks: BlockPool, pool: PagePool, seqs: dict[int, Sequence], num_free: int,
+              protect: int | None = None) -> None:
+        """Evict until ``pool.num_free >= num_free`` (the caller checked that it can).
+
+        Least recently used cached sequence first (never ``protect``: a fork is about to share its
+        pages); from it, its last pages first (a pop to a page boundary of its private blocks), the
+        whole sequence once they do not suffice. Another sequence's private pages are never on
+        ``protect``'s trace, so evicting them leaves its pages alone.
+        """
+        while pool.num_free < num_free:
+            victim = next((i for i in self.lru if i != protect), None)
+            assert victim is not None, f"evict: {num_free - pool.num_free} pages short with nothing cached left"
+            seq = seqs[victim]
+            chain_pages, top_start = _private_tail(blocks, seq)
+            want = num_free - pool.num_free
+            before = pool.num_free
+            if want >= chain_pages:
+                self.drop(blocks, pool, seqs, seq)
+            else:
+                keep = top_start + (chain_pages - want) * self.page_size
+                plan = prefix.plan_pop(blocks, seq, seq.seq_length - keep, self.page_size)
+                prefix.commit_pop(blocks, pool, [], seq, plan, self.page_size)
+                self.index.truncate(seq.seq_id, keep)
+            self.num_evicted_pages += pool.num_free - before
+            self._unpinned = None
+
+    def drop(self, blocks: BlockPool, pool: PagePool, seqs: dict[int, Sequence], seq: Sequence) -> None:
+        """Remove the cached sequence ``seq``: pages only it held are freed."""
+        prefix.release_sequence(blocks, pool, seq)
+        del seqs[seq.seq_id]
+        del self.lru[seq.seq_id]
+        self.index.drop(seq.seq_id)
+        self._unpinned = None
+
+    def problems(self, seqs: dict[int, Sequence]) -> list[str]:
+        """Inconsistencies (for `disagg.integrity`)."""
+        out = self.index.problems({i: s.seq_length for i, s in seqs.items()})
+        for seq_id in self.lru:
+            seq = seqs.get(seq_id)
+            if seq is None:
+                out.append(f"cached sequence {seq_id} is not in the cache")
+            elif seq_id >= 0 or seq.send is not None or seq.windowed:
+                out.append(f"cached sequence {seq_id} must have a negative id, no send map and no window")
+            elif seq_id not in self.index:
+                out.append(f"cached sequence {seq_id} registered no tokens")
+        if not self.enabled and (self.lru or len(self.index)):
+            out.append("prefix caching is off but sequences are registered or cached")
+        return out
+
+
+def _walk(blocks: BlockPool, idx: int, seen: set[int], pages: list[int] | None) -> None:
+    """Mark the trace ending at block ``idx`` seen (stopping at a seen block: its ancestors are
+    seen too); add the pages of newly seen blocks to ``pages``."""
+    block_of = blocks.blocks
+    while idx != -1 and idx not in seen:
+        seen.add(idx)
+        if pages is not None:
+            pages.extend(block_of[idx].page_ids)
+        idx = block_of[idx].parent_idx
+
+
+def _private_tail(blocks: BlockPool, seq: Sequence) -> tuple[int, int]:
+    """Pages of the blocks only ``seq`` holds (from its last block up), and where they start."""
+    num_pages, start = 0, seq.seq_length
+    idx = seq.last_block_idx
+    while idx != -1 and blocks.blocks[idx].external_ref_cnt == 1:
+        block = blocks.blocks[idx]
+        num_pages += len(block.page_ids)
+        start = block.start_pos
+        idx = block.parent_idx
+    return num_pages, start
