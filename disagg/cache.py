@@ -424,9 +424,9 @@ class PagedKVCache:
         self._require_closed("append_without_plan")
         if self._senders or self._copies.fork:
             raise CacheError("append_without_plan: copies or sends are pending; they need begin_forward's plan")
-        ids, lens = self._check_batch(seq_ids, append_lengths)
+        ids, lens = forward.check_batch(seq_ids, append_lengths)
         seqs = [self._get(i, "append_without_plan") for i in ids]
-        reserve_batch(self._blocks, self._pool, seqs, lens, self.page_size, "append_without_plan")
+        reserve_batch(self._blocks, self._pool, seqs, lens, self.page_size, "append_without_plan", self._room())
         self._pool.release_deferred()
 
     def end_forward(self) -> None:

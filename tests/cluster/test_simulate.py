@@ -114,7 +114,9 @@ def test_simulated_engine_schedules_the_real_engines_steps(async_scheduling: boo
 
     sizes = dict(num_pages=8, page_size=16, max_num_seqs=3, max_num_batched_tokens=32)
     config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml").override({"model.num_layers": 1})
-    real = ColocatedEngine(engines.load(config, "cpu"), async_scheduling=async_scheduling, **sizes)
+    # The simulator models no prefix cache (random workloads hit none); these prompts share ids.
+    real = ColocatedEngine(engines.load(config, "cpu"), async_scheduling=async_scheduling, prefix_caching=False,
+                           **sizes)
     from disagg.cluster.placement import StepTimeModel
     sim = SimEngine(StepTimeModel(), max_model_len=real.max_model_len, async_scheduling=async_scheduling, **sizes)
     sim.step_log = []
