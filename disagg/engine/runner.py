@@ -154,28 +154,48 @@ class ModelRunner:
             Seconds per phase: "prefill", "decode", "graphs".
         """
         seconds = {"prefill": 0.0, "decode": 0.0, "graphs": 0.0}
-        prompt_len = max(1, min(prompt_len, cache.num_free_pages * cache.page_size - 1))
-        req = RequestFactory(()).new("warmup", [0] * prompt_len, SamplingParams())
+        # Room for the prompt, its decode token and the fork's copied page (`_warm_fork_copy`).
+        prompt_len = max(1, min(prompt_len, (cache.num_free_pages - 1) * cache.page_size - 1))
+        factory = RequestFactory(())
+        req = factory.new("warmup", [0] * prompt_len, SamplingParams())
         cache.add_sequence(req.seq_id)
         try:
             for phase, n, wanted in (("prefill", prompt_len, prefill), ("decode", 1, decode)):
                 if wanted:
                     start = time.perf_counter()
-                    plan = cache.begin_forward([req.seq_id], [n])
-                    try:
-                        graphs, self.graphs = self.graphs, None  # eager: compiles the kernels
-                        self.execute(plan, [0] * n, np.zeros(1, dtype=np.int64), [req]).result()
-                    finally:
-                        self.graphs = graphs
-                        cache.end_forward()
+                    self._warm_forward(cache, req, n)
                     if phase == "prefill":
                         self.model.warm_lm_head(self.max_num_seqs)
+                        self._warm_fork_copy(cache, factory, req)
                     seconds[phase] = time.perf_counter() - start
             if decode:
                 seconds["graphs"] = self.capture_graphs(None, max_kv_len)
         finally:
             cache.remove_sequence(req.seq_id)
         return seconds
+
+    def _warm_forward(self, cache: PagedKVCache, req: Request, num_tokens: int) -> None:
+        """One eager forward of ``num_tokens`` tokens of ``req`` (compiles what it launches)."""
+        plan = cache.begin_forward([req.seq_id], [num_tokens])
+        try:
+            graphs, self.graphs = self.graphs, None
+            self.execute(plan, [0] * num_tokens, np.zeros(1, dtype=np.int64), [req]).result()
+        finally:
+            self.graphs = graphs
+            cache.end_forward()
+
+    def _warm_fork_copy(self, cache: PagedKVCache, factory: RequestFactory, parent: Request) -> None:
+        """A child forked one token into ``parent``'s first page and run one token: the plan's
+        partial-page copy compiles the slot-copy kernel, as a prefix-cache hit that ends mid page
+        would otherwise do while serving (a compile stalls every request for seconds)."""
+        if cache.page_size < 2 or cache.seq_length(parent.seq_id) < 2 or cache.num_free_pages < 1:
+            return
+        child = factory.new("warmup-fork", [0, 0], SamplingParams())
+        cache.fork_sequence(parent.seq_id, child.seq_id, 1)
+        try:
+            self._warm_forward(cache, child, 1)
+        finally:
+            cache.remove_sequence(child.seq_id)
 
     def capture_graphs(self, batch_sizes: list[int] | None = None, max_kv_len: int | None = None) -> float:
         """Capture decode graphs ahead of serving; return the seconds it took (0 without graphs)."""

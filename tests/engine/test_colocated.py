@@ -204,6 +204,26 @@ def test_warmup_leaves_no_trace(tiny_model, torch_reference, expected):
     assert_all_free(engine)
 
 
+def test_warmup_runs_a_fork_copy(tiny_model, torch_reference, monkeypatch, both_schedulings):
+    """Warm-up launches the partial-page copy a mid-page prefix-cache hit needs, so serving never
+    compiles the slot-copy kernel (test_engine_gpu.py::test_no_kernel_compiles_after_warmup)."""
+    if not both_schedulings:
+        pytest.skip("once is enough")
+    from disagg.model import llama
+
+    copies = []
+
+    def counting_copy_slots(src, src_slots, dst, dst_slots, **kwargs):
+        copies.append(int(src_slots.numel()))
+        return real_copy_slots(src, src_slots, dst, dst_slots, **kwargs)
+    real_copy_slots = llama.copy_slots
+    monkeypatch.setattr(llama, "copy_slots", counting_copy_slots)
+    engine = _engine(tiny_model)
+    engine.warmup(prompt_len=40)
+    assert copies == [1]  # the child forked one token into the warm-up prompt's first page
+    assert_all_free(engine)
+
+
 def test_async_scheduling_parity_stop_discard_and_deferred_release(tiny_model, torch_reference, expected,
                                                                   both_schedulings):
     """Async against sync on the same requests (greedy, seeded, a stop id): same outputs; an
