@@ -145,12 +145,14 @@ class Picker:
         live = [inst for inst in candidates if inst.alive]
         if not live:
             return []
+        turn = next(self._turns.setdefault(live[0].role, itertools.count())) % len(live)
+        rotated = live[turn:] + live[:turn]
         if self.policy == "round_robin":
-            turn = next(self._turns.setdefault(live[0].role, itertools.count()))
-            start = turn % len(live)
-            return live[start:] + live[:start]
+            return rotated
         loads = self.loads(live, requests)
-        return sorted(live, key=lambda inst: loads[inst.name])
+        # Stable sort of the rotation: equal loads take turns (an idle fleet fed one request at a
+        # time would otherwise send every one to the first instance).
+        return sorted(rotated, key=lambda inst: loads[inst.name])
 
     def loads(self, instances: list[Instance], requests: list[Request]) -> dict[str, int]:
         """Each of ``instances``' load in tokens, as `order` counts it."""

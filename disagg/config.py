@@ -218,7 +218,7 @@ class RouterSection(Section):
 
     policy: Literal["least_loaded", "round_robin"] = Field(
         "least_loaded", description="least_loaded: prefill by queued prompt tokens, decode by reserved "
-                                    "+ running tokens; round_robin: in turn")
+                                    "+ running tokens, equal loads in turn; round_robin: in turn")
     lease_s: float = Field(30.0, gt=0.0, description="a decode reservation whose KV has not landed "
                                                      "(first token from prefill) within this is failed "
                                                      "and its pages released, seconds")
