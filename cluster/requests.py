@@ -140,8 +140,14 @@ class Picker:
     policy: str
     _turns: dict[str, itertools.count] = field(default_factory=dict)
 
-    def order(self, candidates: list[Instance], requests: list[Request]) -> list[Instance]:
-        """Live ``candidates`` in the order to try them (best first)."""
+    def order(self, candidates: list[Instance], requests: list[Request],
+              credit: dict[str, int] | None = None) -> list[Instance]:
+        """Live ``candidates`` in the order to try them (best first).
+
+        Args:
+            credit: least_loaded only: tokens of the request's prompt each instance is believed
+                to have cached (`disagg.cluster.affinity`), taken off its load (work it saves).
+        """
         live = [inst for inst in candidates if inst.alive]
         if not live:
             return []
@@ -150,6 +156,8 @@ class Picker:
         if self.policy == "round_robin":
             return rotated
         loads = self.loads(live, requests)
+        if credit:
+            loads = {name: load - credit.get(name, 0) for name, load in loads.items()}
         # Stable sort of the rotation: equal loads take turns (an idle fleet fed one request at a
         # time would otherwise send every one to the first instance).
         return sorted(rotated, key=lambda inst: loads[inst.name])

@@ -36,6 +36,7 @@ from typing import Any
 
 import ray
 
+from disagg.cluster.affinity import PrefixAffinity
 from disagg.cluster.bootstrap import Fleet, Instance
 from disagg.cluster.outputs import RequestMetrics, StreamDelta
 from disagg.cluster.placement import PATHS, Decision, FleetModel, Targets, decide
@@ -82,6 +83,9 @@ class Router:
         self.targets = Targets.from_ms(self.settings.slo_ttft_ms, self.settings.slo_tpot_ms)
         self.placements: collections.Counter[str] = collections.Counter({path: 0 for path in PATHS})
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
+        self.affinity = (PrefixAffinity(config.cache.page_size, _cache_pages(fleet))
+                         if config.cache.prefix_caching and self.settings.policy == "least_loaded" else None)
+        self.affinity_hits = 0  # placements on an instance believed to hold part of the prompt
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self._stopping = False
@@ -174,11 +178,13 @@ class Router:
 
     # ------------------------------------------------------------------ placement
     def _place_colocated(self, req: Request) -> None:
-        ranked = self.picker.order(self.fleet.of_role("colocated"), list(self.requests.values()))
+        colocated = self.fleet.of_role("colocated")
+        ranked = self.picker.order(colocated, list(self.requests.values()), self._credit(req, colocated))
         if not ranked:
             self._end(req, "error", NoLiveInstance("no live colocated instance", role="colocated"))
             return
         inst = ranked[0]
+        self._note(req, inst)
         req.colocated, req.stage = inst, "running"
         req.metrics.dispatch_time = time.time()
         req.metrics.decode_instance = req.metrics.prefill_instance = inst.name
@@ -212,7 +218,8 @@ class Router:
         measures the push, not the queue.
         """
         live = list(self.requests.values())
-        decodes = self.picker.order(self.fleet.of_role("decode"), live)
+        decodes = self.fleet.of_role("decode")
+        decodes = self.picker.order(decodes, live, self._credit(req, decodes))
         prefills = self.fleet.of_role("prefill")
         placement = self.settings.placement
         if placement == "local" and decodes:
@@ -256,6 +263,7 @@ class Router:
                 self._cancel_on(inst, dest)
                 return True
             req.decode = inst
+            self._note(req, inst)
             break
         else:
             if req.done:
@@ -275,9 +283,25 @@ class Router:
         self.decisions.append(decision)
         return decision
 
+    def _credit(self, req: Request, instances: list[Instance]) -> dict[str, int] | None:
+        """Prompt tokens each of ``instances`` is believed to hold cached (None: no prefix cache)."""
+        if self.affinity is None:
+            return None
+        return self.affinity.credit([inst.name for inst in instances], self.affinity.keys(req.prompt_token_ids))
+
+    def _note(self, req: Request, inst: Instance) -> None:
+        """``inst`` gets ``req``'s prompt: its pages become that instance's most recent."""
+        if self.affinity is None:
+            return
+        keys = self.affinity.keys(req.prompt_token_ids)
+        if self.affinity.credit([inst.name], keys)[inst.name]:
+            self.affinity_hits += 1
+        self.affinity.note(inst.name, keys)
+
     def _place_alone(self, req: Request, inst: Instance, path: str) -> None:
         """``inst`` prefills and decodes ``req`` (path "local": a decode instance; "kept": a prefill
         instance): from the router's side, a colocated request on that instance."""
+        self._note(req, inst)
         req.colocated, req.stage = inst, "running"
         req.metrics.dispatch_time = time.time()
         req.metrics.decode_instance = req.metrics.prefill_instance = inst.name
@@ -286,12 +310,14 @@ class Router:
         self._spawn(self._await(inst, ref, "add", req))
 
     def _hand_to_prefill(self, req: Request, dest: Any) -> None:
-        prefills = self.picker.order(self.fleet.of_role("prefill"), list(self.requests.values()))
+        prefills = self.fleet.of_role("prefill")
+        prefills = self.picker.order(prefills, list(self.requests.values()), self._credit(req, prefills))
         if not prefills:
             self._cancel_on(req.decode, dest)
             self._end(req, "error", NoLiveInstance("no live prefill instance", role="prefill"), release=False)
             return
         inst = prefills[0]
+        self._note(req, inst)
         req.prefill, req.stage, req.dest = inst, "prefilling", dest
         self.placements["remote"] += 1
         req.lease_deadline = time.monotonic() + self.settings.lease_s
@@ -526,6 +552,7 @@ class Router:
                 "stages": dict(collections.Counter(req.stage for req in live)),
                 "counts": dict(self.counts), "aborts": dict(self.aborts), "failures": dict(self.failures),
                 "loads": self.picker.loads(self.fleet.instances, live), "placements": dict(self.placements),
+                "affinity_hits": self.affinity_hits,
                 "placement": {"mode": self.settings.placement, "models": self.fleet_model.snapshot(),
                               "decisions": [_decision_row(d) for d in self.decisions]}}
 
@@ -566,6 +593,13 @@ def _refusal(inst: Instance, message: str, cause: BaseException) -> ClusterError
 def _cause(err: ray.exceptions.RayTaskError) -> BaseException:
     cause = getattr(err, "cause", None)
     return cause if cause is not None else err
+
+
+def _cache_pages(fleet: Fleet) -> int:
+    """Pages of the smallest instance cache (what the prefix affinity remembers per instance)."""
+    sizes = [inst.info["kv_budget_bytes"] // inst.info["page_bytes"] for inst in fleet.instances
+             if inst.info.get("page_bytes")]
+    return max(1, min(sizes)) if sizes else (fleet.config.cache.num_pages or 4096)
 
 
 def _died(err: ray.exceptions.RayActorError) -> str:

@@ -39,6 +39,31 @@ def test_xpyd_parity_and_both_sides_used(cluster):
     wait_all_free(cluster)
 
 
+
+def test_a_shared_prefix_follows_its_instances(cluster):
+    """The router sends requests sharing a 64-token system prompt to the prefill and decode
+    instances it sent the first one to (cluster/affinity.py), where their pages are cached: each
+    later one finds the four whole pages on both sides. Without the affinity the idle fleet's
+    instances take turns and half the hits are lost."""
+    import random
+
+    rng = random.Random(11)
+    system = [rng.randrange(3, 256) for _ in range(64)]
+    prompts = [system + [rng.randrange(3, 256) for _ in range(6)] for _ in range(4)]
+    want = reference_tokens(prompts, [3] * 4)
+
+    def hits() -> dict:
+        return {i["name"]: i["prefix_hit_tokens"] for i in cluster.stats()["instances"]}
+    before = hits()
+    got = [cluster.generate([p], SamplingParams(max_tokens=3))[0] for p in prompts]
+    assert [c.token_ids for c in got] == want
+    pairs = {(c.metrics.prefill_instance, c.metrics.decode_instance) for c in got}
+    assert len(pairs) == 1, pairs
+    (prefill, decode), after = next(iter(pairs)), hits()
+    assert after[prefill] - before[prefill] == after[decode] - before[decode] == 3 * 64
+    assert cluster.router_stats()["affinity_hits"] >= 6
+    wait_all_free(cluster)
+
 def test_killed_prefill_actor_fails_its_requests_and_the_others_finish(cluster, ray_local):
     victim = cluster.instance("prefill-0")
     ray_local.get(victim.actor.drop_next.remote(2))  # what reaches prefill-0 stays there
