@@ -154,13 +154,11 @@ class RequestFactory:
                        params, seed, stop)
 
 
-def check_new_request(request_id: Hashable, prompt_token_ids: object, params: object, *,
-                      known: object, vocab_size: int, max_model_len: int) -> list[int]:
-    """Validate an `add` before anything changes; return the prompt as a list of ints.
+def check_new_id(request_id: Hashable, known: object) -> None:
+    """``request_id`` is hashable and not among ``known`` (an `add` or a `reserve`).
 
     Raises:
-        ValueError / TypeError: duplicate or unhashable id, empty prompt or bad token ids,
-            prompt not shorter than the model's context, bad sampling values.
+        TypeError: an unhashable id. ValueError: an id the engine already has.
     """
     try:
         duplicate = request_id in known  # type: ignore[operator]
@@ -170,6 +168,17 @@ def check_new_request(request_id: Hashable, prompt_token_ids: object, params: ob
     if duplicate:
         raise InvalidArgument(f"request_id: {request_id!r} is already in this engine; expected a new id",
                               argument="request_id")
+
+
+def check_new_request(request_id: Hashable, prompt_token_ids: object, params: object, *,
+                      known: object, vocab_size: int, max_model_len: int) -> list[int]:
+    """Validate an `add` before anything changes; return the prompt as a list of ints.
+
+    Raises:
+        ValueError / TypeError: duplicate or unhashable id, empty prompt or bad token ids,
+            prompt not shorter than the model's context, bad sampling values.
+    """
+    check_new_id(request_id, known)
     if not isinstance(params, SamplingParams):
         raise InvalidArgumentType(f"params: expected SamplingParams, got {type(params).__name__}", argument="params")
     params.validate(vocab_size)
@@ -269,14 +278,7 @@ def check_reserve(request_id: Hashable, prompt_len: object, params: object, prom
             ints. The ids' values are the sender's to check (`check_new_request` on the prefill
             side): here they are only matched against the cache, where no bad id is ever held.
     """
-    try:
-        duplicate = request_id in known  # type: ignore[operator]
-    except TypeError:
-        raise InvalidArgumentType(f"request_id: expected a hashable id, got {type(request_id).__name__}",
-                                  argument="request_id") from None
-    if duplicate:
-        raise InvalidArgument(f"request_id: {request_id!r} is already in this engine; expected a new id",
-                              argument="request_id")
+    check_new_id(request_id, known)
     if isinstance(prompt_len, bool) or not isinstance(prompt_len, int):
         raise InvalidArgumentType(f"prompt_len: expected an int, got {type(prompt_len).__name__}",
                                   argument="prompt_len")
