@@ -79,14 +79,7 @@ def reference_tokens(prompts: list[list[int]], max_tokens: list[int]) -> list[li
     try:
         model = load_model("dummy:tiny", dtype="float32", device="cpu")
         engine = ColocatedEngine(model, num_pages=256, page_size=16, max_num_seqs=16, max_num_batched_tokens=256)
-        for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-            engine.add(i, prompt, SamplingParams(max_tokens=n))
-        out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-        while engine.has_work():
-            for o in engine.step():
-                if o.token_id is not None:
-                    out[o.request_id].append(o.token_id)
-        return [out[i] for i in range(len(prompts))]
+        return engine_tokens(engine, prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
     finally:
         if saved is None:
             os.environ.pop("TRITON_INTERPRET", None)
@@ -162,3 +155,15 @@ def force_paths(cluster: Cluster, monkeypatch, paths: list[str]) -> None:
         return Decision(pred, (pred,))
 
     monkeypatch.setattr(router, "_decide", forced)
+
+
+def engine_tokens(engine, prompts: list[list[int]], params: list) -> list[list[int]]:
+    """Each prompt's output tokens from an in-process engine, all added at once and run to the end."""
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        engine.add(i, prompt, sp)
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    while engine.has_work():
+        for o in engine.step():
+            if o.token_id is not None:
+                out[o.request_id].append(o.token_id)
+    return [out[i] for i in range(len(prompts))]

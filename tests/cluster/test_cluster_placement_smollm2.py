@@ -5,7 +5,7 @@ chunks, gives the in-process colocated engine's greedy tokens; every page comes 
 from __future__ import annotations
 
 import pytest
-from cluster_helpers import force_paths, launch, wait_all_free
+from cluster_helpers import engine_tokens, force_paths, launch, wait_all_free
 
 from disagg.sampling import SamplingParams
 
@@ -37,14 +37,7 @@ def colocated_tokens(model, prompts, max_tokens) -> list[list[int]]:
     from disagg.engine import ColocatedEngine
 
     engine = ColocatedEngine(model, num_pages=256, page_size=16, max_num_seqs=16, max_num_batched_tokens=512)
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-        engine.add(i, prompt, SamplingParams(max_tokens=n, ignore_eos=True))
-    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    while engine.has_work():
-        for o in engine.step():
-            if o.token_id is not None:
-                out[o.request_id].append(o.token_id)
-    return [out[i] for i in range(len(prompts))]
+    return engine_tokens(engine, prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens])
 
 
 def test_remote_local_and_kept_give_the_colocated_tokens(ray_local, smollm2_path, monkeypatch):

@@ -65,3 +65,13 @@ def collective(fns: list[Callable[[], object]], timeout_s: float = 60.0) -> list
     with ThreadPoolExecutor(len(fns)) as pool:
         futures = [pool.submit(fn) for fn in fns]
         return [f.result(timeout=timeout_s) for f in futures]
+
+
+class FakeClock:
+    """A settable clock for the decode engine's leases (``clock=``); ``now`` in seconds."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now

@@ -5,7 +5,7 @@ leases, quarantine and aborts at every stage free every page; bad inputs are ref
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_all_free, collective, reference_greedy
+from engine_helpers import FakeClock, assert_all_free, collective, reference_greedy
 
 from disagg.engine import DecodeEngine, PrefillEngine
 from disagg.errors import OutOfPages
@@ -16,14 +16,6 @@ from disagg.transfer.shm_heap import shm_leftovers
 PROMPTS = {"a": [5, 9, 17, 3, 88, 41, 7, 200, 13, 66, 21], "b": [42], "c": [150, 151, 3, 4, 90, 12, 8]}
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 NUM_PAGES, PAGE_SIZE = 24, 4
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])

@@ -8,7 +8,7 @@ lease expiry free the reservation's own pages and keep the cached ones."""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_all_free, collective, reference_greedy
+from engine_helpers import FakeClock, assert_all_free, collective, reference_greedy
 
 from disagg.engine import DecodeEngine, PrefillEngine
 from disagg.sampling import SamplingParams
@@ -19,14 +19,6 @@ P = 4
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
 A = [5, 9, 17, 3, 88, 41, 7, 200, 13, 66, 21, 8, 30, 31]  # 14 tokens
 B = A[:12] + [1, 2, 3, 4, 5]  # shares 3 pages of A
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(params=[True, False], ids=["prefill-cache", "prefill-nocache"])
