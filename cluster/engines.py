@@ -146,19 +146,22 @@ def make_engine(role: str, model: Any, heap: Any, num_pages: int, config: Config
     from disagg.engine import ColocatedEngine, DecodeEngine, PrefillEngine
 
     kv_dtype = None if config.cache.kv_dtype == "auto" else kv_torch_dtype(config, model)
+    mode = config.scheduler.cuda_graphs
     common = dict(num_pages=num_pages, page_size=config.cache.page_size,
                   max_num_seqs=config.scheduler.max_num_seqs, kv_dtype=kv_dtype,
-                  prefix_caching=config.cache.prefix_caching)
+                  prefix_caching=config.cache.prefix_caching,
+                  prompt_graphs=None if mode == "full_and_piecewise" else False)
     budget = config.scheduler.max_num_batched_tokens
     if role == "prefill":
         return PrefillEngine(model, heap, max_num_batched_tokens=budget,
                              force_segment_puts=config.transfer.force_segment_puts, **common)
+    graphs = dict(use_cuda_graphs=False if mode == "none" else None,
+                  async_scheduling=config.scheduler.async_scheduling)
     if role == "decode":
         return DecodeEngine(model, heap, lease_s=config.router.lease_s, max_num_batched_tokens=budget,
-                            async_scheduling=config.scheduler.async_scheduling, **common)
+                            **graphs, **common)
     if role == "colocated":
-        return ColocatedEngine(model, max_num_batched_tokens=budget,
-                               async_scheduling=config.scheduler.async_scheduling, **common)
+        return ColocatedEngine(model, max_num_batched_tokens=budget, **graphs, **common)
     raise ValueError(f"role must be prefill, decode or colocated, got {role!r}")
 
 
@@ -167,12 +170,13 @@ def warm_up(engine: Any, role: str, config: Config) -> dict:
 
     The engine's own `warmup` (a scratch sequence whose pages are freed again): on CUDA a prompt
     of the whole token budget (prefill and colocated instances; every instance when the router
-    may place requests locally or keep them, `router.placement`), and the decode graphs of every batch bucket and context class up
-    to the model's length, so no capture or compile runs mid-serving (each stalls every running
+    may place requests locally or keep them, `router.placement`) and the prompt graphs of every
+    token bucket after it, and the decode graphs of every batch bucket and context class up to the
+    model's length, so no capture or compile runs mid-serving (each stalls every running
     request); on the CPU a short prompt, which proves the path and costs little.
 
     Returns:
-        The seconds per phase ("prefill", "decode", "graphs").
+        The seconds per phase ("prefill", "decode", "graphs", "prompt_graphs").
     """
     model = engine.model
     gpu = model.device.type == "cuda"

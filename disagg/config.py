@@ -195,6 +195,12 @@ class SchedulerSection(Section):
                                                      "(hides the host's bookkeeping, which otherwise "
                                                      "leaves the GPU idle between steps); false: read "
                                                      "every step's tokens first")
+    cuda_graphs: Literal["full_and_piecewise", "full_decode_only", "none"] = Field(
+        "full_and_piecewise", description="CUDA graphs on GPUs (vLLM's cudagraph_mode names): "
+                                          "full_and_piecewise: pure-decode steps replay whole-forward "
+                                          "graphs, prompt and mixed steps of <= 2048 tokens piecewise "
+                                          "graphs between their attentions; full_decode_only: prompt "
+                                          "steps run eagerly; none: everything eager")
     phase_split: Literal["off", "sm", "auto"] = Field(
         "off", description="off: prompt chunks and decodes share each step (chunked prefill); sm and "
                            "auto (prefill and decode on separate SM partitions of one GPU) are refused: "

@@ -62,7 +62,9 @@ class EngineCore:
         heap: this PE's symmetric heap, or None. With a heap the KV tensor is allocated from it
             (collective) and the engine can push (`KVPusher`) and receive (doorbells, leases).
         kv_dtype: KV dtype (default: the model's).
-        use_cuda_graphs: None = on CUDA; False = eager always.
+        use_cuda_graphs: decode graphs; None = on CUDA; False = eager always.
+        prompt_graphs: piecewise graphs of prompt and mixed forwards (`disagg.engine.prompt_graphs`);
+            None = as ``use_cuda_graphs``.
         async_scheduling: launch a reserved decode-only step before reading the tokens of the one
             before it (module docstring).
         lease_s: seconds a reservation waits for its doorbell before its pages are released.
@@ -75,7 +77,8 @@ class EngineCore:
 
     def __init__(self, model, *, num_pages: int, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, heap=None, kv_dtype: torch.dtype | None = None,
-                 use_cuda_graphs: bool | None = None, async_scheduling: bool = True, lease_s: float = 60.0,
+                 use_cuda_graphs: bool | None = None, prompt_graphs: bool | None = None,
+                 async_scheduling: bool = True, lease_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, force_segment_puts: bool = False,
                  prefix_caching: bool = True) -> None:
         check_engine_sizes(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
@@ -89,7 +92,9 @@ class EngineCore:
         shape, dtype = model.kv_shape(num_pages, page_size), kv_dtype or model.dtype
         self.kv = heap.alloc(shape, dtype) if heap is not None else torch.zeros(shape, dtype=dtype,
                                                                               device=model.device)
-        self.runner = ModelRunner(model, self.kv, max_num_seqs=max_num_seqs, use_cuda_graphs=use_cuda_graphs)
+        self.runner = ModelRunner(model, self.kv, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens, use_cuda_graphs=use_cuda_graphs,
+                                  prompt_graphs=prompt_graphs)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.requests: dict[Hashable, Request] = {}
         self._factory = RequestFactory(tuple(model.config.eos_token_ids))
@@ -410,6 +415,7 @@ class EngineCore:
                 "running": len(self.running), "waiting": len(self.scheduler.waiting),
                 "num_preemptions": self.scheduler.num_preemptions, "num_forwards": self.runner.num_forwards,
                 "num_graph_replays": self.runner.num_graph_replays,
+                "num_prompt_graph_replays": self.runner.num_prompt_graph_replays,
                 "num_reserved_steps": self.num_reserved_steps, "num_steps_ahead": self.num_steps_ahead,
                 **self.cache.prefix_stats()}
 

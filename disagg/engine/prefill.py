@@ -51,14 +51,18 @@ class PrefillEngine(EngineCore):
         force_segment_puts: push with segment puts even to load/store-reachable peers.
         prefix_caching: prompts fork from the longest cached prefix and compute only the rest
             (`EngineCore`); pushes still start at the decode side's ``dest.num_cached_tokens``.
+        prompt_graphs: piecewise CUDA graphs between the attentions of its forwards (on CUDA;
+            False: eager); a prefill engine has no decode graphs.
     """
 
     def __init__(self, model, heap, *, num_pages: int, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype: torch.dtype | None = None,
-                 force_segment_puts: bool = False, prefix_caching: bool = True) -> None:
+                 force_segment_puts: bool = False, prefix_caching: bool = True,
+                 prompt_graphs: bool | None = None) -> None:
         super().__init__(model, heap=heap, num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype,
-                         use_cuda_graphs=False, force_segment_puts=force_segment_puts,
+                         use_cuda_graphs=False, prompt_graphs=prompt_graphs is not False,
+                         force_segment_puts=force_segment_puts,
                          prefix_caching=prefix_caching)
 
     def add(self, request_id: Hashable, prompt_token_ids: list[int], params: SamplingParams | None,

@@ -5,8 +5,9 @@ Every engine owns one, in its own process, next to its KV tensor. A step is:
     plan (host, from PagedKVCache) -> AttentionBatch (device) -> model.forward -> sample rows
 
 Pure-decode batches on CUDA replay a CUDA graph of the forward (`disagg.engine.graphs`), padded
-up to the next batch-size bucket; everything else (prefill chunks, mixed batches, CPU, pushes)
-runs eagerly. Sampling runs after the forward on the same stream, and the sampled ids come back
+up to the next batch-size bucket; prompt chunks and mixed batches up to `MAX_GRAPH_TOKENS` tokens
+(pushes included) replay the piecewise graphs between their attentions, which run eagerly
+(`disagg.engine.prompt_graphs`); larger forwards and the CPU run eagerly. Sampling runs after the forward on the same stream, and the sampled ids come back
 through a pinned buffer with an event (`PendingTokens`), so a caller can do host work for the
 next step before it waits for them.
 """
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from disagg.engine.graphs import DecodeGraphs
+from disagg.engine.prompt_graphs import PromptGraphs
 from disagg.cache import PagedKVCache
 from disagg.engine.request import Request, RequestFactory
 from disagg.engine.sampler import SamplingBatch, sample
@@ -59,12 +61,16 @@ class ModelRunner:
         model: a `disagg.model` Model.
         kv: ``[L, num_pages, 2, H_kv, P, D]`` this engine's KV (local or from the heap).
         max_num_seqs: largest batch; CUDA graphs are captured for buckets up to it.
-        use_cuda_graphs: None = on CUDA devices; False = always eager.
+        max_num_batched_tokens: largest forward; caps the prompt graphs' token buckets (None: no
+            prompt graphs).
+        use_cuda_graphs: decode graphs; None = on CUDA devices; False = always eager.
+        prompt_graphs: the piecewise graphs of prompt and mixed forwards; None = as the decode graphs.
         kv_scales: fp8 caches only, handed to ``model.forward``.
     """
 
-    def __init__(self, model, kv: torch.Tensor, *, max_num_seqs: int,
-                 use_cuda_graphs: bool | None = None, kv_scales=None) -> None:
+    def __init__(self, model, kv: torch.Tensor, *, max_num_seqs: int, max_num_batched_tokens: int | None = None,
+                 use_cuda_graphs: bool | None = None, prompt_graphs: bool | None = None,
+                 kv_scales=None) -> None:
         self.model = model
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -73,6 +79,9 @@ class ModelRunner:
         on_gpu = self.device.type == "cuda"
         use = on_gpu if use_cuda_graphs is None else (use_cuda_graphs and on_gpu)
         self.graphs = DecodeGraphs(model, kv, max_num_seqs, kv_scales) if use else None
+        pieces = use if prompt_graphs is None else (bool(prompt_graphs) and on_gpu)
+        self.prompt_graphs = (PromptGraphs(model, max_num_batched_tokens)
+                              if pieces and max_num_batched_tokens else None)
         # Plans come from PagedKVCache, already checked on the host: no device-to-host checks.
         self._check_indices = False if on_gpu else None
         self.num_forwards = 0
@@ -102,7 +111,7 @@ class ModelRunner:
             pusher.begin_forward(plan)
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
             logits = self.model.forward(self._ids_to_device(input_ids), batch, self.kv, pusher=pusher,
-                                        kv_scales=self.kv_scales)
+                                        kv_scales=self.kv_scales, pieces=self._pieces(plan))
             push_done = pusher.end_forward()
         elif self.graphs is not None and self.graphs.can_run(plan):
             # Host ids travel with the plan's indices (one staging copy); device ids are copied
@@ -112,9 +121,18 @@ class ModelRunner:
             self.num_graph_replays += 1
         else:
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
-            logits = self.model.forward(self._ids_to_device(input_ids), batch, self.kv, kv_scales=self.kv_scales)
+            logits = self.model.forward(self._ids_to_device(input_ids), batch, self.kv, kv_scales=self.kv_scales,
+                                        pieces=self._pieces(plan))
         self.num_forwards += 1
         return self._sample(logits, sample_rows, sample_requests, push_done, step_offset)
+
+    def _pieces(self, plan: ForwardPlan):
+        """The prompt graphs' pieces for an eager forward of ``plan`` (None: run it all eagerly)."""
+        return None if self.prompt_graphs is None else self.prompt_graphs.pieces(plan.num_tokens)
+
+    @property
+    def num_prompt_graph_replays(self) -> int:
+        return 0 if self.prompt_graphs is None else self.prompt_graphs.num_replays
 
     def _ids_to_device(self, input_ids) -> torch.Tensor:
         if isinstance(input_ids, torch.Tensor):
@@ -151,9 +169,9 @@ class ModelRunner:
         pages are freed afterwards. Call it while the engine is idle.
 
         Returns:
-            Seconds per phase: "prefill", "decode", "graphs".
+            Seconds per phase: "prefill", "decode", "graphs" (decode graphs), "prompt_graphs".
         """
-        seconds = {"prefill": 0.0, "decode": 0.0, "graphs": 0.0}
+        seconds = {"prefill": 0.0, "decode": 0.0, "graphs": 0.0, "prompt_graphs": 0.0}
         # Room for the prompt, its decode token and the fork's copied page (`_warm_fork_copy`).
         prompt_len = max(1, min(prompt_len, (cache.num_free_pages - 1) * cache.page_size - 1))
         factory = RequestFactory(())
@@ -168,6 +186,8 @@ class ModelRunner:
                         self.model.warm_lm_head(self.max_num_seqs)
                         self._warm_fork_copy(cache, factory, req)
                     seconds[phase] = time.perf_counter() - start
+                    if phase == "prefill" and self.prompt_graphs is not None:
+                        seconds["prompt_graphs"] = self.prompt_graphs.capture_all()
             if decode:
                 seconds["graphs"] = self.capture_graphs(None, max_kv_len)
         finally:
@@ -178,10 +198,10 @@ class ModelRunner:
         """One eager forward of ``num_tokens`` tokens of ``req`` (compiles what it launches)."""
         plan = cache.begin_forward([req.seq_id], [num_tokens])
         try:
-            graphs, self.graphs = self.graphs, None
+            graphs, self.graphs, prompt_graphs, self.prompt_graphs = self.graphs, None, self.prompt_graphs, None
             self.execute(plan, [0] * num_tokens, np.zeros(1, dtype=np.int64), [req]).result()
         finally:
-            self.graphs = graphs
+            self.graphs, self.prompt_graphs = graphs, prompt_graphs
             cache.end_forward()
 
     def _warm_fork_copy(self, cache: PagedKVCache, factory: RequestFactory, parent: Request) -> None:

@@ -92,7 +92,8 @@ class Model:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor, *,
-                pusher: "KVPusher | None" = None, kv_scales: KVScales | None = None) -> torch.Tensor:
+                pusher: "KVPusher | None" = None, kv_scales: KVScales | None = None,
+                pieces: Any = None) -> torch.Tensor:
         """Run the new tokens of one batch; append their K/V; return each sequence's logits.
 
         Args:
@@ -103,6 +104,8 @@ class Model:
             pusher: a `KVPusher` whose forward for this plan has begun (it applied the fork
                 copies); it writes each layer's K/V locally and to the receivers.
             kv_scales: fp8 caches only: (k_scale, v_scale), one per tensor for all layers.
+            pieces: runs the parts between attentions (`EagerPieces` when None; the engine's
+                prompt graphs pass a `disagg.engine.prompt_graphs.GraphPieces`).
 
         Returns:
             `[B, vocab]` float32 logits of each sequence's last new token.
@@ -112,26 +115,51 @@ class Model:
         """
         self._check_inputs(input_ids, batch, kv, kv_scales)
         with active(self.settings), preferred_blas(self.device, input_ids.shape[0]):
-            return self._forward(input_ids, batch, kv, pusher, kv_scales)
+            return self._forward(input_ids, batch, kv, pusher, kv_scales, pieces)
 
     def _forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor,
-                 pusher: "KVPusher | None", kv_scales: KVScales | None) -> torch.Tensor:
+                 pusher: "KVPusher | None", kv_scales: KVScales | None, pieces: Any = None) -> torch.Tensor:
         if pusher is None and batch.fork_src_slots is not None:
             copy_slots(kv, batch.fork_src_slots, kv, batch.fork_dst_slots,
                        check_indices=batch.check_indices)
         k_scale, v_scale = kv_scales if kv_scales is not None and kv.dtype == FP8_DTYPE else (None, None)
         cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.dtype)
-        eps = self.config.rms_norm_eps
-        hidden, residual = F.embedding(input_ids, self.weights.embed), None
+        pieces = EagerPieces(self) if pieces is None else pieces
+        qkv = pieces.embed(input_ids)
         for index, layer in enumerate(self.weights.layers):
-            x, residual = add_rms_norm(hidden, residual, layer.input_norm, eps)
-            x = self._attention(index, layer, x, cos, sin, batch, kv[index], pusher, k_scale, v_scale)
-            x, residual = add_rms_norm(x, residual, layer.post_norm, eps)
-            hidden = swiglu(x, layer.gate_up, layer.down)
+            o = pieces.attention_out(index, batch)
+            self._attention(index, layer, qkv, cos, sin, batch, kv[index], pusher, k_scale, v_scale, o)
+            qkv = pieces.between(index, o)
+        hidden, residual = qkv, pieces.residual
         # Only each sequence's last token reaches the head: gather, then add and norm those rows.
         last = batch.logits_indices
-        x, _ = add_rms_norm(hidden[last], residual[last], self.weights.norm, eps)
+        x, _ = add_rms_norm(hidden[last], residual[last], self.weights.norm, self.config.rms_norm_eps)
         return linear(x, self.weights.lm_head).float()
+
+    # The forward between two attentions, in pieces (`EagerPieces` runs them as they come; the
+    # prompt graphs of `disagg.engine.prompt_graphs` capture them per token bucket).
+    def piece_embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedding, layer 0's input norm and qkv projection: `[T]` ids -> (qkv `[T, (H_q + 2
+        H_kv) * D]`, residual stream `[T, H]`)."""
+        first = self.weights.layers[0]
+        x, residual = add_rms_norm(F.embedding(input_ids, self.weights.embed), None, first.input_norm,
+                                   self.config.rms_norm_eps)
+        return linear(x, first.qkv, first.qkv_bias), residual
+
+    def piece_between(self, index: int, o: torch.Tensor, residual: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index`` after its attention output ``o`` `[T, H_q * D]`: o proj, + residual, post
+        norm, SwiGLU, then layer ``index + 1``'s input norm and qkv projection. Returns (next qkv,
+        residual), or for the last layer (its MLP output `[T, H]`, residual) for the final norm."""
+        eps = self.config.rms_norm_eps
+        layer = self.weights.layers[index]
+        x, residual = add_rms_norm(linear(o, layer.o_proj), residual, layer.post_norm, eps)
+        hidden = swiglu(x, layer.gate_up, layer.down)
+        if index + 1 == self.config.num_layers:
+            return hidden, residual
+        nxt = self.weights.layers[index + 1]
+        x, residual = add_rms_norm(hidden, residual, nxt.input_norm, eps)
+        return linear(x, nxt.qkv, nxt.qkv_bias), residual
 
     def warm_lm_head(self, max_rows: int) -> None:
         """Run the LM head once per row tile that its GEMM may pick for up to ``max_rows`` rows
@@ -142,13 +170,13 @@ class Model:
                 linear(torch.zeros(rows, self.config.hidden_size, dtype=self.dtype,
                                    device=self.device), self.weights.lm_head)
 
-    def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+    def _attention(self, index: int, layer: LayerWeights, qkv: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch: AttentionBatch, kv_layer: torch.Tensor,
-                   pusher: "KVPusher | None", k_scale: Any, v_scale: Any) -> torch.Tensor:
-        """Self-attention of one layer over the paged cache: `[T, H]` -> `[T, H]`."""
+                   pusher: "KVPusher | None", k_scale: Any, v_scale: Any, out: torch.Tensor) -> None:
+        """Self-attention of one layer over the paged cache: qkv `[T, (H_q + 2 H_kv) * D]` -> ``out``
+        `[T, H_q * D]` (the o projection follows in `piece_between`)."""
         c = self.config
-        num_tokens = x.shape[0]
-        qkv = linear(x, layer.qkv, layer.qkv_bias)
+        num_tokens = qkv.shape[0]
         if pusher is None and use_rope_append(qkv, kv_layer):
             q = rope_append(qkv, cos, sin, kv_layer, batch.append_slots, c.num_qo_heads,
                             check_indices=batch.check_indices)
@@ -164,32 +192,31 @@ class Model:
             else:
                 append_kv(k, v, kv_layer, batch.append_slots, k_scale=k_scale, v_scale=v_scale,
                           check_indices=batch.check_indices)
-        o = self._paged_attention(q, kv_layer, batch, k_scale, v_scale)
-        return linear(o.reshape(num_tokens, c.q_size), layer.o_proj)
+        self._paged_attention(q, kv_layer, batch, k_scale, v_scale, out.view(num_tokens, c.num_qo_heads, c.head_dim))
 
     def _paged_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBatch,
-                         k_scale, v_scale) -> torch.Tensor:
-        """`[T, H_q, D]` attention output: `paged_decode` for a decode batch, `paged_prefill` for
-        prompts, and for a mixed batch both, each over its own rows (one query per sequence in
-        the prefill kernel would read every KV page once per q head and waste its query tile)."""
+                         k_scale, v_scale, out: torch.Tensor) -> None:
+        """`[T, H_q, D]` attention output into ``out``: `paged_decode` for a decode batch,
+        `paged_prefill` for prompts, and for a mixed batch both, each over its own rows (one query
+        per sequence in the prefill kernel would read every KV page once per q head and waste its
+        query tile)."""
         scales = dict(k_scale=k_scale, v_scale=v_scale, check_indices=batch.check_indices)
         if batch.is_decode:
-            return paged_decode(q, kv_layer, batch.page_indptr, batch.page_indices,
-                                batch.last_page_len, self.sm_scale, out=batch.out,
-                                num_splits=batch.num_splits, max_seq_len=batch.max_kv_len,
-                                workspace=batch.workspace, **scales)
+            paged_decode(q, kv_layer, batch.page_indptr, batch.page_indices, batch.last_page_len,
+                         self.sm_scale, out=out, num_splits=batch.num_splits, max_seq_len=batch.max_kv_len,
+                         workspace=batch.workspace, **scales)
+            return
         d = batch.num_decodes
         if not d:
-            return paged_prefill(q, kv_layer, batch.qo_indptr, batch.page_indptr, batch.page_indices,
-                                 batch.last_page_len, self.sm_scale, causal=True, **scales)
-        o = torch.empty_like(q)
+            paged_prefill(q, kv_layer, batch.qo_indptr, batch.page_indptr, batch.page_indices,
+                          batch.last_page_len, self.sm_scale, causal=True, out=out, **scales)
+            return
         paged_prefill(q[d:], kv_layer, batch.prefill_qo_indptr, batch.prefill_page_indptr,
                       batch.prefill_page_indices, batch.prefill_last_page_len, self.sm_scale,
-                      causal=True, out=o[d:], **scales)
+                      causal=True, out=out[d:], **scales)
         paged_decode(q[:d], kv_layer, batch.page_indptr[:d + 1], batch.page_indices,
-                     batch.last_page_len[:d], self.sm_scale, out=o[:d],
+                     batch.last_page_len[:d], self.sm_scale, out=out[:d],
                      max_seq_len=batch.max_kv_len, **scales)
-        return o
 
     def _check_inputs(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor,
                       kv_scales: KVScales | None) -> None:
@@ -213,3 +240,31 @@ class Model:
                             f"{kv.dtype} on {kv.device}")
         if kv_scales is not None and kv.dtype != FP8_DTYPE:
             raise ValueError(f"kv_scales: only for a {FP8_DTYPE} cache, got a {kv.dtype} cache")
+
+
+class EagerPieces:
+    """The forward's parts between attentions, run eagerly as `Model._forward` reaches them.
+
+    The interface `Model._forward` drives (`disagg.engine.prompt_graphs.GraphPieces` has the same
+    one over CUDA graphs): `embed(ids)` -> layer 0's qkv; per layer, `attention_out(index, batch)` -> the
+    `[T, H_q * D]` tensor attention writes, then `between(index, o)` -> the next layer's qkv (the
+    last layer: its MLP output); `residual` -> the residual stream after the last call.
+    """
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.residual: torch.Tensor | None = None
+        self._qkv: torch.Tensor | None = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self._qkv, self.residual = self.model.piece_embed(input_ids)
+        return self._qkv
+
+    def attention_out(self, index: int, batch: AttentionBatch) -> torch.Tensor:
+        if batch.out is not None:  # a decode graph's static buffer
+            return batch.out.view(batch.out.shape[0], -1)
+        return self._qkv.new_empty((self._qkv.shape[0], self.model.config.q_size))
+
+    def between(self, index: int, o: torch.Tensor) -> torch.Tensor:
+        self._qkv, self.residual = self.model.piece_between(index, o, self.residual)
+        return self._qkv

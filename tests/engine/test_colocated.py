@@ -195,7 +195,8 @@ def test_triton_interpreter_end_to_end(tiny_model, expected):
 def test_warmup_leaves_no_trace(tiny_model, torch_reference, expected):
     engine = _engine(tiny_model)
     seconds = engine.warmup()
-    assert set(seconds) == {"prefill", "decode", "graphs"} and seconds["graphs"] == 0.0  # no graphs on CPU
+    assert set(seconds) == {"prefill", "decode", "graphs", "prompt_graphs"}
+    assert seconds["graphs"] == seconds["prompt_graphs"] == 0.0  # no graphs on CPU
     assert_all_free(engine)
     engine.add("a", PROMPTS[0], GREEDY)
     with pytest.raises(RuntimeError, match="warmup"):

@@ -45,7 +45,8 @@ def _colocated_tokens(model, use_cuda_graphs: bool, max_num_seqs: int = 8,
 
 @pytest.mark.gpu
 def test_cuda_graph_decode_equals_eager():
-    """Colocated: graphs (with reserved decode-only steps, then with async scheduling) equal eager."""
+    """Colocated: graphs (decode graphs and the piecewise prompt graphs; with reserved decode-only
+    steps, then with async scheduling) equal eager."""
     import torch
 
     from disagg.model import load_model
@@ -53,8 +54,9 @@ def test_cuda_graph_decode_equals_eager():
     model = load_model(SOURCE, dtype=torch.float32, device="cuda")
     eager, eager_stats = _colocated_tokens(model, use_cuda_graphs=False)
     graphs, graph_stats = _colocated_tokens(model, use_cuda_graphs=True)
-    assert eager_stats["num_graph_replays"] == 0
+    assert eager_stats["num_graph_replays"] == eager_stats["num_prompt_graph_replays"] == 0
     assert graph_stats["num_graph_replays"] > 10  # batches of 1..7 decodes, padded to 1/2/4/8
+    assert graph_stats["num_prompt_graph_replays"] >= 5  # prompt chunks and mixed steps, piecewise
     assert graphs == eager
     assert graph_stats["num_reserved_steps"] > 0  # decode-only steps reuse the plan reserved ahead
     ahead, ahead_stats = _colocated_tokens(model, use_cuda_graphs=True, async_scheduling=True)
