@@ -3,8 +3,8 @@
 `HookedInstanceActor` adds `drop_next` (a prefill instance accepts requests and never runs
 them), `stall`/`unstall` (the step loop holds: no step, no call, as a slow instance) and
 `pause_steps`/`resume_steps` (calls run, steps do not, as an engine whose forward is still
-going); `PausableStepLoop` is its step loop. `with_environment` makes a subclass whose actors set
-variables in their own process environment first. The launcher starts the class that
+going); `PausableStepLoop` is its step loop. `with_own_environment` makes a subclass whose
+actors set variables in their own process environment first. The launcher starts the class that
 `disagg.cluster.bootstrap.ACTOR_CLASS` names (`cluster_helpers.launch_config` swaps it in). This
 folder is no installed package, so this module is pickled by value: the classes travel to the
 actors' processes with their code.
@@ -106,7 +106,7 @@ class HookedInstanceActor(InstanceActor):
         await self._run(self.loop.resume_steps)
 
 
-def with_environment(actor_class: type[InstanceActor], **variables: str) -> type[InstanceActor]:
+def with_own_environment(actor_class: type[InstanceActor], **variables: str) -> type[InstanceActor]:
     """A subclass of ``actor_class`` whose actors set ``variables`` in their own process
     environment before their set-up (as an actor on another host has its own environment).
     Variables read when a module is imported are out of its reach: the class's module imports
@@ -114,5 +114,5 @@ def with_environment(actor_class: type[InstanceActor], **variables: str) -> type
     def __init__(self, role: str, name: str, config: dict) -> None:
         os.environ.update(variables)
         actor_class.__init__(self, role, name, config)
-    return type(f"{actor_class.__name__}WithEnvironment", (actor_class,),
+    return type(f"{actor_class.__name__}WithOwnEnvironment", (actor_class,),
                 {"__init__": __init__, "__module__": __name__})

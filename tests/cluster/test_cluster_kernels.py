@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from cluster_helpers import CONFIGS, launch_config, wait_all_free
-from hooked_actor import with_environment
+from hooked_actor import with_own_environment
 
 from disagg.cluster.actors import InstanceActor
 from disagg.config import Config
@@ -27,8 +27,8 @@ def cluster(ray_local):
         {"kernels.linear": "triton", "kernels.layer_pdl": True, "kernels.rope_append": True,
          "cluster.warmup": False})
     # The actors' own environment says otherwise: they must not read it.
-    actor_class = with_environment(InstanceActor, DISAGG_LINEAR="cublas", DISAGG_LAYER_PDL="0",
-                                   DISAGG_BLAS="not-a-library")
+    actor_class = with_own_environment(InstanceActor, DISAGG_LINEAR="cublas", DISAGG_LAYER_PDL="0",
+                                       DISAGG_BLAS="not-a-library")
     try:
         cluster = launch_config(config, actor_class)
     finally:
