@@ -5,7 +5,10 @@ the model, the heap and the engine, and awaits it, so calls from the router neve
 concurrently with a step. Outputs leave in batches: the router keeps one `next_outputs` call
 outstanding per actor, which returns everything produced since the previous call (or waits up to
 ``wait_s`` for something). Set-up methods (`load`, `new_uid`, `open_heap`, `build_engine`) are
-called by `disagg.cluster.bootstrap` in that order. Runs in the actor's own process.
+called by `disagg.cluster.bootstrap` in that order. A subclass may replace the engine module or
+the step loop through the class attributes `engine_module` and `step_loop_class`, and add methods
+(`disagg.cluster.bootstrap.ACTOR_CLASS` names the class the launcher starts). Runs in the actor's
+own process.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import asyncio
 import importlib
 import logging
 import os
-import threading
 from typing import Any
 
 from disagg.cluster.messages import OutputBatch
@@ -34,25 +36,29 @@ class InstanceActor:
         role: "prefill", "decode" or "colocated".
         name: the instance's name ("prefill-0"), for logs and errors.
         config: the validated config as a dict (model.source already resolved to a path).
-        engine_module: the module providing `load`, `describe` and `make_engine`
-            (`disagg.cluster.engines`; tests may substitute their own).
+
+    Attributes:
+        engine_module: the name of the module providing `load`, `describe`, `make_engine`,
+            `tokenizer_of` and optionally `warm_up` (`disagg.cluster.engines`); imported in the
+            actor's process.
+        step_loop_class: the `StepLoop` (or a subclass) that runs the engine.
     """
 
-    def __init__(self, role: str, name: str, config: dict, engine_module: str = DEFAULT_ENGINE_MODULE) -> None:
+    engine_module: str = DEFAULT_ENGINE_MODULE
+    step_loop_class: type[StepLoop] = StepLoop
+
+    def __init__(self, role: str, name: str, config: dict) -> None:
         logging.basicConfig(level=os.environ.get("DISAGG_LOG", "WARNING"))
         self.role, self.name = role, name
         self.config = Config.model_validate(config)
-        self.engines = importlib.import_module(engine_module)
+        self.engines = importlib.import_module(self.engine_module)
         self.model: Any = None
         self.heap: Any = None
         self.num_pages: int | None = None
         self.warmup_s: dict = {}  # the engine warm-up's seconds per phase (cluster.warmup)
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
-        self._num_to_drop = 0
-        self._dropped: set = set()
-        self._unstall = threading.Event()
-        self.loop = StepLoop(name, on_output=self._wake)
+        self.loop = self.step_loop_class(name, on_output=self._wake)
 
     # ------------------------------------------------------------------ plumbing
     async def _run(self, fn, *args, **kwargs) -> Any:
@@ -109,7 +115,7 @@ class InstanceActor:
         """Build the engine over ``num_pages`` pages (collective with the heap); return its stats."""
         def _build() -> dict:
             engine = self.engines.make_engine(self.role, self.model, self.heap, num_pages, self.config)
-            warm_up = getattr(self.engines, "warm_up", None)  # test engine modules may have none
+            warm_up = getattr(self.engines, "warm_up", None)  # optional in an engine module
             if self.config.cluster.warmup and warm_up is not None:
                 self.warmup_s = warm_up(engine, self.role, self.config)
                 logger.info("%s: warm-up %s", self.name, {k: round(v, 3) for k, v in self.warmup_s.items()})
@@ -121,10 +127,6 @@ class InstanceActor:
     # ------------------------------------------------------------------ requests
     async def add(self, request_id: Any, prompt_token_ids: list[int], params: Any, dest: Any = None) -> None:
         """Queue a request: prefill (with the decode side's ``dest``) or colocated (no dest)."""
-        if self.role == "prefill" and self._num_to_drop:
-            self._num_to_drop -= 1
-            self._dropped.add(request_id)  # test hook: accepted, never run, its KV never pushed
-            return
         if self.role == "prefill":
             await self._run(lambda: self.loop.engine.add(request_id, prompt_token_ids, params, dest))
         else:
@@ -150,9 +152,6 @@ class InstanceActor:
             side's lease), else `PushState.QUIESCED` once no push of it can land anymore; an
             abort whose pushes are in flight answers when the engine reports them complete.
         """
-        if request_id in self._dropped:
-            self._dropped.discard(request_id)
-            return None
         if self.role != "prefill":
             return await self._run(lambda: self.loop.engine.abort(request_id))
         def _abort() -> tuple[Any, Any]:
@@ -197,35 +196,7 @@ class InstanceActor:
         """The model's tokenizer (pickled to the caller), or None."""
         return self.engines.tokenizer_of(self.model)
 
-    # ------------------------------------------------------------------ test hooks, lifetime
-    async def drop_next(self, num_requests: int) -> None:
-        """Test hook (prefill): accept the next ``num_requests`` requests and never run them."""
-        self._num_to_drop = num_requests
-
-    async def stall(self, seconds: float) -> None:
-        """Test hook: hold the step loop (no step, no call) for up to ``seconds`` or until
-        `unstall`, as a slow instance would; returns once the loop is held."""
-        held, self._unstall = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            held.set()
-            self._unstall.wait(seconds)
-        self.loop.call(hold)
-        await asyncio.get_running_loop().run_in_executor(None, held.wait, 30.0)
-
-    async def unstall(self) -> None:
-        """Test hook: end a `stall` early."""
-        self._unstall.set()
-
-    async def pause_steps(self, after_num_steps: int = 0) -> None:
-        """Test hook: let the engine run ``after_num_steps`` more steps, then hold its steps
-        (calls still run: the engine takes requests and aborts but computes nothing)."""
-        await self._run(self.loop.pause_steps, after_num_steps)
-
-    async def resume_steps(self) -> None:
-        """Test hook: end `pause_steps`."""
-        await self._run(self.loop.resume_steps)
-
+    # ------------------------------------------------------------------ lifetime
     async def close(self) -> None:
         """Release the engine and the heap (collective on every PE of the heap)."""
         def _close() -> None:

@@ -3,7 +3,8 @@
 `start_fleet(config)` connects to Ray (`disagg.cluster.connect`: joins ``cluster.address`` or
 starts an embedded head on loopback, token authentication on), reserves one placement group
 bundle per instance (one GPU each, a share 1/k of one with ``instances.gpus_per_instance``, or
-CPU), starts one `InstanceActor` per instance (its config without secrets: `SECRET_FIELDS`),
+CPU), starts one actor of `ACTOR_CLASS` per instance (its config without secrets:
+`SECRET_FIELDS`; its environment: `NO_MULTICAST_ENV` and the launcher's `PASSED_ENV`),
 loads the weights everywhere at once, runs the preflight (`disagg.cluster.preflight`),
 bootstraps one symmetric heap over every prefill and decode actor (rank 0's unique id travels
 through Ray; every rank opens concurrently) and builds the engines. Every step is one `ray.get`
@@ -22,7 +23,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from disagg.cluster.actors import DEFAULT_ENGINE_MODULE, InstanceActor
+from disagg.cluster.actors import InstanceActor
 from disagg.cluster.connect import connect
 from disagg.cluster.preflight import CacheSizing, check_same_model, size_cache, transfer_paths
 from disagg.config import SMOLLM2_SOURCE, Config, InstancesSection
@@ -38,6 +39,10 @@ SHARED_GPU_NOTE = ("%d instances share each GPU (instances.gpus_per_instance): N
                    "correctness; its timings are not a comparison of deployments")
 # Variables of the launching process that the actors inherit when set.
 PASSED_ENV = ("TRITON_INTERPRET", "DISAGG_LOG", "NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_DEBUG", "HF_HOME")
+# The class of every instance actor, wrapped with `ray.remote` at each launch. A subclass (another
+# `engine_module` or `step_loop_class`, more methods) may stand in for it: set this before the
+# launch; the class travels to the actors pickled, so it must be importable there or pickled by value.
+ACTOR_CLASS: type[InstanceActor] = InstanceActor
 # Fields the actors never need, kept out of the config dict Ray pickles to them (and to their logs).
 SECRET_FIELDS = {"serve": {"api_key"}}
 
@@ -133,14 +138,11 @@ def resolve_device(inst: InstancesSection, num_gpus: float) -> str:
     return inst.device
 
 
-def start_fleet(config: Config, *, engine_module: str = DEFAULT_ENGINE_MODULE,
-                env_vars: dict[str, str] | None = None) -> Fleet:
+def start_fleet(config: Config) -> Fleet:
     """Start, load, check and bootstrap every instance of ``config``; see the module docstring.
 
     Args:
         config: the validated config.
-        engine_module: the module the actors build engines with (tests substitute a fake).
-        env_vars: extra environment for the actors (on top of the multicast-off variables).
 
     Raises:
         PreflightError: a check failed (geometry, memory, devices); the message says which.
@@ -151,7 +153,7 @@ def start_fleet(config: Config, *, engine_module: str = DEFAULT_ENGINE_MODULE,
     instances, group = [], None
     try:
         device = choose_device(config)
-        group, instances = _place(config, device, engine_module, env_vars or {})
+        group, instances = _place(config, device)
         timeout_s = config.cluster.startup_timeout_s
         names = [inst.name for inst in instances]
         infos = _get([inst.actor.load.remote(device) for inst in instances], timeout_s, "loading the weights")
@@ -172,8 +174,8 @@ def start_fleet(config: Config, *, engine_module: str = DEFAULT_ENGINE_MODULE,
     return Fleet(config, device, backend, instances, sizing, paths, group, started_ray)
 
 
-def _place(config: Config, device: str, engine_module: str, env_vars: dict) -> tuple[Any, list[Instance]]:
-    """One placement-group bundle and one actor per instance."""
+def _place(config: Config, device: str) -> tuple[Any, list[Instance]]:
+    """One placement-group bundle and one actor (of `ACTOR_CLASS`) per instance."""
     inst_cfg = config.instances
     roles = ([("prefill", i) for i in range(inst_cfg.prefill)] + [("decode", i) for i in range(inst_cfg.decode)]
              + [("colocated", i) for i in range(inst_cfg.colocated)])
@@ -186,8 +188,8 @@ def _place(config: Config, device: str, engine_module: str, env_vars: dict) -> t
         remove_placement_group(group)
         raise ClusterError(f"the Ray cluster cannot place {len(roles)} instances of {bundle} within "
                            f"{config.cluster.startup_timeout_s:.0f} s (resources: {ray.cluster_resources()})") from None
-    env = {**NO_MULTICAST_ENV, **{k: os.environ[k] for k in PASSED_ENV if k in os.environ}, **env_vars}
-    remote = ray.remote(InstanceActor)
+    env = {**NO_MULTICAST_ENV, **{k: os.environ[k] for k in PASSED_ENV if k in os.environ}}
+    remote = ray.remote(ACTOR_CLASS)
     instances = []
     for index, (role, i) in enumerate(roles):
         name = f"{role}-{i}"
@@ -195,7 +197,7 @@ def _place(config: Config, device: str, engine_module: str, env_vars: dict) -> t
             num_cpus=inst_cfg.cpus_per_instance, num_gpus=gpus,
             max_concurrency=64, runtime_env={"env_vars": env},
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-        ).remote(role, name, actor_config(config), engine_module)
+        ).remote(role, name, actor_config(config))
         instances.append(Instance(name=name, role=role, actor=actor))
     return group, instances
 

@@ -21,7 +21,6 @@ from typing import Any, AsyncIterator, Sequence, Union
 
 import ray
 
-from disagg.cluster.actors import DEFAULT_ENGINE_MODULE
 from disagg.cluster.bootstrap import Fleet, Instance, start_fleet
 from disagg.cluster.outputs import Completion, RequestMetrics, StreamDelta
 from disagg.cluster.router import Router
@@ -54,21 +53,18 @@ class Cluster:
                 raise
 
     @classmethod
-    def launch(cls, config: Config | str | Path, *, engine_module: str = DEFAULT_ENGINE_MODULE,
-               env_vars: dict[str, str] | None = None) -> Cluster:
+    def launch(cls, config: Config | str | Path) -> Cluster:
         """Start the fleet of ``config`` (a `Config` or a YAML path) and its router.
 
         Args:
             config: the deployment.
-            engine_module: the module the actors build engines with (tests only).
-            env_vars: extra environment variables for the actors (tests only).
 
         Raises:
             ConfigError: the YAML is invalid. PreflightError / ClusterError: see `start_fleet`.
         """
         if not isinstance(config, Config):
             config = Config.from_yaml(config)
-        return cls(start_fleet(config, engine_module=engine_module, env_vars=env_vars))
+        return cls(start_fleet(config))
 
     # ------------------------------------------------------------------ properties
     @property

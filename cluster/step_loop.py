@@ -5,7 +5,9 @@ engines need no locks: the actor's methods hand callables to `StepLoop.call` and
 returned future; between calls the thread runs `engine.step()` whenever the engine has work and
 appends the step's outputs to an outbox that the actor drains in batches (`drain`); a caller
 that must learn when one request ends (a prefill abort whose pushes are still in flight) gets a
-future from `watch_end`. Runs inside each instance actor (`disagg.cluster.actors`); no Ray here.
+future from `watch_end`. Whether the thread steps is `_has_work`'s answer, asked again after
+every call and at least every ``IDLE_WAIT_S``: a subclass may narrow it (hold steps while calls
+still run). Runs inside each instance actor (`disagg.cluster.actors`); no Ray here.
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ class StepLoop:
         self._samples: collections.deque[StepSample] = collections.deque(maxlen=MAX_STEP_SAMPLES)
         self.load: InstanceLoad | None = None  # after the last step (read from any thread)
         self._end_watches: dict[Any, concurrent.futures.Future] = {}
-        self._steps_left: int | None = None  # test hook `pause_steps`: None = step freely
         self._stopping = False
         self.num_steps = 0
         self.busy_s = 0.0  # seconds spent in steps that did work (the instance's utilization)
@@ -82,15 +83,6 @@ class StepLoop:
         if self.fatal is not None:
             self._fail_watches("the engine failed earlier")
         return future
-
-    def pause_steps(self, after_num_steps: int = 0) -> None:
-        """Loop thread only; test hook: run ``after_num_steps`` more steps, then none until
-        `resume_steps` (calls still run), as an engine whose forward is still going would."""
-        self._steps_left = after_num_steps
-
-    def resume_steps(self) -> None:
-        """Loop thread only; test hook: end `pause_steps`."""
-        self._steps_left = None
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Finish queued calls, then end the thread."""
@@ -127,7 +119,9 @@ class StepLoop:
             future.set_exception(err)
 
     def _has_work(self) -> bool:
-        if self.engine is None or self.fatal is not None or self._steps_left == 0:
+        """Whether to run a step now: an engine is set, has not failed, and has work (a subclass
+        may say False more often; the thread asks again after each call and idle wait)."""
+        if self.engine is None or self.fatal is not None:
             return False
         try:
             return bool(self.engine.has_work())
@@ -145,8 +139,6 @@ class StepLoop:
             return True
         seconds = time.perf_counter() - start
         self.num_steps += 1
-        if self._steps_left:
-            self._steps_left -= 1
         self._record(seconds)
         if not outputs:
             return False

@@ -1,28 +1,77 @@
-"""Helpers of the cluster tests: launching shipped configs, waiting for free pages, references,
-holding the router's loop, forcing placements."""
+"""Helpers of the cluster tests: launching shipped configs (with the production actor or
+`hooked_actor.HookedInstanceActor`), waiting for free pages, references, holding the router's
+loop, forcing placements."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import time
 from pathlib import Path
 
-from disagg.cluster import Cluster
+from disagg.cluster import Cluster, bootstrap
+from disagg.cluster.actors import InstanceActor
 from disagg.cluster.placement import Decision, Prediction
 from disagg.config import Config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# The actors' environment: the kernels' torch references on CPU tensors (conftest.py); CUDA tensors
+# run the Triton kernels either way, compiled (not interpreted) when this is set at the start.
 ACTOR_ENV = {"TRITON_INTERPRET": "0"}
 
 
-def launch(name: str, **overrides) -> Cluster:
-    """Launch ``configs/<name>.yaml`` with dotted overrides given as ``section__key=value``."""
+def launch(name: str, actor_class: type[InstanceActor] = InstanceActor, **overrides) -> Cluster:
+    """Launch ``configs/<name>.yaml`` (`launch_config`) with dotted overrides given as
+    ``section__key=value``."""
     config = Config.from_yaml(CONFIGS / f"{name}.yaml")
     if overrides:
         config = config.override({key.replace("__", "."): value for key, value in overrides.items()})
-    return Cluster.launch(config, env_vars=ACTOR_ENV)
+    return launch_config(config, actor_class)
+
+
+def launch_config(config: Config, actor_class: type[InstanceActor] = InstanceActor) -> Cluster:
+    """`Cluster.launch(config)` with actors of ``actor_class`` (e.g. `hooked_actor.HookedInstanceActor`)
+    and `ACTOR_ENV` in their environment."""
+    with actors_of(actor_class), launcher_environment(**ACTOR_ENV):
+        return Cluster.launch(config)
+
+
+@contextlib.contextmanager
+def actors_of(actor_class: type[InstanceActor]):
+    """Launches inside the block start actors of ``actor_class`` (`bootstrap.ACTOR_CLASS`)."""
+    saved, bootstrap.ACTOR_CLASS = bootstrap.ACTOR_CLASS, actor_class
+    try:
+        yield
+    finally:
+        bootstrap.ACTOR_CLASS = saved
+
+
+@contextlib.contextmanager
+def launcher_environment(**variables: str):
+    """Set ``variables`` in this process's environment for the block: a launch inside passes them
+    on to its actors (`bootstrap.PASSED_ENV`, which must list each one)."""
+    unknown = sorted(set(variables) - set(bootstrap.PASSED_ENV))
+    if unknown:
+        raise ValueError(f"variables: {unknown} never reach the actors; bootstrap passes {bootstrap.PASSED_ENV}")
+    with environment(**variables):
+        yield
+
+
+@contextlib.contextmanager
+def environment(**variables: str):
+    """Set ``variables`` in this process's environment for the block (restored after it)."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def wait_all_free(cluster: Cluster, timeout_s: float = 20.0) -> dict:
@@ -68,23 +117,14 @@ def mixed_prompts(num: int, seed: int = 0, vocab: int = 256) -> list[list[int]]:
 
 def reference_tokens(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     """Greedy outputs of an in-process ColocatedEngine on dummy:tiny (float32, CPU)."""
-    import os
-
     from disagg.engine import ColocatedEngine
     from disagg.model import load_model
     from disagg.sampling import SamplingParams
 
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"
-    try:
+    with environment(TRITON_INTERPRET="0"):
         model = load_model("dummy:tiny", dtype="float32", device="cpu")
         engine = ColocatedEngine(model, num_pages=256, page_size=16, max_num_seqs=16, max_num_batched_tokens=256)
         return engine_tokens(engine, prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
 
 
 class BackgroundStream:

@@ -11,6 +11,7 @@ import time
 
 import pytest
 from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
+from hooked_actor import HookedInstanceActor
 
 from disagg.errors import InstanceDied
 from disagg.sampling import SamplingParams
@@ -20,7 +21,7 @@ LEASE_S = 2.0
 
 @pytest.fixture(scope="module")
 def cluster(ray_local):
-    cluster = launch("tiny-2p2d", router__lease_s=LEASE_S)
+    cluster = launch("tiny-2p2d", HookedInstanceActor, router__lease_s=LEASE_S)
     yield cluster
     cluster.shutdown()
 

@@ -15,7 +15,7 @@ import random
 import time
 
 import pytest
-from cluster_helpers import ACTOR_ENV, CONFIGS, BackgroundStream, force_paths, wait_all_free
+from cluster_helpers import CONFIGS, BackgroundStream, force_paths, launch_config, wait_all_free
 
 from disagg.cluster import Cluster
 from disagg.config import Config
@@ -40,7 +40,7 @@ def workload(num: int = 64, seed: int = 0) -> tuple[list[list[int]], list[Sampli
 def launch(name: str, share, **overrides) -> Cluster:
     config = Config.from_yaml(CONFIGS / f"{name}.yaml").override({**OVERRIDES, **share.config_overrides,
                                                                    **overrides})
-    return Cluster.launch(config, env_vars=ACTOR_ENV)  # CUDA tensors run the Triton kernels either way
+    return launch_config(config)
 
 
 def test_llama3_shaped_1p1d_over_nvshmem_equals_colocated_and_aborts_mid_push(ray_local, gpu_share):

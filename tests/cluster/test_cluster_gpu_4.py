@@ -14,7 +14,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from cluster_helpers import ACTOR_ENV, CONFIGS, BackgroundStream, wait_all_free
+from cluster_helpers import CONFIGS, BackgroundStream, launch_config, wait_all_free
+from hooked_actor import HookedInstanceActor
 from test_cluster_gpu import workload
 
 from disagg.cluster import Cluster
@@ -39,7 +40,7 @@ OVERRIDES = {"model.num_layers": 2, "model.dtype": "float32", "cache.num_pages":
 
 def launch(name: str) -> Cluster:
     config = Config.from_yaml(CONFIGS / f"{name}.yaml").override(OVERRIDES)
-    return Cluster.launch(config, env_vars=ACTOR_ENV)  # CUDA tensors run the Triton kernels either way
+    return launch_config(config, HookedInstanceActor)  # drop_next in check_killed_prefill
 
 
 def test_llama3_shaped_2p2d_equals_colocated_4_and_survives_a_killed_prefill(ray_local):

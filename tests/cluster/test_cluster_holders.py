@@ -14,6 +14,7 @@ import time
 
 import pytest
 from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
+from hooked_actor import HookedInstanceActor
 
 from disagg.errors import InstanceDied
 from disagg.sampling import SamplingParams
@@ -25,7 +26,7 @@ DECODE_TOKENS = 64
 
 
 def test_killed_prefill_fails_only_the_requests_it_holds(ray_local):
-    with launch("tiny-1p1d", router__lease_s=LEASE_S) as cluster:
+    with launch("tiny-1p1d", HookedInstanceActor, router__lease_s=LEASE_S) as cluster:
         prefill, decode = (cluster.instance(name).actor for name in ("prefill-0", "decode-0"))
         prompts = mixed_prompts(7, seed=6)
         params = SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True)

@@ -6,9 +6,10 @@ vocabulary is refused by name, leaving no page behind."""
 from __future__ import annotations
 
 import pytest
-from cluster_helpers import ACTOR_ENV, CONFIGS, wait_all_free
+from cluster_helpers import CONFIGS, launch_config, wait_all_free
+from hooked_actor import with_own_environment
 
-from disagg.cluster import Cluster
+from disagg.cluster.actors import InstanceActor
 from disagg.config import Config
 from disagg.sampling import SamplingParams
 from disagg.settings import ENV_VARS
@@ -26,9 +27,10 @@ def cluster(ray_local):
         {"kernels.linear": "triton", "kernels.layer_pdl": True, "kernels.rope_append": True,
          "cluster.warmup": False})
     # The actors' own environment says otherwise: they must not read it.
-    actor_env = dict(ACTOR_ENV, DISAGG_LINEAR="cublas", DISAGG_LAYER_PDL="0", DISAGG_BLAS="not-a-library")
+    actor_class = with_own_environment(InstanceActor, DISAGG_LINEAR="cublas", DISAGG_LAYER_PDL="0",
+                                       DISAGG_BLAS="not-a-library")
     try:
-        cluster = Cluster.launch(config, env_vars=actor_env)
+        cluster = launch_config(config, actor_class)
     finally:
         mp.undo()
     yield cluster

@@ -13,6 +13,7 @@ import time
 
 import pytest
 from cluster_helpers import BackgroundStream, force_paths, launch, mixed_prompts, reference_tokens, wait_all_free
+from hooked_actor import HookedInstanceActor
 
 from disagg.errors import InstanceDied
 from disagg.sampling import SamplingParams
@@ -27,7 +28,7 @@ PATHS = ["remote", "local", "kept"] * 2
 
 @pytest.mark.parametrize("victim", ["prefill-0", "decode-0"])
 def test_a_killed_instance_fails_only_the_placements_it_takes_part_in(ray_local, monkeypatch, victim):
-    with launch("tiny-1p1d", router__placement="adaptive", router__lease_s=2.0) as cluster:
+    with launch("tiny-1p1d", HookedInstanceActor, router__placement="adaptive", router__lease_s=2.0) as cluster:
         force_paths(cluster, monkeypatch, PATHS)
         prompts = mixed_prompts(len(PATHS), seed=11)
         params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)

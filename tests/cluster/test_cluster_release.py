@@ -2,21 +2,18 @@
 on two CPU actors, router.lease_s = 60 s): a prompt the prefill engine refuses, an abort while
 reserving, an abort or timeout before the prefill engine got the request, an abort after it
 accepted it but computed nothing, and an abort mid-push, whose pages stay quarantined until the
-prefill's pushes completed (`slow_fence_engines`: they look in flight for FENCE_S after the abort).
+prefill's pushes completed (`slow_fence_actor`: they look in flight for FENCE_S after the abort).
 After every test, every page is free within FREE_S, which only an early release can do.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import pytest
-from cluster_helpers import ACTOR_ENV, CONFIGS, BackgroundStream, wait_all_free
-from slow_fence_engines import FENCE_S
+from cluster_helpers import CONFIGS, BackgroundStream, launch_config, wait_all_free
+from slow_fence_actor import FENCE_S, SlowFenceActor
 
-from disagg.cluster import Cluster
 from disagg.config import Config
 from disagg.errors import RequestTimedOut
 from disagg.sampling import SamplingParams
@@ -29,8 +26,7 @@ PARAMS = SamplingParams(max_tokens=8)
 @pytest.fixture(scope="module")
 def cluster(ray_local):
     config = Config.from_yaml(CONFIGS / "tiny-1p1d.yaml").override({"router.lease_s": LEASE_S})
-    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    cluster = Cluster.launch(config, engine_module="slow_fence_engines", env_vars={**ACTOR_ENV, "PYTHONPATH": path})
+    cluster = launch_config(config, SlowFenceActor)
     yield cluster
     cluster.shutdown()
 

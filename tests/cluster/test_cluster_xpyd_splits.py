@@ -14,6 +14,7 @@ import time
 
 import pytest
 from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
+from hooked_actor import HookedInstanceActor
 
 from disagg.errors import InstanceDied
 from disagg.sampling import SamplingParams
@@ -24,7 +25,7 @@ LEASE_S = 2.0
 
 
 def launch_split(num_prefill: int, num_decode: int):
-    return launch("tiny-2p2d", router__lease_s=LEASE_S, instances__prefill=num_prefill,
+    return launch("tiny-2p2d", HookedInstanceActor, router__lease_s=LEASE_S, instances__prefill=num_prefill,
                   instances__decode=num_decode)
 
 

@@ -228,7 +228,7 @@ def test_actor_config_holds_no_api_key(monkeypatch: pytest.MonkeyPatch):
         def options(self, **kwargs):
             return self
 
-        def remote(self, role, name, config_dict, engine_module):
+        def remote(self, role, name, config_dict):
             sent.append(config_dict)
             return object()
 
@@ -239,8 +239,11 @@ def test_actor_config_holds_no_api_key(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(bootstrap, "placement_group", lambda bundles, strategy: FakeGroup())
     monkeypatch.setattr(bootstrap, "PlacementGroupSchedulingStrategy", lambda *args, **kwargs: None)
     monkeypatch.setattr(bootstrap.ray, "get", lambda *args, **kwargs: None)
-    monkeypatch.setattr(bootstrap.ray, "remote", lambda cls: FakeActorClass())
-    bootstrap._place(config, "cpu", "engine", {})
+    remoted = []
+    monkeypatch.setattr(bootstrap.ray, "remote", lambda cls: remoted.append(cls) or FakeActorClass())
+    monkeypatch.setattr(bootstrap, "ACTOR_CLASS", type("Sub", (bootstrap.InstanceActor,), {}))
+    bootstrap._place(config, "cpu")
+    assert remoted == [bootstrap.ACTOR_CLASS]  # the one seam that picks the actors' class
     assert len(sent) == config.instances.num_instances
     for config_dict in sent:
         assert "api_key" not in config_dict["serve"] and "sk-very-secret" not in repr(config_dict)

@@ -1,4 +1,5 @@
-"""The preflight checks and the step loop, without Ray: geometry, sizing, paths, engine thread."""
+"""The preflight checks and the step loop, without Ray: geometry, sizing, paths, engine thread
+(and a subclass of it holding steps)."""
 
 from __future__ import annotations
 
@@ -133,6 +134,31 @@ def test_step_loop_marks_a_failed_engine_fatal():
         time.sleep(0.01)
     assert loop.fatal is not None and "RuntimeError: boom" in loop.fatal
     loop.stop()
+
+
+def test_a_step_loop_subclass_holds_steps_while_calls_run():
+    """`_has_work` is where a subclass holds steps: the tests' `PausableStepLoop` (hooked_actor)."""
+    from hooked_actor import PausableStepLoop
+
+    loop = PausableStepLoop("t")
+    engine = ScriptedEngine()
+    loop.call(setattr, loop, "engine", engine).result(5)
+    loop.call(loop.pause_steps, 1).result(5)
+    loop.call(engine.add, "a", 3).result(5)
+    _wait_until(lambda: loop.num_steps == 1)
+    time.sleep(0.2)  # many idle waits: a loop that ignored the pause would have run both other steps
+    assert loop.call(lambda: (loop.num_steps, engine.todo)).result(5) == (1, {"a": 2})  # calls still run
+    loop.call(loop.resume_steps).result(5)
+    _wait_until(lambda: not engine.todo)
+    assert loop.num_steps == 3
+    loop.stop()
+
+
+def _wait_until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
 
 
 def test_picker_least_loaded_and_round_robin():

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))  # cluster_helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))  # cluster_helpers, hooked_actor
 from cluster_helpers import (BackgroundStream, hold_router_loop, launch, mixed_prompts,  # noqa: E402
                              reference_tokens)
+from hooked_actor import HookedInstanceActor  # noqa: E402
 
 from disagg.errors import InstanceDied  # noqa: E402
 from disagg.sampling import SamplingParams  # noqa: E402
@@ -189,10 +190,10 @@ def _replay_killed_decode(cluster, prompts: list[list[int]], ray) -> Tally:
 def test_fault_replay_counts(ray_local):
     prompts = mixed_prompts(8, seed=7)
     want = reference_tokens(prompts, [PARAMS.max_tokens] * len(prompts))
-    with launch("tiny-1p1d", router__lease_s=LEASE_S) as cluster:
+    with launch("tiny-1p1d", HookedInstanceActor, router__lease_s=LEASE_S) as cluster:
         tallies = _replay_early_and_late_aborts(cluster, prompts, want)
         tallies["killed_prefill"] = _replay_killed_prefill(cluster, prompts, want, ray_local)
-    with launch("tiny-1p1d", router__lease_s=LEASE_S) as cluster:
+    with launch("tiny-1p1d", HookedInstanceActor, router__lease_s=LEASE_S) as cluster:
         tallies["killed_decode"] = _replay_killed_decode(cluster, prompts, ray_local)
     report = {name: tally.counts for name, tally in tallies.items()}
     print("fault replay:", report)
