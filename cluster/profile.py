@@ -10,7 +10,7 @@ forward and the host overlap it buys a served decode step is not credited) and r
 shape the engine reports (`last_step_shape`):
 
     prefill  one prompt computed in chunks of T tokens (the chunk budget set to T), so chunk k
-             runs over a prefix of k*T tokens: T x context
+             runs over a prefix of k*T tokens: T x prefix (the chunk's attention pairs)
     decode   B sequences of C prompt tokens decoding together: B x C (B grows by adding
              sequences; their prompt chunks beside the running decodes are the mixed steps)
     mixed    those steps with prompt chunks and decodes in one forward
@@ -20,10 +20,16 @@ uses; `StepTimeModel.from_samples`), and profile.json keeps the raw samples, the
 per region, the engine's sizes (pages, KV bytes per token for push times) and where it was
 measured (device, dtype, model, commit). `disagg simulate` and `disagg plan` read it
 (docs/ARCHITECTURE.md §11). Runs in the CLI process; no Ray, no heap.
+
+Version 1 profiles (before the model had attention pairs, mixed-step and eager-context terms)
+still load: their 5 coefficients predict what they did (`StepTimeModel.from_dict`), and `disagg
+profile --refit OLD.json --out NEW.json` refits them on the CPU from their own samples, whose
+attention pairs `v1_prompt_pairs` derives by replaying the grid's prompts (`refit_profile`).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import time
@@ -32,13 +38,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from disagg.cluster.placement import StepTimeModel
+from disagg.cluster.placement import OUTLIER_RATIO, StepTimeModel
 from disagg.config import Config
 
 logger = logging.getLogger(__name__)
 
 PROFILE_KIND = "disagg-profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: samples carry prompt_pairs; the fit has `FEATURES`' 8 coefficients
+SAMPLE_FIELDS = ["prompt_tokens", "decode_seqs", "context_tokens", "prompt_pairs", "seconds", "scenario"]
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,7 @@ def build_engine(config: Config) -> tuple[Any, dict]:
 
 
 class StepRecorder:
-    """Runs engine steps, timing each and keeping ``(prompt, seqs, context, seconds, scenario)``."""
+    """Runs engine steps, timing each and keeping a sample as `SAMPLE_FIELDS`."""
 
     def __init__(self, engine: Any, clock: Callable[[], float] = time.perf_counter) -> None:
         self.engine, self.clock = engine, clock
@@ -104,7 +111,7 @@ class StepRecorder:
         shape = self.engine.last_step_shape
         if shape is not None and seconds > 0:
             self.samples.append([shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens,
-                                 seconds, scenario])
+                                 shape.num_prompt_pairs, seconds, scenario])
 
     def add(self, prompt_len: int, max_tokens: int) -> str:
         from disagg.sampling import SamplingParams
@@ -193,7 +200,7 @@ def run_profile(config: Config, grid: Grid = Grid(), engine_and_info: tuple[Any,
     rec = StepRecorder(engine)
     profile_prefill(rec, grid, budget, max_len)
     profile_decode(rec, grid, max_seqs, max_len)
-    samples = [tuple(s[:4]) for s in rec.samples]
+    samples = [tuple(s[:5]) for s in rec.samples]
     model = StepTimeModel.from_samples(samples)
     device = dict(device_info(), torch_device=str(engine.model.device))
     return {
@@ -208,7 +215,7 @@ def run_profile(config: Config, grid: Grid = Grid(), engine_and_info: tuple[Any,
                    "eos_token_ids": info["eos_token_ids"],
                    "async_scheduling": bool(served_async)},
         "grid": asdict(grid),
-        "sample_fields": ["prompt_tokens", "decode_seqs", "context_tokens", "seconds", "scenario"],
+        "sample_fields": SAMPLE_FIELDS,
         "samples": rec.samples,
         "fit": model.to_dict(),
         "errors": model.errors_by_region(samples),
@@ -241,17 +248,78 @@ def load_profile(path: str | Path) -> dict:
         if key not in data:
             raise ValueError(f"--profile: {str(path)!r} has no {key!r} section")
     StepTimeModel.from_dict(data["fit"])  # raises naming a bad coefficient
+    if data.get("version", 1) < PROFILE_VERSION:
+        logger.warning("%s: a version %s profile; its fit lacks the attention-pair and mixed-step terms "
+                       "(prompt and mixed steps ~25%% off): `disagg profile --refit %s --out NEW.json` refits "
+                       "it from its samples", path, data.get("version", 1), path)
     return data
+
+
+def v1_prompt_pairs(profile: dict) -> list[int]:
+    """The attention pairs (`prompt_pairs`) of each sample of a version 1 profile, which kept only
+    the prompt tokens of a step: its prompts replayed in the order `profile_prefill` and
+    `profile_decode` added them, the scheduler's chunks taken first come, first served (a prefill
+    prompt of ``chunks_per_prompt`` x its first chunk, at most max_model_len - 2; a decode context
+    group's prompts as long as its first step's prompt tokens).
+
+    Raises:
+        ValueError: the samples are not such a replay (a prompt's end does not add a decoding
+            sequence to the next step); re-run `disagg profile`.
+    """
+    from disagg.engine.steps import prompt_pairs
+
+    per_prompt = (profile.get("grid") or {}).get("chunks_per_prompt", Grid.chunks_per_prompt)
+    max_len = profile["engine"]["max_model_len"]
+    queue: collections.deque[list[int]] = collections.deque()  # [length, computed] of each prompt
+    out, context_len, expected_seqs = [], 0, None
+    for prompt, seqs, _, _, scenario in profile["samples"]:
+        if scenario == "mixed" and seqs == 0 and not queue:
+            context_len = prompt  # a new decode context: its first prompt in one chunk
+        elif expected_seqs is not None and scenario != "prefill" and seqs not in (0, expected_seqs):
+            raise ValueError(f"a version 1 profile whose samples do not replay (a step of {seqs} decoding "
+                             f"sequences, {expected_seqs} expected): re-run `disagg profile`")
+        pairs, left, ended = 0, prompt, 0
+        while left > 0:
+            if not queue:
+                queue.append([min(per_prompt * prompt, max_len - 2) if scenario == "prefill" else context_len, 0])
+            head = queue[0]
+            n = min(head[0] - head[1], left)
+            pairs, head[1], left = pairs + prompt_pairs(head[1], n), head[1] + n, left - n
+            if head[1] == head[0]:
+                queue.popleft()
+                ended += 1
+        expected_seqs = None if scenario == "prefill" else seqs + ended
+        out.append(pairs)
+    return out
+
+
+def refit_profile(profile: dict) -> dict:
+    """``profile`` with the current model fitted to its samples (a version 1 profile's samples
+    gain their `v1_prompt_pairs`); the fit and errors it had are kept under ``refit``."""
+    samples = profile["samples"]
+    if profile.get("version", 1) < 2:
+        samples = [s[:3] + [pairs] + s[3:] for s, pairs in zip(samples, v1_prompt_pairs(profile))]
+    fitted = [tuple(s[:5]) for s in samples]
+    model = StepTimeModel.from_samples(fitted)
+    return dict(profile, version=PROFILE_VERSION, sample_fields=SAMPLE_FIELDS, samples=samples,
+                fit=model.to_dict(), errors=model.errors_by_region(fitted),
+                refit={"version": profile.get("version", 1), "fit": profile["fit"], "errors": profile["errors"],
+                       "date": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")})
 
 
 def summary_lines(profile: dict) -> list[str]:
     """What `disagg profile` prints: the fit and its error per region."""
-    coef = profile["fit"]["coef_s"]
+    coef = StepTimeModel.from_dict(profile["fit"]).coef
     lines = [f"{profile['model']} ({profile['dtype']}) on {profile['device'].get('torch_device')}: "
              f"{len(profile['samples'])} steps timed in {profile['wall_s']:.1f} s",
              f"step_s = ({coef[4]:.3e} with prompt tokens, else {coef[0]:.3e}) + {coef[1]:.3e} * prompt_tokens "
-             f"+ {coef[2]:.3e} * decode_seqs + {coef[3]:.3e} * context_tokens"]
+             f"+ {coef[5]:.3e} * prompt_pairs + {coef[2]:.3e} * decode_seqs + {coef[3]:.3e} * context_tokens "
+             f"+ (with prompt tokens and decodes: {coef[6]:.3e} + {coef[7]:.3e} * context_tokens)"]
     for region, err in profile["errors"].items():
         rms = "-" if err["rms_rel_error"] is None else f"{100 * err['rms_rel_error']:.1f}%"
-        lines.append(f"  {region:8s} {err['num_samples']:5d} steps, relative RMS error {rms}")
+        line = f"  {region:8s} {err['num_samples']:5d} steps, relative RMS error {rms}"
+        if err.get("num_outliers"):
+            line += (f" ({100 * err['rms_rel_error_without_outliers']:.1f}% without the {err['num_outliers']} "
+                     f"over {OUTLIER_RATIO:g}x the fit, not fitted)")
+        lines.append(line)
     return lines
