@@ -114,7 +114,11 @@ class StepTimeModel:
     in ``num_outliers``.
     """
 
-    # H100, llama3-8b (the 2026-11-27 profiles' fits, rounded up): 7 ms a decode step, 12 ms an eager one.
+    # The first five as before (an 8B model's order, per prompt token ~4x high: prefill is not
+    # underrated before the first samples); the last three near the H100 llama3-8b profiles' fits
+    # of 2026-11-27 (pairs 1.8-1.9e-9, mixed step 10-14 ms, eager context 3-5e-8; docs in
+    # benchmarks/records/stepmodel-2026-11-27), the mixed step's halved: an unmeasured instance
+    # is not talked out of the local path by it.
     prior: tuple[float, ...] = (8e-3, 8e-5, 3e-5, 5e-8, 8e-3, 2e-9, 5e-3, 5e-8)
     max_samples: int = 512
     prior_weight: float = PRIOR_WEIGHT

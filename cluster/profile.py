@@ -230,8 +230,9 @@ def save_profile(profile: dict, path: str | Path) -> Path:
     return path
 
 
-def load_profile(path: str | Path) -> dict:
-    """Read a profile written by `disagg profile`.
+def load_profile(path: str | Path, warn_older: bool = True) -> dict:
+    """Read a profile written by `disagg profile` (an older version's: with a warning naming
+    `--refit`, unless ``warn_older`` is False).
 
     Raises:
         ValueError: not a readable JSON profile (the message names the file and what is wrong).
@@ -248,7 +249,7 @@ def load_profile(path: str | Path) -> dict:
         if key not in data:
             raise ValueError(f"--profile: {str(path)!r} has no {key!r} section")
     StepTimeModel.from_dict(data["fit"])  # raises naming a bad coefficient
-    if data.get("version", 1) < PROFILE_VERSION:
+    if warn_older and data.get("version", 1) < PROFILE_VERSION:
         logger.warning("%s: a version %s profile; its fit lacks the attention-pair and mixed-step terms "
                        "(prompt and mixed steps ~25%% off): `disagg profile --refit %s --out NEW.json` refits "
                        "it from its samples", path, data.get("version", 1), path)

@@ -55,7 +55,7 @@ def profile_command(
         raise typer.Exit(EXIT_USAGE)
     if refit is not None:
         try:
-            profile = refit_profile(read_profile(refit))
+            profile = refit_profile(read_profile(refit, warn_older=False))
         except ValueError as err:
             typer.echo(f"disagg profile --refit: {err}", err=True)
             raise typer.Exit(EXIT_USAGE) from None
@@ -72,12 +72,12 @@ def profile_command(
     typer.echo(f"profile: {path}")
 
 
-def read_profile(path: Path) -> dict:
+def read_profile(path: Path, warn_older: bool = True) -> dict:
     """The profile at ``path``; exit 2 naming the problem when it is not one."""
     from disagg.cluster.profile import load_profile
 
     try:
-        return load_profile(path)
+        return load_profile(path, warn_older)
     except ValueError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(EXIT_USAGE) from None
