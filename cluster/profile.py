@@ -13,7 +13,9 @@ shape the engine reports (`last_step_shape`):
              runs over a prefix of k*T tokens: T x prefix (the chunk's attention pairs)
     decode   B sequences of C prompt tokens decoding together: B x C (B grows by adding
              sequences; their prompt chunks beside the running decodes are the mixed steps)
-    mixed    those steps with prompt chunks and decodes in one forward
+    mixed    those steps with prompt chunks and decodes in one forward, and at each B x C one
+             short prompt of each of ``side_prompts`` tokens (one output token: it leaves at
+             once) beside the B decodes: a request arriving at a busy instance
 
 The samples fit `disagg.cluster.placement.StepTimeModel` (the one model the adaptive router
 uses; `StepTimeModel.from_samples`), and profile.json keeps the raw samples, the fit, its error
@@ -24,7 +26,7 @@ measured (device, dtype, model, commit). `disagg simulate` and `disagg plan` rea
 Version 1 profiles (before the model had attention pairs, mixed-step and eager-context terms)
 still load: their 5 coefficients predict what they did (`StepTimeModel.from_dict`), and `disagg
 profile --refit OLD.json --out NEW.json` refits them on the CPU from their own samples, whose
-attention pairs `v1_prompt_pairs` derives by replaying the grid's prompts (`refit_profile`).
+attention pairs `replayed_prompt_pairs` derives by replaying the grid's prompts (`refit_profile`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Grid:
         batches: decode batch sizes B (above max_num_seqs skipped).
         decode_steps: timed decode steps per (B, C).
         max_tokens_per_context: B x C above this is skipped (prefilling it costs the most).
+        side_prompts: the short prompts computed beside each B x C's decodes (version 2).
     """
 
     chunk_tokens: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)
@@ -67,10 +70,11 @@ class Grid:
     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     decode_steps: int = 8
     max_tokens_per_context: int = 256 * 1024
+    side_prompts: tuple[int, ...] = (16, 128, 512)
 
 
 SMALL_GRID = Grid(chunk_tokens=(16, 32), chunks_per_prompt=2, contexts=(16,), batches=(1, 2),
-                  decode_steps=2, max_tokens_per_context=4096)
+                  decode_steps=2, max_tokens_per_context=4096, side_prompts=(8,))
 
 
 def build_engine(config: Config) -> tuple[Any, dict]:
@@ -159,16 +163,17 @@ def profile_prefill(rec: StepRecorder, grid: Grid, budget: int, max_len: int) ->
 
 def profile_decode(rec: StepRecorder, grid: Grid, max_seqs: int, max_len: int) -> None:
     """Per context C, B sequences decoding for B in the grid (sequences added as B grows: their
-    prompt chunks beside the running decodes are mixed steps)."""
+    prompt chunks beside the running decodes are mixed steps), then the side prompts beside them."""
     engine = rec.engine
     capacity = engine.cache.num_pages * engine.cache.page_size
+    per_batch = grid.decode_steps + 4 + len(grid.side_prompts)
     for context in [c for c in grid.contexts if c + 64 < max_len]:
         batches = [b for b in grid.batches if b <= max_seqs and b * context <= grid.max_tokens_per_context]
-        max_tokens = min(max_len - context - 1, 4 * len(batches) * (grid.decode_steps + 4) + 64)
+        max_tokens = min(max_len - context - 1, 4 * len(batches) * per_batch + 64)
         running = 0
         for batch in batches:
-            if batch * (context + max_tokens) > capacity:
-                break
+            if batch * (context + max_tokens) + max(grid.side_prompts, default=0) + 16 > capacity:
+                break  # (+16: a side prompt's page rounding) no preemption while profiling
             for _ in range(batch - running):
                 rec.add(context, max_tokens)
             running = batch
@@ -176,6 +181,10 @@ def profile_decode(rec: StepRecorder, grid: Grid, max_seqs: int, max_len: int) -
                 rec.step("mixed")
             for _ in range(grid.decode_steps):
                 rec.step("decode")
+            for prompt_len in [n for n in grid.side_prompts if n + 1 < max_len and batch < max_seqs]:
+                rec.add(prompt_len, 1)  # its first token ends it: B decodes again after
+                while engine.scheduler.waiting:
+                    rec.step("mixed")
         rec.drain()
 
 
@@ -256,12 +265,13 @@ def load_profile(path: str | Path, warn_older: bool = True) -> dict:
     return data
 
 
-def v1_prompt_pairs(profile: dict) -> list[int]:
-    """The attention pairs (`prompt_pairs`) of each sample of a version 1 profile, which kept only
-    the prompt tokens of a step: its prompts replayed in the order `profile_prefill` and
-    `profile_decode` added them, the scheduler's chunks taken first come, first served (a prefill
-    prompt of ``chunks_per_prompt`` x its first chunk, at most max_model_len - 2; a decode context
-    group's prompts as long as its first step's prompt tokens).
+def replayed_prompt_pairs(profile: dict) -> list[int]:
+    """The attention pairs (`prompt_pairs`) of each sample of ``profile`` from its prompt tokens
+    alone (a version 1 profile kept no pairs): its prompts replayed in the order `profile_prefill`
+    and `profile_decode` added them, the scheduler's chunks taken first come, first served. A
+    prefill prompt is ``chunks_per_prompt`` x its first chunk (at most max_model_len - 2); a
+    decode context's prompts are as long as its first step's prompt tokens; after each B x C's
+    decode steps come the grid's side prompts (none in a version 1 grid), which end at once.
 
     Raises:
         ValueError: the samples are not such a replay (a prompt's end does not add a decoding
@@ -269,26 +279,28 @@ def v1_prompt_pairs(profile: dict) -> list[int]:
     """
     from disagg.engine.steps import prompt_pairs
 
-    per_prompt = (profile.get("grid") or {}).get("chunks_per_prompt", Grid.chunks_per_prompt)
-    max_len = profile["engine"]["max_model_len"]
-    queue: collections.deque[list[int]] = collections.deque()  # [length, computed] of each prompt
-    out, context_len, expected_seqs = [], 0, None
+    grid, engine = profile.get("grid") or {}, profile["engine"]
+    per_prompt, max_len = grid.get("chunks_per_prompt", Grid.chunks_per_prompt), engine["max_model_len"]
+    queue: collections.deque[list[int]] = collections.deque()
+    out, context_len, expected_seqs, sides = [], 0, None, []
     for prompt, seqs, _, _, scenario in profile["samples"]:
         if scenario == "mixed" and seqs == 0 and not queue:
             context_len = prompt  # a new decode context: its first prompt in one chunk
         elif expected_seqs is not None and scenario != "prefill" and seqs not in (0, expected_seqs):
-            raise ValueError(f"a version 1 profile whose samples do not replay (a step of {seqs} decoding "
-                             f"sequences, {expected_seqs} expected): re-run `disagg profile`")
+            raise ValueError(f"a profile whose samples do not replay (a step of {seqs} decoding sequences, "
+                             f"{expected_seqs} expected): re-run `disagg profile`")
+        if scenario == "decode":
+            sides = [n for n in grid.get("side_prompts", ()) if n + 1 < max_len and seqs < engine["max_num_seqs"]]
         pairs, left, ended = 0, prompt, 0
         while left > 0:
-            if not queue:
-                queue.append([min(per_prompt * prompt, max_len - 2) if scenario == "prefill" else context_len, 0])
+            if not queue:  # the next prompt added: [length, computed, decodes after]
+                queue.append([min(per_prompt * prompt, max_len - 2), 0, 0] if scenario == "prefill"
+                             else [sides.pop(0), 0, 0] if sides else [context_len, 0, 1])
             head = queue[0]
             n = min(head[0] - head[1], left)
             pairs, head[1], left = pairs + prompt_pairs(head[1], n), head[1] + n, left - n
             if head[1] == head[0]:
-                queue.popleft()
-                ended += 1
+                ended += queue.popleft()[2]
         expected_seqs = None if scenario == "prefill" else seqs + ended
         out.append(pairs)
     return out
@@ -296,10 +308,10 @@ def v1_prompt_pairs(profile: dict) -> list[int]:
 
 def refit_profile(profile: dict) -> dict:
     """``profile`` with the current model fitted to its samples (a version 1 profile's samples
-    gain their `v1_prompt_pairs`); the fit and errors it had are kept under ``refit``."""
+    gain their `replayed_prompt_pairs`); the fit and errors it had are kept under ``refit``."""
     samples = profile["samples"]
     if profile.get("version", 1) < 2:
-        samples = [s[:3] + [pairs] + s[3:] for s, pairs in zip(samples, v1_prompt_pairs(profile))]
+        samples = [s[:3] + [pairs] + s[3:] for s, pairs in zip(samples, replayed_prompt_pairs(profile))]
     fitted = [tuple(s[:5]) for s in samples]
     model = StepTimeModel.from_samples(fitted)
     return dict(profile, version=PROFILE_VERSION, sample_fields=SAMPLE_FIELDS, samples=samples,

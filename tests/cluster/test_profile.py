@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from disagg.cluster.cli import app
 from disagg.cluster.placement import StepTimeModel, features
-from disagg.cluster.profile import PROFILE_VERSION, load_profile, v1_prompt_pairs
+from disagg.cluster.profile import PROFILE_VERSION, load_profile, replayed_prompt_pairs
 from disagg.engine.steps import prompt_pairs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -130,8 +130,9 @@ def test_profile_of_the_tiny_instance(tmp_path: Path):
     assert all(c >= 0 for c in profile["fit"]["coef_s"]) and "commit" in profile
     # A version 1 profile had no pairs: replaying its grid gives back the ones the engine reported.
     v1 = dict(profile, version=1, samples=[s[:3] + s[4:] for s in profile["samples"]])
-    assert v1_prompt_pairs(v1) == [s[3] for s in profile["samples"]]
+    assert replayed_prompt_pairs(v1) == [s[3] for s in profile["samples"]]
     assert any(s[3] > prompt_pairs(0, s[0]) for s in profile["samples"])  # chunks over a prefix
+    assert any(s[:2] == [8, 2] for s in profile["samples"])  # the side prompt beside two decodes
 
 
 def test_not_a_profile_is_refused(tmp_path: Path):
