@@ -134,3 +134,15 @@ def test_the_model_ignores_empty_and_nonpositive_steps():
     m.observe(0, 0, 0, 0, 0.01)
     m.observe(10, 0, 0, 55, 0.0)
     assert m.num_samples == 0
+
+
+def test_a_prompts_prefill_time_is_the_sum_of_its_chunks_steps():
+    """`prefill_s` in one step's arithmetic (the model is linear) is the sum over the chunks the
+    scheduler would run: 1300 tokens in chunks of 512 over growing prefixes, beside 4 decodes."""
+    m = StepTimeModel()  # the default prior: attention pairs and eager decode costs too
+    v = InstanceView("D", m, 512, 0, 4, 4000)
+    chunks = [(min(512, 1300 - done), done) for done in range(0, 1300, 512)]
+    assert v.prefill_s(1300) == pytest.approx(sum(m.step_s(n, 4, 4000, prompt_pairs(done, n)) for n, done in chunks))
+    queued = InstanceView("D", m, 512, 1000, 4, 4000, queued_prompt_pairs=prompt_pairs(0, 1000))
+    assert queued.prefill_s(300) == pytest.approx(v.prefill_s(1300) - m.coef[5] * (prompt_pairs(0, 1300)
+                                                  - prompt_pairs(0, 1000) - prompt_pairs(0, 300)))
