@@ -81,21 +81,22 @@ def _nonnegative_ridge(x: np.ndarray, y: np.ndarray, lam: np.ndarray, prior: np.
     b = np.concatenate([y, np.sqrt(lam) * prior])
     coef, free = np.zeros(a.shape[1]), np.zeros(a.shape[1], dtype=bool)
     tol = 1e-12 * float(np.abs(a).max() * np.abs(b).max() or 1.0)
-    for _ in range(10 * a.shape[1]):
+    for _ in range(3 * a.shape[1]):
         gradient = a.T @ (b - a @ coef)
         if free.all() or gradient[~free].max() <= tol:
             break
         free[np.flatnonzero(~free)[int(np.argmax(gradient[~free]))]] = True
-        while True:
+        for _ in range(a.shape[1]):  # each pass holds one more coefficient at 0
             trial = np.zeros_like(coef)
             trial[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
             if (trial[free] > 0).all():
                 break
             bad = free & (trial <= 0)
-            step = float(np.min(coef[bad] / (coef[bad] - trial[bad])))
+            step = float(np.min(coef[bad] / np.maximum(coef[bad] - trial[bad], 1e-300)))
             coef = coef + step * (trial - coef)
-            free &= coef > 0
-        coef = trial
+            free &= coef > 1e-12 * float(np.abs(coef).max() or 1.0)
+            coef[~free] = 0.0
+        coef = np.maximum(trial, 0.0)
     return coef
 
 
@@ -186,11 +187,6 @@ class StepTimeModel:
         model = cls(prior=_coefficients(data["coef_s"], "coef_s"))
         model.error = float(data.get("error", model.error))
         return model
-
-    @property
-    def is_older_fit(self) -> bool:
-        """Whether the coefficients beyond an older fit's 5 are all 0 (a refit would set them)."""
-        return not any(self.coef[5:])
 
     def errors_by_region(self, samples: list[tuple]) -> dict[str, dict]:
         """Relative RMS error of the fit over ``samples`` (as `from_samples` takes), per region:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from disagg.cluster.cli import app
-from disagg.cluster.placement import StepTimeModel, features
+from disagg.cluster.placement import StepTimeModel, _nonnegative_ridge, features
 from disagg.cluster.profile import PROFILE_VERSION, load_profile, replayed_prompt_pairs
 from disagg.engine.steps import prompt_pairs
 
@@ -140,3 +141,24 @@ def test_not_a_profile_is_refused(tmp_path: Path):
     bad.write_text(json.dumps({"kind": "something else"}))
     with pytest.raises(ValueError, match="expected a profile written by `disagg profile`"):
         load_profile(bad)
+
+
+def test_the_non_negative_fit_is_the_best_over_every_set_of_zeroed_coefficients():
+    """The active-set solver against brute force: every subset of coefficients held at 0."""
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        x, y, lam = rng.normal(size=(30, 5)), rng.normal(size=30), np.full(5, 0.1)
+
+        def cost(c):
+            return float(np.sum((x @ c - y) ** 2) + np.sum(lam * c ** 2))
+
+        best = np.inf
+        for k in range(6):
+            for kept in map(list, itertools.combinations(range(5), k)):
+                c = np.zeros(5)
+                if kept:
+                    c[kept] = np.linalg.solve(x[:, kept].T @ x[:, kept] + np.diag(lam[kept]), x[:, kept].T @ y)
+                if (c >= 0).all():
+                    best = min(best, cost(c))
+        found = _nonnegative_ridge(x, y, lam, np.zeros(5))
+        assert (found >= 0).all() and cost(found) <= best * (1 + 1e-9)
