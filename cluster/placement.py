@@ -8,9 +8,10 @@
     kept    a prefill instance P prefills it and also decodes it
 
 from predicted times: each instance has a `StepTimeModel` (one step's seconds as a linear
-function of its prompt tokens, their attention pairs, decoding sequences and their context, with
-one intercept for pure-decode steps, which replay CUDA graphs, and one for steps with prompt
-tokens, which run eagerly and pay more for their decodes) fitted online from the
+function of its prompt tokens (more per token beyond a knee), their attention pairs, decoding
+sequences and their context, with one intercept for pure-decode steps, which replay CUDA graphs,
+and one for steps with prompt tokens, which run eagerly and pay more for their decodes) fitted
+online from the
 instance's own measured steps (`disagg.cluster.messages.StepSample`) and seeded with a prior, and
 an `InstanceView` of its live load (prompt tokens queued, sequences decoding, free pages).
 `decide` predicts TTFT and TPOT on every path and keeps the admissible ones: the pages fit, and
@@ -44,23 +45,28 @@ OUTLIER_RATIO = 3.0  # a step over 3x the fit's prediction is a one-off (a first
 # Per step (`features`): is it pure decode (0/1), prompt tokens, decoding sequences, their context
 # tokens, has it prompt tokens (0/1), the prompt tokens' attention pairs (`disagg.engine.steps.
 # prompt_pairs`), has it prompt tokens and decodes (0/1), context tokens again when it has prompt
-# tokens. Steps with prompt tokens run eagerly, pure-decode ones replay CUDA graphs: the last two
-# are what decodes cost more in an eager step.
+# tokens, prompt tokens beyond the knee. Steps with prompt tokens run eagerly, pure-decode ones
+# replay CUDA graphs: the mixed-step and eager-context terms are what decodes cost more in an
+# eager step; below the knee an eager step is bound by its kernel launches (an H100's 8B step
+# takes about as long at 128 prompt tokens as at 1024), beyond it by its compute.
 FEATURES = ("decode_step", "prompt_tokens", "decode_seqs", "context_tokens", "prompt_step", "prompt_pairs",
-            "mixed_step", "eager_context_tokens")
-FEATURE_SCALE = np.array([1.0, 1e3, 1e2, 1e5, 1.0, 1e7, 1.0, 1e5])
+            "mixed_step", "eager_context_tokens", "prompt_tokens_over_knee")
+FEATURE_SCALE = np.array([1.0, 1e3, 1e2, 1e5, 1.0, 1e7, 1.0, 1e5, 1e3])
+KNEE_TOKENS = 1024  # the prior's knee; a profile's fit picks the best of `KNEE_CHOICES`
+KNEE_CHOICES = (256, 512, 1024, 2048, 4096)
 # An older fit has the first 5 (or 4: one intercept for both kinds of step); the rest are 0 there,
 # so it predicts what it did when it was written.
 OLDER_NUM_COEF = (4, 5)
 
 
-def features(num_prefill_tokens, num_decode_seqs, num_context_tokens, num_prompt_pairs) -> np.ndarray:
-    """The model's features of steps (scalars or ``[N]`` arrays): ``[..., 8]`` as `FEATURES`."""
+def features(num_prefill_tokens, num_decode_seqs, num_context_tokens, num_prompt_pairs,
+             knee_tokens: int = KNEE_TOKENS) -> np.ndarray:
+    """The model's features of steps (scalars or ``[N]`` arrays): ``[..., 9]`` as `FEATURES`."""
     prompt, seqs, context, pairs = (np.asarray(v, dtype=np.float64) for v in
                                     (num_prefill_tokens, num_decode_seqs, num_context_tokens, num_prompt_pairs))
     eager = (prompt > 0) * 1.0
     return np.stack(np.broadcast_arrays(1.0 - eager, prompt, seqs, context, eager, pairs, eager * (seqs > 0),
-                                        eager * context), axis=-1)
+                                        eager * context, np.maximum(prompt - knee_tokens, 0.0)), axis=-1)
 
 
 def _coefficients(values: tuple, what: str) -> tuple[float, ...]:
@@ -105,22 +111,26 @@ class StepTimeModel:
     """One step's seconds, linear in `features`:
 
         (c4 if prompt_tokens else c0) + c1 * prompt_tokens + c2 * decode_seqs + c3 * context_tokens
-        + c5 * prompt_pairs + (c6 + c7 * context_tokens if prompt_tokens and decode_seqs)
+        + c5 * prompt_pairs + (c6 if prompt_tokens and decode_seqs) + (c7 * context_tokens if prompt_tokens)
+        + c8 * max(prompt_tokens - knee_tokens, 0)
 
     Ridge-fitted to the samples (newest ``max_samples``), pulled towards ``prior`` (the seed:
     defaults of the right order for an 8B model on one H100-class GPU, or a profile's fit), so a
     direction no sample varies (a prefill instance that never decodes) keeps its prior;
     coefficients >= 0. A step over `OUTLIER_RATIO` x the first fit's prediction (a first use of a
     shape: allocator growth, a kernel's first launch) is left out of the second fit and counted
-    in ``num_outliers``.
+    in ``num_outliers``. `from_samples` also picks ``knee_tokens`` (`KNEE_CHOICES`: the one that
+    fits best).
     """
 
     # The first five as before (an 8B model's order, per prompt token ~4x high: prefill is not
-    # underrated before the first samples); the last three near the H100 llama3-8b profiles' fits
-    # of 2026-11-27 (pairs 1.8-1.9e-9, mixed step 10-14 ms, eager context 3-5e-8; docs in
-    # benchmarks/records/stepmodel-2026-11-27), the mixed step's halved: an unmeasured instance
-    # is not talked out of the local path by it.
-    prior: tuple[float, ...] = (8e-3, 8e-5, 3e-5, 5e-8, 8e-3, 2e-9, 5e-3, 5e-8)
+    # underrated before the first samples); pairs, mixed step and eager context near the H100
+    # llama3-8b profiles' fits of 2026-11-27 (pairs 1.9-2.1e-9, mixed step 11-13 ms, eager context
+    # 1-3e-8; benchmarks/records/stepmodel-2026-11-27), the mixed step's halved: an unmeasured
+    # instance is not talked out of the local path by it; no knee (c8 = 0): a prompt token costs
+    # alike at any chunk size until measured.
+    prior: tuple[float, ...] = (8e-3, 8e-5, 3e-5, 5e-8, 8e-3, 2e-9, 5e-3, 5e-8, 0.0)
+    knee_tokens: int = KNEE_TOKENS
     max_samples: int = 512
     prior_weight: float = PRIOR_WEIGHT
     relative: bool = False  # fit relative errors (each step weighs 1 / seconds): a profile's 7 ms and 200 ms steps alike
@@ -153,7 +163,7 @@ class StepTimeModel:
         """Refit ``coef``, ``error`` and ``num_outliers`` to the samples (class docstring)."""
         self._since_fit = 0
         data = np.asarray(self._samples, dtype=np.float64)
-        raw, y = features(*data[:, :4].T), data[:, 4]
+        raw, y = features(*data[:, :4].T, self.knee_tokens), data[:, 4]
         weight = 1.0 / y if self.relative else np.ones_like(y)
         x = raw / FEATURE_SCALE * weight[:, None]
         prior = np.asarray(self.prior) * FEATURE_SCALE
@@ -171,20 +181,24 @@ class StepTimeModel:
     def from_samples(cls, samples: list[tuple], prior: tuple[float, ...] | None = None) -> StepTimeModel:
         """A model fitted to every one of ``samples`` (``(prompt_tokens, decode_seqs,
         context_tokens, prompt_pairs, seconds)`` each, e.g. `disagg profile`'s grid), ridge
-        towards ``prior``."""
-        model = cls(prior=prior or cls.prior, max_samples=max(len(samples), 1), prior_weight=PROFILE_PRIOR_WEIGHT,
-                    relative=True)
-        for sample in samples:
-            model.observe(*sample)
-        if model.num_samples:
-            model.fit()
-        return model
+        towards ``prior``, with the knee of `KNEE_CHOICES` that fits them best."""
+        best = None
+        for knee in KNEE_CHOICES:
+            model = cls(prior=prior or cls.prior, knee_tokens=knee, max_samples=max(len(samples), 1),
+                        prior_weight=PROFILE_PRIOR_WEIGHT, relative=True)
+            for sample in samples:
+                model.observe(*sample)
+            if model.num_samples:
+                model.fit()
+            if best is None or (model.error, model.num_outliers) < (best.error, best.num_outliers):
+                best = model
+        return best
 
     @classmethod
     def from_dict(cls, data: dict) -> StepTimeModel:
         """The model `to_dict` wrote (a profile's fit): its coefficients, as the prior too. An
         older profile's 5 (or 4) coefficients load as they predicted (`OLDER_NUM_COEF`)."""
-        model = cls(prior=_coefficients(data["coef_s"], "coef_s"))
+        model = cls(prior=_coefficients(data["coef_s"], "coef_s"), knee_tokens=int(data.get("knee_tokens", KNEE_TOKENS)))
         model.error = float(data.get("error", model.error))
         return model
 
@@ -212,11 +226,12 @@ class StepTimeModel:
         seconds = c[1] * num_prefill_tokens + c[2] * num_decode_seqs + c[3] * num_context_tokens + c[5] * num_prompt_pairs
         if num_prefill_tokens <= 0:
             return float(c[0] + seconds)
-        return float(c[4] + seconds + (c[6] if num_decode_seqs > 0 else 0.0) + c[7] * num_context_tokens)
+        return float(c[4] + seconds + (c[6] if num_decode_seqs > 0 else 0.0) + c[7] * num_context_tokens
+                     + c[8] * max(num_prefill_tokens - self.knee_tokens, 0))
 
     def to_dict(self) -> dict:
-        return {"coef_s": [float(v) for v in self.coef], "features": list(FEATURES), "error": self.error,
-                "num_samples": self.num_samples, "num_outliers": self.num_outliers}
+        return {"coef_s": [float(v) for v in self.coef], "features": list(FEATURES), "knee_tokens": self.knee_tokens,
+                "error": self.error, "num_samples": self.num_samples, "num_outliers": self.num_outliers}
 
 
 def _rms(errs: np.ndarray) -> float | None:

@@ -322,12 +322,14 @@ def refit_profile(profile: dict) -> dict:
 
 def summary_lines(profile: dict) -> list[str]:
     """What `disagg profile` prints: the fit and its error per region."""
-    coef = StepTimeModel.from_dict(profile["fit"]).coef
+    model = StepTimeModel.from_dict(profile["fit"])
+    coef, knee = model.coef, model.knee_tokens
     lines = [f"{profile['model']} ({profile['dtype']}) on {profile['device'].get('torch_device')}: "
              f"{len(profile['samples'])} steps timed in {profile['wall_s']:.1f} s",
              f"step_s = ({coef[4]:.3e} with prompt tokens, else {coef[0]:.3e}) + {coef[1]:.3e} * prompt_tokens "
-             f"+ {coef[5]:.3e} * prompt_pairs + {coef[2]:.3e} * decode_seqs + {coef[3]:.3e} * context_tokens "
-             f"+ (with prompt tokens and decodes: {coef[6]:.3e} + {coef[7]:.3e} * context_tokens)"]
+             f"+ {coef[8]:.3e} * max(prompt_tokens - {knee}, 0) + {coef[5]:.3e} * prompt_pairs "
+             f"+ {coef[2]:.3e} * decode_seqs + {coef[3]:.3e} * context_tokens "
+             f"+ (with prompt tokens: {coef[6]:.3e} if decodes + {coef[7]:.3e} * context_tokens)"]
     for region, err in profile["errors"].items():
         rms = "-" if err["rms_rel_error"] is None else f"{100 * err['rms_rel_error']:.1f}%"
         line = f"  {region:8s} {err['num_samples']:5d} steps, relative RMS error {rms}"

@@ -18,11 +18,12 @@ from disagg.engine.steps import prompt_pairs
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECORDS = Path(__file__).resolve().parents[2] / "benchmarks" / "records"
 # As `FEATURES`: decode-step intercept, per prompt token, per decoding sequence, per context token,
-# prompt-step intercept, per attention pair, mixed-step intercept, per context token in eager steps.
-TRUE_COEF = (4e-3, 6e-5, 2e-4, 3e-8, 9e-3, 2e-9, 6e-3, 5e-8)
+# prompt-step intercept, per attention pair, mixed-step intercept, per context token in eager
+# steps, per prompt token beyond the knee (1024 tokens).
+TRUE_COEF = (4e-3, 6e-6, 2e-4, 3e-8, 9e-3, 2e-9, 6e-3, 5e-8, 2e-5)
 
 
-def synthetic_samples(coef, n: int = 300, noise: float = 0.0, seed: int = 0) -> list[tuple]:
+def synthetic_samples(coef, n: int = 300, noise: float = 0.0, seed: int = 0, knee: int = 1024) -> list[tuple]:
     """Steps over a profile-like grid (prompt chunks over a prefix, beside decodes or not) whose
     seconds follow ``coef`` (times 1 +- noise)."""
     rng = np.random.default_rng(seed)
@@ -33,7 +34,7 @@ def synthetic_samples(coef, n: int = 300, noise: float = 0.0, seed: int = 0) -> 
         pairs = prompt_pairs(int(rng.integers(0, 8192)) if prompt else 0, prompt)
         seqs = 0 if kind == 0 else int(rng.integers(1, 256))
         context = seqs * int(rng.integers(16, 4096))
-        seconds = float(features(prompt, seqs, context, pairs) @ np.asarray(coef))
+        seconds = float(features(prompt, seqs, context, pairs, knee) @ np.asarray(coef))
         samples.append((prompt, seqs, context, pairs, seconds * (1 + noise * rng.standard_normal())))
     return samples
 
@@ -41,8 +42,10 @@ def synthetic_samples(coef, n: int = 300, noise: float = 0.0, seed: int = 0) -> 
 def test_fit_recovers_known_coefficients():
     model = StepTimeModel.from_samples(synthetic_samples(TRUE_COEF))
     np.testing.assert_allclose(model.coef, TRUE_COEF, rtol=0.02)
-    assert model.error < 0.01 and model.num_outliers == 0
+    assert model.error < 0.01 and model.num_outliers == 0 and model.knee_tokens == 1024
     assert all(e["rms_rel_error"] < 0.01 for e in model.errors_by_region(synthetic_samples(TRUE_COEF, 30)).values())
+    elsewhere = StepTimeModel.from_samples(synthetic_samples(TRUE_COEF, knee=4096))
+    assert elsewhere.knee_tokens == 4096 and elsewhere.error < 0.01
 
 
 def test_fit_under_noise_stays_close_and_reports_the_error():
@@ -65,7 +68,7 @@ def test_fit_leaves_out_one_off_slow_steps_and_counts_them():
 
 def test_step_s_is_the_features_times_the_coefficients():
     model = StepTimeModel(prior=TRUE_COEF)
-    for shape in [(0, 8, 4000, 0), (512, 0, 0, 300_000), (100, 16, 9000, 5050), (1, 1, 1, 1)]:
+    for shape in [(0, 8, 4000, 0), (512, 0, 0, 300_000), (100, 16, 9000, 5050), (1, 1, 1, 1), (3000, 2, 9, 5e6)]:
         assert model.step_s(*shape) == pytest.approx(float(features(*shape) @ model.coef), rel=1e-12)
 
 
@@ -73,10 +76,11 @@ def test_model_round_trips_through_its_dict():
     model = StepTimeModel.from_samples(synthetic_samples(TRUE_COEF))
     again = StepTimeModel.from_dict(json.loads(json.dumps(model.to_dict())))
     assert again.step_s(512, 8, 4096, 200_000) == pytest.approx(model.step_s(512, 8, 4096, 200_000))
-    with pytest.raises(ValueError, match="expected 8 finite coefficients"):
+    assert again.step_s(3000, 8, 4096, 5e6) == pytest.approx(model.step_s(3000, 8, 4096, 5e6))
+    with pytest.raises(ValueError, match="expected 9 finite coefficients"):
         StepTimeModel.from_dict({"coef_s": [1.0, -1.0, 0.0, 0.0]})
-    with pytest.raises(ValueError, match="expected 8 finite coefficients"):
-        StepTimeModel.from_dict({"coef_s": [1.0] * 6})
+    with pytest.raises(ValueError, match="expected 9 finite coefficients"):
+        StepTimeModel.from_dict({"coef_s": [1.0] * 8})
 
 
 def test_an_older_fit_loads_and_predicts_what_it_did():
