@@ -23,8 +23,8 @@ per region, the engine's sizes (pages, KV bytes per token for push times) and wh
 measured (device, dtype, model, commit). `disagg simulate` and `disagg plan` read it
 (docs/ARCHITECTURE.md §11). Runs in the CLI process; no Ray, no heap.
 
-Version 1 profiles (before the model had attention pairs, mixed-step and eager-context terms)
-still load: their 5 coefficients predict what they did (`StepTimeModel.from_dict`), and `disagg
+Version 1 profiles (before the model had attention-pair, mixed-step, eager-context and knee
+terms) still load: their 5 coefficients predict what they did (`StepTimeModel.from_dict`), and `disagg
 profile --refit OLD.json --out NEW.json` refits them on the CPU from their own samples, whose
 attention pairs `replayed_prompt_pairs` derives by replaying the grid's prompts (`refit_profile`).
 """
@@ -46,7 +46,7 @@ from disagg.config import Config
 logger = logging.getLogger(__name__)
 
 PROFILE_KIND = "disagg-profile"
-PROFILE_VERSION = 2  # 2: samples carry prompt_pairs; the fit has `FEATURES`' 8 coefficients
+PROFILE_VERSION = 2  # 2: samples carry prompt_pairs, the grid side prompts; the fit has `FEATURES`' 9 terms
 SAMPLE_FIELDS = ["prompt_tokens", "decode_seqs", "context_tokens", "prompt_pairs", "seconds", "scenario"]
 
 
@@ -259,8 +259,8 @@ def load_profile(path: str | Path, warn_older: bool = True) -> dict:
             raise ValueError(f"--profile: {str(path)!r} has no {key!r} section")
     StepTimeModel.from_dict(data["fit"])  # raises naming a bad coefficient
     if warn_older and data.get("version", 1) < PROFILE_VERSION:
-        logger.warning("%s: a version %s profile; its fit lacks the attention-pair and mixed-step terms "
-                       "(prompt and mixed steps ~25%% off): `disagg profile --refit %s --out NEW.json` refits "
+        logger.warning("%s: a version %s profile; its fit lacks the attention-pair, mixed-step and "
+                       "knee terms (prompt and mixed steps ~25%% off): `disagg profile --refit %s --out NEW.json` refits "
                        "it from its samples", path, data.get("version", 1), path)
     return data
 
