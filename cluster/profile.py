@@ -334,7 +334,8 @@ def summary_lines(profile: dict) -> list[str]:
         rms = "-" if err["rms_rel_error"] is None else f"{100 * err['rms_rel_error']:.1f}%"
         line = f"  {region:8s} {err['num_samples']:5d} steps, relative RMS error {rms}"
         if err.get("num_outliers"):
-            line += (f" ({100 * err['rms_rel_error_without_outliers']:.1f}% without the {err['num_outliers']} "
+            rest = err["rms_rel_error_without_outliers"]
+            line += (f" ({'-' if rest is None else f'{100 * rest:.1f}%'} without the {err['num_outliers']} "
                      f"over {OUTLIER_RATIO:g}x the fit, not fitted)")
         lines.append(line)
     return lines
