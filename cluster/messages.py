@@ -37,6 +37,7 @@ class StepSample(NamedTuple):
     num_prefill_tokens: int
     num_decode_seqs: int
     num_context_tokens: int
+    num_prompt_pairs: int
     seconds: float
 
 

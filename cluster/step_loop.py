@@ -164,7 +164,7 @@ class StepLoop:
         if shape is not None:
             with self._cond:
                 self._samples.append(StepSample(shape.num_prefill_tokens, shape.num_decode_seqs,
-                                                shape.num_context_tokens, seconds))
+                                                shape.num_context_tokens, shape.num_prompt_pairs, seconds))
 
     def _fail(self, what: str) -> None:
         """The engine raised: it is unusable from now on; the router fails its requests."""

@@ -2,6 +2,7 @@
 `disagg.cluster.cli`).
 
     disagg profile CONFIG --out profile.json [--small-grid]
+    disagg profile --refit old.json --out profile.json      (the current model fitted to its samples)
     disagg simulate CONFIG --profile profile.json [bench's workload, rate and result flags]
     disagg plan --profile profile.json --dataset-name W --goodput ttft:MS tpot:MS --gpus N [--out best.yaml]
 
@@ -32,36 +33,51 @@ def greedy_class():
 
 
 def profile_command(
-    config: ConfigArg,
+    config: Annotated[Optional[Path], typer.Argument(metavar="CONFIG", show_default=False,
+                                                     help="deployment YAML (see configs/); none with --refit")] = None,
     out: Annotated[Path, Opt("--out", help="where the profile JSON goes")] = Path("profile.json"),
     small_grid: Annotated[bool, Opt("--small-grid", help="a few shapes only (CPU tests, a quick look)")] = False,
+    refit: Annotated[Optional[Path], Opt("--refit", metavar="PROFILE", help="fit the current step-time model to "
+                                         "PROFILE's samples instead of timing CONFIG (CPU, seconds; an older "
+                                         "profile's too)")] = None,
     set_: SetOpt = None, log_level: LogLevelOpt = None, verbose: VerboseOpt = False,
 ) -> None:
     """Time CONFIG's instance (its real engine, in this process) over a grid of prefill, decode and
     mixed steps; fit the router's step-time model; write the samples, the fit and its error per
-    region to --out."""
-    from disagg.cluster.profile import SMALL_GRID, Grid, run_profile, save_profile, summary_lines
+    region to --out. With --refit PROFILE: refit that profile's samples instead."""
+    from disagg.cluster.profile import SMALL_GRID, Grid, refit_profile, run_profile, save_profile, summary_lines
     from disagg.errors import DisaggError
 
     setup_logging(log_level, verbose)
-    cfg = load_config(config, set_)
-    try:
-        profile = run_profile(cfg, SMALL_GRID if small_grid else Grid())
-    except DisaggError as err:
-        typer.echo(f"disagg profile: {type(err).__name__}: {err}", err=True)
-        raise typer.Exit(EXIT_RUNTIME) from None
+    if (config is None) == (refit is None):
+        typer.echo("disagg profile: expected CONFIG (to time its engine) or --refit PROFILE (to refit its "
+                   f"samples), got {'neither' if config is None else 'both'}", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    if refit is not None:
+        try:
+            profile = refit_profile(read_profile(refit, warn_older=False))
+        except ValueError as err:
+            typer.echo(f"disagg profile --refit: {err}", err=True)
+            raise typer.Exit(EXIT_USAGE) from None
+    else:
+        cfg = load_config(config, set_)
+        try:
+            profile = run_profile(cfg, SMALL_GRID if small_grid else Grid())
+        except DisaggError as err:
+            typer.echo(f"disagg profile: {type(err).__name__}: {err}", err=True)
+            raise typer.Exit(EXIT_RUNTIME) from None
     path = save_profile(profile, out)
     for line in summary_lines(profile):
         typer.echo(line)
     typer.echo(f"profile: {path}")
 
 
-def read_profile(path: Path) -> dict:
+def read_profile(path: Path, warn_older: bool = True) -> dict:
     """The profile at ``path``; exit 2 naming the problem when it is not one."""
     from disagg.cluster.profile import load_profile
 
     try:
-        return load_profile(path)
+        return load_profile(path, warn_older)
     except ValueError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(EXIT_USAGE) from None

@@ -76,7 +76,7 @@ class SimEngine:
         self.busy_s = 0.0
         self.num_steps = 0
         self.min_free_pages = self.scheduler.free_pages()
-        self.step_log: list[tuple[int, int, int]] | None = None  # shapes, when a test asks for them
+        self.step_log: list[StepShape] | None = None  # shapes, when a test asks for them
 
     # ------------------------------------------------------------------ requests
     def fits(self, prompt_len: int, max_tokens: int) -> bool:
@@ -152,11 +152,11 @@ class SimEngine:
         self._ahead = self.async_scheduling and self._will_launch_ahead(batch)
         sampled = [r for r in reqs if r.num_computed == len(r.token_ids)]
         pushed = sum(n for r, n in zip(reqs, counts) if r.dest is not None)
-        seconds = max(self.model.step_s(shape.num_prefill_tokens, shape.num_decode_seqs,
-                                        shape.num_context_tokens), 1e-6)
+        seconds = max(self.model.step_s(shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens,
+                                        shape.num_prompt_pairs), 1e-6)
         self.min_free_pages = min(self.min_free_pages, self.scheduler.free_pages(), self.cache.num_free_pages)
         if self.step_log is not None:
-            self.step_log.append((shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens))
+            self.step_log.append(shape)
         self.current = SimStep(list(reqs), list(counts), sampled, shape, seconds, pushed, [seconds])
         self.num_steps += 1
         self.busy_s += seconds
@@ -185,7 +185,7 @@ class SimEngine:
         end, extra = start + step.seconds, 0
         while extra < limit:
             context += n
-            seconds = max(self.model.step_s(0, n, context), 1e-6)
+            seconds = max(self.model.step_s(0, n, context, 0), 1e-6)
             need = sum(pages_for(length + extra + 1, size) - pages_for(length, size) for length in lengths)
             if end + seconds >= horizon or need > free:
                 break
@@ -193,7 +193,7 @@ class SimEngine:
             end += seconds
             step.durations.append(seconds)
             if self.step_log is not None:
-                self.step_log.append((0, n, context))
+                self.step_log.append(StepShape(0, n, context, 0))
         if not extra:
             return
         for req in reqs:  # the tokens of every forward but the last, then the forwards' pages

@@ -15,20 +15,33 @@ from disagg.engine.runner import PendingTokens
 from disagg.plan import ForwardPlan
 
 
+def prompt_pairs(num_computed: int, num_tokens: int) -> int:
+    """The (query, key) pairs of a prompt chunk's attention: ``num_tokens`` prompt tokens after
+    ``num_computed`` already in the cache attend to those and, causally, to each other:
+    ``num_tokens * num_computed + num_tokens * (num_tokens + 1) / 2``."""
+    return num_tokens * num_computed + num_tokens * (num_tokens + 1) // 2
+
+
 @dataclass(frozen=True)
 class StepShape:
     """What one forward computed, the inputs of the router's step-time model (`disagg.cluster.
-    placement`): prompt tokens, decoding sequences and the context those sequences attend to."""
+    placement`): prompt tokens, decoding sequences, the context those sequences attend to, and
+    the prompt tokens' attention pairs (`prompt_pairs` summed over the forward's prompt chunks:
+    a chunk's attention over its prefix and itself)."""
 
     num_prefill_tokens: int
     num_decode_seqs: int
     num_context_tokens: int
+    num_prompt_pairs: int
 
     @classmethod
     def of(cls, reqs: list[Request], counts: list[int]) -> StepShape:
-        prefill = sum(n for r, n in zip(reqs, counts) if not r.decoding)
+        """The shape of a forward over ``reqs`` computing ``counts`` tokens each, taken before
+        their ``num_computed`` advance."""
+        chunks = [(r.num_computed, n) for r, n in zip(reqs, counts) if not r.decoding]
         decodes = [r for r in reqs if r.decoding]
-        return cls(prefill, len(decodes), sum(r.num_computed for r in decodes))
+        return cls(sum(n for _, n in chunks), len(decodes), sum(r.num_computed for r in decodes),
+                   sum(prompt_pairs(done, n) for done, n in chunks))
 
 
 @dataclass(frozen=True)

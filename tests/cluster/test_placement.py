@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from disagg.cluster.placement import (PREFERENCE, InstanceView, StepTimeModel, Targets, decide,
                                       predict)
+from disagg.engine.steps import prompt_pairs
 
 # 10 ms a step, 0.1 ms per prompt token, 0.05 ms per decoding sequence, 1 ms per 10k context tokens.
 COEF = (1e-2, 1e-4, 5e-5, 1e-7)
@@ -113,20 +114,35 @@ def test_the_choice_is_never_slower_to_first_token_than_an_admissible_path_beyon
 
 
 def test_the_model_learns_step_times_from_samples_and_keeps_its_prior_where_none_vary():
-    truth = np.array([2e-3, 5e-5, 0.0, 0.0])
+    def truth(n):  # 2 ms a step, 50 us a prompt token, 1 ns per attention pair
+        return 2e-3 + 5e-5 * n + 1e-9 * prompt_pairs(0, n)
+
     m = StepTimeModel()
     rng = np.random.default_rng(0)
     for _ in range(200):  # a prefill instance: prompt tokens only
         n = int(rng.integers(16, 4096))
-        m.observe(n, 0, 0, float(truth[0] + truth[1] * n) * (1 + rng.normal(0, 0.02)))
-    assert m.step_s(1000, 0, 0) == pytest.approx(truth[0] + truth[1] * 1000, rel=0.05)
-    assert m.step_s(0, 64, 0) - m.step_s(0, 0, 0) == pytest.approx(64 * m.prior[2], rel=1e-6)  # still the prior
+        m.observe(n, 0, 0, prompt_pairs(0, n), truth(n) * (1 + rng.normal(0, 0.02)))
+    assert m.step_s(1000, 0, 0, prompt_pairs(0, 1000)) == pytest.approx(truth(1000), rel=0.05)
+    # Still the prior: a decoding sequence's cost.
+    assert m.step_s(0, 64, 0, 0) - m.step_s(0, 0, 0, 0) == pytest.approx(64 * m.prior[2], rel=1e-6)
     assert m.error < 0.05 and m.num_samples == 200
     assert StepTimeModel().error == pytest.approx(0.3)  # unfitted: a wide margin
 
 
 def test_the_model_ignores_empty_and_nonpositive_steps():
     m = StepTimeModel()
-    m.observe(0, 0, 0, 0.01)
-    m.observe(10, 0, 0, 0.0)
+    m.observe(0, 0, 0, 0, 0.01)
+    m.observe(10, 0, 0, 55, 0.0)
     assert m.num_samples == 0
+
+
+def test_a_prompts_prefill_time_is_the_sum_of_its_chunks_steps():
+    """`prefill_s` in one step's arithmetic (the model is linear) is the sum over the chunks the
+    scheduler would run: 1300 tokens in chunks of 512 over growing prefixes, beside 4 decodes."""
+    m = StepTimeModel()  # the default prior: attention pairs and eager decode costs too
+    v = InstanceView("D", m, 512, 0, 4, 4000)
+    chunks = [(min(512, 1300 - done), done) for done in range(0, 1300, 512)]
+    assert v.prefill_s(1300) == pytest.approx(sum(m.step_s(n, 4, 4000, prompt_pairs(done, n)) for n, done in chunks))
+    queued = InstanceView("D", m, 512, 1000, 4, 4000, queued_prompt_pairs=prompt_pairs(0, 1000))
+    assert queued.prefill_s(300) == pytest.approx(v.prefill_s(1300) - m.coef[5] * (prompt_pairs(0, 1300)
+                                                  - prompt_pairs(0, 1000) - prompt_pairs(0, 300)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -10,32 +11,41 @@ import pytest
 from typer.testing import CliRunner
 
 from disagg.cluster.cli import app
-from disagg.cluster.placement import StepTimeModel
-from disagg.cluster.profile import load_profile
+from disagg.cluster.placement import StepTimeModel, _nonnegative_ridge, features
+from disagg.cluster.profile import PROFILE_VERSION, load_profile, replayed_prompt_pairs
+from disagg.engine.steps import prompt_pairs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-TRUE_COEF = (4e-3, 6e-5, 2e-4, 3e-8, 9e-3)  # decode-step intercept ... prompt-step intercept
+RECORDS = Path(__file__).resolve().parents[2] / "benchmarks" / "records"
+# As `FEATURES`: decode-step intercept, per prompt token, per decoding sequence, per context token,
+# prompt-step intercept, per attention pair, mixed-step intercept, per context token in eager
+# steps, per prompt token beyond the knee (1024 tokens).
+TRUE_COEF = (4e-3, 6e-6, 2e-4, 3e-8, 9e-3, 2e-9, 6e-3, 5e-8, 2e-5)
 
 
-def synthetic_samples(coef, n: int = 300, noise: float = 0.0, seed: int = 0) -> list[tuple]:
-    """Steps over a profile-like grid whose seconds follow ``coef`` (times 1 +- noise)."""
+def synthetic_samples(coef, n: int = 300, noise: float = 0.0, seed: int = 0, knee: int = 1024) -> list[tuple]:
+    """Steps over a profile-like grid (prompt chunks over a prefix, beside decodes or not) whose
+    seconds follow ``coef`` (times 1 +- noise)."""
     rng = np.random.default_rng(seed)
     samples = []
     for _ in range(n):
         kind = rng.integers(3)
         prompt = 0 if kind == 1 else int(rng.integers(16, 8192))
+        pairs = prompt_pairs(int(rng.integers(0, 8192)) if prompt else 0, prompt)
         seqs = 0 if kind == 0 else int(rng.integers(1, 256))
         context = seqs * int(rng.integers(16, 4096))
-        seconds = (coef[4] if prompt else coef[0]) + coef[1] * prompt + coef[2] * seqs + coef[3] * context
-        samples.append((prompt, seqs, context, seconds * (1 + noise * rng.standard_normal())))
+        seconds = float(features(prompt, seqs, context, pairs, knee) @ np.asarray(coef))
+        samples.append((prompt, seqs, context, pairs, seconds * (1 + noise * rng.standard_normal())))
     return samples
 
 
 def test_fit_recovers_known_coefficients():
     model = StepTimeModel.from_samples(synthetic_samples(TRUE_COEF))
     np.testing.assert_allclose(model.coef, TRUE_COEF, rtol=0.02)
-    assert model.error < 0.01
+    assert model.error < 0.01 and model.num_outliers == 0 and model.knee_tokens == 1024
     assert all(e["rms_rel_error"] < 0.01 for e in model.errors_by_region(synthetic_samples(TRUE_COEF, 30)).values())
+    elsewhere = StepTimeModel.from_samples(synthetic_samples(TRUE_COEF, knee=4096))
+    assert elsewhere.knee_tokens == 4096 and elsewhere.error < 0.01
 
 
 def test_fit_under_noise_stays_close_and_reports_the_error():
@@ -44,12 +54,67 @@ def test_fit_under_noise_stays_close_and_reports_the_error():
     assert 0.02 < model.error < 0.1
 
 
+def test_fit_leaves_out_one_off_slow_steps_and_counts_them():
+    samples = synthetic_samples(TRUE_COEF)
+    for i in (3, 50, 77):  # a first use of a shape: ten times its time
+        samples[i] = samples[i][:4] + (10 * samples[i][4],)
+    model = StepTimeModel.from_samples(samples)
+    np.testing.assert_allclose(model.coef, TRUE_COEF, rtol=0.02)
+    assert model.num_outliers == 3 and model.error < 0.01
+    errors = model.errors_by_region(samples)
+    assert sum(e["num_outliers"] for e in errors.values()) == 3
+    assert all(e["rms_rel_error_without_outliers"] < 0.01 for e in errors.values())
+
+
+def test_step_s_is_the_features_times_the_coefficients():
+    model = StepTimeModel(prior=TRUE_COEF)
+    for shape in [(0, 8, 4000, 0), (512, 0, 0, 300_000), (100, 16, 9000, 5050), (1, 1, 1, 1), (3000, 2, 9, 5e6)]:
+        assert model.step_s(*shape) == pytest.approx(float(features(*shape) @ model.coef), rel=1e-12)
+
+
 def test_model_round_trips_through_its_dict():
     model = StepTimeModel.from_samples(synthetic_samples(TRUE_COEF))
     again = StepTimeModel.from_dict(json.loads(json.dumps(model.to_dict())))
-    assert again.step_s(512, 8, 4096) == pytest.approx(model.step_s(512, 8, 4096))
-    with pytest.raises(ValueError, match="4 or 5 finite coefficients"):
+    assert again.step_s(512, 8, 4096, 200_000) == pytest.approx(model.step_s(512, 8, 4096, 200_000))
+    assert again.step_s(3000, 8, 4096, 5e6) == pytest.approx(model.step_s(3000, 8, 4096, 5e6))
+    with pytest.raises(ValueError, match="expected 9 finite coefficients"):
         StepTimeModel.from_dict({"coef_s": [1.0, -1.0, 0.0, 0.0]})
+    with pytest.raises(ValueError, match="expected 9 finite coefficients"):
+        StepTimeModel.from_dict({"coef_s": [1.0] * 8})
+
+
+def test_an_older_fit_loads_and_predicts_what_it_did():
+    """A version 1 profile's 5 coefficients (or 4: one intercept) keep their predictions: the new
+    terms are 0 there."""
+    old = (6.7e-3, 2.1e-5, 8.3e-6, 4.7e-8, 1.5e-2)
+    model = StepTimeModel.from_dict({"coef_s": list(old)})
+    for prompt, seqs, context in [(0, 8, 4000), (512, 0, 0), (100, 16, 9000)]:
+        expected = (old[4] if prompt else old[0]) + old[1] * prompt + old[2] * seqs + old[3] * context
+        assert model.step_s(prompt, seqs, context, prompt_pairs(0, prompt)) == pytest.approx(expected)
+    assert StepTimeModel.from_dict({"coef_s": list(old[:4])}).step_s(10, 0, 0, 55) == pytest.approx(
+        old[0] + 10 * old[1])
+
+
+def test_refit_of_a_committed_version_1_profile_derives_its_pairs_and_fits_better(tmp_path: Path):
+    """The H100 profile of 2026-11-27 (version 1: no pairs in its samples) refits on the CPU: the
+    replayed grid gives every prompt step its pairs, and prompt and mixed steps fit closer."""
+    path = RECORDS / "simulator-2026-11-27" / "profile-h100.json"
+    out = tmp_path / "refit.json"
+    result = CliRunner().invoke(app, ["profile", "--refit", str(path), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    old, new = json.loads(path.read_text()), load_profile(out)
+    assert new["version"] == PROFILE_VERSION and new["refit"]["fit"] == old["fit"]
+    assert [s[:3] + s[4:] for s in new["samples"]] == old["samples"]
+    assert new["samples"][:4] == [[128, 0, 0, prompt_pairs(128 * k, 128), old["samples"][k][3], "prefill"]
+                                  for k in range(4)]  # one 512-token prompt in chunks of 128
+    for region in ("prefill", "mixed"):
+        assert new["errors"][region]["rms_rel_error"] < 0.9 * old["errors"][region]["rms_rel_error"]
+    assert new["errors"]["decode"]["rms_rel_error"] < 1.05 * old["errors"]["decode"]["rms_rel_error"]
+
+
+def test_profile_wants_a_config_or_a_refit():
+    result = CliRunner().invoke(app, ["profile"])
+    assert result.exit_code == 2 and "expected CONFIG" in result.output
 
 
 @pytest.mark.slow  # ~6 s: ten engine steps of the tiny model under TRITON_INTERPRET
@@ -62,12 +127,17 @@ def test_profile_of_the_tiny_instance(tmp_path: Path):
     profile = load_profile(out)
     assert profile["model"] == "dummy:tiny" and profile["dtype"] == "float32"
     assert profile["engine"]["num_pages"] == 256 and profile["engine"]["kv_bytes_per_token"] > 0
-    scenarios = {s[4] for s in profile["samples"]}
+    scenarios = {s[5] for s in profile["samples"]}
     assert scenarios == {"prefill", "decode", "mixed"}
     shapes = {(s[0] > 0, s[1] > 0) for s in profile["samples"]}
     assert shapes == {(True, False), (False, True), (True, True)}  # prefill, decode and mixed steps
     assert set(profile["errors"]) == {"prefill", "decode", "mixed"}
     assert all(c >= 0 for c in profile["fit"]["coef_s"]) and "commit" in profile
+    # A version 1 profile had no pairs: replaying its grid gives back the ones the engine reported.
+    v1 = dict(profile, version=1, samples=[s[:3] + s[4:] for s in profile["samples"]])
+    assert replayed_prompt_pairs(v1) == [s[3] for s in profile["samples"]]
+    assert any(s[3] > prompt_pairs(0, s[0]) for s in profile["samples"])  # chunks over a prefix
+    assert any(s[:2] == [8, 2] for s in profile["samples"])  # the side prompt beside two decodes
 
 
 def test_not_a_profile_is_refused(tmp_path: Path):
@@ -75,3 +145,24 @@ def test_not_a_profile_is_refused(tmp_path: Path):
     bad.write_text(json.dumps({"kind": "something else"}))
     with pytest.raises(ValueError, match="expected a profile written by `disagg profile`"):
         load_profile(bad)
+
+
+def test_the_non_negative_fit_is_the_best_over_every_set_of_zeroed_coefficients():
+    """The active-set solver against brute force: every subset of coefficients held at 0."""
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        x, y, lam = rng.normal(size=(30, 5)), rng.normal(size=30), np.full(5, 0.1)
+
+        def cost(c):
+            return float(np.sum((x @ c - y) ** 2) + np.sum(lam * c ** 2))
+
+        best = np.inf
+        for k in range(6):
+            for kept in map(list, itertools.combinations(range(5), k)):
+                c = np.zeros(5)
+                if kept:
+                    c[kept] = np.linalg.solve(x[:, kept].T @ x[:, kept] + np.diag(lam[kept]), x[:, kept].T @ y)
+                if (c >= 0).all():
+                    best = min(best, cost(c))
+        found = _nonnegative_ridge(x, y, lam, np.zeros(5))
+        assert (found >= 0).all() and cost(found) <= best * (1 + 1e-9)

@@ -107,7 +107,8 @@ def test_refused_request_fails_with_the_reason():
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_simulated_engine_schedules_the_real_engines_steps(async_scheduling: bool):
     """Given the same arrivals per step, the real colocated engine and the simulated one run the
-    same forwards (prompt tokens, decodes, context), preemption and steps launched ahead included."""
+    same forwards (prompt tokens, decodes, context, prompt attention pairs), preemption and steps
+    launched ahead included."""
     from disagg.cluster import engines
     from disagg.engine import ColocatedEngine
     from disagg.sampling import SamplingParams
@@ -127,9 +128,8 @@ def test_simulated_engine_schedules_the_real_engines_steps(async_scheduling: boo
             real.add(f"r{k}-{i}", [5] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             sim.add(f"r{k}-{i}", prompt_len, max_tokens)
         real.step()
-        shape = real.last_step_shape
-        if shape is not None:
-            real_shapes.append((shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens))
+        if real.last_step_shape is not None:
+            real_shapes.append(real.last_step_shape)
         if sim.begin_step() is not None:
             sim.finish_step()
         if k > 21 and not real.has_work():
