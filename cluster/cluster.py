@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -121,7 +122,8 @@ class Cluster:
     # ------------------------------------------------------------------ requests
     async def stream(self, prompt: Prompt, params: Any = None, request_id: str | None = None
                      ) -> AsyncIterator[StreamDelta]:
-        """Submit one request and yield its deltas as the actors produce them.
+        """Submit one request and yield its deltas as the actors produce them (the last one
+        carries the request's `RequestMetrics`).
 
         Args:
             prompt: text (needs a tokenizer) or token ids.
@@ -136,6 +138,8 @@ class Cluster:
         deltas: asyncio.Queue[StreamDelta] = asyncio.Queue()
 
         def sink(delta: StreamDelta, metrics: RequestMetrics | None) -> None:
+            if metrics is not None:
+                delta = dataclasses.replace(delta, metrics=metrics)
             caller_loop.call_soon_threadsafe(deltas.put_nowait, delta)
 
         request_id, _, submitted = self._submit(prompt, params, request_id, sink)

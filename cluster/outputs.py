@@ -26,6 +26,7 @@ class StreamDelta:
         cause: the typed error behind ``error`` (a `disagg.errors.DisaggError`: `NoLiveInstance`,
             `InstanceDied`, `RequestRefused`, `RequestTimedOut`, `SignalTimeout`, ...), else None;
             callers branch on its type, never on the text.
+        metrics: the request's `RequestMetrics`, on the last delta only (`Cluster.stream`).
     """
 
     request_id: str
@@ -35,6 +36,7 @@ class StreamDelta:
     finish_reason: str | None = None
     error: str | None = None
     cause: Exception | None = None
+    metrics: RequestMetrics | None = None
 
 
 @dataclass

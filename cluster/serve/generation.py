@@ -59,6 +59,7 @@ class GenerationTimes:
     token_emit_times: list[float] = field(default_factory=list)  # time.time() at the actors
     num_output_tokens: int = 0
     outcome: str = "running"  # then a finish reason, "client_disconnect", or "error"
+    cluster_metrics: Any = None  # the cluster's `RequestMetrics` (wall clock), from the last delta
 
 
 class Generation:
@@ -112,6 +113,8 @@ class Generation:
             raise GenerationFailed(f"request {self.request_id} failed: {delta.error}",
                                    delta.finish_reason or "error", getattr(delta, "cause", None))
         ids = list(delta.token_ids)
+        if getattr(delta, "metrics", None) is not None:
+            self.times.cluster_metrics = delta.metrics
         if ids and self.times.first_token is None:
             self.times.first_token = time.monotonic()
         self.times.num_output_tokens += len(ids)

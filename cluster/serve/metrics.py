@@ -85,6 +85,18 @@ class ServerMetrics:
                               labels, buckets=TOKEN_BUCKETS, registry=reg).labels(model_name)
         self.e2e = Histogram("disagg:e2e_request_latency_seconds", "Arrival to last token, seconds.",
                              labels, buckets=E2E_BUCKETS, registry=reg).labels(model_name)
+        # vLLM's request phase histograms, from the cluster's own clocks (RequestMetrics).
+        self.queue_time = Histogram("disagg:request_queue_time_seconds", "Arrival at the router to "
+                                    "placement (decode pages reserved, or handed to the instance that "
+                                    "computes it), seconds.", labels, buckets=TTFT_BUCKETS,
+                                    registry=reg).labels(model_name)
+        self.prefill_time = Histogram("disagg:request_prefill_time_seconds", "Placement to the first "
+                                      "token at the instance (queueing there, the prompt's steps and its "
+                                      "push), seconds.", labels, buckets=TTFT_BUCKETS,
+                                      registry=reg).labels(model_name)
+        self.decode_time = Histogram("disagg:request_decode_time_seconds", "First to last token at the "
+                                     "instances, seconds.", labels, buckets=E2E_BUCKETS,
+                                     registry=reg).labels(model_name)
         self.prompt_tokens = Counter("disagg:prompt_tokens", "Prompt tokens of finished requests.",
                                      labels, registry=reg).labels(model_name)
         self.generation_tokens = Counter("disagg:generation_tokens", "Output tokens sent to clients.",
@@ -127,6 +139,18 @@ class ServerMetrics:
         emits = times.token_emit_times
         for earlier, later in zip(emits, emits[1:]):
             self.itl.observe(max(0.0, later - earlier))
+        self._record_phases(times.cluster_metrics)
+
+    def _record_phases(self, metrics: Any) -> None:
+        """Queue, prefill and decode time of one request from its `RequestMetrics` (if it has them)."""
+        if metrics is None or metrics.dispatch_time is None:
+            return
+        self.queue_time.observe(max(0.0, metrics.dispatch_time - metrics.arrival_time))
+        if metrics.first_token_time is None:
+            return
+        self.prefill_time.observe(max(0.0, metrics.first_token_time - metrics.dispatch_time))
+        if metrics.token_times:
+            self.decode_time.observe(max(0.0, metrics.token_times[-1] - metrics.first_token_time))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

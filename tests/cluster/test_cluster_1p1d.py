@@ -99,6 +99,11 @@ def test_stream_from_other_threads_and_loops(cluster):
         assert stream.token_ids == tokens
         times = [t for d in stream.deltas for t in d.emit_times]
         assert len(times) == len(tokens) and times == sorted(times)
+        # The last delta carries the request's metrics (the server's phase histograms read them).
+        assert all(d.metrics is None for d in stream.deltas[:-1])
+        m = last.metrics
+        assert m.arrival_time <= m.dispatch_time <= m.first_token_time <= m.token_times[-1]
+        assert m.token_times == times and m.prefill_instance == "prefill-0"
 
 
 def test_push_that_never_lands_fails_after_the_lease(cluster):

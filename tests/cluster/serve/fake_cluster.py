@@ -49,6 +49,7 @@ class StreamDelta:
     finish_reason: str | None
     error: str | None = None
     cause: BaseException | None = None
+    metrics: SimpleNamespace | None = None  # the last delta: RequestMetrics' fields, as Cluster.stream
 
 
 @dataclass
@@ -87,6 +88,8 @@ class FakeCluster:
         self.started.append(request_id)
         self.params_of[request_id] = params
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {3})
+        metrics = SimpleNamespace(arrival_time=time.time(), dispatch_time=time.time(), first_token_time=None,
+                                  token_times=[])
         try:
             for k in range(params.max_tokens):
                 await asyncio.sleep(self.step_s)
@@ -96,7 +99,11 @@ class FakeCluster:
                     return
                 token = prompt[k % len(prompt)]
                 reason = "stop" if token in stops else "length" if k + 1 == params.max_tokens else None
-                yield StreamDelta(request_id, [token], [time.time()], reason is not None, reason)
+                now = time.time()
+                metrics.first_token_time = metrics.first_token_time or now
+                metrics.token_times.append(now)
+                yield StreamDelta(request_id, [token], [now], reason is not None, reason,
+                                  metrics=metrics if reason is not None else None)
                 if reason is not None:
                     return
         finally:

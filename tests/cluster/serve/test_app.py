@@ -295,6 +295,8 @@ def test_metrics_parse_and_move(serve_fake):
     assert after[("disagg:time_to_first_token_seconds_count", label)] == 1
     assert after[("disagg:inter_token_latency_seconds_count", label)] == 4
     assert after[("disagg:e2e_request_latency_seconds_count", label)] == 1
+    for phase in ("queue", "prefill", "decode"):  # from the cluster's RequestMetrics on the last delta
+        assert after[(f"disagg:request_{phase}_time_seconds_count", label)] == 1
     assert after[("disagg:request_failures_total", (("model_name", "fake"), ("reason", "invalid_request")))] == 1
     assert after[("disagg:kv_pages_total", (("instance", "decode0"), ("role", "decode")))] == 1024
     assert after[("disagg:num_requests_queued", ())] == 0
