@@ -136,6 +136,13 @@ def check_kv_layer(name: str, kv: object, *, lead_ok: bool = False) -> CacheLayo
             f"{name}: expected each page packed ([2, H_kv, P, D] contiguous, strides {packed}), "
             f"got strides {tuple(kv.stride()[-4:])}"
         )
+    return kv_layout(kv, name)
+
+
+def kv_layout(kv: torch.Tensor, name: str = "kv_layer") -> CacheLayout:
+    """The geometry of a paged cache view, read without `check_kv_layer`'s checks (for a view of
+    the same shape, dtype and strides as one already checked, e.g. the next layer of a forward)."""
+    _, num_kv_heads, page_size, head_dim = kv.shape[-4:]
     num_lead, stride_lead = _collapse_lead(name, kv)
     return CacheLayout(kv.shape[-5], num_kv_heads, page_size, head_dim, kv.dtype,
                       kv.stride(-5), num_lead, stride_lead)

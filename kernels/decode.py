@@ -306,6 +306,7 @@ def paged_decode(
     max_seq_len: int | None = None,
     workspace: torch.Tensor | None = None,
     check_indices: bool | None = None,
+    check_args: bool = True,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its paged KV.
 
@@ -330,11 +331,14 @@ def paged_decode(
             call at a time per workspace (calls on one stream are fine).
         check_indices: range-check the page table (a host sync on CUDA); see
             `disagg.kernels.dispatch.should_check_values`.
+        check_args: check shapes, dtypes, devices and strides; False: the caller vouches that
+            they equal those of a checked call (`Model.forward` checks its first layer's only).
 
     Returns:
         o: `[B, H_q, D]`, q's dtype (`out` when given).
     """
-    geo = _check_decode_inputs(q, kv_layer, page_indptr, page_indices, last_page_len, out)
+    geo = (_check_decode_inputs(q, kv_layer, page_indptr, page_indices, last_page_len, out)
+           if check_args else checks.kv_layout(kv_layer))
     sm_scale = check_sm_scale(sm_scale)
     check_values = dispatch.should_check_values(kv_layer.device, check_indices)
     scales = resolve_scales(geo.dtype, kv_layer.device, k_scale, v_scale, check_values=check_values)

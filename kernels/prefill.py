@@ -180,6 +180,7 @@ def paged_prefill(
     v_scale: float | torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     check_indices: bool | None = None,
+    check_args: bool = True,
 ) -> torch.Tensor:
     """Attention of ragged query runs over paged KV that already holds them.
 
@@ -196,11 +197,14 @@ def paged_prefill(
         out: optional `[T, H_q, D]` output buffer of q's dtype (CUDA-graph capture needs it).
         check_indices: range-check the page table and q_len <= kv_len (a host sync on CUDA); see
             `disagg.kernels.dispatch.should_check_values`.
+        check_args: check shapes, dtypes, devices and strides; False: the caller vouches that
+            they equal those of a checked call (`Model.forward` checks its first layer's only).
 
     Returns:
         o: `[T, H_q, D]`, q's dtype (`out` when given).
     """
-    geo = _check_prefill_inputs(q, kv_layer, qo_indptr, page_indptr, page_indices, last_page_len, out)
+    geo = (_check_prefill_inputs(q, kv_layer, qo_indptr, page_indptr, page_indices, last_page_len, out)
+           if check_args else checks.kv_layout(kv_layer))
     sm_scale = check_sm_scale(sm_scale)
     check_values = dispatch.should_check_values(kv_layer.device, check_indices)
     scales = resolve_scales(geo.dtype, kv_layer.device, k_scale, v_scale, check_values=check_values)

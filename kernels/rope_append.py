@@ -84,31 +84,8 @@ def rope_append_kernel(
     tl.store(kv_dst + HALF, out_hi, mask=kv_mask)
 
 
-def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
-                slots: torch.Tensor, num_qo_heads: int, *,
-                check_indices: bool | None = None) -> torch.Tensor:
-    """Rotate q and k of a fused qkv projection, write k and v into their slots; return q.
-
-    Equal, bit for bit, to `fused.apply_rope` over the q and k heads followed by
-    `append.append_kv(k, v, kv_layer, slots)`.
-
-    Args:
-        qkv: `[T, (H_q + 2 H_kv) * D]` float16/bfloat16/float32, rows may be strided, columns
-            contiguous (q heads, then k heads, then v heads).
-        cos, sin: `[T, D]` of qkv's dtype (`rope_cos_sin`), D contiguous.
-        kv_layer: `[num_pages, 2, H_kv, P, D]` of qkv's dtype, pages packed; written in place.
-        slots: `[T]` int32/int64, `page_id * P + offset`; -1 writes nothing for that token.
-        num_qo_heads: H_q (H_kv and D come from the cache).
-        check_indices: range-check slot values (a host sync on CUDA); see
-            `disagg.kernels.dispatch.should_check_values`.
-
-    Returns:
-        q `[T, H_q, D]`, contiguous, qkv's dtype.
-
-    Raises:
-        TypeError, ValueError: shapes, dtypes, devices or strides that do not fit together; CPU
-            tensors without `TRITON_INTERPRET=1`. Nothing is written then.
-    """
+def _check_inputs(qkv, cos, sin, kv_layer, slots, num_qo_heads: int) -> checks.CacheLayout:
+    """`rope_append`'s metadata checks (shapes, dtypes, devices, strides); returns the geometry."""
     geo = checks.check_kv_layer("kv_layer", kv_layer)
     head_dim, num_kv_heads = geo.head_dim, geo.num_kv_heads
     width = (num_qo_heads + 2 * num_kv_heads) * head_dim
@@ -126,6 +103,40 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_laye
         if table.stride(1) != 1:
             raise ValueError(f"{name}: expected a contiguous head_dim, got strides {table.stride()}")
     checks.check_index("slots", slots, length=num_tokens, device=kv_layer.device)
+    return geo
+
+
+def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
+                slots: torch.Tensor, num_qo_heads: int, *,
+                check_indices: bool | None = None, check_args: bool = True) -> torch.Tensor:
+    """Rotate q and k of a fused qkv projection, write k and v into their slots; return q.
+
+    Equal, bit for bit, to `fused.apply_rope` over the q and k heads followed by
+    `append.append_kv(k, v, kv_layer, slots)`.
+
+    Args:
+        qkv: `[T, (H_q + 2 H_kv) * D]` float16/bfloat16/float32, rows may be strided, columns
+            contiguous (q heads, then k heads, then v heads).
+        cos, sin: `[T, D]` of qkv's dtype (`rope_cos_sin`), D contiguous.
+        kv_layer: `[num_pages, 2, H_kv, P, D]` of qkv's dtype, pages packed; written in place.
+        slots: `[T]` int32/int64, `page_id * P + offset`; -1 writes nothing for that token.
+        num_qo_heads: H_q (H_kv and D come from the cache).
+        check_indices: range-check slot values (a host sync on CUDA); see
+            `disagg.kernels.dispatch.should_check_values`.
+        check_args: check shapes, dtypes, devices and strides; False: the caller vouches that
+            they equal those of a checked call (`Model.forward` checks its first layer's only).
+
+    Returns:
+        q `[T, H_q, D]`, contiguous, qkv's dtype.
+
+    Raises:
+        TypeError, ValueError: shapes, dtypes, devices or strides that do not fit together; CPU
+            tensors without `TRITON_INTERPRET=1`. Nothing is written then.
+    """
+    geo = (_check_inputs(qkv, cos, sin, kv_layer, slots, num_qo_heads) if check_args
+           else checks.kv_layout(kv_layer))
+    head_dim, num_kv_heads = geo.head_dim, geo.num_kv_heads
+    num_tokens = qkv.shape[0]
     if dispatch.should_check_values(kv_layer.device, check_indices):
         checks.check_slot_values("slots", slots, geo.num_slots)
     if not dispatch.use_triton(qkv):

@@ -135,3 +135,20 @@ def test_llama8b_shaped_bf16_rope_append_equals_two_launches():
     want = prefill_and_decode()
     model.settings = Settings(rope_append=True)
     assert torch.equal(prefill_and_decode(), want)
+
+
+@needs_interpreter
+def test_a_forward_checks_its_launch_arguments_on_the_first_layer_only(monkeypatch):
+    """The attention launchers check shapes, dtypes and strides once per forward (layer 0): every
+    later layer passes tensors of the same metadata (~75 us of host time per layer otherwise)."""
+    from disagg.kernels import checks
+
+    model = load_model("dummy:tiny", dtype=torch.float32, device="cpu")
+    assert model.config.num_layers >= 2
+    calls = []
+    checked = checks.check_kv_layer
+    monkeypatch.setattr(checks, "check_kv_layer", lambda *a, **k: calls.append(1) or checked(*a, **k))
+    baseline = _generate(model, steps=1)  # a prefill forward, then a decode forward
+    assert 0 < len(calls) <= 2 * 3, f"{len(calls)} kv checks over {model.config.num_layers} layers"
+    monkeypatch.setattr(checks, "check_kv_layer", checked)
+    torch.testing.assert_close(_generate(model, steps=1), baseline, rtol=0, atol=0)
