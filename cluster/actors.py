@@ -19,6 +19,7 @@ import logging
 import os
 from typing import Any
 
+from disagg import trace
 from disagg.cluster.messages import OutputBatch
 from disagg.cluster.step_loop import StepLoop
 from disagg.config import Config
@@ -127,10 +128,15 @@ class InstanceActor:
     # ------------------------------------------------------------------ requests
     async def add(self, request_id: Any, prompt_token_ids: list[int], params: Any, dest: Any = None) -> None:
         """Queue a request: prefill (with the decode side's ``dest``) or colocated (no dest)."""
-        if self.role == "prefill":
-            await self._run(lambda: self.loop.engine.add(request_id, prompt_token_ids, params, dest))
-        else:
-            await self._run(lambda: self.loop.engine.add(request_id, prompt_token_ids, params))
+        trace.event("actor_add", request_id)
+
+        def _add() -> None:
+            trace.event("engine_add", request_id)
+            if self.role == "prefill":
+                self.loop.engine.add(request_id, prompt_token_ids, params, dest)
+            else:
+                self.loop.engine.add(request_id, prompt_token_ids, params)
+        await self._run(_add)
 
     async def reserve(self, request_id: Any, prompt_len: int, params: Any,
                       prompt_token_ids: list[int] | None = None) -> Any:

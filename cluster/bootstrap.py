@@ -38,7 +38,8 @@ SHARED_GPU_NOTE = ("%d instances share each GPU (instances.gpus_per_instance): N
                    "limited multi-process mode and the GPU time-slices between them, so this fleet proves "
                    "correctness; its timings are not a comparison of deployments")
 # Variables of the launching process that the actors inherit when set.
-PASSED_ENV = ("TRITON_INTERPRET", "DISAGG_LOG", "NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_DEBUG", "HF_HOME")
+PASSED_ENV = ("TRITON_INTERPRET", "DISAGG_LOG", "DISAGG_TRACE_DIR", "NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_DEBUG",
+              "HF_HOME")
 # The class of every instance actor, wrapped with `ray.remote` at each launch. A subclass (another
 # `engine_module` or `step_loop_class`, more methods) may stand in for it: set this before the
 # launch; the class travels to the actors pickled, so it must be importable there or pickled by value.

@@ -36,6 +36,7 @@ from typing import Any
 
 import ray
 
+from disagg import trace
 from disagg.cluster.affinity import PrefixAffinity
 from disagg.cluster.bootstrap import Fleet, Instance
 from disagg.cluster.outputs import RequestMetrics, StreamDelta
@@ -142,6 +143,7 @@ class Router:
         req = Request(request_id, list(prompt_token_ids), params, sink, RequestMetrics(arrival_time=time.time()),
                       deadline=None if timeout is None else time.monotonic() + timeout)
         self.requests[request_id] = req
+        trace.event("submit", request_id)
         self.counts["submitted"] += 1
         self.ended_ids.pop(request_id)  # a new life of the id: its aborts are this request's
         if self.fleet.config.mode == "colocated":
@@ -188,6 +190,7 @@ class Router:
         req.colocated, req.stage = inst, "running"
         req.metrics.dispatch_time = time.time()
         req.metrics.decode_instance = req.metrics.prefill_instance = inst.name
+        trace.event("placed", req.request_id, path="colocated", instance=inst.name)
         ref = inst.actor.add.remote(req.request_id, req.prompt_token_ids, req.params)
         self._spawn(self._await(inst, ref, "add", req))
 
@@ -263,6 +266,7 @@ class Router:
                 self._cancel_on(inst, dest)
                 return True
             req.decode = inst
+            trace.event("reserved", req.request_id, instance=inst.name)
             self._note(req, inst)
             break
         else:
@@ -306,6 +310,7 @@ class Router:
         req.metrics.dispatch_time = time.time()
         req.metrics.decode_instance = req.metrics.prefill_instance = inst.name
         self.placements[path] += 1
+        trace.event("placed", req.request_id, path=path, instance=inst.name)
         ref = inst.actor.add.remote(req.request_id, req.prompt_token_ids, req.params)
         self._spawn(self._await(inst, ref, "add", req))
 
@@ -323,6 +328,7 @@ class Router:
         req.lease_deadline = time.monotonic() + self.settings.lease_s
         req.metrics.dispatch_time = time.time()
         req.metrics.prefill_instance, req.metrics.decode_instance = inst.name, req.decode.name
+        trace.event("placed", req.request_id, path="remote", instance=inst.name)
         ref = inst.actor.add.remote(req.request_id, req.prompt_token_ids, req.params, dest)
         self._spawn(self._await(inst, ref, "add", req))
 
@@ -388,6 +394,7 @@ class Router:
         if token_id is None:  # the prefill engine ended it (abort, error)
             self._end(req, "error", ClusterError(error or f"{inst.name} ended the prefill (finish_reason {reason})"))
             return
+        trace.event("first_token", req.request_id)
         req.lease_deadline = None
         req.stage = "decoding"  # from here a release only concerns the decode side
         self._wake.set()  # the prefill queue shrank: the queue head may go now
@@ -403,6 +410,8 @@ class Router:
 
     def _on_tokens(self, req: Request, inst: Instance, rows: list[tuple]) -> None:
         tokens, times = [], []
+        if req.num_output == 0 and rows and rows[0][1] is not None:
+            trace.event("first_token", req.request_id)
         for _, token_id, finished, reason, error, emit_time in rows:
             if token_id is None:  # the engine ended it without a token (abort, error, lease expiry)
                 self._end(req, "error", self._engine_ended(req, inst, reason, error),

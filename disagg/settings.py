@@ -15,7 +15,8 @@ environment at that call.
 
 Environment variables that are not kernel switches stay environment-only: `DISAGG_LOG` (log level
 of the CLI and its actors), `DISAGG_CACHE_DIR` (where the converted SmolLM2 weights are cached,
-default ~/.cache/disagg), `DISAGG_API_KEY` (the HTTP bearer token when `serve.api_key` is null).
+default ~/.cache/disagg), `DISAGG_API_KEY` (the HTTP bearer token when `serve.api_key` is null),
+`DISAGG_TRACE_DIR` (per-request event traces, `disagg.trace`).
 Pure Python (pydantic only): imported by the config, the model and the kernels.
 """
 

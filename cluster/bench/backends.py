@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from disagg import trace
 from disagg.cluster.bench.runner import Chunk
 from disagg.cluster.bench.workloads import SampleRequest
 from disagg.errors import DisaggError
@@ -49,6 +50,8 @@ class ClusterBackend:
 
         params = SamplingParams(max_tokens=request.expected_output_len, temperature=0.0, ignore_eos=True)
         request_id = f"{self._prefix}-{request.request_id}-{next(self._count)}"
+        trace.event("client_send", request_id)
+        first = True
         # Closing the cluster's stream aborts the request there (a timeout or a cancelled run).
         async with contextlib.aclosing(self.cluster.stream(request.prompt_token_ids, params,
                                                            request_id=request_id)) as deltas:
@@ -56,6 +59,9 @@ class ClusterBackend:
                 if delta.error:
                     yield Chunk(0, error=str(delta.error))
                     return
+                if first and delta.token_ids:
+                    trace.event("client_first", request_id)
+                    first = False
                 yield Chunk(len(delta.token_ids), tuple(delta.emit_times or ()))
                 if delta.finished:
                     return

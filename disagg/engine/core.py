@@ -38,6 +38,7 @@ from typing import Callable, Hashable
 import numpy as np
 import torch
 
+from disagg import trace
 from disagg.cache import PagedKVCache
 from disagg.engine.lease import Lease, LeaseBook
 from disagg.engine.request import (PushState, RecvDest, Request, RequestFactory, TokenOutput, check_dest,
@@ -454,6 +455,8 @@ class EngineCore:
                 continue  # aborted, or ended on the previous token, since this step's launch
             out = req.append(token, self.max_model_len)
             outputs.append(out)
+            if req.num_output_tokens == 1:
+                trace.event("first_emit", req.request_id)
             if req.dest is not None:
                 self._leave_after_push(req, current.pending.push_done)
                 continue
@@ -500,6 +503,9 @@ class EngineCore:
         rows = [i for i, (r, n) in enumerate(zip(reqs, counts)) if r.num_computed + n == len(r.token_ids)]
         sampled = [reqs[i] for i in rows]
         shape = StepShape.of(reqs, counts)
+        for r in reqs:
+            if not r.decoding and r.num_computed == r.num_cached_tokens:  # its first prompt chunk
+                trace.event("prompt_start", r.request_id, cached=r.num_cached_tokens)
         start = time.perf_counter()
         plan = self.cache.begin_forward([r.seq_id for r in reqs], counts)
         num_pushed = int(np.count_nonzero(plan.push_slots >= 0)) + len(plan.copy_remote_slots)
