@@ -10,10 +10,13 @@ Discrete events, in time order (ties in the order they were made, so a run is de
 
 After each event every touched instance that is idle and has work launches its next forward
 (`SimEngine.begin_step`), which ends ``StepTimeModel.step_s(shape)`` later. Placement is the
-router's (`disagg.cluster.router.Router._place`, docs/ARCHITECTURE.md §7) with its own pieces:
-the `Picker` (least-loaded / round-robin over the same `Request` records), the prefill queue
-bound, decode reservations tried in the picker's order, and `router.placement` local or adaptive
-(`disagg.cluster.placement.decide` over `FleetModel.view`s whose models are the profile's fit).
+router's own: the same `Placer` (`disagg.cluster.placer`, docs/ARCHITECTURE.md §7) plans each
+request over the same `Request` records (the `Picker`'s order, the prefill queue bound,
+`router.placement` local or adaptive through `placement.decide` over `FleetModel.view`s whose
+models are the profile's fit), and `_place` carries the plan out on the simulated instances as
+the router's `_place` does with actor calls: decode reservations in the plan's order, then the
+prefill instance `Placer.hand` names. No prefix affinity: the simulated prompts have no token
+ids to key it, and `SimEngine` no prefix cache whose hits it would buy.
 Pushes: layer by layer beside the forward that computes the tokens; a prefill instance's link
 carries one forward's tokens after the other at ``link_gbps``, and a push ends no earlier than
 its forward. Not modelled: router and network hops, request timeouts, instance failures.
