@@ -79,7 +79,9 @@ Plan = Wait | Fail | Alone | Remote
 
 
 class Placer:
-    """The placement of ``config``'s fleet (module docstring).
+    """The placement of ``config``'s fleet (module docstring). `plan` and `hand` take the
+    picker's turns (round robin, equal loads) and note prompts in the affinity: one call per
+    attempt, as the router's dispatcher makes them.
 
     Args:
         config: the deployment (its mode, router and scheduler sections).
