@@ -7,7 +7,8 @@
 
 Where things happen: `bootstrap` (placement, weights, heap, preflight: `preflight`), `actors`
 (one per instance; its engine runs on a `step_loop` thread; engines built by `engines`),
-`router` (request entry, page reservation, streaming, leases, failures; state in `requests`),
+`router` (request entry, page reservation, streaming, leases, failures; state in `requests`;
+where each request goes: `placer`, over `placement`'s step-time model and `affinity`),
 `cluster` (the caller's handle), `cli` (the `disagg` command), `demo` (`make demo`). Only this
 package imports ray.
 """

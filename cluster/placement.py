@@ -19,7 +19,7 @@ the targets (`router.slo_ttft_ms` / `slo_tpot_ms`) hold; without a TPOT target, 
 slow any running decode step by more than 10% beyond the remote path's step. Among admissible
 paths it takes the lowest predicted TTFT (ties within the model's error margin go to local, then
 remote, then kept: `PREFERENCE`); when none is admissible, the smallest violation. Pure functions of
-their inputs, used by the router (`disagg.cluster.router`) on its event loop.
+their inputs, used by the `Placer` (`disagg.cluster.placer`) of the router and of the simulator.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ follow. Colocated: each request goes straight to the least-loaded colocated inst
 `router.placement` local sends every request to the least-loaded decode instance to prefill
 and decode itself; adaptive decides per request (`disagg.cluster.placement`): remote (the path
 above), local, or kept (a prefill instance prefills and decodes it); local and kept requests
-are, from here on, colocated requests on that instance. One poller
+are, from here on, colocated requests on that instance. Which instances, in which order, and
+when to wait are the `Placer`'s plan (`disagg.cluster.placer`, which the simulator shares);
+the router carries it out with actor calls and handles their failures. One poller
 per instance keeps one `next_outputs` call outstanding and fans each batch out per request; a
 watchdog enforces `lease_s` (first token never came: fail, release D's pages) and
 `request_timeout_s`. Aborts release pages on both sides. D's reservation is freed at once
@@ -40,7 +42,8 @@ from disagg import trace
 from disagg.cluster.affinity import PrefixAffinity
 from disagg.cluster.bootstrap import Fleet, Instance
 from disagg.cluster.outputs import RequestMetrics, StreamDelta
-from disagg.cluster.placement import PATHS, Decision, FleetModel, Targets, decide
+from disagg.cluster.placement import Decision
+from disagg.cluster.placer import Alone, Fail, Placer, Wait
 from disagg.cluster.requests import Picker, RecentIds, Request, Sink
 from disagg.engine.request import PushState
 from disagg.errors import (ClusterError, DisaggError, InstanceDied, NoLiveInstance, OutOfPages, QueueFull,
@@ -49,7 +52,6 @@ from disagg.errors import (ClusterError, DisaggError, InstanceDied, NoLiveInstan
 logger = logging.getLogger(__name__)
 
 WATCHDOG_PERIOD_S = 0.05   # how often deadlines and leases are checked
-DECISIONS_KEPT = 32        # adaptive placement: the latest decisions, with their predictions, in stats
 PAGES_RETRY_S = 0.2        # out of pages everywhere: retry the queue head at least this often
 # An abort for an id the router has not seen waits this long for that id's submit (the caller's
 # abort may overtake it on the way to the router's loop); the first submit with the id consumes it.
@@ -77,16 +79,9 @@ class Router:
         # An abort of one of these came after its request ended: it must not wait for a submit.
         self.ended_ids = RecentIds(4 * MAX_REMEMBERED_IDS)
         config = fleet.config
-        self.prefill_queue_tokens = (self.settings.prefill_queue_tokens
-                                     or 4 * config.scheduler.max_num_batched_tokens)
-        self._by_name = {inst.name: inst for inst in fleet.instances}
-        self.fleet_model = FleetModel(config.scheduler.max_num_batched_tokens, config.cache.page_size)
-        self.targets = Targets.from_ms(self.settings.slo_ttft_ms, self.settings.slo_tpot_ms)
-        self.placements: collections.Counter[str] = collections.Counter({path: 0 for path in PATHS})
-        self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
-        self.affinity = (PrefixAffinity(config.cache.page_size, _cache_pages(fleet))
-                         if config.cache.prefix_caching and self.settings.policy == "least_loaded" else None)
-        self.affinity_hits = 0  # placements on an instance believed to hold part of the prompt
+        affinity = (PrefixAffinity(config.cache.page_size, _cache_pages(fleet))
+                    if config.cache.prefix_caching and self.settings.policy == "least_loaded" else None)
+        self.placer = Placer(config, fleet.instances, self.picker, affinity)
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self._stopping = False
@@ -180,19 +175,11 @@ class Router:
 
     # ------------------------------------------------------------------ placement
     def _place_colocated(self, req: Request) -> None:
-        colocated = self.fleet.of_role("colocated")
-        ranked = self.picker.order(colocated, list(self.requests.values()), self._credit(req, colocated))
-        if not ranked:
-            self._end(req, "error", NoLiveInstance("no live colocated instance", role="colocated"))
+        plan = self.placer.plan(req, list(self.requests.values()))
+        if isinstance(plan, Fail):
+            self._end(req, "error", plan.error())
             return
-        inst = ranked[0]
-        self._note(req, inst)
-        req.colocated, req.stage = inst, "running"
-        req.metrics.dispatch_time = time.time()
-        req.metrics.decode_instance = req.metrics.prefill_instance = inst.name
-        trace.event("placed", req.request_id, path="colocated", instance=inst.name)
-        ref = inst.actor.add.remote(req.request_id, req.prompt_token_ids, req.params)
-        self._spawn(self._await(inst, ref, "add", req))
+        self._run_alone(req, plan)
 
     async def _dispatch_loop(self) -> None:
         """Place queued requests in order; when the head cannot go yet, wait for a change (or retry)."""
@@ -213,40 +200,24 @@ class Router:
                 pass
 
     async def _place(self, req: Request) -> bool:
-        """Reserve decode pages and hand the prompt to a prefill instance.
+        """Carry out the `Placer`'s plan for the queue head (`disagg.cluster.placer`).
 
-        Returns False (the request stays at the queue head) when every prefill instance already
-        has ``prefill_queue_tokens`` queued, or no decode instance has the pages: decode pages
-        are reserved only when a prefill instance can start on the prompt soon, so a lease
-        measures the push, not the queue.
+        Returns False (the request stays at the queue head) when it says wait: every prefill
+        instance already has ``prefill_queue_tokens`` queued, or no decode instance has the
+        pages (decode pages are reserved only when a prefill instance can start on the prompt
+        soon, so a lease measures the push, not the queue).
         """
-        live = list(self.requests.values())
-        decodes = self.fleet.of_role("decode")
-        decodes = self.picker.order(decodes, live, self._credit(req, decodes))
-        prefills = self.fleet.of_role("prefill")
-        placement = self.settings.placement
-        if placement == "local" and decodes:
-            self._place_alone(req, decodes[0], "local")
-            return True
-        if placement == "adaptive" and decodes and any(inst.alive for inst in prefills):
-            decision = self._decide(req, [inst for inst in prefills if inst.alive], decodes, live)
-            if decision.chosen is None:
-                return False  # no instance has the pages: wait for some to free
-            if decision.path != "remote":
-                self._place_alone(req, self._by_name[decision.chosen.decode], decision.path)
-                return True
-            chosen = self._by_name[decision.chosen.decode]
-            decodes = [chosen] + [inst for inst in decodes if inst is not chosen]
-        if not decodes or not any(inst.alive for inst in prefills):
-            role = "decode" if not decodes else "prefill"
-            self._end(req, "error", NoLiveInstance(f"no live {role} instance", role=role))
-            return True
-        loads = self.picker.loads(prefills, live)
-        queued = min(loads[inst.name] for inst in prefills if inst.alive)
-        if queued and queued + req.prompt_len > self.prefill_queue_tokens:
+        plan = self.placer.plan(req, list(self.requests.values()), self._decide)
+        if isinstance(plan, Wait):
             return False
+        if isinstance(plan, Fail):
+            self._end(req, "error", plan.error())
+            return True
+        if isinstance(plan, Alone):
+            self._run_alone(req, plan)
+            return True
         req.stage = "reserving"
-        for inst in decodes:
+        for inst in plan.decodes:
             if req.done:  # aborted or timed out while an earlier instance refused
                 return True
             try:
@@ -267,64 +238,38 @@ class Router:
                 return True
             req.decode = inst
             trace.event("reserved", req.request_id, instance=inst.name)
-            self._note(req, inst)
             break
         else:
             if req.done:
                 return True
             req.stage = "queued"
-            return False
+            return False  # every decode instance refused (WAIT_PAGES)
         self._hand_to_prefill(req, dest)
         return True
 
     def _decide(self, req: Request, prefills: list[Instance], decodes: list[Instance],
                 live: list[Request]) -> Decision:
-        """The adaptive placement's choice for ``req`` (`disagg.cluster.placement.decide`), kept
-        with its predictions for `snapshot`."""
-        view = self.fleet_model.view
-        decision = decide(req.prompt_len, [view(inst, live) for inst in prefills],
-                          [view(inst, live) for inst in decodes], self.targets)
-        self.decisions.append(decision)
-        return decision
+        """The adaptive placement's choice for ``req`` (`Placer.decide`; tests replace this hook)."""
+        return self.placer.decide(req, prefills, decodes, live)
 
-    def _credit(self, req: Request, instances: list[Instance]) -> dict[str, int] | None:
-        """Prompt tokens each of ``instances`` is believed to hold cached (None: no prefix cache)."""
-        if self.affinity is None:
-            return None
-        return self.affinity.credit([inst.name for inst in instances], self.affinity.keys(req.prompt_token_ids))
-
-    def _note(self, req: Request, inst: Instance) -> None:
-        """``inst`` gets ``req``'s prompt: its pages become that instance's most recent."""
-        if self.affinity is None:
-            return
-        keys = self.affinity.keys(req.prompt_token_ids)
-        if self.affinity.credit([inst.name], keys)[inst.name]:
-            self.affinity_hits += 1
-        self.affinity.note(inst.name, keys)
-
-    def _place_alone(self, req: Request, inst: Instance, path: str) -> None:
-        """``inst`` prefills and decodes ``req`` (path "local": a decode instance; "kept": a prefill
-        instance): from the router's side, a colocated request on that instance."""
-        self._note(req, inst)
+    def _run_alone(self, req: Request, plan: Alone) -> None:
+        """``plan.instance`` prefills and decodes ``req`` (colocated, or placed local / kept):
+        from the router's side, a colocated request on that instance."""
+        inst = plan.instance
         req.colocated, req.stage = inst, "running"
         req.metrics.dispatch_time = time.time()
         req.metrics.decode_instance = req.metrics.prefill_instance = inst.name
-        self.placements[path] += 1
-        trace.event("placed", req.request_id, path=path, instance=inst.name)
+        trace.event("placed", req.request_id, path=plan.path, instance=inst.name)
         ref = inst.actor.add.remote(req.request_id, req.prompt_token_ids, req.params)
         self._spawn(self._await(inst, ref, "add", req))
 
     def _hand_to_prefill(self, req: Request, dest: Any) -> None:
-        prefills = self.fleet.of_role("prefill")
-        prefills = self.picker.order(prefills, list(self.requests.values()), self._credit(req, prefills))
-        if not prefills:
+        inst = self.placer.hand(req, req.decode, list(self.requests.values()))
+        if inst is None:
             self._cancel_on(req.decode, dest)
-            self._end(req, "error", NoLiveInstance("no live prefill instance", role="prefill"), release=False)
+            self._end(req, "error", Fail("prefill").error(), release=False)
             return
-        inst = prefills[0]
-        self._note(req, inst)
         req.prefill, req.stage, req.dest = inst, "prefilling", dest
-        self.placements["remote"] += 1
         req.lease_deadline = time.monotonic() + self.settings.lease_s
         req.metrics.dispatch_time = time.time()
         req.metrics.prefill_instance, req.metrics.decode_instance = inst.name, req.decode.name
@@ -365,7 +310,7 @@ class Router:
             except ray.exceptions.RayTaskError as err:
                 self._instance_died(inst, f"next_outputs failed: {_cause(err)}")
                 return
-            self.fleet_model.observe(inst.name, batch.steps, batch.load)
+            self.placer.fleet_model.observe(inst.name, batch.steps, batch.load)
             if batch.outputs:
                 self._on_rows(inst, batch.outputs)
             if batch.fatal:
@@ -557,21 +502,20 @@ class Router:
         """Queue length, live requests per stage, outcome counts, aborts and failures by reason
         (`failure_reason`) and instance loads (tokens)."""
         live = list(self.requests.values())
+        placer = self.placer
         return {"queued": len(self.queue), "live": len(live),
                 "stages": dict(collections.Counter(req.stage for req in live)),
                 "counts": dict(self.counts), "aborts": dict(self.aborts), "failures": dict(self.failures),
-                "loads": self.picker.loads(self.fleet.instances, live), "placements": dict(self.placements),
-                "affinity_hits": self.affinity_hits,
-                "placement": {"mode": self.settings.placement, "models": self.fleet_model.snapshot(),
-                              "decisions": [_decision_row(d) for d in self.decisions]}}
+                "loads": self.picker.loads(self.fleet.instances, live), "placements": dict(placer.placements),
+                "affinity_hits": placer.affinity_hits,
+                "placement": {"mode": self.settings.placement, "models": placer.fleet_model.snapshot(),
+                              "decisions": [_decision_row(d) for d in placer.decisions]}}
 
     def clear_counts(self) -> None:
         """Forget outcome, abort, failure and placement counts (after the warm-up requests)."""
         for counter in (self.counts, self.aborts, self.failures):
             counter.clear()
-        for path in PATHS:
-            self.placements[path] = 0
-        self.decisions.clear()
+        self.placer.clear_counts()
 
 
 def _decision_row(decision: Decision) -> dict:

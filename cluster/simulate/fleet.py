@@ -10,10 +10,13 @@ Discrete events, in time order (ties in the order they were made, so a run is de
 
 After each event every touched instance that is idle and has work launches its next forward
 (`SimEngine.begin_step`), which ends ``StepTimeModel.step_s(shape)`` later. Placement is the
-router's (`disagg.cluster.router.Router._place`, docs/ARCHITECTURE.md §7) with its own pieces:
-the `Picker` (least-loaded / round-robin over the same `Request` records), the prefill queue
-bound, decode reservations tried in the picker's order, and `router.placement` local or adaptive
-(`disagg.cluster.placement.decide` over `FleetModel.view`s whose models are the profile's fit).
+router's own: the same `Placer` (`disagg.cluster.placer`, docs/ARCHITECTURE.md §7) plans each
+request over the same `Request` records (the `Picker`'s order, the prefill queue bound,
+`router.placement` local or adaptive through `placement.decide` over `FleetModel.view`s whose
+models are the profile's fit), and `_place` carries the plan out on the simulated instances as
+the router's `_place` does with actor calls: decode reservations in the plan's order, then the
+prefill instance `Placer.hand` names. No prefix affinity: the simulated prompts have no token
+ids to key it, and `SimEngine` no prefix cache whose hits it would buy.
 Pushes: layer by layer beside the forward that computes the tokens; a prefill instance's link
 carries one forward's tokens after the other at ``link_gbps``, and a push ends no earlier than
 its forward. Not modelled: router and network hops, request timeouts, instance failures.
@@ -30,7 +33,8 @@ from typing import Any
 
 from disagg.cluster.bootstrap import Instance
 from disagg.cluster.outputs import RequestMetrics
-from disagg.cluster.placement import PATHS, FleetModel, StepTimeModel, Targets, decide
+from disagg.cluster.placement import StepTimeModel
+from disagg.cluster.placer import Alone, Fail, Placer, Wait
 from disagg.cluster.requests import Picker, Request
 from disagg.config import Config
 from disagg.engine.request import pages_for
@@ -97,14 +101,10 @@ class SimFleet:
         self.instances = [self._instance(f"{role}-{i}", role) for role in ("prefill", "decode", "colocated")
                           for i in range(getattr(config.instances, role))]
         self._by_name = {inst.name: inst for inst in self.instances}
-        router = config.router
-        self.picker = TrackedPicker(router.policy)
-        self.placement = router.placement
-        self.prefill_queue_tokens = router.prefill_queue_tokens or 4 * config.scheduler.max_num_batched_tokens
-        self.fleet_model = FleetModel(config.scheduler.max_num_batched_tokens, self.page_size)
-        self.fleet_model.models = {inst.name: self.model for inst in self.instances}
-        self.targets = Targets.from_ms(router.slo_ttft_ms, router.slo_tpot_ms)
-        self.placements = collections.Counter({path: 0 for path in PATHS})
+        self.picker = TrackedPicker(config.router.policy)
+        # No prefix affinity: the simulated prompts have no token ids and `SimEngine` no prefix cache.
+        self.placer = Placer(config, self.instances, self.picker)
+        self.placer.fleet_model.models = {inst.name: self.model for inst in self.instances}
         self.now = 0.0
         self._events: list[tuple] = []
         self._order = itertools.count()
@@ -125,7 +125,12 @@ class SimFleet:
         return Instance(name=name, role=role, actor=engine)
 
     def of_role(self, role: str) -> list[Instance]:
-        return [inst for inst in self.instances if inst.role == role]
+        return self.placer.of_role(role)
+
+    @property
+    def placements(self) -> collections.Counter[str]:
+        """Requests placed per path (`placement.PATHS`), as the router's stats count them."""
+        return self.placer.placements
 
     # ------------------------------------------------------------------ the clock
     def submit_at(self, t: float, request_id: str, prompt_len: int, max_tokens: int) -> None:
@@ -196,8 +201,7 @@ class SimFleet:
                            f"max_model_len {self.max_model_len} / {self.num_pages} pages of {self.page_size}")
             return set()
         if self.config.mode == "colocated":
-            inst = self.picker.order(self.of_role("colocated"), list(self.placed.values()))[0]
-            return {self._place_alone(req, inst, None)}
+            return self._place(req) or set()
         self._queue.append(req)
         return set()
 
@@ -211,49 +215,38 @@ class SimFleet:
             touched.update(placed)
 
     def _place(self, req: Request) -> set[str] | None:
-        """The router's `_place` (module docstring): the instances it touched, None to wait."""
+        """Carry out the `Placer`'s plan for ``req`` as the router's `_place` does (module
+        docstring): the instances it touched, None to wait."""
         live = self.placed.values()  # the tracked picker does not walk them; the adaptive views do
-        decodes = self.picker.order(self.of_role("decode"), live)
-        prefills = self.of_role("prefill")
-        if self.placement == "local":
-            return {self._place_alone(req, decodes[0], "local")}
-        if self.placement == "adaptive":
+        if self.placer.placement == "adaptive":
             for inst in self.instances:
-                self.fleet_model.loads[inst.name] = inst.actor.load()
-            view = self.fleet_model.view
-            live = list(live)
-            decision = decide(req.prompt_len, [view(p, live) for p in prefills], [view(d, live) for d in decodes],
-                              self.targets)
-            if decision.chosen is None:
-                return None
-            if decision.path != "remote":
-                return {self._place_alone(req, self._by_name[decision.chosen.decode], decision.path)}
-            chosen = self._by_name[decision.chosen.decode]
-            decodes = [chosen] + [inst for inst in decodes if inst is not chosen]
-        loads = self.picker.loads(prefills, live)
-        queued = min(loads.values())
-        if queued and queued + req.prompt_len > self.prefill_queue_tokens:
+                self.placer.fleet_model.loads[inst.name] = inst.actor.load()
+        plan = self.placer.plan(req, live)
+        if isinstance(plan, Wait):
             return None
-        for inst in decodes:
+        if isinstance(plan, Fail):
+            self._end(req, f"NoLiveInstance: {plan.error()}")
+            return set()
+        if isinstance(plan, Alone):
+            return {self._place_alone(req, plan.instance)}
+        for inst in plan.decodes:
             if inst.actor.reserve(req.request_id, req.prompt_len, req.params.max_tokens):
                 req.decode = inst
                 break
         else:
-            return None
-        prefill = self.picker.order(prefills, live)[0]
+            return None  # every decode instance is out of pages
+        prefill = self.placer.hand(req, req.decode, live)
+        assert prefill is not None, "a simulated instance never dies"
         req.prefill, req.stage = prefill, "prefilling"
         self.picker.tokens[prefill.name] += req.prompt_len
         self.picker.tokens[req.decode.name] += req.prompt_len
-        self.placements["remote"] += 1
         prefill.actor.add(req.request_id, req.prompt_len, req.params.max_tokens, pushed=True)
         self.placed[req.request_id] = req
         return {prefill.name, req.decode.name}
 
-    def _place_alone(self, req: Request, inst: Instance, path: str | None) -> str:
+    def _place_alone(self, req: Request, inst: Instance) -> str:
         req.colocated, req.stage = inst, "running"
         self.picker.tokens[inst.name] += req.prompt_len
-        if path is not None:
-            self.placements[path] += 1
         inst.actor.add(req.request_id, req.prompt_len, req.params.max_tokens)
         self.placed[req.request_id] = req
         return inst.name

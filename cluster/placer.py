@@ -1,0 +1,206 @@
+"""Where a request goes: one placement for the router and the simulator.
+
+`Placer.plan` turns a request, the fleet's instances and the live requests into what to do
+with it now (docs/ARCHITECTURE.md §7, step 2):
+
+    Wait(reason)         nothing can start it yet: every prefill instance already has
+                         `prefill_queue_tokens` queued, or no instance has its pages; it stays
+                         at the queue head
+    Fail(role)           no live instance of a role it needs
+    Alone(inst, path)    ``inst`` prefills and decodes it: "colocated" (colocated fleet),
+                         "local" (a decode instance) or "kept" (a prefill instance)
+    Remote(decodes)      reserve its pages on ``decodes``, in this order: the first that has
+                         them decodes it and `Placer.hand` names the prefill instance that
+                         computes the prompt; one that refuses (out of pages, dead) passes to the
+                         next; when every one refused, it waits (`WAIT_PAGES`)
+
+The order of instances (the `Picker`, its prefix credit), `router.placement` (disaggregated,
+local, adaptive: `placement.decide`), the prefill-queue bound, the placement counts and the
+prefix affinity live here; the calls that touch an instance stay with each caller: the router's
+(`disagg.cluster.router`) are Ray calls on its event loop, with their failures (dead actors,
+aborts while reserving), the simulator's (`disagg.cluster.simulate.fleet`) calls on its virtual
+engines. Synchronous and without I/O; it runs on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from disagg.cluster.affinity import PrefixAffinity
+from disagg.cluster.bootstrap import Instance
+from disagg.cluster.placement import PATHS, Decision, FleetModel, Targets, decide
+from disagg.cluster.requests import Picker, Request
+from disagg.config import Config
+from disagg.errors import NoLiveInstance
+
+DECISIONS_KEPT = 32  # adaptive placement: the latest decisions, with their predictions, for stats
+WAIT_PREFILL_QUEUE = "prefill_queue"  # every prefill instance has prefill_queue_tokens queued
+WAIT_PAGES = "pages"  # no instance has the pages (adaptive: predicted; remote: every reservation refused)
+
+# decide(req, live prefill instances, decode instances in the picker's order, live requests)
+Decide = Callable[[Request, list[Instance], list[Instance], Collection[Request]], Decision]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Leave the request at the queue head; try again when the fleet changes."""
+
+    reason: str  # WAIT_PREFILL_QUEUE or WAIT_PAGES
+
+
+@dataclass(frozen=True)
+class Fail:
+    """No live instance of ``role`` is left: the request fails with `error`."""
+
+    role: str
+
+    def error(self) -> NoLiveInstance:
+        return NoLiveInstance(f"no live {self.role} instance", role=self.role)
+
+
+@dataclass(frozen=True)
+class Alone:
+    """``instance`` prefills and decodes the request (already counted and noted)."""
+
+    instance: Instance
+    path: str  # "colocated", or a `PATHS` path: "local", "kept"
+
+
+@dataclass(frozen=True)
+class Remote:
+    """Reserve pages on ``decodes`` in order (module docstring), then `Placer.hand`."""
+
+    decodes: tuple[Instance, ...]
+
+
+Plan = Wait | Fail | Alone | Remote
+
+
+class Placer:
+    """The placement of ``config``'s fleet (module docstring). `plan` and `hand` take the
+    picker's turns (round robin, equal loads) and note prompts in the affinity: one call per
+    attempt, as the router's dispatcher makes them.
+
+    Args:
+        config: the deployment (its mode, router and scheduler sections).
+        instances: every instance of the fleet (dead ones are skipped by ``alive``).
+        picker: orders the instances of a role (the router's `Picker`; the simulator's keeps
+            its loads up to date).
+        affinity: the prefix affinity credited to instances that hold a prompt's prefix, or None.
+
+    Attributes:
+        placements: requests placed per path (`PATHS`); colocated ones are not counted.
+        decisions: the latest adaptive decisions, newest last.
+        affinity_hits: placements on an instance believed to hold part of the prompt.
+        fleet_model: each instance's step-time model and load, for `decide`.
+    """
+
+    def __init__(self, config: Config, instances: list[Instance], picker: Picker,
+                 affinity: PrefixAffinity | None = None) -> None:
+        self.instances = instances
+        self.colocated = config.mode == "colocated"
+        self.placement = config.router.placement
+        self.picker = picker
+        self.affinity = affinity
+        sched = config.scheduler
+        self.prefill_queue_tokens = config.router.prefill_queue_tokens or 4 * sched.max_num_batched_tokens
+        self.fleet_model = FleetModel(sched.max_num_batched_tokens, config.cache.page_size)
+        self.targets = Targets.from_ms(config.router.slo_ttft_ms, config.router.slo_tpot_ms)
+        self.placements: collections.Counter[str] = collections.Counter({path: 0 for path in PATHS})
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
+        self.affinity_hits = 0
+        self._by_name = {inst.name: inst for inst in instances}
+
+    def of_role(self, role: str) -> list[Instance]:
+        return [inst for inst in self.instances if inst.role == role]
+
+    # ------------------------------------------------------------------ the plan
+    def plan(self, req: Request, live: Collection[Request], decide: Decide | None = None) -> Plan:
+        """What to do with ``req`` now (module docstring).
+
+        Args:
+            req: the request (colocated fleet: just submitted; else the queue head).
+            live: the live requests (their loads; ``req`` among them or not).
+            decide: the adaptive decision (default `Placer.decide`; the router passes its own
+                hook, which tests replace).
+
+        Returns:
+            `Wait`, `Fail`, `Alone` (counted and noted already) or `Remote`.
+        """
+        if self.colocated:
+            ranked = self._order(req, "colocated", live)
+            return self._alone(req, ranked[0], "colocated") if ranked else Fail("colocated")
+        decodes = self._order(req, "decode", live)
+        prefills = self.of_role("prefill")
+        alive_prefills = [inst for inst in prefills if inst.alive]
+        if self.placement == "local" and decodes:
+            return self._alone(req, decodes[0], "local")
+        if self.placement == "adaptive" and decodes and alive_prefills:
+            decision = (decide or self.decide)(req, alive_prefills, decodes, live)
+            if decision.chosen is None:
+                return Wait(WAIT_PAGES)
+            chosen = self._by_name[decision.chosen.decode]
+            if decision.path != "remote":
+                return self._alone(req, chosen, decision.path)
+            decodes = [chosen] + [inst for inst in decodes if inst is not chosen]
+        if not decodes or not alive_prefills:
+            return Fail("decode" if not decodes else "prefill")
+        loads = self.picker.loads(prefills, live)
+        queued = min(loads[inst.name] for inst in alive_prefills)
+        if queued and queued + req.prompt_len > self.prefill_queue_tokens:
+            return Wait(WAIT_PREFILL_QUEUE)
+        return Remote(tuple(decodes))
+
+    def decide(self, req: Request, prefills: list[Instance], decodes: list[Instance],
+               live: Collection[Request]) -> Decision:
+        """The adaptive choice for ``req`` (`disagg.cluster.placement.decide` over
+        `FleetModel.view`s), kept in ``decisions``."""
+        view = self.fleet_model.view
+        decision = decide(req.prompt_len, [view(inst, live) for inst in prefills],
+                          [view(inst, live) for inst in decodes], self.targets)
+        self.decisions.append(decision)
+        return decision
+
+    def hand(self, req: Request, decode: Instance, live: Collection[Request]) -> Instance | None:
+        """``decode`` reserved ``req``'s pages (a `Remote` plan's first taker): the prefill
+        instance to hand its prompt to (least loaded, prefix credit), counted as remote; None
+        when no prefill instance is alive (the caller frees the reservation and fails it)."""
+        self._note(req, decode)
+        ranked = self._order(req, "prefill", live)
+        if not ranked:
+            return None
+        self._note(req, ranked[0])
+        self.placements["remote"] += 1
+        return ranked[0]
+
+    # ------------------------------------------------------------------ helpers
+    def _alone(self, req: Request, inst: Instance, path: str) -> Alone:
+        self._note(req, inst)
+        if path in PATHS:
+            self.placements[path] += 1
+        return Alone(inst, path)
+
+    def _order(self, req: Request, role: str, live: Collection[Request]) -> list[Instance]:
+        """The live instances of ``role`` in the picker's order, with ``req``'s prefix credit."""
+        instances = self.of_role(role)
+        credit = None
+        if self.affinity is not None:
+            credit = self.affinity.credit([inst.name for inst in instances], self.affinity.keys(req.prompt_token_ids))
+        return self.picker.order(instances, live, credit)
+
+    def _note(self, req: Request, inst: Instance) -> None:
+        """``inst`` gets ``req``'s prompt: its pages become that instance's most recent."""
+        if self.affinity is None:
+            return
+        keys = self.affinity.keys(req.prompt_token_ids)
+        if self.affinity.credit([inst.name], keys)[inst.name]:
+            self.affinity_hits += 1
+        self.affinity.note(inst.name, keys)
+
+    def clear_counts(self) -> None:
+        """Forget the placement counts and decisions (after the warm-up requests)."""
+        for path in PATHS:
+            self.placements[path] = 0
+        self.decisions.clear()

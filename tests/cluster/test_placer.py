@@ -1,0 +1,135 @@
+"""`Placer` (cluster/placer.py): the one placement of the router and the simulator, on constructed
+instances and requests (no Ray, no engine): which plan for which fleet state, in which order the
+decode instances are tried, the prefill-queue bound, counts and prefix affinity."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from disagg.cluster.affinity import PrefixAffinity
+from disagg.cluster.bootstrap import Instance
+from disagg.cluster.outputs import RequestMetrics
+from disagg.cluster.placement import Decision, Prediction
+from disagg.cluster.placer import WAIT_PAGES, WAIT_PREFILL_QUEUE, Alone, Fail, Placer, Remote, Wait
+from disagg.cluster.requests import Picker, Request
+from disagg.config import Config
+from disagg.errors import NoLiveInstance
+from disagg.sampling import SamplingParams
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def fleet(placement: str = "disaggregated", **overrides):
+    """A tiny-2p2d placer (prefill queue bound 100 tokens) and its four instances by name."""
+    config = Config.from_yaml(CONFIGS / "tiny-2p2d.yaml").override(
+        {"router.placement": placement, "router.prefill_queue_tokens": 100, **overrides})
+    instances = [Instance(f"{role}-{i}", role, actor=None) for role in ("prefill", "decode") for i in range(2)]
+    affinity = PrefixAffinity(config.cache.page_size, 64) if config.cache.prefix_caching else None
+    placer = Placer(config, instances, Picker(config.router.policy), affinity)
+    return placer, {inst.name: inst for inst in instances}
+
+
+def request(name: str, prompt: list[int], *, prefill=None, decode=None, stage="queued") -> Request:
+    return Request(name, prompt, SamplingParams(max_tokens=8), lambda *a: None, RequestMetrics(arrival_time=0.0),
+                   stage=stage, prefill=prefill, decode=decode)
+
+
+def test_remote_tries_the_least_loaded_decode_first_and_hands_to_the_least_loaded_prefill():
+    placer, by = fleet()
+    busy = request("busy", [1] * 40, prefill=by["prefill-0"], decode=by["decode-0"], stage="prefilling")
+    req = request("r", [2] * 20)
+    plan = placer.plan(req, [busy])
+    assert isinstance(plan, Remote) and [i.name for i in plan.decodes] == ["decode-1", "decode-0"]
+    assert placer.placements["remote"] == 0  # counted once a decode instance took it
+    assert placer.hand(req, plan.decodes[0], [busy]).name == "prefill-1"
+    assert dict(placer.placements) == {"remote": 1, "local": 0, "kept": 0}
+
+
+def test_the_prefill_queue_bound_holds_the_request_until_a_prefill_instance_has_room():
+    placer, by = fleet()
+    live = [request(f"q{i}", [1] * 60, prefill=by[f"prefill-{i}"], decode=by["decode-0"], stage="prefilling")
+            for i in range(2)]
+    assert placer.plan(request("r", [2] * 50), live) == Wait(WAIT_PREFILL_QUEUE)  # 60 + 50 > 100
+    assert isinstance(placer.plan(request("r", [2] * 40), live), Remote)  # 60 + 40 fits
+    live[1].stage = "decoding"  # prefill-1's queue emptied: an idle instance takes any prompt
+    assert isinstance(placer.plan(request("r", [2] * 500), live), Remote)
+
+
+def test_dead_roles_fail_and_the_dead_are_never_tried():
+    placer, by = fleet()
+    by["decode-0"].alive = False
+    plan = placer.plan(request("r", [1] * 10), [])
+    assert [i.name for i in plan.decodes] == ["decode-1"]
+    by["prefill-0"].alive = by["prefill-1"].alive = False
+    plan = placer.plan(request("r", [1] * 10), [])
+    assert plan == Fail("prefill") and isinstance(plan.error(), NoLiveInstance) and plan.error().role == "prefill"
+    assert placer.hand(request("r", [1] * 10), by["decode-1"], []) is None
+    by["decode-1"].alive = False
+    assert placer.plan(request("r", [1] * 10), []) == Fail("decode")
+
+
+def test_local_placement_goes_alone_on_the_least_loaded_decode_instance_and_counts_it():
+    placer, by = fleet("local")
+    busy = request("busy", [1] * 40, decode=by["decode-1"], stage="decoding")
+    plan = placer.plan(request("r", [2] * 20), [busy])
+    assert plan == Alone(by["decode-0"], "local") and placer.placements["local"] == 1
+
+
+@pytest.mark.parametrize("path", ["remote", "local", "kept"])
+def test_adaptive_follows_the_decision(path: str):
+    placer, by = fleet("adaptive")
+    decode = "decode-1"  # not the picker's first: a remote decision puts it first
+    chosen = Prediction(path, "prefill-1" if path != "local" else decode,
+                        "prefill-1" if path == "kept" else decode, 0.0, 0.0, 0.0)
+    seen = []
+
+    def decide(req, prefills, decodes, live):
+        seen.append(([p.name for p in prefills], [d.name for d in decodes]))
+        return Decision(chosen, (chosen,))
+
+    plan = placer.plan(request("r", [1] * 10), [], decide)
+    assert seen == [(["prefill-0", "prefill-1"], ["decode-0", "decode-1"])]
+    if path == "remote":
+        assert [i.name for i in plan.decodes] == ["decode-1", "decode-0"]
+    else:
+        assert plan == Alone(by[chosen.decode], path) and placer.placements[path] == 1
+    assert placer.plan(request("w", [1] * 10), [], lambda *a: Decision(None, ())) == Wait(WAIT_PAGES)
+
+
+def test_adaptive_decisions_are_kept_for_stats():
+    placer, _ = fleet("adaptive")
+    placer.plan(request("r", [1] * 10), [])
+    assert len(placer.decisions) == 1 and {p.path for p in placer.decisions[0].predictions} == {"remote", "local", "kept"}
+    placer.clear_counts()
+    assert not placer.decisions and sum(placer.placements.values()) == 0
+
+
+def place_both(prompts: list[list[int]], **overrides) -> tuple[list[tuple[str, str]], int]:
+    """Place each prompt remote in turn (the first reservation taken), loads of the earlier ones
+    counted, the second prompt's pair idle but for a 30-token request: where each went, and the hits."""
+    placer, by = fleet(**overrides)
+    live, where = [], []
+    for i, prompt in enumerate(prompts):
+        req = request(f"r{i}", prompt)
+        decode = placer.plan(req, live).decodes[0]
+        prefill = placer.hand(req, decode, live)
+        req.prefill, req.decode, req.stage = prefill, decode, "prefilling"
+        live.append(req)
+        where.append((prefill.name, decode.name))
+        if i == 0:  # load the other pair less than the first request, more than its prefix's credit
+            other = [by[n] for n in ("prefill-0", "prefill-1", "decode-0", "decode-1") if n not in where[0]]
+            live.append(request("other", [7] * 30, prefill=other[0], decode=other[1], stage="prefilling"))
+    return where, placer.affinity_hits
+
+
+def test_prefix_affinity_sends_a_shared_prefix_back_where_it_went():
+    shared = list(range(100, 164))  # four pages of 16
+    prompts = [shared + [1, 2, 3], shared + [9, 9, 9]]
+    where, hits = place_both(prompts)
+    assert where[1] == where[0] and hits == 2  # 67 - 64 credited < 30
+    where, hits = place_both(prompts, **{"cache.prefix_caching": False})
+    assert where[1] != where[0] and hits == 0  # 67 > 30: the less loaded pair
+    where, hits = place_both([prompts[0], [5] * 67])
+    assert where[1] != where[0] and hits == 0  # no shared prefix, no credit
