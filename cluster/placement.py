@@ -417,13 +417,13 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     views = {v.name: v for v in prefills + decodes}
     judged = []
     candidates = predict(prompt_len, prefills, decodes)
-    remote_steps = [c.tpot_s for c in candidates if c.path == "remote" and views[c.decode].fits(prompt_len)]
+    remote_steps = [c.tpot_s for c in candidates if c.path == "remote" and _fits(c, views, prompt_len)]
     bound = targets.tpot_s
     if bound is None and remote_steps:
         bound = TPOT_SLACK * min(remote_steps)
     for cand in candidates:
         why = ""
-        if not views[cand.decode].fits(prompt_len):
+        if not _fits(cand, views, prompt_len):
             why = f"{cand.decode} has {views[cand.decode].free_pages} free pages"
         elif targets.ttft_s is not None and cand.ttft_s > targets.ttft_s:
             why = f"TTFT {cand.ttft_s * 1e3:.1f} ms > target {targets.ttft_s * 1e3:.1f} ms"
@@ -435,10 +435,19 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
         best = min(c.ttft_s for c in ok)
         near = [c for c in ok if c.ttft_s <= best * (1.0 + c.margin)]
         return Decision(min(near, key=lambda c: (PREFERENCE.index(c.path), c.ttft_s)), tuple(judged))
-    fitting = [c for c in judged if views[c.decode].fits(prompt_len)]
+    fitting = [c for c in judged if _fits(c, views, prompt_len)]
     if not fitting:
         return Decision(None, tuple(judged))
     return Decision(min(fitting, key=lambda c: _violation(c, targets, bound)), tuple(judged))
+
+
+def _fits(cand: Prediction, views: dict[str, InstanceView], prompt_len: int) -> bool:
+    """Whether ``cand``'s decode instance has the pages: for its prompt, and for a pushed one
+    its whole answer too (the decode instance reserves that before the push; ``output_tokens``,
+    when known, stands for the answer's length)."""
+    d = views[cand.decode]
+    answer = int(d.output_tokens or 0) if cand.path == "remote" else 0
+    return d.fits(prompt_len + answer)
 
 
 def _violation(cand: Prediction, targets: Targets, bound: float | None) -> float:

@@ -211,3 +211,18 @@ def test_the_fleet_view_counts_remaining_and_expected_output_tokens():
     v = FleetModel(512, 16).view(dec, live)
     assert (v.num_decoding, v.remaining_tokens, v.output_tokens) == (2, 40 + 1, pytest.approx(60.0))
     assert v.running_horizon == pytest.approx(0.5 * 41 / 2)
+
+
+def test_a_push_needs_the_pages_of_its_whole_answer_on_the_decode_side():
+    # D has 20 free pages: a 100-token prompt fits, with its expected 1000-token answer it does not
+    # (D reserves the answer's pages before the push); P keeps it instead of the push blocking.
+    def d(output_tokens):
+        return InstanceView("D", model(), 512, 0, 8, 8000, 20, 16, remaining_tokens=8 * 500,
+                            output_tokens=output_tokens)
+
+    prefills = [view("P", free_pages=5000)]
+    assert decide(100, prefills, [d(None)]).path in ("remote", "local")
+    dec = decide(100, prefills, [d(1000)], Targets.from_ms(None, 50))
+    remote = next(p for p in dec.predictions if p.path == "remote")
+    assert not remote.admissible and "free pages" in remote.why
+    assert dec.path in ("local", "kept"), dec.predictions
