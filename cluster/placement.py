@@ -399,6 +399,9 @@ def _decode_side_tpot(d: InstanceView, prompt_len: int) -> tuple[float, float]:
     else:
         running_remote = step_d if d.num_decoding and not own_h else 0.0
         running_local = d.decode_step_s(0, 0, queued + prompt_len) if d.num_decoding else 0.0
+    if queued and own_h:  # the prompts queued ahead decode while this one's chunks run
+        ahead = d.mean_tpot_s(HORIZON_SHARE * own_h, prompt_len, prompt_pairs(0, prompt_len), 1, queued)
+        running_local = max(running_local, ahead)
     return max(own_remote, running_remote), max(own_local, running_local)
 
 

@@ -226,3 +226,17 @@ def test_a_push_needs_the_pages_of_its_whole_answer_on_the_decode_side():
     remote = next(p for p in dec.predictions if p.path == "remote")
     assert not remote.admissible and "free pages" in remote.why
     assert dec.path in ("local", "kept"), dec.predictions
+
+
+def test_a_local_prompt_behind_a_queued_one_stalls_that_ones_first_tokens():
+    # D decodes nothing yet but computes an 8000-token prompt; a second 8000-token prompt there would
+    # run its 0.8 s chunk while the first decodes its first ~20 (half of 40) tokens: 40 ms a token.
+    def d(queued):
+        return InstanceView("D", model(), 8192, queued, 0, 0, None, 16, prompt_pairs(0, queued), output_tokens=40)
+
+    targets = Targets.from_ms(None, 25)
+    alone = next(p for p in decide(8000, [view("P", queued=50_000)], [d(0)], targets).predictions if p.path == "local")
+    assert alone.admissible
+    dec = decide(8000, [view("P", queued=50_000)], [d(8000)], targets)
+    local = next(p for p in dec.predictions if p.path == "local")
+    assert not local.admissible and local.tpot_s > 0.035, dec.predictions
