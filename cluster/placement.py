@@ -14,9 +14,12 @@ and one for steps with prompt tokens, which run eagerly and pay more for their d
 online from the
 instance's own measured steps (`disagg.cluster.messages.StepSample`) and seeded with a prior, and
 an `InstanceView` of its live load (prompt tokens queued, sequences decoding, free pages).
-`decide` predicts TTFT and TPOT on every path and keeps the admissible ones: the pages fit, and
-the targets (`router.slo_ttft_ms` / `slo_tpot_ms`) hold; without a TPOT target, a path may not
-slow any running decode step by more than 10% beyond the remote path's step. Among admissible
+`decide` predicts TTFT and TPOT on every path and keeps the admissible ones: the pages fit (for a
+push, the prompt's and its expected answer's: the decode side reserves both), and the targets
+(`router.slo_ttft_ms` / `slo_tpot_ms`) hold; without a TPOT target, a path may not slow any running
+decode step by more than 10% beyond the remote path's. TPOT is predicted as the SLO counts it, a
+request's mean gap: a stall of prompt chunks is spread over the tokens it delays
+(`InstanceView.mean_tpot_s`; where the router's requests' max_tokens are unknown, one step's). Among admissible
 paths it takes the lowest predicted TTFT (ties within the model's error margin go to local, then
 remote, then kept: `PREFERENCE`); when none is admissible, the smallest violation. Pure functions of
 their inputs, used by the router (`disagg.cluster.router`) on its event loop.
