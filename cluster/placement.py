@@ -14,9 +14,12 @@ and one for steps with prompt tokens, which run eagerly and pay more for their d
 online from the
 instance's own measured steps (`disagg.cluster.messages.StepSample`) and seeded with a prior, and
 an `InstanceView` of its live load (prompt tokens queued, sequences decoding, free pages).
-`decide` predicts TTFT and TPOT on every path and keeps the admissible ones: the pages fit, and
-the targets (`router.slo_ttft_ms` / `slo_tpot_ms`) hold; without a TPOT target, a path may not
-slow any running decode step by more than 10% beyond the remote path's step. Among admissible
+`decide` predicts TTFT and TPOT on every path and keeps the admissible ones: the pages fit (for a
+push, the prompt's and its expected answer's: the decode side reserves both), and the targets
+(`router.slo_ttft_ms` / `slo_tpot_ms`) hold; without a TPOT target, a path may not slow any running
+decode step by more than 10% beyond the remote path's. TPOT is predicted as the SLO counts it, a
+request's mean gap: a stall of prompt chunks is spread over the tokens it delays
+(`InstanceView.mean_tpot_s`; where the router's requests' max_tokens are unknown, one step's). Among admissible
 paths it takes the lowest predicted TTFT (ties within the model's error margin go to local, then
 remote, then kept: `PREFERENCE`); when none is admissible, the smallest violation. Pure functions of
 their inputs, used by the `Placer` (`disagg.cluster.placer`) of the router and of the simulator.
@@ -41,6 +44,9 @@ TPOT_SLACK = 1.1  # without a TPOT target: a decode step may grow to 1.1 x the r
 MIN_SAMPLES_TO_FIT = 8
 PRIOR_WEIGHT = 2.0  # the prior counts as this many samples in the fit
 PROFILE_PRIOR_WEIGHT = 1e-3  # a profile's grid covers every direction: its fit barely leans on the prior
+# A stall counts in the running decodes' TPOT over this share of their mean remaining tokens:
+# the rest of their budget is left to the prompts that come after it.
+HORIZON_SHARE = 0.5
 OUTLIER_RATIO = 3.0  # a step over 3x the fit's prediction is a one-off (a first use of a shape): not fitted
 # Per step (`features`): is it pure decode (0/1), prompt tokens, decoding sequences, their context
 # tokens, has it prompt tokens (0/1), the prompt tokens' attention pairs (`disagg.engine.steps.
@@ -253,6 +259,11 @@ class InstanceView:
         page_size: tokens per page.
         queued_prompt_pairs: the attention pairs of those prompts (`prompt_pairs` of each whole
             prompt: however it is chunked, a prompt of L tokens attends L (L + 1) / 2 pairs).
+        remaining_tokens: output tokens its decoding sequences may still produce (their
+            max_tokens less those produced; None: unknown). Known, the TPOT predicted for them is
+            their mean over what remains (`mean_tpot_s`), as the SLO judges it; unknown, one step's.
+        output_tokens: the tokens a request placed here is expected to decode (the mean
+            max_tokens of the router's live requests; None: unknown, its TPOT is one step's).
     """
 
     name: str
@@ -264,6 +275,8 @@ class InstanceView:
     free_pages: int | None = None
     page_size: int = 16
     queued_prompt_pairs: int = 0
+    remaining_tokens: int | None = None
+    output_tokens: float | None = None
 
     def fits(self, prompt_len: int) -> bool:
         return self.free_pages is None or self.free_pages >= math.ceil((prompt_len + 1) / self.page_size)
@@ -283,6 +296,30 @@ class InstanceView:
         chunk = min(prompt_tokens, self.chunk_tokens)
         return self.model.step_s(chunk, self.num_decoding + extra_seqs, self.context_tokens + extra_context,
                                  prompt_pairs(0, chunk))
+
+    def mean_tpot_s(self, horizon: float, prompt_tokens: int, num_prompt_pairs: int, extra_seqs: int = 0,
+                    extra_context: int = 0) -> float:
+        """The mean seconds per output token, over the next ``horizon`` tokens, of the sequences
+        decoding here (and ``extra_seqs`` more) while ``prompt_tokens`` (of ``num_prompt_pairs``
+        pairs) are computed in chunks beside them: the chunks' n steps, then ``horizon`` - n pure
+        decode steps, over ``horizon`` (the chunks' steps alone when n >= ``horizon``). A stall of a
+        few long steps is spread over the tokens it delays, as a request's TPOT (its decode time
+        over its tokens) spreads it."""
+        horizon = max(horizon, 1.0)
+        seqs, context = self.num_decoding + extra_seqs, self.context_tokens + extra_context
+        steps = -(-prompt_tokens // self.chunk_tokens)
+        chunks_s = steps * self.model.step_s(prompt_tokens / steps, seqs, context, num_prompt_pairs / steps) if steps else 0.0
+        if steps >= horizon:
+            return chunks_s / steps
+        return (chunks_s + (horizon - steps) * self.model.step_s(0, seqs, context, 0)) / horizon
+
+    @property
+    def running_horizon(self) -> float | None:
+        """The tokens over which a stall now counts in the running decodes' TPOT:
+        `HORIZON_SHARE` x their mean remaining tokens (None: none decode, or unknown)."""
+        if not self.remaining_tokens or not self.num_decoding:
+            return None
+        return HORIZON_SHARE * self.remaining_tokens / self.num_decoding
 
 
 @dataclass(frozen=True)
@@ -329,15 +366,14 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
     out = []
     best_p = min(prefills, key=lambda p: p.prefill_s(prompt_len), default=None)
     for d in decodes:
-        # A decode step of D with this request in it, beside D's own queued prompt chunks.
-        step_d = d.decode_step_s(1, prompt_len, d.queued_prompt_tokens)
+        remote_tpot, local_tpot = _decode_side_tpot(d, prompt_len)
         if best_p is not None:
-            out.append(Prediction("remote", best_p.name, d.name, best_p.prefill_s(prompt_len), step_d,
+            out.append(Prediction("remote", best_p.name, d.name, best_p.prefill_s(prompt_len), remote_tpot,
                                   max(best_p.model.error, d.model.error)))
-        # Local: its chunks slow D's running decodes; afterwards it decodes like a remote one.
-        during = d.decode_step_s(0, 0, d.queued_prompt_tokens + prompt_len) if d.num_decoding else 0.0
-        out.append(Prediction("local", d.name, d.name, d.prefill_s(prompt_len), max(step_d, during),
-                              d.model.error))
+        # Local: D's running decodes hold the step in flight (and, scheduled ahead, the next),
+        # so its first chunk starts about one decode step later.
+        wait = d.model.step_s(0, d.num_decoding, d.context_tokens, 0) if d.num_decoding else 0.0
+        out.append(Prediction("local", d.name, d.name, wait + d.prefill_s(prompt_len), local_tpot, d.model.error))
     for p in prefills:
         # Kept: P decodes it between the prompt chunks it keeps computing for others.
         step_p = p.decode_step_s(1, prompt_len, p.queued_prompt_tokens)
@@ -345,6 +381,31 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
         out.append(Prediction("kept", p.name, p.name, p.prefill_s(prompt_len), max(step_p, during),
                               p.model.error))
     return out
+
+
+def _decode_side_tpot(d: InstanceView, prompt_len: int) -> tuple[float, float]:
+    """The TPOT predicted on decode instance ``d`` for a prompt of ``prompt_len`` placed remote
+    (it decodes beside D's queued prompt chunks) and local (its chunks also slow D's running
+    decodes; afterwards it decodes like a remote one): each the worse of this request's and
+    D's running decodes'. Where the tokens they have to go are known (``output_tokens``,
+    `InstanceView.running_horizon`), a TPOT is the mean over them (`InstanceView.mean_tpot_s`);
+    else one step's: a decode step with a chunk in it."""
+    queued, queued_pairs = d.queued_prompt_tokens, d.queued_prompt_pairs
+    step_d = d.decode_step_s(1, prompt_len, queued)
+    own_h, running_h = d.output_tokens, d.running_horizon
+    own_remote = d.mean_tpot_s(own_h, queued, queued_pairs, 1, prompt_len) if own_h else step_d
+    # Local: once its prompt (and the queue ahead of it) is computed it decodes without chunks.
+    own_local = d.model.step_s(0, d.num_decoding + 1, d.context_tokens + prompt_len, 0) if own_h else step_d
+    if running_h:
+        running_remote = d.mean_tpot_s(running_h, queued, queued_pairs, 1, prompt_len)
+        running_local = d.mean_tpot_s(running_h, queued + prompt_len, queued_pairs + prompt_pairs(0, prompt_len))
+    else:
+        running_remote = step_d if d.num_decoding and not own_h else 0.0
+        running_local = d.decode_step_s(0, 0, queued + prompt_len) if d.num_decoding else 0.0
+    if queued and own_h:  # the prompts queued ahead decode while this one's chunks run
+        ahead = d.mean_tpot_s(HORIZON_SHARE * own_h, prompt_len, prompt_pairs(0, prompt_len), 1, queued)
+        running_local = max(running_local, ahead)
+    return max(own_remote, running_remote), max(own_local, running_local)
 
 
 def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[InstanceView],
@@ -362,13 +423,13 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     views = {v.name: v for v in prefills + decodes}
     judged = []
     candidates = predict(prompt_len, prefills, decodes)
-    remote_steps = [c.tpot_s for c in candidates if c.path == "remote" and views[c.decode].fits(prompt_len)]
+    remote_steps = [c.tpot_s for c in candidates if c.path == "remote" and _fits(c, views, prompt_len)]
     bound = targets.tpot_s
     if bound is None and remote_steps:
         bound = TPOT_SLACK * min(remote_steps)
     for cand in candidates:
         why = ""
-        if not views[cand.decode].fits(prompt_len):
+        if not _fits(cand, views, prompt_len):
             why = f"{cand.decode} has {views[cand.decode].free_pages} free pages"
         elif targets.ttft_s is not None and cand.ttft_s > targets.ttft_s:
             why = f"TTFT {cand.ttft_s * 1e3:.1f} ms > target {targets.ttft_s * 1e3:.1f} ms"
@@ -380,10 +441,19 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
         best = min(c.ttft_s for c in ok)
         near = [c for c in ok if c.ttft_s <= best * (1.0 + c.margin)]
         return Decision(min(near, key=lambda c: (PREFERENCE.index(c.path), c.ttft_s)), tuple(judged))
-    fitting = [c for c in judged if views[c.decode].fits(prompt_len)]
+    fitting = [c for c in judged if _fits(c, views, prompt_len)]
     if not fitting:
         return Decision(None, tuple(judged))
     return Decision(min(fitting, key=lambda c: _violation(c, targets, bound)), tuple(judged))
+
+
+def _fits(cand: Prediction, views: dict[str, InstanceView], prompt_len: int) -> bool:
+    """Whether ``cand``'s decode instance has the pages: for its prompt, and for a pushed one
+    its whole answer too (the decode instance reserves that before the push; ``output_tokens``,
+    when known, stands for the answer's length)."""
+    d = views[cand.decode]
+    answer = int(d.output_tokens or 0) if cand.path == "remote" else 0
+    return d.fits(prompt_len + answer)
 
 
 def _violation(cand: Prediction, targets: Targets, bound: float | None) -> float:
@@ -421,7 +491,8 @@ class FleetModel:
 
     def view(self, inst, requests: list) -> InstanceView:
         """``inst`` (an `Instance`) with the work of the router's live ``requests`` on it."""
-        queued = decoding = context = pairs = 0
+        queued = decoding = context = pairs = remaining = 0
+        outputs = [int(req.params.max_tokens) for req in requests]
         for req in requests:
             if inst is req.colocated:  # local or kept: prompt here until its first token
                 computing = req.num_output == 0
@@ -437,9 +508,11 @@ class FleetModel:
             else:
                 decoding += 1
                 context += req.prompt_len + req.num_output
+                remaining += max(int(req.params.max_tokens) - req.num_output, 1)
         load = self.loads.get(inst.name)
         return InstanceView(inst.name, self.model_of(inst.name), self.chunk_tokens, queued, decoding, context,
-                            None if load is None else load.free_pages, self.page_size, pairs)
+                            None if load is None else load.free_pages, self.page_size, pairs, remaining,
+                            sum(outputs) / len(outputs) if outputs else None)
 
     def snapshot(self) -> dict:
         """Each instance's fitted model (coefficients, error, samples)."""

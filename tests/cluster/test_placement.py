@@ -146,3 +146,97 @@ def test_a_prompts_prefill_time_is_the_sum_of_its_chunks_steps():
     queued = InstanceView("D", m, 512, 1000, 4, 4000, queued_prompt_pairs=prompt_pairs(0, 1000))
     assert queued.prefill_s(300) == pytest.approx(v.prefill_s(1300) - m.coef[5] * (prompt_pairs(0, 1300)
                                                   - prompt_pairs(0, 1000) - prompt_pairs(0, 300)))
+
+
+def test_a_stall_spread_over_the_running_decodes_remaining_tokens_lets_a_long_prompt_go_local():
+    # D: 8 sequences, 11.2 ms a step; a 2000-token chunk makes one step 211 ms (> the 25 ms TPOT),
+    # but spread over half their 400 remaining tokens each it adds ~1 ms to their mean gap.
+    prefills, targets = [view("P", queued=20_000)], Targets.from_ms(1000, 25)
+    busy = dict(decoding=8, context=8000, chunk=4096)
+    one_step = decide(2000, prefills, [view("D", **busy)], targets)  # remaining unknown: one step's rule
+    assert one_step.path != "local"
+    d = InstanceView("D", model(), 4096, 0, 8, 8000, None, 16, remaining_tokens=8 * 400, output_tokens=400)
+    spread = decide(2000, prefills, [d], targets)
+    assert spread.path == "local", spread.predictions
+    local = next(p for p in spread.predictions if p.path == "local")
+    assert local.tpot_s == pytest.approx(d.mean_tpot_s(200, 2000, prompt_pairs(0, 2000)))
+    assert local.tpot_s < 0.013
+
+
+def test_decodes_near_their_last_tokens_refuse_the_stall():
+    # The same D, its sequences 4 tokens from their ends: the 211 ms step counts over 2 tokens.
+    d = InstanceView("D", model(), 4096, 0, 8, 8000, None, 16, remaining_tokens=8 * 4, output_tokens=400)
+    dec = decide(2000, [view("P", queued=20_000)], [d], Targets.from_ms(None, 25))
+    local = next(p for p in dec.predictions if p.path == "local")
+    assert not local.admissible and "TPOT" in local.why and dec.path != "local"
+
+
+def test_a_remote_requests_own_tpot_spreads_the_chunk_queued_on_its_decode_side():
+    # D decodes nothing but computes an 8000-token local prompt (one 0.8 s step): a request pushed
+    # there meets that step once among its ~200 tokens, not at every token.
+    def d(output_tokens):
+        return InstanceView("D", model(), 8192, 8000, 0, 0, None, 16, prompt_pairs(0, 8000),
+                            output_tokens=output_tokens)
+
+    prefills, targets = [view("P", decoding=2, context=2000)], Targets.from_ms(None, 50)
+    assert decide(100, prefills, [d(None)], targets).path == "kept"  # unknown: one step of 0.8 s
+    spread = decide(100, prefills, [d(200)], targets)
+    assert spread.path == "remote", spread.predictions
+    assert spread.chosen.tpot_s == pytest.approx(d(200).mean_tpot_s(200, 8000, prompt_pairs(0, 8000), 1, 100))
+
+
+def test_a_local_prompt_waits_for_the_decode_step_in_flight():
+    d = view("D", decoding=16, context=16_000)
+    local = next(p for p in predict(64, [view("P")], [d]) if p.path == "local")
+    assert local.ttft_s == pytest.approx(d.model.step_s(0, 16, 16_000, 0) + d.prefill_s(64))
+    idle = view("D")
+    assert next(p for p in predict(64, [view("P")], [idle]) if p.path == "local").ttft_s == idle.prefill_s(64)
+
+
+def test_the_fleet_view_counts_remaining_and_expected_output_tokens():
+    from disagg.cluster.bootstrap import Instance
+    from disagg.cluster.outputs import RequestMetrics
+    from disagg.cluster.placement import FleetModel
+    from disagg.cluster.requests import Request
+    from disagg.sampling import SamplingParams
+
+    dec, pre = Instance(name="decode-0", role="decode", actor=None), Instance(name="prefill-0", role="prefill", actor=None)
+
+    def req(rid, max_tokens, num_output, stage):
+        r = Request(rid, [0] * 100, SamplingParams(max_tokens=max_tokens), lambda *a: None, RequestMetrics(arrival_time=0.0))
+        r.decode, r.prefill, r.stage, r.num_output = dec, pre, stage, num_output
+        return r
+
+    live = [req("a", 50, 10, "decoding"), req("b", 30, 29, "decoding"), req("c", 100, 0, "prefilling")]
+    v = FleetModel(512, 16).view(dec, live)
+    assert (v.num_decoding, v.remaining_tokens, v.output_tokens) == (2, 40 + 1, pytest.approx(60.0))
+    assert v.running_horizon == pytest.approx(0.5 * 41 / 2)
+
+
+def test_a_push_needs_the_pages_of_its_whole_answer_on_the_decode_side():
+    # D has 20 free pages: a 100-token prompt fits, with its expected 1000-token answer it does not
+    # (D reserves the answer's pages before the push); P keeps it instead of the push blocking.
+    def d(output_tokens):
+        return InstanceView("D", model(), 512, 0, 8, 8000, 20, 16, remaining_tokens=8 * 500,
+                            output_tokens=output_tokens)
+
+    prefills = [view("P", free_pages=5000)]
+    assert decide(100, prefills, [d(None)]).path in ("remote", "local")
+    dec = decide(100, prefills, [d(1000)], Targets.from_ms(None, 50))
+    remote = next(p for p in dec.predictions if p.path == "remote")
+    assert not remote.admissible and "free pages" in remote.why
+    assert dec.path in ("local", "kept"), dec.predictions
+
+
+def test_a_local_prompt_behind_a_queued_one_stalls_that_ones_first_tokens():
+    # D decodes nothing yet but computes an 8000-token prompt; a second 8000-token prompt there would
+    # run its 0.8 s chunk while the first decodes its first ~20 (half of 40) tokens: 40 ms a token.
+    def d(queued):
+        return InstanceView("D", model(), 8192, queued, 0, 0, None, 16, prompt_pairs(0, queued), output_tokens=40)
+
+    targets = Targets.from_ms(None, 25)
+    alone = next(p for p in decide(8000, [view("P", queued=50_000)], [d(0)], targets).predictions if p.path == "local")
+    assert alone.admissible
+    dec = decide(8000, [view("P", queued=50_000)], [d(8000)], targets)
+    local = next(p for p in dec.predictions if p.path == "local")
+    assert not local.admissible and local.tpot_s > 0.035, dec.predictions
