@@ -8,6 +8,8 @@
 # deployment per command). The merged comparison runs here too, and everything is tarred to $OUT.
 # Usage (device tool: kind nvidia-h200-x2 or nvidia-h100-x2, carry [".whl"]):
 #   source .whl/gpu-env.sh && RATES=4,6,8 CHUNK=8192 bash benchmarks/sitting_headline_workload.sh chat
+# Per deployment: RATES_1P1D, RATES_ADAPTIVE, RATES_COLOCATED (default RATES), e.g. the knees of
+# benchmarks/records/headline-plan-2026-11-27/README.md.
 # CPU smoke check: HEADLINE_MODEL=tiny RATES=2 HEADLINE_SECONDS=3 bash benchmarks/sitting_headline_workload.sh chat
 set -euo pipefail
 W=${1:?workload: chat | prefill-heavy | decode-heavy | long-prompt | shared-prefix}
@@ -18,7 +20,7 @@ MODEL=llama3-8b
 MODEL=${HEADLINE_MODEL:-$MODEL}
 RATES=${RATES:?rates around the predicted knee, e.g. RATES=4,6,8}
 CHUNK=${CHUNK:-8192}
-common=(--no-compare --dataset-name "$W" --request-rate "$RATES" --run-seconds "${HEADLINE_SECONDS:-20}"
+common=(--no-compare --dataset-name "$W" --run-seconds "${HEADLINE_SECONDS:-20}"
         --min-prompts "${MIN_PROMPTS:-16}" --num-prompts 1000 --num-warmups 8 --slo-scales 1,2
         --save-result --disable-tqdm)
 nvidia-smi -L 2>/dev/null || true
@@ -28,15 +30,16 @@ run() {  # LABEL CONFIG [bench flags]
     --result-dir "results/$W/$label" > "$OUT/$W-$label.log" 2>&1 || echo "$label: rc $?"
   grep -E "SLOs|Request goodput|Median TTFT|Mean TPOT" "$OUT/$W-$label.log" | head -8 || true
 }
-run 1p1d "configs/$MODEL-1p1d.yaml" --slo-calibrate
+run 1p1d "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_1P1D:-$RATES}" --slo-calibrate
 slos=$(grep -o "SLOs TTFT [0-9.]* ms, TPOT [0-9.]* ms" "$OUT/$W-1p1d.log" | head -1 || true)
 T=$(echo "$slos" | awk '{print $3}'); P=$(echo "$slos" | awk '{print $6}')
 [ -n "$T" ] && [ -n "$P" ] || { echo "no SLOs in $OUT/$W-1p1d.log" >&2; exit 1; }
 echo "SLOs: TTFT $T ms, TPOT $P ms"
 judge=(--goodput "ttft:$T" --goodput "tpot:$P")
-run adaptive "configs/$MODEL-1p1d.yaml" --set router.placement=adaptive --set "router.slo_ttft_ms=$T" \
-  --set "router.slo_tpot_ms=$P" "${judge[@]}"
-run "colocated-$CHUNK" "configs/$MODEL-colocated.yaml" --set "scheduler.max_num_batched_tokens=$CHUNK" "${judge[@]}"
+run adaptive "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_ADAPTIVE:-$RATES}" --set router.placement=adaptive \
+  --set "router.slo_ttft_ms=$T" --set "router.slo_tpot_ms=$P" "${judge[@]}"
+run "colocated-$CHUNK" "configs/$MODEL-colocated.yaml" --request-rate "${RATES_COLOCATED:-$RATES}" \
+  --set "scheduler.max_num_batched_tokens=$CHUNK" "${judge[@]}"
 python3 -m disagg.cluster.cli bench --from-results "results/$W/1p1d" --from-results "results/$W/adaptive" \
   --from-results "results/$W/colocated-$CHUNK" --slo-scales 1,2 --result-dir "results/$W/merged" \
   > "$OUT/$W-merged.log" 2>&1 || echo "merge: rc $?"
