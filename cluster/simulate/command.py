@@ -168,6 +168,9 @@ def plan_command(
     gpus: Annotated[int, Opt("--gpus", min=1, help="GPUs of the deployment (one instance each)")] = 1,
     out: Annotated[Optional[Path], Opt("--out", help="write the best deployment's YAML here")] = None,
     chunk_sizes: Annotated[str, Opt(help="prompt chunk sizes of the colocated candidates, tokens")] = "512,2048,8192",
+    adaptive_chunk_sizes: Annotated[Optional[str], Opt(help="prompt chunk sizes of the adaptive candidates, tokens "
+                                                            "(default: --chunk-sizes; one size is a third of the "
+                                                            "adaptive runs)")] = None,
     link_gbps: Annotated[float, Opt(help="KV push bandwidth per prefill instance, GB/s")] = 364.0,
     random_input_len: Annotated[Optional[int], Opt(min=1, help="prompt tokens (random dataset)")] = None,
     random_output_len: Annotated[Optional[int], Opt(min=1, help="output tokens (random dataset)")] = None,
@@ -196,12 +199,14 @@ def plan_command(
     if not slos:
         raise typer.BadParameter("expected SLOs such as --goodput ttft:500 tpot:50", param_hint="--goodput")
     chunks = [int(c) for c in flags.positive_floats(chunk_sizes, "--chunk-sizes")]
+    adaptive_chunks = (None if adaptive_chunk_sizes is None else
+                       [int(c) for c in flags.positive_floats(adaptive_chunk_sizes, "--adaptive-chunk-sizes")])
     console = Console()
     lengths = dict(input_len=random_input_len, output_len=random_output_len, range_ratio=random_range_ratio)
     try:
         ranked = planner.plan(prof, dataset_name=dataset_name, slos_ms=slos, num_gpus=gpus, chunk_sizes=chunks,
                               run_length=planner.RunLength(run_seconds, min(100, max_prompts), max_prompts),
-                              seed=seed, link_gbps=link_gbps,
+                              seed=seed, link_gbps=link_gbps, adaptive_chunk_sizes=adaptive_chunks,
                               on_judged=lambda c: console.print(f"{c.label}: {c.goodput_per_gpu:.3f} req/s per GPU",
                                                                 markup=False),
                               **lengths)

@@ -5,9 +5,12 @@ The candidates, one instance per GPU, all with the profiled instance's model, pa
     colocated-N[chunk=C]   N colocated instances, prompt chunks of C tokens (`--chunk-sizes`)
     xPyD                   x prefill + y decode instances (x + y = N; beyond 8 GPUs nine
                            ratios, `prefill_counts`), every prompt pushed
-    xPyD-adaptive          the same fleet with `router.placement: adaptive` (per-request
+    xPyD-adaptive[chunk=C] the same fleet with `router.placement: adaptive` (per-request
                            remote / local / kept from the profile's step-time model), its
-                           targets `router.slo_ttft_ms` / `slo_tpot_ms` the SLOs judged
+                           targets `router.slo_ttft_ms` / `slo_tpot_ms` the SLOs judged, at
+                           each `--adaptive-chunk-sizes` C (default: `--chunk-sizes`, as the
+                           colocated side: best against best; the label drops [chunk=C] when
+                           there is one)
 
 Each candidate's goodput is DistServe's: the highest request rate whose SLO attainment (the
 fraction of requests within every `--goodput` SLO) is at least 90% (`bench.compare.
@@ -76,8 +79,10 @@ def prefill_counts(num_gpus: int) -> list[int]:
 
 
 def candidates(num_gpus: int, chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, *, splits: bool = True,
-               adaptive: bool = True, colocated: bool = True) -> list[Candidate]:
-    """Every deployment of the search for ``num_gpus`` (module docstring; `prefill_counts`)."""
+               adaptive: bool = True, colocated: bool = True,
+               adaptive_chunk_sizes: Sequence[int] | None = None) -> list[Candidate]:
+    """Every deployment of the search for ``num_gpus`` (module docstring; `prefill_counts`);
+    ``adaptive_chunk_sizes`` defaults to ``chunk_sizes``."""
     if num_gpus < 1:
         raise ValueError(f"--gpus: expected at least 1 GPU, got {num_gpus}")
     out = []
@@ -90,8 +95,12 @@ def candidates(num_gpus: int, chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, 
         if splits:
             out.append(Candidate(f"{x}P{num_gpus - x}D", {"instances": instances}))
         if adaptive:
-            out.append(Candidate(f"{x}P{num_gpus - x}D-adaptive", {
-                "instances": instances, "router": {"placement": "adaptive"}}))
+            chunks = list(chunk_sizes if adaptive_chunk_sizes is None else adaptive_chunk_sizes)
+            for chunk in chunks:
+                suffix = f"[chunk={chunk}]" if len(chunks) > 1 else ""
+                out.append(Candidate(f"{x}P{num_gpus - x}D-adaptive{suffix}", {
+                    "instances": instances, "router": {"placement": "adaptive"},
+                    "scheduler": {"max_num_batched_tokens": chunk}}))
     return out
 
 
@@ -171,6 +180,7 @@ def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_
 def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_gpus: int,
          chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, run_length: RunLength = RunLength(), seed: int = 0,
          link_gbps: float = 364.0, search: Sequence[Candidate] | None = None,
+         adaptive_chunk_sizes: Sequence[int] | None = None,
          on_judged: Callable[[Candidate], None] | None = None, **lengths: Any) -> list[Candidate]:
     """Judge every candidate; return them best first (goodput per GPU, then the order searched).
 
@@ -181,7 +191,9 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
         raise ValueError("--goodput: expected SLOs such as ttft:500 tpot:50, got none")
     base = base_sections(profile, slos_ms)
     judged = []
-    for cand in search if search is not None else candidates(num_gpus, chunk_sizes):
+    search = search if search is not None else candidates(num_gpus, chunk_sizes,
+                                                           adaptive_chunk_sizes=adaptive_chunk_sizes)
+    for cand in search:
         router = cand.sections.get("router") or {}
         if router.get("placement") == "adaptive":  # it predicts against the SLOs it is judged by
             router.setdefault("slo_ttft_ms", slos_ms.get("ttft"))

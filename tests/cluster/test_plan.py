@@ -75,6 +75,12 @@ def test_search_space_every_split_up_to_8_gpus_then_ratios():
     labels = [c.label for c in planner.candidates(4, chunk_sizes=(512,))]
     assert labels == ["colocated-4[chunk=512]", "1P3D", "1P3D-adaptive", "2P2D", "2P2D-adaptive", "3P1D",
                       "3P1D-adaptive"]
+    # The adaptive fleet gets the colocated side's chunk sizes (best against best), or its own.
+    both = planner.candidates(2, chunk_sizes=(512, 8192), splits=False, colocated=False)
+    assert [(c.label, c.sections["scheduler"]["max_num_batched_tokens"]) for c in both] == [
+        ("1P1D-adaptive[chunk=512]", 512), ("1P1D-adaptive[chunk=8192]", 8192)]
+    own = planner.candidates(2, chunk_sizes=(512, 8192), splits=False, colocated=False, adaptive_chunk_sizes=(2048,))
+    assert [c.label for c in own] == ["1P1D-adaptive"] and own[0].sections["scheduler"]["max_num_batched_tokens"] == 2048
     assert planner.prefill_counts(8) == list(range(1, 8))
     assert planner.prefill_counts(64) == [8, 11, 16, 21, 32, 43, 48, 53, 56]
     with pytest.raises(ValueError, match="at least 1 GPU"):
