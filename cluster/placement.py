@@ -440,7 +440,10 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     if ok:
         best = min(c.ttft_s for c in ok)
         near = [c for c in ok if c.ttft_s <= best * (1.0 + c.margin)]
-        return Decision(min(near, key=lambda c: (PREFERENCE.index(c.path), c.ttft_s)), tuple(judged))
+        path = min(near, key=lambda c: (PREFERENCE.index(c.path), c.ttft_s)).path
+        # The fastest of that path, even one whose own (smaller) margin left it out of `near`: an
+        # uncertain instance's prediction must not win over a surer, faster one of the same path.
+        return Decision(min((c for c in ok if c.path == path), key=lambda c: c.ttft_s), tuple(judged))
     fitting = [c for c in judged if _fits(c, views, prompt_len)]
     if not fitting:
         return Decision(None, tuple(judged))

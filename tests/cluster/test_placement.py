@@ -106,7 +106,10 @@ def test_the_choice_is_never_slower_to_first_token_than_an_admissible_path_beyon
     if admissible:
         assert d.chosen.admissible
         best = min(p.ttft_s for p in admissible)
-        assert d.chosen.ttft_s <= best * (1 + d.chosen.margin) + 1e-12
+        same_path = [p for p in admissible if p.path == d.chosen.path]
+        # Its path has a prediction within its margin of the best, and it is that path's fastest.
+        assert any(p.ttft_s <= best * (1 + p.margin) + 1e-12 for p in same_path)
+        assert d.chosen.ttft_s == min(p.ttft_s for p in same_path)
         # A faster admissible path was passed over only for one earlier in the preference order.
         for p in admissible:
             if p.ttft_s < d.chosen.ttft_s:
@@ -240,3 +243,21 @@ def test_a_local_prompt_behind_a_queued_one_stalls_that_ones_first_tokens():
     dec = decide(8000, [view("P", queued=50_000)], [d(8000)], targets)
     local = next(p for p in dec.predictions if p.path == "local")
     assert not local.admissible and local.tpot_s > 0.035, dec.predictions
+
+
+def test_a_sure_instance_beats_an_unsure_slower_one_of_the_same_path():
+    """Hypothesis's counterexample of 2026-11-27: local on D1 (model error 0.5) was within its own
+    margin of the best path, local on D0 (error 0) was faster but not within its zero margin, so
+    the unsure D1 won; the fastest instance of the chosen path wins now."""
+    prefills = [view("P0", coef=(0.03125, 1.192092896e-07, 0.00041782170266259263, 0.0), queued=64, decoding=0,
+                     chunk=64, error=0.0, context=19),
+                view("P1", coef=(0.03125, 1.192092896e-07, 0.00041782170266259263, 0.0), queued=67, decoding=2,
+                     chunk=64, error=0.0, context=467)]
+    decodes = [view("D0", coef=(0.03125, 1.192092896e-07, 0.00041782170266259263, 0.0), queued=0, decoding=2,
+                    chunk=64, error=0.0, context=2),
+               view("D1", coef=(0.03125, 1.192092896e-07, 0.00041782170266259263, 0.0), queued=1, decoding=2,
+                    chunk=2048, error=0.5, context=495)]
+    d = decide(1, prefills, decodes, Targets.from_ms(None, None))
+    local = {p.decode: p for p in d.predictions if p.path == "local"}
+    assert local["D0"].ttft_s < local["D1"].ttft_s
+    assert (d.chosen.path, d.chosen.decode) == ("local", "D0")
