@@ -24,6 +24,7 @@ import ray
 
 from disagg.cluster.bootstrap import Fleet, Instance, start_fleet
 from disagg.cluster.outputs import Completion, RequestMetrics, StreamDelta
+from disagg.cluster.placer import seed_fit
 from disagg.cluster.router import Router
 from disagg.config import Config
 from disagg.errors import ClusterError, NoLiveInstance, PreflightError
@@ -61,10 +62,12 @@ class Cluster:
             config: the deployment.
 
         Raises:
-            ConfigError: the YAML is invalid. PreflightError / ClusterError: see `start_fleet`.
+            ConfigError: the YAML is invalid, or router.step_profile is not a readable profile.
+            PreflightError / ClusterError: see `start_fleet`.
         """
         if not isinstance(config, Config):
             config = Config.from_yaml(config)
+        seed_fit(config.router.step_profile)  # a bad router.step_profile fails before any actor starts
         return cls(start_fleet(config))
 
     # ------------------------------------------------------------------ properties

@@ -12,7 +12,8 @@ function of its prompt tokens (more per token beyond a knee), their attention pa
 sequences and their context, with one intercept for pure-decode steps, which replay CUDA graphs,
 and one for steps with prompt tokens, which run eagerly and pay more for their decodes) fitted
 online from the
-instance's own measured steps (`disagg.cluster.messages.StepSample`) and seeded with a prior, and
+instance's own measured steps (`disagg.cluster.messages.StepSample`) and seeded with a prior (or a
+profile's fit, `router.step_profile`), and
 an `InstanceView` of its live load (prompt tokens queued, sequences decoding, free pages).
 `decide` predicts TTFT and TPOT on every path and keeps the admissible ones: the pages fit (for a
 push, the prompt's and its expected answer's: the decode side reserves both), and the targets
@@ -474,15 +475,23 @@ class FleetModel:
     Args:
         chunk_tokens: every engine's prompt-token budget per step (scheduler.max_num_batched_tokens).
         page_size: tokens per page.
+        seed_fit: a profile's fit (`StepTimeModel.to_dict`, `disagg profile`'s "fit"): every
+            instance's model starts from it and is pulled towards it (`router.step_profile`);
+            None: the `StepTimeModel` defaults.
     """
 
-    def __init__(self, chunk_tokens: int, page_size: int) -> None:
+    def __init__(self, chunk_tokens: int, page_size: int, seed_fit: dict | None = None) -> None:
         self.chunk_tokens, self.page_size = chunk_tokens, page_size
+        self.seed_fit = seed_fit
         self.models: dict[str, StepTimeModel] = {}
         self.loads: dict[str, object] = {}  # name -> `InstanceLoad` of its last batch
 
     def model_of(self, name: str) -> StepTimeModel:
-        return self.models.setdefault(name, StepTimeModel())
+        model = self.models.get(name)
+        if model is None:
+            model = self.models[name] = (StepTimeModel() if self.seed_fit is None
+                                         else StepTimeModel.from_dict(self.seed_fit))
+        return model
 
     def observe(self, name: str, steps: list, load: object | None) -> None:
         """Feed one `OutputBatch`'s step samples and load of instance ``name``."""

@@ -106,7 +106,8 @@ class Placer:
         self.affinity = affinity
         sched = config.scheduler
         self.prefill_queue_tokens = config.router.prefill_queue_tokens or 4 * sched.max_num_batched_tokens
-        self.fleet_model = FleetModel(sched.max_num_batched_tokens, config.cache.page_size)
+        self.fleet_model = FleetModel(sched.max_num_batched_tokens, config.cache.page_size,
+                                      seed_fit(config.router.step_profile))
         self.targets = Targets.from_ms(config.router.slo_ttft_ms, config.router.slo_tpot_ms)
         self.placements: collections.Counter[str] = collections.Counter({path: 0 for path in PATHS})
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
@@ -204,3 +205,20 @@ class Placer:
         for path in PATHS:
             self.placements[path] = 0
         self.decisions.clear()
+
+
+def seed_fit(path: str | None) -> dict | None:
+    """The fit of the `disagg profile` JSON at ``path`` (`router.step_profile`), or None.
+
+    Raises:
+        ConfigError: the file is missing or not a profile (the message names the setting).
+    """
+    if path is None:
+        return None
+    from disagg.cluster.profile import load_profile
+    from disagg.errors import ConfigError
+
+    try:
+        return load_profile(path)["fit"]
+    except ValueError as err:
+        raise ConfigError(f"router.step_profile: {str(err).removeprefix('--profile: ')}") from None

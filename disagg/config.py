@@ -250,6 +250,11 @@ class RouterSection(Section):
                                                                 "adaptive placement, ms; null: keep every "
                                                                 "decode step under 1.1 x its length without "
                                                                 "the new request's prefill")
+    step_profile: str | None = Field(None, description="a `disagg profile` JSON (read by the launching process) "
+                                                       "whose fit seeds every instance's step-time model: the "
+                                                       "adaptive placement's predictions before an instance's "
+                                                       "own steps refine them; null: built-in defaults of the "
+                                                       "order of an 8B model on one H100")
     poll_wait_s: float = Field(0.25, gt=0.0, le=5.0, description="how long an actor's next_outputs() waits "
                                                                  "when it has no output (it returns at once "
                                                                  "when it has some), seconds")

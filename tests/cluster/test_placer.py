@@ -133,3 +133,47 @@ def test_prefix_affinity_sends_a_shared_prefix_back_where_it_went():
     assert where[1] != where[0] and hits == 0  # 67 > 30: the less loaded pair
     where, hits = place_both([prompts[0], [5] * 67])
     assert where[1] != where[0] and hits == 0  # no shared prefix, no credit
+
+
+def test_a_step_profile_seeds_every_instance_model_and_a_bad_one_is_refused(tmp_path):
+    """router.step_profile: each instance's step-time model starts from the profile's fit (the
+    adaptive predictions before its own steps), then learns from its own samples."""
+    import json
+
+    import pytest
+
+    from disagg.cluster.placement import StepTimeModel
+    from disagg.cluster.profile import PROFILE_KIND, PROFILE_VERSION
+    from disagg.errors import ConfigError
+
+    fit = StepTimeModel(prior=(4e-3, 2e-5, 1e-5, 4e-8, 5e-3, 1e-9, 2e-3, 1e-8, 1e-5)).to_dict()
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"kind": PROFILE_KIND, "version": PROFILE_VERSION, "fit": fit, "engine": {}}))
+    placer, _ = fleet("adaptive", **{"router.step_profile": str(path)})
+    seeded = placer.fleet_model.model_of("decode-1")
+    assert list(seeded.coef) == fit["coef_s"] and list(seeded.prior) == fit["coef_s"]
+    default, _ = fleet("adaptive")
+    assert list(default.fleet_model.model_of("decode-1").coef) == list(StepTimeModel().prior)
+    for _ in range(64):  # its own steps: 9 ms pure-decode steps of 8 sequences
+        seeded.observe(0, 8, 8000, 0, 9e-3)
+    assert seeded.step_s(0, 8, 8000, 0) == pytest.approx(9e-3, rel=0.05)
+    path.write_text("{}")
+    with pytest.raises(ConfigError, match="router.step_profile"):
+        fleet("adaptive", **{"router.step_profile": str(path)})
+    with pytest.raises(ConfigError, match="router.step_profile"):
+        fleet("adaptive", **{"router.step_profile": str(tmp_path / "missing.json")})
+
+
+def test_launch_refuses_a_bad_step_profile_before_starting_a_fleet(tmp_path, monkeypatch):
+    import pytest
+
+    from disagg.cluster import cluster as cluster_module
+    from disagg.errors import ConfigError
+
+    def started(config):
+        raise AssertionError("the fleet started before router.step_profile was checked")
+
+    monkeypatch.setattr(cluster_module, "start_fleet", started)
+    config = Config.from_yaml(CONFIGS / "tiny-1p1d.yaml").override({"router.step_profile": str(tmp_path / "no.json")})
+    with pytest.raises(ConfigError, match="router.step_profile: cannot read"):
+        cluster_module.Cluster.launch(config)
