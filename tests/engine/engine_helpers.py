@@ -1,15 +1,18 @@
 """Helpers shared by the engine tests (and their spawned workers).
 
 `reference_greedy` is the plain loop the engines must match: every step recomputes the whole
-sequence in a fresh cache (no KV reuse, no chunking, batch of one). `drain` steps an engine until
-it has no work and collects every request's tokens and finish reason.
+sequence in a fresh cache (no KV reuse, no chunking, batch of one); `reference_tokens` runs it for
+named prompts with the kernels' torch references. `drain` steps an engine until it has no work and
+collects every request's tokens and finish reason; `close_heaps` ends a test's heaps.
 """
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Hashable, Iterator
 
+import pytest
 import torch
 
 from disagg.cache import PagedKVCache
@@ -36,6 +39,30 @@ def reference_greedy(model, prompt: list[int], num_tokens: int, page_size: int =
         out.append(token)
         tokens.append(token)
     return out
+
+
+@contextlib.contextmanager
+def torch_kernels() -> Iterator[None]:
+    """Run the kernels' torch references inside the block (TRITON_INTERPRET=0): the
+    `torch_reference` fixture's switch, for module-scoped fixtures."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "0")
+        yield
+
+
+def reference_tokens(model, prompts: dict[Hashable, list[int]], num_tokens: int) -> dict[Hashable, list[int]]:
+    """`reference_greedy` of every named prompt, with the kernels' torch references."""
+    with torch_kernels():
+        return {name: reference_greedy(model, prompt, num_tokens) for name, prompt in prompts.items()}
+
+
+def close_heaps(uid: bytes, heaps) -> None:
+    """Close a test's symmetric heaps, then check that no /dev/shm file of ``uid`` is left."""
+    from disagg.transfer.shm_heap import shm_leftovers
+
+    for heap in heaps:
+        heap.close()
+    assert shm_leftovers(uid) == []
 
 
 def drain(engine, max_steps: int = 10_000) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from engine_helpers import assert_all_free, drain, reference_greedy
+from engine_helpers import assert_all_free, drain, reference_tokens
 
 from disagg.engine import ColocatedEngine
 from disagg.sampling import SamplingParams
@@ -40,9 +40,7 @@ def _engine(model, **kw) -> ColocatedEngine:
 @pytest.fixture(scope="module")
 def expected(tiny_model):
     """Greedy tokens of every prompt from the full-recompute loop (torch reference kernels)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "0")
-        return [reference_greedy(tiny_model, p, GREEDY.max_tokens) for p in PROMPTS]
+    return list(reference_tokens(tiny_model, dict(enumerate(PROMPTS)), GREEDY.max_tokens).values())
 
 
 def test_greedy_matches_full_recompute(tiny_model, torch_reference, expected):

@@ -9,7 +9,7 @@ are preempted (a received or pushed one never is); every page is free at the end
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_all_free, collective, reference_greedy
+from engine_helpers import assert_all_free, close_heaps, collective, reference_tokens
 from test_disagg import FakeClock
 
 from disagg.engine import DecodeEngine, PrefillEngine
@@ -40,16 +40,12 @@ def make_engines(tiny_model, num_pages: int, async_scheduling: bool):
 def engines(tiny_model, torch_reference, request):
     uid, heaps, prefill, decode = make_engines(tiny_model, 24, request.param)
     yield prefill, decode
-    for heap in heaps:
-        heap.close()
-    assert shm_leftovers(uid) == []
+    close_heaps(uid, heaps)
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_model):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "0")
-        return {rid: reference_greedy(tiny_model, p, GREEDY.max_tokens) for rid, p in PROMPTS.items()}
+    return reference_tokens(tiny_model, PROMPTS, GREEDY.max_tokens)
 
 
 def relay(prefill, decode, max_steps: int = 400) -> dict:

@@ -5,13 +5,12 @@ leases, quarantine and aborts at every stage free every page; bad inputs are ref
 from __future__ import annotations
 
 import pytest
-from engine_helpers import FakeClock, assert_all_free, collective, reference_greedy
+from engine_helpers import FakeClock, assert_all_free, close_heaps, collective, reference_tokens
 
 from disagg.engine import DecodeEngine, PrefillEngine
 from disagg.errors import OutOfPages
 from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id, open_heap
-from disagg.transfer.shm_heap import shm_leftovers
 
 PROMPTS = {"a": [5, 9, 17, 3, 88, 41, 7, 200, 13, 66, 21], "b": [42], "c": [150, 151, 3, 4, 90, 12, 8]}
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -32,16 +31,12 @@ def engines(tiny_model, torch_reference, request):
         lambda: DecodeEngine(tiny_model, heaps[1], lease_s=5.0, clock=clock, async_scheduling=request.param,
                              **sizes)])
     yield prefill, decode, clock
-    for heap in heaps:
-        heap.close()
-    assert shm_leftovers(uid) == []
+    close_heaps(uid, heaps)
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_model):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "0")
-        return {rid: reference_greedy(tiny_model, p, GREEDY.max_tokens) for rid, p in PROMPTS.items()}
+    return reference_tokens(tiny_model, PROMPTS, GREEDY.max_tokens)
 
 
 def run(prefill, decode, max_steps: int = 200, until_done: list | None = None) -> dict:

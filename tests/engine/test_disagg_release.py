@@ -9,13 +9,12 @@ clock never moves in these tests: every page freed here is freed long before a l
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_all_free, collective, reference_greedy
+from engine_helpers import assert_all_free, close_heaps, collective, reference_greedy
 
 from disagg.engine import DecodeEngine, PrefillEngine, PushState
 from disagg.errors import OutOfPages
 from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id, open_heap
-from disagg.transfer.shm_heap import shm_leftovers
 
 PROMPTS = {"a": [5, 9, 17, 3, 88, 41, 7, 200, 13, 66, 21], "c": [150, 151, 3, 4, 90, 12, 8]}
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -51,9 +50,7 @@ def engines(tiny_model, torch_reference):
         lambda: PrefillEngine(tiny_model, heaps[0], max_num_batched_tokens=5, **sizes),
         lambda: DecodeEngine(tiny_model, heaps[1], lease_s=60.0, clock=FrozenClock(), **sizes)])
     yield prefill, decode
-    for heap in heaps:
-        heap.close()
-    assert shm_leftovers(uid) == []
+    close_heaps(uid, heaps)
 
 
 def send(prefill, decode, rid):

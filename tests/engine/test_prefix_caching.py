@@ -7,7 +7,7 @@ free (free pages plus evictable cached ones) at the end."""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_all_free, drain
+from engine_helpers import assert_all_free, drain, torch_kernels
 
 from disagg.engine import ColocatedEngine
 from disagg.sampling import SamplingParams
@@ -41,8 +41,7 @@ def run_one(eng, rid, prompt, params=GREEDY) -> tuple[list[int], int]:
 
 @pytest.fixture(scope="module")
 def a_tokens(tiny_model):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "0")
+    with torch_kernels():
         return uncached(tiny_model, {"a": A})["a"]
 
 

@@ -8,12 +8,11 @@ lease expiry free the reservation's own pages and keep the cached ones."""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import FakeClock, assert_all_free, collective, reference_greedy
+from engine_helpers import FakeClock, assert_all_free, close_heaps, collective, reference_tokens
 
 from disagg.engine import DecodeEngine, PrefillEngine
 from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id, open_heap
-from disagg.transfer.shm_heap import shm_leftovers
 
 P = 4
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
@@ -34,16 +33,12 @@ def engines(tiny_model, torch_reference, request):
                               **sizes),
         lambda: DecodeEngine(tiny_model, heaps[1], lease_s=5.0, clock=clock, **sizes)])
     yield prefill, decode, clock
-    for heap in heaps:
-        heap.close()
-    assert shm_leftovers(uid) == []
+    close_heaps(uid, heaps)
 
 
 @pytest.fixture(scope="module")
 def expected(tiny_model):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "0")
-        return {name: reference_greedy(tiny_model, p, GREEDY.max_tokens) for name, p in (("a", A), ("b", B))}
+    return reference_tokens(tiny_model, {"a": A, "b": B}, GREEDY.max_tokens)
 
 
 def serve(prefill, decode, rid, prompt, known=True) -> tuple[list[int], int, int]:
