@@ -503,9 +503,10 @@ class EngineCore:
         rows = [i for i, (r, n) in enumerate(zip(reqs, counts)) if r.num_computed + n == len(r.token_ids)]
         sampled = [reqs[i] for i in rows]
         shape = StepShape.of(reqs, counts)
-        for r in reqs:
-            if not r.decoding and r.num_computed == r.num_cached_tokens:  # its first prompt chunk
-                trace.event("prompt_start", r.request_id, cached=r.num_cached_tokens)
+        if trace.enabled():  # off: no walk over the batch on this path
+            for r in reqs:
+                if not r.decoding and r.num_computed == r.num_cached_tokens:  # its first prompt chunk
+                    trace.event("prompt_start", r.request_id, cached=r.num_cached_tokens)
         start = time.perf_counter()
         plan = self.cache.begin_forward([r.seq_id for r in reqs], counts)
         num_pushed = int(np.count_nonzero(plan.push_slots >= 0)) + len(plan.copy_remote_slots)
