@@ -29,6 +29,9 @@ run() {  # LABEL CONFIG [bench flags]
   timeout "${PER_RUN_TIMEOUT:-170}" python3 -m disagg.cluster.cli bench "$@" "${common[@]}" --label "$label" \
     --result-dir "results/$W/$label" > "$OUT/$W-$label.log" 2>&1 || echo "$label: rc $?"
   grep -E "SLOs|Request goodput|Median TTFT|Mean TPOT" "$OUT/$W-$label.log" | head -8 || true
+  # each deployment's results reach $OUT as soon as it ends (a command stopped at the device's
+  # time limit still returns the deployments it finished)
+  [ -d "results/$W/$label" ] && tar czf "$OUT/$W-$label.tgz" "results/$W/$label" || true
 }
 run 1p1d "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_1P1D:-$RATES}" --slo-calibrate
 slos=$(grep -o "SLOs TTFT [0-9.]* ms, TPOT [0-9.]* ms" "$OUT/$W-1p1d.log" | head -1 || true)
