@@ -153,7 +153,10 @@ def make_engine(role: str, model: Any, heap: Any, num_pages: int, config: Config
                   prompt_graphs=None if mode == "full_and_piecewise" else False)
     budget = config.scheduler.max_num_batched_tokens
     if role == "prefill":
-        return PrefillEngine(model, heap, max_num_batched_tokens=budget,
+        # Decode graphs where the router may keep a request on it to decode (adaptive placement):
+        # an eager decode step of an 8B model takes about twice the graph's.
+        keeps = config.router.placement == "adaptive" and mode != "none"
+        return PrefillEngine(model, heap, max_num_batched_tokens=budget, use_cuda_graphs=None if keeps else False,
                              force_segment_puts=config.transfer.force_segment_puts, **common)
     graphs = dict(use_cuda_graphs=False if mode == "none" else None,
                   async_scheduling=config.scheduler.async_scheduling)

@@ -22,7 +22,10 @@ decode step by more than 10% beyond the remote path's. TPOT is predicted as the 
 request's mean gap: a stall of prompt chunks is spread over the tokens it delays
 (`InstanceView.mean_tpot_s`; where the router's requests' max_tokens are unknown, one step's). Among admissible
 paths it takes the lowest predicted TTFT (ties within the model's error margin go to local, then
-remote, then kept: `PREFERENCE`); when none is admissible, the smallest violation. Pure functions of
+remote, then kept: `PREFERENCE`); when none is admissible, the smallest violation, never a local
+prompt on a decode instance that already misses the TPOT bound. A decode's future steps are
+predicted stretched by the prompt chunks its instance ran recently (`StallMeter`): each local
+prompt is a small stall spread over many tokens, but together they add up. Pure functions of
 their inputs, used by the `Placer` (`disagg.cluster.placer`) of the router and of the simulator.
 """
 
@@ -48,6 +51,7 @@ PROFILE_PRIOR_WEIGHT = 1e-3  # a profile's grid covers every direction: its fit 
 # A stall counts in the running decodes' TPOT over this share of their mean remaining tokens:
 # the rest of their budget is left to the prompts that come after it.
 HORIZON_SHARE = 0.5
+STALL_WINDOW_STEPS = 128  # `StallMeter`'s memory: about a second of an 8B decode instance's steps
 OUTLIER_RATIO = 3.0  # a step over 3x the fit's prediction is a one-off (a first use of a shape): not fitted
 # Per step (`features`): is it pure decode (0/1), prompt tokens, decoding sequences, their context
 # tokens, has it prompt tokens (0/1), the prompt tokens' attention pairs (`disagg.engine.steps.
@@ -265,6 +269,9 @@ class InstanceView:
             their mean over what remains (`mean_tpot_s`), as the SLO judges it; unknown, one step's.
         output_tokens: the tokens a request placed here is expected to decode (the mean
             max_tokens of the router's live requests; None: unknown, its TPOT is one step's).
+        stall_factor: how much longer its recent steps with decodes ran than pure decode steps
+            of the same decodes would (`StallMeter`, >= 1): the prompt chunks placed on it go on
+            arriving, so a decode's future steps are predicted that much longer.
     """
 
     name: str
@@ -278,6 +285,7 @@ class InstanceView:
     queued_prompt_pairs: int = 0
     remaining_tokens: int | None = None
     output_tokens: float | None = None
+    stall_factor: float = 1.0
 
     def fits(self, prompt_len: int) -> bool:
         return self.free_pages is None or self.free_pages >= math.ceil((prompt_len + 1) / self.page_size)
@@ -312,7 +320,12 @@ class InstanceView:
         chunks_s = steps * self.model.step_s(prompt_tokens / steps, seqs, context, num_prompt_pairs / steps) if steps else 0.0
         if steps >= horizon:
             return chunks_s / steps
-        return (chunks_s + (horizon - steps) * self.model.step_s(0, seqs, context, 0)) / horizon
+        return (chunks_s + (horizon - steps) * self.decode_gap_s(seqs, context)) / horizon
+
+    def decode_gap_s(self, seqs: int, context: int) -> float:
+        """The seconds between two tokens of ``seqs`` sequences decoding here from now on: a pure
+        decode step, stretched by the prompt chunks that keep coming (``stall_factor``)."""
+        return self.stall_factor * self.model.step_s(0, seqs, context, 0)
 
     @property
     def running_horizon(self) -> float | None:
@@ -396,7 +409,7 @@ def _decode_side_tpot(d: InstanceView, prompt_len: int) -> tuple[float, float]:
     own_h, running_h = d.output_tokens, d.running_horizon
     own_remote = d.mean_tpot_s(own_h, queued, queued_pairs, 1, prompt_len) if own_h else step_d
     # Local: once its prompt (and the queue ahead of it) is computed it decodes without chunks.
-    own_local = d.model.step_s(0, d.num_decoding + 1, d.context_tokens + prompt_len, 0) if own_h else step_d
+    own_local = d.decode_gap_s(d.num_decoding + 1, d.context_tokens + prompt_len) if own_h else step_d
     if running_h:
         running_remote = d.mean_tpot_s(running_h, queued, queued_pairs, 1, prompt_len)
         running_local = d.mean_tpot_s(running_h, queued + prompt_len, queued_pairs + prompt_pairs(0, prompt_len))
@@ -448,7 +461,12 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     fitting = [c for c in judged if _fits(c, views, prompt_len)]
     if not fitting:
         return Decision(None, tuple(judged))
-    return Decision(min(fitting, key=lambda c: _violation(c, targets, bound)), tuple(judged))
+    # Overloaded: a decode instance whose own decodes already miss the TPOT bound (its remote
+    # candidate does) has no spare compute for a prompt; a local one there would only slow every
+    # decode on it further, however close its own prediction.
+    saturated = {c.decode for c in judged if c.path == "remote" and bound is not None and c.tpot_s > bound}
+    spare = [c for c in fitting if not (c.path == "local" and c.decode in saturated)] or fitting
+    return Decision(min(spare, key=lambda c: _violation(c, targets, bound)), tuple(judged))
 
 
 def _fits(cand: Prediction, views: dict[str, InstanceView], prompt_len: int) -> bool:
@@ -468,6 +486,29 @@ def _violation(cand: Prediction, targets: Targets, bound: float | None) -> float
     return max(ratios) + 1e-9 * cand.ttft_s
 
 
+class StallMeter:
+    """How much longer an instance's recent steps with decodes ran than pure decode steps of the
+    same decodes would have (`InstanceView.stall_factor`): exponentially weighted sums of each
+    step's measured and pure-decode seconds over about `STALL_WINDOW_STEPS` steps. The ratio (>=
+    1) is what the decodes' token gaps have been stretched by the prompt chunks beside them (and
+    what the model underrates pure decode steps by)."""
+
+    def __init__(self, window_steps: int = STALL_WINDOW_STEPS) -> None:
+        self.keep = 1.0 - 1.0 / window_steps
+        self.actual_s = self.pure_s = 0.0
+
+    def note(self, actual_s: float, pure_s: float, count: int = 1) -> None:
+        """Record ``count`` steps of ``actual_s`` seconds each, whose decodes alone take ``pure_s``."""
+        decay = self.keep ** count
+        weight = (1.0 - decay) / (1.0 - self.keep)  # the sum of keep**i for i < count
+        self.actual_s = self.actual_s * decay + actual_s * weight
+        self.pure_s = self.pure_s * decay + pure_s * weight
+
+    @property
+    def factor(self) -> float:
+        return max(1.0, self.actual_s / self.pure_s) if self.pure_s > 0 else 1.0
+
+
 class FleetModel:
     """The router's picture of its instances for `decide`: a `StepTimeModel` per instance fed
     from its step samples, its last reported load, and its live requests' prompt and decode work.
@@ -485,6 +526,7 @@ class FleetModel:
         self.seed_fit = seed_fit
         self.models: dict[str, StepTimeModel] = {}
         self.loads: dict[str, object] = {}  # name -> `InstanceLoad` of its last batch
+        self.stalls: dict[str, StallMeter] = collections.defaultdict(StallMeter)
 
     def model_of(self, name: str) -> StepTimeModel:
         model = self.models.get(name)
@@ -498,8 +540,17 @@ class FleetModel:
         model = self.model_of(name)
         for sample in steps:
             model.observe(*sample)
+            self.note_step(name, *sample)
         if load is not None:
             self.loads[name] = load
+
+    def note_step(self, name: str, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int,
+                  num_prompt_pairs: int, seconds: float, count: int = 1) -> None:
+        """Feed ``count`` measured steps of that shape to instance ``name``'s `StallMeter` (steps
+        without decodes stall nobody)."""
+        if num_decode_seqs and seconds > 0:
+            pure = self.model_of(name).step_s(0, num_decode_seqs, num_context_tokens, 0)
+            self.stalls[name].note(seconds, pure, count)
 
     def view(self, inst, requests: list) -> InstanceView:
         """``inst`` (an `Instance`) with the work of the router's live ``requests`` on it."""
@@ -524,7 +575,7 @@ class FleetModel:
         load = self.loads.get(inst.name)
         return InstanceView(inst.name, self.model_of(inst.name), self.chunk_tokens, queued, decoding, context,
                             None if load is None else load.free_pages, self.page_size, pairs, remaining,
-                            sum(outputs) / len(outputs) if outputs else None)
+                            sum(outputs) / len(outputs) if outputs else None, self.stalls[inst.name].factor)
 
     def snapshot(self) -> dict:
         """Each instance's fitted model (coefficients, error, samples)."""

@@ -181,6 +181,20 @@ class SimFleet:
             step = inst.actor.current
             step.end_times = self._end_times(step)
             self._push(step.end_times[-1], STEP_END, inst)
+            if self.placer.placement == "adaptive":  # the router's view of the steps, as `_poll` feeds it
+                self._note_steps(inst.name, step)
+
+    def _note_steps(self, name: str, step) -> None:
+        """Feed a launched step's forwards to the fleet model's stall meters (its fit is the
+        profile's: the simulated steps take exactly what it predicts)."""
+        shape, fleet = step.shape, self.placer.fleet_model
+        fleet.note_step(name, shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens,
+                        shape.num_prompt_pairs, step.durations[0])
+        fused = len(step.durations) - 1  # pure decode forwards of the same sequences, a token longer each
+        if fused:
+            n = shape.num_decode_seqs
+            fleet.note_step(name, 0, n, shape.num_context_tokens + n * (fused + 1) // 2, 0,
+                            sum(step.durations[1:]) / fused, fused)
 
     def _end_times(self, step) -> list[float]:
         """When each of a step's forwards ends, accumulated as the clock would, forward by forward."""

@@ -52,16 +52,18 @@ class PrefillEngine(EngineCore):
         prefix_caching: prompts fork from the longest cached prefix and compute only the rest
             (`EngineCore`); pushes still start at the decode side's ``dest.num_cached_tokens``.
         prompt_graphs: piecewise CUDA graphs between the attentions of its forwards (on CUDA;
-            False: eager); a prefill engine has no decode graphs.
+            False: eager).
+        use_cuda_graphs: decode graphs, for the requests it keeps and decodes itself (None: on
+            CUDA); off by default: a prefill engine of a fixed disaggregated fleet never decodes.
     """
 
     def __init__(self, model, heap, *, num_pages: int, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype: torch.dtype | None = None,
                  force_segment_puts: bool = False, prefix_caching: bool = True,
-                 prompt_graphs: bool | None = None) -> None:
+                 prompt_graphs: bool | None = None, use_cuda_graphs: bool | None = False) -> None:
         super().__init__(model, heap=heap, num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype,
-                         use_cuda_graphs=False, prompt_graphs=prompt_graphs is not False,
+                         use_cuda_graphs=use_cuda_graphs, prompt_graphs=prompt_graphs is not False,
                          force_segment_puts=force_segment_puts,
                          prefix_caching=prefix_caching)
 

@@ -83,7 +83,10 @@ def test_llama3_shaped_placements_over_nvshmem_equal_colocated(ray_local, gpu_sh
             forced = cluster.generate(prompts[:24], params[:24])
         decided = cluster.generate(prompts[24:], params[24:])
         stats = cluster.router_stats()
+        instances = {i["name"]: i for i in cluster.stats()["instances"]}
         wait_all_free(cluster)
+    # The prefill instance decodes its kept requests with CUDA graphs (adaptive placement), as D does.
+    assert instances["prefill-0"]["num_graph_replays"] > 0, instances["prefill-0"]
     placed = stats["placements"]
     assert placed["remote"] >= 8 and placed["local"] >= 8 and placed["kept"] >= 8, placed
     models = stats["placement"]["models"]

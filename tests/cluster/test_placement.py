@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from disagg.cluster.placement import (PREFERENCE, InstanceView, StepTimeModel, Targets, decide,
-                                      predict)
+from disagg.cluster.placement import (PREFERENCE, FleetModel, InstanceView, StallMeter, StepTimeModel, Targets,
+                                      decide, predict)
 from disagg.engine.steps import prompt_pairs
 
 # 10 ms a step, 0.1 ms per prompt token, 0.05 ms per decoding sequence, 1 ms per 10k context tokens.
@@ -67,11 +67,25 @@ def test_a_long_prefill_queue_sends_the_prompt_to_the_decode_side_when_it_can_ta
 
 
 def test_when_nothing_is_admissible_the_smallest_violation_wins():
+    # Every path misses the 10 ms TTFT; no decode misses the 1 s TPOT bound.
+    d = decide(2000, [view("P", queued=50_000)], [view("D", decoding=32, context=32_000)],
+               Targets.from_ms(10, 1000))
+    assert d.chosen is not None and not d.chosen.admissible
+    worst = {p.path: max(p.ttft_s / 0.010, p.tpot_s / 1.0) for p in d.predictions}
+    assert worst[d.path] == pytest.approx(min(worst.values()), rel=1e-6)
+    assert d.path == "local"  # the short queue: so the next case's exclusion is what changes it
+
+
+def test_an_overloaded_decode_instance_gets_no_local_prompt_however_close_its_violation():
+    # D's decodes already miss the 5 ms TPOT bound (its remote candidate does): a local prompt
+    # would slow all of them further. Local's own violation is the smallest; it is still not taken.
     d = decide(2000, [view("P", queued=50_000)], [view("D", decoding=32, context=32_000)],
                Targets.from_ms(10, 5))
     assert d.chosen is not None and not d.chosen.admissible
     worst = {p.path: max(p.ttft_s / 0.010, p.tpot_s / 0.005) for p in d.predictions}
-    assert worst[d.path] == pytest.approx(min(worst.values()), rel=1e-6)
+    assert worst["local"] == min(worst.values())
+    assert d.path != "local"
+    assert worst[d.path] == pytest.approx(min(v for k, v in worst.items() if k != "local"), rel=1e-6)
 
 
 def test_predictions_cover_every_path_and_instance():
@@ -164,6 +178,63 @@ def test_a_stall_spread_over_the_running_decodes_remaining_tokens_lets_a_long_pr
     local = next(p for p in spread.predictions if p.path == "local")
     assert local.tpot_s == pytest.approx(d.mean_tpot_s(200, 2000, prompt_pairs(0, 2000)))
     assert local.tpot_s < 0.013
+
+
+def test_recent_stalls_stretch_the_decodes_future_steps_and_close_the_local_path():
+    # The previous test's D: a 2000-token local prompt costs its decodes ~1 ms of mean gap, local
+    # at 12.2 ms against the 25 ms TPOT while its recent steps were pure decode. Once they ran
+    # ~2.2x their decodes' time (other local prompts' chunks), every future gap is predicted that
+    # much longer: first the local prompt's own stall tips it over the bound (remote still holds),
+    # then the remote path misses too and D counts as overloaded: no local prompt either.
+    prefills, targets = [view("P", queued=20_000)], Targets.from_ms(None, 25)
+
+    def decision(stall_factor):
+        d = InstanceView("D", model(), 4096, 0, 8, 8000, None, 16, remaining_tokens=8 * 400, output_tokens=400,
+                         stall_factor=stall_factor)
+        dec = decide(2000, prefills, [d], targets)
+        return dec, {p.path: p for p in dec.predictions}, d
+
+    dec, by_path, _ = decision(1.0)
+    assert dec.path == "local" and by_path["local"].tpot_s < 0.013
+    dec, by_path, d = decision(2.18)
+    assert by_path["remote"].admissible and not by_path["local"].admissible, dec.predictions
+    assert dec.path == "remote"
+    assert by_path["local"].tpot_s == pytest.approx(d.mean_tpot_s(200, 2000, prompt_pairs(0, 2000)))
+    assert by_path["local"].tpot_s > 2.18 * d.model.step_s(0, 8, 8000, 0)
+    dec, by_path, _ = decision(2.25)
+    assert not any(p.admissible for p in dec.predictions) and dec.path == "remote"
+
+
+def test_the_stall_meter_is_the_recent_ratio_of_measured_over_pure_decode_seconds():
+    meter = StallMeter(window_steps=16)
+    assert meter.factor == 1.0  # nothing measured
+    for _ in range(200):
+        meter.note(0.010, 0.010)
+    assert meter.factor == pytest.approx(1.0)
+    for _ in range(200):  # every step now carries a chunk: twice its decodes' time
+        meter.note(0.020, 0.010)
+    assert meter.factor == pytest.approx(2.0, rel=1e-3)
+    for _ in range(8):  # half a window of pure decode again: the ratio falls towards 1
+        meter.note(0.010, 0.010)
+    assert 1.2 < meter.factor < 1.8
+    bulk, single = StallMeter(16), StallMeter(16)  # n steps at once are n steps one by one
+    bulk.note(0.02, 0.01), single.note(0.02, 0.01)
+    bulk.note(0.01, 0.01, count=5)
+    for _ in range(5):
+        single.note(0.01, 0.01)
+    assert bulk.factor == pytest.approx(single.factor)
+    fast = StallMeter(16)
+    fast.note(0.005, 0.010)  # faster than the model's pure step: never below 1
+    assert fast.factor == 1.0
+
+
+def test_the_fleet_model_meters_steps_with_decodes_only():
+    fleet = FleetModel(chunk_tokens=512, page_size=16)
+    pure = fleet.model_of("D").step_s(0, 8, 8000, 0)
+    fleet.observe("D", [(512, 0, 0, prompt_pairs(0, 512), 0.5)], None)  # a prompt alone: nobody waits
+    assert fleet.stalls["D"].factor == 1.0
+    fleet.observe("D", [(512, 8, 8000, prompt_pairs(0, 512), 3 * pure)], None)
+    assert fleet.stalls["D"].factor > 1.5
 
 
 def test_decodes_near_their_last_tokens_refuse_the_stall():
