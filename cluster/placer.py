@@ -25,16 +25,18 @@ engines. Synchronous and without I/O; it runs on the caller's thread.
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from disagg.cluster.affinity import PrefixAffinity
 from disagg.cluster.bootstrap import Instance
-from disagg.cluster.placement import PATHS, Decision, FleetModel, Targets, decide
+from disagg.cluster.placement import PATHS, Decision, FleetModel, Prediction, Targets, decide
 from disagg.cluster.requests import Picker, Request
 from disagg.config import Config
 from disagg.errors import NoLiveInstance
 
+PREDICTIONS_KEPT = 4096  # adaptive placement: predictions awaiting their first token, at most
 DECISIONS_KEPT = 32  # adaptive placement: the latest decisions, with their predictions, for stats
 WAIT_PREFILL_QUEUE = "prefill_queue"  # every prefill instance has prefill_queue_tokens queued
 WAIT_PAGES = "pages"  # no instance has the pages (adaptive: predicted; remote: every reservation refused)
@@ -89,6 +91,8 @@ class Placer:
         picker: orders the instances of a role (the router's `Picker`; the simulator's keeps
             its loads up to date).
         affinity: the prefix affinity credited to instances that hold a prompt's prefix, or None.
+        clock: seconds now (the router's ``time.monotonic``, the simulator's virtual clock):
+            an adaptive decision's time, against which `first_token` measures its TTFT.
 
     Attributes:
         placements: requests placed per path (`PATHS`); colocated ones are not counted.
@@ -98,7 +102,7 @@ class Placer:
     """
 
     def __init__(self, config: Config, instances: list[Instance], picker: Picker,
-                 affinity: PrefixAffinity | None = None) -> None:
+                 affinity: PrefixAffinity | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.instances = instances
         self.colocated = config.mode == "colocated"
         self.placement = config.router.placement
@@ -113,6 +117,9 @@ class Placer:
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
         self.affinity_hits = 0
         self._by_name = {inst.name: inst for inst in instances}
+        self.clock = clock
+        # request id -> (its chosen prediction, when): until its first token (`first_token`)
+        self._predicted: collections.OrderedDict[str, tuple[Prediction, float]] = collections.OrderedDict()
 
     def of_role(self, role: str) -> list[Instance]:
         return [inst for inst in self.instances if inst.role == role]
@@ -162,7 +169,25 @@ class Placer:
         decision = decide(req.prompt_len, [view(inst, live) for inst in prefills],
                           [view(inst, live) for inst in decodes], self.targets)
         self.decisions.append(decision)
+        if decision.chosen is not None:
+            self._predicted[req.request_id] = (decision.chosen, self.clock())
+            self._predicted.move_to_end(req.request_id)
+            while len(self._predicted) > PREDICTIONS_KEPT:  # requests that ended without a token
+                self._predicted.popitem(last=False)
         return decision
+
+    def first_token(self, req: Request) -> None:
+        """``req``'s first token reached the router (now, by ``clock``): its placement's TTFT
+        prediction, against the time since the decision, corrects later predictions of its path
+        on the instance that computed its prompt (`FleetModel.note_ttft`)."""
+        entry = self._predicted.pop(req.request_id, None)
+        computing = req.colocated or req.prefill
+        if entry is None or computing is None:
+            return
+        chosen, at = entry
+        path = "remote" if req.colocated is None else "local" if req.colocated.role == "decode" else "kept"
+        if path == chosen.path:
+            self.fleet_model.note_ttft(computing.name, path, self.clock() - at, chosen.ttft_s - chosen.bias_s)
 
     def hand(self, req: Request, decode: Instance, live: Collection[Request]) -> Instance | None:
         """``decode`` reserved ``req``'s pages (a `Remote` plan's first taker): the prefill

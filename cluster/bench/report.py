@@ -11,6 +11,7 @@ re-judged under other SLOs, without the run. Runs in the bench process.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import platform
@@ -29,15 +30,17 @@ PER_REQUEST_KEYS = ("input_lens", "output_lens", "expected_output_lens", "ttfts"
 
 
 def git_commit() -> str | None:
-    """HEAD of the repository the bench runs from, with "-dirty" when files are modified."""
+    """HEAD of the repository the bench runs from; when tracked files are modified, "-dirty-"
+    and the first 10 hex digits of the SHA-1 of their diff against HEAD: two runs of one tree
+    read the same (the GPU hosts receive the working tree with a .git that may lag behind it)."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        diff = subprocess.run(["git", "diff", "HEAD", "--binary"], cwd=REPO_ROOT, capture_output=True,
+                              timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return head + ("-dirty" if dirty else "")
+    return head + (f"-dirty-{hashlib.sha1(diff).hexdigest()[:10]}" if diff.strip() else "")
 
 
 def device_info() -> dict[str, Any]:

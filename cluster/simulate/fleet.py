@@ -103,7 +103,7 @@ class SimFleet:
         self._by_name = {inst.name: inst for inst in self.instances}
         self.picker = TrackedPicker(config.router.policy)
         # No prefix affinity: the simulated prompts have no token ids and `SimEngine` no prefix cache.
-        self.placer = Placer(config, self.instances, self.picker)
+        self.placer = Placer(config, self.instances, self.picker, clock=lambda: self.now)
         self.placer.fleet_model.models = {inst.name: self.model for inst in self.instances}
         self.now = 0.0
         self._events: list[tuple] = []
@@ -288,6 +288,8 @@ class SimFleet:
         return touched
 
     def _tokens(self, req: Request, times: list[float]) -> None:
+        if req.num_output == 0 and times:
+            self.placer.first_token(req)
         self.timelines[req.request_id].token_times.extend(times)
         req.num_output += len(times)
         self.picker.tokens[(req.colocated or req.decode).name] += len(times)

@@ -332,3 +332,22 @@ def test_a_sure_instance_beats_an_unsure_slower_one_of_the_same_path():
     local = {p.decode: p for p in d.predictions if p.path == "local"}
     assert local["D0"].ttft_s < local["D1"].ttft_s
     assert (d.chosen.path, d.chosen.decode) == ("local", "D0")
+
+
+def test_a_learned_ttft_correction_moves_a_prompt_off_the_path_that_runs_late():
+    # Remote wins on the model alone; P's remote requests lately came 300 ms later than
+    # predicted (hops, its actor busy, its step in flight): with the 200 ms target, another path
+    # (the correction is the remote path's: kept on the same P keeps its own).
+    fleet = FleetModel(chunk_tokens=512, page_size=16)
+    prefills, decodes = [view("P")], [view("D", decoding=4, context=4000)]
+    targets = Targets.from_ms(200, 100)
+    assert decide(256, prefills, decodes, targets).path == "remote"
+    fleet.note_ttft("P", "remote", 0.35, 0.05)
+    fleet.note_ttft("P", "remote", 0.35, 0.05)
+    late = InstanceView("P", model(), 512, ttft_bias_s=dict(fleet.ttft_bias["P"]))
+    d = decide(256, [late], decodes, targets)
+    remote = next(c for c in d.predictions if c.path == "remote")
+    assert remote.bias_s == pytest.approx(0.30) and not remote.admissible
+    assert d.path in ("local", "kept") and d.chosen.bias_s == 0.0
+    fleet.note_ttft("P", "remote", 0.05, 0.05)  # on time again: the correction decays
+    assert fleet.ttft_bias["P"]["remote"] == pytest.approx(0.30 * (1 - 1 / 16))

@@ -177,3 +177,34 @@ def test_launch_refuses_a_bad_step_profile_before_starting_a_fleet(tmp_path, mon
     config = Config.from_yaml(CONFIGS / "tiny-1p1d.yaml").override({"router.step_profile": str(tmp_path / "no.json")})
     with pytest.raises(ConfigError, match="router.step_profile: cannot read"):
         cluster_module.Cluster.launch(config)
+
+
+def test_first_tokens_teach_each_path_its_ttft_correction_on_the_instance_that_computed_it():
+    """An adaptive decision's TTFT prediction against the time to its first token (the placer's
+    clock): the miss goes to that path of the prompt's instance, and the next predictions carry it."""
+    now = [100.0]
+    config = Config.from_yaml(CONFIGS / "tiny-2p2d.yaml").override({"router.placement": "adaptive"})
+    instances = [Instance(f"{role}-{i}", role, actor=None) for role in ("prefill", "decode") for i in range(2)]
+    placer = Placer(config, instances, Picker(config.router.policy), clock=lambda: now[0])
+    by = {inst.name: inst for inst in instances}
+    req = request("r", [3] * 40)
+    plan = placer.plan(req, [])
+    chosen = placer.decisions[-1].chosen
+    assert chosen.bias_s == 0.0
+    if isinstance(plan, Remote):
+        req.decode, req.prefill = plan.decodes[0], placer.hand(req, plan.decodes[0], [])
+        computing, path = req.prefill, "remote"
+    else:
+        req.colocated, computing, path = plan.instance, plan.instance, plan.path
+    assert path == chosen.path
+    now[0] += chosen.ttft_s + 0.250  # 250 ms later than predicted
+    placer.first_token(req)
+    assert placer.fleet_model.ttft_bias[computing.name] == {path: pytest.approx(0.250)}
+    placer.first_token(req)  # once per request
+    assert placer.fleet_model.ttft_bias[computing.name][path] == pytest.approx(0.250)
+    again = request("r2", [3] * 40)
+    placer.decide(again, [by["prefill-0"], by["prefill-1"]], [by["decode-0"], by["decode-1"]], [])
+    same = next(p for p in placer.decisions[-1].predictions if p.path == path and computing.name in (p.prefill,))
+    assert same.bias_s == pytest.approx(0.250) and same.ttft_s == pytest.approx(chosen.ttft_s + 0.250)
+    snap = placer.fleet_model.snapshot()
+    assert snap[computing.name]["ttft_bias_ms"] == {path: pytest.approx(250.0)}
