@@ -5,7 +5,11 @@
 
 Prints, per hop between consecutive events of a request (`disagg.trace.EVENTS`), how many
 requests had it and the median, p90 and mean in milliseconds; per placement path when the
-trace holds several. Events of several hosts compare wall clocks: keep such runs on one host.
+trace holds several. Then, per instance, from its step loop's "step" and "call" records: its
+steps' durations, the fraction of the traced span they cover (busy), the idle gaps between them,
+the prompt tokens of the steps that carried some, and how long each kind of call waited in the
+loop before it ran (``--json`` keeps these under "instances", beside the paths). Events of several
+hosts compare wall clocks: keep such runs on one host.
 """
 
 from __future__ import annotations
@@ -17,15 +21,62 @@ import statistics
 from disagg import trace
 
 
+def _spread(values: list[float], unit: str = "_ms") -> dict[str, float]:
+    """{"n", "p50<unit>", "p90<unit>", "mean<unit>"} of ``values`` (zeros when empty)."""
+    ordered = sorted(values)
+    if not ordered:
+        return {"n": 0, f"p50{unit}": 0.0, f"p90{unit}": 0.0, f"mean{unit}": 0.0}
+    return {"n": len(ordered), f"p50{unit}": statistics.median(ordered),
+            f"p90{unit}": ordered[int(0.9 * (len(ordered) - 1))], f"mean{unit}": statistics.fmean(ordered)}
+
+
 def summarize(requests: dict) -> dict[str, dict[str, float]]:
     """{hop: {"n", "p50_ms", "p90_ms", "mean_ms"}} in `EVENTS` order."""
-    out = {}
-    for hop, seconds in trace.hops(requests).items():
-        ms = sorted(s * 1e3 for s in seconds)
-        out[hop] = {"n": len(ms), "p50_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * (len(ms) - 1))],
-                    "mean_ms": statistics.fmean(ms)}
+    out = {hop: _spread([s * 1e3 for s in seconds]) for hop, seconds in trace.hops(requests).items()}
     order = {name: i for i, name in enumerate(trace.EVENTS)}
     return dict(sorted(out.items(), key=lambda item: order[item[0].split(" -> ")[0]]))
+
+
+def summarize_instances(steps: list[dict], calls: list[dict]) -> dict[str, dict]:
+    """Per instance, from its "step" and "call" records (`disagg.trace`): {"steps": n,
+    "step_ms": spread, "busy": steps' seconds / (last t_end - first t_start), "gap_ms": spread of
+    the idle time between consecutive steps, "prompt_tokens": spread over the steps with prompt
+    tokens, "call_wait_ms": {call name: spread of t_ran - t_queued}}; spreads as `_spread`."""
+    names = sorted({record["instance"] for record in steps + calls})
+    return {name: {**_step_summary([s for s in steps if s["instance"] == name]),
+                   "call_wait_ms": _call_waits([c for c in calls if c["instance"] == name])} for name in names}
+
+
+def _step_summary(steps: list[dict]) -> dict:
+    steps = sorted(steps, key=lambda step: step["t_start"])
+    span_s = max(step["t_end"] for step in steps) - steps[0]["t_start"] if steps else 0.0
+    busy_s = sum(step["t_end"] - step["t_start"] for step in steps)
+    return {"steps": len(steps), "step_ms": _spread([(step["t_end"] - step["t_start"]) * 1e3 for step in steps]),
+            "busy": busy_s / span_s if span_s > 0 else 0.0,
+            "gap_ms": _spread([(b["t_start"] - a["t_end"]) * 1e3 for a, b in zip(steps, steps[1:])]),
+            "prompt_tokens": _spread([s["num_prefill_tokens"] for s in steps if s["num_prefill_tokens"]], unit="")}
+
+
+def _call_waits(calls: list[dict]) -> dict[str, dict[str, float]]:
+    waits: dict[str, list[float]] = {}
+    for call in calls:
+        waits.setdefault(call["name"], []).append((call["t_ran"] - call["t_queued"]) * 1e3)
+    return {name: _spread(ms) for name, ms in sorted(waits.items())}
+
+
+def _print_instances(instances: dict[str, dict]) -> None:
+    for instance, row in instances.items():
+        print(f"{instance}: {row['steps']} steps")
+        if row["steps"]:
+            step, gap, tokens = row["step_ms"], row["gap_ms"], row["prompt_tokens"]
+            print(f"  {'step':<28} p50 {step['p50_ms']:8.2f} ms  p90 {step['p90_ms']:8.2f} ms  "
+                  f"mean {step['mean_ms']:8.2f} ms  busy {row['busy']:6.1%}")
+            print(f"  {'gap between steps':<28} p50 {gap['p50_ms']:8.2f} ms  p90 {gap['p90_ms']:8.2f} ms")
+            print(f"  {'prompt tokens per step':<28} n {tokens['n']:>5}  p50 {tokens['p50']:8.0f}  "
+                  f"p90 {tokens['p90']:8.0f}  mean {tokens['mean']:8.1f}   (steps with prompt tokens)")
+        for name, wait in row["call_wait_ms"].items():
+            print(f"  {'call ' + name + ' waited':<28} n {wait['n']:>5}  p50 {wait['p50_ms']:8.2f} ms  "
+                  f"p90 {wait['p90_ms']:8.2f} ms")
 
 
 def main() -> None:
@@ -43,9 +94,12 @@ def main() -> None:
         for hop, row in hops.items():
             print(f"  {hop:<28} n {row['n']:>5}  p50 {row['p50_ms']:8.2f} ms  p90 {row['p90_ms']:8.2f} ms  "
                   f"mean {row['mean_ms']:8.2f} ms")
+    instances = summarize_instances(trace.read_records(args.directory, "step"),
+                                    trace.read_records(args.directory, "call"))
+    _print_instances(instances)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=1)
+            json.dump({**report, "instances": instances}, out, indent=1)
 
 
 if __name__ == "__main__":

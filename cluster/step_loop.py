@@ -7,19 +7,23 @@ appends the step's outputs to an outbox that the actor drains in batches (`drain
 that must learn when one request ends (a prefill abort whose pushes are still in flight) gets a
 future from `watch_end`. Whether the thread steps is `_has_work`'s answer, asked again after
 every call and at least every ``IDLE_WAIT_S``: a subclass may narrow it (hold steps while calls
-still run). Runs inside each instance actor (`disagg.cluster.actors`); no Ray here.
+still run). While tracing is on (`disagg.trace`, checked once per pass of the thread) it writes a
+"step" record per step that read a forward and a "call" record per call it ran. Runs inside each
+instance actor (`disagg.cluster.actors`); no Ray here.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
 import traceback
 from typing import Any, Callable
 
+from disagg import trace
 from disagg.cluster.messages import InstanceLoad, OutputRow, StepSample
 
 logger = logging.getLogger(__name__)
@@ -40,11 +44,14 @@ class StepLoop:
     """
 
     def __init__(self, name: str, on_output: Callable[[], None] | None = None) -> None:
+        self.name = name
         self.engine: Any = None
         self.fatal: str | None = None
         self._on_output = on_output
         self._cond = threading.Condition()
-        self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
+        # (the call, its future, when it was queued: time.time())
+        self._calls: collections.deque[tuple[functools.partial, concurrent.futures.Future, float]] = \
+            collections.deque()
         self._outbox: list[OutputRow] = []
         self._samples: collections.deque[StepSample] = collections.deque(maxlen=MAX_STEP_SAMPLES)
         self.load: InstanceLoad | None = None  # after the last step (read from any thread)
@@ -62,7 +69,7 @@ class StepLoop:
             if self._stopping:
                 future.set_exception(RuntimeError("the step loop is stopped"))
                 return future
-            self._calls.append((lambda: fn(*args, **kwargs), future))
+            self._calls.append((functools.partial(fn, *args, **kwargs), future, time.time()))
             self._cond.notify()
         return future
 
@@ -99,24 +106,29 @@ class StepLoop:
                     self._cond.wait(IDLE_WAIT_S)
                 calls, self._calls = self._calls, collections.deque()
                 stopping = self._stopping
-            for fn, future in calls:
-                self._run_call(fn, future)
+            tracing = trace.enabled()
+            for fn, future, queued_t in calls:
+                self._run_call(fn, future, queued_t if tracing else None)
             if stopping:
                 self._fail_watches("the step loop stopped")
                 return
-            if self._has_work() and not self._step():
+            if self._has_work() and not self._step(tracing):
                 with self._cond:
                     if not self._calls:
                         self._cond.wait(EMPTY_STEP_WAIT_S)
 
-    @staticmethod
-    def _run_call(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+    def _run_call(self, fn: functools.partial, future: concurrent.futures.Future, queued_t: float | None) -> None:
+        """Run one queued call; with ``queued_t`` (tracing) write its "call" record."""
         if not future.set_running_or_notify_cancel():
             return
+        ran_t = time.time() if queued_t is not None else 0.0
         try:
             future.set_result(fn())
         except BaseException as err:  # handed to the caller, who re-raises it
             future.set_exception(err)
+        if queued_t is not None:
+            trace.record("call", instance=self.name, name=_call_name(fn.func), t_queued=queued_t, t_ran=ran_t,
+                         t_done=time.time())
 
     def _has_work(self) -> bool:
         """Whether to run a step now: an engine is set, has not failed, and has work (a subclass
@@ -129,8 +141,9 @@ class StepLoop:
             self._fail("has_work")
             return False
 
-    def _step(self) -> bool:
-        """Run one engine step; return True when it produced outputs."""
+    def _step(self, tracing: bool) -> bool:
+        """Run one engine step (its "step" record while ``tracing``); return True when it produced
+        outputs."""
         start = time.perf_counter()
         try:
             outputs = self.engine.step()
@@ -139,7 +152,7 @@ class StepLoop:
             return True
         seconds = time.perf_counter() - start
         self.num_steps += 1
-        self._record(seconds)
+        self._record(seconds, tracing)
         if not outputs:
             return False
         self.busy_s += seconds
@@ -155,8 +168,9 @@ class StepLoop:
             self._on_output()
         return True
 
-    def _record(self, seconds: float) -> None:
-        """Keep the step's sample (engines that report a `last_step_shape`) and the load."""
+    def _record(self, seconds: float, tracing: bool) -> None:
+        """Keep the step's sample (engines that report a `last_step_shape`) and the load; while
+        ``tracing``, write the step's record."""
         shape = getattr(self.engine, "last_step_shape", None)
         load = getattr(self.engine, "load", None)
         if load is not None:
@@ -165,6 +179,17 @@ class StepLoop:
             with self._cond:
                 self._samples.append(StepSample(shape.num_prefill_tokens, shape.num_decode_seqs,
                                                 shape.num_context_tokens, shape.num_prompt_pairs, seconds))
+            if tracing:
+                self._trace_step(shape, seconds)
+
+    def _trace_step(self, shape: Any, seconds: float) -> None:
+        """The "step" record of the step that just ended after ``seconds`` (`disagg.trace`)."""
+        end_t = time.time()
+        prompts = [str(r) for r in getattr(self.engine, "last_step_prompts", ())]
+        fields = {"prompts": prompts} if len(prompts) <= trace.MAX_PROMPT_IDS else {}
+        trace.record("step", instance=self.name, t_start=end_t - seconds, t_end=end_t,
+                     num_prefill_tokens=shape.num_prefill_tokens, num_decode_seqs=shape.num_decode_seqs,
+                     num_context_tokens=shape.num_context_tokens, num_prompts=len(prompts), **fields)
 
     def _fail(self, what: str) -> None:
         """The engine raised: it is unusable from now on; the router fails its requests."""
@@ -178,3 +203,10 @@ class StepLoop:
         watches, self._end_watches = self._end_watches, {}
         for request_id, future in watches.items():
             future.set_exception(RuntimeError(f"request {request_id!r} never ended here: {why}"))
+
+
+def _call_name(fn: Callable[..., Any]) -> str:
+    """The name of the function that queued a call: "add" for `InstanceActor.add`'s closure or
+    for a bound ``engine.add``."""
+    qualname = getattr(fn, "__qualname__", type(fn).__name__)
+    return qualname.split(".<locals>")[0].rsplit(".", 1)[-1]

@@ -16,7 +16,7 @@ environment at that call.
 Environment variables that are not kernel switches stay environment-only: `DISAGG_LOG` (log level
 of the CLI and its actors), `DISAGG_CACHE_DIR` (where the converted SmolLM2 weights are cached,
 default ~/.cache/disagg), `DISAGG_API_KEY` (the HTTP bearer token when `serve.api_key` is null),
-`DISAGG_TRACE_DIR` (per-request event traces, `disagg.trace`).
+`DISAGG_TRACE_DIR` (event traces of requests and step loops, `disagg.trace`).
 Pure Python (pydantic only): imported by the config, the model and the kernels.
 """
 

@@ -105,6 +105,7 @@ class EngineCore:
         self._inflight: Launched | None = None  # async scheduling: launched, ids not read
         self._deferred: list[Request] = []  # ended requests whose pages a launched step still writes
         self.last_step_shape: StepShape | None = None  # of the forward whose tokens the last step() read
+        self.last_step_prompts: tuple = ()  # that forward's prompts' request ids (only while tracing)
         self.num_reserved_steps = 0  # steps that ran a plan reserved during the step before
         self.num_steps_ahead = 0
         # Pushing (needs a heap): pushed prompts done but maybe still in flight, aborted ones.
@@ -432,7 +433,7 @@ class EngineCore:
     def step(self) -> list[TokenOutput]:
         """Run one forward (if there is work); return this step's outputs."""
         outputs, self._outputs = self._outputs, []
-        self.last_step_shape = None
+        self.last_step_shape, self.last_step_prompts = None, ()
         self._poll_quiescing(outputs)
         self._drain()
         current, self._inflight = self._inflight, None
@@ -446,7 +447,7 @@ class EngineCore:
         if self.async_scheduling:
             self._inflight = self._launch_ahead(current)
         tokens = current.pending.result()
-        self.last_step_shape = current.shape
+        self.last_step_shape, self.last_step_prompts = current.shape, current.prompt_ids
         if current.num_pushed_tokens:
             self.push_s += time.perf_counter() - current.start_s
             self.pushed_bytes += current.num_pushed_tokens * self.token_bytes
@@ -503,7 +504,9 @@ class EngineCore:
         rows = [i for i, (r, n) in enumerate(zip(reqs, counts)) if r.num_computed + n == len(r.token_ids)]
         sampled = [reqs[i] for i in rows]
         shape = StepShape.of(reqs, counts)
+        prompt_ids: tuple = ()
         if trace.enabled():  # off: no walk over the batch on this path
+            prompt_ids = tuple(r.request_id for r in reqs if not r.decoding)
             for r in reqs:
                 if not r.decoding and r.num_computed == r.num_cached_tokens:  # its first prompt chunk
                     trace.event("prompt_start", r.request_id, cached=r.num_cached_tokens)
@@ -519,7 +522,8 @@ class EngineCore:
             r.num_computed += n
             if not r.decoding and self.cache.prefix_caching:  # a prompt chunk: its KV is written
                 self.cache.cache_tokens(r.seq_id, r.token_ids[:r.num_computed])
-        return Launched(reqs, sampled, pending, frozenset(r.seq_id for r in reqs), num_pushed, start, shape)
+        return Launched(reqs, sampled, pending, frozenset(r.seq_id for r in reqs), num_pushed, start, shape,
+                        prompt_ids)
 
     def _launch_reserved(self, reserved: NextStep, ids: torch.Tensor, step_offset: int) -> Launched:
         reqs = list(reserved.requests)

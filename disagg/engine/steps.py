@@ -74,6 +74,7 @@ class Launched:
     num_pushed_tokens: int = 0
     start_s: float = 0.0
     shape: StepShape | None = None
+    prompt_ids: tuple = ()  # requests whose prompt tokens it computes; filled only while tracing
 
 
 def same_requests(a: list[Request], b: list[Request]) -> bool:

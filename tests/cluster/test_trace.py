@@ -1,15 +1,21 @@
-"""Per-request event traces (`disagg.trace`, `DISAGG_TRACE_DIR`): off by default; when on, the
-router, the actor and the engine of a real (tiny, CPU) fleet write every event of a request in
-order, and `benchmarks/trace_report.py` turns them into hops."""
+"""Event traces (`disagg.trace`, `DISAGG_TRACE_DIR`): off by default; when on, the router, the
+actor and the engine of a real (tiny, CPU) fleet write every event of a request in order, a step
+loop writes a record per step and per call, and `benchmarks/trace_report.py` turns them into hops
+and per-instance step and call summaries."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import sys
+import time
 from pathlib import Path
 
+import pytest
 from cluster_helpers import environment, launch, launcher_environment
 
 from disagg import trace
+from disagg.cluster.step_loop import StepLoop
 from disagg.sampling import SamplingParams
 
 REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "trace_report.py"
@@ -61,4 +67,95 @@ def test_a_colocated_fleet_traces_every_hop_of_a_request(ray_local, tmp_path):
         times = [events[name]["t"] for name in wanted]
         assert times == sorted(times)
         assert events["placed"]["path"] == "colocated" and events["prompt_start"]["cached"] == 0
+    steps = trace.read_records(directory, "step")  # the actor's step loop (and launch's warm-up request)
+    assert {s["instance"] for s in steps} == {"colocated-0"}
+    assert {c.request_id for c in done} <= set().union(*(s["prompts"] for s in steps))
+    adds = [c for c in trace.read_records(directory, "call") if c["name"] == "add"]
+    assert len(adds) >= 2 and all(c["t_queued"] <= c["t_ran"] <= c["t_done"] for c in adds)
     assert len(list(Path(directory).glob("trace-*.jsonl"))) == 2  # the router's process and the actor's
+
+
+def _run_to_end(loop: StepLoop, requests: dict[str, list[int]], params: SamplingParams) -> None:
+    """Add ``requests`` through the loop's calls and wait until every one finished."""
+    for request_id, prompt in requests.items():
+        loop.call(loop.engine.add, request_id, prompt, params).result(5)
+    finished: set = set()
+    deadline = time.monotonic() + 60
+    while finished != set(requests):
+        assert time.monotonic() < deadline and loop.fatal is None, (finished, loop.fatal)
+        finished |= {row[0] for row in loop.drain()[0] if row[2]}
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_step_loop_records_every_step_and_call_of_a_real_engine(tmp_path, monkeypatch, async_scheduling):
+    """A colocated engine on its step loop: the steps' prompt tokens are the prompts' minus their
+    cached prefixes, their decoding sequences every token after the first, each prompt is named
+    by the steps that computed it, and every call was queued before it ran."""
+    import torch
+
+    from disagg.engine import ColocatedEngine
+    from disagg.model import load_model
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels' torch references
+    monkeypatch.setenv(trace.ENV, str(tmp_path))
+    engine = ColocatedEngine(load_model("dummy:tiny", dtype=torch.float32, device="cpu"), num_pages=64,
+                             page_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                             async_scheduling=async_scheduling)
+    prompts = {"a": [5, 9, 17, 3, 88, 41, 7, 200, 13, 66, 21], "b": [5, 9, 17, 3, 88, 41, 7, 200, 1, 2],
+               "c": [42, 43, 44]}
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    loop = StepLoop("colocated-0")
+    loop.call(setattr, loop, "engine", engine).result(5)
+    try:
+        _run_to_end(loop, {"a": prompts["a"]}, params)
+        _run_to_end(loop, {"b": prompts["b"], "c": prompts["c"]}, params)  # b forks from a's prefix
+    finally:
+        loop.stop()
+    cached = {r: e["prompt_start"]["cached"] for r, e in trace.read(str(tmp_path)).items()}
+    assert cached["b"] > 0 and cached["a"] == cached["c"] == 0
+    steps = trace.read_records(str(tmp_path), "step")
+    assert len(steps) == loop.num_steps and all(s["instance"] == "colocated-0" for s in steps)
+    assert all(s["t_start"] < s["t_end"] for s in steps)  # each ran a forward
+    assert all(a["t_end"] <= b["t_start"] for a, b in zip(steps, steps[1:]))  # one thread: no overlap
+    assert sum(s["num_prefill_tokens"] for s in steps) == sum(len(p) - cached[r] for r, p in prompts.items())
+    assert sum(s["num_decode_seqs"] for s in steps) == len(prompts) * (params.max_tokens - 1)
+    assert all(s["num_context_tokens"] >= s["num_decode_seqs"] for s in steps)
+    assert all(s["num_prompts"] == len(s["prompts"]) and bool(s["prompts"]) == bool(s["num_prefill_tokens"])
+               for s in steps)
+    assert sum("a" in s["prompts"] for s in steps) == 2  # 11 tokens under an 8-token budget: two chunks
+    assert set().union(*(s["prompts"] for s in steps)) == set(prompts)
+    calls = trace.read_records(str(tmp_path), "call")
+    assert [c["name"] for c in calls] == ["setattr", "add", "add", "add"]
+    assert all(c["instance"] == "colocated-0" and c["t_queued"] <= c["t_ran"] <= c["t_done"] for c in calls)
+
+
+def test_the_report_summarizes_each_instances_steps_and_calls(tmp_path, monkeypatch, capsys):
+    """Step and call records written by `trace.record` (beside a request's event, which alone
+    makes the per-request view): per instance, the report's steps, busy fraction, gaps, prompt
+    tokens and call waits, printed and in ``--json``."""
+    with environment(DISAGG_TRACE_DIR=str(tmp_path)):
+        trace.event("submit", "r0")
+        for t_start, t_end, tokens in [(100.0, 100.010, 100), (100.030, 100.050, 0), (100.050, 100.060, 300)]:
+            trace.record("step", instance="prefill-0", t_start=t_start, t_end=t_end, num_prefill_tokens=tokens,
+                         num_decode_seqs=0, num_context_tokens=0, num_prompts=1 if tokens else 0)
+        for instance, name, wait_s in [("prefill-0", "add", 0.005), ("prefill-0", "add", 0.015),
+                                       ("decode-0", "reserve", 0.001)]:
+            trace.record("call", instance=instance, name=name, t_queued=200.0, t_ran=200.0 + wait_s,
+                         t_done=200.5)
+    assert list(trace.read(str(tmp_path))) == ["r0"]
+    out = tmp_path / "report.json"
+    monkeypatch.setattr(sys, "argv", ["trace_report.py", str(tmp_path), "--json", str(out)])
+    _report_module().main()
+    report = json.loads(out.read_text())
+    assert set(report) == {"unplaced", "instances"}
+    prefill, decode = report["instances"]["prefill-0"], report["instances"]["decode-0"]
+    assert prefill["steps"] == 3 and prefill["busy"] == pytest.approx(0.040 / 0.060)
+    assert prefill["step_ms"] == pytest.approx({"n": 3, "p50_ms": 10.0, "p90_ms": 10.0, "mean_ms": 40 / 3})
+    assert prefill["gap_ms"] == pytest.approx({"n": 2, "p50_ms": 10.0, "p90_ms": 0.0, "mean_ms": 10.0})
+    assert prefill["prompt_tokens"] == {"n": 2, "p50": 200, "p90": 100, "mean": 200}
+    assert prefill["call_wait_ms"] == {"add": pytest.approx({"n": 2, "p50_ms": 10.0, "p90_ms": 5.0, "mean_ms": 10.0})}
+    assert decode["steps"] == 0 and decode["busy"] == 0.0
+    assert decode["call_wait_ms"]["reserve"]["p50_ms"] == pytest.approx(1.0)
+    printed = capsys.readouterr().out
+    assert "prefill-0: 3 steps" in printed and "call add waited" in printed and "decode-0: 0 steps" in printed
