@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -53,8 +52,6 @@ PROFILE_PRIOR_WEIGHT = 1e-3  # a profile's grid covers every direction: its fit 
 # the rest of their budget is left to the prompts that come after it.
 HORIZON_SHARE = 0.5
 TTFT_BIAS_WEIGHT = 1 / 16  # `FleetModel.note_ttft`: a correction follows about the last 16 first tokens
-DUTY_WINDOW_S = 2.0  # `PromptDuty`'s memory
-MAX_PROMPT_DUTY = 0.9  # a kept decode's gap is predicted at most 10x a pure decode step's
 STALL_WINDOW_STEPS = 128  # `StallMeter`'s memory: about a second of an 8B decode instance's steps
 OUTLIER_RATIO = 3.0  # a step over 3x the fit's prediction is a one-off (a first use of a shape): not fitted
 # Per step (`features`): is it pure decode (0/1), prompt tokens, decoding sequences, their context
@@ -276,8 +273,6 @@ class InstanceView:
         stall_factor: how much longer its recent steps with decodes ran than pure decode steps
             of the same decodes would (`StallMeter`, >= 1): the prompt chunks placed on it go on
             arriving, so a decode's future steps are predicted that much longer.
-        prompt_duty: the share of its recent wall time spent on prompt chunks (`PromptDuty`, < 1):
-            a request it keeps decodes in the rest.
         ttft_bias_s: per path whose prompt it computes ("remote", "local", "kept"), what its
             requests' measured TTFTs exceeded their predictions by, lately (`FleetModel.
             note_ttft`): the hops, the waits for its actor and its step in flight, that the step
@@ -297,7 +292,6 @@ class InstanceView:
     output_tokens: float | None = None
     stall_factor: float = 1.0
     ttft_bias_s: dict = field(default_factory=dict)
-    prompt_duty: float = 0.0
 
     def ttft_s(self, path: str, predicted: float) -> float:
         """``predicted`` (a TTFT of ``path`` computed here) with its learned correction."""
@@ -396,27 +390,22 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
     each decode instance, kept on each prefill instance (page fit not yet judged)."""
     out = []
     best_p = min(prefills, key=lambda p: p.ttft_s("remote", p.prefill_s(prompt_len)), default=None)
-    # A prompt pushed from P also stalls the requests P keeps and decodes.
-    kept_tpot = _running_tpot(best_p, prompt_len) if best_p is not None else 0.0
     for d in decodes:
         remote_tpot, local_tpot = _decode_side_tpot(d, prompt_len)
         if best_p is not None:
-            out.append(_with_bias(Prediction("remote", best_p.name, d.name, best_p.prefill_s(prompt_len),
-                                             max(remote_tpot, kept_tpot), max(best_p.model.error, d.model.error)),
-                                  best_p))
+            out.append(_with_bias(Prediction("remote", best_p.name, d.name, best_p.prefill_s(prompt_len), remote_tpot,
+                                             max(best_p.model.error, d.model.error)), best_p))
         # Local: D's running decodes hold the step in flight (and, scheduled ahead, the next),
         # so its first chunk starts about one decode step later.
         wait = d.model.step_s(0, d.num_decoding, d.context_tokens, 0) if d.num_decoding else 0.0
         out.append(_with_bias(Prediction("local", d.name, d.name, wait + d.prefill_s(prompt_len), local_tpot,
                                          d.model.error), d))
     for p in prefills:
-        # Kept: P computes it beside its queued prompts and the requests it keeps, then decodes
-        # it between the prompt chunks it goes on computing for others: a local prompt on P,
-        # its TPOT the local path's rule (a chunk's stall spread over the tokens it delays).
-        # Its own gaps: P goes on computing the prompts pushed through it (its recent duty).
-        own = p.decode_gap_s(p.num_decoding + 1, p.context_tokens + prompt_len) / (1.0 - p.prompt_duty)
-        out.append(_with_bias(Prediction("kept", p.name, p.name, p.prefill_s(prompt_len),
-                                         max(own, _decode_side_tpot(p, prompt_len)[1]), p.model.error), p))
+        # Kept: P decodes it between the prompt chunks it keeps computing for others.
+        step_p = p.decode_step_s(1, prompt_len, p.queued_prompt_tokens)
+        during = p.decode_step_s(0, 0, p.queued_prompt_tokens + prompt_len) if p.num_decoding else 0.0
+        out.append(_with_bias(Prediction("kept", p.name, p.name, p.prefill_s(prompt_len), max(step_p, during),
+                                         p.model.error), p))
     return out
 
 
@@ -424,17 +413,6 @@ def _with_bias(cand: Prediction, computing: InstanceView) -> Prediction:
     """``cand`` with the TTFT correction its prompt's instance learned for its path."""
     ttft = computing.ttft_s(cand.path, cand.ttft_s)
     return replace(cand, ttft_s=ttft, bias_s=ttft - cand.ttft_s) if ttft != cand.ttft_s else cand
-
-
-def _running_tpot(v: InstanceView, prompt_len: int) -> float:
-    """The TPOT of the sequences decoding on ``v`` once a prompt of ``prompt_len`` joins its queue
-    (0 when none decode): their mean gap over their horizon, or one step's where it is unknown."""
-    if not v.num_decoding:
-        return 0.0
-    queued = v.queued_prompt_tokens + prompt_len
-    if v.running_horizon:
-        return v.mean_tpot_s(v.running_horizon, queued, v.queued_prompt_pairs + prompt_pairs(0, prompt_len))
-    return v.decode_step_s(0, 0, queued)
 
 
 def _decode_side_tpot(d: InstanceView, prompt_len: int) -> tuple[float, float]:
@@ -450,11 +428,12 @@ def _decode_side_tpot(d: InstanceView, prompt_len: int) -> tuple[float, float]:
     own_remote = d.mean_tpot_s(own_h, queued, queued_pairs, 1, prompt_len) if own_h else step_d
     # Local: once its prompt (and the queue ahead of it) is computed it decodes without chunks.
     own_local = d.decode_gap_s(d.num_decoding + 1, d.context_tokens + prompt_len) if own_h else step_d
-    running_local = _running_tpot(d, prompt_len)
     if running_h:
         running_remote = d.mean_tpot_s(running_h, queued, queued_pairs, 1, prompt_len)
+        running_local = d.mean_tpot_s(running_h, queued + prompt_len, queued_pairs + prompt_pairs(0, prompt_len))
     else:
         running_remote = step_d if d.num_decoding and not own_h else 0.0
+        running_local = d.decode_step_s(0, 0, queued + prompt_len) if d.num_decoding else 0.0
     if queued and own_h:  # the prompts queued ahead decode while this one's chunks run
         ahead = d.mean_tpot_s(HORIZON_SHARE * own_h, prompt_len, prompt_pairs(0, prompt_len), 1, queued)
         running_local = max(running_local, ahead)
@@ -548,27 +527,6 @@ class StallMeter:
         return max(1.0, self.actual_s / self.pure_s) if self.pure_s > 0 else 1.0
 
 
-class PromptDuty:
-    """The share of wall time an instance has lately spent computing prompt tokens: an
-    exponentially decayed sum of their seconds (time constant `DUTY_WINDOW_S`) over the window.
-    A decode kept on a prefill instance gets its steps between those prompt chunks."""
-
-    def __init__(self, window_s: float = DUTY_WINDOW_S) -> None:
-        self.window_s = window_s
-        self.seconds = 0.0
-        self.at: float | None = None
-
-    def _decayed(self, now: float) -> float:
-        return self.seconds * math.exp(-max(now - self.at, 0.0) / self.window_s) if self.at is not None else 0.0
-
-    def note(self, now: float, prompt_s: float) -> None:
-        self.seconds = self._decayed(now) + prompt_s
-        self.at = now
-
-    def share(self, now: float) -> float:
-        return min(self._decayed(now) / self.window_s, MAX_PROMPT_DUTY)
-
-
 class FleetModel:
     """The router's picture of its instances for `decide`: a `StepTimeModel` per instance fed
     from its step samples, its last reported load, and its live requests' prompt and decode work.
@@ -581,12 +539,9 @@ class FleetModel:
             None: the `StepTimeModel` defaults.
     """
 
-    def __init__(self, chunk_tokens: int, page_size: int, seed_fit: dict | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, chunk_tokens: int, page_size: int, seed_fit: dict | None = None) -> None:
         self.chunk_tokens, self.page_size = chunk_tokens, page_size
         self.seed_fit = seed_fit
-        self.clock = clock
-        self.duty: dict[str, PromptDuty] = collections.defaultdict(PromptDuty)
         self.models: dict[str, StepTimeModel] = {}
         self.loads: dict[str, object] = {}  # name -> `InstanceLoad` of its last batch
         self.stalls: dict[str, StallMeter] = collections.defaultdict(StallMeter)
@@ -621,13 +576,9 @@ class FleetModel:
                   num_prompt_pairs: int, seconds: float, count: int = 1) -> None:
         """Feed ``count`` measured steps of that shape to instance ``name``'s `StallMeter` (steps
         without decodes stall nobody)."""
-        if seconds <= 0:
-            return
-        pure = self.model_of(name).step_s(0, num_decode_seqs, num_context_tokens, 0) if num_decode_seqs else 0.0
-        if num_decode_seqs:
+        if num_decode_seqs and seconds > 0:
+            pure = self.model_of(name).step_s(0, num_decode_seqs, num_context_tokens, 0)
             self.stalls[name].note(seconds, pure, count)
-        if num_prefill_tokens and self.clock is not None:
-            self.duty[name].note(self.clock(), count * max(seconds - pure, 0.0))
 
     def view(self, inst, requests: list) -> InstanceView:
         """``inst`` (an `Instance`) with the work of the router's live ``requests`` on it."""
@@ -653,8 +604,7 @@ class FleetModel:
         return InstanceView(inst.name, self.model_of(inst.name), self.chunk_tokens, queued, decoding, context,
                             None if load is None else load.free_pages, self.page_size, pairs, remaining,
                             sum(outputs) / len(outputs) if outputs else None, self.stalls[inst.name].factor,
-                            dict(self.ttft_bias.get(inst.name, {})),
-                            self.duty[inst.name].share(self.clock()) if self.clock is not None else 0.0)
+                            dict(self.ttft_bias.get(inst.name, {})))
 
     def snapshot(self) -> dict:
         """Each instance's fitted model (coefficients, error, samples), its stall factor and its

@@ -111,7 +111,7 @@ class Placer:
         sched = config.scheduler
         self.prefill_queue_tokens = config.router.prefill_queue_tokens or 4 * sched.max_num_batched_tokens
         self.fleet_model = FleetModel(sched.max_num_batched_tokens, config.cache.page_size,
-                                      seed_fit(config.router.step_profile), clock)
+                                      seed_fit(config.router.step_profile))
         self.targets = Targets.from_ms(config.router.slo_ttft_ms, config.router.slo_tpot_ms)
         self.placements: collections.Counter[str] = collections.Counter({path: 0 for path in PATHS})
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
