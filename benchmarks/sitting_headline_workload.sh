@@ -9,7 +9,9 @@
 # Usage (device tool: kind nvidia-h200-x2 or nvidia-h100-x2, carry [".whl"]):
 #   source .whl/gpu-env.sh && RATES=4,6,8 CHUNK=8192 bash benchmarks/sitting_headline_workload.sh chat
 # Per deployment: RATES_1P1D, RATES_ADAPTIVE, RATES_COLOCATED (default RATES), e.g. the knees of
-# benchmarks/records/headline-plan-2026-11-27/README.md.
+# benchmarks/records/headline-plan-2026-11-27/README.md. CHUNK_DISAGG: the prefill budget of the
+# 1P1D and adaptive fleets (default: the config's), the disaggregated side of HEADLINE.md's sweep.
+# DISAGG_TRACE_DIR (optional): per-request and per-step traces of every run, tarred with the rest.
 # CPU smoke check: HEADLINE_MODEL=tiny RATES=2 HEADLINE_SECONDS=3 bash benchmarks/sitting_headline_workload.sh chat
 set -euo pipefail
 W=${1:?workload: chat | prefill-heavy | decode-heavy | long-prompt | shared-prefix}
@@ -33,13 +35,16 @@ run() {  # LABEL CONFIG [bench flags]
   # time limit still returns the deployments it finished)
   [ -d "results/$W/$label" ] && tar czf "$OUT/$W-$label.tgz" "results/$W/$label" || true
 }
-run 1p1d "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_1P1D:-$RATES}" --slo-calibrate
+disagg_chunk=()
+[ -n "${CHUNK_DISAGG:-}" ] && disagg_chunk=(--set "scheduler.max_num_batched_tokens=$CHUNK_DISAGG")
+run 1p1d "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_1P1D:-$RATES}" --slo-calibrate "${disagg_chunk[@]}"
 slos=$(grep -o "SLOs TTFT [0-9.]* ms, TPOT [0-9.]* ms" "$OUT/$W-1p1d.log" | head -1 || true)
 T=$(echo "$slos" | awk '{print $3}'); P=$(echo "$slos" | awk '{print $6}')
 [ -n "$T" ] && [ -n "$P" ] || { echo "no SLOs in $OUT/$W-1p1d.log" >&2; exit 1; }
 echo "SLOs: TTFT $T ms, TPOT $P ms"
 judge=(--goodput "ttft:$T" --goodput "tpot:$P")
-run adaptive "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_ADAPTIVE:-$RATES}" --set router.placement=adaptive \
+run adaptive "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_ADAPTIVE:-$RATES}" "${disagg_chunk[@]}" \
+  --set router.placement=adaptive \
   --set "router.slo_ttft_ms=$T" --set "router.slo_tpot_ms=$P" "${judge[@]}"
 run "colocated-$CHUNK" "configs/$MODEL-colocated.yaml" --request-rate "${RATES_COLOCATED:-$RATES}" \
   --set "scheduler.max_num_batched_tokens=$CHUNK" "${judge[@]}"
@@ -47,5 +52,5 @@ python3 -m disagg.cluster.cli bench --from-results "results/$W/1p1d" --from-resu
   --from-results "results/$W/colocated-$CHUNK" --slo-scales 1,2 --result-dir "results/$W/merged" \
   > "$OUT/$W-merged.log" 2>&1 || echo "merge: rc $?"
 grep -v '^\s*$' "$OUT/$W-merged.log" | tail -40
-tar czf "$OUT/$W.tgz" "results/$W" "$OUT"/"$W"-*.log
+tar czf "$OUT/$W.tgz" "results/$W" "$OUT"/"$W"-*.log ${DISAGG_TRACE_DIR:+"$DISAGG_TRACE_DIR"}
 echo "workload $W: $OUT/$W.tgz"
