@@ -7,6 +7,11 @@ Discrete events, in time order (ties in the order they were made, so a run is de
     step_end   an instance's forward ends: its tokens reach the router (no hop time)
     push_end   a pushed prompt's KV has landed on its decode instance: the prefill side frees
                its pages, the decode side starts it (the doorbell's ring)
+    hand       a decode instance's reservation of a remote request answered: its prompt goes to
+               the prefill instance. An instance's actor runs calls between its steps, so a
+               reservation made while the decode instance is mid-forward answers when that
+               forward ends (measured on two H100s: p50 22-33 ms at chat's knee,
+               benchmarks/records/headline-h100x2-2026-11-27/)
 
 After each event every touched instance that is idle and has work launches its next forward
 (`SimEngine.begin_step`), which ends ``StepTimeModel.step_s(shape)`` later. Placement is the
@@ -19,7 +24,8 @@ prefill instance `Placer.hand` names. No prefix affinity: the simulated prompts 
 ids to key it, and `SimEngine` no prefix cache whose hits it would buy.
 Pushes: layer by layer beside the forward that computes the tokens; a prefill instance's link
 carries one forward's tokens after the other at ``link_gbps``, and a push ends no earlier than
-its forward. Not modelled: router and network hops, request timeouts, instance failures.
+its forward. Not modelled: router and network hops (beyond ``--hop-ms`` before placement),
+request timeouts, instance failures.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from disagg.config import Config
 from disagg.engine.request import pages_for
 from disagg.sampling import SamplingParams
 
-ARRIVAL, STEP_END, PUSH_END = 0, 1, 2
+ARRIVAL, STEP_END, PUSH_END, HAND = 0, 1, 2, 3
 
 
 @dataclass
@@ -157,6 +163,8 @@ class SimFleet:
             return self._arrive(*payload)
         if kind == STEP_END:
             return self._step_end(payload)
+        if kind == HAND:
+            return self._hand(payload)
         req, prefill, engine_req = payload
         prefill.actor.release_pushed(engine_req)
         # The decode side learns the first token even when it ended the request (it frees the
@@ -251,12 +259,30 @@ class SimFleet:
             return None  # every decode instance is out of pages
         prefill = self.placer.hand(req, req.decode, live)
         assert prefill is not None, "a simulated instance never dies"
-        req.prefill, req.stage = prefill, "prefilling"
+        req.prefill, req.stage = prefill, "reserving"
         self.picker.tokens[prefill.name] += req.prompt_len
         self.picker.tokens[req.decode.name] += req.prompt_len
-        prefill.actor.add(req.request_id, req.prompt_len, req.params.max_tokens, pushed=True)
         self.placed[req.request_id] = req
-        return {prefill.name, req.decode.name}
+        answered = self._call_done(req.decode)
+        if answered > self.now:
+            self._push(answered, HAND, req)
+            return {req.decode.name}
+        return self._hand(req)
+
+    def _call_done(self, inst: Instance) -> float:
+        """When a call made now on ``inst`` has run: at the end of its forward in flight."""
+        step = inst.actor.current
+        if step is None:
+            return self.now
+        return next((t for t in step.end_times if t > self.now), self.now)
+
+    def _hand(self, req: Request) -> set[str]:
+        """The reservation answered: ``req``'s prompt goes to its prefill instance."""
+        if req.done:
+            return set()
+        req.stage = "prefilling"
+        req.prefill.actor.add(req.request_id, req.prompt_len, req.params.max_tokens, pushed=True)
+        return {req.prefill.name, req.decode.name}
 
     def _place_alone(self, req: Request, inst: Instance) -> str:
         req.colocated, req.stage = inst, "running"

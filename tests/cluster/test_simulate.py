@@ -209,3 +209,24 @@ def test_max_concurrency_holds_requests_at_the_client():
         open_now += step
         peak = max(peak, open_now)
     assert peak == 2 and all(out.success for out in sim.run.outputs)
+
+
+def test_a_reservation_made_mid_forward_answers_when_the_forward_ends():
+    """1P1D: "b" arrives while the decode instance runs a forward (decoding "a"); its prompt
+    reaches the prefill instance only when that forward ends (the actor runs calls between
+    steps), so its first token comes that much later than on an idle decode instance."""
+    config = Config.from_yaml(CONFIGS / "tiny-1p1d.yaml")
+
+    def first_token_of_b(with_a: bool) -> tuple[float, SimFleet]:
+        fleet = SimFleet(config, copy.deepcopy(PROFILE))
+        fleet.fuse = False  # one event per forward: "b" lands inside one of them
+        if with_a:
+            fleet.submit_at(0.0, "a", 30, 400)
+        fleet.submit_at(0.05, "b", 30, 4)
+        fleet.run()
+        return fleet.timelines["b"].token_times[0], fleet
+
+    alone, _ = first_token_of_b(False)
+    behind, fleet = first_token_of_b(True)
+    d_step = fleet.model.step_s(0, 1, 30 + 30, 0)  # a decode forward of "a" near t = 0.05
+    assert 0.0 < behind - alone <= d_step * 1.05
