@@ -67,6 +67,11 @@ class InstanceActor:
         self._bind_event_loop()
         return await asyncio.wrap_future(self.loop.call(fn, *args, **kwargs))
 
+    async def _run_mid_step(self, fn) -> Any:
+        """`_run` for a call that may also run while a forward is on the GPU (`StepLoop.call_mid_step`)."""
+        self._bind_event_loop()
+        return await asyncio.wrap_future(self.loop.call_mid_step(fn))
+
     def _bind_event_loop(self) -> None:
         if self._event_loop is None:
             self._event_loop = asyncio.get_running_loop()
@@ -120,6 +125,8 @@ class InstanceActor:
             if self.config.cluster.warmup and warm_up is not None:
                 self.warmup_s = warm_up(engine, self.role, self.config)
                 logger.info("%s: warm-up %s", self.name, {k: round(v, 3) for k, v in self.warmup_s.items()})
+            if self.role == "decode" and self.config.scheduler.overlap_reservations:
+                engine.on_gpu_wait = self.loop.while_gpu_runs
             self.loop.engine = engine
             self.num_pages = num_pages
             return dict(engine.stats())
@@ -142,8 +149,8 @@ class InstanceActor:
                       prompt_token_ids: list[int] | None = None) -> Any:
         """Decode: reserve pages for the prompt's KV past this instance's cached prefix of
         ``prompt_token_ids`` (when given); return the `RecvDest` (raises OutOfPages)."""
-        return await self._run(lambda: self.loop.engine.reserve(request_id, prompt_len, params,
-                                                                prompt_token_ids=prompt_token_ids))
+        return await self._run_mid_step(lambda: self.loop.engine.reserve(request_id, prompt_len, params,
+                                                                         prompt_token_ids=prompt_token_ids))
 
     async def start(self, request_id: Any, first_token_id: int) -> None:
         """Decode: the prefill side produced ``first_token_id``; decode once the KV has landed."""
@@ -194,7 +201,8 @@ class InstanceActor:
             out = dict(self.loop.engine.stats()) if self.loop.engine is not None else {}
             out.update(name=self.name, role=self.role, pe=None if self.heap is None else self.heap.rank,
                        num_steps=self.loop.num_steps, busy_s=self.loop.busy_s, fatal=self.loop.fatal,
-                       warmup_s=dict(self.warmup_s))
+                       warmup_s=dict(self.warmup_s), num_mid_step_calls=self.loop.num_mid_step_calls,
+                       overlaps_reservations=getattr(self.loop.engine, "on_gpu_wait", None) is not None)
             return out
         return await self._run(_stats)
 

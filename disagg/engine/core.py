@@ -101,6 +101,9 @@ class EngineCore:
         self._factory = RequestFactory(tuple(model.config.eos_token_ids))
         self._outputs: list[TokenOutput] = []  # abort notices and the like, returned by the next step
         self.async_scheduling = bool(async_scheduling)
+        # Called inside `step` with a readiness poll while a launched forward's ids are on their
+        # way (the step loop runs the calls that may run mid-step: `StepLoop.while_gpu_runs`).
+        self.on_gpu_wait: Callable[[Callable[[], bool]], None] | None = None
         self._next: NextStep | None = None
         self._inflight: Launched | None = None  # async scheduling: launched, ids not read
         self._deferred: list[Request] = []  # ended requests whose pages a launched step still writes
@@ -446,6 +449,8 @@ class EngineCore:
             self._reserve_next(current.requests)
         if self.async_scheduling:
             self._inflight = self._launch_ahead(current)
+        if self.on_gpu_wait is not None:  # while the GPU computes: the host runs what may run now
+            self.on_gpu_wait(current.pending.is_ready)
         tokens = current.pending.result()
         self.last_step_shape, self.last_step_prompts = current.shape, current.prompt_ids
         if current.num_pushed_tokens:

@@ -47,6 +47,10 @@ class PendingTokens:
     ready: torch.cuda.Event | None
     push_done: torch.cuda.Event | None = None
 
+    def is_ready(self) -> bool:
+        """Whether the ids are on the host (`result` would not wait)."""
+        return self.ready is None or self.ready.query()
+
     def result(self) -> list[int]:
         """Wait for the ids (a host sync on CUDA) and return them."""
         if self.ready is not None:

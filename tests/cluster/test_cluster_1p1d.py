@@ -289,3 +289,18 @@ def test_async_scheduling_from_the_config_gives_the_same_tokens(ray_local, async
     for i, (completion, twin, tokens) in enumerate(zip(got, colocated, want)):
         expected = tokens[:tokens.index(stop[i]) + 1] if i in stop else tokens
         assert completion.token_ids == expected == twin.token_ids, f"request {i}"
+
+
+def test_reservations_overlapping_forwards_give_the_same_tokens(ray_local):
+    """`scheduler.overlap_reservations: true`: the decode instance may answer reservations while
+    its forward runs (`StepLoop.while_gpu_runs`); tokens equal the reference, every page comes back."""
+    prompts = mixed_prompts(12, seed=7)
+    max_tokens = [3, 16, 31, 9] * 3
+    want = reference_tokens(prompts, max_tokens)
+    with launch("tiny-1p1d", scheduler__overlap_reservations=True) as cluster:
+        got = cluster.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
+        stats = {inst["name"]: inst for inst in cluster.stats()["instances"]}
+        wait_all_free(cluster)
+    assert [c.token_ids for c in got] == want
+    assert stats["decode-0"]["overlaps_reservations"] and not stats["prefill-0"]["overlaps_reservations"]
+    assert stats["prefill-0"]["num_mid_step_calls"] == 0
