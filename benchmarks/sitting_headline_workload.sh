@@ -12,6 +12,8 @@
 # benchmarks/records/headline-plan-2026-11-27/README.md. CHUNK_DISAGG: the prefill budget of the
 # 1P1D and adaptive fleets (default: the config's), the disaggregated side of HEADLINE.md's sweep.
 # DISAGG_TRACE_DIR (optional): per-request and per-step traces of every run, tarred with the rest.
+# SET_DISAGG (optional): one more KEY=VALUE for the 1P1D and adaptive fleets, e.g.
+# SET_DISAGG=scheduler.overlap_reservations=true.
 # CPU smoke check: HEADLINE_MODEL=tiny RATES=2 HEADLINE_SECONDS=3 bash benchmarks/sitting_headline_workload.sh chat
 set -euo pipefail
 W=${1:?workload: chat | prefill-heavy | decode-heavy | long-prompt | shared-prefix}
@@ -37,6 +39,7 @@ run() {  # LABEL CONFIG [bench flags]
 }
 disagg_chunk=()
 [ -n "${CHUNK_DISAGG:-}" ] && disagg_chunk=(--set "scheduler.max_num_batched_tokens=$CHUNK_DISAGG")
+[ -n "${SET_DISAGG:-}" ] && disagg_chunk+=(--set "$SET_DISAGG")
 run 1p1d "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_1P1D:-$RATES}" --slo-calibrate "${disagg_chunk[@]}"
 slos=$(grep -o "SLOs TTFT [0-9.]* ms, TPOT [0-9.]* ms" "$OUT/$W-1p1d.log" | head -1 || true)
 T=$(echo "$slos" | awk '{print $3}'); P=$(echo "$slos" | awk '{print $6}')

@@ -44,12 +44,18 @@ def launch(name: str, share, **overrides) -> Cluster:
 
 
 def test_llama3_shaped_1p1d_over_nvshmem_equals_colocated_and_aborts_mid_push(ray_local, gpu_share):
+    """1P1D equals colocated with the decode instance answering reservations mid-forward
+    (`scheduler.overlap_reservations`; the placements test below runs the default, off), and
+    aborts mid-push free every page."""
     prompts, params = workload()
-    with launch("llama3-8b-1p1d", gpu_share) as cluster:
+    with launch("llama3-8b-1p1d", gpu_share, **{"scheduler.overlap_reservations": True}) as cluster:
         stats = cluster.stats()
         assert (stats["device"], stats["backend"], stats["paths"]) == ("cuda", "nvshmem", {"0->1": "load/store"})
         disagg = cluster.generate(prompts, params)
         assert all(c.error is None for c in disagg), [c.error for c in disagg if c.error][:3]
+        decode = next(i for i in cluster.stats()["instances"] if i["role"] == "decode")
+        assert decode["overlaps_reservations"], decode
+        print(f"reservations answered mid-forward: {decode['num_mid_step_calls']} of {len(prompts)}")
         wait_all_free(cluster)
 
         long = [[(7 * i + j) % 120000 + 10 for j in range(6000)] for i in range(6)]
