@@ -37,16 +37,16 @@ run() {  # LABEL CONFIG [bench flags]
   # time limit still returns the deployments it finished)
   [ -d "results/$W/$label" ] && tar czf "$OUT/$W-$label.tgz" "results/$W/$label" || true
 }
-disagg_chunk=()
-[ -n "${CHUNK_DISAGG:-}" ] && disagg_chunk=(--set "scheduler.max_num_batched_tokens=$CHUNK_DISAGG")
-[ -n "${SET_DISAGG:-}" ] && disagg_chunk+=(--set "$SET_DISAGG")
-run 1p1d "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_1P1D:-$RATES}" --slo-calibrate "${disagg_chunk[@]}"
+disagg_set=()
+[ -n "${CHUNK_DISAGG:-}" ] && disagg_set=(--set "scheduler.max_num_batched_tokens=$CHUNK_DISAGG")
+[ -n "${SET_DISAGG:-}" ] && disagg_set+=(--set "$SET_DISAGG")
+run 1p1d "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_1P1D:-$RATES}" --slo-calibrate "${disagg_set[@]}"
 slos=$(grep -o "SLOs TTFT [0-9.]* ms, TPOT [0-9.]* ms" "$OUT/$W-1p1d.log" | head -1 || true)
 T=$(echo "$slos" | awk '{print $3}'); P=$(echo "$slos" | awk '{print $6}')
 [ -n "$T" ] && [ -n "$P" ] || { echo "no SLOs in $OUT/$W-1p1d.log" >&2; exit 1; }
 echo "SLOs: TTFT $T ms, TPOT $P ms"
 judge=(--goodput "ttft:$T" --goodput "tpot:$P")
-run adaptive "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_ADAPTIVE:-$RATES}" "${disagg_chunk[@]}" \
+run adaptive "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_ADAPTIVE:-$RATES}" "${disagg_set[@]}" \
   --set router.placement=adaptive \
   --set "router.slo_ttft_ms=$T" --set "router.slo_tpot_ms=$P" "${judge[@]}"
 run "colocated-$CHUNK" "configs/$MODEL-colocated.yaml" --request-rate "${RATES_COLOCATED:-$RATES}" \
