@@ -51,7 +51,7 @@ PROFILE_PRIOR_WEIGHT = 1e-3  # a profile's grid covers every direction: its fit 
 # A stall counts in the running decodes' TPOT over this share of their mean remaining tokens:
 # the rest of their budget is left to the prompts that come after it.
 HORIZON_SHARE = 0.5
-TTFT_BIAS_WEIGHT = 1 / 16  # `FleetModel.note_ttft`: a correction follows about the last 16 first tokens
+TTFT_MISS_WEIGHT = 1 / 16  # `FleetModel.note_ttft`: the miss follows about the last 16 first tokens
 STALL_WINDOW_STEPS = 128  # `StallMeter`'s memory: about a second of an 8B decode instance's steps
 OUTLIER_RATIO = 3.0  # a step over 3x the fit's prediction is a one-off (a first use of a shape): not fitted
 # Per step (`features`): is it pure decode (0/1), prompt tokens, decoding sequences, their context
@@ -273,10 +273,8 @@ class InstanceView:
         stall_factor: how much longer its recent steps with decodes ran than pure decode steps
             of the same decodes would (`StallMeter`, >= 1): the prompt chunks placed on it go on
             arriving, so a decode's future steps are predicted that much longer.
-        ttft_bias_s: per path whose prompt it computes ("remote", "local", "kept"), what its
-            requests' measured TTFTs exceeded their predictions by, lately (`FleetModel.
-            note_ttft`): the hops, the waits for its actor and its step in flight, that the step
-            model does not see. Added to the predictions of that path.
+        reserve_waits: a reservation on it waits for its forward in flight (its actor runs calls
+            between steps); False with `scheduler.overlap_reservations` (answered mid-forward).
     """
 
     name: str
@@ -291,11 +289,12 @@ class InstanceView:
     remaining_tokens: int | None = None
     output_tokens: float | None = None
     stall_factor: float = 1.0
-    ttft_bias_s: dict = field(default_factory=dict)
+    reserve_waits: bool = True
 
-    def ttft_s(self, path: str, predicted: float) -> float:
-        """``predicted`` (a TTFT of ``path`` computed here) with its learned correction."""
-        return max(predicted + self.ttft_bias_s.get(path, 0.0), 0.0)
+    def step_in_flight_s(self) -> float:
+        """What a call or a new prompt waits for the forward running here (its decodes' step;
+        0 when none decode)."""
+        return self.model.step_s(0, self.num_decoding, self.context_tokens, 0) if self.num_decoding else 0.0
 
     def fits(self, prompt_len: int) -> bool:
         return self.free_pages is None or self.free_pages >= math.ceil((prompt_len + 1) / self.page_size)
@@ -370,7 +369,6 @@ class Prediction:
     margin: float        # the relative error of the models behind it
     admissible: bool = True
     why: str = ""
-    bias_s: float = 0.0  # the learned TTFT correction inside ``ttft_s`` (`InstanceView.ttft_bias_s`)
 
 
 @dataclass(frozen=True)
@@ -389,30 +387,25 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
     """Every candidate: remote via the fastest prefill instance to each decode instance, local on
     each decode instance, kept on each prefill instance (page fit not yet judged)."""
     out = []
-    best_p = min(prefills, key=lambda p: p.ttft_s("remote", p.prefill_s(prompt_len)), default=None)
+    best_p = min(prefills, key=lambda p: p.prefill_s(prompt_len), default=None)
     for d in decodes:
         remote_tpot, local_tpot = _decode_side_tpot(d, prompt_len)
+        # D's running decodes hold the step in flight (and, scheduled ahead, the next): a local
+        # prompt's first chunk starts about one decode step later, and so does a remote one's
+        # push, whose reservation D answers between steps (unless it overlaps them).
+        wait = d.step_in_flight_s()
         if best_p is not None:
-            out.append(_with_bias(Prediction("remote", best_p.name, d.name, best_p.prefill_s(prompt_len), remote_tpot,
-                                             max(best_p.model.error, d.model.error)), best_p))
-        # Local: D's running decodes hold the step in flight (and, scheduled ahead, the next),
-        # so its first chunk starts about one decode step later.
-        wait = d.model.step_s(0, d.num_decoding, d.context_tokens, 0) if d.num_decoding else 0.0
-        out.append(_with_bias(Prediction("local", d.name, d.name, wait + d.prefill_s(prompt_len), local_tpot,
-                                         d.model.error), d))
+            out.append(Prediction("remote", best_p.name, d.name,
+                                  (wait if d.reserve_waits else 0.0) + best_p.prefill_s(prompt_len), remote_tpot,
+                                  max(best_p.model.error, d.model.error)))
+        out.append(Prediction("local", d.name, d.name, wait + d.prefill_s(prompt_len), local_tpot, d.model.error))
     for p in prefills:
         # Kept: P decodes it between the prompt chunks it keeps computing for others.
         step_p = p.decode_step_s(1, prompt_len, p.queued_prompt_tokens)
         during = p.decode_step_s(0, 0, p.queued_prompt_tokens + prompt_len) if p.num_decoding else 0.0
-        out.append(_with_bias(Prediction("kept", p.name, p.name, p.prefill_s(prompt_len), max(step_p, during),
-                                         p.model.error), p))
+        out.append(Prediction("kept", p.name, p.name, p.prefill_s(prompt_len), max(step_p, during),
+                              p.model.error))
     return out
-
-
-def _with_bias(cand: Prediction, computing: InstanceView) -> Prediction:
-    """``cand`` with the TTFT correction its prompt's instance learned for its path."""
-    ttft = computing.ttft_s(cand.path, cand.ttft_s)
-    return replace(cand, ttft_s=ttft, bias_s=ttft - cand.ttft_s) if ttft != cand.ttft_s else cand
 
 
 def _decode_side_tpot(d: InstanceView, prompt_len: int) -> tuple[float, float]:
@@ -539,13 +532,15 @@ class FleetModel:
             None: the `StepTimeModel` defaults.
     """
 
-    def __init__(self, chunk_tokens: int, page_size: int, seed_fit: dict | None = None) -> None:
+    def __init__(self, chunk_tokens: int, page_size: int, seed_fit: dict | None = None,
+                 reserve_waits: bool = True) -> None:
         self.chunk_tokens, self.page_size = chunk_tokens, page_size
         self.seed_fit = seed_fit
+        self.reserve_waits = reserve_waits
         self.models: dict[str, StepTimeModel] = {}
         self.loads: dict[str, object] = {}  # name -> `InstanceLoad` of its last batch
         self.stalls: dict[str, StallMeter] = collections.defaultdict(StallMeter)
-        self.ttft_bias: dict[str, dict[str, float]] = collections.defaultdict(dict)  # name -> path -> s
+        self.ttft_miss: dict[str, dict[str, float]] = collections.defaultdict(dict)  # name -> path -> s
 
     def model_of(self, name: str) -> StepTimeModel:
         model = self.models.get(name)
@@ -565,12 +560,15 @@ class FleetModel:
 
     def note_ttft(self, name: str, path: str, measured_s: float, predicted_s: float) -> None:
         """A request of ``path`` whose prompt instance ``name`` computed had its first token
-        ``measured_s`` after its placement, predicted ``predicted_s`` (without correction): move
-        that path's correction `TTFT_BIAS_WEIGHT` of the way to the difference."""
-        biases = self.ttft_bias[name]
-        old = biases.get(path)
+        ``measured_s`` after its placement, predicted ``predicted_s``: the path's recent miss
+        (exponentially weighted, `TTFT_MISS_WEIGHT`), a diagnostic in `snapshot`. Not fed back
+        into the predictions: a constant correction of a load-dependent miss made them worse in
+        simulation (two GPUs, chat at 28 req/s: 2x-SLO attainment 85% -> 63%), and it only
+        learns on the paths still taken (benchmarks/records/headline-h100x2-2026-11-27/)."""
+        misses = self.ttft_miss[name]
+        old = misses.get(path)
         miss = measured_s - predicted_s
-        biases[path] = miss if old is None else old + TTFT_BIAS_WEIGHT * (miss - old)
+        misses[path] = miss if old is None else old + TTFT_MISS_WEIGHT * (miss - old)
 
     def note_step(self, name: str, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int,
                   num_prompt_pairs: int, seconds: float, count: int = 1) -> None:
@@ -604,11 +602,11 @@ class FleetModel:
         return InstanceView(inst.name, self.model_of(inst.name), self.chunk_tokens, queued, decoding, context,
                             None if load is None else load.free_pages, self.page_size, pairs, remaining,
                             sum(outputs) / len(outputs) if outputs else None, self.stalls[inst.name].factor,
-                            dict(self.ttft_bias.get(inst.name, {})))
+                            self.reserve_waits)
 
     def snapshot(self) -> dict:
         """Each instance's fitted model (coefficients, error, samples), its stall factor and its
-        TTFT corrections per path (ms)."""
+        recent TTFT miss per path (measured - predicted, ms)."""
         return {name: {**model.to_dict(), "stall_factor": round(self.stalls[name].factor, 3),
-                       "ttft_bias_ms": {path: round(s * 1e3, 2) for path, s in self.ttft_bias.get(name, {}).items()}}
+                       "ttft_miss_ms": {path: round(s * 1e3, 2) for path, s in self.ttft_miss.get(name, {}).items()}}
                 for name, model in self.models.items()}

@@ -111,7 +111,8 @@ class Placer:
         sched = config.scheduler
         self.prefill_queue_tokens = config.router.prefill_queue_tokens or 4 * sched.max_num_batched_tokens
         self.fleet_model = FleetModel(sched.max_num_batched_tokens, config.cache.page_size,
-                                      seed_fit(config.router.step_profile))
+                                      seed_fit(config.router.step_profile),
+                                      reserve_waits=not sched.overlap_reservations)
         self.targets = Targets.from_ms(config.router.slo_ttft_ms, config.router.slo_tpot_ms)
         self.placements: collections.Counter[str] = collections.Counter({path: 0 for path in PATHS})
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
@@ -178,8 +179,8 @@ class Placer:
 
     def first_token(self, req: Request) -> None:
         """``req``'s first token reached the router (now, by ``clock``): its placement's TTFT
-        prediction, against the time since the decision, corrects later predictions of its path
-        on the instance that computed its prompt (`FleetModel.note_ttft`)."""
+        prediction against the time since the decision, the miss of its path on the instance
+        that computed its prompt (`FleetModel.note_ttft`, a diagnostic)."""
         entry = self._predicted.pop(req.request_id, None)
         computing = req.colocated or req.prefill
         if entry is None or computing is None:
@@ -187,7 +188,7 @@ class Placer:
         chosen, at = entry
         path = "remote" if req.colocated is None else "local" if req.colocated.role == "decode" else "kept"
         if path == chosen.path:
-            self.fleet_model.note_ttft(computing.name, path, self.clock() - at, chosen.ttft_s - chosen.bias_s)
+            self.fleet_model.note_ttft(computing.name, path, self.clock() - at, chosen.ttft_s)
 
     def hand(self, req: Request, decode: Instance, live: Collection[Request]) -> Instance | None:
         """``decode`` reserved ``req``'s pages (a `Remote` plan's first taker): the prefill

@@ -292,7 +292,7 @@ def test_a_push_needs_the_pages_of_its_whole_answer_on_the_decode_side():
     # (D reserves the answer's pages before the push); P keeps it instead of the push blocking.
     def d(output_tokens):
         return InstanceView("D", model(), 512, 0, 8, 8000, 20, 16, remaining_tokens=8 * 500,
-                            output_tokens=output_tokens)
+                            output_tokens=output_tokens, reserve_waits=False)  # the pages alone decide
 
     prefills = [view("P", free_pages=5000)]
     assert decide(100, prefills, [d(None)]).path in ("remote", "local")
@@ -334,20 +334,28 @@ def test_a_sure_instance_beats_an_unsure_slower_one_of_the_same_path():
     assert (d.chosen.path, d.chosen.decode) == ("local", "D0")
 
 
-def test_a_learned_ttft_correction_moves_a_prompt_off_the_path_that_runs_late():
-    # Remote wins on the model alone; P's remote requests lately came 300 ms later than
-    # predicted (hops, its actor busy, its step in flight): with the 200 ms target, another path
-    # (the correction is the remote path's: kept on the same P keeps its own).
+def test_a_remote_prompt_waits_for_the_decode_step_in_flight_unless_reservations_overlap_it():
+    # D answers the reservation between its steps: the push starts a decode step later, as a
+    # local prompt's first chunk does; with `scheduler.overlap_reservations` it does not wait.
+    p, d = view("P"), view("D", decoding=16, context=16_000)
+    remote = next(c for c in predict(64, [p], [d]) if c.path == "remote")
+    assert remote.ttft_s == pytest.approx(d.model.step_s(0, 16, 16_000, 0) + p.prefill_s(64))
+    overlapping = InstanceView("D", model(), 512, 0, 16, 16_000, None, 16, reserve_waits=False)
+    remote = next(c for c in predict(64, [p], [overlapping]) if c.path == "remote")
+    assert remote.ttft_s == pytest.approx(p.prefill_s(64))
+    assert FleetModel(512, 16, reserve_waits=False).view(_instance("D"), []).reserve_waits is False
+
+
+def _instance(name):
+    from disagg.cluster.bootstrap import Instance
+    return Instance(name, "decode", actor=None)
+
+
+def test_the_fleet_model_keeps_each_paths_recent_ttft_miss_as_a_diagnostic():
     fleet = FleetModel(chunk_tokens=512, page_size=16)
-    prefills, decodes = [view("P")], [view("D", decoding=4, context=4000)]
-    targets = Targets.from_ms(200, 100)
-    assert decide(256, prefills, decodes, targets).path == "remote"
     fleet.note_ttft("P", "remote", 0.35, 0.05)
-    fleet.note_ttft("P", "remote", 0.35, 0.05)
-    late = InstanceView("P", model(), 512, ttft_bias_s=dict(fleet.ttft_bias["P"]))
-    d = decide(256, [late], decodes, targets)
-    remote = next(c for c in d.predictions if c.path == "remote")
-    assert remote.bias_s == pytest.approx(0.30) and not remote.admissible
-    assert d.path in ("local", "kept") and d.chosen.bias_s == 0.0
-    fleet.note_ttft("P", "remote", 0.05, 0.05)  # on time again: the correction decays
-    assert fleet.ttft_bias["P"]["remote"] == pytest.approx(0.30 * (1 - 1 / 16))
+    assert fleet.ttft_miss["P"] == {"remote": pytest.approx(0.30)}
+    fleet.note_ttft("P", "remote", 0.05, 0.05)  # on time: the miss decays
+    assert fleet.ttft_miss["P"]["remote"] == pytest.approx(0.30 * (1 - 1 / 16))
+    fleet.model_of("P")
+    assert fleet.snapshot()["P"]["ttft_miss_ms"] == {"remote": pytest.approx(281.25)}
