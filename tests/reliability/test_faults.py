@@ -4,7 +4,8 @@ Classes: an abort that reaches the router before its request's submit (sent befo
 began, or while the router's loop is busy right after it began), each id then reused once; an
 abort that comes after its request ended, the id then reused; a killed prefill actor while
 requests decode, wait for their first decode token, or sit in its queue; a killed decode actor
-while requests decode there or sit in the prefill queue for it. Counted over every request:
+while requests decode there or sit in the prefill queue for it (that fleet's decode instance
+answering reservations mid-forward, `scheduler.overlap_reservations`). Counted over every request:
 wrong outputs (an aborted request with tokens, a finished one whose tokens differ from an
 in-process colocated engine, a failure that names the wrong instance or a request failed that
 its dead instance did not hold), hangs (no last delta in time), and the pages still held once
@@ -193,7 +194,10 @@ def test_fault_replay_counts(ray_local):
     with launch("tiny-1p1d", HookedInstanceActor, router__lease_s=LEASE_S) as cluster:
         tallies = _replay_early_and_late_aborts(cluster, prompts, want)
         tallies["killed_prefill"] = _replay_killed_prefill(cluster, prompts, want, ray_local)
-    with launch("tiny-1p1d", HookedInstanceActor, router__lease_s=LEASE_S) as cluster:
+    # The decode instance answers reservations mid-forward here (`scheduler.overlap_reservations`):
+    # killed with such calls in flight, it still fails exactly its own requests.
+    with launch("tiny-1p1d", HookedInstanceActor, router__lease_s=LEASE_S,
+                scheduler__overlap_reservations=True) as cluster:
         tallies["killed_decode"] = _replay_killed_decode(cluster, prompts, ray_local)
     report = {name: tally.counts for name, tally in tallies.items()}
     print("fault replay:", report)
