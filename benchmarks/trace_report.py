@@ -8,8 +8,10 @@ requests had it and the median, p90 and mean in milliseconds; per placement path
 trace holds several. Then, per instance, from its step loop's "step" and "call" records: its
 steps' durations, the fraction of the traced span they cover (busy), the idle gaps between them,
 the prompt tokens of the steps that carried some, and how long each kind of call waited in the
-loop before it ran (``--json`` keeps these under "instances", beside the paths). Events of several
-hosts compare wall clocks: keep such runs on one host.
+loop before it ran (``--json`` keeps these under "instances", beside the paths). ``--by-run``:
+the same per `disagg bench` run (a sweep's rates: request ids ``benchN-...``), each run's steps
+and calls those inside its requests' span. Events of several hosts compare wall clocks: keep such
+runs on one host.
 """
 
 from __future__ import annotations
@@ -79,27 +81,56 @@ def _print_instances(instances: dict[str, dict]) -> None:
                   f"p90 {wait['p90_ms']:8.2f} ms")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("directory", help="the DISAGG_TRACE_DIR of the run")
-    parser.add_argument("--json", help="also write the summary here")
-    args = parser.parse_args()
-    requests = trace.read(args.directory)
+def report(requests: dict, steps: list[dict], calls: list[dict]) -> dict:
+    """{path: hops (`summarize`), ..., "instances": `summarize_instances`}, printed as it goes."""
     by_path: dict[str, dict] = {}
     for request, events in requests.items():
         by_path.setdefault(events.get("placed", {}).get("path", "unplaced"), {})[request] = events
-    report = {path: summarize(group) for path, group in sorted(by_path.items())}
-    for path, hops in report.items():
+    out = {path: summarize(group) for path, group in sorted(by_path.items())}
+    for path, hops in out.items():
         print(f"{path}: {len(by_path[path])} requests")
         for hop, row in hops.items():
             print(f"  {hop:<28} n {row['n']:>5}  p50 {row['p50_ms']:8.2f} ms  p90 {row['p90_ms']:8.2f} ms  "
                   f"mean {row['mean_ms']:8.2f} ms")
-    instances = summarize_instances(trace.read_records(args.directory, "step"),
-                                    trace.read_records(args.directory, "call"))
+    instances = summarize_instances(steps, calls)
     _print_instances(instances)
+    return {**out, "instances": instances}
+
+
+def by_run(requests: dict) -> dict[str, dict]:
+    """The requests of each `disagg bench` run, by their ids' ``benchN`` prefix (others: "other")."""
+    runs: dict[str, dict] = {}
+    for request, events in requests.items():
+        prefix = request.split("-", 1)[0]
+        runs.setdefault(prefix if prefix.startswith("bench") and "-" in request else "other", {})[request] = events
+    return dict(sorted(runs.items(), key=lambda item: (len(item[0]), item[0])))
+
+
+def _within(records: list[dict], requests: dict, start_key: str) -> list[dict]:
+    """The records that start inside the span of ``requests``' events."""
+    times = [record["t"] for events in requests.values() for record in events.values()]
+    lo, hi = min(times), max(times)
+    return [r for r in records if lo <= r[start_key] <= hi]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", help="the DISAGG_TRACE_DIR of the run")
+    parser.add_argument("--json", help="also write the summary here")
+    parser.add_argument("--by-run", action="store_true", help="one report per disagg bench run (rate)")
+    args = parser.parse_args()
+    requests = trace.read(args.directory)
+    steps, calls = trace.read_records(args.directory, "step"), trace.read_records(args.directory, "call")
+    if args.by_run:
+        out = {}
+        for run, group in by_run(requests).items():
+            print(f"== {run}: {len(group)} requests")
+            out[run] = report(group, _within(steps, group, "t_start"), _within(calls, group, "t_queued"))
+    else:
+        out = report(requests, steps, calls)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump({**report, "instances": instances}, out, indent=1)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -159,3 +159,35 @@ def test_the_report_summarizes_each_instances_steps_and_calls(tmp_path, monkeypa
     assert decode["call_wait_ms"]["reserve"]["p50_ms"] == pytest.approx(1.0)
     printed = capsys.readouterr().out
     assert "prefill-0: 3 steps" in printed and "call add waited" in printed and "decode-0: 0 steps" in printed
+
+
+def test_the_report_splits_a_sweep_by_bench_run(tmp_path, capsys, monkeypatch):
+    """``--by-run``: each `disagg bench` run's requests (``benchN-...``) and the steps and calls
+    inside their span, apart from the other runs' (a sweep's rates in one trace)."""
+    with environment(DISAGG_TRACE_DIR=str(tmp_path)):
+        trace.event("submit", "bench2-chat-0-0")
+        trace.event("placed", "bench2-chat-0-0", path="remote")
+        trace.record("step", instance="prefill-0", t_start=time.time(), t_end=time.time() + 1e-3,
+                     num_prefill_tokens=10, num_decode_seqs=0, num_context_tokens=0, num_prompts=1)
+        trace.event("first_token", "bench2-chat-0-0")
+        time.sleep(0.01)
+        for i in range(2):
+            trace.event("submit", f"bench3-chat-{i}-{i}")
+            trace.event("placed", f"bench3-chat-{i}-{i}", path="local")
+            for _ in range(2):
+                trace.record("step", instance="decode-0", t_start=time.time(), t_end=time.time() + 1e-3,
+                             num_prefill_tokens=4, num_decode_seqs=1, num_context_tokens=9, num_prompts=1)
+            trace.event("first_token", f"bench3-chat-{i}-{i}")
+    module = _report_module()
+    runs = module.by_run(trace.read(str(tmp_path)))
+    assert {run: sorted(group) for run, group in runs.items()} == {
+        "bench2": ["bench2-chat-0-0"], "bench3": ["bench3-chat-0-0", "bench3-chat-1-1"]}
+    out = tmp_path / "report.json"
+    monkeypatch.setattr(sys, "argv", ["trace_report", str(tmp_path), "--by-run", "--json", str(out)])
+    module.main()
+    report = json.loads(out.read_text())
+    assert set(report) == {"bench2", "bench3"}
+    assert {name: row["steps"] for name, row in report["bench2"]["instances"].items()} == {"prefill-0": 1}
+    assert {name: row["steps"] for name, row in report["bench3"]["instances"].items()} == {"decode-0": 4}
+    assert report["bench3"]["local"]["submit -> placed"]["n"] == 2 and "remote" in report["bench2"]
+    assert "== bench3: 2 requests" in capsys.readouterr().out
