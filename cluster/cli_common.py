@@ -55,6 +55,22 @@ LogLevelOpt = Annotated[Optional[LogLevel], typer.Option(
          "default $DISAGG_LOG, else warning")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="INFO logs (--log-level info)")]
 
+# The workload and result flags that `disagg bench` and `disagg simulate` share (vLLM's names);
+# each verb's default where the flag is left out is the config's `bench` section.
+NumPromptsOpt = Annotated[Optional[int], typer.Option(min=1, help="requests per run (default bench.num_prompts)")]
+InputLenOpt = Annotated[Optional[int], typer.Option(min=1, help="prompt tokens (= --random-input-len)")]
+OutputLenOpt = Annotated[Optional[int], typer.Option(min=1, help="output tokens (= --random-output-len)")]
+RandomInputLenOpt = Annotated[Optional[int], typer.Option(min=1, help="prompt tokens")]
+RandomOutputLenOpt = Annotated[Optional[int], typer.Option(min=1, help="output tokens")]
+RangeRatioOpt = Annotated[Optional[float], typer.Option(help="lengths uniform in len*(1 +- r)")]
+SeedOpt = Annotated[Optional[int], typer.Option(help="seed of prompts and arrivals (default bench.seed)")]
+RequestRateOpt = Annotated[Optional[str], typer.Option(
+    help="req/s; a sweep: 1,2,4,inf (default bench.request_rates)")]
+BurstinessOpt = Annotated[Optional[float], typer.Option(help="gamma shape of arrivals; 1 = Poisson")]
+MaxConcurrencyOpt = Annotated[Optional[int], typer.Option(min=1, help="requests in flight at most")]
+MetricPercentilesOpt = Annotated[str, typer.Option(help="percentiles reported")]
+ResultFilenameOpt = Annotated[Optional[str], typer.Option(help="file name of a single run's JSON")]
+
 
 METAVARS = {"str": "TEXT", "int": "N", "int range": "N", "float": "X", "float range": "X", "Path": "PATH",
             "path": "PATH", "file": "PATH", "dir": "DIR", "bool": ""}

@@ -24,6 +24,9 @@ from typing import Annotated, Any, Optional
 import typer
 
 from disagg.cluster.bench import flags
+from disagg.cluster.cli_common import (BurstinessOpt, InputLenOpt, MaxConcurrencyOpt, MetricPercentilesOpt, NumPromptsOpt, OutputLenOpt,
+                                       RandomInputLenOpt, RandomOutputLenOpt, RangeRatioOpt, RequestRateOpt,
+                                       ResultFilenameOpt, SeedOpt)
 from disagg.cluster.bench.workloads import DATASETS
 from disagg.cluster.serve.vllm_options import BENCH_IGNORED, BENCH_REFUSED, add_vllm_options, greedy_command
 
@@ -71,16 +74,16 @@ def bench_command(
     vocab_size: Annotated[Optional[int], Opt(min=2, help="token ids drawn below this (with --base-url)")] = None,
     dataset_name: Annotated[str, Opt(help=f"one of {', '.join(DATASETS)}; several, comma-separated, run on "
                             "one launch each")] = "random",
-    num_prompts: Annotated[Optional[int], Opt(min=1, help="requests per run")] = None,
-    input_len: Annotated[Optional[int], Opt(min=1, help="prompt tokens (= --random-input-len)")] = None,
-    output_len: Annotated[Optional[int], Opt(min=1, help="output tokens (= --random-output-len)")] = None,
-    random_input_len: Annotated[Optional[int], Opt(min=1, help="prompt tokens")] = None,
-    random_output_len: Annotated[Optional[int], Opt(min=1, help="output tokens")] = None,
-    random_range_ratio: Annotated[Optional[float], Opt(help="lengths uniform in len*(1 +- r)")] = None,
-    seed: Annotated[Optional[int], Opt(help="seed of prompts and arrivals")] = None,
-    request_rate: Annotated[Optional[str], Opt(help="req/s; a sweep: 1,2,4,inf")] = None,
-    burstiness: Annotated[Optional[float], Opt(help="gamma shape of arrivals; 1 = Poisson")] = None,
-    max_concurrency: Annotated[Optional[int], Opt(min=1, help="requests in flight at most")] = None,
+    num_prompts: NumPromptsOpt = None,
+    input_len: InputLenOpt = None,
+    output_len: OutputLenOpt = None,
+    random_input_len: RandomInputLenOpt = None,
+    random_output_len: RandomOutputLenOpt = None,
+    random_range_ratio: RangeRatioOpt = None,
+    seed: SeedOpt = None,
+    request_rate: RequestRateOpt = None,
+    burstiness: BurstinessOpt = None,
+    max_concurrency: MaxConcurrencyOpt = None,
     num_warmups: Annotated[int, Opt(min=0, help="untimed requests, sent together, before each "
                            "workload's first run")] = 1,
     request_timeout: Annotated[Optional[float], Opt(help="seconds before a request is cancelled")] = None,
@@ -91,12 +94,12 @@ def bench_command(
     slo_scales: Annotated[Optional[str], Opt(help="SLO multipliers judged from the same runs")] = None,
     percentile_metrics: Annotated[Optional[str], Opt(help="latencies the tables show: some of "
                                   "ttft,tpot,itl,e2el (default all)", show_default=False)] = None,
-    metric_percentiles: Annotated[str, Opt(help="percentiles reported")] = "50,90,99",
+    metric_percentiles: MetricPercentilesOpt = "50,90,99",
     save_result: Annotated[bool, Opt("--save-result", help="write each run's JSON and summary.md "
                            "(always on with a comparison)")] = False,
     result_dir: Annotated[Optional[Path], Opt(help="where JSON, summary.md and PNGs go (default "
                           "bench.results_dir)")] = None,
-    result_filename: Annotated[Optional[str], Opt(help="file name of a single run's JSON")] = None,
+    result_filename: ResultFilenameOpt = None,
     metadata: Annotated[Optional[list[str]], Opt(help="KEY=VALUE pairs stored in every result "
                         "(--metadata version=0.3 tp=1)")] = None,
     disable_tqdm: Annotated[bool, Opt("--disable-tqdm", help="no progress bar")] = False,

@@ -18,8 +18,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from disagg.cluster.cli_common import (EXIT_RUNTIME, EXIT_USAGE, ConfigArg, LogLevelOpt, SetOpt, VerboseOpt,
-                                       load_config, setup_logging)
+from disagg.cluster.cli_common import (EXIT_RUNTIME, EXIT_USAGE, BurstinessOpt, ConfigArg, InputLenOpt, LogLevelOpt,
+                                       MaxConcurrencyOpt, MetricPercentilesOpt, NumPromptsOpt, OutputLenOpt,
+                                       RandomInputLenOpt, RandomOutputLenOpt, RangeRatioOpt, RequestRateOpt,
+                                       ResultFilenameOpt, SeedOpt, SetOpt, VerboseOpt, load_config, setup_logging)
 
 Opt = typer.Option
 
@@ -92,21 +94,21 @@ def simulate_command(
                                       "and Ray hops, not modelled otherwise)")] = 0.0,
     set_: SetOpt = None,
     dataset_name: Annotated[str, Opt(help="the bench's workloads, comma-separated")] = "random",
-    num_prompts: Annotated[Optional[int], Opt(min=1, help="requests per run (default bench.num_prompts)")] = None,
-    input_len: Annotated[Optional[int], Opt(min=1, help="prompt tokens (= --random-input-len)")] = None,
-    output_len: Annotated[Optional[int], Opt(min=1, help="output tokens (= --random-output-len)")] = None,
-    random_input_len: Annotated[Optional[int], Opt(min=1, help="prompt tokens")] = None,
-    random_output_len: Annotated[Optional[int], Opt(min=1, help="output tokens")] = None,
-    random_range_ratio: Annotated[Optional[float], Opt(help="lengths uniform in len*(1 +- r)")] = None,
-    seed: Annotated[Optional[int], Opt(help="seed of prompts and arrivals (default bench.seed)")] = None,
-    request_rate: Annotated[Optional[str], Opt(help="req/s; a sweep: 1,2,4,inf (default bench.request_rates)")] = None,
-    burstiness: Annotated[Optional[float], Opt(help="gamma shape of arrivals; 1 = Poisson")] = None,
-    max_concurrency: Annotated[Optional[int], Opt(min=1, help="requests in flight at most")] = None,
+    num_prompts: NumPromptsOpt = None,
+    input_len: InputLenOpt = None,
+    output_len: OutputLenOpt = None,
+    random_input_len: RandomInputLenOpt = None,
+    random_output_len: RandomOutputLenOpt = None,
+    random_range_ratio: RangeRatioOpt = None,
+    seed: SeedOpt = None,
+    request_rate: RequestRateOpt = None,
+    burstiness: BurstinessOpt = None,
+    max_concurrency: MaxConcurrencyOpt = None,
     goodput: Annotated[Optional[list[str]], Opt(help="SLOs in ms: --goodput ttft:500 tpot:50 (default bench.goodput)")] = None,
-    metric_percentiles: Annotated[str, Opt(help="percentiles reported")] = "50,90,99",
+    metric_percentiles: MetricPercentilesOpt = "50,90,99",
     label: Annotated[Optional[str], Opt(help="name of the results (default: the config's name + '-sim')")] = None,
     result_dir: Annotated[Optional[Path], Opt(help="where the JSON results go (default bench.results_dir)")] = None,
-    result_filename: Annotated[Optional[str], Opt(help="file name of a single run's JSON")] = None,
+    result_filename: ResultFilenameOpt = None,
     metadata: Annotated[Optional[list[str]], Opt(help="KEY=VALUE pairs stored in every result")] = None,
     log_level: LogLevelOpt = None, verbose: VerboseOpt = False,
 ) -> None:
@@ -174,7 +176,7 @@ def plan_command(
     link_gbps: Annotated[float, Opt(help="KV push bandwidth per prefill instance, GB/s")] = 364.0,
     random_input_len: Annotated[Optional[int], Opt(min=1, help="prompt tokens (random dataset)")] = None,
     random_output_len: Annotated[Optional[int], Opt(min=1, help="output tokens (random dataset)")] = None,
-    random_range_ratio: Annotated[Optional[float], Opt(help="lengths uniform in len*(1 +- r)")] = None,
+    random_range_ratio: RangeRatioOpt = None,
     seed: Annotated[int, Opt(help="seed of prompts and arrivals (the same for every candidate)")] = 0,
     run_seconds: Annotated[float, Opt(min=0.001, help="virtual seconds of arrivals per simulated run")] = 30.0,
     max_prompts: Annotated[int, Opt(min=1, help="most requests of one simulated run")] = 3000,
