@@ -400,10 +400,12 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
                                   max(best_p.model.error, d.model.error)))
         out.append(Prediction("local", d.name, d.name, wait + d.prefill_s(prompt_len), local_tpot, d.model.error))
     for p in prefills:
-        # Kept: P decodes it between the prompt chunks it keeps computing for others.
-        step_p = p.decode_step_s(1, prompt_len, p.queued_prompt_tokens)
-        during = p.decode_step_s(0, 0, p.queued_prompt_tokens + prompt_len) if p.num_decoding else 0.0
-        out.append(Prediction("kept", p.name, p.name, p.prefill_s(prompt_len), max(step_p, during),
+        # Kept: a local prompt on P (computed beside P's queue and the requests it keeps, then
+        # decoded between the chunks P goes on computing), judged by the local rule: its stalls
+        # spread over the tokens they delay, P's recent stalls stretching its gaps (`StallMeter`).
+        # The one-step rule it had (every gap as long as a step with a chunk) kept the prefill
+        # GPU out of decoding, where colocated uses both (two H100s, chat: 1-5 of 420 kept).
+        out.append(Prediction("kept", p.name, p.name, p.prefill_s(prompt_len), _decode_side_tpot(p, prompt_len)[1],
                               p.model.error))
     return out
 

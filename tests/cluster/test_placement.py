@@ -359,3 +359,16 @@ def test_the_fleet_model_keeps_each_paths_recent_ttft_miss_as_a_diagnostic():
     assert fleet.ttft_miss["P"]["remote"] == pytest.approx(0.30 * (1 - 1 / 16))
     fleet.model_of("P")
     assert fleet.snapshot()["P"]["ttft_miss_ms"] == {"remote": pytest.approx(281.25)}
+
+
+def test_a_kept_request_is_judged_by_the_local_rule_on_its_prefill_instance():
+    # P computes a 2000-token prompt for someone else; a request kept on P meets that one long
+    # step once among its ~400 tokens, as a local prompt on D would: admissible at 25 ms. The
+    # old one-step rule (every gap a step with a chunk, ~211 ms) never let P decode.
+    p = InstanceView("P", model(), 4096, 2000, 0, 0, None, 16, prompt_pairs(0, 2000), output_tokens=400)
+    d = InstanceView("D", model(), 4096, 0, 60, 120_000, None, 16, remaining_tokens=60 * 400, output_tokens=400)
+    dec = decide(100, [p], [d], Targets.from_ms(None, 25))
+    kept = next(c for c in dec.predictions if c.path == "kept")
+    from disagg.cluster.placement import _decode_side_tpot
+    assert kept.admissible and kept.tpot_s == pytest.approx(_decode_side_tpot(p, 100)[1])
+    assert kept.tpot_s < 0.025 < p.decode_step_s(1, 100, 2000)
