@@ -20,13 +20,19 @@ push, the prompt's and its expected answer's: the decode side reserves both), an
 (`router.slo_ttft_ms` / `slo_tpot_ms`) hold; without a TPOT target, a path may not slow any running
 decode step by more than 10% beyond the remote path's. TPOT is predicted as the SLO counts it, a
 request's mean gap: a stall of prompt chunks is spread over the tokens it delays
-(`InstanceView.mean_tpot_s`; where the router's requests' max_tokens are unknown, one step's). Among admissible
-paths it takes the lowest predicted TTFT (ties within the model's error margin go to local, then
+(`InstanceView.mean_tpot_s`; where the router's requests' max_tokens are unknown, one step's). With
+a TPOT target a local prompt must also leave every running request on its decode instance that
+still holds the target holding it: its chunks' stall is added to each one's whole TPOT, against
+what it has spent so far (`InstanceView.tpot_slack_s`). With a TTFT target an admissible remote
+path is taken (a TTFT under its target earns nothing; local and kept spend the other phase's
+instance, for the requests remote cannot serve within the targets); otherwise, among admissible
+paths the lowest predicted TTFT (ties within the model's error margin go to local, then
 remote, then kept: `PREFERENCE`); when none is admissible, the smallest violation, never a local
-prompt on a decode instance that already misses the TPOT bound. A decode's future steps are
-predicted stretched by the prompt chunks its instance ran recently (`StallMeter`): each local
-prompt is a small stall spread over many tokens, but together they add up. Pure functions of
-their inputs, used by the `Placer` (`disagg.cluster.placer`) of the router and of the simulator.
+prompt on a decode instance that already misses the TPOT bound or whose slack it breaks. A
+decode's future steps are predicted stretched by the prompt chunks its instance ran recently
+(`StallMeter`): each local prompt is a small stall spread over many tokens, but together they
+add up. Pure functions of their inputs, used by the `Placer` (`disagg.cluster.placer`) of the
+router and of the simulator.
 """
 
 from __future__ import annotations
@@ -275,6 +281,9 @@ class InstanceView:
             arriving, so a decode's future steps are predicted that much longer.
         reserve_waits: a reservation on it waits for its forward in flight (its actor runs calls
             between steps); False with `scheduler.overlap_reservations` (answered mid-forward).
+        decode_progress: per request decoding here whose first token the router has seen,
+            ``(seconds since that token, tokens so far, max_tokens)``: how much of its TPOT it
+            has spent (`tpot_slack_s`); empty: unknown.
     """
 
     name: str
@@ -290,6 +299,7 @@ class InstanceView:
     output_tokens: float | None = None
     stall_factor: float = 1.0
     reserve_waits: bool = True
+    decode_progress: tuple = ()
 
     def step_in_flight_s(self) -> float:
         """What a call or a new prompt waits for the forward running here (its decodes' step;
@@ -330,6 +340,27 @@ class InstanceView:
         if steps >= horizon:
             return chunks_s / steps
         return (chunks_s + (horizon - steps) * self.decode_gap_s(seqs, context)) / horizon
+
+    def stall_s(self, prompt_tokens: int, num_prompt_pairs: int) -> float:
+        """Seconds the running decodes wait beyond their pure decode steps while ``prompt_tokens``
+        (of ``num_prompt_pairs`` pairs) are computed here in chunks beside them."""
+        steps = -(-prompt_tokens // self.chunk_tokens)
+        if not steps:
+            return 0.0
+        seqs, context = self.num_decoding, self.context_tokens
+        chunk_s = self.model.step_s(prompt_tokens / steps, seqs, context, num_prompt_pairs / steps)
+        return steps * (chunk_s - (self.model.step_s(0, seqs, context, 0) if seqs else 0.0))
+
+    def tpot_slack_s(self, bound_s: float) -> float | None:
+        """The most seconds of stall its running decodes can all still absorb within a TPOT of
+        ``bound_s``, as the SLO counts a request's TPOT (its whole decode time over its tokens
+        less one): a request that has decoded k of its n tokens in e seconds, the rest at
+        `decode_gap_s`, has ``bound_s (n - 1) - e - (n - k) gap`` to spare. The smallest such
+        slack of those predicted to hold the bound; those already past it are left out (a stall
+        cannot save them). None: none known to hold it."""
+        gap = self.decode_gap_s(self.num_decoding, self.context_tokens)
+        slacks = [bound_s * (n - 1) - elapsed - (n - k) * gap for elapsed, k, n in self.decode_progress if n > 1]
+        return min((s for s in slacks if s >= 0), default=None)
 
     def decode_gap_s(self, seqs: int, context: int) -> float:
         """The seconds between two tokens of ``seqs`` sequences decoding here from now on: a pure
@@ -437,7 +468,8 @@ def _decode_side_tpot(d: InstanceView, prompt_len: int) -> tuple[float, float]:
 
 def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[InstanceView],
            targets: Targets = Targets()) -> Decision:
-    """Choose a path for a prompt of ``prompt_len`` tokens (module docstring).
+    """Choose a path for a prompt of ``prompt_len`` tokens (module docstring): with a TTFT
+    target an admissible remote path, else the lowest predicted TTFT among the admissible ones.
 
     Args:
         prompt_len: the prompt's tokens (>= 1).
@@ -454,6 +486,7 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     bound = targets.tpot_s
     if bound is None and remote_steps:
         bound = TPOT_SLACK * min(remote_steps)
+    stalls = {d.name: _stall_past_slack(d, prompt_len, targets.tpot_s) for d in decodes if targets.tpot_s is not None}
     for cand in candidates:
         why = ""
         if not _fits(cand, views, prompt_len):
@@ -462,8 +495,15 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
             why = f"TTFT {cand.ttft_s * 1e3:.1f} ms > target {targets.ttft_s * 1e3:.1f} ms"
         elif bound is not None and cand.tpot_s > bound and (targets.tpot_s is not None or cand.path != "remote"):
             why = f"TPOT {cand.tpot_s * 1e3:.2f} ms > bound {bound * 1e3:.2f} ms"
+        elif cand.path == "local" and stalls.get(cand.decode):
+            why = stalls[cand.decode]
         judged.append(cand if not why else replace(cand, admissible=False, why=why))
     ok = [c for c in judged if c.admissible]
+    remote = [c for c in ok if c.path == "remote"]
+    if remote and targets.ttft_s is not None:
+        # A TTFT under its target earns nothing: the split's own path while it holds the
+        # targets; local and kept borrow the other phase's instance for the requests it cannot.
+        return Decision(min(remote, key=lambda c: c.ttft_s), tuple(judged))
     if ok:
         best = min(c.ttft_s for c in ok)
         near = [c for c in ok if c.ttft_s <= best * (1.0 + c.margin)]
@@ -478,8 +518,22 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     # candidate does) has no spare compute for a prompt; a local one there would only slow every
     # decode on it further, however close its own prediction.
     saturated = {c.decode for c in judged if c.path == "remote" and bound is not None and c.tpot_s > bound}
+    saturated |= {name for name, why in stalls.items() if why}
     spare = [c for c in fitting if not (c.path == "local" and c.decode in saturated)] or fitting
     return Decision(min(spare, key=lambda c: _violation(c, targets, bound)), tuple(judged))
+
+
+def _stall_past_slack(d: InstanceView, prompt_len: int, bound_s: float) -> str:
+    """Why a local prompt of ``prompt_len`` on ``d`` breaks a running request's TPOT (its
+    chunks' stall, beyond the prompts queued there, exceeds `InstanceView.tpot_slack_s`), or ""."""
+    slack = d.tpot_slack_s(bound_s)
+    if slack is None:
+        return ""
+    queued, pairs = d.queued_prompt_tokens, d.queued_prompt_pairs
+    stall = d.stall_s(queued + prompt_len, pairs + prompt_pairs(0, prompt_len)) - d.stall_s(queued, pairs)
+    if stall <= slack:
+        return ""
+    return f"its chunks stall {d.name}'s decodes {stall * 1e3:.1f} ms > their TPOT slack {slack * 1e3:.1f} ms"
 
 
 def _fits(cand: Prediction, views: dict[str, InstanceView], prompt_len: int) -> bool:
@@ -580,9 +634,11 @@ class FleetModel:
             pure = self.model_of(name).step_s(0, num_decode_seqs, num_context_tokens, 0)
             self.stalls[name].note(seconds, pure, count)
 
-    def view(self, inst, requests: list) -> InstanceView:
-        """``inst`` (an `Instance`) with the work of the router's live ``requests`` on it."""
+    def view(self, inst, requests: list, now: float | None = None) -> InstanceView:
+        """``inst`` (an `Instance`) with the work of the router's live ``requests`` on it;
+        ``now`` (the clock of their ``first_token_at``) also gives its decodes' progress."""
         queued = decoding = context = pairs = remaining = 0
+        progress = []
         outputs = [int(req.params.max_tokens) for req in requests]
         for req in requests:
             if inst is req.colocated:  # local or kept: prompt here until its first token
@@ -600,11 +656,13 @@ class FleetModel:
                 decoding += 1
                 context += req.prompt_len + req.num_output
                 remaining += max(int(req.params.max_tokens) - req.num_output, 1)
+                if now is not None and req.first_token_at is not None:
+                    progress.append((now - req.first_token_at, req.num_output, int(req.params.max_tokens)))
         load = self.loads.get(inst.name)
         return InstanceView(inst.name, self.model_of(inst.name), self.chunk_tokens, queued, decoding, context,
                             None if load is None else load.free_pages, self.page_size, pairs, remaining,
                             sum(outputs) / len(outputs) if outputs else None, self.stalls[inst.name].factor,
-                            self.reserve_waits)
+                            self.reserve_waits, tuple(progress))
 
     def snapshot(self) -> dict:
         """Each instance's fitted model (coefficients, error, samples), its stall factor and its

@@ -11,8 +11,9 @@ with it now (docs/ARCHITECTURE.md §7, step 2):
                          "local" (a decode instance) or "kept" (a prefill instance)
     Remote(decodes)      reserve its pages on ``decodes``, in this order: the first that has
                          them decodes it and `Placer.hand` names the prefill instance that
-                         computes the prompt; one that refuses (out of pages, dead) passes to the
-                         next; when every one refused, it waits (`WAIT_PAGES`)
+                         computes the prompt (adaptive: the one whose TTFT the decision
+                         predicted, while it lives); one that refuses (out of pages, dead) passes
+                         to the next; when every one refused, it waits (`WAIT_PAGES`)
 
 The order of instances (the `Picker`, its prefix credit), `router.placement` (disaggregated,
 local, adaptive: `placement.decide`), the prefill-queue bound, the placement counts and the
@@ -121,6 +122,8 @@ class Placer:
         self.clock = clock
         # request id -> (its chosen prediction, when): until its first token (`first_token`)
         self._predicted: collections.OrderedDict[str, tuple[Prediction, float]] = collections.OrderedDict()
+        # request id -> the prefill instance an adaptive remote decision predicted: until `hand`
+        self._remote_prefill: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     def of_role(self, role: str) -> list[Instance]:
         return [inst for inst in self.instances if inst.role == role]
@@ -154,6 +157,7 @@ class Placer:
             if decision.path != "remote":
                 return self._alone(req, chosen, decision.path)
             decodes = [chosen] + [inst for inst in decodes if inst is not chosen]
+            _remember(self._remote_prefill, req.request_id, decision.chosen.prefill)
         if not decodes or not alive_prefills:
             return Fail("decode" if not decodes else "prefill")
         loads = self.picker.loads(prefills, live)
@@ -166,21 +170,21 @@ class Placer:
                live: Collection[Request]) -> Decision:
         """The adaptive choice for ``req`` (`disagg.cluster.placement.decide` over
         `FleetModel.view`s), kept in ``decisions``."""
+        now = self.clock()
         view = self.fleet_model.view
-        decision = decide(req.prompt_len, [view(inst, live) for inst in prefills],
-                          [view(inst, live) for inst in decodes], self.targets)
+        decision = decide(req.prompt_len, [view(inst, live, now) for inst in prefills],
+                          [view(inst, live, now) for inst in decodes], self.targets)
         self.decisions.append(decision)
         if decision.chosen is not None:
-            self._predicted[req.request_id] = (decision.chosen, self.clock())
-            self._predicted.move_to_end(req.request_id)
-            while len(self._predicted) > PREDICTIONS_KEPT:  # requests that ended without a token
-                self._predicted.popitem(last=False)
+            _remember(self._predicted, req.request_id, (decision.chosen, now))
         return decision
 
     def first_token(self, req: Request) -> None:
-        """``req``'s first token reached the router (now, by ``clock``): its placement's TTFT
-        prediction against the time since the decision, the miss of its path on the instance
-        that computed its prompt (`FleetModel.note_ttft`, a diagnostic)."""
+        """``req``'s first token reached the router (now, by ``clock``; `Request.first_token_at`,
+        from which the adaptive placement counts its TPOT so far): its placement's TTFT prediction
+        against the time since the decision, the miss of its path on the instance that computed
+        its prompt (`FleetModel.note_ttft`, a diagnostic)."""
+        req.first_token_at = self.clock()
         entry = self._predicted.pop(req.request_id, None)
         computing = req.colocated or req.prefill
         if entry is None or computing is None:
@@ -192,10 +196,14 @@ class Placer:
 
     def hand(self, req: Request, decode: Instance, live: Collection[Request]) -> Instance | None:
         """``decode`` reserved ``req``'s pages (a `Remote` plan's first taker): the prefill
-        instance to hand its prompt to (least loaded, prefix credit), counted as remote; None
-        when no prefill instance is alive (the caller frees the reservation and fails it)."""
+        instance to hand its prompt to, counted as remote; None when no prefill instance is alive
+        (the caller frees the reservation and fails it). Adaptive: the instance its decision
+        predicted the TTFT of (`predict`'s fastest), while alive: the picker's least loaded
+        counts a kept request's tokens, not its compute, and would send the prompt behind
+        another's queue, a TTFT nobody predicted. Otherwise the least loaded, prefix credit."""
         self._note(req, decode)
-        ranked = self._order(req, "prefill", live)
+        named = self._by_name.get(self._remote_prefill.pop(req.request_id, None))
+        ranked = [named] if named is not None and named.alive else self._order(req, "prefill", live)
         if not ranked:
             return None
         self._note(req, ranked[0])
@@ -231,6 +239,15 @@ class Placer:
         for path in PATHS:
             self.placements[path] = 0
         self.decisions.clear()
+
+
+def _remember(entries: collections.OrderedDict, request_id: str, value: object) -> None:
+    """``entries[request_id] = value``, newest last, at most `PREDICTIONS_KEPT` (the oldest are
+    requests that ended, or were aborted, before the entry was used)."""
+    entries[request_id] = value
+    entries.move_to_end(request_id)
+    while len(entries) > PREDICTIONS_KEPT:
+        entries.popitem(last=False)
 
 
 def seed_fit(path: str | None) -> dict | None:

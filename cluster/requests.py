@@ -45,6 +45,8 @@ class Request:
         num_output: tokens produced so far.
         kv_landed: the decode instance produced a token of it: the doorbell rang, so every push
             of the prefill instance landed and the prefill instance has let the request go.
+        first_token_at: when its first token reached the router, by the `Placer`'s clock
+            (`Placer.first_token`), or None: the adaptive placement's measure of its TPOT so far.
     """
 
     request_id: str
@@ -61,6 +63,7 @@ class Request:
     lease_deadline: float | None = None
     num_output: int = 0
     kv_landed: bool = False
+    first_token_at: float | None = None
 
     @property
     def done(self) -> bool:

@@ -30,6 +30,38 @@ def test_a_short_prompt_with_an_idle_decode_side_goes_local():
     assert d.path == "local" and d.chosen.decode == "D"
 
 
+def test_with_a_ttft_target_the_remote_path_that_holds_it_wins_over_a_faster_one():
+    # Local answers sooner (D idle, P has 4096 tokens queued: ~0.5 s); a TTFT under the target
+    # earns nothing, so while remote holds it the split's own path is taken.
+    prefills, decodes = [view("P", queued=4096)], [view("D")]
+    assert decide(32, prefills, decodes).path == "local"
+    assert decide(32, prefills, decodes, Targets.from_ms(None, 50)).path == "local"
+    d = decide(32, prefills, decodes, Targets.from_ms(1000, 50))
+    assert d.path == "remote" and min(p.ttft_s for p in d.predictions) < d.chosen.ttft_s < 1.0
+    assert decide(32, prefills, decodes, Targets.from_ms(300, 50)).path == "local"  # remote misses it
+
+
+def test_a_local_prompt_may_not_stall_a_running_request_past_its_tpot():
+    # D's 8 decodes step 11.2 ms; a 2000-token local prompt is one 211 ms step: a 200 ms stall.
+    # A request 50 of 100 tokens in after 1.0 s has 2.475 - 1.0 - 50 x 11.2 ms = 0.915 s to
+    # spare; one after 1.8 s, 0.115 s: the stall would take it past 25 ms. One after 2.5 s is
+    # past it already (a stall cannot save it): it does not hold the others' prompts back.
+    def d(*elapsed):
+        progress = tuple((e, 50, 100) for e in (1.0,) * 7 + elapsed)
+        return InstanceView("D", model(), 4096, 0, 8, 8000, None, 16, remaining_tokens=8 * 400,
+                            output_tokens=400, decode_progress=progress)
+
+    prefills, targets = [view("P", queued=20_000)], Targets.from_ms(None, 25)
+    assert decide(2000, prefills, [d(1.0)], targets).path == "local"
+    assert decide(2000, prefills, [d(2.5)], targets).path == "local"
+    dec = decide(2000, prefills, [d(1.8)], targets)
+    local = next(p for p in dec.predictions if p.path == "local")
+    assert dec.path != "local" and not local.admissible and "slack 115.0 ms" in local.why and "stall" in local.why
+    assert d(1.8).stall_s(2000, prompt_pairs(0, 2000)) == pytest.approx(0.2)
+    assert d(1.8).tpot_slack_s(0.025) == pytest.approx(0.115)
+    assert decide(2000, prefills, [d(1.8)]).path == "local"  # no TPOT target, no slack: the 1.1 x rule alone
+
+
 def test_a_long_prompt_goes_remote_when_local_chunks_would_slow_running_decodes():
     decodes = [view("D", decoding=64, context=64 * 1000)]
     d = decide(4000, [view("P")], decodes, Targets.from_ms(None, 25))  # D steps 20 ms
@@ -106,7 +138,7 @@ coefs = st.tuples(st.floats(1e-4, 5e-2), st.floats(1e-7, 1e-3), st.floats(1e-7, 
 @given(prompt_len=st.integers(1, 8000), p_loads=st.lists(loads, min_size=1, max_size=3),
        d_loads=st.lists(loads, min_size=1, max_size=3), p_coef=coefs, d_coef=coefs,
        ttft_ms=st.one_of(st.none(), st.floats(1, 5000)), tpot_ms=st.one_of(st.none(), st.floats(1, 200)))
-def test_the_choice_is_never_slower_to_first_token_than_an_admissible_path_beyond_the_margin(
+def test_the_choice_is_remote_while_it_holds_the_targets_else_never_slower_to_first_token_beyond_the_margin(
         prompt_len, p_loads, d_loads, p_coef, d_coef, ttft_ms, tpot_ms):
     prefills = [view(f"P{i}", coef=p_coef, **load) for i, load in enumerate(p_loads)]
     decodes = [view(f"D{i}", coef=d_coef, **load) for i, load in enumerate(d_loads)]
@@ -117,6 +149,10 @@ def test_the_choice_is_never_slower_to_first_token_than_an_admissible_path_beyon
         assert not any(fits[p.decode] for p in d.predictions)
         return
     assert fits[d.chosen.decode]  # never a path without the pages
+    remote = [p for p in admissible if p.path == "remote"]
+    if remote and ttft_ms is not None:  # a TTFT under its target earns nothing: the split's path
+        assert d.chosen.path == "remote" and d.chosen.ttft_s == min(p.ttft_s for p in remote)
+        return
     if admissible:
         assert d.chosen.admissible
         best = min(p.ttft_s for p in admissible)
@@ -285,6 +321,9 @@ def test_the_fleet_view_counts_remaining_and_expected_output_tokens():
     v = FleetModel(512, 16).view(dec, live)
     assert (v.num_decoding, v.remaining_tokens, v.output_tokens) == (2, 40 + 1, pytest.approx(60.0))
     assert v.running_horizon == pytest.approx(0.5 * 41 / 2)
+    assert v.decode_progress == ()  # no clock: progress unknown
+    live[0].first_token_at = 5.0  # "b"'s first token not seen: left out
+    assert FleetModel(512, 16).view(dec, live, now=7.0).decode_progress == ((2.0, 10, 50),)
 
 
 def test_a_push_needs_the_pages_of_its_whole_answer_on_the_decode_side():

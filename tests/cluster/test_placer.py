@@ -98,6 +98,24 @@ def test_adaptive_follows_the_decision(path: str):
     assert placer.plan(request("w", [1] * 10), [], lambda *a: Decision(None, ())) == Wait(WAIT_PAGES)
 
 
+def test_adaptive_remote_hands_the_prompt_to_the_prefill_instance_its_decision_predicted():
+    """The picker would send it to prefill-0 (prefill-1 holds a kept request's tokens): the TTFT
+    the decision chose was prefill-1's, so prefill-1 computes it; once, and while it lives."""
+    placer, by = fleet("adaptive")
+    kept = request("kept", [1] * 500)
+    kept.colocated, kept.stage = by["prefill-1"], "running"
+    chosen = Prediction("remote", "prefill-1", "decode-0", 0.0, 0.0, 0.0)
+    decide = lambda *a: Decision(chosen, (chosen,))  # noqa: E731
+    for name, prefill_alive in (("r", True), ("dead", False)):
+        req = request(name, [2] * 10)
+        plan = placer.plan(req, [kept], decide)
+        by["prefill-1"].alive = prefill_alive
+        assert placer.hand(req, plan.decodes[0], [kept]).name == ("prefill-1" if prefill_alive else "prefill-0")
+    by["prefill-1"].alive = True
+    assert placer.hand(req, by["decode-0"], [kept]).name == "prefill-0"  # its decision was used: the picker's
+    assert placer.placements["remote"] == 3
+
+
 def test_adaptive_decisions_are_kept_for_stats():
     placer, _ = fleet("adaptive")
     placer.plan(request("r", [1] * 10), [])
@@ -199,6 +217,7 @@ def test_first_tokens_measure_each_paths_ttft_miss_on_the_instance_that_computed
     assert path == chosen.path
     now[0] += chosen.ttft_s + 0.250  # 250 ms later than predicted
     placer.first_token(req)
+    assert req.first_token_at == now[0]  # its TPOT so far counts from here (`FleetModel.view`)
     assert placer.fleet_model.ttft_miss[computing.name] == {path: pytest.approx(0.250)}
     placer.first_token(req)  # once per request
     assert placer.fleet_model.ttft_miss[computing.name][path] == pytest.approx(0.250)
