@@ -378,14 +378,16 @@ class InstanceView:
 
 @dataclass(frozen=True)
 class Targets:
-    """The SLOs the decision predicts against, seconds (None: none)."""
+    """The SLOs the decision predicts against, seconds (None: none), and what it prefers among
+    the paths that hold them (``prefer``: `router.adaptive_prefer`, `decide`)."""
 
     ttft_s: float | None = None
     tpot_s: float | None = None
+    prefer: str = "fastest"
 
     @classmethod
-    def from_ms(cls, ttft_ms: float | None, tpot_ms: float | None) -> Targets:
-        return cls(None if ttft_ms is None else ttft_ms / 1e3, None if tpot_ms is None else tpot_ms / 1e3)
+    def from_ms(cls, ttft_ms: float | None, tpot_ms: float | None, prefer: str = "fastest") -> Targets:
+        return cls(None if ttft_ms is None else ttft_ms / 1e3, None if tpot_ms is None else tpot_ms / 1e3, prefer)
 
 
 @dataclass(frozen=True)
@@ -500,9 +502,12 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
         judged.append(cand if not why else replace(cand, admissible=False, why=why))
     ok = [c for c in judged if c.admissible]
     remote = [c for c in ok if c.path == "remote"]
-    if remote and targets.ttft_s is not None:
+    if remote and targets.ttft_s is not None and targets.prefer == "remote":
         # A TTFT under its target earns nothing: the split's own path while it holds the
         # targets; local and kept borrow the other phase's instance for the requests it cannot.
+        # Wins where the decode side is the bottleneck, loses where the prefill side is
+        # (simulated: 8 GPUs chat 5P3D 13.0 -> 14.5 req/s/GPU, 2 GPUs long-prompt strict 1.43x ->
+        # 0.95x colocated; benchmarks/records/eightgpu-sim-2026-11-27/).
         return Decision(min(remote, key=lambda c: c.ttft_s), tuple(judged))
     if ok:
         best = min(c.ttft_s for c in ok)

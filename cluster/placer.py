@@ -114,7 +114,8 @@ class Placer:
         self.fleet_model = FleetModel(sched.max_num_batched_tokens, config.cache.page_size,
                                       seed_fit(config.router.step_profile),
                                       reserve_waits=not sched.overlap_reservations)
-        self.targets = Targets.from_ms(config.router.slo_ttft_ms, config.router.slo_tpot_ms)
+        self.targets = Targets.from_ms(config.router.slo_ttft_ms, config.router.slo_tpot_ms,
+                                       config.router.adaptive_prefer)
         self.placements: collections.Counter[str] = collections.Counter({path: 0 for path in PATHS})
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
         self.affinity_hits = 0

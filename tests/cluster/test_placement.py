@@ -30,15 +30,17 @@ def test_a_short_prompt_with_an_idle_decode_side_goes_local():
     assert d.path == "local" and d.chosen.decode == "D"
 
 
-def test_with_a_ttft_target_the_remote_path_that_holds_it_wins_over_a_faster_one():
-    # Local answers sooner (D idle, P has 4096 tokens queued: ~0.5 s); a TTFT under the target
-    # earns nothing, so while remote holds it the split's own path is taken.
+def test_preferring_remote_takes_the_push_that_holds_the_ttft_target_over_a_faster_path():
+    # Local answers sooner (D idle, P has 4096 tokens queued: ~0.5 s). `router.adaptive_prefer:
+    # remote`: a TTFT under the target earns nothing, so while remote holds it the split's own
+    # path is taken; "fastest" (the default) takes local.
     prefills, decodes = [view("P", queued=4096)], [view("D")]
     assert decide(32, prefills, decodes).path == "local"
-    assert decide(32, prefills, decodes, Targets.from_ms(None, 50)).path == "local"
-    d = decide(32, prefills, decodes, Targets.from_ms(1000, 50))
+    assert decide(32, prefills, decodes, Targets.from_ms(None, 50, "remote")).path == "local"  # no TTFT target
+    d = decide(32, prefills, decodes, Targets.from_ms(1000, 50, "remote"))
     assert d.path == "remote" and min(p.ttft_s for p in d.predictions) < d.chosen.ttft_s < 1.0
-    assert decide(32, prefills, decodes, Targets.from_ms(300, 50)).path == "local"  # remote misses it
+    assert decide(32, prefills, decodes, Targets.from_ms(1000, 50)).path == "local"
+    assert decide(32, prefills, decodes, Targets.from_ms(300, 50, "remote")).path == "local"  # remote misses it
 
 
 def test_a_local_prompt_may_not_stall_a_running_request_past_its_tpot():
@@ -137,12 +139,15 @@ coefs = st.tuples(st.floats(1e-4, 5e-2), st.floats(1e-7, 1e-3), st.floats(1e-7, 
 @settings(max_examples=300, deadline=None)
 @given(prompt_len=st.integers(1, 8000), p_loads=st.lists(loads, min_size=1, max_size=3),
        d_loads=st.lists(loads, min_size=1, max_size=3), p_coef=coefs, d_coef=coefs,
-       ttft_ms=st.one_of(st.none(), st.floats(1, 5000)), tpot_ms=st.one_of(st.none(), st.floats(1, 200)))
+       ttft_ms=st.one_of(st.none(), st.floats(1, 5000)), tpot_ms=st.one_of(st.none(), st.floats(1, 200)),
+       prefer=st.sampled_from(["fastest", "remote"]))
 def test_the_choice_is_remote_while_it_holds_the_targets_else_never_slower_to_first_token_beyond_the_margin(
-        prompt_len, p_loads, d_loads, p_coef, d_coef, ttft_ms, tpot_ms):
+        prompt_len, p_loads, d_loads, p_coef, d_coef, ttft_ms, tpot_ms, prefer):
+    """Remote while it holds the targets (preferring remote), else the fastest admissible path
+    within the margin, by `PREFERENCE` among near-ties."""
     prefills = [view(f"P{i}", coef=p_coef, **load) for i, load in enumerate(p_loads)]
     decodes = [view(f"D{i}", coef=d_coef, **load) for i, load in enumerate(d_loads)]
-    d = decide(prompt_len, prefills, decodes, Targets.from_ms(ttft_ms, tpot_ms))
+    d = decide(prompt_len, prefills, decodes, Targets.from_ms(ttft_ms, tpot_ms, prefer))
     fits = {v.name: v.fits(prompt_len) for v in prefills + decodes}
     admissible = [p for p in d.predictions if p.admissible]
     if d.chosen is None:
@@ -150,7 +155,7 @@ def test_the_choice_is_remote_while_it_holds_the_targets_else_never_slower_to_fi
         return
     assert fits[d.chosen.decode]  # never a path without the pages
     remote = [p for p in admissible if p.path == "remote"]
-    if remote and ttft_ms is not None:  # a TTFT under its target earns nothing: the split's path
+    if remote and ttft_ms is not None and prefer == "remote":  # a TTFT under its target earns nothing
         assert d.chosen.path == "remote" and d.chosen.ttft_s == min(p.ttft_s for p in remote)
         return
     if admissible:
