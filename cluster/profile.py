@@ -17,7 +17,7 @@ shape the engine reports (`last_step_shape`):
              short prompt of each of ``side_prompts`` tokens (one output token: it leaves at
              once) beside the B decodes: a request arriving at a busy instance
 
-The samples fit `disagg.cluster.placement.StepTimeModel` (the one model the adaptive router
+The samples fit `disagg.cluster.step_model.StepTimeModel` (the one model the adaptive router
 uses; `StepTimeModel.from_samples`), and profile.json keeps the raw samples, the fit, its error
 per region, the engine's sizes (pages, KV bytes per token for push times) and where it was
 measured (device, dtype, model, commit). `disagg simulate` and `disagg plan` read it
@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from disagg.cluster.placement import OUTLIER_RATIO, StepTimeModel
+from disagg.cluster.step_model import OUTLIER_RATIO, StepTimeModel
 from disagg.config import Config
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from typing import Any
 
 from disagg.cluster.bootstrap import Instance
 from disagg.cluster.outputs import RequestMetrics
-from disagg.cluster.placement import StepTimeModel
+from disagg.cluster.step_model import StepTimeModel
 from disagg.cluster.placer import Alone, Fail, Placer, Wait
 from disagg.cluster.requests import Picker, Request
 from disagg.config import Config

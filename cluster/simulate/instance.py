@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 from disagg.cache import PagedKVCache
-from disagg.cluster.placement import StepTimeModel
+from disagg.cluster.step_model import StepTimeModel
 from disagg.engine.request import Request, RequestFactory, pages_for
 from disagg.engine.scheduler import ScheduledBatch, Scheduler
 from disagg.engine.steps import InstanceLoad, StepShape

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from disagg.cluster.placement import (PREFERENCE, FleetModel, InstanceView, StallMeter, StepTimeModel, Targets,
-                                      decide, predict)
+from disagg.cluster.placement import PREFERENCE, FleetModel, InstanceView, StallMeter, Targets, decide, predict
+from disagg.cluster.step_model import StepTimeModel
 from disagg.engine.steps import prompt_pairs
 
 # 10 ms a step, 0.1 ms per prompt token, 0.05 ms per decoding sequence, 1 ms per 10k context tokens.

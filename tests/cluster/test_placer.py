@@ -160,7 +160,7 @@ def test_a_step_profile_seeds_every_instance_model_and_a_bad_one_is_refused(tmp_
 
     import pytest
 
-    from disagg.cluster.placement import StepTimeModel
+    from disagg.cluster.step_model import StepTimeModel
     from disagg.cluster.profile import PROFILE_KIND, PROFILE_VERSION
     from disagg.errors import ConfigError
 

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from disagg.cluster.cli import app
-from disagg.cluster.placement import StepTimeModel, _nonnegative_ridge, features
+from disagg.cluster.step_model import StepTimeModel, _nonnegative_ridge, features
 from disagg.cluster.profile import PROFILE_VERSION, load_profile, replayed_prompt_pairs
 from disagg.engine.steps import prompt_pairs
 

@@ -118,7 +118,7 @@ def test_simulated_engine_schedules_the_real_engines_steps(async_scheduling: boo
     # The simulator models no prefix cache (random workloads hit none); these prompts share ids.
     real = ColocatedEngine(engines.load(config, "cpu"), async_scheduling=async_scheduling, prefix_caching=False,
                            **sizes)
-    from disagg.cluster.placement import StepTimeModel
+    from disagg.cluster.step_model import StepTimeModel
     sim = SimEngine(StepTimeModel(), max_model_len=real.max_model_len, async_scheduling=async_scheduling, **sizes)
     sim.step_log = []
     arrivals = {0: [(20, 8)], 1: [(35, 6)], 3: [(40, 10), (18, 7)], 9: [(30, 5)], 16: [(10, 9)], 21: [(12, 4)]}
