@@ -112,9 +112,18 @@ class InstanceView:
         of it and then its own tokens, in chunks of ``chunk_tokens`` beside the decodes (the model
         is linear: its steps' sum is the number of steps times the mean step)."""
         total = self.queued_prompt_tokens + prompt_len
-        steps = -(-total // self.chunk_tokens)
         pairs = self.queued_prompt_pairs + prompt_pairs(0, prompt_len)
-        return steps * self.model.step_s(total / steps, self.num_decoding, self.context_tokens, pairs / steps)
+        return self.chunks(total, pairs, self.num_decoding, self.context_tokens)[1]
+
+    def chunks(self, prompt_tokens: int, num_prompt_pairs: int, seqs: int, context: int) -> tuple[int, float]:
+        """The steps and seconds of ``prompt_tokens`` (of ``num_prompt_pairs`` attention pairs)
+        computed here in chunks of ``chunk_tokens`` beside ``seqs`` decoding sequences of
+        ``context`` tokens (the model is linear: the steps' sum is their number times the mean
+        step); (0, 0.0) for no tokens."""
+        steps = -(-prompt_tokens // self.chunk_tokens)
+        if not steps:
+            return 0, 0.0
+        return steps, steps * self.model.step_s(prompt_tokens / steps, seqs, context, num_prompt_pairs / steps)
 
     def decode_step_s(self, extra_seqs: int = 0, extra_context: int = 0, prompt_tokens: int = 0) -> float:
         """Seconds of one decode step here with that much more work in it (``prompt_tokens``: a
@@ -133,8 +142,7 @@ class InstanceView:
         over its tokens) spreads it."""
         horizon = max(horizon, 1.0)
         seqs, context = self.num_decoding + extra_seqs, self.context_tokens + extra_context
-        steps = -(-prompt_tokens // self.chunk_tokens)
-        chunks_s = steps * self.model.step_s(prompt_tokens / steps, seqs, context, num_prompt_pairs / steps) if steps else 0.0
+        steps, chunks_s = self.chunks(prompt_tokens, num_prompt_pairs, seqs, context)
         if steps >= horizon:
             return chunks_s / steps
         return (chunks_s + (horizon - steps) * self.decode_gap_s(seqs, context)) / horizon
@@ -142,12 +150,9 @@ class InstanceView:
     def stall_s(self, prompt_tokens: int, num_prompt_pairs: int) -> float:
         """Seconds the running decodes wait beyond their pure decode steps while ``prompt_tokens``
         (of ``num_prompt_pairs`` pairs) are computed here in chunks beside them."""
-        steps = -(-prompt_tokens // self.chunk_tokens)
-        if not steps:
-            return 0.0
         seqs, context = self.num_decoding, self.context_tokens
-        chunk_s = self.model.step_s(prompt_tokens / steps, seqs, context, num_prompt_pairs / steps)
-        return steps * (chunk_s - (self.model.step_s(0, seqs, context, 0) if seqs else 0.0))
+        steps, chunks_s = self.chunks(prompt_tokens, num_prompt_pairs, seqs, context)
+        return chunks_s - steps * (self.model.step_s(0, seqs, context, 0) if seqs else 0.0)
 
     def tpot_slack_s(self, bound_s: float) -> float | None:
         """The most seconds of stall its running decodes can all still absorb within a TPOT of

@@ -185,7 +185,7 @@ class Placer:
         from which the adaptive placement counts its TPOT so far): its placement's TTFT prediction
         against the time since the decision, the miss of its path on the instance that computed
         its prompt (`FleetModel.note_ttft`, a diagnostic)."""
-        req.first_token_at = self.clock()
+        now = req.first_token_at = self.clock()
         entry = self._predicted.pop(req.request_id, None)
         computing = req.colocated or req.prefill
         if entry is None or computing is None:
@@ -193,7 +193,7 @@ class Placer:
         chosen, at = entry
         path = "remote" if req.colocated is None else "local" if req.colocated.role == "decode" else "kept"
         if path == chosen.path:
-            self.fleet_model.note_ttft(computing.name, path, self.clock() - at, chosen.ttft_s)
+            self.fleet_model.note_ttft(computing.name, path, now - at, chosen.ttft_s)
 
     def hand(self, req: Request, decode: Instance, live: Collection[Request]) -> Instance | None:
         """``decode`` reserved ``req``'s pages (a `Remote` plan's first taker): the prefill
