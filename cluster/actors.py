@@ -206,6 +206,10 @@ class InstanceActor:
             return out
         return await self._run(_stats)
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget the engine's cached prefixes between two steps; the pages freed."""
+        return await self._run(lambda: self.loop.engine.reset_prefix_cache())
+
     async def tokenizer(self) -> Any:
         """The model's tokenizer (pickled to the caller), or None."""
         return self.engines.tokenizer_of(self.model)

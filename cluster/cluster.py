@@ -269,6 +269,21 @@ class Cluster:
                 "paths": {f"{a}->{b}": p for (a, b), p in self.fleet.paths.items()},
                 "instances": instances, "router": router}
 
+    def reset_prefix_cache(self, timeout_s: float = 30.0) -> dict[str, int]:
+        """Forget every live instance's cached prefixes (vLLM's ``/reset_prefix_cache``); running
+        requests keep their pages. Returns the pages each instance freed, by name.
+
+        Raises:
+            TimeoutError: an instance did not answer within ``timeout_s`` (named).
+        """
+        live = [inst for inst in self.fleet.instances if inst.alive]
+        refs = [inst.actor.reset_prefix_cache.remote() for inst in live]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        late = [inst.name for inst, ref in zip(live, refs) if ref not in set(ready)]
+        if late:
+            raise TimeoutError(f"reset_prefix_cache: no answer within {timeout_s:g} s from {', '.join(late)}")
+        return {inst.name: int(n) for inst, n in zip(live, ray.get(refs))}
+
     def router_stats(self) -> dict:
         """The router's state alone (queue, requests per stage, outcomes, loads): no actor round trip."""
         return self._call(_async(self._router.snapshot)) if not self._closed else {}

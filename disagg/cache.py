@@ -131,6 +131,18 @@ class PagedKVCache:
                 "prefix_cached_pages": self._num_evictable(),
                 "prefix_evicted_pages": self._cached.num_evicted_pages}
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``, SGLang's ``flush_cache``):
+        pages held only by cached sequences go back to the pool; live sequences and the pages they
+        share are untouched and stay matchable while they live (removed later, they are cached
+        again). Safe between any two calls, an open forward included: a forward reads and writes
+        only live sequences' pages. Counters keep counting. Returns the pages given back."""
+        if not self._cached.lru:
+            return 0
+        freed = self._cached.drop_all(self._blocks, self._pool, self._seqs)
+        self._epoch += 1  # a PrefixMatch taken before may name a dropped sequence
+        return freed
+
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._seqs and seq_id not in self._cached.lru
 

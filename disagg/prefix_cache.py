@@ -124,6 +124,16 @@ class CachedSequences:
             self.num_evicted_pages += pool.num_free - before
             self._unpinned = None
 
+    def drop_all(self, blocks: BlockPool, pool: PagePool, seqs: dict[int, Sequence]) -> int:
+        """Remove every cached sequence (pages a live sequence shares stay with it); returns the
+        pages given back (freed, or parked while a pending copy touches them), counted as evicted."""
+        before = pool.num_free + len(pool.deferred)
+        for seq_id in list(self.lru):
+            self.drop(blocks, pool, seqs, seqs[seq_id])
+        freed = pool.num_free + len(pool.deferred) - before
+        self.num_evicted_pages += freed
+        return freed
+
     def drop(self, blocks: BlockPool, pool: PagePool, seqs: dict[int, Sequence], seq: Sequence) -> None:
         """Remove the cached sequence ``seq``: pages only it held are freed."""
         prefix.release_sequence(blocks, pool, seq)

@@ -98,6 +98,7 @@ class HttpBackend:
         self._verify = verify
         self._transport = transport
         self._client = None
+        self._warned_reset = False
 
     async def open(self) -> None:
         self._connect()
@@ -150,6 +151,25 @@ class HttpBackend:
         if not models and required:
             raise TargetError(f"{url} lists no model; name the model with --model")
         return models[0]["id"] if models else None
+
+    async def reset_prefix_cache(self) -> bool:
+        """POST /reset_prefix_cache (vLLM's and `disagg serve`'s); whether the server did. A server
+        without it (404/405: e.g. vLLM outside dev mode) is warned about once and left as it is."""
+        import httpx
+
+        try:
+            async with httpx.AsyncClient(headers=self.headers, verify=self._verify, timeout=60.0,
+                                         transport=self._transport) as client:
+                status = (await client.post(f"{self.base_url}/reset_prefix_cache")).status_code
+        except httpx.TransportError as err:
+            status = f"no answer ({type(err).__name__})"
+        if status == 200:
+            return True
+        if not self._warned_reset:
+            logger.warning("%s/reset_prefix_cache answered HTTP %s: runs may hit on the prefixes of earlier "
+                           "ones (--keep-prefix-cache silences this)", self.base_url, status)
+            self._warned_reset = True
+        return False
 
     async def aclose(self) -> None:
         if self._client is not None:

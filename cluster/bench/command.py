@@ -108,6 +108,9 @@ def bench_command(
     min_prompts: Annotated[int, Opt(min=1, help="fewest requests of a run under --run-seconds")] = 50,
     early_stop: Annotated[bool, Opt("--early-stop", help="sweep rates upward and stop once attainment under "
                           "the loosest --slo-scales SLOs falls below 90%")] = False,
+    keep_prefix_cache: Annotated[bool, Opt("--keep-prefix-cache", help="do not reset the deployment's prefix "
+                                 "caches before each run (by default a run starts with none cached, so its "
+                                 "hits are its own prompts' reuse, not the previous run's)")] = False,
     **vllm_options: Any,
 ) -> None:
     """Measure serving at the client as `vllm bench serve` does; compare deployments by goodput.
@@ -158,7 +161,7 @@ def bench_command(
         request_timeout_s=request_timeout, calibrate_slos=slo_calibrate, vocab_size=vocab_size,
         show_progress=not disable_tqdm, result_filename=result_filename,
         save_results=save_result or bool(others), run_seconds=run_seconds, min_prompts=min_prompts,
-        early_stop=early_stop)
+        early_stop=early_stop, reset_prefix_cache=not keep_prefix_cache)
     if scales:
         options.slo_scales = tuple(scales)
     plan = session.Plan(config=config, others=others, variants=variants, overrides=overrides, target=target,

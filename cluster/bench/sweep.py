@@ -63,6 +63,7 @@ class SweepOptions:
     run_seconds: float | None = None
     min_prompts: int = 50
     early_stop: bool = False
+    reset_prefix_cache: bool = True
 
     @property
     def dataset_names(self) -> list[str]:
@@ -93,12 +94,16 @@ class DatasetRuns:
 def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: SweepOptions, *,
               label: str, slos_ms: Mapping[str, float] | None, stats: Callable[[], dict] | None = None,
               workload: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
-              extra: Mapping[str, Any] | None = None,
+              extra: Mapping[str, Any] | None = None, reset: Callable[[], Any] | None = None,
               on_result: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """One result object per rate of `options.rates` (see report.build_result).
 
     Args:
         stats: the cluster's stats(), read before and after each run for busy fractions.
+        reset: forgets the deployment's cached prefixes; called before each run when
+            `options.reset_prefix_cache` (the default), so a run's prefix hits are its own
+            prompts' reuse, never the warm-ups', the calibration's or the previous rate's (the
+            same prompts: every run of a sweep draws them from one list).
         workload / config / extra: stored in each result.
         on_result: called with each result as soon as it exists (saving it survives a killed sweep).
     """
@@ -106,6 +111,8 @@ def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: Swee
     warm_up(backend, requests, options.num_warmups)  # outside every run: busy fractions stay the run's own
     for rate in options.sweep_rates():
         batch = list(requests[:options.prompts_at(rate, len(requests))])
+        if reset is not None and options.reset_prefix_cache:
+            reset()
         before = stats() if stats else None
         with progress_bar(options.show_progress, f"{label} @ {rate_to_json(rate)} req/s", len(batch)) as tick, \
                 sample_gpus() as gpus:
@@ -113,7 +120,8 @@ def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: Swee
                           max_concurrency=options.max_concurrency, seed=options.seed,
                           request_timeout_s=options.request_timeout_s, on_done=tick)
         after = stats() if stats else None
-        more = dict(extra or {}, busy_fraction=busy_fractions(before, after, outcome.duration_s),
+        more = dict(extra or {}, prefix_cache_reset=reset is not None and options.reset_prefix_cache,
+                    busy_fraction=busy_fractions(before, after, outcome.duration_s),
                     gpu_utilization=gpus["gpu_utilization"], placements=placements_of(before, after),
                     prefix_cache=prefix_cache_of(before, after), cluster_stats=after)
         results.append(build_result(outcome, goodput_slos_ms=slos_ms, percentiles=options.percentiles,
@@ -270,6 +278,7 @@ def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: M
             slos = dict(slos or (info["calibration"] or {}).get("slos_ms") or config.bench.goodput)
             stored = dict(extra or {}, **common, calibration=info["calibration"])
             results = run_sweep(backend, requests, options, label=label, slos_ms=slos, stats=cluster.stats,
+                                reset=cluster.reset_prefix_cache,
                                 workload=spec.to_dict(), config=config.model_dump(mode="json", exclude=SECRET_FIELDS), extra=stored,
                                 on_result=on_result)
             runs.append(DatasetRuns(dataset, results, slos, info))
@@ -439,4 +448,5 @@ def bench_url(target: Any, options: SweepOptions, *, slos_ms: Mapping[str, float
     info = dict(extra or {}, base_url=target.base_url, num_gpus=None, device_unit="GPU",
                 model_id=target.model_id or backend.model, tokenizer_id=target.tokenizer_id)
     return run_sweep(backend, sample_requests(spec), options, label=label or target.base_url, slos_ms=slos_ms,
-                     workload=spec.to_dict(), extra=info, on_result=on_result)
+                     workload=spec.to_dict(), extra=info, on_result=on_result,
+                     reset=lambda: asyncio.run(backend.reset_prefix_cache()))

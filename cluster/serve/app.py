@@ -1,7 +1,8 @@
 """The FastAPI app of `disagg serve`: OpenAI routes over a launched `Cluster`.
 
 `build_app(cluster, config)` wires the routes (/v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics), the guards (API key on /v1, body size limit, CORS when origins are given),
+/health, /metrics, /reset_prefix_cache), the guards (API key on /v1 and /reset_prefix_cache, body
+size limit, CORS when origins are given),
 OpenAI-shaped error handlers with a catch-all, and a `ServerMetrics` registry. A request's path:
 validate (protocol.py) -> tokenize and check the context (prompts.py, in a worker thread) ->
 admit (a bounded count of requests in flight, else 429) -> run on the cluster (generation.py) ->
@@ -175,6 +176,14 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         if state.metrics is None:
             raise _unavailable()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/reset_prefix_cache")
+    def reset_prefix_cache() -> Response:  # sync: a worker thread waits for every instance
+        """Forget every instance's cached prefixes (vLLM's endpoint; `disagg bench` calls it
+        before each run). Guarded by the API key when one is set."""
+        if not state.healthy:
+            raise _unavailable()
+        return JSONResponse({"freed_pages": state.cluster.reset_prefix_cache()})
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from disagg.cluster.serve.errors import APIError
 
 API_KEY_ENV = "DISAGG_API_KEY"
-PROTECTED_PREFIX = "/v1"
+PROTECTED_PREFIXES = ("/v1", "/reset_prefix_cache")  # what an API key guards: serving and state changes
 
 
 def resolve_api_key(configured: str | None) -> str | None:
@@ -38,7 +38,7 @@ class ApiKeyMiddleware:
         self._key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._key is None or scope["type"] != "http" or not _route_path(scope).startswith(PROTECTED_PREFIX):
+        if self._key is None or scope["type"] != "http" or not _route_path(scope).startswith(PROTECTED_PREFIXES):
             await self.app(scope, receive, send)
             return
         header = dict(scope["headers"]).get(b"authorization", b"")

@@ -118,7 +118,7 @@ _GREEDY = "the bench decodes greedily with EOS ignored, so every run produces th
 BENCH_REFUSED = (
     RefusedOption(("--dataset-path",), f"no dataset files: {_ONE_WORKLOAD}"),
     RefusedOption(("--sharegpt-output-len",), f"no ShareGPT: {_ONE_WORKLOAD}; output length: --output-len"),
-    RefusedOption(("--random-prefix-len",), "no shared prefix in the workloads; prompt length: --input-len"),
+    RefusedOption(("--random-prefix-len",), "random prompts share no prefix; for one: --dataset-name shared-prefix"),
     RefusedOption(("--tokenizer-mode",), "prompts are token ids: no tokenizer runs at the client"),
     RefusedOption(("--use-beam-search",), "not supported: disagg serves greedy and sampled decoding only", True),
     RefusedOption(("--logprobs",), "not supported: disagg serve returns no logprobs"),

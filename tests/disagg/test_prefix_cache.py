@@ -151,3 +151,35 @@ def test_off_by_default():
     assert cache.match_prefix(A).num_tokens == 0
     cache.remove_sequence(0)
     assert cache._pool.num_free == 4 and cache.num_cached_pages == 0
+
+
+def test_reset_forgets_cached_prefixes_and_keeps_live_ones(cache):
+    enter(cache, 0, A)
+    b = A[:8] + [1, 2, 3]
+    assert enter(cache, 1, b) == 8  # 1 shares pages 0, 1 with the live 0
+    cache.remove_sequence(0)  # 0 cached: its page 2 held only by it, pages 0, 1 shared with 1
+    assert cache.num_cached_pages == 1
+    evicted = cache.prefix_stats()["prefix_evicted_pages"]
+    assert cache.reset_prefix_cache() == 1
+    cache.check_integrity()
+    assert cache.num_cached_pages == 0 and cache._pool.num_free == 8 - 3  # 1 keeps pages 0, 1 and its own
+    assert cache.prefix_stats()["prefix_evicted_pages"] == evicted + 1
+    assert cache.slots(1).tolist()[:8] == list(range(8))  # the live sequence still reads its shared pages
+    assert cache.match_prefix(A).num_tokens == 8  # the live 1 stays matchable (pages 0, 1)
+    cache.remove_sequence(1)  # removed after the reset: cached again
+    assert cache.num_cached_pages == 3
+    assert cache.reset_prefix_cache() == 3 and cache._pool.num_free == 8
+    assert cache.match_prefix(A).num_tokens == 0 and cache.reset_prefix_cache() == 0
+    cache.check_integrity()
+
+
+def test_reset_parks_pages_a_pending_copy_still_reads(cache):
+    enter(cache, 0, A)
+    cache.remove_sequence(0)
+    cache.add_sequence(1, prefix=cache.match_prefix(A[:9] + [5]))  # mid-page hit: copies cached page 2
+    assert cache.reset_prefix_cache() == 1  # page 2 given back, parked until the copy ran
+    cache.check_integrity()
+    assert cache._pool.deferred and cache.num_cached_pages == 0
+    computed(cache, 1, A[:9] + [5], 9)  # the forward runs the copy, then the page is free
+    cache.check_integrity()
+    assert not cache._pool.deferred and cache.slots(1).tolist()[:8] == list(range(8))

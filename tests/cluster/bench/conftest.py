@@ -18,5 +18,6 @@ from stand_in import StandInCluster  # noqa: E402
 def stand_in(monkeypatch):
     """`disagg.cluster.Cluster` replaced by StandInCluster for the test; its launches recorded."""
     StandInCluster.launched = []
+    StandInCluster.num_resets = 0
     monkeypatch.setattr(disagg.cluster, "Cluster", StandInCluster, raising=False)
     return StandInCluster

@@ -26,9 +26,11 @@ def bench_app() -> typer.Typer:
 
 
 class StandInCluster:
-    """Cluster-shaped: launch/context manager, max_model_len, vocab_size, stats(), stream()."""
+    """Cluster-shaped: launch/context manager, max_model_len, vocab_size, stats(), stream(),
+    reset_prefix_cache() (counted in `num_resets`)."""
 
     launched: list = []
+    num_resets = 0
 
     def __init__(self, config) -> None:
         self.config = config
@@ -47,6 +49,10 @@ class StandInCluster:
 
     def __exit__(self, *exc):
         return None
+
+    def reset_prefix_cache(self) -> dict:
+        type(self).num_resets += 1
+        return {}
 
     def stats(self) -> dict:
         return {"instances": [{"name": f"{self.config.mode}-{i}", "busy_s": self.busy_s} for i in range(2)]}

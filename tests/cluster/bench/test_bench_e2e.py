@@ -3,6 +3,7 @@ real Cluster (Ray actors, /dev/shm heap, router), writing JSON that recomputes a
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,26 @@ def test_shared_prefix_and_multi_turn_report_hit_rates(monkeypatch):
         assert 0 < cache["hit_rate"] < 1 and cache["pushed_bytes"] > 0
         rows = {row for row in run_table(result).columns[0].cells}
         assert "Prefix cache hit rate" in rows
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_each_run_of_a_sweep_starts_with_no_cached_prefix(monkeypatch, reset):
+    """Every run of a sweep sends the same prompts: without the reset before each run, the second
+    run hits on the first one's prefixes (and its warm-ups') and measures a warmer cache."""
+    from disagg.cluster.bench import prefix_workloads
+    from disagg.cluster.bench.sweep import SweepOptions, bench_config
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(prefix_workloads, "QUESTION_LEN", 8)
+    options = SweepOptions(num_prompts=6, dataset_name="shared-prefix", input_len=40, output_len=2,
+                           rates=[math.inf, math.inf], max_concurrency=1, show_progress=False,
+                           save_results=False, num_warmups=1, reset_prefix_cache=reset)
+    (runs,) = bench_config(str(CONFIGS / "tiny-1p1d.yaml"), options, label="tiny")
+    first, second = (result["prefix_cache"] for result in runs.results)
+    assert [result["prefix_cache_reset"] for result in runs.results] == [reset, reset]
+    assert first["query_tokens"] == second["query_tokens"] > 0
+    if reset:  # one request at a time: the prefill side misses the first request's system prompt, then hits it
+        assert first["hit_tokens"] == second["hit_tokens"]
+        assert second["instances"]["prefill-0"]["hit_tokens"] == (6 - 1) * 40
+    else:
+        assert second["hit_tokens"] > first["hit_tokens"]

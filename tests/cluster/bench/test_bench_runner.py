@@ -239,3 +239,18 @@ def test_warm_up_sends_workload_requests_together():
     assert len(outs) == 5 and all(o.success for o in outs)
     assert backend.max_in_flight == 5 and backend.opened == backend.closed == 1
     assert runner.warm_up(backend, [_req("r0")], 0) == []
+
+
+def test_http_backend_resets_the_prefix_cache_or_warns_once(caplog):
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append((request.method, request.url.path, request.headers.get("authorization")))
+        return httpx.Response(200 if "ok" in request.url.host else 404, json={})
+
+    assert asyncio.run(HttpBackend("http://ok.test", api_key="k", transport=httpx.MockTransport(handler)).reset_prefix_cache())
+    assert calls == [("POST", "/reset_prefix_cache", "Bearer k")]
+    backend = HttpBackend("http://other.test", transport=httpx.MockTransport(handler))
+    with caplog.at_level("WARNING"):
+        assert not asyncio.run(backend.reset_prefix_cache()) and not asyncio.run(backend.reset_prefix_cache())
+    assert [r.getMessage().count("answered HTTP 404") for r in caplog.records] == [1]

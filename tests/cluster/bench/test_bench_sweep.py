@@ -191,6 +191,7 @@ def test_cli_base_url_path_saves_results(stand_in, monkeypatch, tmp_path):
     saved = load_json(tmp_path / "http.json")
     check_result(saved)
     assert saved["completed"] == 3 and saved["output_lens"] == [3, 3, 3] and saved["base_url"] == "http://serve.test"
+    assert saved["prefix_cache_reset"] and StandInCluster.num_resets == 1  # POST /reset_prefix_cache reached it
 
 
 def test_summary_markdown_names_the_winner(stand_in, tmp_path):
@@ -228,3 +229,15 @@ def test_prefix_cache_of_one_run():
     assert prefix_cache_of({"instances": [{"name": "x"}]}, {"instances": [{"name": "x"}]}) is None
     idle = prefix_cache_of(stats(1, 0, 1, 0, 0), stats(1, 0, 1, 0, 0))
     assert idle["hit_rate"] is None and idle["instances"]["decode-0"]["hit_rate"] is None
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_each_run_resets_the_prefix_cache_unless_kept(stand_in, tmp_path, keep):
+    result = CliRunner().invoke(_app(), [
+        "bench", TINY_COLOCATED, "--no-compare", "--num-prompts", "3", "--request-rate", "100,inf",
+        "--random-input-len", "8", "--random-output-len", "2", "--result-dir", str(tmp_path), "--save-result",
+        "--disable-tqdm"] + (["--keep-prefix-cache"] if keep else []), env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert stand_in.num_resets == (0 if keep else 2)
+    results = [load_json(str(path)) for path in sorted(tmp_path.glob("**/*qps*.json"))]
+    assert [r["prefix_cache_reset"] for r in results] == [not keep] * 2

@@ -75,7 +75,7 @@ def test_api_key_from_the_flag_or_openai_api_key(keyed_server, tmp_path):
         result, _ = _invoke("--host", "serve.test", "--port", "8000", "--vocab-size", "64", *SMALL, *extra,
                             "--header", "x-tenant=a", "--save-result", "--result-dir", str(tmp_path), env=env)
         assert result.exit_code == 0, result.output
-        assert {path for path, _ in keyed_server} == {"/v1/models", "/v1/completions"}
+        assert {path for path, _ in keyed_server} == {"/v1/models", "/v1/completions", "/reset_prefix_cache"}
         assert all(headers[b"authorization"] == b"Bearer k" and headers[b"x-tenant"] == b"a"
                    for _, headers in keyed_server)
     saved = load_json(next(tmp_path.glob("*.json")))

@@ -117,6 +117,9 @@ class FakeCluster:
     def __exit__(self, *exc):
         self.shut_down = True
 
+    def reset_prefix_cache(self) -> dict:
+        return {"prefill0": 0, "decode0": 0}
+
     def stats(self) -> dict:
         used = sum(self.active.values())
         inst = lambda name, role: {"name": name, "role": role, "free_pages": self.total_pages - used,

@@ -177,9 +177,11 @@ def test_oversize_body_is_413(serve_fake):
 def test_api_key_on_every_v1_route(serve_fake, monkeypatch):
     monkeypatch.setenv("DISAGG_API_KEY", "sekret")
     server, _ = serve_fake()
-    for path in ("/v1/models", "/v1/completions", "/v1/chat/completions"):
-        response = httpx.post(server.base_url + path, json={}) if "compl" in path else httpx.get(server.base_url + path)
+    for path in ("/v1/models", "/v1/completions", "/v1/chat/completions", "/reset_prefix_cache"):
+        response = httpx.post(server.base_url + path, json={}) if "/v1/models" not in path else httpx.get(server.base_url + path)
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    reset = httpx.post(server.base_url + "/reset_prefix_cache", headers={"Authorization": "Bearer sekret"})
+    assert reset.status_code == 200 and reset.json() == {"freed_pages": {"prefill0": 0, "decode0": 0}}
     with pytest.raises(openai.AuthenticationError):
         _client(server, "wrong").models.list()
     assert _client(server, "sekret").models.list().data[0].id == "fake"

@@ -265,3 +265,16 @@ def test_200_concurrent_streams_nothing_lost_or_mixed(served):
         assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
         assert usage.completion_tokens == 6 and usage.prompt_tokens == len(prompt)
     assert _wait_until(lambda: _pages_all_free(cluster))
+
+
+def test_reset_prefix_cache_frees_the_cached_pages(served):
+    cluster, server = served
+    prompt = [(11 * j) % 250 + 3 for j in range(70)]  # several whole pages: cached on both instances
+    _client(server).completions.create(model=cluster.model_name, prompt=prompt, max_tokens=2, temperature=0.0)
+    assert _wait_until(lambda: cluster.stats()["router"]["live"] == 0)
+    cached = {inst["name"]: inst["prefix_cached_pages"] for inst in cluster.stats()["instances"]}
+    assert all(cached.values()), cached
+    response = httpx.post(server.base_url + "/reset_prefix_cache")
+    assert response.status_code == 200 and response.json()["freed_pages"] == cached
+    assert _pages_all_free(cluster)
+    assert all(inst["prefix_cached_pages"] == 0 for inst in cluster.stats()["instances"])
