@@ -9,7 +9,7 @@ trace holds several. Then, per instance, from its step loop's "step" and "call" 
 steps' durations, the fraction of the traced span they cover (busy), the idle gaps between them,
 the prompt tokens of the steps that carried some, and how long each kind of call waited in the
 loop before it ran (``--json`` keeps these under "instances", beside the paths). ``--by-run``:
-the same per `disagg bench` run (a sweep's rates: request ids ``benchN-...``), each run's steps
+the same per `disagg bench` run (a sweep's rates: request ids ``benchN.<label>.<pid>-...``), each run's steps
 and calls those inside its requests' span. Events of several hosts compare wall clocks: keep such
 runs on one host.
 """
@@ -98,7 +98,8 @@ def report(requests: dict, steps: list[dict], calls: list[dict]) -> dict:
 
 
 def by_run(requests: dict) -> dict[str, dict]:
-    """The requests of each `disagg bench` run, by their ids' ``benchN`` prefix (others: "other")."""
+    """The requests of each `disagg bench` run, by their ids' ``benchN.<label>.<pid>`` prefix
+    (others: "other")."""
     runs: dict[str, dict] = {}
     for request, events in requests.items():
         prefix = request.split("-", 1)[0]

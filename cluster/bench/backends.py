@@ -17,6 +17,8 @@ import contextlib
 import itertools
 import json
 import logging
+import os
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,11 +38,17 @@ class ClusterBackend:
     def __init__(self, cluster: Any, *, name: str = "cluster") -> None:
         self.cluster = cluster
         self.name = name
-        self._prefix = f"bench{next(_RUN_IDS)}"
+        self._prefix = self._run_prefix()
         self._count = itertools.count()
 
     async def open(self) -> None:
-        self._prefix = f"bench{next(_RUN_IDS)}"  # request ids stay unique across runs
+        self._prefix = self._run_prefix()  # request ids stay unique across runs
+
+    def _run_prefix(self) -> str:
+        """``benchN.<label>.<pid>``: unique across runs, deployments and bench processes (a trace
+        directory shared by a sitting's deployments groups by it: `trace_report.py --by-run`)."""
+        label = re.sub(r"[^A-Za-z0-9_]+", "_", self.name).strip("_") or "cluster"
+        return f"bench{next(_RUN_IDS)}.{label}.{os.getpid()}"
 
     async def aclose(self) -> None:
         return None

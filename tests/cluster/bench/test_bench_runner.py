@@ -254,3 +254,17 @@ def test_http_backend_resets_the_prefix_cache_or_warns_once(caplog):
     with caplog.at_level("WARNING"):
         assert not asyncio.run(backend.reset_prefix_cache()) and not asyncio.run(backend.reset_prefix_cache())
     assert [r.getMessage().count("answered HTTP 404") for r in caplog.records] == [1]
+
+
+def test_cluster_backend_request_ids_name_the_run_the_deployment_and_the_process():
+    import os
+
+    from disagg.cluster.bench.backends import ClusterBackend
+
+    one, two = ClusterBackend(None, name="colocated-8192[x=1]"), ClusterBackend(None, name="colocated-8192[x=1]")
+    run, label, pid = one._prefix.split(".")
+    assert run.startswith("bench") and label == "colocated_8192_x_1" and pid == str(os.getpid())
+    assert "-" not in one._prefix and one._prefix != two._prefix
+    before = one._prefix
+    asyncio.run(one.open())
+    assert one._prefix != before
