@@ -270,8 +270,9 @@ class Cluster:
                 "instances": instances, "router": router}
 
     def reset_prefix_cache(self, timeout_s: float = 30.0) -> dict[str, int]:
-        """Forget every live instance's cached prefixes (vLLM's ``/reset_prefix_cache``); running
-        requests keep their pages. Returns the pages each instance freed, by name.
+        """Forget every live instance's cached prefixes (vLLM's ``/reset_prefix_cache``), and the
+        router's prefix affinity with them; running requests keep their pages. Returns the pages
+        each instance freed, by name.
 
         Raises:
             TimeoutError: an instance did not answer within ``timeout_s`` (named).
@@ -282,7 +283,14 @@ class Cluster:
         late = [inst.name for inst, ref in zip(live, refs) if ref not in set(ready)]
         if late:
             raise TimeoutError(f"reset_prefix_cache: no answer within {timeout_s:g} s from {', '.join(late)}")
-        return {inst.name: int(n) for inst, n in zip(live, ray.get(refs))}
+        freed = {inst.name: int(n) for inst, n in zip(live, ray.get(refs))}
+
+        def forget() -> None:  # the router's belief of what each instance holds (cluster/affinity.py)
+            affinity = self._router.placer.affinity
+            for name in freed if affinity is not None else ():
+                affinity.forget(name)
+        self._call(_async(forget))
+        return freed
 
     def router_stats(self) -> dict:
         """The router's state alone (queue, requests per stage, outcomes, loads): no actor round trip."""

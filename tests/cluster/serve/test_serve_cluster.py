@@ -274,7 +274,9 @@ def test_reset_prefix_cache_frees_the_cached_pages(served):
     assert _wait_until(lambda: cluster.stats()["router"]["live"] == 0)
     cached = {inst["name"]: inst["prefix_cached_pages"] for inst in cluster.stats()["instances"]}
     assert all(cached.values()), cached
+    affinity = cluster._router.placer.affinity  # the router's belief of what each instance holds
+    assert affinity is not None and sum(affinity.num_pages(name) for name in cached) > 0
     response = httpx.post(server.base_url + "/reset_prefix_cache")
     assert response.status_code == 200 and response.json()["freed_pages"] == cached
-    assert _pages_all_free(cluster)
+    assert _pages_all_free(cluster) and sum(affinity.num_pages(name) for name in cached) == 0
     assert all(inst["prefix_cached_pages"] == 0 for inst in cluster.stats()["instances"])
