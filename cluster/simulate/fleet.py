@@ -270,9 +270,10 @@ class SimFleet:
         return self._hand(req)
 
     def _call_done(self, inst: Instance) -> float:
-        """When a call made now on ``inst`` has run: at the end of its forward in flight."""
+        """When a reservation made now on ``inst`` has run: at the end of its forward in flight,
+        or now when decode instances answer mid-forward (`scheduler.overlap_reservations`)."""
         step = inst.actor.current
-        if step is None:
+        if step is None or self.config.scheduler.overlap_reservations:
             return self.now
         return next((t for t in step.end_times if t > self.now), self.now)
 
