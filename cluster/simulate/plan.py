@@ -14,9 +14,11 @@ The candidates, one instance per GPU, all with the profiled instance's model, pa
 
 Each candidate's goodput is DistServe's: the highest request rate whose SLO attainment (the
 fraction of requests within every `--goodput` SLO) is at least 90% (`bench.compare.
-TARGET_ATTAINMENT`), found by simulating (`run.simulate_run`, the same workload and arrival seed
+TARGET_ATTAINMENT`), found by simulating (`run.simulate_run`, the same workload and arrival seeds
 for every candidate and rate; `RunLength`: about 30 s of arrivals) at doubling rates, then bisecting between the last rate that held
-and the first that missed. The table ranks them by goodput per GPU; the best one's YAML is what
+and the first that missed. With ``seeds`` > 1 a rate's attainment pools the requests of that many
+runs (prompts and arrivals drawn from seeds ``seed .. seed + seeds - 1``): one draw of 30 s
+decides a knee by a few requests, and small policy changes then flip rows (issue 25). The table ranks them by goodput per GPU; the best one's YAML is what
 `disagg launch` / `disagg bench` run. Pure Python; no GPU.
 """
 
@@ -160,17 +162,22 @@ class RunLength:
 
 
 def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_name: str,
-          slos_ms: Mapping[str, float], run_length: RunLength = RunLength(), seed: int = 0,
+          slos_ms: Mapping[str, float], run_length: RunLength = RunLength(), seed: int = 0, seeds: int = 1,
           link_gbps: float = 364.0, start_rate: float | None = None, **lengths: Any) -> Candidate:
-    """Simulate ``candidate`` at the rates `max_rate` asks for; set its goodput."""
+    """Simulate ``candidate`` at the rates `max_rate` asks for (each over ``seeds`` draws, pooled);
+    set its goodput."""
+    if seeds < 1:
+        raise ValueError(f"--seeds: expected at least 1 draw per rate, got {seeds}")
     config = Config.from_dict(config_of(base, candidate), origin=candidate.label)
 
     def attainment(rate: float) -> float:
-        fleet = SimFleet(config, profile, link_gbps)
-        spec = workload_spec(profile, fleet.max_model_len, dataset_name=dataset_name,
-                             num_prompts=run_length.prompts_at(rate), seed=seed, **lengths)
-        sim = simulate_run(config, profile, spec, request_rate=rate, seed=seed, fleet=fleet)
-        candidate.attainment_at[rate] = slo_attainment(sim.run.outputs, slos_ms)
+        outputs = []
+        for draw in range(seed, seed + seeds):
+            fleet = SimFleet(config, profile, link_gbps)
+            spec = workload_spec(profile, fleet.max_model_len, dataset_name=dataset_name,
+                                 num_prompts=run_length.prompts_at(rate), seed=draw, **lengths)
+            outputs += simulate_run(config, profile, spec, request_rate=rate, seed=draw, fleet=fleet).run.outputs
+        candidate.attainment_at[rate] = slo_attainment(outputs, slos_ms)
         return candidate.attainment_at[rate]
 
     candidate.goodput_rps = max_rate(attainment, start_rate or float(candidate.num_gpus))
@@ -179,14 +186,16 @@ def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_
 
 def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_gpus: int,
          chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, run_length: RunLength = RunLength(), seed: int = 0,
-         link_gbps: float = 364.0, search: Sequence[Candidate] | None = None,
+         seeds: int = 1, link_gbps: float = 364.0, search: Sequence[Candidate] | None = None,
          adaptive_chunk_sizes: Sequence[int] | None = None,
          on_judged: Callable[[Candidate], None] | None = None, **lengths: Any) -> list[Candidate]:
     """Judge every candidate; return them best first (goodput per GPU, then the order searched).
 
     Raises:
-        ValueError: a bad GPU count, SLOs missing, or a workload flag out of range.
+        ValueError: a bad GPU count, SLOs missing, fewer than one seed, or a workload flag out of range.
     """
+    if seeds < 1:
+        raise ValueError(f"--seeds: expected at least 1 draw per rate, got {seeds}")
     if not slos_ms:
         raise ValueError("--goodput: expected SLOs such as ttft:500 tpot:50, got none")
     base = base_sections(profile, slos_ms)
@@ -199,7 +208,7 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
             router.setdefault("slo_ttft_ms", slos_ms.get("ttft"))
             router.setdefault("slo_tpot_ms", slos_ms.get("tpot"))
         judged.append(judge(cand, base, profile, dataset_name=dataset_name, slos_ms=slos_ms, run_length=run_length,
-                            seed=seed, link_gbps=link_gbps, **lengths))
+                            seed=seed, seeds=seeds, link_gbps=link_gbps, **lengths))
         if on_judged is not None:
             on_judged(judged[-1])
     order = {id(c): i for i, c in enumerate(judged)}

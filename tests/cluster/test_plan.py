@@ -85,3 +85,21 @@ def test_search_space_every_split_up_to_8_gpus_then_ratios():
     assert planner.prefill_counts(64) == [8, 11, 16, 21, 32, 43, 48, 53, 56]
     with pytest.raises(ValueError, match="at least 1 GPU"):
         planner.candidates(0)
+
+
+def test_seeds_pool_the_requests_of_several_draws():
+    """``seeds=2``: a rate's attainment is over both draws' requests (equal counts: the mean)."""
+    base = planner.base_sections(PROFILE, {"ttft": 300, "tpot": 20})
+    judged = {}
+    for seed, seeds in ((0, 1), (1, 1), (0, 2)):
+        (cand,) = [c for c in planner.candidates(2, adaptive=False, colocated=False)]
+        judged[seed, seeds] = planner.judge(cand, base, PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20},
+                                            run_length=SHORT, seed=seed, seeds=seeds, input_len=200, output_len=8)
+    rates = set(judged[0, 1].attainment_at) & set(judged[1, 1].attainment_at) & set(judged[0, 2].attainment_at)
+    apart = [r for r in rates if judged[0, 1].attainment_at[r] != judged[1, 1].attainment_at[r]]
+    assert apart, "the two draws never differ: the test could not tell pooling from one draw"
+    for rate in rates:
+        assert judged[0, 2].attainment_at[rate] == pytest.approx(
+            (judged[0, 1].attainment_at[rate] + judged[1, 1].attainment_at[rate]) / 2)
+    with pytest.raises(ValueError, match="--seeds"):
+        planner.plan(PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=2, seeds=0)
