@@ -195,12 +195,12 @@ class SchedulerSection(Section):
                                                      "(hides the host's bookkeeping, which otherwise "
                                                      "leaves the GPU idle between steps); false: read "
                                                      "every step's tokens first")
-    overlap_reservations: bool = Field(False, description="decode instances answer the router's page "
-                                                          "reservations while a forward runs on the GPU "
-                                                          "(polled every 0.1 ms) instead of between steps: "
-                                                          "a remote request's TTFT loses the wait for the "
-                                                          "decode step in flight; not yet measured on GPUs, "
-                                                          "so off")
+    overlap_reservations: bool = Field(True, description="decode instances answer the router's page "
+                                                         "reservations while a forward runs on the GPU "
+                                                         "(polled every 0.1 ms) instead of between steps: "
+                                                         "a remote request's TTFT loses the wait for the "
+                                                         "decode step in flight (two H100s, chat: the "
+                                                         "wait p50 17.8 -> 1.0 ms); false: between steps")
     cuda_graphs: Literal["full_and_piecewise", "full_decode_only", "none"] = Field(
         "full_and_piecewise", description="CUDA graphs on GPUs (vLLM's cudagraph_mode names): "
                                           "full_and_piecewise: pure-decode steps replay whole-forward "

@@ -45,7 +45,7 @@ def launch(name: str, share, **overrides) -> Cluster:
 
 def test_llama3_shaped_1p1d_over_nvshmem_equals_colocated_and_aborts_mid_push(ray_local, gpu_share):
     """1P1D equals colocated with the decode instance answering reservations mid-forward
-    (`scheduler.overlap_reservations`; the placements test below runs the default, off), and
+    (`scheduler.overlap_reservations`, the default; the placements test below runs it off), and
     aborts mid-push free every page."""
     prompts, params = workload()
     with launch("llama3-8b-1p1d", gpu_share, **{"scheduler.overlap_reservations": True}) as cluster:
@@ -83,7 +83,8 @@ def test_llama3_shaped_placements_over_nvshmem_equal_colocated(ray_local, gpu_sh
     CUDA-graph decodes on D; a prefill instance decoding), then deciding on its own from the
     step times it measured: every token equals the colocated fleet's, every page comes back."""
     prompts, params = workload(48, seed=3)
-    with launch("llama3-8b-1p1d", gpu_share, **{"router.placement": "adaptive"}) as cluster:
+    with launch("llama3-8b-1p1d", gpu_share, **{"router.placement": "adaptive",
+                                                "scheduler.overlap_reservations": False}) as cluster:
         with monkeypatch.context() as patch:
             force_paths(cluster, patch, ["remote", "local", "kept"])
             forced = cluster.generate(prompts[:24], params[:24])

@@ -67,7 +67,7 @@ def test_a_reservation_runs_while_the_forward_is_out_and_queue_order_holds(decod
 
 
 def test_without_the_hook_a_reservation_waits_for_the_step(decode_loop):
-    """`scheduler.overlap_reservations` off (the default): the engine has no `on_gpu_wait`, so a
+    """`scheduler.overlap_reservations` off: the engine has no `on_gpu_wait`, so a
     mid-step call runs between steps like any other."""
     loop, engine = decode_loop
     assert engine.on_gpu_wait is None
