@@ -58,6 +58,9 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="I
 # The workload and result flags that `disagg bench` and `disagg simulate` share (vLLM's names);
 # each verb's default where the flag is left out is the config's `bench` section.
 NumPromptsOpt = Annotated[Optional[int], typer.Option(min=1, help="requests per run (default bench.num_prompts)")]
+RunSecondsOpt = Annotated[Optional[float], typer.Option(min=0.001, help="per rate, send about rate x this many "
+                          "requests (at least --min-prompts, at most --num-prompts: the first ones sampled)")]
+MinPromptsOpt = Annotated[int, typer.Option(min=1, help="fewest requests of a run under --run-seconds")]
 InputLenOpt = Annotated[Optional[int], typer.Option(min=1, help="prompt tokens (= --random-input-len)")]
 OutputLenOpt = Annotated[Optional[int], typer.Option(min=1, help="output tokens (= --random-output-len)")]
 RandomInputLenOpt = Annotated[Optional[int], typer.Option(min=1, help="prompt tokens")]

@@ -24,9 +24,9 @@ from typing import Annotated, Any, Optional
 import typer
 
 from disagg.cluster.bench import flags
-from disagg.cluster.cli_common import (BurstinessOpt, InputLenOpt, MaxConcurrencyOpt, MetricPercentilesOpt, NumPromptsOpt, OutputLenOpt,
-                                       RandomInputLenOpt, RandomOutputLenOpt, RangeRatioOpt, RequestRateOpt,
-                                       ResultFilenameOpt, SeedOpt)
+from disagg.cluster.cli_common import (BurstinessOpt, InputLenOpt, MaxConcurrencyOpt, MetricPercentilesOpt, MinPromptsOpt,
+                                       NumPromptsOpt, OutputLenOpt, RandomInputLenOpt, RandomOutputLenOpt, RangeRatioOpt,
+                                       RequestRateOpt, ResultFilenameOpt, RunSecondsOpt, SeedOpt)
 from disagg.cluster.bench.workloads import DATASETS
 from disagg.cluster.serve.vllm_options import BENCH_IGNORED, BENCH_REFUSED, add_vllm_options, greedy_command
 
@@ -103,9 +103,8 @@ def bench_command(
     metadata: Annotated[Optional[list[str]], Opt(help="KEY=VALUE pairs stored in every result "
                         "(--metadata version=0.3 tp=1)")] = None,
     disable_tqdm: Annotated[bool, Opt("--disable-tqdm", help="no progress bar")] = False,
-    run_seconds: Annotated[Optional[float], Opt(min=0.001, help="per rate, send about rate x this many "
-                           "requests (at least --min-prompts, at most --num-prompts)")] = None,
-    min_prompts: Annotated[int, Opt(min=1, help="fewest requests of a run under --run-seconds")] = 50,
+    run_seconds: RunSecondsOpt = None,
+    min_prompts: MinPromptsOpt = 50,
     early_stop: Annotated[bool, Opt("--early-stop", help="sweep rates upward and stop once attainment under "
                           "the loosest --slo-scales SLOs falls below 90%")] = False,
     keep_prefix_cache: Annotated[bool, Opt("--keep-prefix-cache", help="do not reset the deployment's prefix "

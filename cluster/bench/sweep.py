@@ -75,10 +75,17 @@ class SweepOptions:
         return sorted(self.rates) if self.early_stop else list(self.rates)
 
     def prompts_at(self, rate: float, available: int) -> int:
-        """Requests of a run at `rate`: about run_seconds of arrivals, at least min_prompts."""
-        if self.run_seconds is None or math.isinf(rate):
-            return available
-        return max(1, min(available, max(self.min_prompts, math.ceil(rate * self.run_seconds))))
+        """Requests of a run at `rate` (`prompts_at`)."""
+        return prompts_at(rate, available, self.run_seconds, self.min_prompts)
+
+
+def prompts_at(rate: float, available: int, run_seconds: float | None, min_prompts: int) -> int:
+    """Requests of a run at ``rate``: the first of the ``available`` sampled ones, about
+    ``run_seconds`` of arrivals and at least ``min_prompts`` (all of them without run_seconds or
+    at rate inf). `disagg simulate` takes the same ones, so a simulated run is the measured one's."""
+    if run_seconds is None or math.isinf(rate):
+        return available
+    return max(1, min(available, max(min_prompts, math.ceil(rate * run_seconds))))
 
 
 @dataclass

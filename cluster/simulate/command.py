@@ -19,9 +19,10 @@ from typing import Annotated, Optional
 import typer
 
 from disagg.cluster.cli_common import (EXIT_RUNTIME, EXIT_USAGE, BurstinessOpt, ConfigArg, InputLenOpt, LogLevelOpt,
-                                       MaxConcurrencyOpt, MetricPercentilesOpt, NumPromptsOpt, OutputLenOpt,
-                                       RandomInputLenOpt, RandomOutputLenOpt, RangeRatioOpt, RequestRateOpt,
-                                       ResultFilenameOpt, SeedOpt, SetOpt, VerboseOpt, load_config, setup_logging)
+                                       MaxConcurrencyOpt, MetricPercentilesOpt, MinPromptsOpt, NumPromptsOpt,
+                                       OutputLenOpt, RandomInputLenOpt, RandomOutputLenOpt, RangeRatioOpt,
+                                       RequestRateOpt, ResultFilenameOpt, RunSecondsOpt, SeedOpt, SetOpt, VerboseOpt,
+                                       load_config, setup_logging)
 
 Opt = typer.Option
 
@@ -104,6 +105,8 @@ def simulate_command(
     request_rate: RequestRateOpt = None,
     burstiness: BurstinessOpt = None,
     max_concurrency: MaxConcurrencyOpt = None,
+    run_seconds: RunSecondsOpt = None,
+    min_prompts: MinPromptsOpt = 50,
     goodput: Annotated[Optional[list[str]], Opt(help="SLOs in ms: --goodput ttft:500 tpot:50 (default bench.goodput)")] = None,
     metric_percentiles: MetricPercentilesOpt = "50,90,99",
     label: Annotated[Optional[str], Opt(help="name of the results (default: the config's name + '-sim')")] = None,
@@ -119,7 +122,7 @@ def simulate_command(
 
     from disagg.cluster.bench import flags, tables
     from disagg.cluster.bench.report import save_json
-    from disagg.cluster.bench.sweep import public_overrides, result_name
+    from disagg.cluster.bench.sweep import prompts_at, public_overrides, result_name
     from disagg.cluster.simulate.fleet import SimFleet
     from disagg.cluster.simulate.run import simulate_run, simulated_result, workload_spec
 
@@ -147,7 +150,8 @@ def simulate_command(
                     or (bench.input_len if random_only else None), output_len=output_len or random_output_len
                     or (bench.output_len if random_only else None), range_ratio=random_range_ratio)
                 sim = simulate_run(cfg, prof, spec, request_rate=rate, burstiness=burstiness or bench.burstiness,
-                                   max_concurrency=max_concurrency, seed=spec.seed, link_gbps=link_gbps, fleet=fleet)
+                                   max_concurrency=max_concurrency, seed=spec.seed, link_gbps=link_gbps, fleet=fleet,
+                                   num_requests=prompts_at(rate, spec.num_prompts, run_seconds, min_prompts))
                 result = simulated_result(sim, cfg, prof, label=label, config_path=str(config), overrides=shown,
                                           link_gbps=link_gbps, goodput_slos_ms=slos, percentiles=percentiles,
                                           extra=extra)

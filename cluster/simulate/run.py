@@ -49,8 +49,11 @@ def workload_spec(profile: dict, fleet_max_model_len: int, *, dataset_name: str,
 
 def simulate_run(config: Config, profile: dict, spec: WorkloadSpec, *, request_rate: float,
                  burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
-                 link_gbps: float = 364.0, hop_ms: float = 0.0, fleet: SimFleet | None = None) -> Simulation:
-    """Run ``spec`` at ``request_rate`` through the fleet of ``config`` (module docstring).
+                 link_gbps: float = 364.0, hop_ms: float = 0.0, fleet: SimFleet | None = None,
+                 num_requests: int | None = None) -> Simulation:
+    """Run ``spec`` at ``request_rate`` through the fleet of ``config`` (module docstring): its
+    first ``num_requests`` requests (default all), as `disagg bench` runs the first ones of the
+    prompts it sampled.
 
     Raises:
         ValueError: a bad rate, burstiness, concurrency or link bandwidth.
@@ -60,6 +63,8 @@ def simulate_run(config: Config, profile: dict, spec: WorkloadSpec, *, request_r
     started = time.perf_counter()
     fleet = fleet or SimFleet(config, profile, link_gbps, hop_ms)
     input_lens, output_lens = sample_lengths(spec)
+    if num_requests is not None:
+        input_lens, output_lens = input_lens[:num_requests], output_lens[:num_requests]
     offsets = arrival_offsets(len(input_lens), request_rate, burstiness, seed)
     ids = [f"{spec.dataset_name}-{i}" for i in range(len(input_lens))]
     limit = len(ids) if max_concurrency is None else min(max_concurrency, len(ids))

@@ -235,3 +235,26 @@ def test_a_reservation_made_mid_forward_answers_when_the_forward_ends(overlap):
         assert behind - alone == pytest.approx(0.0, abs=1e-9)
     else:
         assert 0.0 < behind - alone <= d_step * 1.05
+
+
+def test_run_seconds_take_the_first_requests_as_the_bench_does(tmp_path: Path):
+    """`--run-seconds` / `--min-prompts`: a run at rate r sends the first max(min, r x s) of the
+    --num-prompts sampled, as `disagg bench` does, so a simulated run is the measured one's."""
+    from disagg.cluster.bench.sweep import SweepOptions
+    from disagg.cluster.bench.workloads import sample_lengths
+
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    result = CliRunner().invoke(app, ["simulate", str(CONFIGS / "tiny-1p1d.yaml"), "--profile", str(profile),
+                                      "--dataset-name", "chat", "--num-prompts", "40", "--request-rate", "5,50",
+                                      "--run-seconds", "2", "--min-prompts", "3", "--goodput", "ttft:500", "tpot:50",
+                                      "--result-dir", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    options = SweepOptions(run_seconds=2, min_prompts=3)
+    config = Config.from_yaml(CONFIGS / "tiny-1p1d.yaml")
+    spec = workload_spec(PROFILE, SimFleet(config, PROFILE).max_model_len, dataset_name="chat", num_prompts=40, seed=0)
+    inputs, _ = sample_lengths(spec)
+    for rate, expected in ((5.0, 10), (50.0, 40)):
+        stored = json.loads(next((tmp_path / "out").glob(f"*{rate}qps*.json")).read_text())
+        assert len(stored["ttfts"]) == expected == options.prompts_at(rate, 40)
+        assert stored["total_input_tokens"] == int(inputs[:expected].sum())
