@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from disagg.cluster.step_model import OUTLIER_RATIO, StepTimeModel
 from disagg.config import Config
@@ -306,18 +306,56 @@ def replayed_prompt_pairs(profile: dict) -> list[int]:
     return out
 
 
-def refit_profile(profile: dict) -> dict:
+def refit_profile(profile: dict, served: Sequence[list] = (), served_from: str | None = None) -> dict:
     """``profile`` with the current model fitted to its samples (a version 1 profile's samples
-    gain their `replayed_prompt_pairs`); the fit and errors it had are kept under ``refit``."""
+    gain their `replayed_prompt_pairs`) and to ``served`` samples (`served_samples`: steps a
+    serving fleet ran, scenario "served"); the fit and errors it had are kept under ``refit``."""
     samples = profile["samples"]
     if profile.get("version", 1) < 2:
         samples = [s[:3] + [pairs] + s[3:] for s, pairs in zip(samples, replayed_prompt_pairs(profile))]
+    samples = list(samples) + [list(s) for s in served]
     fitted = [tuple(s[:5]) for s in samples]
     model = StepTimeModel.from_samples(fitted)
+    refit = {"version": profile.get("version", 1), "fit": profile["fit"], "errors": profile["errors"],
+             "date": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")}
+    if served:
+        refit.update(served_steps=len(served), served_from=served_from)
     return dict(profile, version=PROFILE_VERSION, sample_fields=SAMPLE_FIELDS, samples=samples,
-                fit=model.to_dict(), errors=model.errors_by_region(fitted),
-                refit={"version": profile.get("version", 1), "fit": profile["fit"], "errors": profile["errors"],
-                       "date": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")})
+                fit=model.to_dict(), errors=model.errors_by_region(fitted), refit=refit)
+
+
+def served_samples(trace_dir: str, instances: Sequence[str] | None = None) -> list[list]:
+    """The steps a serving fleet ran, from the "step" records of a `DISAGG_TRACE_DIR`
+    (`disagg.trace`; every instance's, or those named): profile samples of scenario "served",
+    timed by the step loop as served (async scheduling, CUDA graphs, the router's calls between
+    steps), where the grid times an idle engine one forward at a time. A record written before
+    records carried ``num_prompt_pairs`` counts each of its prompts as one chunk from position 0
+    (``n x (p/n)^2 / 2``): a lower bound where a chunk continued a prompt.
+
+    Raises:
+        ValueError: the directory holds no step record (of the instances named).
+    """
+    from disagg import trace
+    from disagg.engine.steps import prompt_pairs
+
+    out = []
+    if not Path(trace_dir).is_dir():
+        raise ValueError(f"--served-steps: expected a DISAGG_TRACE_DIR directory, got {trace_dir} (not one)")
+    for r in trace.read_records(trace_dir, "step"):
+        if instances and r.get("instance") not in instances:
+            continue
+        prompt, n = int(r["num_prefill_tokens"]), max(1, int(r.get("num_prompts") or 1))
+        pairs = r.get("num_prompt_pairs")
+        if pairs is None:
+            pairs = n * prompt_pairs(0, prompt // n)
+        seconds = float(r["t_end"]) - float(r["t_start"])
+        if seconds > 0:
+            out.append([prompt, int(r["num_decode_seqs"]), int(r["num_context_tokens"]), float(pairs), seconds,
+                        "served"])
+    if not out:
+        raise ValueError(f"--served-steps: no step records{' of ' + ', '.join(instances) if instances else ''} in "
+                         f"{trace_dir} (write them with DISAGG_TRACE_DIR set while serving)")
+    return out
 
 
 def summary_lines(profile: dict) -> list[str]:

@@ -220,7 +220,8 @@ class StepLoop:
         fields = {"prompts": prompts} if len(prompts) <= trace.MAX_PROMPT_IDS else {}
         trace.record("step", instance=self.name, t_start=end_t - seconds, t_end=end_t,
                      num_prefill_tokens=shape.num_prefill_tokens, num_decode_seqs=shape.num_decode_seqs,
-                     num_context_tokens=shape.num_context_tokens, num_prompts=len(prompts), **fields)
+                     num_context_tokens=shape.num_context_tokens, num_prompt_pairs=shape.num_prompt_pairs,
+                     num_prompts=len(prompts), **fields)
 
     def _fail(self, what: str) -> None:
         """The engine raised: it is unusable from now on; the router fails its requests."""

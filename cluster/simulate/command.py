@@ -43,12 +43,19 @@ def profile_command(
     refit: Annotated[Optional[Path], Opt("--refit", metavar="PROFILE", help="fit the current step-time model to "
                                          "PROFILE's samples instead of timing CONFIG (CPU, seconds; an older "
                                          "profile's too)")] = None,
+    served_steps: Annotated[Optional[Path], Opt("--served-steps", metavar="TRACE_DIR", help="with --refit: fit "
+                                                "to the steps a fleet served too (the step records of a "
+                                                "DISAGG_TRACE_DIR)")] = None,
+    instance: Annotated[Optional[list[str]], Opt("--instance", help="with --served-steps: only these "
+                                                 "instances' steps (e.g. decode-0)")] = None,
     set_: SetOpt = None, log_level: LogLevelOpt = None, verbose: VerboseOpt = False,
 ) -> None:
     """Time CONFIG's instance (its real engine, in this process) over a grid of prefill, decode and
     mixed steps; fit the router's step-time model; write the samples, the fit and its error per
-    region to --out. With --refit PROFILE: refit that profile's samples instead."""
-    from disagg.cluster.profile import SMALL_GRID, Grid, refit_profile, run_profile, save_profile, summary_lines
+    region to --out. With --refit PROFILE: refit that profile's samples instead, with
+    --served-steps TRACE_DIR also the steps a serving fleet ran."""
+    from disagg.cluster.profile import (SMALL_GRID, Grid, refit_profile, run_profile, save_profile, served_samples,
+                                        summary_lines)
     from disagg.errors import DisaggError
 
     setup_logging(log_level, verbose)
@@ -56,9 +63,14 @@ def profile_command(
         typer.echo("disagg profile: expected CONFIG (to time its engine) or --refit PROFILE (to refit its "
                    f"samples), got {'neither' if config is None else 'both'}", err=True)
         raise typer.Exit(EXIT_USAGE)
+    if (served_steps is not None or instance) and refit is None:
+        typer.echo("disagg profile: --served-steps and --instance go with --refit PROFILE", err=True)
+        raise typer.Exit(EXIT_USAGE)
     if refit is not None:
         try:
-            profile = refit_profile(read_profile(refit, warn_older=False))
+            served = served_samples(str(served_steps), instance) if served_steps is not None else []
+            profile = refit_profile(read_profile(refit, warn_older=False), served, served_from=served_steps and
+                                    str(served_steps))
         except ValueError as err:
             typer.echo(f"disagg profile --refit: {err}", err=True)
             raise typer.Exit(EXIT_USAGE) from None

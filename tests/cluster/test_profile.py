@@ -166,3 +166,43 @@ def test_the_non_negative_fit_is_the_best_over_every_set_of_zeroed_coefficients(
                     best = min(best, cost(c))
         found = _nonnegative_ridge(x, y, lam, np.zeros(5))
         assert (found >= 0).all() and cost(found) <= best * (1 + 1e-9)
+
+
+def test_refit_with_served_steps_moves_the_fit_to_what_was_served(tmp_path: Path, monkeypatch):
+    """--served-steps: the step records of a trace join the profile's samples. Served steps that
+    ran 1.5x the profile's own steps pull the fit up; --instance keeps one instance's steps; a
+    record without num_prompt_pairs (older traces) gets one chunk per prompt from position 0."""
+    from disagg import trace
+
+    path = RECORDS / "simulator-2026-11-27b" / "profile-h100-v2.json"
+    base = StepTimeModel.from_dict(json.loads(path.read_text())["fit"])
+    trace_dir = tmp_path / "trace"
+    monkeypatch.setenv(trace.ENV, str(trace_dir))
+    rng = np.random.default_rng(0)
+    for i in range(3000):
+        prompt = int(rng.integers(1, 2048)) if i % 5 == 0 else 0
+        seqs, context = int(rng.integers(1, 128)), int(rng.integers(100, 200_000))
+        pairs = prompt_pairs(0, prompt)
+        seconds = 1.5 * base.step_s(prompt, seqs, context, pairs)
+        fields = {} if i == 0 else {"num_prompt_pairs": pairs}
+        trace.record("step", instance="decode-0" if i % 2 else "prefill-0", t_start=100.0, t_end=100.0 + seconds,
+                     num_prefill_tokens=prompt, num_decode_seqs=seqs, num_context_tokens=context,
+                     num_prompts=1 if prompt else 0, **fields)
+    out = tmp_path / "served.json"
+    result = CliRunner().invoke(app, ["profile", "--refit", str(path), "--served-steps", str(trace_dir),
+                                      "--instance", "decode-0", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    new = load_profile(out)
+    served = [s for s in new["samples"] if s[5] == "served"]
+    assert len(served) == 1500 and new["refit"]["served_steps"] == 1500
+    fitted = StepTimeModel.from_dict(new["fit"])
+    for prompt, seqs, context in ((0, 64, 64 * 2000), (512, 32, 32 * 1000)):
+        ratio = fitted.step_s(prompt, seqs, context, prompt_pairs(0, prompt)) / base.step_s(prompt, seqs, context,
+                                                                                           prompt_pairs(0, prompt))
+        assert 1.2 < ratio < 1.6, (prompt, seqs, ratio)
+    bad = CliRunner().invoke(app, ["profile", str(CONFIGS / "tiny-colocated.yaml"), "--served-steps", str(trace_dir)])
+    assert bad.exit_code == 2 and "--refit" in bad.output
+    for where, words in ((tmp_path / "none", "expected a DISAGG_TRACE_DIR"), (tmp_path, "no step records")):
+        refused = CliRunner().invoke(app, ["profile", "--refit", str(path), "--served-steps", str(where),
+                                           "--out", str(out)])
+        assert refused.exit_code == 2 and words in refused.output
