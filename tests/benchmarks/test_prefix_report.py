@@ -3,18 +3,8 @@ ratios of uncached to cached runs, and 1P1D's pushed bytes per request beside 1 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "prefix_report.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("prefix_report", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _result(folder: Path, label: str, rate: float, ttft: float, hits: dict | None, pushed: int, n: int = 10) -> None:
@@ -27,14 +17,14 @@ def _result(folder: Path, label: str, rate: float, ttft: float, hits: dict | Non
     (folder / label / f"{label}-{rate}qps-x.json").write_text(json.dumps(body))
 
 
-def test_ratios_per_rate_and_pushed_bytes_against_the_decode_hit(tmp_path, capsys, monkeypatch):
+def test_ratios_per_rate_and_pushed_bytes_against_the_decode_hit(tmp_path, capsys, monkeypatch, benchmark_script):
     _result(tmp_path, "colocated-prefix-true", 4.0, 35.0, {"colocated-0": 0.88}, 0)
     _result(tmp_path, "colocated-prefix-false", 4.0, 70.0, {"colocated-0": 0.0}, 0)
     _result(tmp_path, "colocated-prefix-true", 12.0, 33.0, {"colocated-0": 0.88}, 0)
     _result(tmp_path, "colocated-prefix-false", 12.0, 114.0, {"colocated-0": 0.0}, 0)
     _result(tmp_path, "1p1d-prefix-true", 4.0, 40.0, {"prefill-0": 0.8, "decode-0": 0.75}, 250)
     _result(tmp_path, "1p1d-prefix-false", 4.0, 120.0, {"prefill-0": 0.0, "decode-0": 0.0}, 1000)
-    module = _module()
+    module = benchmark_script("prefix_report")
     monkeypatch.setattr("sys.argv", ["prefix_report", str(tmp_path)])
     module.main()
     report = json.loads((tmp_path / "prefix_report.json").read_text())

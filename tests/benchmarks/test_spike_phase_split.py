@@ -4,24 +4,16 @@ engine, split rows without partitions), which must hand back every slot and page
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def spike():
-    path = ROOT / "benchmarks" / "spike_phase_split.py"
-    spec = importlib.util.spec_from_file_location("spike_phase_split", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["spike_phase_split"] = module
-    spec.loader.exec_module(module)
-    return module
+def spike(benchmark_script):
+    return benchmark_script("spike_phase_split")
 
 
 def test_window_metrics_counts_tokens_inside_and_gaps_across_the_window(spike):

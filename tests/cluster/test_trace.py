@@ -5,7 +5,6 @@ and per-instance step and call summaries."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
@@ -18,23 +17,15 @@ from disagg import trace
 from disagg.cluster.step_loop import StepLoop
 from disagg.sampling import SamplingParams
 
-REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "trace_report.py"
 
 
-def _report_module():
-    spec = importlib.util.spec_from_file_location("trace_report", REPORT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_hops_follow_the_event_order_and_skip_missing_events():
+def test_hops_follow_the_event_order_and_skip_missing_events(benchmark_script):
     requests = {"a": {name: {"t": float(i)} for i, name in enumerate(trace.EVENTS)},
                 "b": {"submit": {"t": 10.0}, "placed": {"t": 10.5}, "first_token": {"t": 12.0}}}
     hops = trace.hops(requests)
     assert hops["submit -> reserved"] == [1.0] and hops["first_token -> client_first"] == [1.0]
     assert hops["submit -> placed"] == [0.5] and hops["placed -> first_token"] == [1.5]
-    summary = _report_module().summarize(requests)
+    summary = benchmark_script("trace_report").summarize(requests)
     assert list(summary)[0] == "client_send -> submit" and summary["submit -> placed"]["n"] == 1
 
 
@@ -130,7 +121,7 @@ def test_a_step_loop_records_every_step_and_call_of_a_real_engine(tmp_path, monk
     assert all(c["instance"] == "colocated-0" and c["t_queued"] <= c["t_ran"] <= c["t_done"] for c in calls)
 
 
-def test_the_report_summarizes_each_instances_steps_and_calls(tmp_path, monkeypatch, capsys):
+def test_the_report_summarizes_each_instances_steps_and_calls(tmp_path, monkeypatch, capsys, benchmark_script):
     """Step and call records written by `trace.record` (beside a request's event, which alone
     makes the per-request view): per instance, the report's steps, busy fraction, gaps, prompt
     tokens and call waits, printed and in ``--json``."""
@@ -146,7 +137,7 @@ def test_the_report_summarizes_each_instances_steps_and_calls(tmp_path, monkeypa
     assert list(trace.read(str(tmp_path))) == ["r0"]
     out = tmp_path / "report.json"
     monkeypatch.setattr(sys, "argv", ["trace_report.py", str(tmp_path), "--json", str(out)])
-    _report_module().main()
+    benchmark_script("trace_report").main()
     report = json.loads(out.read_text())
     assert set(report) == {"unplaced", "instances"}
     prefill, decode = report["instances"]["prefill-0"], report["instances"]["decode-0"]
@@ -161,7 +152,7 @@ def test_the_report_summarizes_each_instances_steps_and_calls(tmp_path, monkeypa
     assert "prefill-0: 3 steps" in printed and "call add waited" in printed and "decode-0: 0 steps" in printed
 
 
-def test_the_report_splits_a_sweep_by_bench_run(tmp_path, capsys, monkeypatch):
+def test_the_report_splits_a_sweep_by_bench_run(tmp_path, capsys, monkeypatch, benchmark_script):
     """``--by-run``: each `disagg bench` run's requests (``benchN-...``) and the steps and calls
     inside their span, apart from the other runs' (a sweep's rates in one trace)."""
     with environment(DISAGG_TRACE_DIR=str(tmp_path)):
@@ -178,7 +169,7 @@ def test_the_report_splits_a_sweep_by_bench_run(tmp_path, capsys, monkeypatch):
                 trace.record("step", instance="decode-0", t_start=time.time(), t_end=time.time() + 1e-3,
                              num_prefill_tokens=4, num_decode_seqs=1, num_context_tokens=9, num_prompts=1)
             trace.event("first_token", f"bench3-chat-{i}-{i}")
-    module = _report_module()
+    module = benchmark_script("trace_report")
     runs = module.by_run(trace.read(str(tmp_path)))
     assert {run: sorted(group) for run, group in runs.items()} == {
         "bench2": ["bench2-chat-0-0"], "bench3": ["bench3-chat-0-0", "bench3-chat-1-1"]}
