@@ -12,6 +12,7 @@ Runs in the CLI process (no Ray).
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Annotated, Optional
@@ -119,6 +120,9 @@ def simulate_command(
     max_concurrency: MaxConcurrencyOpt = None,
     run_seconds: RunSecondsOpt = None,
     min_prompts: MinPromptsOpt = 50,
+    trace_dir: Annotated[Optional[Path], Opt("--trace-dir", help="write every simulated forward here as the "
+                                              "step records DISAGG_TRACE_DIR holds when serving "
+                                              "(trace-sim-<workload>-<rate>.jsonl, the virtual clock)")] = None,
     goodput: Annotated[Optional[list[str]], Opt(help="SLOs in ms: --goodput ttft:500 tpot:50 (default bench.goodput)")] = None,
     metric_percentiles: MetricPercentilesOpt = "50,90,99",
     label: Annotated[Optional[str], Opt(help="name of the results (default: the config's name + '-sim')")] = None,
@@ -156,6 +160,7 @@ def simulate_command(
         for dataset in datasets:
             for rate in rates:
                 fleet = SimFleet(cfg, prof, link_gbps, hop_ms)
+                fleet.step_records = [] if trace_dir is not None else None
                 spec = workload_spec(
                     prof, fleet.max_model_len, dataset_name=dataset, num_prompts=num_prompts or bench.num_prompts,
                     seed=bench.seed if seed is None else seed, input_len=input_len or random_input_len
@@ -167,6 +172,10 @@ def simulate_command(
                 result = simulated_result(sim, cfg, prof, label=label, config_path=str(config), overrides=shown,
                                           link_gbps=link_gbps, goodput_slos_ms=slos, percentiles=percentiles,
                                           extra=extra)
+                if trace_dir is not None:
+                    trace_dir.mkdir(parents=True, exist_ok=True)
+                    lines = "".join(json.dumps(r) + "\n" for r in fleet.step_records)
+                    (trace_dir / f"trace-sim-{dataset}-{rate:g}.jsonl").write_text(lines, encoding="utf-8")
                 single = len(rates) == 1 and len(datasets) == 1
                 folder = out_dir if len(datasets) == 1 else out_dir / dataset
                 name = result_filename if result_filename and single else result_name(result)

@@ -120,6 +120,7 @@ class SimFleet:
         self._link_free = {inst.name: 0.0 for inst in self.instances}
         self.num_events = 0
         self.fuse = True  # run the pure-decode forwards no event can change in one event (`SimEngine.fuse`)
+        self.step_records: list[dict] | None = None  # [] keeps every forward as a trace "step" record
 
     def _instance(self, name: str, role: str) -> Instance:
         from disagg.cluster.simulate.instance import SimEngine
@@ -191,6 +192,24 @@ class SimFleet:
             self._push(step.end_times[-1], STEP_END, inst)
             if self.placer.placement == "adaptive":  # the router's view of the steps, as `_poll` feeds it
                 self._note_steps(inst.name, step)
+            if self.step_records is not None:
+                self._record_steps(inst.name, step)
+
+    def _record_steps(self, name: str, step) -> None:
+        """A launched step's forwards as `disagg.trace` "step" records (the fields the step loop
+        writes when serving), so a simulated run's steps compare with a traced one's; fused
+        forwards are pure decodes of the same sequences, a token longer each."""
+        shape, t = step.shape, self.now
+        for k, seconds in enumerate(step.durations):
+            first = k == 0
+            self.step_records.append({
+                "kind": "step", "instance": name, "t_start": t, "t_end": t + seconds,
+                "num_prefill_tokens": shape.num_prefill_tokens if first else 0,
+                "num_decode_seqs": shape.num_decode_seqs,
+                "num_context_tokens": shape.num_context_tokens + shape.num_decode_seqs * k,
+                "num_prompt_pairs": shape.num_prompt_pairs if first else 0,
+                "num_prompts": int(first and shape.num_prefill_tokens > 0)})
+            t += seconds
 
     def _note_steps(self, name: str, step) -> None:
         """Feed a launched step's forwards to the fleet model's stall meters (its fit is the

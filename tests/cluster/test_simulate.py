@@ -258,3 +258,31 @@ def test_run_seconds_take_the_first_requests_as_the_bench_does(tmp_path: Path):
         stored = json.loads(next((tmp_path / "out").glob(f"*{rate}qps*.json")).read_text())
         assert len(stored["ttfts"]) == expected == options.prompts_at(rate, 40)
         assert stored["total_input_tokens"] == int(inputs[:expected].sum())
+
+
+def test_trace_dir_writes_every_simulated_forward_as_a_step_record(tmp_path: Path):
+    """`--trace-dir`: the simulated forwards as the step records a served fleet's trace holds
+    (one per forward, fused decode forwards included), back to back on each instance's clock."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    result = CliRunner().invoke(app, ["simulate", str(CONFIGS / "tiny-1p1d.yaml"), "--profile", str(profile),
+                                      "--dataset-name", "chat", "--num-prompts", "12", "--request-rate", "8",
+                                      "--goodput", "ttft:500", "tpot:50", "--result-dir", str(tmp_path / "out"),
+                                      "--trace-dir", str(tmp_path / "trace")])
+    assert result.exit_code == 0, result.output
+    from disagg import trace
+
+    records = trace.read_records(str(tmp_path / "trace"), "step")
+    stored = json.loads(next((tmp_path / "out").glob("*.json")).read_text())
+    by_instance = {}
+    for r in records:
+        by_instance.setdefault(r["instance"], []).append(r)
+    assert set(by_instance) == {"prefill-0", "decode-0"}
+    tokens = sum(r["num_decode_seqs"] for r in by_instance["decode-0"])  # one token per decoding sequence a forward
+    assert tokens == stored["total_output_tokens"] - stored["completed"]  # the first tokens come from prefill-0
+    for steps in by_instance.values():
+        assert all(a["t_end"] <= b["t_start"] + 1e-12 for a, b in zip(steps, steps[1:]))
+        busy = sum(r["t_end"] - r["t_start"] for r in steps)
+        name = steps[0]["instance"]
+        assert busy == pytest.approx(stored["busy_fraction"][name] * stored["duration"], rel=1e-6)
+    assert sum(r["num_prefill_tokens"] for r in by_instance["prefill-0"]) == stored["total_input_tokens"]
