@@ -106,6 +106,8 @@ def simulate_command(
                                          "364; 400/200 Gb/s networks ~50/25)")] = 364.0,
     hop_ms: Annotated[float, Opt(help="ms from a request's send to the router's placement (HTTP, router "
                                       "and Ray hops, not modelled otherwise)")] = 0.0,
+    step_gap_ms: Annotated[float, Opt(help="ms of host time between two forwards of an instance (a served "
+                                           "trace's gap between steps: `benchmarks/trace_report.py`)")] = 0.0,
     set_: SetOpt = None,
     dataset_name: Annotated[str, Opt(help="the bench's workloads, comma-separated")] = "random",
     num_prompts: NumPromptsOpt = None,
@@ -159,7 +161,7 @@ def simulate_command(
     try:
         for dataset in datasets:
             for rate in rates:
-                fleet = SimFleet(cfg, prof, link_gbps, hop_ms)
+                fleet = SimFleet(cfg, prof, link_gbps, hop_ms, step_gap_ms)
                 fleet.step_records = [] if trace_dir is not None else None
                 spec = workload_spec(
                     prof, fleet.max_model_len, dataset_name=dataset, num_prompts=num_prompts or bench.num_prompts,

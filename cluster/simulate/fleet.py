@@ -88,14 +88,19 @@ class SimFleet:
         link_gbps: the push bandwidth, GB/s per prefill instance.
         hop_ms: from a request's send to its arrival at the router's placement (HTTP, router and
             Ray hops; the client's clock starts at the send), ms.
+        step_gap_ms: host time between two forwards of an instance (the step loop's reading,
+            bookkeeping and calls between steps; a served trace's "gap between steps"), ms.
     """
 
-    def __init__(self, config: Config, profile: dict, link_gbps: float = 364.0, hop_ms: float = 0.0) -> None:
+    def __init__(self, config: Config, profile: dict, link_gbps: float = 364.0, hop_ms: float = 0.0,
+                 step_gap_ms: float = 0.0) -> None:
         if not link_gbps > 0:
             raise ValueError(f"--link-gbps: expected a bandwidth > 0 GB/s, got {link_gbps}")
-        if not 0 <= hop_ms < float("inf"):
-            raise ValueError(f"--hop-ms: expected a finite number of milliseconds >= 0, got {hop_ms}")
+        for name, value in (("--hop-ms", hop_ms), ("--step-gap-ms", step_gap_ms)):
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"{name}: expected a finite number of milliseconds >= 0, got {value}")
         self.hop_s = hop_ms / 1e3
+        self.step_gap_s = step_gap_ms / 1e3
         self.config = config
         engine = profile["engine"]
         self.page_size = config.cache.page_size
@@ -129,6 +134,7 @@ class SimFleet:
         engine = SimEngine(self.model, num_pages=self.num_pages, page_size=self.page_size,
                            max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
                            max_model_len=self.max_model_len, async_scheduling=sched.async_scheduling)
+        engine.step_gap_s = self.step_gap_s
         return Instance(name=name, role=role, actor=engine)
 
     def of_role(self, role: str) -> list[Instance]:
@@ -199,11 +205,11 @@ class SimFleet:
         """A launched step's forwards as `disagg.trace` "step" records (the fields the step loop
         writes when serving), so a simulated run's steps compare with a traced one's; fused
         forwards are pure decodes of the same sequences, a token longer each."""
-        shape, t = step.shape, self.now
+        shape, t, gap = step.shape, self.now, self._by_name[name].actor.step_gap_s
         for k, seconds in enumerate(step.durations):
             first = k == 0
             self.step_records.append({
-                "kind": "step", "instance": name, "t_start": t, "t_end": t + seconds,
+                "kind": "step", "instance": name, "t_start": t, "t_end": t + seconds - gap,
                 "num_prefill_tokens": shape.num_prefill_tokens if first else 0,
                 "num_decode_seqs": shape.num_decode_seqs,
                 "num_context_tokens": shape.num_context_tokens + shape.num_decode_seqs * k,
@@ -214,14 +220,14 @@ class SimFleet:
     def _note_steps(self, name: str, step) -> None:
         """Feed a launched step's forwards to the fleet model's stall meters (its fit is the
         profile's: the simulated steps take exactly what it predicts)."""
-        shape, fleet = step.shape, self.placer.fleet_model
+        shape, fleet, gap = step.shape, self.placer.fleet_model, self._by_name[name].actor.step_gap_s
         fleet.note_step(name, shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens,
-                        shape.num_prompt_pairs, step.durations[0])
+                        shape.num_prompt_pairs, step.durations[0] - gap)
         fused = len(step.durations) - 1  # pure decode forwards of the same sequences, a token longer each
         if fused:
             n = shape.num_decode_seqs
             fleet.note_step(name, 0, n, shape.num_context_tokens + n * (fused + 1) // 2, 0,
-                            sum(step.durations[1:]) / fused, fused)
+                            sum(step.durations[1:]) / fused - gap, fused)
 
     def _end_times(self, step) -> list[float]:
         """When each of a step's forwards ends, accumulated as the clock would, forward by forward."""

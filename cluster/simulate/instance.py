@@ -72,6 +72,7 @@ class SimEngine:
         self._factory = RequestFactory(())
         self.current: SimStep | None = None  # the forward running now
         self.async_scheduling = async_scheduling
+        self.step_gap_s = 0.0  # host time between two forwards (the served trace's step gap), added to each
         self._ahead = False  # the next step was launched with the last one (async scheduling)
         self.busy_s = 0.0
         self.num_steps = 0
@@ -152,15 +153,21 @@ class SimEngine:
         self._ahead = self.async_scheduling and self._will_launch_ahead(batch)
         sampled = [r for r in reqs if r.num_computed == len(r.token_ids)]
         pushed = sum(n for r, n in zip(reqs, counts) if r.dest is not None)
-        seconds = max(self.model.step_s(shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens,
-                                        shape.num_prompt_pairs), 1e-6)
+        seconds = self._forward_s(shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens,
+                                  shape.num_prompt_pairs)
         self.min_free_pages = min(self.min_free_pages, self.scheduler.free_pages(), self.cache.num_free_pages)
         if self.step_log is not None:
             self.step_log.append(shape)
         self.current = SimStep(list(reqs), list(counts), sampled, shape, seconds, pushed, [seconds])
         self.num_steps += 1
-        self.busy_s += seconds
+        self.busy_s += seconds - self.step_gap_s
         return self.current
+
+    def _forward_s(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int,
+                   num_prompt_pairs: int) -> float:
+        """How long a forward holds this instance: the model's time, then the gap to the next one."""
+        return max(self.model.step_s(num_prefill_tokens, num_decode_seqs, num_context_tokens, num_prompt_pairs),
+                   1e-6) + self.step_gap_s
 
     def fuse(self, start: float, horizon: float) -> None:
         """Run on the launched forward the pure-decode forwards that surely follow it, while each
@@ -185,7 +192,7 @@ class SimEngine:
         end, extra = start + step.seconds, 0
         while extra < limit:
             context += n
-            seconds = max(self.model.step_s(0, n, context, 0), 1e-6)
+            seconds = self._forward_s(0, n, context, 0)
             need = sum(pages_for(length + extra + 1, size) - pages_for(length, size) for length in lengths)
             if end + seconds >= horizon or need > free:
                 break
@@ -201,7 +208,7 @@ class SimEngine:
             req.num_computed += extra
         self.cache.append_without_plan([r.seq_id for r in reqs], [extra] * n)
         step.seconds = sum(step.durations)
-        self.busy_s += step.seconds - step.durations[0]
+        self.busy_s += step.seconds - step.durations[0] - extra * self.step_gap_s
         self.num_steps += extra
         self.min_free_pages = min(self.min_free_pages, self.scheduler.free_pages(), self.cache.num_free_pages)
         self._ahead = self.async_scheduling and self._will_launch_ahead(ScheduledBatch(reqs, [1] * n))

@@ -286,3 +286,24 @@ def test_trace_dir_writes_every_simulated_forward_as_a_step_record(tmp_path: Pat
         name = steps[0]["instance"]
         assert busy == pytest.approx(stored["busy_fraction"][name] * stored["duration"], rel=1e-6)
     assert sum(r["num_prefill_tokens"] for r in by_instance["prefill-0"]) == stored["total_input_tokens"]
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_step_gap_lengthens_every_inter_token_gap_by_the_gap(fuse: bool):
+    """`--step-gap-ms`: one request decoding alone: each inter-token gap grows by the gap (fused
+    forwards too); busy time and step records stay the forwards' own."""
+    config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml")
+    itls, busy, records = [], [], []
+    for gap_ms in (0.0, 2.0):
+        fleet = SimFleet(config, PROFILE, step_gap_ms=gap_ms)
+        fleet.fuse, fleet.step_records = fuse, []
+        fleet.submit_at(1.0, "a", 30, 12)
+        fleet.run()
+        times = fleet.timelines["a"].token_times
+        itls.append([b - a for a, b in zip(times, times[1:])])
+        busy.append(sum(i.actor.busy_s for i in fleet.instances))
+        records.append(sorted(r["t_end"] - r["t_start"] for r in fleet.step_records))
+    assert len(itls[1]) == 11 and [b - a for a, b in zip(*itls)] == pytest.approx([0.002] * 11)
+    assert busy[1] == pytest.approx(busy[0]) and records[1] == pytest.approx(records[0])
+    with pytest.raises(ValueError, match="--step-gap-ms"):
+        SimFleet(config, PROFILE, step_gap_ms=-1.0)
