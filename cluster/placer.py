@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+from disagg import trace
 from disagg.cluster.affinity import PrefixAffinity
 from disagg.cluster.bootstrap import Instance
 from disagg.cluster.placement import PATHS, Decision, FleetModel, Prediction, Targets, decide
@@ -122,9 +123,13 @@ class Placer:
         self._by_name = {inst.name: inst for inst in instances}
         self.clock = clock
         # request id -> (its chosen prediction, when): until its first token (`first_token`)
-        self._predicted: collections.OrderedDict[str, tuple[Prediction, float]] = collections.OrderedDict()
+        self._predicted: collections.OrderedDict[str, tuple[Decision, float]] = collections.OrderedDict()
         # request id -> the prefill instance an adaptive remote decision predicted: until `hand`
         self._remote_prefill: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # where the "decision" record of each adaptively placed request goes at its first token
+        # (`decision_record`): None, the trace while it is on (serving); the simulator's
+        # --trace-dir records take them here
+        self.record: Callable[[dict], None] | None = None
 
     def of_role(self, role: str) -> list[Instance]:
         return [inst for inst in self.instances if inst.role == role]
@@ -177,23 +182,29 @@ class Placer:
                           [view(inst, live, now) for inst in decodes], self.targets)
         self.decisions.append(decision)
         if decision.chosen is not None:
-            _remember(self._predicted, req.request_id, (decision.chosen, now))
+            _remember(self._predicted, req.request_id, (decision, now))
         return decision
 
     def first_token(self, req: Request) -> None:
         """``req``'s first token reached the router (now, by ``clock``; `Request.first_token_at`,
         from which the adaptive placement counts its TPOT so far): its placement's TTFT prediction
         against the time since the decision, the miss of its path on the instance that computed
-        its prompt (`FleetModel.note_ttft`, a diagnostic)."""
+        its prompt (`FleetModel.note_ttft`, a diagnostic), and while tracing the decision's
+        "decision" record (`decision_record`)."""
         now = req.first_token_at = self.clock()
         entry = self._predicted.pop(req.request_id, None)
         computing = req.colocated or req.prefill
         if entry is None or computing is None:
             return
-        chosen, at = entry
+        decision, at = entry
+        chosen = decision.chosen
         path = "remote" if req.colocated is None else "local" if req.colocated.role == "decode" else "kept"
         if path == chosen.path:
             self.fleet_model.note_ttft(computing.name, path, now - at, chosen.ttft_s)
+        if self.record is not None:
+            self.record(decision_record(req, decision, now, path, now - at))
+        elif trace.enabled():
+            trace.record("decision", **decision_record(req, decision, time.time(), path, now - at))
 
     def hand(self, req: Request, decode: Instance, live: Collection[Request]) -> Instance | None:
         """``decode`` reserved ``req``'s pages (a `Remote` plan's first taker): the prefill
@@ -266,3 +277,15 @@ def seed_fit(path: str | None) -> dict | None:
         return load_profile(path)["fit"]
     except ValueError as err:
         raise ConfigError(f"router.step_profile: {str(err).removeprefix('--profile: ')}") from None
+
+
+def decision_record(req: Request, decision: Decision, t: float, path: str, since_s: float) -> dict:
+    """The decision that placed ``req``, as a "decision" trace record written at its first token
+    (``t``: wall clock serving, the virtual clock simulated): its prompt, the path chosen and the
+    one taken, every candidate's predicted TTFT and TPOT (ms), and the first token's time since
+    the decision (``ttft_ms``: what the chosen prediction's ``ttft_ms`` predicted)."""
+    return {"request": str(req.request_id), "t": t, "prompt_len": req.prompt_len, "chosen": decision.path,
+            "path": path, "ttft_ms": round(since_s * 1e3, 3),
+            "predictions": [{"path": p.path, "prefill": p.prefill, "decode": p.decode,
+                             "ttft_ms": round(p.ttft_s * 1e3, 3), "tpot_ms": round(p.tpot_s * 1e3, 3),
+                             "admissible": p.admissible} for p in decision.predictions]}

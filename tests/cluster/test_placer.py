@@ -225,3 +225,38 @@ def test_first_tokens_measure_each_paths_ttft_miss_on_the_instance_that_computed
     same = next(p for p in placer.decisions[-1].predictions if p.path == path and p.prefill == chosen.prefill)
     assert same.ttft_s == pytest.approx(chosen.ttft_s)
     assert placer.fleet_model.snapshot()[computing.name]["ttft_miss_ms"] == {path: pytest.approx(250.0)}
+
+
+def test_the_decision_that_placed_a_request_goes_to_the_trace_at_its_first_token(tmp_path, monkeypatch):
+    """While tracing, a request placed adaptively gets one "decision" record when its first token
+    comes: the decision that placed it (the last, if it was decided again while waiting), every
+    candidate's predicted TTFT and TPOT, the path taken and the TTFT since the decision."""
+    import time
+
+    from disagg import trace
+
+    now = [100.0]
+    config = Config.from_yaml(CONFIGS / "tiny-2p2d.yaml").override({"router.placement": "adaptive"})
+    instances = [Instance(f"{role}-{i}", role, actor=None) for role in ("prefill", "decode") for i in range(2)]
+    placer = Placer(config, instances, Picker(config.router.policy), clock=lambda: now[0])
+    quiet = request("quiet", [1] * 10)
+    plan = placer.plan(quiet, [])
+    quiet.colocated = plan.instance if isinstance(plan, Alone) else None
+    quiet.prefill = None if isinstance(plan, Alone) else instances[0]
+    placer.first_token(quiet)  # tracing off: nothing written
+    monkeypatch.setenv(trace.ENV, str(tmp_path))
+    req = request("r", [1] * 10)
+    placer.plan(req, [])  # decided twice: the second decision is the one that placed it
+    now[0] += 0.5
+    plan = placer.plan(req, [])
+    decision = placer.decisions[-1]
+    req.colocated = plan.instance if isinstance(plan, Alone) else None
+    req.prefill = None if isinstance(plan, Alone) else instances[0]
+    now[0] += 0.025
+    before = time.time()
+    placer.first_token(req)
+    (record,) = trace.read_records(str(tmp_path), "decision")
+    assert record["request"] == "r" and record["chosen"] == decision.path == record["path"]
+    assert record["ttft_ms"] == 25.0 and record["prompt_len"] == 10 and before <= record["t"] <= time.time()
+    assert [(p["path"], p["ttft_ms"], p["admissible"]) for p in record["predictions"]] == [
+        (p.path, round(p.ttft_s * 1e3, 3), p.admissible) for p in decision.predictions]

@@ -7,6 +7,7 @@ same arrivals, and a result that `disagg bench --from-results` reads.
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 from pathlib import Path
@@ -286,6 +287,29 @@ def test_trace_dir_writes_every_simulated_forward_as_a_step_record(tmp_path: Pat
         name = steps[0]["instance"]
         assert busy == pytest.approx(stored["busy_fraction"][name] * stored["duration"], rel=1e-6)
     assert sum(r["num_prefill_tokens"] for r in by_instance["prefill-0"]) == stored["total_input_tokens"]
+    assert not trace.read_records(str(tmp_path / "trace"), "decision")  # a fixed 1P1D decides nothing
+
+
+def test_trace_dir_holds_every_adaptive_decision_on_the_virtual_clock(tmp_path: Path):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    result = CliRunner().invoke(app, ["simulate", str(CONFIGS / "tiny-1p1d.yaml"), "--profile", str(profile),
+                                      "--set", "router.placement=adaptive", "--dataset-name", "chat",
+                                      "--num-prompts", "12", "--request-rate", "8", "--goodput", "ttft:500",
+                                      "tpot:50", "--result-dir", str(tmp_path / "out"), "--trace-dir",
+                                      str(tmp_path / "trace")])
+    assert result.exit_code == 0, result.output
+    from disagg import trace
+
+    decisions = trace.read_records(str(tmp_path / "trace"), "decision")
+    stored = json.loads(next((tmp_path / "out").glob("*.json")).read_text())
+    assert sorted(d["request"] for d in decisions) == sorted(f"chat-{i}" for i in range(12))  # one each
+    taken = collections.Counter(d["path"] for d in decisions)
+    assert taken == stored["placements"] and all(d["path"] == d["chosen"] for d in decisions)
+    ttfts = {d["request"]: d for d in decisions}
+    for i, ttft in enumerate(stored["ttfts"]):  # since the decision: at most the client's TTFT
+        assert 0 < ttfts[f"chat-{i}"]["ttft_ms"] <= ttft * 1e3 + 1e-6
+        assert 0 <= ttfts[f"chat-{i}"]["t"] <= stored["duration"]  # the virtual clock
 
 
 @pytest.mark.parametrize("fuse", [False, True])
@@ -296,13 +320,14 @@ def test_step_gap_lengthens_every_inter_token_gap_by_the_gap(fuse: bool):
     itls, busy, records = [], [], []
     for gap_ms in (0.0, 2.0):
         fleet = SimFleet(config, PROFILE, step_gap_ms=gap_ms)
-        fleet.fuse, fleet.step_records = fuse, []
+        fleet.fuse = fuse
+        fleet.keep_records()
         fleet.submit_at(1.0, "a", 30, 12)
         fleet.run()
         times = fleet.timelines["a"].token_times
         itls.append([b - a for a, b in zip(times, times[1:])])
         busy.append(sum(i.actor.busy_s for i in fleet.instances))
-        records.append(sorted(r["t_end"] - r["t_start"] for r in fleet.step_records))
+        records.append(sorted(r["t_end"] - r["t_start"] for r in fleet.step_records if r["kind"] == "step"))
     assert len(itls[1]) == 11 and [b - a for a, b in zip(*itls)] == pytest.approx([0.002] * 11)
     assert busy[1] == pytest.approx(busy[0]) and records[1] == pytest.approx(records[0])
     with pytest.raises(ValueError, match="--step-gap-ms"):
