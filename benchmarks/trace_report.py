@@ -8,7 +8,10 @@ requests had it and the median, p90 and mean in milliseconds; per placement path
 trace holds several. Then, per instance, from its step loop's "step" and "call" records: its
 steps' durations, the fraction of the traced span they cover (busy), the idle gaps between them,
 the prompt tokens of the steps that carried some, and how long each kind of call waited in the
-loop before it ran (``--json`` keeps these under "instances", beside the paths). ``--by-run``:
+loop before it ran (``--json`` keeps these under "instances", beside the paths). Then, per path
+taken, the adaptive router's "decision" records: its predicted TTFT against the TTFT since the
+decision ("decisions"). A `disagg simulate --trace-dir` directory (steps and decisions, no
+request events) reads the same way, so a simulated and a served run compare. ``--by-run``:
 the same per `disagg bench` run (a sweep's rates: request ids ``benchN.<label>.<pid>-...``), each run's steps
 and calls those inside its requests' span. Events of several hosts compare wall clocks: keep such
 runs on one host.
@@ -81,8 +84,30 @@ def _print_instances(instances: dict[str, dict]) -> None:
                   f"p90 {wait['p90_ms']:8.2f} ms")
 
 
-def report(requests: dict, steps: list[dict], calls: list[dict]) -> dict:
-    """{path: hops (`summarize`), ..., "instances": `summarize_instances`}, printed as it goes."""
+def summarize_decisions(decisions: list[dict]) -> dict[str, dict]:
+    """Per path taken, from the "decision" records (one per adaptively placed request, at its
+    first token): {"n", "predicted_ms": spread of the chosen path's predicted TTFT, "actual_ms":
+    spread of the TTFT since the decision, "ratio": spread of actual / predicted}."""
+    out: dict[str, dict] = {}
+    for path in sorted({d["path"] for d in decisions}):
+        rows = [d for d in decisions if d["path"] == path]
+        predicted = [next(p["ttft_ms"] for p in d["predictions"] if p["path"] == d["chosen"]) for d in rows]
+        actual = [d["ttft_ms"] for d in rows]
+        out[path] = {"n": len(rows), "predicted_ms": _spread(predicted), "actual_ms": _spread(actual),
+                     "ratio": _spread([a / p for a, p in zip(actual, predicted) if p > 0], unit="")}
+    return out
+
+
+def _print_decisions(decisions: dict[str, dict]) -> None:
+    for path, row in decisions.items():
+        pred, act, ratio = row["predicted_ms"], row["actual_ms"], row["ratio"]
+        print(f"decisions {path}: {row['n']} requests, TTFT since the decision predicted p50 {pred['p50_ms']:.1f} ms, "
+              f"actual p50 {act['p50_ms']:.1f} ms; actual / predicted p50 {ratio['p50']:.2f} p90 {ratio['p90']:.2f}")
+
+
+def report(requests: dict, steps: list[dict], calls: list[dict], decisions: list[dict] = ()) -> dict:
+    """{path: hops (`summarize`), ..., "instances": `summarize_instances`, "decisions":
+    `summarize_decisions`}, printed as it goes."""
     by_path: dict[str, dict] = {}
     for request, events in requests.items():
         by_path.setdefault(events.get("placed", {}).get("path", "unplaced"), {})[request] = events
@@ -94,7 +119,9 @@ def report(requests: dict, steps: list[dict], calls: list[dict]) -> dict:
                   f"mean {row['mean_ms']:8.2f} ms")
     instances = summarize_instances(steps, calls)
     _print_instances(instances)
-    return {**out, "instances": instances}
+    judged = summarize_decisions(list(decisions))
+    _print_decisions(judged)
+    return {**out, "instances": instances, "decisions": judged}
 
 
 def by_run(requests: dict) -> dict[str, dict]:
@@ -122,13 +149,15 @@ def main() -> None:
     args = parser.parse_args()
     requests = trace.read(args.directory)
     steps, calls = trace.read_records(args.directory, "step"), trace.read_records(args.directory, "call")
+    decisions = trace.read_records(args.directory, "decision")
     if args.by_run:
         out = {}
         for run, group in by_run(requests).items():
             print(f"== {run}: {len(group)} requests")
-            out[run] = report(group, _within(steps, group, "t_start"), _within(calls, group, "t_queued"))
+            out[run] = report(group, _within(steps, group, "t_start"), _within(calls, group, "t_queued"),
+                              [d for d in decisions if d["request"] in group])
     else:
-        out = report(requests, steps, calls)
+        out = report(requests, steps, calls, decisions)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)

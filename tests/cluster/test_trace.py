@@ -139,7 +139,7 @@ def test_the_report_summarizes_each_instances_steps_and_calls(tmp_path, monkeypa
     monkeypatch.setattr(sys, "argv", ["trace_report.py", str(tmp_path), "--json", str(out)])
     benchmark_script("trace_report").main()
     report = json.loads(out.read_text())
-    assert set(report) == {"unplaced", "instances"}
+    assert set(report) == {"unplaced", "instances", "decisions"} and report["decisions"] == {}
     prefill, decode = report["instances"]["prefill-0"], report["instances"]["decode-0"]
     assert prefill["steps"] == 3 and prefill["busy"] == pytest.approx(0.040 / 0.060)
     assert prefill["step_ms"] == pytest.approx({"n": 3, "p50_ms": 10.0, "p90_ms": 10.0, "mean_ms": 40 / 3})
@@ -182,3 +182,30 @@ def test_the_report_splits_a_sweep_by_bench_run(tmp_path, capsys, monkeypatch, b
     assert {name: row["steps"] for name, row in report["bench3"]["instances"].items()} == {"decode-0": 4}
     assert report["bench3"]["local"]["submit -> placed"]["n"] == 2 and "remote" in report["bench2"]
     assert "== bench3: 2 requests" in capsys.readouterr().out
+
+
+def test_the_report_sets_each_paths_predicted_ttft_beside_the_actual(tmp_path, monkeypatch, benchmark_script):
+    """Decision records: per path taken, the chosen prediction's TTFT against the TTFT since the
+    decision (and only a run's own requests' decisions with --by-run)."""
+    def decision(request, path, predicted, actual):
+        preds = [{"path": p, "prefill": None, "decode": "decode-0", "ttft_ms": predicted if p == path else 999.0,
+                  "tpot_ms": 10.0, "admissible": True} for p in ("remote", "local", "kept")]
+        trace.record("decision", request=request, t=time.time(), prompt_len=8, chosen=path, path=path,
+                     ttft_ms=actual, predictions=preds)
+
+    with environment(DISAGG_TRACE_DIR=str(tmp_path)):
+        trace.event("submit", "bench1-chat-0-0")
+        decision("bench1-chat-0-0", "remote", 20.0, 30.0)
+        decision("bench1-chat-1-1", "remote", 10.0, 20.0)
+        decision("bench1-chat-2-2", "local", 40.0, 20.0)
+        trace.event("first_token", "bench1-chat-2-2")
+        decision("bench9-chat-0-0", "local", 40.0, 80.0)  # another run's
+    module = benchmark_script("trace_report")
+    summary = module.summarize_decisions(trace.read_records(str(tmp_path), "decision")[:3])
+    assert summary["remote"]["n"] == 2 and summary["remote"]["ratio"]["p50"] == pytest.approx(1.75)
+    assert summary["local"]["predicted_ms"]["p50_ms"] == 40.0 and summary["local"]["ratio"]["p50"] == 0.5
+    out = tmp_path / "report.json"
+    monkeypatch.setattr(sys, "argv", ["trace_report", str(tmp_path), "--by-run", "--json", str(out)])
+    module.main()
+    report = json.loads(out.read_text())
+    assert report["bench1"]["decisions"]["local"]["n"] == 1 and report["bench1"]["decisions"]["remote"]["n"] == 1
