@@ -122,9 +122,9 @@ def simulate_command(
     max_concurrency: MaxConcurrencyOpt = None,
     run_seconds: RunSecondsOpt = None,
     min_prompts: MinPromptsOpt = 50,
-    trace_dir: Annotated[Optional[Path], Opt("--trace-dir", help="write every simulated forward here as the "
-                                              "step records DISAGG_TRACE_DIR holds when serving "
-                                              "(trace-sim-<workload>-<rate>.jsonl, the virtual clock)")] = None,
+    trace_dir: Annotated[Optional[Path], Opt("--trace-dir", help="write every simulated forward and adaptive "
+                                              "decision here as the records DISAGG_TRACE_DIR holds when "
+                                              "serving (trace-sim-<workload>-<rate>.jsonl, the virtual clock)")] = None,
     goodput: Annotated[Optional[list[str]], Opt(help="SLOs in ms: --goodput ttft:500 tpot:50 (default bench.goodput)")] = None,
     metric_percentiles: MetricPercentilesOpt = "50,90,99",
     label: Annotated[Optional[str], Opt(help="name of the results (default: the config's name + '-sim')")] = None,
@@ -162,7 +162,8 @@ def simulate_command(
         for dataset in datasets:
             for rate in rates:
                 fleet = SimFleet(cfg, prof, link_gbps, hop_ms, step_gap_ms)
-                fleet.step_records = [] if trace_dir is not None else None
+                if trace_dir is not None:
+                    fleet.keep_records()
                 spec = workload_spec(
                     prof, fleet.max_model_len, dataset_name=dataset, num_prompts=num_prompts or bench.num_prompts,
                     seed=bench.seed if seed is None else seed, input_len=input_len or random_input_len

@@ -125,7 +125,7 @@ class SimFleet:
         self._link_free = {inst.name: 0.0 for inst in self.instances}
         self.num_events = 0
         self.fuse = True  # run the pure-decode forwards no event can change in one event (`SimEngine.fuse`)
-        self.step_records: list[dict] | None = None  # [] keeps every forward as a trace "step" record
+        self.step_records: list[dict] | None = None  # `keep_records`: trace records of the run
 
     def _instance(self, name: str, role: str) -> Instance:
         from disagg.cluster.simulate.instance import SimEngine
@@ -200,6 +200,12 @@ class SimFleet:
                 self._note_steps(inst.name, step)
             if self.step_records is not None:
                 self._record_steps(inst.name, step)
+
+    def keep_records(self) -> None:
+        """Keep the run's trace records in ``step_records``: every forward as a "step" record and
+        every adaptive decision as a "decision" record (`placer.decision_record`), virtual clock."""
+        self.step_records = []
+        self.placer.record = lambda fields: self.step_records.append({"kind": "decision", **fields})
 
     def _record_steps(self, name: str, step) -> None:
         """A launched step's forwards as `disagg.trace` "step" records (the fields the step loop
