@@ -5,7 +5,9 @@ began, or while the router's loop is busy right after it began), each id then re
 abort that comes after its request ended, the id then reused; a killed prefill actor while
 requests decode, wait for their first decode token, or sit in its queue; a killed decode actor
 while requests decode there or sit in the prefill queue for it (that fleet's decode instance
-answering reservations mid-forward, `scheduler.overlap_reservations`). Counted over every request:
+answering reservations mid-forward, `scheduler.overlap_reservations`); prefix caches reset again
+and again (`Cluster.reset_prefix_cache`) while requests that share prefixes run, fork from cached
+pages and push. Counted over every request:
 wrong outputs (an aborted request with tokens, a finished one whose tokens differ from an
 in-process colocated engine, a failure that names the wrong instance or a request failed that
 its dead instance did not hold), hangs (no last delta in time), and the pages still held once
@@ -188,11 +190,54 @@ def _replay_killed_decode(cluster, prompts: list[list[int]], ray) -> Tally:
     return tally
 
 
+def _replay_reset_mid_flight(cluster, prompts: list[list[int]], want: list[list[int]]) -> Tally:
+    """Every request's prompt shares a 40-token system prompt (cached pages to fork from on both
+    instances); two rounds of them run concurrently while another thread resets every instance's
+    prefix cache every few milliseconds."""
+    import threading
+
+    tally, stop, resets = Tally(), threading.Event(), [0]
+
+    def keep_resetting() -> None:
+        while not stop.is_set():
+            cluster.reset_prefix_cache()
+            resets[0] += 1
+            time.sleep(0.005)
+
+    async def run() -> None:
+        for round_ in range(2):
+            outs = await asyncio.gather(*(_collect(cluster.stream(p, PARAMS, request_id=f"reset-{round_}-{i}"))
+                                          for i, p in enumerate(prompts)))
+            for i, (tokens, last) in enumerate(outs):
+                tally.check_finished(f"reset-{round_}-{i}", tokens, last, want[i])
+
+    def hits() -> int:
+        return sum(i.get("prefix_hit_tokens", 0) for i in cluster.stats()["instances"])
+
+    before = hits()
+    resetter = threading.Thread(target=keep_resetting, daemon=True)
+    resetter.start()
+    try:
+        asyncio.run(run())
+    finally:
+        stop.set()
+        resetter.join(HANG_S)
+    if resets[0] < 3 or hits() == before:  # else the replay proved nothing: no reset, or no fork
+        tally.notes.append(f"{resets[0]} resets and {hits() - before} prefix-hit tokens during the requests")
+        tally.counts["wrong_outputs"] += 1
+    cluster.reset_prefix_cache()  # what is cached once idle is not held: every page must come back
+    tally.count_leaks(cluster, timeout_s=15)
+    return tally
+
+
 def test_fault_replay_counts(ray_local):
     prompts = mixed_prompts(8, seed=7)
     want = reference_tokens(prompts, [PARAMS.max_tokens] * len(prompts))
     with launch("tiny-1p1d", HookedInstanceActor, router__lease_s=LEASE_S) as cluster:
         tallies = _replay_early_and_late_aborts(cluster, prompts, want)
+        shared = [prompts[5][:40] + p for p in prompts]  # prompts[5] has 90 tokens: a 40-token system prompt
+        tallies["reset_mid_flight"] = _replay_reset_mid_flight(
+            cluster, shared, reference_tokens(shared, [PARAMS.max_tokens] * len(shared)))
         tallies["killed_prefill"] = _replay_killed_prefill(cluster, prompts, want, ray_local)
     # The decode instance answers reservations mid-forward here (`scheduler.overlap_reservations`):
     # killed with such calls in flight, it still fails exactly its own requests.
@@ -203,8 +248,8 @@ def test_fault_replay_counts(ray_local):
     print("fault replay:", report)
     notes = [note for tally in tallies.values() for note in tally.notes]
     tried = {name: counts["tried"] for name, counts in report.items()}
-    assert tried == {"abort_before_submit": 16, "late_abort_then_reuse": 16, "killed_prefill": 8,
-                     "killed_decode": 6}, report
+    assert tried == {"abort_before_submit": 16, "late_abort_then_reuse": 16, "reset_mid_flight": 16,
+                     "killed_prefill": 8, "killed_decode": 6}, report
     for name, counts in report.items():
         assert (counts["wrong_outputs"], counts["hangs"], counts["pages_leaked"]) == (0, 0, 0), (name, counts, notes)
 
