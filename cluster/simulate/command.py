@@ -209,6 +209,8 @@ def plan_command(
     seeds: Annotated[int, Opt("--seeds", min=1, help="draws of prompts and arrivals per rate (seeds --seed, "
                               "--seed + 1, ...), their requests pooled: steadier knees, that many times the "
                               "runs")] = 1,
+    jobs: Annotated[int, Opt("--jobs", "-j", min=1, help="candidates judged at once, each in its own process "
+                             "(one core each)")] = 1,
     run_seconds: Annotated[float, Opt(min=0.001, help="virtual seconds of arrivals per simulated run")] = 30.0,
     max_prompts: Annotated[int, Opt(min=1, help="most requests of one simulated run")] = 3000,
     log_level: LogLevelOpt = None, verbose: VerboseOpt = False,
@@ -239,7 +241,7 @@ def plan_command(
     try:
         ranked = planner.plan(prof, dataset_name=dataset_name, slos_ms=slos, num_gpus=gpus, chunk_sizes=chunks,
                               run_length=planner.RunLength(run_seconds, min(100, max_prompts), max_prompts),
-                              seed=seed, seeds=seeds, link_gbps=link_gbps, adaptive_chunk_sizes=adaptive_chunks,
+                              seed=seed, seeds=seeds, link_gbps=link_gbps, adaptive_chunk_sizes=adaptive_chunks, jobs=jobs,
                               on_judged=lambda c: console.print(f"{c.label}: {c.goodput_per_gpu:.3f} req/s per GPU",
                                                                 markup=False),
                               **lengths)

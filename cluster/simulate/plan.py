@@ -187,15 +187,20 @@ def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_
 def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_gpus: int,
          chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, run_length: RunLength = RunLength(), seed: int = 0,
          seeds: int = 1, link_gbps: float = 364.0, search: Sequence[Candidate] | None = None,
-         adaptive_chunk_sizes: Sequence[int] | None = None,
+         adaptive_chunk_sizes: Sequence[int] | None = None, jobs: int = 1,
          on_judged: Callable[[Candidate], None] | None = None, **lengths: Any) -> list[Candidate]:
-    """Judge every candidate; return them best first (goodput per GPU, then the order searched).
+    """Judge every candidate, ``jobs`` at a time in worker processes (each simulation is one
+    core's work: 19 candidates of 64 GPUs take ~75 minutes of one); return them best first
+    (goodput per GPU, then the order searched). ``on_judged`` sees each as it is judged.
 
     Raises:
-        ValueError: a bad GPU count, SLOs missing, fewer than one seed, or a workload flag out of range.
+        ValueError: a bad GPU count, SLOs missing, fewer than one seed or job, or a workload flag
+            out of range.
     """
     if seeds < 1:
         raise ValueError(f"--seeds: expected at least 1 draw per rate, got {seeds}")
+    if jobs < 1:
+        raise ValueError(f"--jobs: expected at least 1 worker process, got {jobs}")
     if not slos_ms:
         raise ValueError("--goodput: expected SLOs such as ttft:500 tpot:50, got none")
     base = base_sections(profile, slos_ms)
@@ -207,12 +212,36 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
         if router.get("placement") == "adaptive":  # it predicts against the SLOs it is judged by
             router.setdefault("slo_ttft_ms", slos_ms.get("ttft"))
             router.setdefault("slo_tpot_ms", slos_ms.get("tpot"))
-        judged.append(judge(cand, base, profile, dataset_name=dataset_name, slos_ms=slos_ms, run_length=run_length,
-                            seed=seed, seeds=seeds, link_gbps=link_gbps, **lengths))
-        if on_judged is not None:
-            on_judged(judged[-1])
+    kwargs = dict(dataset_name=dataset_name, slos_ms=slos_ms, run_length=run_length, seed=seed, seeds=seeds,
+                  link_gbps=link_gbps, **lengths)
+    if jobs == 1 or len(search) < 2:
+        for cand in search:
+            judged.append(judge(cand, base, profile, **kwargs))
+            if on_judged is not None:
+                on_judged(judged[-1])
+    else:
+        judged = _judge_in_workers(list(search), base, profile, jobs, kwargs, on_judged)
     order = {id(c): i for i, c in enumerate(judged)}
     return sorted(judged, key=lambda c: (-round(c.goodput_per_gpu, 9), order[id(c)]))
+
+
+def _judge_in_workers(search: list[Candidate], base: dict[str, Any], profile: dict, jobs: int,
+                      kwargs: dict[str, Any], on_judged: Callable[[Candidate], None] | None) -> list[Candidate]:
+    """`judge` of every candidate in ``jobs`` forked worker processes (the candidates, profile and
+    settings are copied into them; a result comes back as the judged candidate); in search order."""
+    import concurrent.futures
+    import multiprocessing
+
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    out: list[Candidate | None] = [None] * len(search)
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(search)),
+                                                mp_context=multiprocessing.get_context(method)) as pool:
+        futures = {pool.submit(judge, cand, base, profile, **kwargs): i for i, cand in enumerate(search)}
+        for future in concurrent.futures.as_completed(futures):
+            out[futures[future]] = future.result()
+            if on_judged is not None:
+                on_judged(out[futures[future]])
+    return [cand for cand in out if cand is not None]
 
 
 def best_yaml(best: Candidate, base: dict[str, Any], *, dataset_name: str, link_gbps: float,

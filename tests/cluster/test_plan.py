@@ -103,3 +103,17 @@ def test_seeds_pool_the_requests_of_several_draws():
             (judged[0, 1].attainment_at[rate] + judged[1, 1].attainment_at[rate]) / 2)
     with pytest.raises(ValueError, match="--seeds"):
         planner.plan(PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=2, seeds=0)
+
+
+def test_jobs_judge_in_worker_processes_with_the_same_result():
+    search = lambda: planner.candidates(2, chunk_sizes=(16, 256), splits=False, adaptive=False)  # noqa: E731
+    kwargs = dict(dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=2, run_length=SHORT,
+                  input_len=200, output_len=8)
+    seen = []
+    alone = planner.plan(PROFILE, search=search(), **kwargs)
+    workers = planner.plan(PROFILE, search=search(), jobs=2, on_judged=lambda c: seen.append(c.label), **kwargs)
+    assert [(c.label, c.goodput_rps, c.attainment_at) for c in workers] == \
+        [(c.label, c.goodput_rps, c.attainment_at) for c in alone]
+    assert sorted(seen) == sorted(c.label for c in alone)
+    with pytest.raises(ValueError, match="--jobs"):
+        planner.plan(PROFILE, jobs=0, **kwargs)
