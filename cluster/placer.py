@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from disagg import trace
 from disagg.cluster.affinity import PrefixAffinity
 from disagg.cluster.bootstrap import Instance
-from disagg.cluster.placement import PATHS, Decision, FleetModel, Prediction, Targets, decide
+from disagg.cluster.placement import PATHS, Decision, FleetModel, Targets, decide
 from disagg.cluster.requests import Picker, Request
 from disagg.config import Config
 from disagg.errors import NoLiveInstance
