@@ -13,7 +13,9 @@
 # 1P1D and adaptive fleets (default: the config's), the disaggregated side of HEADLINE.md's sweep.
 # DISAGG_TRACE_DIR (optional): per-request and per-step traces of every run, tarred with the rest.
 # SET_DISAGG (optional): one more KEY=VALUE for the 1P1D and adaptive fleets, e.g.
-# SET_DISAGG=scheduler.overlap_reservations=true. ADAPTIVE_SLO_SCALE (default 1): the adaptive
+# SET_DISAGG=scheduler.overlap_reservations=true. ADAPTIVE_VARIANTS (optional): space-separated
+# NAME:KEY=VALUE, each one more adaptive fleet with that setting, run after the default one as
+# "adaptive-NAME" (an A/B at one tree, e.g. "remote:router.adaptive_prefer=remote"). ADAPTIVE_SLO_SCALE (default 1): the adaptive
 # router's targets are this multiple of the calibrated SLOs; it optimizes the SLO it is given, so
 # judge it at the scale it targeted (two H100s: a router targeting 1x held 2x worse than it could).
 # CPU smoke check: HEADLINE_MODEL=tiny RATES=2 HEADLINE_SECONDS=3 bash benchmarks/sitting_headline_workload.sh chat
@@ -50,14 +52,18 @@ echo "SLOs: TTFT $T ms, TPOT $P ms"
 judge=(--goodput "ttft:$T" --goodput "tpot:$P")
 scale=${ADAPTIVE_SLO_SCALE:-1}
 TA=$(awk -v t="$T" -v k="$scale" 'BEGIN{print t*k}'); PA=$(awk -v p="$P" -v k="$scale" 'BEGIN{print p*k}')
-run adaptive "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_ADAPTIVE:-$RATES}" "${disagg_set[@]}" \
-  --set router.placement=adaptive \
-  --set "router.slo_ttft_ms=$TA" --set "router.slo_tpot_ms=$PA" "${judge[@]}"
+adaptive=("configs/$MODEL-1p1d.yaml" --request-rate "${RATES_ADAPTIVE:-$RATES}" "${disagg_set[@]}"
+          --set router.placement=adaptive --set "router.slo_ttft_ms=$TA" --set "router.slo_tpot_ms=$PA" "${judge[@]}")
+run adaptive "${adaptive[@]}"
+merged=(--from-results "results/$W/1p1d" --from-results "results/$W/adaptive")
+for variant in ${ADAPTIVE_VARIANTS:-}; do  # NAME:KEY=VALUE -> the run "adaptive-NAME"
+  run "adaptive-${variant%%:*}" "${adaptive[@]}" --set "${variant#*:}"
+  merged+=(--from-results "results/$W/adaptive-${variant%%:*}")
+done
 run "colocated-$CHUNK" "configs/$MODEL-colocated.yaml" --request-rate "${RATES_COLOCATED:-$RATES}" \
   --set "scheduler.max_num_batched_tokens=$CHUNK" "${judge[@]}"
-python3 -m disagg.cluster.cli bench --from-results "results/$W/1p1d" --from-results "results/$W/adaptive" \
-  --from-results "results/$W/colocated-$CHUNK" --slo-scales 1,2 --result-dir "results/$W/merged" \
-  > "$OUT/$W-merged.log" 2>&1 || echo "merge: rc $?"
+python3 -m disagg.cluster.cli bench "${merged[@]}" --from-results "results/$W/colocated-$CHUNK" --slo-scales 1,2 \
+  --result-dir "results/$W/merged" > "$OUT/$W-merged.log" 2>&1 || echo "merge: rc $?"
 grep -v '^\s*$' "$OUT/$W-merged.log" | tail -40
 tar czf "$OUT/$W.tgz" "results/$W" "$OUT"/"$W"-*.log ${DISAGG_TRACE_DIR:+"$DISAGG_TRACE_DIR"}
 echo "workload $W: $OUT/$W.tgz"
