@@ -205,14 +205,25 @@ def progress_bar(show: bool, description: str, total: int) -> Iterator[Callable[
 
 
 def calibrate(backend: Backend, requests: Sequence[SampleRequest], options: SweepOptions,
-              num_requests: int = 8) -> dict[str, Any]:
+              num_requests: int = 8, reset: Callable[[], Any] | None = None,
+              stats: Callable[[], dict] | None = None) -> dict[str, Any]:
     """SLOs scaled from isolated requests: TPOT from the batch-1 decode step, TTFT from isolated prefill.
 
     Runs up to `num_requests` of the workload one at a time (max_concurrency 1): their median
     TPOT is the measured pure-decode step, their median TTFT the unloaded time to first token.
+    The warm-ups send those same prompts first: ``reset`` (the deployment's prefix-cache reset,
+    as `run_sweep`'s, when `options.reset_prefix_cache`) forgets them before the timed requests,
+    else the TTFT measured is a cached prompt's (two H100s, long-prompt: 49 ms for 8k-token
+    prompts whose uncached TTFT is ~0.6 s, an SLO no run could hold). ``stats``: the cluster's
+    stats(), for the prefix hits of the timed requests (``prefix_cache``).
     """
     sample = list(requests[:num_requests])
-    outcome = run(backend, sample, request_rate=math.inf, max_concurrency=1, num_warmups=options.num_warmups)
+    warm_up(backend, sample, options.num_warmups)
+    if reset is not None and options.reset_prefix_cache:
+        reset()
+    before = stats() if stats else None
+    outcome = run(backend, sample, request_rate=math.inf, max_concurrency=1)
+    hits = prefix_cache_of(before, stats() if stats else None)
     done = [out for out in outcome.outputs if out.success]
     tpots = [out.tpot for out in done if out.tpot is not None]
     if not done or not tpots:
@@ -221,6 +232,7 @@ def calibrate(backend: Backend, requests: Sequence[SampleRequest], options: Swee
     step_ms, ttft_ms = float(np.median(tpots)) * 1e3, float(np.median([o.ttft for o in done])) * 1e3
     return {"slos_ms": {"ttft": options.calibrate_ttft_scale * ttft_ms, "tpot": options.calibrate_tpot_scale * step_ms},
             "isolated_tpot_ms": step_ms, "isolated_ttft_ms": ttft_ms, "num_requests": len(sample),
+            "prefix_cache_reset": reset is not None and options.reset_prefix_cache, "prefix_cache": hits,
             "rule": f"ttft = {options.calibrate_ttft_scale} x isolated median TTFT, "
                     f"tpot = {options.calibrate_tpot_scale} x isolated median TPOT (batch-1 decode step)"}
 
@@ -279,7 +291,8 @@ def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: M
             slos = (slos_by_dataset or {}).get(dataset) or options.goodput_slos_ms
             info = dict(common, workload=spec.to_dict(), calibration=None)
             if not slos and options.calibrate_slos:
-                info["calibration"] = calibrate(backend, requests, options)
+                info["calibration"] = calibrate(backend, requests, options, reset=cluster.reset_prefix_cache,
+                                                stats=cluster.stats)
                 logger.warning("%s / %s: calibrated SLOs %s (%s)", label, dataset,
                                fmt_slos(info["calibration"]["slos_ms"]), info["calibration"]["rule"])
             slos = dict(slos or (info["calibration"] or {}).get("slos_ms") or config.bench.goodput)

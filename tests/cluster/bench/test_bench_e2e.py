@@ -86,3 +86,21 @@ def test_each_run_of_a_sweep_starts_with_no_cached_prefix(monkeypatch, reset):
         assert second["instances"]["prefill-0"]["hit_tokens"] == (6 - 1) * 40
     else:
         assert second["hit_tokens"] > first["hit_tokens"]
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_the_slo_calibration_times_uncached_prompts(monkeypatch, reset):
+    """The calibration's warm-ups send the very prompts it then times one at a time: without the
+    prefix-cache reset between them its isolated TTFT is a cached prompt's (two H100s, long-prompt:
+    49 ms for 8k-token prompts, an SLO no run could hold)."""
+    from disagg.cluster.bench.sweep import SweepOptions, bench_config
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    options = SweepOptions(num_prompts=3, dataset_name="random", input_len=40, output_len=3, rates=[math.inf],
+                           max_concurrency=1, show_progress=False, save_results=False, num_warmups=3,
+                           calibrate_slos=True, reset_prefix_cache=reset)
+    (runs,) = bench_config(str(CONFIGS / "tiny-1p1d.yaml"), options, label="tiny")
+    calibration = runs.info["calibration"]
+    cache = calibration["prefix_cache"]
+    assert calibration["prefix_cache_reset"] is reset and cache["query_tokens"] > 0
+    assert (cache["hit_tokens"] == 0) is reset, cache
