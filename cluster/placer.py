@@ -34,7 +34,7 @@ from disagg import trace
 from disagg.cluster.affinity import PrefixAffinity
 from disagg.cluster.bootstrap import Instance
 from disagg.cluster.placement import PATHS, Decision, FleetModel, Targets, decide
-from disagg.cluster.requests import Picker, Request
+from disagg.cluster.requests import Picker, Request, queued_prompt_tokens
 from disagg.config import Config
 from disagg.errors import NoLiveInstance
 
@@ -166,8 +166,8 @@ class Placer:
             _remember(self._remote_prefill, req.request_id, decision.chosen.prefill)
         if not decodes or not alive_prefills:
             return Fail("decode" if not decodes else "prefill")
-        loads = self.picker.loads(prefills, live)
-        queued = min(loads[inst.name] for inst in alive_prefills)
+        queues = queued_prompt_tokens(alive_prefills, live)
+        queued = min(queues.values())
         if queued and queued + req.prompt_len > self.prefill_queue_tokens:
             return Wait(WAIT_PREFILL_QUEUE)
         return Remote(tuple(decodes))

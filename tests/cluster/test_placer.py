@@ -57,6 +57,21 @@ def test_the_prefill_queue_bound_holds_the_request_until_a_prefill_instance_has_
     assert isinstance(placer.plan(request("r", [2] * 500), live), Remote)
 
 
+def test_requests_decoding_on_a_prefill_instance_queue_no_prompt_there():
+    # Kept requests past their first token weigh their tokens in the picker's loads, but queue
+    # no prompt: the prefill-queue bound (prompt tokens not yet computed) lets the next prompt in.
+    placer, by = fleet()
+    live = []
+    for i in range(2):
+        kept = request(f"k{i}", [1] * 90, stage="decoding")
+        kept.colocated, kept.num_output = by[f"prefill-{i}"], 5
+        live.append(kept)
+    assert placer.picker.loads(list(by.values()), live)["prefill-0"] == 95
+    assert isinstance(placer.plan(request("r", [2] * 50), live), Remote)  # 0 + 50 <= 100
+    live[0].num_output = live[1].num_output = 0  # their prompts not yet computed: 90 + 50 > 100
+    assert placer.plan(request("r", [2] * 50), live) == Wait(WAIT_PREFILL_QUEUE)
+
+
 def test_dead_roles_fail_and_the_dead_are_never_tried():
     placer, by = fleet()
     by["decode-0"].alive = False
