@@ -24,7 +24,10 @@ what it has spent so far (`InstanceView.tpot_slack_s`). With `router.adaptive_pr
 a TTFT target an admissible remote path is taken (a TTFT under its target earns nothing; local
 and kept spend the other phase's instance, for the requests remote cannot serve within the
 targets); by default, among admissible paths the lowest predicted TTFT (ties within the model's error margin go to local, then
-remote, then kept: `PREFERENCE`); when none is admissible, the smallest violation, never a local
+remote, then kept: `PREFERENCE`; with `router.adaptive_prefer: balanced`, a tie of remote and
+kept, the same prefill instance computing the prompt, decodes there while the decode instance's
+predicted TPOT is past `KEEP_SHARE` of the TPOT target, the prefill instance's is lower and the
+TTFT target has room for its decode steps: `_decode_on_prefill`); when none is admissible, the smallest violation, never a local
 prompt on a decode instance that already misses the TPOT bound or whose slack it breaks. A
 decode's future steps are predicted stretched by the prompt chunks its instance ran recently
 (`StallMeter`): each local prompt is a small stall spread over many tokens, but together they
@@ -46,6 +49,14 @@ PATHS = ("remote", "local", "kept")
 # (admissible only when it slows no running decode step beyond the bound, it uses a decode
 # instance's spare compute and needs no transfer), then remote, then kept.
 PREFERENCE = ("local", "remote", "kept")
+# `router.adaptive_prefer: balanced`: a near-tie of remote and kept decodes on the prefill
+# instance while the decode instance's predicted TPOT is past this share of the TPOT target and a
+# prompt's TTFT plus one of the prefill instance's decode steps is within this share of the TTFT
+# target (`_decode_on_prefill`). Not the default: simulated it wins decode-heavy (two GPUs, 50 : 34
+# ms, 1.00x -> 1.15x colocated) and loses strict chat (74 : 17 ms, 5.0 -> 3.8 req/s/GPU); measured
+# on two H100s (decode-heavy, 70.7 : 14.9 ms) 54% -> 64% attainment at 16 req/s, 52% -> 43% at 22
+# (benchmarks/records/headline-h100x2-2026-11-27c/).
+KEEP_SHARE = 0.5
 TPOT_SLACK = 1.1  # without a TPOT target: a decode step may grow to 1.1 x the remote path's step
 # A stall counts in the running decodes' TPOT over this share of their mean remaining tokens:
 # the rest of their budget is left to the prompts that come after it.
@@ -316,6 +327,8 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
         best = min(c.ttft_s for c in ok)
         near = [c for c in ok if c.ttft_s <= best * (1.0 + c.margin)]
         path = min(near, key=lambda c: (PREFERENCE.index(c.path), c.ttft_s)).path
+        if targets.prefer == "balanced" and _decode_on_prefill(prompt_len, near, views, targets):
+            path = "kept"
         # The fastest of that path, even one whose own (smaller) margin left it out of `near`: an
         # uncertain instance's prediction must not win over a surer, faster one of the same path.
         return Decision(min((c for c in ok if c.path == path), key=lambda c: c.ttft_s), tuple(judged))
@@ -329,6 +342,30 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     saturated |= {name for name, why in stalls.items() if why}
     spare = [c for c in fitting if not (c.path == "local" and c.decode in saturated)] or fitting
     return Decision(min(spare, key=lambda c: _violation(c, targets, bound)), tuple(judged))
+
+
+def _decode_on_prefill(prompt_len: int, near: list[Prediction], views: dict[str, InstanceView],
+                       targets: Targets) -> bool:
+    """Whether a request whose remote and kept paths both tie for the best TTFT (the same
+    prefill instance computes its prompt either way) should decode on that prefill instance
+    rather than on the decode instance. With a TPOT target, when the decode instance's predicted
+    TPOT is past `KEEP_SHARE` of it, the prefill instance's is lower, and the TTFT target (if
+    any) has room for one of the prefill instance's decode steps ahead of a prompt: its decodes
+    delay every prompt after them, so a strict TTFT keeps it a pure prefill instance (simulated,
+    decode-heavy at 25 ms: without this, 100% -> 75% attainment at 8 req/s). Near-ties otherwise
+    go by `PREFERENCE`, which put every decode on the decode instance while the prefill instance
+    idled (two H100s, chat, 2026-11-27: kept admissible in 371 of 430 decisions, its TPOT
+    predicted 8.3 ms against the decode instance's 17.9, chosen in none; prefill instance 32% busy)."""
+    remote = [c for c in near if c.path == "remote"]
+    kept = [c for c in near if c.path == "kept"]
+    if targets.tpot_s is None or not remote or not kept:
+        return False
+    decode_side = min(c.tpot_s for c in remote)
+    best = min(kept, key=lambda c: c.tpot_s)
+    if decode_side <= KEEP_SHARE * targets.tpot_s or best.tpot_s >= decode_side:
+        return False
+    step = views[best.prefill].decode_step_s(1, prompt_len)
+    return targets.ttft_s is None or best.ttft_s + step <= KEEP_SHARE * targets.ttft_s
 
 
 def _stall_past_slack(d: InstanceView, prompt_len: int, bound_s: float) -> str:

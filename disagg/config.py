@@ -249,12 +249,15 @@ class RouterSection(Section):
                                      "its decodes; adaptive: per request, remote / local / kept (prefilled "
                                      "and decoded by a prefill instance) by the instances' predicted step "
                                      "times and load (docs/ARCHITECTURE.md §7)")
-    adaptive_prefer: Literal["fastest", "remote"] = Field(
+    adaptive_prefer: Literal["fastest", "remote", "balanced"] = Field(
         "fastest", description="among the paths predicted to hold the SLOs, the adaptive placement takes: "
                                "fastest: the lowest predicted TTFT (near-ties: local, remote, kept); remote: "
                                "the push whenever it holds them (with a TTFT target; spares the decode "
                                "instances: better where decoding is the bottleneck, worse where "
-                               "prefilling is; `disagg plan` numbers in docs/ARCHITECTURE.md §7)")
+                               "prefilling is; `disagg plan` numbers in docs/ARCHITECTURE.md §7); balanced: "
+                               "fastest, but a tie of remote and kept decodes on the prefill instance while "
+                               "the decode instance's TPOT is past half its target and the TTFT target has "
+                               "room (measured on two H100s: mixed; docs/ARCHITECTURE.md §7)")
     slo_ttft_ms: float | None = Field(None, gt=0.0, description="time-to-first-token target the adaptive "
                                                                 "placement predicts against, ms; null: none "
                                                                 "(then it minimises the predicted TTFT)")

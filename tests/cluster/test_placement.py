@@ -74,6 +74,29 @@ def test_a_long_prompt_goes_remote_when_local_chunks_would_slow_running_decodes(
     assert decide(4000, [view("P")], decodes).path == "remote"
 
 
+def test_balanced_sends_a_tie_of_remote_and_kept_to_decode_on_the_prefill_side_past_half_the_tpot_target():
+    # The same prefill instance computes the prompt either way (equal TTFTs): `adaptive_prefer:
+    # balanced` decodes it there once D's predicted TPOT is past KEEP_SHARE of the target and P's
+    # is lower; "fastest" keeps near-ties in PREFERENCE order (remote before kept).
+    prefills, decodes = [view("P")], [view("D", decoding=64, context=64 * 1000)]  # D steps 20 ms, P idle
+
+    def path(ttft_ms, tpot_ms, prefer="balanced", prefills=prefills):
+        return decide(4000, prefills, decodes, Targets.from_ms(ttft_ms, tpot_ms, prefer))
+
+    d = path(None, 25).predictions
+    kept, remote = (next(p for p in d if p.path == name) for name in ("kept", "remote"))
+    assert kept.ttft_s == pytest.approx(remote.ttft_s, rel=0.05) and kept.tpot_s < remote.tpot_s
+    assert path(None, 25).path == "kept"
+    assert path(None, 25, "fastest").path == "remote"
+    assert path(None, 45).path == "remote"  # D's 20 ms is within half of 45
+    assert decide(4000, prefills, decodes, Targets(prefer="balanced")).path == "remote"  # no TPOT target
+    assert path(None, 25, prefills=[view("P", decoding=64, context=64 * 1000)]).path == "remote"  # P as loaded
+    # P's decodes would delay every prompt after them: only while the TTFT target has room for one
+    # of its decode steps (~10 ms) after this prompt's 480 ms within half of it.
+    assert path(1000, 25).path == "kept"
+    assert path(900, 25).path == "remote"
+
+
 def test_a_decode_side_out_of_pages_makes_the_prefill_side_keep_the_request():
     d = decide(100, [view("P", free_pages=500)], [view("D", decoding=8, context=8000, free_pages=3)])
     assert d.path == "kept" and d.chosen.prefill == d.chosen.decode == "P"

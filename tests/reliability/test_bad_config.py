@@ -70,7 +70,7 @@ CASES = {
     "bad linear": (_set("kernels.linear", "cuda"), "kernels.linear: Input should be 'auto', 'cublas' or 'triton'"),
     "bad pdl": (_set("kernels.layer_pdl", 1), "kernels.layer_pdl: expected 'auto', true or false"),
     "bad rope append": (_set("kernels.rope_append", "0"), "kernels.rope_append: Input should be a valid boolean"),
-    "bad adaptive preference": (_set("router.adaptive_prefer", "local"), "router.adaptive_prefer: Input should be 'fastest' or 'remote'"),
+    "bad adaptive preference": (_set("router.adaptive_prefer", "local"), "router.adaptive_prefer: Input should be 'fastest', 'remote' or 'balanced'"),
     "overlap as string": (_set("scheduler.overlap_reservations", "on"), "scheduler.overlap_reservations: Input should be a valid boolean"),
     # negative or zero counts and sizes
     "negative prefill": (_set("instances.prefill", -1), "instances.prefill: Input should be greater than or equal to 0"),
