@@ -29,7 +29,8 @@ def rows(root: str) -> list[dict]:
         slos = r.get("goodput") or {}
         prefix = r.get("prefix_cache") or {}
         sim = bool(r.get("simulated"))
-        out.append({"source": os.path.relpath(os.path.dirname(path), root), "simulated": sim,
+        source = os.path.join(os.path.basename(os.path.normpath(root)), os.path.relpath(os.path.dirname(path), root))
+        out.append({"source": source, "simulated": sim,
                     "workload": r["workload"]["dataset_name"], "slos_ms": slos,
                     "deployment": os.path.basename(os.path.dirname(path)), "rate": r["request_rate"],
                     "commit": r.get("git_commit"), "overrides": r.get("overrides"), "completed": r["completed"],
