@@ -10,7 +10,7 @@ steps' durations, the fraction of the traced span they cover (busy), the idle ga
 the prompt tokens of the steps that carried some, and how long each kind of call waited in the
 loop before it ran (``--json`` keeps these under "instances", beside the paths). Then, per path
 taken, the adaptive router's "decision" records: its predicted TTFT against the TTFT since the
-decision ("decisions"). A `disagg simulate --trace-dir` directory (steps and decisions, no
+decision, and its "tpot" records: the TPOT predicted for the path against the TPOT had ("decisions"). A `disagg simulate --trace-dir` directory (steps and decisions, no
 request events) reads the same way, so a simulated and a served run compare. ``--by-run``:
 the same per `disagg bench` run (a sweep's rates: request ids ``benchN.<label>.<pid>-...``), each run's steps
 and calls those inside its requests' span. Events of several hosts compare wall clocks: keep such
@@ -84,18 +84,28 @@ def _print_instances(instances: dict[str, dict]) -> None:
                   f"p90 {wait['p90_ms']:8.2f} ms")
 
 
-def summarize_decisions(decisions: list[dict]) -> dict[str, dict]:
+def summarize_decisions(decisions: list[dict], tpots: list[dict] = ()) -> dict[str, dict]:
     """Per path taken, from the "decision" records (one per adaptively placed request, at its
     first token): {"n", "predicted_ms": spread of the chosen path's predicted TTFT, "actual_ms":
-    spread of the TTFT since the decision, "ratio": spread of actual / predicted}."""
+    spread of the TTFT since the decision, "ratio": spread of actual / predicted}; with its
+    requests' "tpot" records (at their end), "tpot": the same three for the TPOT predicted for
+    the path taken and the TPOT had (n: the requests that ended with 2 tokens or more)."""
     out: dict[str, dict] = {}
-    for path in sorted({d["path"] for d in decisions}):
+    for path in sorted({d["path"] for d in decisions} | {t["path"] for t in tpots}):
         rows = [d for d in decisions if d["path"] == path]
         predicted = [next(p["ttft_ms"] for p in d["predictions"] if p["path"] == d["chosen"]) for d in rows]
         actual = [d["ttft_ms"] for d in rows]
-        out[path] = {"n": len(rows), "predicted_ms": _spread(predicted), "actual_ms": _spread(actual),
-                     "ratio": _spread([a / p for a, p in zip(actual, predicted) if p > 0], unit="")}
+        out[path] = {"n": len(rows), **_judged(predicted, actual)}
+        ended = [t for t in tpots if t["path"] == path]
+        if ended:
+            out[path]["tpot"] = {"n": len(ended), **_judged([t["predicted_tpot_ms"] for t in ended],
+                                                           [t["tpot_ms"] for t in ended])}
     return out
+
+
+def _judged(predicted: list[float], actual: list[float]) -> dict:
+    return {"predicted_ms": _spread(predicted), "actual_ms": _spread(actual),
+            "ratio": _spread([a / p for a, p in zip(actual, predicted) if p > 0], unit="")}
 
 
 def _print_decisions(decisions: dict[str, dict]) -> None:
@@ -103,9 +113,15 @@ def _print_decisions(decisions: dict[str, dict]) -> None:
         pred, act, ratio = row["predicted_ms"], row["actual_ms"], row["ratio"]
         print(f"decisions {path}: {row['n']} requests, TTFT since the decision predicted p50 {pred['p50_ms']:.1f} ms, "
               f"actual p50 {act['p50_ms']:.1f} ms; actual / predicted p50 {ratio['p50']:.2f} p90 {ratio['p90']:.2f}")
+        if "tpot" in row:
+            tp = row["tpot"]
+            print(f"decisions {path}: {tp['n']} ended, TPOT predicted p50 {tp['predicted_ms']['p50_ms']:.2f} ms, "
+                  f"had p50 {tp['actual_ms']['p50_ms']:.2f} ms; had / predicted p50 {tp['ratio']['p50']:.2f} "
+                  f"p90 {tp['ratio']['p90']:.2f}")
 
 
-def report(requests: dict, steps: list[dict], calls: list[dict], decisions: list[dict] = ()) -> dict:
+def report(requests: dict, steps: list[dict], calls: list[dict], decisions: list[dict] = (),
+           tpots: list[dict] = ()) -> dict:
     """{path: hops (`summarize`), ..., "instances": `summarize_instances`, "decisions":
     `summarize_decisions`}, printed as it goes."""
     by_path: dict[str, dict] = {}
@@ -119,7 +135,7 @@ def report(requests: dict, steps: list[dict], calls: list[dict], decisions: list
                   f"mean {row['mean_ms']:8.2f} ms")
     instances = summarize_instances(steps, calls)
     _print_instances(instances)
-    judged = summarize_decisions(list(decisions))
+    judged = summarize_decisions(list(decisions), list(tpots))
     _print_decisions(judged)
     return {**out, "instances": instances, "decisions": judged}
 
@@ -149,15 +165,15 @@ def main() -> None:
     args = parser.parse_args()
     requests = trace.read(args.directory)
     steps, calls = trace.read_records(args.directory, "step"), trace.read_records(args.directory, "call")
-    decisions = trace.read_records(args.directory, "decision")
+    decisions, tpots = trace.read_records(args.directory, "decision"), trace.read_records(args.directory, "tpot")
     if args.by_run:
         out = {}
         for run, group in by_run(requests).items():
             print(f"== {run}: {len(group)} requests")
             out[run] = report(group, _within(steps, group, "t_start"), _within(calls, group, "t_queued"),
-                              [d for d in decisions if d["request"] in group])
+                              [d for d in decisions if d["request"] in group], [t for t in tpots if t["request"] in group])
     else:
-        out = report(requests, steps, calls, decisions)
+        out = report(requests, steps, calls, decisions, tpots)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)

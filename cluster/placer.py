@@ -124,12 +124,16 @@ class Placer:
         self.clock = clock
         # request id -> (its chosen prediction, when): until its first token (`first_token`)
         self._predicted: collections.OrderedDict[str, tuple[Decision, float]] = collections.OrderedDict()
+        # request id -> (path taken, its predicted TPOT, first token's time): from `first_token`
+        # to `finished`, while decisions are recorded
+        self._tpot_predicted: collections.OrderedDict[str, tuple[str, float, float]] = collections.OrderedDict()
         # request id -> the prefill instance an adaptive remote decision predicted: until `hand`
         self._remote_prefill: collections.OrderedDict[str, str] = collections.OrderedDict()
         # where the "decision" record of each adaptively placed request goes at its first token
-        # (`decision_record`): None, the trace while it is on (serving); the simulator's
+        # (`decision_record`) and its "tpot" record at its end (`tpot_record`), as
+        # record(kind, fields): None, the trace while it is on (serving); the simulator's
         # --trace-dir records take them here
-        self.record: Callable[[dict], None] | None = None
+        self.record: Callable[[str, dict], None] | None = None
 
     def of_role(self, role: str) -> list[Instance]:
         return [inst for inst in self.instances if inst.role == role]
@@ -202,9 +206,32 @@ class Placer:
         if path == chosen.path:
             self.fleet_model.note_ttft(computing.name, path, now - at, chosen.ttft_s)
         if self.record is not None:
-            self.record(decision_record(req, decision, now, path, now - at))
+            self.record("decision", decision_record(req, decision, now, path, now - at))
         elif trace.enabled():
             trace.record("decision", **decision_record(req, decision, time.time(), path, now - at))
+        else:
+            return
+        decoder = req.colocated or req.decode
+        same = [p for p in decision.predictions if p.path == path and decoder is not None and p.decode == decoder.name]
+        taken = chosen if path == chosen.path else (same[0] if same else None)
+        if taken is not None:
+            _remember(self._tpot_predicted, req.request_id, (path, taken.tpot_s, now))
+
+    def finished(self, req: Request) -> None:
+        """``req`` ended with ``req.num_output`` tokens (now, by ``clock``): while decisions are
+        recorded, an adaptively placed one of 2 tokens or more gets a "tpot" record (written as the
+        "decision" records are): the TPOT its decision predicted for the path taken against the
+        one it had since its first token, as the router saw its tokens (`tpot_record`)."""
+        entry = self._tpot_predicted.pop(req.request_id, None)
+        if entry is None or req.num_output < 2:
+            return
+        path, predicted_s, first_at = entry
+        now = self.clock()
+        record = tpot_record(req, path, predicted_s, (now - first_at) / (req.num_output - 1))
+        if self.record is not None:
+            self.record("tpot", {"t": now, **record})
+        elif trace.enabled():
+            trace.record("tpot", t=time.time(), **record)
 
     def hand(self, req: Request, decode: Instance, live: Collection[Request]) -> Instance | None:
         """``decode`` reserved ``req``'s pages (a `Remote` plan's first taker): the prefill
@@ -289,3 +316,10 @@ def decision_record(req: Request, decision: Decision, t: float, path: str, since
             "predictions": [{"path": p.path, "prefill": p.prefill, "decode": p.decode,
                              "ttft_ms": round(p.ttft_s * 1e3, 3), "tpot_ms": round(p.tpot_s * 1e3, 3),
                              "admissible": p.admissible} for p in decision.predictions]}
+
+
+def tpot_record(req: Request, path: str, predicted_s: float, actual_s: float) -> dict:
+    """The "tpot" record of a finished adaptively placed request (`Placer.finished`): the path
+    taken, the TPOT its decision predicted for that path and the TPOT it had (ms)."""
+    return {"request": str(req.request_id), "path": path, "num_output": req.num_output,
+            "predicted_tpot_ms": round(predicted_s * 1e3, 3), "tpot_ms": round(actual_s * 1e3, 3)}

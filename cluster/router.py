@@ -402,6 +402,8 @@ class Router:
             self._release(req, stage)
         req.num_output += len(tokens)
         req.metrics.finished_time = time.time()
+        if error is None and reason != "abort":
+            self.placer.finished(req)
         self.counts[reason] += 1
         if reason == "abort":
             self.aborts[failure_reason(error)] += 1

@@ -203,9 +203,10 @@ class SimFleet:
 
     def keep_records(self) -> None:
         """Keep the run's trace records in ``step_records``: every forward as a "step" record and
-        every adaptive decision as a "decision" record (`placer.decision_record`), virtual clock."""
+        every adaptive decision as a "decision" record (`placer.decision_record`) and its request's
+        TPOT, predicted and had, as a "tpot" record at its end (`placer.tpot_record`), virtual clock."""
         self.step_records = []
-        self.placer.record = lambda fields: self.step_records.append({"kind": "decision", **fields})
+        self.placer.record = lambda kind, fields: self.step_records.append({"kind": kind, **fields})
 
     def _record_steps(self, name: str, step) -> None:
         """A launched step's forwards as `disagg.trace` "step" records (the fields the step loop
@@ -360,6 +361,8 @@ class SimFleet:
             if req.stage in ("reserving", "prefilling"):
                 self.picker.tokens[req.prefill.name] -= req.prompt_len
         req.stage = "done"
+        if not error:
+            self.placer.finished(req)
         timeline = self.timelines[req.request_id]
         assert not timeline.ended, f"request {req.request_id} ended twice"
         timeline.ended, timeline.error = True, error

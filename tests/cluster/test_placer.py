@@ -275,3 +275,13 @@ def test_the_decision_that_placed_a_request_goes_to_the_trace_at_its_first_token
     assert record["ttft_ms"] == 25.0 and record["prompt_len"] == 10 and before <= record["t"] <= time.time()
     assert [(p["path"], p["ttft_ms"], p["admissible"]) for p in record["predictions"]] == [
         (p.path, round(p.ttft_s * 1e3, 3), p.admissible) for p in decision.predictions]
+    # At its end, 9 tokens 0.4 s after the first: its TPOT, 50 ms, beside the one predicted.
+    now[0] += 0.4
+    req.num_output = 9
+    placer.finished(req)
+    placer.finished(req)  # once
+    quiet.num_output = 9
+    placer.finished(quiet)  # decided while tracing was off: no record
+    (tpot,) = trace.read_records(str(tmp_path), "tpot")
+    assert tpot["request"] == "r" and tpot["path"] == decision.path and tpot["num_output"] == 9
+    assert tpot["tpot_ms"] == pytest.approx(50.0) and tpot["predicted_tpot_ms"] == round(decision.chosen.tpot_s * 1e3, 3)

@@ -310,6 +310,16 @@ def test_trace_dir_holds_every_adaptive_decision_on_the_virtual_clock(tmp_path: 
     for i, ttft in enumerate(stored["ttfts"]):  # since the decision: at most the client's TTFT
         assert 0 < ttfts[f"chat-{i}"]["ttft_ms"] <= ttft * 1e3 + 1e-6
         assert 0 <= ttfts[f"chat-{i}"]["t"] <= stored["duration"]  # the virtual clock
+    # At each request's end its TPOT as predicted for the path taken, and as had (the client's).
+    tpots = {t["request"]: t for t in trace.read_records(str(tmp_path / "trace"), "tpot")}
+    ended = {f"chat-{i}": (n, (e2e - ttft) / max(n - 1, 1))
+             for i, (n, ttft, e2e) in enumerate(zip(stored["output_lens"], stored["ttfts"], stored["latencies"]))}
+    assert set(tpots) == {name for name, (n, _) in ended.items() if n >= 2}
+    for name, record in tpots.items():
+        assert record["path"] == ttfts[name]["path"] and record["num_output"] == ended[name][0]
+        assert record["tpot_ms"] == pytest.approx(ended[name][1] * 1e3, abs=1e-3)
+        chosen = next(p for p in ttfts[name]["predictions"] if p["path"] == record["path"])
+        assert record["predicted_tpot_ms"] == chosen["tpot_ms"] > 0
 
 
 @pytest.mark.parametrize("fuse", [False, True])

@@ -66,6 +66,32 @@ def test_a_colocated_fleet_traces_every_hop_of_a_request(ray_local, tmp_path):
     assert len(list(Path(directory).glob("trace-*.jsonl"))) == 2  # the router's process and the actor's
 
 
+def test_an_adaptive_fleet_traces_each_requests_decision_and_tpot(ray_local, tmp_path):
+    """Serving: each adaptively placed request's "decision" record at its first token and its
+    "tpot" record at its end (the router's `Placer.finished`), the TPOT had within the request's
+    own span; none for a request of one token."""
+    directory = str(tmp_path / "trace")
+    with launcher_environment(DISAGG_TRACE_DIR=directory):
+        cluster = launch("tiny-1p1d", router__placement="adaptive", router__slo_tpot_ms=1000)
+        try:
+            done = cluster.generate([[5, 6, 7, 8, 9], [11, 12], [13]],
+                                    [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 3, 1)])
+        finally:
+            cluster.shutdown()
+    assert [c.finish_reason for c in done] == ["length"] * 3
+    decisions = {d["request"]: d for d in trace.read_records(directory, "decision")}
+    tpots = {t["request"]: t for t in trace.read_records(directory, "tpot")}
+    assert {c.request_id for c in done} <= set(decisions)
+    # (launch's warm-up requests have theirs too) the 1-token request has no TPOT
+    assert {done[0].request_id, done[1].request_id} <= set(tpots) and done[2].request_id not in tpots
+    requests = trace.read(directory)
+    for completion, n in zip(done[:2], (4, 3)):
+        record = tpots[completion.request_id]
+        assert record["path"] == decisions[completion.request_id]["path"] and record["num_output"] == n
+        first = requests[completion.request_id]["first_token"]["t"]
+        assert 0 < record["tpot_ms"] * (n - 1) <= (time.time() - first) * 1e3 and record["predicted_tpot_ms"] > 0
+
+
 def _run_to_end(loop: StepLoop, requests: dict[str, list[int]], params: SamplingParams) -> None:
     """Add ``requests`` through the loop's calls and wait until every one finished."""
     for request_id, prompt in requests.items():
@@ -200,12 +226,21 @@ def test_the_report_sets_each_paths_predicted_ttft_beside_the_actual(tmp_path, m
         decision("bench1-chat-2-2", "local", 40.0, 20.0)
         trace.event("first_token", "bench1-chat-2-2")
         decision("bench9-chat-0-0", "local", 40.0, 80.0)  # another run's
+        for request, path, predicted, had in (("bench1-chat-0-0", "remote", 10.0, 12.0), ("bench1-chat-2-2", "local", 20.0, 10.0),
+                                               ("bench9-chat-0-0", "local", 20.0, 90.0)):
+            trace.record("tpot", t=time.time(), request=request, path=path, num_output=5,
+                         predicted_tpot_ms=predicted, tpot_ms=had)
     module = benchmark_script("trace_report")
-    summary = module.summarize_decisions(trace.read_records(str(tmp_path), "decision")[:3])
+    summary = module.summarize_decisions(trace.read_records(str(tmp_path), "decision")[:3],
+                                         trace.read_records(str(tmp_path), "tpot")[:2])
     assert summary["remote"]["n"] == 2 and summary["remote"]["ratio"]["p50"] == pytest.approx(1.75)
     assert summary["local"]["predicted_ms"]["p50_ms"] == 40.0 and summary["local"]["ratio"]["p50"] == 0.5
+    assert summary["remote"]["tpot"]["n"] == 1 and summary["remote"]["tpot"]["ratio"]["p50"] == pytest.approx(1.2)
+    assert summary["local"]["tpot"]["actual_ms"]["p50_ms"] == 10.0 and summary["local"]["tpot"]["ratio"]["p50"] == 0.5
     out = tmp_path / "report.json"
     monkeypatch.setattr(sys, "argv", ["trace_report", str(tmp_path), "--by-run", "--json", str(out)])
     module.main()
     report = json.loads(out.read_text())
     assert report["bench1"]["decisions"]["local"]["n"] == 1 and report["bench1"]["decisions"]["remote"]["n"] == 1
+    assert report["bench1"]["decisions"]["local"]["tpot"]["n"] == 1  # not bench9's
+    assert report["bench1"]["decisions"]["local"]["tpot"]["ratio"]["p50"] == 0.5
