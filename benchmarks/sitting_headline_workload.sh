@@ -11,7 +11,8 @@
 # Per deployment: RATES_1P1D, RATES_ADAPTIVE, RATES_COLOCATED (default RATES), e.g. the knees of
 # benchmarks/records/headline-plan-2026-11-27/README.md. CHUNK_DISAGG: the prefill budget of the
 # 1P1D and adaptive fleets (default: the config's), the disaggregated side of HEADLINE.md's sweep.
-# DISAGG_TRACE_DIR (optional): per-request and per-step traces of every run, tarred with the rest.
+# DISAGG_TRACE_DIR (optional): per-request and per-step traces of every run, tarred apart.
+# The summary of every run (benchmarks/summarize_runs.py) lands in $OUT/<workload>-runs.md/.json.
 # SET_DISAGG (optional): one more KEY=VALUE for the 1P1D and adaptive fleets, e.g.
 # SET_DISAGG=scheduler.overlap_reservations=true. ADAPTIVE_VARIANTS (optional): space-separated
 # NAME:KEY=VALUE, each one more adaptive fleet with that setting, run after the default one as
@@ -65,5 +66,11 @@ run "colocated-$CHUNK" "configs/$MODEL-colocated.yaml" --request-rate "${RATES_C
 python3 -m disagg.cluster.cli bench "${merged[@]}" --from-results "results/$W/colocated-$CHUNK" --slo-scales 1,2 \
   --result-dir "results/$W/merged" > "$OUT/$W-merged.log" 2>&1 || echo "merge: rc $?"
 grep -v '^\s*$' "$OUT/$W-merged.log" | tail -40
-tar czf "$OUT/$W.tgz" "results/$W" "$OUT"/"$W"-*.log ${DISAGG_TRACE_DIR:+"$DISAGG_TRACE_DIR"}
-echo "workload $W: $OUT/$W.tgz"
+# Small enough to come back from a device run (~25 MB did not): every run's summary and the logs;
+# the raw results and the traces in their own tars.
+python3 benchmarks/summarize_runs.py --table "results/$W" > "$OUT/$W-runs.md" || true
+python3 benchmarks/summarize_runs.py "results/$W" > "$OUT/$W-runs.json" || true
+cat "$OUT/$W-runs.md"
+tar czf "$OUT/$W.tgz" "results/$W" "$OUT"/"$W"-*.log
+[ -n "${DISAGG_TRACE_DIR:-}" ] && tar czf "$OUT/$W-trace.tgz" "$DISAGG_TRACE_DIR"
+echo "workload $W: $OUT/$W-runs.md, $OUT/$W.tgz${DISAGG_TRACE_DIR:+, $OUT/$W-trace.tgz}"

@@ -6,7 +6,7 @@
 # (profile-h100-served.json, `disagg profile --refit ... --served-steps`), with the served
 # trace's 0.9 ms between steps and 6 ms of hops. From the repository root, venv active:
 #   bash benchmarks/records/headline-h100x2-2026-11-27c/replay.sh        # ~4 min on 2 cores
-#   python3 benchmarks/records/headline-h100x2-2026-11-27c/summarize.py --table results/replay-27c/*
+#   python3 benchmarks/summarize_runs.py --table results/replay-27c/*
 set -euo pipefail
 HERE=benchmarks/records/headline-h100x2-2026-11-27c
 OUTD=${OUTD:-results/replay-27c}

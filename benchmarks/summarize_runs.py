@@ -1,12 +1,14 @@
-"""This record's runs in one table, measured and predicted alike: per run, SLO attainment at 1x
-and 2x the SLOs it was judged at (the result's own ``goodput``: a measured sitting's calibrated
-SLOs, a prediction's the previous calibration), latencies, placements, prefix hits and busy
-fractions (`attainment_of`, the bench's rule). Raw results are not kept in git.
+"""`disagg bench` / `disagg simulate` results in one table, measured and simulated alike: per run,
+SLO attainment at 1x and 2x the SLOs it was judged at (the result's own ``goodput``: a sitting's
+calibrated SLOs), latencies, placements, prefix hits and busy fractions (`attainment_of`, the
+bench's rule). A sitting's small summary (`sitting_headline_workload.sh` writes one), or a
+record's `runs.json` when the raw results stay out of git.
 
-    python3 benchmarks/records/headline-h100x2-2026-11-27c/summarize.py DIR... > runs.json
-    python3 benchmarks/records/headline-h100x2-2026-11-27c/summarize.py --table DIR...
+    python3 benchmarks/summarize_runs.py DIR... > runs.json
+    python3 benchmarks/summarize_runs.py --table DIR...
 
-DIR: an unpacked sitting (its results/<workload>/<label>/*qps*.json) or predict.sh's output.
+DIR: a directory of results (any depth: results/<workload>/<label>/*qps*.json); a run is named
+DIR's last part / its path below DIR. Merged comparisons (``merged/``) are left out.
 """
 
 from __future__ import annotations
