@@ -213,8 +213,8 @@ def calibrate(backend: Backend, requests: Sequence[SampleRequest], options: Swee
     TPOT is the measured pure-decode step, their median TTFT the unloaded time to first token.
     The warm-ups send those same prompts first: ``reset`` (the deployment's prefix-cache reset,
     as `run_sweep`'s, when `options.reset_prefix_cache`) forgets them before the timed requests,
-    else the TTFT measured is a cached prompt's (two H100s, long-prompt: 49 ms for 8k-token
-    prompts whose uncached TTFT is ~0.6 s, an SLO no run could hold). ``stats``: the cluster's
+    else the TTFT measured is a cached prompt's (two H100s, long-prompt: 49 ms for prompts of
+    8k-32k tokens whose loaded TTFT p50 is ~0.85 s, an SLO no run could hold). ``stats``: the cluster's
     stats(), for the prefix hits of the timed requests (``prefix_cache``).
     """
     sample = list(requests[:num_requests])

@@ -92,7 +92,7 @@ def test_each_run_of_a_sweep_starts_with_no_cached_prefix(monkeypatch, reset):
 def test_the_slo_calibration_times_uncached_prompts(monkeypatch, reset):
     """The calibration's warm-ups send the very prompts it then times one at a time: without the
     prefix-cache reset between them its isolated TTFT is a cached prompt's (two H100s, long-prompt:
-    49 ms for 8k-token prompts, an SLO no run could hold)."""
+    49 ms for prompts of 8k-32k tokens, an SLO no run could hold)."""
     from disagg.cluster.bench.sweep import SweepOptions, bench_config
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
