@@ -201,6 +201,8 @@ def plan_command(
     adaptive_chunk_sizes: Annotated[Optional[str], Opt(help="prompt chunk sizes of the adaptive candidates, tokens "
                                                             "(default: --chunk-sizes; one size is a third of the "
                                                             "adaptive runs)")] = None,
+    adaptive_prefer: Annotated[str, Opt(help="router.adaptive_prefer of the adaptive candidates, comma-separated "
+                                             "(fastest, remote, balanced): one candidate each")] = "fastest",
     link_gbps: Annotated[float, Opt(help="KV push bandwidth per prefill instance, GB/s")] = 364.0,
     random_input_len: Annotated[Optional[int], Opt(min=1, help="prompt tokens (random dataset)")] = None,
     random_output_len: Annotated[Optional[int], Opt(min=1, help="output tokens (random dataset)")] = None,
@@ -236,12 +238,22 @@ def plan_command(
     chunks = [int(c) for c in flags.positive_floats(chunk_sizes, "--chunk-sizes")]
     adaptive_chunks = (None if adaptive_chunk_sizes is None else
                        [int(c) for c in flags.positive_floats(adaptive_chunk_sizes, "--adaptive-chunk-sizes")])
+    import typing
+
+    from disagg.config import RouterSection
+
+    prefers = [p.strip() for p in adaptive_prefer.split(",") if p.strip()]
+    known = typing.get_args(RouterSection.model_fields["adaptive_prefer"].annotation)
+    if not prefers or any(p not in known for p in prefers) or len(set(prefers)) < len(prefers):
+        raise typer.BadParameter(f"expected distinct values among {', '.join(known)}, got {adaptive_prefer!r}",
+                                 param_hint="--adaptive-prefer")
     console = Console()
     lengths = dict(input_len=random_input_len, output_len=random_output_len, range_ratio=random_range_ratio)
     try:
         ranked = planner.plan(prof, dataset_name=dataset_name, slos_ms=slos, num_gpus=gpus, chunk_sizes=chunks,
                               run_length=planner.RunLength(run_seconds, min(100, max_prompts), max_prompts),
-                              seed=seed, seeds=seeds, link_gbps=link_gbps, adaptive_chunk_sizes=adaptive_chunks, jobs=jobs,
+                              seed=seed, seeds=seeds, link_gbps=link_gbps, adaptive_chunk_sizes=adaptive_chunks,
+                              adaptive_prefers=prefers, jobs=jobs,
                               on_judged=lambda c: console.print(f"{c.label}: {c.goodput_per_gpu:.3f} req/s per GPU",
                                                                 markup=False),
                               **lengths)

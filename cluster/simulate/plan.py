@@ -10,7 +10,8 @@ The candidates, one instance per GPU, all with the profiled instance's model, pa
                            targets `router.slo_ttft_ms` / `slo_tpot_ms` the SLOs judged, at
                            each `--adaptive-chunk-sizes` C (default: `--chunk-sizes`, as the
                            colocated side: best against best; the label drops [chunk=C] when
-                           there is one)
+                           there is one), and each `--adaptive-prefer` P (`router.adaptive_prefer`;
+                           default fastest alone, labelled [prefer=P] when there are several)
 
 Each candidate's goodput is DistServe's: the highest request rate whose SLO attainment (the
 fraction of requests within every `--goodput` SLO) is at least 90% (`bench.compare.
@@ -82,9 +83,11 @@ def prefill_counts(num_gpus: int) -> list[int]:
 
 def candidates(num_gpus: int, chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, *, splits: bool = True,
                adaptive: bool = True, colocated: bool = True,
-               adaptive_chunk_sizes: Sequence[int] | None = None) -> list[Candidate]:
+               adaptive_chunk_sizes: Sequence[int] | None = None,
+               adaptive_prefers: Sequence[str] = ("fastest",)) -> list[Candidate]:
     """Every deployment of the search for ``num_gpus`` (module docstring; `prefill_counts`);
-    ``adaptive_chunk_sizes`` defaults to ``chunk_sizes``."""
+    ``adaptive_chunk_sizes`` defaults to ``chunk_sizes``; ``adaptive_prefers``: the adaptive
+    candidates' `router.adaptive_prefer` values (set in their YAML unless "fastest", the default)."""
     if num_gpus < 1:
         raise ValueError(f"--gpus: expected at least 1 GPU, got {num_gpus}")
     out = []
@@ -99,10 +102,12 @@ def candidates(num_gpus: int, chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, 
         if adaptive:
             chunks = list(chunk_sizes if adaptive_chunk_sizes is None else adaptive_chunk_sizes)
             for chunk in chunks:
-                suffix = f"[chunk={chunk}]" if len(chunks) > 1 else ""
-                out.append(Candidate(f"{x}P{num_gpus - x}D-adaptive{suffix}", {
-                    "instances": instances, "router": {"placement": "adaptive"},
-                    "scheduler": {"max_num_batched_tokens": chunk}}))
+                for prefer in adaptive_prefers:
+                    suffix = (f"[chunk={chunk}]" if len(chunks) > 1 else "") + \
+                        (f"[prefer={prefer}]" if len(adaptive_prefers) > 1 else "")
+                    router = {"placement": "adaptive", **({"adaptive_prefer": prefer} if prefer != "fastest" else {})}
+                    out.append(Candidate(f"{x}P{num_gpus - x}D-adaptive{suffix}", {
+                        "instances": instances, "router": router, "scheduler": {"max_num_batched_tokens": chunk}}))
     return out
 
 
@@ -187,8 +192,8 @@ def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_
 def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_gpus: int,
          chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, run_length: RunLength = RunLength(), seed: int = 0,
          seeds: int = 1, link_gbps: float = 364.0, search: Sequence[Candidate] | None = None,
-         adaptive_chunk_sizes: Sequence[int] | None = None, jobs: int = 1,
-         on_judged: Callable[[Candidate], None] | None = None, **lengths: Any) -> list[Candidate]:
+         adaptive_chunk_sizes: Sequence[int] | None = None, adaptive_prefers: Sequence[str] = ("fastest",),
+         jobs: int = 1, on_judged: Callable[[Candidate], None] | None = None, **lengths: Any) -> list[Candidate]:
     """Judge every candidate, ``jobs`` at a time in worker processes (each simulation is one
     core's work: 19 candidates of 64 GPUs take ~75 minutes of one); return them best first
     (goodput per GPU, then the order searched). ``on_judged`` sees each as it is judged.
@@ -206,7 +211,8 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
     base = base_sections(profile, slos_ms)
     judged = []
     search = search if search is not None else candidates(num_gpus, chunk_sizes,
-                                                           adaptive_chunk_sizes=adaptive_chunk_sizes)
+                                                           adaptive_chunk_sizes=adaptive_chunk_sizes,
+                                                           adaptive_prefers=adaptive_prefers)
     for cand in search:
         router = cand.sections.get("router") or {}
         if router.get("placement") == "adaptive":  # it predicts against the SLOs it is judged by

@@ -55,9 +55,10 @@ def test_cli_prints_every_candidate_and_writes_a_loadable_yaml(tmp_path: Path):
     result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--dataset-name", "random",
                                       "--random-input-len", "64", "--random-output-len", "16", "--goodput",
                                       "ttft:300", "tpot:20", "--gpus", "2", "--chunk-sizes", "256",
-                                      "--run-seconds", "3", "--max-prompts", "150", "--out", str(out)])
+                                      "--run-seconds", "3", "--max-prompts", "150", "--out", str(out),
+                                      "--adaptive-prefer", "fastest,balanced"])
     assert result.exit_code == 0, result.output
-    for label in ("colocated-2[chunk=256]", "1P1D", "1P1D-adaptive"):
+    for label in ("colocated-2[chunk=256]", "1P1D", "1P1D-adaptive[prefer=fastest]", "1P1D-adaptive[prefer=balanced]"):
         assert label in result.output
     config = Config.from_yaml(out)
     assert config.instances.num_gpus == 2 and config.model.source == "dummy:tiny"
@@ -69,6 +70,10 @@ def test_cli_needs_slos(tmp_path: Path):
     profile.write_text(json.dumps(PROFILE))
     result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--gpus", "2"])
     assert result.exit_code == 2 and "--goodput" in result.output
+    for bad in ("fastest,local", "fastest,fastest", ","):
+        result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--gpus", "2", "--goodput", "ttft:300",
+                                          "tpot:20", "--adaptive-prefer", bad])
+        assert result.exit_code == 2 and "--adaptive-prefer" in result.output and "balanced" in result.output, bad
 
 
 def test_search_space_every_split_up_to_8_gpus_then_ratios():
@@ -81,6 +86,11 @@ def test_search_space_every_split_up_to_8_gpus_then_ratios():
         ("1P1D-adaptive[chunk=512]", 512), ("1P1D-adaptive[chunk=8192]", 8192)]
     own = planner.candidates(2, chunk_sizes=(512, 8192), splits=False, colocated=False, adaptive_chunk_sizes=(2048,))
     assert [c.label for c in own] == ["1P1D-adaptive"] and own[0].sections["scheduler"]["max_num_batched_tokens"] == 2048
+    # Several adaptive preferences: one candidate each, the preference in its label and YAML.
+    prefers = planner.candidates(2, chunk_sizes=(512,), splits=False, colocated=False,
+                                 adaptive_prefers=("fastest", "balanced"))
+    assert [(c.label, c.sections["router"].get("adaptive_prefer")) for c in prefers] == [
+        ("1P1D-adaptive[prefer=fastest]", None), ("1P1D-adaptive[prefer=balanced]", "balanced")]
     assert planner.prefill_counts(8) == list(range(1, 8))
     assert planner.prefill_counts(64) == [8, 11, 16, 21, 32, 43, 48, 53, 56]
     with pytest.raises(ValueError, match="at least 1 GPU"):
