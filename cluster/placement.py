@@ -325,7 +325,10 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
         return Decision(min(remote, key=lambda c: c.ttft_s), tuple(judged))
     if ok:
         best = min(c.ttft_s for c in ok)
-        near = [c for c in ok if c.ttft_s <= best * (1.0 + c.margin)]
+        # Within its model's margin of the best; and whatever is faster than one that is (a path
+        # predicted sooner and surer must not lose to a slower one for its wider margin).
+        cutoff = max(c.ttft_s for c in ok if c.ttft_s <= best * (1.0 + c.margin))
+        near = [c for c in ok if c.ttft_s <= cutoff]
         path = min(near, key=lambda c: (PREFERENCE.index(c.path), c.ttft_s)).path
         if targets.prefer == "balanced" and _decode_on_prefill(prompt_len, near, views, targets):
             path = "kept"
