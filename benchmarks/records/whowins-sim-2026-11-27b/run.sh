@@ -3,7 +3,7 @@
 # rate (`--seeds 3`), two rows at a time. From the repository root:
 #   bash benchmarks/records/whowins-sim-2026-11-27b/run.sh [TAG ...]    (default: every row)
 set -euo pipefail
-HERE=benchmarks/records/whowins-sim-2026-11-27b
+HERE=${HERE:-benchmarks/records/whowins-sim-2026-11-27b}  # the record whose logs/ these go to
 P=benchmarks/records/simulator-2026-11-27b/profile-h100-v2.json
 X=benchmarks/records/whowins-sim-2026-11-27/profile-h100-v2-ctx33792.json
 declare -A ROWS=(
@@ -17,7 +17,7 @@ TAGS=("$@"); [ ${#TAGS[@]} -gt 0 ] || TAGS=(dh-r dh-s chat-r chat-s ph-r ph-s lp
 one() {
   read -r prof w ttft tpot <<< "${ROWS[$1]}"
   python -m disagg.cluster.cli plan --profile "$prof" --gpus 2 --dataset-name "$w" \
-    --goodput "ttft:$ttft" "tpot:$tpot" --chunk-sizes 512,2048,8192 --seeds 3 > "$HERE/logs/$1.log" 2>&1
+    --goodput "ttft:$ttft" "tpot:$tpot" --chunk-sizes 512,2048,8192 --seeds 3 ${PLAN_FLAGS:-} > "$HERE/logs/$1.log" 2>&1
 }
 for ((i = 0; i < ${#TAGS[@]}; i += 2)); do
   one "${TAGS[i]}" & [ $((i + 1)) -lt ${#TAGS[@]} ] && one "${TAGS[i + 1]}" & wait

@@ -1,24 +1,9 @@
 #!/usr/bin/env bash
-# The two-GPU who-wins rows of whowins-sim-2026-11-27, re-planned at 769fa11 (the prefill-queue bound and near-tie fixes) with both adaptive preferences, 3 draws per
-# rate (`--seeds 3`), two rows at a time. From the repository root:
+# The two-GPU who-wins rows of whowins-sim-2026-11-27, re-planned at 769fa11 (the prefill-queue
+# bound and near-tie fixes) with both adaptive preferences, 3 draws per rate (`--seeds 3`), two
+# rows at a time: ../whowins-sim-2026-11-27b/run.sh with this record's logs/ and one more flag.
+# From the repository root:
 #   bash benchmarks/records/whowins-sim-2026-11-27c/run.sh [TAG ...]    (default: every row)
 set -euo pipefail
-HERE=benchmarks/records/whowins-sim-2026-11-27c
-P=benchmarks/records/simulator-2026-11-27b/profile-h100-v2.json
-X=benchmarks/records/whowins-sim-2026-11-27/profile-h100-v2-ctx33792.json
-declare -A ROWS=(
-  [chat-s]="$P chat 74 17"            [chat-r]="$P chat 148 34"
-  [ph-s]="$P prefill-heavy 149 17"    [ph-r]="$P prefill-heavy 298 34"
-  [dh-s]="$P decode-heavy 25 17"      [dh-r]="$P decode-heavy 50 34"
-  [lp-s]="$P long-prompt 712 18"      [lp-r]="$P long-prompt 1424 36"
-  [lpx-s]="$X long-prompt 2470 19"    [lpx-r]="$X long-prompt 4940 38"
-)
-TAGS=("$@"); [ ${#TAGS[@]} -gt 0 ] || TAGS=(dh-r dh-s chat-r chat-s ph-r ph-s lp-r lp-s lpx-r lpx-s)
-one() {
-  read -r prof w ttft tpot <<< "${ROWS[$1]}"
-  python -m disagg.cluster.cli plan --profile "$prof" --gpus 2 --dataset-name "$w" \
-    --goodput "ttft:$ttft" "tpot:$tpot" --chunk-sizes 512,2048,8192 --seeds 3 --adaptive-prefer fastest,balanced > "$HERE/logs/$1.log" 2>&1
-}
-for ((i = 0; i < ${#TAGS[@]}; i += 2)); do
-  one "${TAGS[i]}" & [ $((i + 1)) -lt ${#TAGS[@]} ] && one "${TAGS[i + 1]}" & wait
-done
+HERE=benchmarks/records/whowins-sim-2026-11-27c PLAN_FLAGS="--adaptive-prefer fastest,balanced" \
+  exec bash benchmarks/records/whowins-sim-2026-11-27b/run.sh "$@"
