@@ -180,8 +180,9 @@ def queued_prompt_tokens(instances: list[Instance], requests: list[Request]) -> 
     (`router.prefill_queue_tokens` bounds them): a pushed prompt's until its prefill instance
     lets it go, a kept or local one's until its first token. Not `Picker.loads`, which also
     weighs the tokens a request decodes there: a prefill instance keeping a few requests would
-    otherwise hold every remote prompt back behind decodes that queue no prompt (simulated, two
-    GPUs, chat 24 req/s with 69 kept: TTFT p50 1.5 s, all of it before placement)."""
+    otherwise hold every remote prompt back behind decodes that queue no prompt, and every request
+    queued behind that one (two H100s, decode-heavy 22 req/s with 140 kept: submit -> placed p50
+    5.6 s, p99 TTFT 10.4 s; benchmarks/records/headline-h100x2-2026-11-27c/)."""
     queued = {inst.name: 0 for inst in instances}
     for req in requests:
         if req.prefill is not None and req.stage in ("reserving", "prefilling"):
