@@ -12,7 +12,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import typer
 
@@ -78,12 +78,17 @@ def percentile_metrics(value: Optional[str]) -> tuple[str, ...]:
     return names
 
 
-def datasets(value: str) -> list[str]:
+def choices(value: str, known: Sequence[str], flag: str, distinct: bool = False) -> list[str]:
+    """``a,b,c`` -> [a, b, c], each one of ``known`` (and, with ``distinct``, none twice)."""
     names = [name for name in value.replace(" ", "").split(",") if name]
-    if not names or any(name not in DATASETS for name in names):
-        raise typer.BadParameter(f"expected one or more of {', '.join(DATASETS)} (comma-separated), got "
-                                 f"{value!r}", param_hint="--dataset-name")
+    if not names or any(name not in known for name in names) or (distinct and len(set(names)) < len(names)):
+        raise typer.BadParameter(f"expected one or more{' distinct' if distinct else ''} of {', '.join(known)} "
+                                 f"(comma-separated), got {value!r}", param_hint=flag)
     return names
+
+
+def datasets(value: str) -> list[str]:
+    return choices(value, DATASETS, "--dataset-name")
 
 
 def key_values(specs: Optional[list[str]], flag: str, example: str) -> dict[str, str]:

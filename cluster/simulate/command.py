@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import typing
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -238,15 +239,10 @@ def plan_command(
     chunks = [int(c) for c in flags.positive_floats(chunk_sizes, "--chunk-sizes")]
     adaptive_chunks = (None if adaptive_chunk_sizes is None else
                        [int(c) for c in flags.positive_floats(adaptive_chunk_sizes, "--adaptive-chunk-sizes")])
-    import typing
-
     from disagg.config import RouterSection
 
-    prefers = [p.strip() for p in adaptive_prefer.split(",") if p.strip()]
-    known = typing.get_args(RouterSection.model_fields["adaptive_prefer"].annotation)
-    if not prefers or any(p not in known for p in prefers) or len(set(prefers)) < len(prefers):
-        raise typer.BadParameter(f"expected distinct values among {', '.join(known)}, got {adaptive_prefer!r}",
-                                 param_hint="--adaptive-prefer")
+    prefers = flags.choices(adaptive_prefer, typing.get_args(RouterSection.model_fields["adaptive_prefer"].annotation),
+                            "--adaptive-prefer", distinct=True)
     console = Console()
     lengths = dict(input_len=random_input_len, output_len=random_output_len, range_ratio=random_range_ratio)
     try:
