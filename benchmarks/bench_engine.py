@@ -26,6 +26,11 @@ Rows (ours / anchor = ratio, target):
   (`DISAGG_LINEAR`, default auto: the skinny kernel for the LM head only), cuBLASLt, transposed
   weights and the skinny Triton GEMM (`disagg.kernels.linear`) for every weight, each against the
   weights-only bound. A/B of the model's choices as decode rows: `--variants`.
+- short_p{n}_dec{d}_{piecewise,full}: a step of an n-token prompt beside d decodes (ctx 1024), the step a cached or
+  short prompt costs: its period back to back / the pure-decode graph step of the same d decodes;
+  `host_ms` is `execute()`'s host time with the GPU idle (over the period: the step is
+  host-bound); `piecewise` rows run the prompt graphs, `full` ones the whole-forward mixed graphs
+  (`scheduler.cuda_graphs: full`). `--host-profile` adds cProfile's top functions of those calls.
 - cold/warm: the first forward of each kind (kernel compilation) vs the next; graph capture
   seconds for every bucket up to 256 at context 1024.
 """
@@ -54,7 +59,7 @@ from disagg.settings import Settings
 
 GiB = 1 << 30
 PAGE_SIZE = 16
-GROUPS = ("cold", "decode", "prefill", "mixed", "projections", "idle")
+GROUPS = ("cold", "decode", "prefill", "mixed", "short", "projections", "idle")
 
 
 class LocalHeap:
@@ -137,7 +142,9 @@ class Bench:
         self.model, self.device = model, model.device
         self.num_pages = num_pages
         kv = torch.zeros(model.kv_shape(num_pages, PAGE_SIZE), dtype=model.dtype, device=self.device)
-        self.runner = ModelRunner(model, kv, max_num_seqs=max_num_seqs)
+        self.runner = ModelRunner(model, kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
+                                  mixed_graphs=True)
+        self.mixed_graphs, self.runner.mixed_graphs = self.runner.mixed_graphs, None  # `short` rows only
         self.factory = RequestFactory(())
 
     def plan(self, contexts: list[int], new_tokens: list[int]):
@@ -389,6 +396,52 @@ def mixed_row(bench: Bench, chunk: int, num_decodes: int, ctx: int) -> dict:
             "target": "report (< 1: one mixed forward beats two)", "anchor": "chunk alone + decodes alone"}
 
 
+def short_rows(bench: Bench, prompts: list[int], num_decodes: int, ctx: int,
+               host_profile: bool = False) -> list[dict]:
+    """Steps of a short prompt beside running decodes (see the module docstring), piecewise and
+    (on CUDA) from the whole-forward mixed graphs."""
+    device, rows = bench.device, []
+    dec_plan, dec_reqs = bench.plan([ctx - 1] * num_decodes, [1] * num_decodes)
+    decodes = timed(lambda: bench.forward(dec_plan, dec_reqs), 20, device)
+    modes = ["piecewise"]
+    if bench.mixed_graphs is not None:
+        modes.append("full")
+        capture_s = bench.mixed_graphs.capture_all(ctx)
+        rows.append({"name": "mixed_graphs_capture", "seconds": capture_s, "graphs": bench.mixed_graphs.num_graphs})
+    for mode, prompt in ((m, p) for p in prompts for m in modes):
+        bench.runner.mixed_graphs = bench.mixed_graphs if mode == "full" else None
+        plan, reqs = bench.plan([ctx - 1] * num_decodes + [0], [1] * num_decodes + [prompt])
+        period = timed(lambda: bench.forward(plan, reqs), 20, device)
+        host = []
+        for _ in range(10):
+            sync(device)
+            t0 = time.perf_counter()
+            bench.forward(plan, reqs)
+            host.append(time.perf_counter() - t0)
+        sync(device)
+        row = {"name": f"short_p{prompt}_dec{num_decodes}_{mode}", "ours_ms": period * 1e3,
+               "anchor_ms": decodes * 1e3, "ratio": period / decodes,
+               "host_ms": float(np.median(host)) * 1e3, "prompt_graph_replays": bench.runner.num_prompt_graph_replays,
+               "target": "report (1.0: the prompt rides the decode step for free)",
+               "anchor": f"decode graph step of {num_decodes}"}
+        if host_profile:
+            import cProfile
+            import io
+            import pstats
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(10):
+                bench.forward(plan, reqs)
+                sync(device)
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+            row["host_profile"] = text.getvalue()
+        rows.append(row)
+    bench.runner.mixed_graphs = None
+    return rows
+
+
 def cold_warm_rows(bench: Bench, prompt: int, capture_batches: list[int], ctx: int) -> list[dict]:
     device, rows = bench.device, []
     for name, (contexts, new) in {"prefill": ([0], [prompt]), "decode_eager": ([ctx - 1] * 4, [1] * 4)}.items():
@@ -465,6 +518,8 @@ def main() -> None:
                              "comma-separated VAR=VALUE environment settings ('base' for none), "
                              "each with a fresh runner and graphs, e.g. "
                              "'base;DISAGG_LINEAR=triton;DISAGG_LINEAR=triton,DISAGG_LAYER_PDL=1'")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="short rows: add cProfile's top host functions (printed)")
     parser.add_argument("--batches", default=None, help="decode batch sizes (default 1,8,64,256)")
     parser.add_argument("--contexts", default=None, help="decode contexts (default 1024,4096)")
     args = parser.parse_args()
@@ -533,6 +588,9 @@ def main() -> None:
         rows.append(prefill_row(bench, 2 if small else 8, 128 if small else 2048, 512 if small else 8192))
     if "mixed" in only:
         rows.append(mixed_row(bench, 128 if small else 2048, 8 if small else 64, contexts[0]))
+    if "short" in only:
+        rows += short_rows(bench, [8, 128] if small else [8, 128, 512], 8 if small else 24, contexts[0],
+                           args.host_profile)
     del bench
     if gpu:
         torch.cuda.empty_cache()
@@ -550,7 +608,10 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     for row in rows:
-        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}))
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                          if k != "host_profile"}))
+        if "host_profile" in row:
+            print(row["host_profile"])
 
 
 if __name__ == "__main__":

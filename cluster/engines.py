@@ -150,7 +150,8 @@ def make_engine(role: str, model: Any, heap: Any, num_pages: int, config: Config
     common = dict(num_pages=num_pages, page_size=config.cache.page_size,
                   max_num_seqs=config.scheduler.max_num_seqs, kv_dtype=kv_dtype,
                   prefix_caching=config.cache.prefix_caching,
-                  prompt_graphs=None if mode == "full_and_piecewise" else False)
+                  prompt_graphs=None if mode in ("full", "full_and_piecewise") else False,
+                  mixed_graphs=None if mode == "full" else False)
     budget = config.scheduler.max_num_batched_tokens
     if role == "prefill":
         # Decode graphs where the router may keep a request on it to decode (adaptive placement):
@@ -159,7 +160,8 @@ def make_engine(role: str, model: Any, heap: Any, num_pages: int, config: Config
         return PrefillEngine(model, heap, max_num_batched_tokens=budget, use_cuda_graphs=None if keeps else False,
                              force_segment_puts=config.transfer.force_segment_puts, **common)
     graphs = dict(use_cuda_graphs=False if mode == "none" else None,
-                  async_scheduling=config.scheduler.async_scheduling)
+                  async_scheduling=config.scheduler.async_scheduling,
+                  async_prompts=config.scheduler.async_prompts)
     if role == "decode":
         return DecodeEngine(model, heap, lease_s=config.router.lease_s, max_num_batched_tokens=budget,
                             **graphs, **common)

@@ -195,18 +195,25 @@ class SchedulerSection(Section):
                                                      "(hides the host's bookkeeping, which otherwise "
                                                      "leaves the GPU idle between steps); false: read "
                                                      "every step's tokens first")
+    async_prompts: bool = Field(True, description="with async_scheduling: the step that starts waiting "
+                                                  "prompts is launched before the tokens of the step in "
+                                                  "flight are read, its decodes fed those tokens on the "
+                                                  "GPU (a new request waits one step less); false: it "
+                                                  "waits for the tokens, as before 2026-11-27")
     overlap_reservations: bool = Field(True, description="decode instances answer the router's page "
                                                          "reservations while a forward runs on the GPU "
                                                          "(polled every 0.1 ms) instead of between steps: "
                                                          "a remote request's TTFT loses the wait for the "
                                                          "decode step in flight (two H100s, chat: the "
                                                          "wait p50 17.8 -> 1.0 ms); false: between steps")
-    cuda_graphs: Literal["full_and_piecewise", "full_decode_only", "none"] = Field(
-        "full_and_piecewise", description="CUDA graphs on GPUs (vLLM's cudagraph_mode names): "
-                                          "full_and_piecewise: pure-decode steps replay whole-forward "
-                                          "graphs, prompt and mixed steps of <= 2048 tokens piecewise "
-                                          "graphs between their attentions; full_decode_only: prompt "
-                                          "steps run eagerly; none: everything eager")
+    cuda_graphs: Literal["full", "full_and_piecewise", "full_decode_only", "none"] = Field(
+        "full", description="CUDA graphs on GPUs (vLLM's cudagraph_mode names): "
+                                          "full: as full_and_piecewise, and prompt and mixed steps of "
+                                          "<= 512 tokens that push nothing replay whole-forward graphs, "
+                                          "attention included; full_and_piecewise: pure-decode steps "
+                                          "replay whole-forward graphs, prompt and mixed steps of <= "
+                                          "2048 tokens piecewise graphs between their attentions; "
+                                          "full_decode_only: prompt steps run eagerly; none: everything eager")
     phase_split: Literal["off", "sm", "auto"] = Field(
         "off", description="off: prompt chunks and decodes share each step (chunked prefill); sm and "
                            "auto (prefill and decode on separate SM partitions of one GPU) are refused: "

@@ -19,7 +19,11 @@ pure-decode step's slots and plan; if after the sync the batch is the same (nobo
 aborted or arrived) the next step reuses that plan and the sampled ids still on the device.
 ``async_scheduling`` launches that reserved step before this one's tokens are read (a token
 sampled after a stop is discarded; pages of requests that end meanwhile are released once no
-launched step writes them).
+launched step writes them). When prompts wait to join instead (``async_prompts``), the step
+launched ahead is the mixed one: the running decodes, fed this step's sampled ids on the device,
+plus the waiting prompts' chunks, as vLLM v1's async scheduling does; a new request then waits
+for the step in flight to end on the GPU, not for its tokens to be read and a step scheduled
+after it (docs/ARCHITECTURE.md §6).
 
 Prefix caching (``prefix_caching``, `disagg.cache`): a prompt enters the cache forked from its
 longest cached prefix (`Scheduler._enter`) and computes only the rest; KV known to be written is
@@ -66,8 +70,12 @@ class EngineCore:
         use_cuda_graphs: decode graphs; None = on CUDA; False = eager always.
         prompt_graphs: piecewise graphs of prompt and mixed forwards (`disagg.engine.prompt_graphs`);
             None = as ``use_cuda_graphs``.
+        mixed_graphs: whole-forward CUDA graphs of short prompt and mixed steps that push nothing
+            (`disagg.engine.mixed_graphs`; needs the decode graphs); None = as the decode graphs.
         async_scheduling: launch a reserved decode-only step before reading the tokens of the one
             before it (module docstring).
+        async_prompts: with ``async_scheduling``, launch the step that starts waiting local
+            prompts that way too (module docstring); False: it waits for the tokens.
         lease_s: seconds a reservation waits for its doorbell before its pages are released.
         clock: monotonic clock for leases (tests pass a fake one).
         force_segment_puts: push with segment puts even to load/store-reachable peers.
@@ -79,7 +87,7 @@ class EngineCore:
     def __init__(self, model, *, num_pages: int, page_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, heap=None, kv_dtype: torch.dtype | None = None,
                  use_cuda_graphs: bool | None = None, prompt_graphs: bool | None = None,
-                 async_scheduling: bool = True, lease_s: float = 60.0,
+                 mixed_graphs: bool | None = None, async_scheduling: bool = True, async_prompts: bool = True, lease_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, force_segment_puts: bool = False,
                  prefix_caching: bool = True) -> None:
         check_engine_sizes(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
@@ -95,12 +103,13 @@ class EngineCore:
                                                                               device=model.device)
         self.runner = ModelRunner(model, self.kv, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, use_cuda_graphs=use_cuda_graphs,
-                                  prompt_graphs=prompt_graphs)
+                                  prompt_graphs=prompt_graphs, mixed_graphs=mixed_graphs)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.requests: dict[Hashable, Request] = {}
         self._factory = RequestFactory(tuple(model.config.eos_token_ids))
         self._outputs: list[TokenOutput] = []  # abort notices and the like, returned by the next step
         self.async_scheduling = bool(async_scheduling)
+        self.async_prompts = bool(async_prompts)
         # Called inside `step` with a readiness poll while a launched forward's ids are on their
         # way (the step loop runs the calls that may run mid-step: `StepLoop.while_gpu_runs`).
         self.on_gpu_wait: Callable[[Callable[[], bool]], None] | None = None
@@ -111,6 +120,7 @@ class EngineCore:
         self.last_step_prompts: tuple = ()  # that forward's prompts' request ids (only while tracing)
         self.num_reserved_steps = 0  # steps that ran a plan reserved during the step before
         self.num_steps_ahead = 0
+        self.num_prompt_steps_ahead = 0  # of those: steps that started waiting prompts
         # Pushing (needs a heap): pushed prompts done but maybe still in flight, aborted ones.
         self._pusher = None  # built on the first pushed prompt: a receive-only instance never needs one
         self._force_segment_puts = force_segment_puts
@@ -427,7 +437,9 @@ class EngineCore:
                 "num_preemptions": self.scheduler.num_preemptions, "num_forwards": self.runner.num_forwards,
                 "num_graph_replays": self.runner.num_graph_replays,
                 "num_prompt_graph_replays": self.runner.num_prompt_graph_replays,
+                "num_mixed_graph_replays": self.runner.num_mixed_graph_replays,
                 "num_reserved_steps": self.num_reserved_steps, "num_steps_ahead": self.num_steps_ahead,
+                "num_prompt_steps_ahead": self.num_prompt_steps_ahead,
                 **self.cache.prefix_stats()}
 
     def _warmup(self, *, prompt_len: int | None, decode: bool, max_kv_len: int | None) -> dict[str, float]:
@@ -502,17 +514,21 @@ class EngineCore:
             batch = self.scheduler.schedule()
         return self._launch(batch) if batch else None
 
-    def _launch(self, batch: ScheduledBatch) -> Launched:
-        """Launch one forward over ``batch`` (the scheduler's); pushed prompts push their layers."""
+    def _launch(self, batch: ScheduledBatch, device_ids: torch.Tensor | None = None) -> Launched:
+        """Launch one forward over ``batch`` (the scheduler's); pushed prompts push their layers.
+        ``device_ids``: the ids of the batch's first k requests (decodes of the step in flight,
+        which samples them), on the device."""
         reqs, counts = batch.requests, batch.num_tokens
+        k = 0 if device_ids is None else int(device_ids.shape[0])
         for req in reqs:
             if req.dest is not None and not req.sending:  # entered the cache for this forward
                 self.cache.disagg_mark_send(req.seq_id, req.dest.num_cached_tokens, req.dest.cmap, req.dest.pe)
                 self.pusher.attach_doorbell(req.seq_id, req.dest.ticket)
                 req.sending = True
         ids = np.concatenate([np.asarray(r.token_ids[r.num_computed: r.num_computed + n], dtype=np.int64)
-                              for r, n in zip(reqs, counts)])
-        rows = [i for i, (r, n) in enumerate(zip(reqs, counts)) if r.num_computed + n == len(r.token_ids)]
+                              for r, n in zip(reqs[k:], counts[k:])])
+        # (the first k decode rows compute the token the step in flight samples: not appended yet)
+        rows = [i for i, (r, n) in enumerate(zip(reqs, counts)) if i < k or r.num_computed + n == len(r.token_ids)]
         sampled = [reqs[i] for i in rows]
         shape = StepShape.of(reqs, counts)
         prompt_ids: tuple = ()
@@ -525,8 +541,10 @@ class EngineCore:
         plan = self.cache.begin_forward([r.seq_id for r in reqs], counts)
         num_pushed = int(np.count_nonzero(plan.push_slots >= 0)) + len(plan.copy_remote_slots)
         try:
+            offsets = [1 if i < k else 0 for i in rows] if k else 0  # their tokens: not appended yet
             pending = self.runner.execute(plan, ids, np.asarray(rows, dtype=np.int64), sampled,
-                                          pusher=self.pusher if plan.has_transfers else None)
+                                          pusher=self.pusher if plan.has_transfers else None,
+                                          step_offset=offsets, device_prefix=device_ids)
         finally:
             self.cache.end_forward()
         for r, n in zip(reqs, counts):
@@ -545,18 +563,44 @@ class EngineCore:
         return Launched(reqs, reqs, pending, frozenset(r.seq_id for r in reqs), shape=shape)
 
     def _launch_ahead(self, current: Launched) -> Launched | None:
-        """Launch the reserved next step before ``current``'s ids are read, when it holds exactly
-        ``current``'s requests (all running, none waiting to join); its input ids are
-        ``current``'s sampled ids on the device."""
+        """Launch the next step before ``current``'s ids are read, when the reserved one holds
+        exactly ``current``'s requests (all running): that reserved step when none waits to join,
+        else (``async_prompts``) those decodes plus the waiting prompts' chunks (`_launch_behind`);
+        the decodes' input ids are ``current``'s sampled ids on the device."""
         nxt = self._next
-        if nxt is None or self._joining() or not same_requests(nxt.requests, current.sampled):
+        if nxt is None or not same_requests(nxt.requests, current.sampled):
             return None
         if not same_requests(nxt.requests, self.running) or any(
                 self.requests.get(r.request_id) is not r for r in nxt.requests):
             return None
+        if self._joining():
+            return self._launch_behind(current) if self.async_prompts else None
         self._next = None
         self.num_steps_ahead += 1
         return self._launch_reserved(nxt, current.pending.device_tokens, step_offset=1)
+
+    def _launch_behind(self, current: Launched) -> Launched | None:
+        """The mixed step launched ahead: the reserved decodes' slots are rolled back, and the
+        scheduler takes them again with the waiting local prompts (`Scheduler.schedule_behind`).
+        None (nothing launched) when received requests wait to join, a chunk would push, or no
+        chunk fits; the next step is then scheduled once ``current``'s tokens are read."""
+        if self.ready or (current.pending.push_done is not None):
+            return None
+        nxt = self._take_reserved_back()
+        batch = self.scheduler.schedule_behind(nxt.requests)
+        if batch is None or any(r.dest is not None for r in batch.requests[len(nxt.requests):]):
+            return None
+        self.num_steps_ahead += 1
+        self.num_prompt_steps_ahead += 1
+        return self._launch(batch, current.pending.device_tokens)
+
+    def _take_reserved_back(self) -> NextStep:
+        """Roll the reserved step's slots back (its requests stay in the cache) and return it."""
+        nxt, self._next = self._next, None
+        for req in nxt.requests:
+            if req.in_cache and req.seq_id in self.cache:
+                self.cache.popn(req.seq_id, 1)
+        return nxt
 
     def _reserve_next(self, reqs: list[Request]) -> None:
         """Reserve the next step's slots when it will surely be this pure-decode batch again:
@@ -584,8 +628,7 @@ class EngineCore:
         if (nxt.device_ids is not None and not self._joining() and same_requests(nxt.requests, self.running)
                 and all(self.requests.get(r.request_id) is r for r in nxt.requests)):
             return nxt
-        for req in nxt.requests:
-            if req.in_cache and req.seq_id in self.cache:
-                self.cache.popn(req.seq_id, 1)
+        self._next = nxt
+        self._take_reserved_back()
         return None
 

@@ -5,8 +5,10 @@ Every engine owns one, in its own process, next to its KV tensor. A step is:
     plan (host, from PagedKVCache) -> AttentionBatch (device) -> model.forward -> sample rows
 
 Pure-decode batches on CUDA replay a CUDA graph of the forward (`disagg.engine.graphs`), padded
-up to the next batch-size bucket; prompt chunks and mixed batches up to `MAX_GRAPH_TOKENS` tokens
-(pushes included) replay the piecewise graphs between their attentions, which run eagerly
+up to the next batch-size bucket; with ``mixed_graphs`` prompt and mixed batches of up to
+`MAX_FULL_TOKENS` tokens that push nothing replay whole-forward graphs too
+(`disagg.engine.mixed_graphs`); other prompt chunks and mixed batches up to `MAX_GRAPH_TOKENS`
+tokens (pushes included) replay the piecewise graphs between their attentions, which run eagerly
 (`disagg.engine.prompt_graphs`); larger forwards and the CPU run eagerly. Sampling runs after the forward on the same stream, and the sampled ids come back
 through a pinned buffer with an event (`PendingTokens`), so a caller can do host work for the
 next step before it waits for them.
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from disagg.engine.graphs import DecodeGraphs
+from disagg.engine.mixed_graphs import MixedGraphs
 from disagg.engine.prompt_graphs import PromptGraphs
 from disagg.cache import PagedKVCache
 from disagg.engine.request import Request, RequestFactory
@@ -69,12 +72,14 @@ class ModelRunner:
             prompt graphs).
         use_cuda_graphs: decode graphs; None = on CUDA devices; False = always eager.
         prompt_graphs: the piecewise graphs of prompt and mixed forwards; None = as the decode graphs.
+        mixed_graphs: whole-forward graphs of short prompt and mixed forwards without pushes
+            (needs the decode graphs and a token budget; CUDA only); None = as the decode graphs.
         kv_scales: fp8 caches only, handed to ``model.forward``.
     """
 
     def __init__(self, model, kv: torch.Tensor, *, max_num_seqs: int, max_num_batched_tokens: int | None = None,
                  use_cuda_graphs: bool | None = None, prompt_graphs: bool | None = None,
-                 kv_scales=None) -> None:
+                 mixed_graphs: bool | None = None, kv_scales=None) -> None:
         self.model = model
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -86,6 +91,8 @@ class ModelRunner:
         pieces = use if prompt_graphs is None else (bool(prompt_graphs) and on_gpu)
         self.prompt_graphs = (PromptGraphs(model, max_num_batched_tokens)
                               if pieces and max_num_batched_tokens else None)
+        self.mixed_graphs = (MixedGraphs(model, kv, max_num_seqs, max_num_batched_tokens, kv_scales=kv_scales)
+                             if use and (mixed_graphs is None or mixed_graphs) and max_num_batched_tokens else None)
         # Plans come from PagedKVCache, already checked on the host: no device-to-host checks.
         self._check_indices = False if on_gpu else None
         self.num_forwards = 0
@@ -94,7 +101,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ steps
     def execute(self, plan: ForwardPlan, input_ids: np.ndarray | list[int] | torch.Tensor,
                 sample_rows: np.ndarray, sample_requests: list[Request], *,
-                pusher=None, step_offset: int = 0) -> PendingTokens:
+                pusher=None, step_offset: int | list[int] = 0,
+                device_prefix: torch.Tensor | None = None) -> PendingTokens:
         """Run one forward and sample the rows that finished their computation.
 
         Args:
@@ -105,12 +113,25 @@ class ModelRunner:
             pusher: a `KVPusher` for a prefill forward with receivers (begin/end handled here).
             step_offset: tokens each request will have generated before this one beyond those
                 it holds now (1 for a step launched before the previous step's tokens were
-                appended): keeps seeded draws a function of the token's index.
+                appended): keeps seeded draws a function of the token's index; a list: one per
+                sampled row.
+            device_prefix: the ids of the first k rows, on the device (a step launched behind the
+                one that samples them); ``input_ids`` then holds the other T - k (host ints).
 
         Returns:
             The sampled ids (``result()`` waits for them).
         """
         push_done = None
+        if device_prefix is not None:
+            rest = np.asarray(input_ids, np.int64)
+            k = int(device_prefix.shape[0])
+            if (self.mixed_graphs is not None and pusher is None
+                    and (bucket := self.mixed_graphs.bucket(plan)) is not None):
+                logits = self.mixed_graphs.run(plan, np.concatenate([np.zeros(k, np.int64), rest]), bucket,
+                                               device_prefix=device_prefix)
+                self.num_forwards += 1
+                return self._sample(logits, sample_rows, sample_requests, None, step_offset)
+            input_ids = torch.cat([device_prefix.to(torch.int64), self._ids_to_device(rest)])
         if pusher is not None:
             pusher.begin_forward(plan)
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
@@ -123,6 +144,9 @@ class ModelRunner:
             host_or_device = input_ids if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids, np.int64)
             logits = self.graphs.run(plan, host_or_device)
             self.num_graph_replays += 1
+        elif (self.mixed_graphs is not None and not isinstance(input_ids, torch.Tensor)
+              and (bucket := self.mixed_graphs.bucket(plan)) is not None):
+            logits = self.mixed_graphs.run(plan, np.asarray(input_ids, np.int64), bucket)
         else:
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
             logits = self.model.forward(self._ids_to_device(input_ids), batch, self.kv, kv_scales=self.kv_scales,
@@ -137,6 +161,10 @@ class ModelRunner:
     @property
     def num_prompt_graph_replays(self) -> int:
         return 0 if self.prompt_graphs is None else self.prompt_graphs.num_replays
+
+    @property
+    def num_mixed_graph_replays(self) -> int:
+        return 0 if self.mixed_graphs is None else self.mixed_graphs.num_replays
 
     def _ids_to_device(self, input_ids) -> torch.Tensor:
         if isinstance(input_ids, torch.Tensor):
@@ -173,9 +201,10 @@ class ModelRunner:
         pages are freed afterwards. Call it while the engine is idle.
 
         Returns:
-            Seconds per phase: "prefill", "decode", "graphs" (decode graphs), "prompt_graphs".
+            Seconds per phase: "prefill", "decode", "graphs" (decode graphs), "prompt_graphs",
+            "mixed_graphs".
         """
-        seconds = {"prefill": 0.0, "decode": 0.0, "graphs": 0.0, "prompt_graphs": 0.0}
+        seconds = {"prefill": 0.0, "decode": 0.0, "graphs": 0.0, "prompt_graphs": 0.0, "mixed_graphs": 0.0}
         # Room for the prompt, its decode token and the fork's copied page (`_warm_fork_copy`).
         prompt_len = max(1, min(prompt_len, (cache.num_free_pages - 1) * cache.page_size - 1))
         factory = RequestFactory(())
@@ -194,6 +223,8 @@ class ModelRunner:
                         seconds["prompt_graphs"] = self.prompt_graphs.capture_all()
             if decode:
                 seconds["graphs"] = self.capture_graphs(None, max_kv_len)
+                if self.mixed_graphs is not None:
+                    seconds["mixed_graphs"] = self.mixed_graphs.capture_all(max_kv_len)
         finally:
             cache.remove_sequence(req.seq_id)
         return seconds
@@ -202,10 +233,11 @@ class ModelRunner:
         """One eager forward of ``num_tokens`` tokens of ``req`` (compiles what it launches)."""
         plan = cache.begin_forward([req.seq_id], [num_tokens])
         try:
-            graphs, self.graphs, prompt_graphs, self.prompt_graphs = self.graphs, None, self.prompt_graphs, None
+            saved = self.graphs, self.prompt_graphs, self.mixed_graphs
+            self.graphs = self.prompt_graphs = self.mixed_graphs = None
             self.execute(plan, [0] * num_tokens, np.zeros(1, dtype=np.int64), [req]).result()
         finally:
-            self.graphs, self.prompt_graphs = graphs, prompt_graphs
+            self.graphs, self.prompt_graphs, self.mixed_graphs = saved
             cache.end_forward()
 
     def _warm_fork_copy(self, cache: PagedKVCache, factory: RequestFactory, parent: Request) -> None:

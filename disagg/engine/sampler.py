@@ -49,19 +49,21 @@ class SamplingBatch:
     any_top_p: bool
 
     @classmethod
-    def from_requests(cls, requests: list[Request], device: torch.device, step_offset: int = 0) -> SamplingBatch:
+    def from_requests(cls, requests: list[Request], device: torch.device,
+                      step_offset: int | list[int] = 0) -> SamplingBatch:
         """Pack the rows of ``requests`` (in batch order) into one host->device copy; a row's
         step is its request's generated tokens + ``step_offset`` (1 when the previous step's
-        token is not appended yet)."""
+        token is not appended yet; a list: one per row)."""
         n = len(requests)
         if all(req.params.temperature == 0.0 for req in requests):
             return cls(None, None, None, None, None, None, False, False)
+        offsets = [step_offset] * n if isinstance(step_offset, int) else step_offset
         floats = np.empty((2, n), dtype=np.float32)
         ints = np.empty((3, n), dtype=np.int64)
         for i, req in enumerate(requests):
             p = req.params
             floats[0, i], floats[1, i] = p.temperature, p.top_p
-            ints[0, i], ints[1, i], ints[2, i] = p.top_k, req.seed, req.num_output_tokens + step_offset
+            ints[0, i], ints[1, i], ints[2, i] = p.top_k, req.seed, req.num_output_tokens + offsets[i]
         sampled = np.flatnonzero(floats[0] > 0)
         any_top_k = bool((ints[0, sampled] > 0).any())
         any_top_p = bool((floats[1, sampled] < 1.0).any())

@@ -115,6 +115,25 @@ class Scheduler:
             self._schedule_chunks(batch, self.free_pages())
         return batch
 
+    def schedule_behind(self, decodes: list[Request]) -> ScheduledBatch | None:
+        """The batch of a step launched behind the one in flight: ``decodes`` (every running
+        request, each at the token that step samples) one token each, then waiting prompts' chunks
+        as `schedule` takes them. None, with nothing preempted, when a decode's page does not fit
+        or no prompt chunk joins (the step is then scheduled as usual once the tokens are read)."""
+        batch = ScheduledBatch([], [])
+        free = self.free_pages()
+        for req in decodes:
+            if not req.committed_pages:
+                need = self._pages_needed(req, 1)
+                if need > free:
+                    return None
+                free -= need
+            batch.append(req, 1)
+        if len(batch) >= self.max_num_seqs:
+            return None
+        self._schedule_chunks(batch, free)
+        return batch if len(batch) > len(decodes) else None
+
     def finish_prompt(self, req: Request) -> None:
         """``req`` sampled its first token after (re)computing its prompt: it decodes from now on."""
         self.waiting.remove(req)

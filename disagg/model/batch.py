@@ -64,8 +64,9 @@ class AttentionBatch:
         check_indices: passed to the kernel launchers (None: their default policy; False: the
             plan was validated on the host, skip the device-to-host check).
         out: decode only: `[B, H_q, D]` attention output buffer (model dtype), or None.
-        workspace: decode only: `paged_decode`'s split workspace, or None (allocated per call).
-        num_splits: decode only: splits per sequence, or None (heuristic per call).
+        workspace: `paged_decode`'s split workspace (decode rows of a static batch), or None
+            (allocated per call).
+        num_splits: the decode rows' splits per sequence, or None (heuristic per call).
         input_ids: static batches only: `[B]` int64 token buffer filled by `copy_from_plan`.
     """
 
@@ -327,3 +328,157 @@ class _StaticBuffers:
             ids.zero_()
             ids[:n] = torch.as_tensor(np.asarray(token_ids, dtype=np.int64))
         self._upload(flat, ids if token_ids is not None else None)
+
+
+class MixedBuffers:
+    """Fixed device buffers for whole-forward CUDA graphs of prompt and mixed steps, and the
+    pinned staging that fills them (`disagg.engine.mixed_graphs`).
+
+    A graph is captured per (token bucket ``T``, decode bucket ``D``). Its rows: ``0..D-1`` the
+    decodes (one token each; rows past the plan's ``d`` decodes are padding: no pages, slot -1),
+    ``D..`` the prompt tokens of up to ``max_prompts`` sequences, then padding up to ``T`` (slot -1,
+    position 0, owned by no sequence). The prompt sequences' tables are padded with empty
+    sequences (no query rows, no pages); their page table indexes the one `page_indices` buffer
+    after the decodes' pages. `logits_indices` lists the plan's rows in plan order (decodes, then
+    each prompt's last row), so the forward's logits ``[:B]`` are the plan's.
+
+    Args:
+        max_tokens, max_decodes, max_prompts, max_pages: the largest bucket's sizes.
+        num_qo_heads, head_dim, num_kv_heads, dtype: the model's attention shapes.
+        device: the model's device.
+        max_kv_len: the longest sequence (the decode split count of every view follows it).
+    """
+
+    FIELDS = ("positions", "append_slots", "logits_indices", "dec_page_indptr", "dec_last_page_len",
+              "pre_qo_indptr", "pre_page_indptr", "pre_last_page_len", "page_indices")
+
+    def __init__(self, max_tokens: int, max_decodes: int, max_prompts: int, max_pages: int, *,
+                 num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, max_kv_len: int) -> None:
+        if min(max_tokens, max_prompts, max_pages) < 1 or max_decodes < 0:
+            raise ValueError(f"max_tokens, max_prompts, max_pages: expected >= 1 and max_decodes >= 0, got "
+                             f"{max_tokens}, {max_prompts}, {max_pages}, {max_decodes}")
+        self.max_tokens, self.max_decodes, self.max_prompts = max_tokens, max_decodes, max_prompts
+        self.max_pages, self.device, self.max_kv_len = max_pages, torch.device(device), max_kv_len
+        self.attention = (num_qo_heads, num_kv_heads, head_dim, dtype)
+        t, d, p = max_tokens, max_decodes, max_prompts
+        self.sizes = dict(positions=t, append_slots=t, logits_indices=d + p, dec_page_indptr=d + 1,
+                          dec_last_page_len=max(d, 1), pre_qo_indptr=p + 1, pre_page_indptr=p + 1,
+                          pre_last_page_len=p, page_indices=max_pages)
+        self.starts = dict(zip(self.FIELDS, np.cumsum([0] + [-(-self.sizes[f] // _ALIGN) * _ALIGN
+                                                             for f in self.FIELDS]).tolist()))
+        numel = self.starts["page_indices"] + -(-max_pages // _ALIGN) * _ALIGN
+        pin = self.device.type == "cuda"
+        self.flat = torch.zeros(numel, dtype=torch.int32, device=self.device)
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=self.device)
+        self.staging = [(torch.zeros(numel, dtype=torch.int32, pin_memory=pin),
+                         torch.zeros(t, dtype=torch.int64, pin_memory=pin)) for _ in range(2 if pin else 1)]
+        self.events = [torch.cuda.Event() for _ in self.staging] if pin else []
+        self.turn = 0
+        self.views = self._split(self.flat)
+        self.clear()
+
+    def _split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {f: flat[self.starts[f]:self.starts[f] + self.sizes[f]] for f in self.FIELDS}
+
+    def bucket_view(self, num_tokens: int, num_decodes: int) -> AttentionBatch:
+        """The batch a graph of ``num_tokens`` rows with ``num_decodes`` decode rows captures
+        (``num_decodes`` 0: every sequence is a prompt; see the class docstring)."""
+        t, dec = num_tokens, num_decodes
+        if not (0 <= dec < t <= self.max_tokens and dec <= self.max_decodes):
+            raise ValueError(f"bucket: expected 0 <= decodes < tokens <= {self.max_tokens} and decodes <= "
+                             f"{self.max_decodes}, got {t} tokens, {dec} decodes")
+        num_qo_heads, num_kv_heads, head_dim, _ = self.attention
+        v = self.views
+        prompts = dict(prefill_qo_indptr=v["pre_qo_indptr"], prefill_page_indptr=v["pre_page_indptr"],
+                       prefill_page_indices=v["page_indices"], prefill_last_page_len=v["pre_last_page_len"])
+        common = dict(positions=v["positions"][:t], append_slots=v["append_slots"][:t],
+                      logits_indices=v["logits_indices"][:dec + self.max_prompts], page_indices=v["page_indices"],
+                      is_decode=False, max_kv_len=self.max_kv_len, check_indices=False,
+                      input_ids=self.input_ids[:t])
+        if dec == 0:  # one paged_prefill over every row
+            return AttentionBatch(qo_indptr=v["pre_qo_indptr"], page_indptr=v["pre_page_indptr"],
+                                  last_page_len=v["pre_last_page_len"], **common)
+        num_splits = choose_num_splits(dec, num_kv_heads, self.max_kv_len, device_sms(self.device))
+        return AttentionBatch(qo_indptr=v["pre_qo_indptr"], page_indptr=v["dec_page_indptr"][:dec + 1],
+                              last_page_len=v["dec_last_page_len"][:dec], num_decodes=dec, num_splits=num_splits,
+                              workspace=decode_workspace(dec, num_qo_heads, head_dim, num_splits, self.device),
+                              **prompts, **common)
+
+    @staticmethod
+    def shape_of(plan: ForwardPlan) -> tuple[int, int]:
+        """(leading one-token sequences d, prompt sequences p) of a plan, as `from_plan` splits it."""
+        single = np.diff(np.asarray(plan.qo_indptr)) == 1
+        d = len(single) if bool(np.all(single)) else int(np.argmin(single))
+        return d, len(single) - d
+
+    def fill(self, plan: ForwardPlan, token_ids, num_tokens: int, num_decodes: int) -> None:
+        """Lay ``plan`` (and its ids) out for the graph of bucket (``num_tokens``, ``num_decodes``).
+
+        Asynchronous on CUDA like `AttentionBatch.copy_from_plan` (double-buffered pinned staging,
+        enqueued on the current stream). Raises ValueError (nothing written) when the plan does not
+        fit the bucket."""
+        _check_plan(plan)
+        qo = np.asarray(plan.qo_indptr, dtype=np.int64)
+        pages = np.asarray(plan.page_indptr, dtype=np.int64)
+        d, p = self.shape_of(plan)
+        total, nnz = int(qo[-1]), int(pages[-1])
+        dec = num_decodes
+        if not (d <= dec and (dec == 0) == (d == 0) and dec + total - d <= num_tokens <= self.max_tokens
+                and p <= self.max_prompts and nnz <= self.max_pages and len(token_ids) == total):
+            raise ValueError(f"plan: {d} decodes, {p} prompts, {total} tokens, {nnz} pages, {len(token_ids)} ids "
+                             f"do not fit the bucket of {num_tokens} tokens, {dec} decodes, "
+                             f"{self.max_prompts} prompts, {self.max_pages} pages")
+        if self.events:
+            self.events[self.turn].synchronize()
+        flat, ids = self.staging[self.turn]
+        h = {f: a.numpy() for f, a in self._split(flat).items()}
+        ids_np = ids.numpy()
+        self._pad(h, ids_np)
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        rest = slice(dec, dec + total - d)  # the prompts' rows in the graph
+        for name, src in (("positions", plan.positions), ("append_slots", plan.append_slots)):
+            src = np.asarray(src)
+            h[name][:d], h[name][rest] = src[:d], src[d:]
+        ids_np[:d], ids_np[rest] = tokens[:d], tokens[d:]
+        h["page_indices"][:nnz] = plan.page_indices
+        h["dec_page_indptr"][:d + 1] = pages[:d + 1]
+        h["dec_page_indptr"][d + 1:] = pages[d]
+        h["dec_last_page_len"][:d] = np.asarray(plan.last_page_len)[:d]
+        h["pre_qo_indptr"][:p + 1] = qo[d:] - qo[d]
+        h["pre_qo_indptr"][p + 1:] = total - qo[d]
+        h["pre_page_indptr"][:p + 1] = pages[d:]
+        h["pre_page_indptr"][p + 1:] = nnz
+        h["pre_last_page_len"][:p] = np.asarray(plan.last_page_len)[d:]
+        h["logits_indices"][:d] = np.arange(d)
+        h["logits_indices"][d:d + p] = dec + qo[d + 1:] - qo[d] - 1
+        self._upload(flat, ids, nnz)
+
+    def clear(self) -> None:
+        """Every row padding (a forward over any view reads and writes no page), enqueued like `fill`."""
+        if self.events:
+            self.events[self.turn].synchronize()
+        flat, ids = self.staging[self.turn]
+        self._pad({f: a.numpy() for f, a in self._split(flat).items()}, ids.numpy())
+        self._upload(flat, ids)
+
+    @staticmethod
+    def _pad(h: dict[str, np.ndarray], ids: np.ndarray) -> None:
+        h["positions"][:] = 0
+        h["append_slots"][:] = -1
+        h["logits_indices"][:] = 0
+        h["dec_page_indptr"][:] = 0
+        h["dec_last_page_len"][:] = 1
+        h["pre_qo_indptr"][:] = 0
+        h["pre_page_indptr"][:] = 0
+        h["pre_last_page_len"][:] = 1
+        ids[:] = 0  # page_indices stays: no padding row reads it
+
+    def _upload(self, flat: torch.Tensor, ids: torch.Tensor, num_pages: int = 0) -> None:
+        """Copy the staging's tables (page_indices up to ``num_pages``: it is last) and ids."""
+        used = self.starts["page_indices"] + num_pages
+        self.flat[:used].copy_(flat[:used], non_blocking=True)
+        self.input_ids.copy_(ids, non_blocking=True)
+        if self.events:
+            self.events[self.turn].record()
+            self.turn = (self.turn + 1) % len(self.staging)

@@ -219,8 +219,8 @@ class Model:
                       batch.prefill_page_indices, batch.prefill_last_page_len, self.sm_scale,
                       causal=True, out=out[d:], **scales)
         paged_decode(q[:d], kv_layer, batch.page_indptr[:d + 1], batch.page_indices,
-                     batch.last_page_len[:d], self.sm_scale, out=out[:d],
-                     max_seq_len=batch.max_kv_len, **scales)
+                     batch.last_page_len[:d], self.sm_scale, out=out[:d], num_splits=batch.num_splits,
+                     max_seq_len=batch.max_kv_len, workspace=batch.workspace, **scales)
 
     def _check_inputs(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor,
                       kv_scales: KVScales | None) -> None:

@@ -193,8 +193,8 @@ def test_triton_interpreter_end_to_end(tiny_model, expected):
 def test_warmup_leaves_no_trace(tiny_model, torch_reference, expected):
     engine = _engine(tiny_model)
     seconds = engine.warmup()
-    assert set(seconds) == {"prefill", "decode", "graphs", "prompt_graphs"}
-    assert seconds["graphs"] == seconds["prompt_graphs"] == 0.0  # no graphs on CPU
+    assert set(seconds) == {"prefill", "decode", "graphs", "prompt_graphs", "mixed_graphs"}
+    assert seconds["graphs"] == seconds["prompt_graphs"] == seconds["mixed_graphs"] == 0.0  # no graphs on CPU
     assert_all_free(engine)
     engine.add("a", PROMPTS[0], GREEDY)
     with pytest.raises(RuntimeError, match="warmup"):
@@ -256,4 +256,66 @@ def test_async_scheduling_parity_stop_discard_and_deferred_release(tiny_model, t
     tokens = drain(engine)
     assert victim.seq_id not in engine.cache and tokens["a"]["reason"] == "abort"
     assert early + tokens["b"]["tokens"] == expected[3]
+    assert_all_free(engine)
+
+
+def _staggered(engine, arrivals: dict[int, list[tuple]], max_steps: int = 2000) -> dict:
+    """Step ``engine``, adding ``arrivals[i]`` (request id, prompt, params) before step i; the
+    outputs per request as `drain` gives them."""
+    results: dict = {}
+    for i in range(max_steps):
+        for rid, prompt, params in arrivals.get(i, ()):
+            engine.add(rid, prompt, params)
+        if not engine.has_work() and i > max(arrivals):
+            return results
+        for out in engine.step():
+            entry = results.setdefault(out.request_id, {"tokens": [], "reason": None, "error": None})
+            assert entry["reason"] is None, f"output after the end of {out.request_id}: {out}"
+            if out.token_id is not None:
+                entry["tokens"].append(out.token_id)
+            if out.finished:
+                entry["reason"], entry["error"] = out.finish_reason, out.error
+    raise AssertionError("still working")
+
+
+def test_prompts_join_the_step_launched_ahead(tiny_model, torch_reference, expected, both_schedulings):
+    """Async scheduling with prompts arriving while decodes run: the step that starts them is
+    launched behind the one in flight (its decodes fed that step's sampled ids on the device),
+    with the outputs of sync scheduling: greedy, seeded (each row's draw index), a stop token and a
+    length limit reached as a prompt joins; an abort of a prompt in that step keeps its pages
+    until the step is read."""
+    if not both_schedulings:
+        pytest.skip("compares both modes once")
+    seeded = SamplingParams(max_tokens=9, temperature=0.9, top_k=20, seed=3, ignore_eos=True)
+    stop = SamplingParams(max_tokens=8, stop_token_ids=(expected[0][3],), ignore_eos=True)
+    arrivals = {0: [("a", PROMPTS[2], GREEDY), ("s", PROMPTS[3], seeded)],
+                4: [("stop", PROMPTS[0], stop)], 7: [("b", PROMPTS[1], GREEDY)],
+                9: [("c", PROMPTS[3], seeded), ("d", PROMPTS[2][:5], GREEDY)]}
+    outs, stats = {}, {}
+    for mode in (False, True):
+        engine = _engine(tiny_model, async_scheduling=mode, max_num_batched_tokens=16)
+        outs[mode] = _staggered(engine, arrivals)
+        stats[mode] = engine.stats()
+        assert_all_free(engine)
+    assert outs[True] == outs[False]
+    assert stats[True]["num_prompt_steps_ahead"] > 0 and stats[False]["num_prompt_steps_ahead"] == 0
+    assert outs[True]["stop"]["reason"] == "stop" and outs[True]["a"]["tokens"] == expected[2]
+    off = _engine(tiny_model, async_scheduling=True, async_prompts=False, max_num_batched_tokens=16)
+    assert _staggered(off, arrivals) == outs[False] and off.stats()["num_prompt_steps_ahead"] == 0
+
+    engine = _engine(tiny_model, async_scheduling=True, max_num_batched_tokens=16)
+    engine.add("a", PROMPTS[2], GREEDY)
+    while engine._inflight is None:
+        engine.step()
+    engine.add("late", PROMPTS[1], GREEDY)
+    engine.step()  # launches the prompt behind the step in flight
+    assert engine.stats()["num_prompt_steps_ahead"] == 1 and engine._inflight is not None
+    victim = engine.requests["late"]
+    assert victim.seq_id in engine._inflight.seq_ids
+    free = engine.cache.num_free_pages
+    assert engine.abort("late")
+    assert victim.seq_id in engine.cache and engine.cache.num_free_pages == free  # the step still writes
+    tokens = drain(engine)
+    assert tokens["late"]["reason"] == "abort" and victim.seq_id not in engine.cache
+    assert tokens["a"]["tokens"][-3:] == expected[2][-3:]
     assert_all_free(engine)

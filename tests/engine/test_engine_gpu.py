@@ -26,12 +26,12 @@ GPU_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM
 
 
 def _colocated_tokens(model, use_cuda_graphs: bool, max_num_seqs: int = 8,
-                      async_scheduling: bool = False) -> tuple[dict, dict]:
+                      async_scheduling: bool = False, mixed_graphs: bool | None = False) -> tuple[dict, dict]:
     from disagg.engine import ColocatedEngine
 
     engine = ColocatedEngine(model, num_pages=256, page_size=16, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=128, use_cuda_graphs=use_cuda_graphs,
-                             async_scheduling=async_scheduling)
+                             async_scheduling=async_scheduling, mixed_graphs=mixed_graphs)
     if use_cuda_graphs:
         seconds = engine.warmup(max_kv_len=512)
         assert seconds["graphs"] > 0 and engine.runner.graphs.capture_seconds > 0
@@ -64,7 +64,25 @@ def test_cuda_graph_decode_equals_eager():
     assert ahead == eager
 
 
-def _prefix_waves(model, prefix_caching: bool, use_cuda_graphs: bool) -> tuple[list[dict], dict]:
+@pytest.mark.gpu
+def test_mixed_graphs_equal_eager():
+    """Colocated with whole-forward graphs of prompt and mixed steps (``cuda_graphs: full``), with
+    and without async scheduling: the eager tokens, every prompt step of <= 128 tokens replayed."""
+    import torch
+
+    from disagg.model import load_model
+
+    model = load_model(SOURCE, dtype=torch.float32, device="cuda")
+    eager, _ = _colocated_tokens(model, use_cuda_graphs=False)
+    for async_scheduling in (False, True):
+        full, stats = _colocated_tokens(model, use_cuda_graphs=True, mixed_graphs=True,
+                                        async_scheduling=async_scheduling)
+        assert stats["num_mixed_graph_replays"] >= 5 and stats["num_prompt_graph_replays"] == 0
+        assert full == eager
+
+
+def _prefix_waves(model, prefix_caching: bool, use_cuda_graphs: bool,
+                  mixed_graphs: bool | None = False) -> tuple[list[dict], dict]:
     """Two waves of prompts sharing a 40-token system prompt (hits on a page boundary, mid page, the
     whole prompt), on 24 pages of 16 so that the second wave evicts part of the first's cache."""
     from disagg.engine import ColocatedEngine
@@ -74,7 +92,8 @@ def _prefix_waves(model, prefix_caching: bool, use_cuda_graphs: bool) -> tuple[l
              for w in range(2)]
     waves[1]["again"] = waves[0]["w0q1"]
     engine = ColocatedEngine(model, num_pages=24, page_size=16, max_num_seqs=4, max_num_batched_tokens=64,
-                             use_cuda_graphs=use_cuda_graphs, async_scheduling=True, prefix_caching=prefix_caching)
+                             use_cuda_graphs=use_cuda_graphs, async_scheduling=True, prefix_caching=prefix_caching,
+                             mixed_graphs=mixed_graphs)
     if use_cuda_graphs:
         engine.warmup(max_kv_len=256)
     out = []
@@ -100,6 +119,8 @@ def test_prefix_cache_hits_under_graphs_equal_uncached():
     uncached, _ = _prefix_waves(model, prefix_caching=False, use_cuda_graphs=True)
     assert cached == uncached
     assert stats["prefix_hit_tokens"] > 0 and stats["prefix_evicted_pages"] > 0 and stats["num_graph_replays"] > 0
+    full, full_stats = _prefix_waves(model, prefix_caching=True, use_cuda_graphs=True, mixed_graphs=True)
+    assert full == uncached and full_stats["num_mixed_graph_replays"] > 0
 
 
 @pytest.mark.multigpu
@@ -138,7 +159,8 @@ def test_prefill_and_decode_over_nvshmem_equal_colocated(gpu_share):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["smollm2", "llama3-8b-1-layer"])
 def test_no_kernel_compiles_after_warmup(shape):
-    """Batches of new sizes and prompts of new lengths after warm-up reuse the compiled kernels: a
+    """Batches of new sizes and prompts of new lengths after warm-up (served by decode, whole mixed
+    and piecewise graphs) reuse the compiled kernels: a
     compile stalls every request for seconds (seen as 2-3 s TTFT tails on two H200s when the
     prefill kernel specialized on the batch size). The llama3-8b shape (one layer, bf16) also
     runs its LM head through the skinny GEMM (a vocabulary of 128256: `DISAGG_LINEAR=auto`),
@@ -164,7 +186,7 @@ def test_no_kernel_compiles_after_warmup(shape):
                       device=cuda)
         max_num_seqs, waves = 64, [[3] * 40, [5] * 21]
     engine = ColocatedEngine(model, num_pages=1024, page_size=16, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=512, use_cuda_graphs=True)
+                             max_num_batched_tokens=512, use_cuda_graphs=True)  # whole mixed graphs too
     engine.warmup(max_kv_len=1024)
     used = [prefill.paged_prefill_kernel, decode.paged_decode_kernel, rope_append.rope_append_kernel,
             fused.add_rms_norm_kernel, fused.silu_mul_kernel]
@@ -179,6 +201,7 @@ def test_no_kernel_compiles_after_warmup(shape):
                        SamplingParams(max_tokens=3 + 5 * (i % 4), ignore_eos=True))
         drain(engine)
     assert_all_free(engine)
+    assert engine.stats()["num_mixed_graph_replays"] > 0
     assert [compiled_variants(k) for k in kernels] == before
 
 
