@@ -18,6 +18,19 @@ import torch
 from disagg.cache import PagedKVCache
 
 
+def plan_after_prefix(num_pages: int, page_size: int, lengths: list[int], prefix: list[int]):
+    """The plan of one forward appending ``lengths`` tokens to sequences 0.. that already hold
+    ``prefix`` tokens (their pages taken; no KV computed), in a fresh cache; returns (cache, plan)
+    with the forward still open."""
+    cache = PagedKVCache(num_pages, page_size)
+    for i, n in enumerate(prefix):
+        cache.add_sequence(i)
+        if n:
+            cache.begin_forward([i], [n])
+            cache.end_forward()
+    return cache, cache.begin_forward(list(range(len(lengths))), lengths)
+
+
 def reference_greedy(model, prompt: list[int], num_tokens: int, page_size: int = 4) -> list[int]:
     """Greedy tokens of ``prompt``, each from a full recompute over ``model.forward``."""
     from disagg.model.batch import AttentionBatch
@@ -65,11 +78,16 @@ def close_heaps(uid: bytes, heaps) -> None:
     assert shm_leftovers(uid) == []
 
 
-def drain(engine, max_steps: int = 10_000) -> dict:
-    """Step ``engine`` until it has no work; return {request_id: {"tokens", "reason", "error"}}."""
+def drain(engine, max_steps: int = 10_000, arrivals: dict[int, list[tuple]] | None = None) -> dict:
+    """Step ``engine`` until it has no work; return {request_id: {"tokens", "reason", "error"}}.
+    ``arrivals``: {i: [(request id, prompt, params), ...]} added just before step i."""
     results: dict = {}
-    for _ in range(max_steps):
-        if not engine.has_work():
+    arrivals = arrivals or {}
+    last = max(arrivals, default=-1)
+    for i in range(max_steps):
+        for rid, prompt, params in arrivals.get(i, ()):
+            engine.add(rid, prompt, params)
+        if not engine.has_work() and i > last:
             return results
         for out in engine.step():
             entry = results.setdefault(out.request_id, {"tokens": [], "reason": None, "error": None})

@@ -259,25 +259,6 @@ def test_async_scheduling_parity_stop_discard_and_deferred_release(tiny_model, t
     assert_all_free(engine)
 
 
-def _staggered(engine, arrivals: dict[int, list[tuple]], max_steps: int = 2000) -> dict:
-    """Step ``engine``, adding ``arrivals[i]`` (request id, prompt, params) before step i; the
-    outputs per request as `drain` gives them."""
-    results: dict = {}
-    for i in range(max_steps):
-        for rid, prompt, params in arrivals.get(i, ()):
-            engine.add(rid, prompt, params)
-        if not engine.has_work() and i > max(arrivals):
-            return results
-        for out in engine.step():
-            entry = results.setdefault(out.request_id, {"tokens": [], "reason": None, "error": None})
-            assert entry["reason"] is None, f"output after the end of {out.request_id}: {out}"
-            if out.token_id is not None:
-                entry["tokens"].append(out.token_id)
-            if out.finished:
-                entry["reason"], entry["error"] = out.finish_reason, out.error
-    raise AssertionError("still working")
-
-
 def test_prompts_join_the_step_launched_ahead(tiny_model, torch_reference, expected, both_schedulings):
     """Async scheduling with prompts arriving while decodes run: the step that starts them is
     launched behind the one in flight (its decodes fed that step's sampled ids on the device),
@@ -294,14 +275,14 @@ def test_prompts_join_the_step_launched_ahead(tiny_model, torch_reference, expec
     outs, stats = {}, {}
     for mode in (False, True):
         engine = _engine(tiny_model, async_scheduling=mode, max_num_batched_tokens=16)
-        outs[mode] = _staggered(engine, arrivals)
+        outs[mode] = drain(engine, arrivals=arrivals)
         stats[mode] = engine.stats()
         assert_all_free(engine)
     assert outs[True] == outs[False]
     assert stats[True]["num_prompt_steps_ahead"] > 0 and stats[False]["num_prompt_steps_ahead"] == 0
     assert outs[True]["stop"]["reason"] == "stop" and outs[True]["a"]["tokens"] == expected[2]
     off = _engine(tiny_model, async_scheduling=True, async_prompts=False, max_num_batched_tokens=16)
-    assert _staggered(off, arrivals) == outs[False] and off.stats()["num_prompt_steps_ahead"] == 0
+    assert drain(off, arrivals=arrivals) == outs[False] and off.stats()["num_prompt_steps_ahead"] == 0
 
     engine = _engine(tiny_model, async_scheduling=True, max_num_batched_tokens=16)
     engine.add("a", PROMPTS[2], GREEDY)

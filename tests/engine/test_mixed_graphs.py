@@ -10,9 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_helpers import assert_all_free, drain
+from engine_helpers import assert_all_free, drain, plan_after_prefix
 
-from disagg.cache import PagedKVCache
 from disagg.engine import ColocatedEngine
 from disagg.engine.mixed_graphs import MAX_GRAPH_PROMPTS, MixedGraphs
 from disagg.model.batch import AttentionBatch
@@ -20,13 +19,7 @@ from disagg.sampling import SamplingParams
 
 
 def _plan(kv, lengths: list[int], prefix: list[int]):
-    cache = PagedKVCache(kv.shape[1], kv.shape[4])
-    for i, n in enumerate(prefix):
-        cache.add_sequence(i)
-        if n:
-            cache.begin_forward([i], [n])
-            cache.end_forward()
-    plan = cache.begin_forward(list(range(len(lengths))), lengths)
+    cache, plan = plan_after_prefix(kv.shape[1], kv.shape[4], lengths, prefix)
     cache.end_forward()
     return plan
 

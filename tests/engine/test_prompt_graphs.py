@@ -9,9 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_helpers import assert_all_free, drain
+from engine_helpers import assert_all_free, drain, plan_after_prefix
 
-from disagg.cache import PagedKVCache
 from disagg.engine import ColocatedEngine
 from disagg.engine.prompt_graphs import MAX_GRAPH_TOKENS, PromptGraphs, prompt_buckets
 from disagg.model.batch import AttentionBatch
@@ -29,13 +28,7 @@ def test_buckets_stop_at_the_budget_or_the_cap():
 
 def _forward(model, kv, lengths: list[int], prefix: list[int], pieces) -> torch.Tensor:
     """One forward over sequences with ``prefix`` tokens cached and ``lengths`` new ones."""
-    cache = PagedKVCache(kv.shape[1], kv.shape[4])
-    for i, n in enumerate(prefix):
-        cache.add_sequence(i)
-        if n:
-            cache.begin_forward([i], [n])
-            cache.end_forward()
-    plan = cache.begin_forward(list(range(len(lengths))), lengths)
+    cache, plan = plan_after_prefix(kv.shape[1], kv.shape[4], lengths, prefix)
     batch = AttentionBatch.from_plan(plan, model.device)
     ids = torch.arange(sum(lengths), dtype=torch.int64) % model.config.vocab_size
     logits = model.forward(ids, batch, kv, pieces=pieces)
