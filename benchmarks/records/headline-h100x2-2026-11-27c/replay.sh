@@ -11,7 +11,9 @@ set -euo pipefail
 HERE=benchmarks/records/headline-h100x2-2026-11-27c
 OUTD=${OUTD:-results/replay-27c}
 declare -A PROFILES=([grid]=benchmarks/records/simulator-2026-11-27b/profile-h100-v2.json
-                     [served]=$HERE/profile-h100-served.json)
+                     [served]=$HERE/profile-h100-served.json
+                     [full]=benchmarks/records/simulator-accuracy-2026-11-27/profile-h100-full-graphs.json)
+TAGS=${TAGS:-grid served}  # TAGS=full: the engine with whole mixed graphs (predictions for the next sitting)
 sim() {  # PROFILE_TAG WORKLOAD LABEL CONFIG RATES TTFT TPOT [--set ...]
   local tag=$1 w=$2 label=$3 config=$4 rates=$5 ttft=$6 tpot=$7; shift 7
   python3 -m disagg.cluster.cli simulate "$config" --profile "${PROFILES[$tag]}" --dataset-name "$w" \
@@ -20,7 +22,7 @@ sim() {  # PROFILE_TAG WORKLOAD LABEL CONFIG RATES TTFT TPOT [--set ...]
     --result-dir "$OUTD/$tag/$w/$label" "$@" > /dev/null 2>&1 || echo "$tag $w $label: rc $?"
 }
 adaptive=(--set router.placement=adaptive)
-for tag in grid served; do
+for tag in $TAGS; do
   # chat (SLOs 77.9491 : 15.1771 ms calibrated on 1P1D; CHUNK_DISAGG=2048; the router targets 2x)
   c=(--set scheduler.max_num_batched_tokens=2048)
   t=(--set router.slo_ttft_ms=155.8982 --set router.slo_tpot_ms=30.3542)

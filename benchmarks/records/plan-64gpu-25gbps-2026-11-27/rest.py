@@ -5,6 +5,8 @@ requests' decoding tokens no longer hold remote prompts back; it changes adaptiv
 2048, SLOs 148 : 34 ms, one draw per rate, 364 GB/s), a chosen subset of candidates.
 
     python3 benchmarks/records/plan-64gpu-25gbps-2026-11-27/rest.py [JOBS]   # logs/chat-r-64gpu-364-rest.log
+    python3 benchmarks/records/plan-64gpu-25gbps-2026-11-27/rest.py 2 56P8D 48P16D-adaptive ...
+                                    # only those candidates: logs/chat-r-64gpu-364-rest-only.log
 """
 
 import json
@@ -20,9 +22,11 @@ JUDGED_FIXED = {"8P56D", "11P53D", "16P48D", "21P43D", "32P32D", "43P21D"}  # by
 
 def main() -> None:
     jobs = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    only = set(sys.argv[2:])
     search = [c for c in planner.candidates(64, chunk_sizes=(2048,), adaptive_chunk_sizes=(2048,))
-              if not c.label.startswith("colocated") and c.label not in JUDGED_FIXED]
-    log = (HERE / "logs" / "chat-r-64gpu-364-rest.log").open("w")
+              if not c.label.startswith("colocated") and c.label not in JUDGED_FIXED
+              and (not only or c.label in only)]
+    log = (HERE / "logs" / f"chat-r-64gpu-364-rest{'-only' if only else ''}.log").open("w")
 
     def judged(c):
         print(f"{c.label}: {c.goodput_per_gpu:.3f} req/s per GPU", file=log, flush=True)
