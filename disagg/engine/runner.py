@@ -122,35 +122,28 @@ class ModelRunner:
             The sampled ids (``result()`` waits for them).
         """
         push_done = None
-        if device_prefix is not None:
-            rest = np.asarray(input_ids, np.int64)
-            k = int(device_prefix.shape[0])
-            if (self.mixed_graphs is not None and pusher is None
-                    and (bucket := self.mixed_graphs.bucket(plan)) is not None):
-                logits = self.mixed_graphs.run(plan, np.concatenate([np.zeros(k, np.int64), rest]), bucket,
-                                               device_prefix=device_prefix)
-                self.num_forwards += 1
-                return self._sample(logits, sample_rows, sample_requests, None, step_offset)
-            input_ids = torch.cat([device_prefix.to(torch.int64), self._ids_to_device(rest)])
+        host_ids = None if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids, np.int64)
+        if device_prefix is not None:  # rows :k come from the device; zeros stand in for them here
+            host_ids = np.concatenate([np.zeros(device_prefix.shape[0], np.int64), host_ids])
+        bucket = (self.mixed_graphs.bucket(plan)
+                  if self.mixed_graphs is not None and pusher is None and host_ids is not None else None)
         if pusher is not None:
             pusher.begin_forward(plan)
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
-            logits = self.model.forward(self._ids_to_device(input_ids), batch, self.kv, pusher=pusher,
-                                        kv_scales=self.kv_scales, pieces=self._pieces(plan))
+            logits = self.model.forward(self._device_ids(input_ids, host_ids, device_prefix), batch, self.kv,
+                                        pusher=pusher, kv_scales=self.kv_scales, pieces=self._pieces(plan))
             push_done = pusher.end_forward()
-        elif self.graphs is not None and self.graphs.can_run(plan):
+        elif self.graphs is not None and device_prefix is None and self.graphs.can_run(plan):
             # Host ids travel with the plan's indices (one staging copy); device ids are copied
             # device to device.
-            host_or_device = input_ids if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids, np.int64)
-            logits = self.graphs.run(plan, host_or_device)
+            logits = self.graphs.run(plan, input_ids if host_ids is None else host_ids)
             self.num_graph_replays += 1
-        elif (self.mixed_graphs is not None and not isinstance(input_ids, torch.Tensor)
-              and (bucket := self.mixed_graphs.bucket(plan)) is not None):
-            logits = self.mixed_graphs.run(plan, np.asarray(input_ids, np.int64), bucket)
+        elif bucket is not None:
+            logits = self.mixed_graphs.run(plan, host_ids, bucket, device_prefix=device_prefix)
         else:
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
-            logits = self.model.forward(self._ids_to_device(input_ids), batch, self.kv, kv_scales=self.kv_scales,
-                                        pieces=self._pieces(plan))
+            logits = self.model.forward(self._device_ids(input_ids, host_ids, device_prefix), batch, self.kv,
+                                        kv_scales=self.kv_scales, pieces=self._pieces(plan))
         self.num_forwards += 1
         return self._sample(logits, sample_rows, sample_requests, push_done, step_offset)
 
@@ -166,13 +159,16 @@ class ModelRunner:
     def num_mixed_graph_replays(self) -> int:
         return 0 if self.mixed_graphs is None else self.mixed_graphs.num_replays
 
-    def _ids_to_device(self, input_ids) -> torch.Tensor:
-        if isinstance(input_ids, torch.Tensor):
+    def _device_ids(self, input_ids, host_ids: np.ndarray | None, device_prefix: torch.Tensor | None) -> torch.Tensor:
+        """The forward's ids on the device: ``input_ids`` when they are there already, else the
+        host ids (after the ``device_prefix`` rows, which come first)."""
+        if host_ids is None:
             return input_ids.to(self.device, torch.int64, non_blocking=True)
-        host = torch.as_tensor(np.asarray(input_ids, dtype=np.int64))
+        k = 0 if device_prefix is None else int(device_prefix.shape[0])
+        host = torch.from_numpy(host_ids[k:])
         if self.device.type == "cuda":
-            return host.pin_memory().to(self.device, non_blocking=True)
-        return host
+            host = host.pin_memory().to(self.device, non_blocking=True)
+        return host if device_prefix is None else torch.cat([device_prefix.to(torch.int64), host])
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, requests: list[Request],
                 push_done, step_offset: int = 0) -> PendingTokens:
