@@ -4,8 +4,8 @@
 #   bash benchmarks/records/whowins-sim-2026-11-27b/run.sh [TAG ...]    (default: every row)
 set -euo pipefail
 HERE=${HERE:-benchmarks/records/whowins-sim-2026-11-27b}  # the record whose logs/ these go to
-P=benchmarks/records/simulator-2026-11-27b/profile-h100-v2.json
-X=benchmarks/records/whowins-sim-2026-11-27/profile-h100-v2-ctx33792.json
+P=${P:-benchmarks/records/simulator-2026-11-27b/profile-h100-v2.json}              # the step profile
+X=${X:-benchmarks/records/whowins-sim-2026-11-27/profile-h100-v2-ctx33792.json}  # its 33,792-token copy
 declare -A ROWS=(
   [chat-s]="$P chat 74 17"            [chat-r]="$P chat 148 34"
   [ph-s]="$P prefill-heavy 149 17"    [ph-r]="$P prefill-heavy 298 34"

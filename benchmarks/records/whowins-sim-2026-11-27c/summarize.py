@@ -1,11 +1,13 @@
 """The who-wins rows from this record's `disagg plan --seeds 3 --adaptive-prefer fastest,balanced`
-logs (logs/<tag>.log): markdown rows on stdout, summary.json beside. Run from the repository root."""
+logs (logs/<tag>.log): markdown rows on stdout, summary.json beside. Run from the repository root;
+a record directory as the argument reads (and writes) that one's instead (whowins-sim-2026-11-27d)."""
 
 import json
 import re
+import sys
 from pathlib import Path
 
-HERE = Path(__file__).parent
+HERE = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
 ROWS = [("chat-s", "chat", 74, 17), ("chat-r", "chat", 148, 34), ("ph-s", "prefill-heavy", 149, 17),
         ("ph-r", "prefill-heavy", 298, 34), ("dh-s", "decode-heavy", 25, 17), ("dh-r", "decode-heavy", 50, 34),
         ("lp-s", "long-prompt (8k)", 712, 18), ("lp-r", "long-prompt (8k)", 1424, 36),
