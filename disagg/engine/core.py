@@ -586,7 +586,8 @@ class EngineCore:
         chunk fits; the next step is then scheduled once ``current``'s tokens are read."""
         if self.ready or (current.pending.push_done is not None):
             return None
-        nxt = self._take_reserved_back()
+        nxt, self._next = self._next, None
+        self._roll_back(nxt)
         batch = self.scheduler.schedule_behind(nxt.requests)
         if batch is None or any(r.dest is not None for r in batch.requests[len(nxt.requests):]):
             return None
@@ -594,13 +595,11 @@ class EngineCore:
         self.num_prompt_steps_ahead += 1
         return self._launch(batch, current.pending.device_tokens)
 
-    def _take_reserved_back(self) -> NextStep:
-        """Roll the reserved step's slots back (its requests stay in the cache) and return it."""
-        nxt, self._next = self._next, None
+    def _roll_back(self, nxt: NextStep) -> None:
+        """Give back the slots a reserved step took (its requests stay in the cache)."""
         for req in nxt.requests:
             if req.in_cache and req.seq_id in self.cache:
                 self.cache.popn(req.seq_id, 1)
-        return nxt
 
     def _reserve_next(self, reqs: list[Request]) -> None:
         """Reserve the next step's slots when it will surely be this pure-decode batch again:
@@ -628,7 +627,6 @@ class EngineCore:
         if (nxt.device_ids is not None and not self._joining() and same_requests(nxt.requests, self.running)
                 and all(self.requests.get(r.request_id) is r for r in nxt.requests)):
             return nxt
-        self._next = nxt
-        self._take_reserved_back()
+        self._roll_back(nxt)
         return None
 

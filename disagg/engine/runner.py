@@ -125,8 +125,6 @@ class ModelRunner:
         host_ids = None if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids, np.int64)
         if device_prefix is not None:  # rows :k come from the device; zeros stand in for them here
             host_ids = np.concatenate([np.zeros(device_prefix.shape[0], np.int64), host_ids])
-        bucket = (self.mixed_graphs.bucket(plan)
-                  if self.mixed_graphs is not None and pusher is None and host_ids is not None else None)
         if pusher is not None:
             pusher.begin_forward(plan)
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
@@ -138,7 +136,8 @@ class ModelRunner:
             # device to device.
             logits = self.graphs.run(plan, input_ids if host_ids is None else host_ids)
             self.num_graph_replays += 1
-        elif bucket is not None:
+        elif (self.mixed_graphs is not None and host_ids is not None
+              and (bucket := self.mixed_graphs.bucket(plan)) is not None):
             logits = self.mixed_graphs.run(plan, host_ids, bucket, device_prefix=device_prefix)
         else:
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)

@@ -245,7 +245,39 @@ def _to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str,
     return {name: flat[start:start + n] for name, start, n in zip(names, starts, sizes)}
 
 
-class _StaticBuffers:
+class _PinnedStaging:
+    """Fixed device buffers (one flat int32 index buffer, the int64 token ids) filled by one
+    asynchronous copy per step from pinned host staging, double-buffered on CUDA: a fill waits
+    only for the copy made two fills before. The static decode batch's and the mixed graphs'."""
+
+    def __init__(self, numel: int, num_ids: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.flat = torch.zeros(numel, dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(num_ids, dtype=torch.int64, device=device)
+        self.staging = [(torch.zeros(numel, dtype=torch.int32, pin_memory=pin),
+                         torch.zeros(num_ids, dtype=torch.int64, pin_memory=pin)) for _ in range(2 if pin else 1)]
+        self.events = [torch.cuda.Event() for _ in self.staging] if pin else []
+        self.turn = 0
+
+    def _next_staging(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This turn's host staging (flat indices, ids), once the copy that last read it is done."""
+        if self.events:
+            self.events[self.turn].synchronize()
+        return self.staging[self.turn]
+
+    def _upload(self, flat: torch.Tensor, ids: torch.Tensor | None, numel: int | None = None) -> None:
+        """Copy this turn's staging to the device buffers (the first ``numel`` indices, default
+        all; ids unless None); the next turn's."""
+        used = flat.numel() if numel is None else numel
+        self.flat[:used].copy_(flat[:used], non_blocking=True)
+        if ids is not None:
+            self.input_ids.copy_(ids, non_blocking=True)
+        if self.events:
+            self.events[self.turn].record()
+            self.turn = (self.turn + 1) % len(self.staging)
+
+
+class _StaticBuffers(_PinnedStaging):
     """Device buffers of a static decode batch and the pinned host staging that fills them."""
 
     def __init__(self, max_batch_size: int, max_pages: int, device: torch.device,
@@ -255,14 +287,7 @@ class _StaticBuffers:
         b = max_batch_size
         self.sizes = dict(qo_indptr=b + 1, page_indptr=b + 1, page_indices=max_pages,
                           last_page_len=b, append_slots=b, positions=b, logits_indices=b)
-        numel = sum(self.sizes.values())
-        pin = device.type == "cuda"
-        self.flat = torch.zeros(numel, dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(b, dtype=torch.int64, device=device)
-        self.staging = [(torch.zeros(numel, dtype=torch.int32, pin_memory=pin),
-                         torch.zeros(b, dtype=torch.int64, pin_memory=pin)) for _ in range(2 if pin else 1)]
-        self.events = [torch.cuda.Event() for _ in self.staging] if pin else []
-        self.turn = 0
+        super().__init__(sum(self.sizes.values()), b, device)
         self.views = self._split(self.flat)
         padding = self._split(self.staging[0][0])
         self._pad(padding, 0, 0)
@@ -292,21 +317,6 @@ class _StaticBuffers:
         ids.zero_()
         self._upload(flat, ids)
 
-    def _next_staging(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This turn's host staging (flat indices, ids), once the copy that last read it is done."""
-        if self.events:
-            self.events[self.turn].synchronize()
-        return self.staging[self.turn]
-
-    def _upload(self, flat: torch.Tensor, ids: torch.Tensor | None) -> None:
-        """Copy this turn's staging to the device buffers (ids unless None); the next turn's."""
-        self.flat.copy_(flat, non_blocking=True)
-        if ids is not None:
-            self.input_ids.copy_(ids, non_blocking=True)
-        if self.events:
-            self.events[self.turn].record()
-            self.turn = (self.turn + 1) % len(self.staging)
-
     def fill(self, plan: ForwardPlan, token_ids) -> None:
         n, nnz = plan.batch_size, len(plan.page_indices)
         if n == 0 or not np.all(np.diff(plan.qo_indptr) == 1):
@@ -330,7 +340,7 @@ class _StaticBuffers:
         self._upload(flat, ids if token_ids is not None else None)
 
 
-class MixedBuffers:
+class MixedBuffers(_PinnedStaging):
     """Fixed device buffers for whole-forward CUDA graphs of prompt and mixed steps, and the
     pinned staging that fills them (`disagg.engine.mixed_graphs`).
 
@@ -367,14 +377,7 @@ class MixedBuffers:
                           pre_last_page_len=p, page_indices=max_pages)
         self.starts = dict(zip(self.FIELDS, np.cumsum([0] + [-(-self.sizes[f] // _ALIGN) * _ALIGN
                                                              for f in self.FIELDS]).tolist()))
-        numel = self.starts["page_indices"] + -(-max_pages // _ALIGN) * _ALIGN
-        pin = self.device.type == "cuda"
-        self.flat = torch.zeros(numel, dtype=torch.int32, device=self.device)
-        self.input_ids = torch.zeros(t, dtype=torch.int64, device=self.device)
-        self.staging = [(torch.zeros(numel, dtype=torch.int32, pin_memory=pin),
-                         torch.zeros(t, dtype=torch.int64, pin_memory=pin)) for _ in range(2 if pin else 1)]
-        self.events = [torch.cuda.Event() for _ in self.staging] if pin else []
-        self.turn = 0
+        super().__init__(self.starts["page_indices"] + -(-max_pages // _ALIGN) * _ALIGN, t, self.device)
         self.views = self._split(self.flat)
         self.clear()
 
@@ -429,9 +432,7 @@ class MixedBuffers:
             raise ValueError(f"plan: {d} decodes, {p} prompts, {total} tokens, {nnz} pages, {len(token_ids)} ids "
                              f"do not fit the bucket of {num_tokens} tokens, {dec} decodes, "
                              f"{self.max_prompts} prompts, {self.max_pages} pages")
-        if self.events:
-            self.events[self.turn].synchronize()
-        flat, ids = self.staging[self.turn]
+        flat, ids = self._next_staging()
         h = {f: a.numpy() for f, a in self._split(flat).items()}
         ids_np = ids.numpy()
         self._pad(h, ids_np)
@@ -452,15 +453,13 @@ class MixedBuffers:
         h["pre_last_page_len"][:p] = np.asarray(plan.last_page_len)[d:]
         h["logits_indices"][:d] = np.arange(d)
         h["logits_indices"][d:d + p] = dec + qo[d + 1:] - qo[d] - 1
-        self._upload(flat, ids, nnz)
+        self._upload(flat, ids, self.starts["page_indices"] + nnz)  # page_indices is last
 
     def clear(self) -> None:
         """Every row padding (a forward over any view reads and writes no page), enqueued like `fill`."""
-        if self.events:
-            self.events[self.turn].synchronize()
-        flat, ids = self.staging[self.turn]
+        flat, ids = self._next_staging()
         self._pad({f: a.numpy() for f, a in self._split(flat).items()}, ids.numpy())
-        self._upload(flat, ids)
+        self._upload(flat, ids, self.starts["page_indices"])
 
     @staticmethod
     def _pad(h: dict[str, np.ndarray], ids: np.ndarray) -> None:
@@ -473,12 +472,3 @@ class MixedBuffers:
         h["pre_page_indptr"][:] = 0
         h["pre_last_page_len"][:] = 1
         ids[:] = 0  # page_indices stays: no padding row reads it
-
-    def _upload(self, flat: torch.Tensor, ids: torch.Tensor, num_pages: int = 0) -> None:
-        """Copy the staging's tables (page_indices up to ``num_pages``: it is last) and ids."""
-        used = self.starts["page_indices"] + num_pages
-        self.flat[:used].copy_(flat[:used], non_blocking=True)
-        self.input_ids.copy_(ids, non_blocking=True)
-        if self.events:
-            self.events[self.turn].record()
-            self.turn = (self.turn + 1) % len(self.staging)
