@@ -28,7 +28,10 @@ remote, then kept: `PREFERENCE`; with `router.adaptive_prefer: balanced`, a tie 
 kept, the same prefill instance computing the prompt, decodes there while the decode instance's
 predicted TPOT is past `KEEP_SHARE` of the TPOT target, the prefill instance's is lower and the
 TTFT target has room for its decode steps: `_decode_on_prefill`); when none is admissible, the smallest violation, never a local
-prompt on a decode instance that already misses the TPOT bound or whose slack it breaks. A
+prompt on a decode instance that already misses the TPOT bound or whose slack it breaks. A prompt
+computed on an instance whose `scheduler.max_num_seqs` seats are taken waits for a decode there
+to end, and a pushed request whose decode instance has none waits after its first token: both are
+in the predictions (`InstanceView.seat_wait_s`). A
 decode's future steps are predicted stretched by the prompt chunks its instance ran recently
 (`StallMeter`): each local prompt is a small stall spread over many tokens, but together they
 add up. Pure functions of their inputs, used by the `Placer` (`disagg.cluster.placer`) of the
@@ -93,6 +96,11 @@ class InstanceView:
         decode_progress: per request decoding here whose first token the router has seen,
             ``(seconds since that token, tokens so far, max_tokens)``: how much of its TPOT it
             has spent (`tpot_slack_s`); empty: unknown.
+        max_seqs: the sequences its engine runs at once (scheduler.max_num_seqs; None: no
+            limit): a prompt placed beyond them waits for a decode to end (`seat_wait_s`).
+        seated: the sequences holding or awaiting one of those seats: ``num_decoding``, the
+            prompts queued here, and pushed requests reserved here whose prompt is still being
+            computed elsewhere.
     """
 
     name: str
@@ -109,11 +117,31 @@ class InstanceView:
     stall_factor: float = 1.0
     reserve_waits: bool = True
     decode_progress: tuple = ()
+    max_seqs: int | None = None
+    seated: int = 0
 
     def step_in_flight_s(self) -> float:
         """What a call or a new prompt waits for the forward running here (its decodes' step;
         0 when none decode)."""
         return self.model.step_s(0, self.num_decoding, self.context_tokens, 0) if self.num_decoding else 0.0
+
+    def seat_wait_s(self) -> float:
+        """Seconds a sequence placed here now waits for a seat: 0 while ``seated`` is under
+        ``max_seqs``; else until the k-th of the running decodes ends (k: the sequences beyond the
+        limit, this one included), each ending after its remaining tokens at `decode_gap_s`; where
+        fewer decodes' progress is known, the mean remaining tokens'. Decode-heavy on two H100s:
+        every TTFT over 0.5 s came while 209-295 requests were in flight against 2 x 128 seats,
+        waiting 0.1-5.6 s on one full instance while the other had seats
+        (benchmarks/records/headline-h100x2-2026-11-27e/)."""
+        over = self.seated + 1 - self.max_seqs if self.max_seqs else 0
+        if over <= 0:
+            return 0.0
+        gap = self.decode_gap_s(self.num_decoding, self.context_tokens)
+        ends = sorted(max(n - k, 0) * gap for _, k, n in self.decode_progress)
+        if len(ends) >= over:
+            return ends[over - 1]
+        mean = self.remaining_tokens / self.num_decoding if self.remaining_tokens and self.num_decoding else 0.0
+        return max(ends[-1] if ends else 0.0, mean * gap)
 
     def fits(self, prompt_len: int) -> bool:
         return self.free_pages is None or self.free_pages >= math.ceil((prompt_len + 1) / self.page_size)
@@ -216,6 +244,7 @@ class Prediction:
     margin: float        # the relative error of the models behind it
     admissible: bool = True
     why: str = ""
+    seat_tpot_s: float = 0.0  # the part of ``tpot_s`` a pushed request waits for its decode seat
 
 
 @dataclass(frozen=True)
@@ -234,26 +263,32 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
     """Every candidate: remote via the fastest prefill instance to each decode instance, local on
     each decode instance, kept on each prefill instance (page fit not yet judged)."""
     out = []
-    best_p = min(prefills, key=lambda p: p.prefill_s(prompt_len), default=None)
+    # A prompt computed on an instance first needs one of its seats (`InstanceView.seat_wait_s`).
+    best_p = min(prefills, key=lambda p: p.seat_wait_s() + p.prefill_s(prompt_len), default=None)
     for d in decodes:
         remote_tpot, local_tpot = _decode_side_tpot(d, prompt_len)
         # D's running decodes hold the step in flight (and, scheduled ahead, the next): a local
         # prompt's first chunk starts about one decode step later, and so does a remote one's
         # push, whose reservation D answers between steps (unless it overlaps them).
         wait = d.step_in_flight_s()
+        seat = d.seat_wait_s()
         if best_p is not None:
+            # A pushed request waits for D's seat after its first token: a gap in its TPOT.
+            seat_tpot = seat / max(d.output_tokens - 1.0, 1.0) if seat and d.output_tokens else 0.0
             out.append(Prediction("remote", best_p.name, d.name,
-                                  (wait if d.reserve_waits else 0.0) + best_p.prefill_s(prompt_len), remote_tpot,
-                                  max(best_p.model.error, d.model.error)))
-        out.append(Prediction("local", d.name, d.name, wait + d.prefill_s(prompt_len), local_tpot, d.model.error))
+                                  (wait if d.reserve_waits else 0.0) + best_p.seat_wait_s() + best_p.prefill_s(prompt_len),
+                                  remote_tpot + seat_tpot, max(best_p.model.error, d.model.error),
+                                  seat_tpot_s=seat_tpot))
+        out.append(Prediction("local", d.name, d.name, max(wait, seat) + d.prefill_s(prompt_len), local_tpot,
+                              d.model.error))
     for p in prefills:
         # Kept: a local prompt on P (computed beside P's queue and the requests it keeps, then
         # decoded between the chunks P goes on computing), judged by the local rule: its stalls
         # spread over the tokens they delay, P's recent stalls stretching its gaps (`StallMeter`).
         # The one-step rule it had (every gap as long as a step with a chunk) kept the prefill
         # GPU out of decoding, where colocated uses both (two H100s, chat: 1-5 of 420 kept).
-        out.append(Prediction("kept", p.name, p.name, p.prefill_s(prompt_len), _decode_side_tpot(p, prompt_len)[1],
-                              p.model.error))
+        out.append(Prediction("kept", p.name, p.name, p.seat_wait_s() + p.prefill_s(prompt_len),
+                              _decode_side_tpot(p, prompt_len)[1], p.model.error))
     return out
 
 
@@ -363,7 +398,7 @@ def _decode_on_prefill(prompt_len: int, near: list[Prediction], views: dict[str,
     kept = [c for c in near if c.path == "kept"]
     if targets.tpot_s is None or not remote or not kept:
         return False
-    decode_side = min(c.tpot_s for c in remote)
+    decode_side = min(c.tpot_s - c.seat_tpot_s for c in remote)
     best = min(kept, key=lambda c: c.tpot_s)
     if decode_side <= KEEP_SHARE * targets.tpot_s or best.tpot_s >= decode_side:
         return False
@@ -437,8 +472,9 @@ class FleetModel:
     """
 
     def __init__(self, chunk_tokens: int, page_size: int, seed_fit: dict | None = None,
-                 reserve_waits: bool = True) -> None:
+                 reserve_waits: bool = True, max_seqs: int | None = None) -> None:
         self.chunk_tokens, self.page_size = chunk_tokens, page_size
+        self.max_seqs = max_seqs
         self.seed_fit = seed_fit
         self.reserve_waits = reserve_waits
         self.models: dict[str, StepTimeModel] = {}
@@ -485,7 +521,7 @@ class FleetModel:
     def view(self, inst, requests: list, now: float | None = None) -> InstanceView:
         """``inst`` (an `Instance`) with the work of the router's live ``requests`` on it;
         ``now`` (the clock of their ``first_token_at``) also gives its decodes' progress."""
-        queued = decoding = context = pairs = remaining = 0
+        queued = decoding = context = pairs = remaining = seated = 0
         progress = []
         outputs = [int(req.params.max_tokens) for req in requests]
         for req in requests:
@@ -496,7 +532,10 @@ class FleetModel:
             elif inst is req.decode and req.stage == "decoding":
                 computing = False
             else:
+                # reserved here, its prompt computed elsewhere: it takes a seat at its first token
+                seated += inst is req.decode and req.stage in ("reserving", "prefilling")
                 continue
+            seated += 1
             if computing:
                 queued += req.prompt_len
                 pairs += prompt_pairs(0, req.prompt_len)
@@ -510,7 +549,7 @@ class FleetModel:
         return InstanceView(inst.name, self.model_of(inst.name), self.chunk_tokens, queued, decoding, context,
                             None if load is None else load.free_pages, self.page_size, pairs, remaining,
                             sum(outputs) / len(outputs) if outputs else None, self.stalls[inst.name].factor,
-                            self.reserve_waits, tuple(progress))
+                            self.reserve_waits, tuple(progress), self.max_seqs, seated)
 
     def snapshot(self) -> dict:
         """Each instance's fitted model (coefficients, error, samples), its stall factor and its

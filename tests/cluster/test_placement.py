@@ -459,3 +459,92 @@ def test_a_kept_request_is_judged_by_the_local_rule_on_its_prefill_instance():
     from disagg.cluster.placement import _decode_side_tpot
     assert kept.admissible and kept.tpot_s == pytest.approx(_decode_side_tpot(p, 100)[1])
     assert kept.tpot_s < 0.025 < p.decode_step_s(1, 100, 2000)
+
+
+# ---------------------------------------------------------------- seats (scheduler.max_num_seqs)
+def _seated(name, *, decoding, progress=(), max_seqs=4, queued=0, seated=None, output_tokens=None, remaining=None):
+    return InstanceView(name, model(), 512, queued, decoding, 1000 * decoding, None, 16,
+                        remaining_tokens=remaining, output_tokens=output_tokens, decode_progress=tuple(progress),
+                        max_seqs=max_seqs, seated=decoding if seated is None else seated)
+
+
+def test_a_sequence_placed_beyond_the_seats_waits_for_the_kth_decode_to_end():
+    gap = model().step_s(0, 4, 4000, 0)
+    progress = [(1.0, 90, 100), (1.0, 50, 100), (1.0, 99, 100), (1.0, 0, 100)]  # 10, 50, 1, 100 tokens left
+    assert _seated("D", decoding=3, progress=progress[:3], seated=3).seat_wait_s() == 0.0  # a seat is free
+    assert _seated("D", decoding=4, progress=progress).seat_wait_s() == pytest.approx(1 * gap)
+    # two more already waiting for a seat (queued prompts, pushed requests on their way): the third end
+    assert _seated("D", decoding=4, progress=progress, seated=6).seat_wait_s() == pytest.approx(50 * gap)
+    # progress unknown: the mean remaining tokens'
+    assert _seated("D", decoding=4, remaining=400).seat_wait_s() == pytest.approx(100 * gap)
+    assert _seated("D", decoding=4, progress=progress, max_seqs=None).seat_wait_s() == 0.0  # no limit
+
+
+def test_a_prompt_goes_where_a_seat_is_free():
+    # P has 4096 prompt tokens queued (~0.5 s); D's 4 seats are all decoding (the soonest ends
+    # in 200 tokens, ~2 s). Without the seat limit local answers first; with it, local waits
+    # for a seat and the prompt goes through P.
+    progress = [(0.1, 10, 400), (0.1, 10, 300), (0.1, 10, 250), (0.1, 10, 210)]
+    full_d = _seated("D", decoding=4, progress=progress)
+    p = _seated("P", decoding=0, queued=4096, seated=1)
+    targets = Targets.from_ms(None, 50)
+    assert decide(32, [p], [replace_seats(full_d, None)], targets).path == "local"
+    d = decide(32, [p], [full_d], targets)
+    assert d.path != "local"
+    local = next(c for c in d.predictions if c.path == "local")
+    assert local.ttft_s > 200 * model().step_s(0, 4, 4000, 0)
+    # and the other way round: P full of kept decodes, D free -> a remote prompt waits on P
+    full_p = _seated("P", decoding=4, progress=progress)
+    remote = next(c for c in predict(32, [full_p], [_seated("D", decoding=0)]) if c.path == "remote")
+    assert remote.ttft_s > 200 * model().step_s(0, 4, 4000, 0)
+
+
+def test_a_pushed_request_waiting_for_a_decode_seat_counts_it_in_its_tpot_not_in_balanced_keeping():
+    progress = [(0.1, 10, 1010)] * 4  # every seat of D busy for another 1000 tokens
+    d = _seated("D", decoding=4, progress=progress, output_tokens=501)
+    free = replace_seats(d, None)
+    remote = next(c for c in predict(32, [_seated("P", decoding=0)], [d]) if c.path == "remote")
+    base = next(c for c in predict(32, [_seated("P", decoding=0)], [free]) if c.path == "remote")
+    assert remote.seat_tpot_s == pytest.approx(d.seat_wait_s() / 500)
+    assert remote.tpot_s == pytest.approx(base.tpot_s + remote.seat_tpot_s) and remote.seat_tpot_s > 0
+    # `balanced` keeps a decode on P for D's decode speed, not for the seat wait: a remote TPOT of
+    # 8 ms of decoding + 4 ms of waiting (under half the 20-ms target without the wait) keeps nothing.
+    from disagg.cluster.placement import Prediction, _decode_on_prefill
+    views = {"P": _seated("P", decoding=0), "D": d}
+    near = [Prediction("remote", "P", "D", 0.05, 0.012, 0.05, seat_tpot_s=0.004),
+            Prediction("kept", "P", "P", 0.05, 0.005, 0.05)]
+    targets = Targets.from_ms(1000, 20, "balanced")
+    assert not _decode_on_prefill(32, near, views, targets)
+    near[0] = Prediction("remote", "P", "D", 0.05, 0.016, 0.05, seat_tpot_s=0.004)
+    assert _decode_on_prefill(32, near, views, targets)
+
+
+def test_the_fleet_view_counts_seats_of_decodes_queued_prompts_and_pushes_on_their_way():
+    from disagg.cluster.bootstrap import Instance
+    from disagg.cluster.outputs import RequestMetrics
+    from disagg.cluster.requests import Request
+    from disagg.sampling import SamplingParams
+
+    dec, pre = Instance(name="decode-0", role="decode", actor=None), Instance(name="prefill-0", role="prefill", actor=None)
+
+    def req(rid, stage, num_output=0, colocated=None):
+        r = Request(rid, [0] * 100, SamplingParams(max_tokens=50), lambda *a: None, RequestMetrics(arrival_time=0.0))
+        if colocated is None:
+            r.decode, r.prefill = dec, pre
+        r.colocated, r.stage, r.num_output = colocated, stage, num_output
+        return r
+
+    live = [req("a", "decoding", 5), req("b", "prefilling"), req("c", "reserving"),
+            req("d", "running", 0, colocated=dec), req("e", "running", 3, colocated=dec), req("f", "running", 0, colocated=pre)]
+    fleet = FleetModel(512, 16, max_seqs=128)
+    v = fleet.view(dec, live)
+    # a and e decode, d's prompt is queued, b and c are pushed here once their prompts are computed
+    assert (v.max_seqs, v.seated, v.num_decoding) == (128, 5, 2)
+    p = fleet.view(pre, live)
+    assert (p.seated, p.num_decoding) == (3, 0)  # b, c computing; f's prompt queued (kept)
+    assert FleetModel(512, 16).view(dec, live).max_seqs is None
+
+
+def replace_seats(v: InstanceView, max_seqs):
+    from dataclasses import replace
+    return replace(v, max_seqs=max_seqs)
