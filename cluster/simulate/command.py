@@ -109,6 +109,8 @@ def simulate_command(
                                       "and Ray hops, not modelled otherwise)")] = 0.0,
     step_gap_ms: Annotated[float, Opt(help="ms of host time between two forwards of an instance (a served "
                                            "trace's gap between steps: `benchmarks/trace_report.py`)")] = 0.0,
+    reserve_ms: Annotated[float, Opt(help="ms of a remote request's reservation round trip (a served trace's "
+                                          "remote 'submit -> reserved'; two H100s: 8)")] = 0.0,
     set_: SetOpt = None,
     dataset_name: Annotated[str, Opt(help="the bench's workloads, comma-separated")] = "random",
     num_prompts: NumPromptsOpt = None,
@@ -162,7 +164,7 @@ def simulate_command(
     try:
         for dataset in datasets:
             for rate in rates:
-                fleet = SimFleet(cfg, prof, link_gbps, hop_ms, step_gap_ms)
+                fleet = SimFleet(cfg, prof, link_gbps, hop_ms, step_gap_ms, reserve_ms)
                 if trace_dir is not None:
                     fleet.keep_records()
                 spec = workload_spec(

@@ -24,8 +24,8 @@ prefill instance `Placer.hand` names. No prefix affinity: the simulated prompts 
 ids to key it, and `SimEngine` no prefix cache whose hits it would buy.
 Pushes: layer by layer beside the forward that computes the tokens; a prefill instance's link
 carries one forward's tokens after the other at ``link_gbps``, and a push ends no earlier than
-its forward. Not modelled: router and network hops (beyond ``--hop-ms`` before placement),
-request timeouts, instance failures.
+its forward. Not modelled: router and network hops (beyond ``--hop-ms`` before placement and
+``--reserve-ms`` for a remote request's reservation), request timeouts, instance failures.
 """
 
 from __future__ import annotations
@@ -90,17 +90,21 @@ class SimFleet:
             Ray hops; the client's clock starts at the send), ms.
         step_gap_ms: host time between two forwards of an instance (the step loop's reading,
             bookkeeping and calls between steps; a served trace's "gap between steps"), ms.
+        reserve_ms: a remote request's reservation round trip beyond the decode instance's step
+            in flight (router -> decode actor -> router, before its prompt goes to the prefill
+            instance; a served trace's remote "submit -> reserved"), ms.
     """
 
     def __init__(self, config: Config, profile: dict, link_gbps: float = 364.0, hop_ms: float = 0.0,
-                 step_gap_ms: float = 0.0) -> None:
+                 step_gap_ms: float = 0.0, reserve_ms: float = 0.0) -> None:
         if not link_gbps > 0:
             raise ValueError(f"--link-gbps: expected a bandwidth > 0 GB/s, got {link_gbps}")
-        for name, value in (("--hop-ms", hop_ms), ("--step-gap-ms", step_gap_ms)):
+        for name, value in (("--hop-ms", hop_ms), ("--step-gap-ms", step_gap_ms), ("--reserve-ms", reserve_ms)):
             if not 0 <= value < float("inf"):
                 raise ValueError(f"{name}: expected a finite number of milliseconds >= 0, got {value}")
         self.hop_s = hop_ms / 1e3
         self.step_gap_s = step_gap_ms / 1e3
+        self.reserve_s = reserve_ms / 1e3
         self.config = config
         engine = profile["engine"]
         self.page_size = config.cache.page_size
@@ -295,7 +299,7 @@ class SimFleet:
         self.picker.tokens[prefill.name] += req.prompt_len
         self.picker.tokens[req.decode.name] += req.prompt_len
         self.placed[req.request_id] = req
-        answered = self._call_done(req.decode)
+        answered = self._call_done(req.decode) + self.reserve_s
         if answered > self.now:
             self._push(answered, HAND, req)
             return {req.decode.name}

@@ -199,6 +199,20 @@ def test_hop_delays_every_first_token_by_the_hop():
         SimFleet(config, PROFILE, hop_ms=-1.0)
 
 
+def test_reserve_delays_a_pushed_first_token_by_the_round_trip_and_a_colocated_one_not_at_all():
+    firsts = {}
+    for name in ("tiny-1p1d.yaml", "tiny-colocated.yaml"):
+        for reserve_ms in (0.0, 8.0):
+            fleet = SimFleet(Config.from_yaml(CONFIGS / name), copy.deepcopy(PROFILE), reserve_ms=reserve_ms)
+            fleet.submit_at(1.0, "a", 30, 4)
+            fleet.run()
+            firsts[name, reserve_ms] = fleet.timelines["a"].token_times[0] - fleet.timelines["a"].sent
+    assert firsts["tiny-1p1d.yaml", 8.0] - firsts["tiny-1p1d.yaml", 0.0] == pytest.approx(0.008)
+    assert firsts["tiny-colocated.yaml", 8.0] == firsts["tiny-colocated.yaml", 0.0]
+    with pytest.raises(ValueError, match="--reserve-ms"):
+        SimFleet(Config.from_yaml(CONFIGS / "tiny-1p1d.yaml"), PROFILE, reserve_ms=-1.0)
+
+
 def test_max_concurrency_holds_requests_at_the_client():
     config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml")
     spec = workload_spec(PROFILE, 512, dataset_name="random", num_prompts=30, seed=0, input_len=32, output_len=8)

@@ -5,6 +5,9 @@
 # its context limit raised to 33,792, as ../whowins-sim-2026-11-27d/ does). From the repository
 # root, venv active (~1 min on 2 cores):
 #   bash benchmarks/records/headline-h100x2-2026-11-27e/replay.sh
+#   REPLAY_FLAGS="--reserve-ms 8" OUTD=results/replay-27e-r8 bash benchmarks/records/headline-h100x2-2026-11-27e/replay.sh
+# The sitting's router is b30edfa's (before the seats): replay its runs with that
+# cluster/placement.py and cluster/placer.py (`git show b30edfa:PATH > PATH`, restored afterwards).
 #   python3 benchmarks/summarize_runs.py --table results/replay-27e/*
 set -euo pipefail
 OUTD=${OUTD:-results/replay-27e}
@@ -15,7 +18,7 @@ json.dump(d, open(sys.argv[2], 'w'))" "$P" "$X"
 sim() {  # PROFILE WORKLOAD LABEL CONFIG RATES SECONDS MIN_PROMPTS TTFT TPOT [--set ...]
   local prof=$1 w=$2 label=$3 config=$4 rates=$5 secs=$6 minp=$7 ttft=$8 tpot=$9; shift 9
   python3 -m disagg.cluster.cli simulate "$config" --profile "$prof" --dataset-name "$w" \
-    --num-prompts 1000 --run-seconds "$secs" --min-prompts "$minp" --hop-ms 6 --step-gap-ms 0.17 \
+    --num-prompts 1000 --run-seconds "$secs" --min-prompts "$minp" --hop-ms 6 --step-gap-ms 0.17 ${REPLAY_FLAGS:-} \
     --request-rate "$rates" --goodput "ttft:$ttft" --goodput "tpot:$tpot" --label "$label" \
     --result-dir "$OUTD/$w/$label" "$@" > /dev/null 2>&1 || echo "$w $label: rc $?"
 }
