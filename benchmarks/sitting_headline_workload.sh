@@ -14,7 +14,9 @@
 # DISAGG_TRACE_DIR (optional): per-request and per-step traces of every run, tarred apart.
 # The summary of every run (benchmarks/summarize_runs.py) lands in $OUT/<workload>-runs.md/.json.
 # SET_DISAGG (optional): one more KEY=VALUE for the 1P1D and adaptive fleets, e.g.
-# SET_DISAGG=scheduler.overlap_reservations=true. ADAPTIVE_VARIANTS (optional): space-separated
+# SET_DISAGG=scheduler.overlap_reservations=true. SET_ALL (optional): one KEY=VALUE for every
+# deployment, colocated included, e.g. SET_ALL=scheduler.max_num_seqs=256 (an A/B of the same
+# setting on both sides). ADAPTIVE_VARIANTS (optional): space-separated
 # NAME:KEY=VALUE, each one more adaptive fleet with that setting, run after the default one as
 # "adaptive-NAME" (an A/B at one tree, e.g. "remote:router.adaptive_prefer=remote"). ADAPTIVE_SLO_SCALE (default 1): the adaptive
 # router's targets are this multiple of the calibrated SLOs; it optimizes the SLO it is given, so
@@ -42,8 +44,10 @@ run() {  # LABEL CONFIG [bench flags]
   # time limit still returns the deployments it finished)
   [ -d "results/$W/$label" ] && tar czf "$OUT/$W-$label.tgz" "results/$W/$label" || true
 }
-disagg_set=()
-[ -n "${CHUNK_DISAGG:-}" ] && disagg_set=(--set "scheduler.max_num_batched_tokens=$CHUNK_DISAGG")
+all_set=()
+[ -n "${SET_ALL:-}" ] && all_set=(--set "$SET_ALL")
+disagg_set=("${all_set[@]}")
+[ -n "${CHUNK_DISAGG:-}" ] && disagg_set+=(--set "scheduler.max_num_batched_tokens=$CHUNK_DISAGG")
 [ -n "${SET_DISAGG:-}" ] && disagg_set+=(--set "$SET_DISAGG")
 run 1p1d "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_1P1D:-$RATES}" --slo-calibrate "${disagg_set[@]}"
 slos=$(grep -o "SLOs TTFT [0-9.]* ms, TPOT [0-9.]* ms" "$OUT/$W-1p1d.log" | head -1 || true)
@@ -62,7 +66,7 @@ for variant in ${ADAPTIVE_VARIANTS:-}; do  # NAME:KEY=VALUE -> the run "adaptive
   merged+=(--from-results "results/$W/adaptive-${variant%%:*}")
 done
 run "colocated-$CHUNK" "configs/$MODEL-colocated.yaml" --request-rate "${RATES_COLOCATED:-$RATES}" \
-  --set "scheduler.max_num_batched_tokens=$CHUNK" "${judge[@]}"
+  --set "scheduler.max_num_batched_tokens=$CHUNK" "${all_set[@]}" "${judge[@]}"
 python3 -m disagg.cluster.cli bench "${merged[@]}" --from-results "results/$W/colocated-$CHUNK" --slo-scales 1,2 \
   --result-dir "results/$W/merged" > "$OUT/$W-merged.log" 2>&1 || echo "merge: rc $?"
 grep -v '^\s*$' "$OUT/$W-merged.log" | tail -40
@@ -72,5 +76,8 @@ python3 benchmarks/summarize_runs.py --table "results/$W" > "$OUT/$W-runs.md" ||
 python3 benchmarks/summarize_runs.py "results/$W" > "$OUT/$W-runs.json" || true
 cat "$OUT/$W-runs.md"
 tar czf "$OUT/$W.tgz" "results/$W" "$OUT"/"$W"-*.log
+# The device returns at most 8 files: the whole tar replaces the per-deployment ones and the logs
+# in it (the merged log, runs.md and runs.json stay beside it).
+find "$OUT" -maxdepth 1 \( -name "$W-*.tgz" -o -name "$W-*.log" \) ! -name "$W-merged.log" -delete
 [ -n "${DISAGG_TRACE_DIR:-}" ] && tar czf "$OUT/$W-trace.tgz" "$DISAGG_TRACE_DIR"
 echo "workload $W: $OUT/$W-runs.md, $OUT/$W.tgz${DISAGG_TRACE_DIR:+, $OUT/$W-trace.tgz}"
