@@ -275,8 +275,8 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
         if best_p is not None:
             # A pushed request waits for D's seat after its first token: a gap in its TPOT.
             seat_tpot = seat / max(d.output_tokens - 1.0, 1.0) if seat and d.output_tokens else 0.0
-            out.append(Prediction("remote", best_p.name, d.name,
-                                  (wait if d.reserve_waits else 0.0) + best_p.seat_wait_s() + best_p.prefill_s(prompt_len),
+            start = (wait if d.reserve_waits else 0.0) + best_p.seat_wait_s()
+            out.append(Prediction("remote", best_p.name, d.name, start + best_p.prefill_s(prompt_len),
                                   remote_tpot + seat_tpot, max(best_p.model.error, d.model.error),
                                   seat_tpot_s=seat_tpot))
         out.append(Prediction("local", d.name, d.name, max(wait, seat) + d.prefill_s(prompt_len), local_tpot,

@@ -125,7 +125,8 @@ def simulated_result(sim: Simulation, config: Config, profile: dict, *, label: s
             "simulation": {"profile_date": profile.get("date"), "profile_commit": profile.get("commit"),
                            "profile_model": profile.get("model"), "fit": profile["fit"],
                            "link_gbps": link_gbps, "hop_ms": fleet.hop_s * 1e3,
-                           "step_gap_ms": fleet.step_gap_s * 1e3, "reserve_ms": fleet.reserve_s * 1e3, "num_pages": fleet.num_pages, "num_events": fleet.num_events,
+                           "step_gap_ms": fleet.step_gap_s * 1e3,
+                           "reserve_ms": fleet.reserve_s * 1e3, "num_pages": fleet.num_pages, "num_events": fleet.num_events,
                            "num_steps": {i.name: i.actor.num_steps for i in fleet.instances},
                            "min_free_pages": min(i.actor.min_free_pages for i in fleet.instances),
                            "wall_s": sim.wall_s}}
