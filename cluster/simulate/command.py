@@ -27,6 +27,14 @@ from disagg.cluster.cli_common import (EXIT_RUNTIME, EXIT_USAGE, BurstinessOpt, 
                                        load_config, setup_logging)
 
 Opt = typer.Option
+# The hops a served trace measures outside the profiled steps (`benchmarks/trace_report.py`),
+# given to every simulated fleet (`SimFleet`): `disagg simulate` and `disagg plan` alike.
+HopMsOpt = Annotated[float, Opt("--hop-ms", help="ms from a request's send to the router's placement (HTTP, "
+                                "router and Ray hops, not modelled otherwise)")]
+StepGapMsOpt = Annotated[float, Opt("--step-gap-ms", help="ms of host time between two forwards of an instance "
+                                    "(a served trace's gap between steps: `benchmarks/trace_report.py`)")]
+ReserveMsOpt = Annotated[float, Opt("--reserve-ms", help="ms of a remote request's reservation round trip (a "
+                                    "served trace's remote 'submit -> reserved'; two H100s: 8)")]
 
 
 def greedy_class():
@@ -105,12 +113,9 @@ def simulate_command(
     profile: Annotated[Path, Opt("--profile", help="a `disagg profile` JSON (step times of the instance)")],
     link_gbps: Annotated[float, Opt(help="KV push bandwidth per prefill instance, GB/s (NVLink measured "
                                          "364; 400/200 Gb/s networks ~50/25)")] = 364.0,
-    hop_ms: Annotated[float, Opt(help="ms from a request's send to the router's placement (HTTP, router "
-                                      "and Ray hops, not modelled otherwise)")] = 0.0,
-    step_gap_ms: Annotated[float, Opt(help="ms of host time between two forwards of an instance (a served "
-                                           "trace's gap between steps: `benchmarks/trace_report.py`)")] = 0.0,
-    reserve_ms: Annotated[float, Opt(help="ms of a remote request's reservation round trip (a served trace's "
-                                          "remote 'submit -> reserved'; two H100s: 8)")] = 0.0,
+    hop_ms: HopMsOpt = 0.0,
+    step_gap_ms: StepGapMsOpt = 0.0,
+    reserve_ms: ReserveMsOpt = 0.0,
     set_: SetOpt = None,
     dataset_name: Annotated[str, Opt(help="the bench's workloads, comma-separated")] = "random",
     num_prompts: NumPromptsOpt = None,
@@ -207,6 +212,9 @@ def plan_command(
     adaptive_prefer: Annotated[str, Opt(help="router.adaptive_prefer of the adaptive candidates, comma-separated "
                                              "(fastest, remote, balanced): one candidate each")] = "fastest",
     link_gbps: Annotated[float, Opt(help="KV push bandwidth per prefill instance, GB/s")] = 364.0,
+    hop_ms: HopMsOpt = 0.0,
+    step_gap_ms: StepGapMsOpt = 0.0,
+    reserve_ms: ReserveMsOpt = 0.0,
     random_input_len: Annotated[Optional[int], Opt(min=1, help="prompt tokens (random dataset)")] = None,
     random_output_len: Annotated[Optional[int], Opt(min=1, help="output tokens (random dataset)")] = None,
     random_range_ratio: RangeRatioOpt = None,
@@ -250,7 +258,9 @@ def plan_command(
     try:
         ranked = planner.plan(prof, dataset_name=dataset_name, slos_ms=slos, num_gpus=gpus, chunk_sizes=chunks,
                               run_length=planner.RunLength(run_seconds, min(100, max_prompts), max_prompts),
-                              seed=seed, seeds=seeds, link_gbps=link_gbps, adaptive_chunk_sizes=adaptive_chunks,
+                              seed=seed, seeds=seeds, link_gbps=link_gbps,
+                              hops=dict(hop_ms=hop_ms, step_gap_ms=step_gap_ms, reserve_ms=reserve_ms),
+                              adaptive_chunk_sizes=adaptive_chunks,
                               adaptive_prefers=prefers, jobs=jobs,
                               on_judged=lambda c: console.print(f"{c.label}: {c.goodput_per_gpu:.3f} req/s per GPU",
                                                                 markup=False),
@@ -266,7 +276,8 @@ def plan_command(
         table.add_row(*(escape(cell) for cell in row))  # labels hold [chunk=...]: not markup
     console.print(table)
     text = planner.best_yaml(ranked[0], planner.base_sections(prof, slos), dataset_name=dataset_name,
-                             link_gbps=link_gbps, ranked=ranked)
+                             link_gbps=link_gbps, ranked=ranked,
+                             hops=dict(hop_ms=hop_ms, step_gap_ms=step_gap_ms, reserve_ms=reserve_ms))
     typer.echo(f"best: {ranked[0].label}")
     typer.echo(text)
     if out is not None:

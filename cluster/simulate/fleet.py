@@ -78,6 +78,15 @@ def _sink(delta: Any, metrics: Any) -> None:  # the router's sink; the fleet rec
     return None
 
 
+def check_hops(**hops: float) -> None:
+    """Raise ValueError naming the flag of the first of ``hops`` (``hop_ms``, ``step_gap_ms``,
+    ``reserve_ms``: `SimFleet`'s) that is not a finite number of milliseconds >= 0."""
+    for name, value in hops.items():
+        if not 0 <= value < float("inf"):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag}: expected a finite number of milliseconds >= 0, got {value}")
+
+
 class SimFleet:
     """The instances of ``config`` and its router on one virtual clock.
 
@@ -99,9 +108,7 @@ class SimFleet:
                  step_gap_ms: float = 0.0, reserve_ms: float = 0.0) -> None:
         if not link_gbps > 0:
             raise ValueError(f"--link-gbps: expected a bandwidth > 0 GB/s, got {link_gbps}")
-        for name, value in (("--hop-ms", hop_ms), ("--step-gap-ms", step_gap_ms), ("--reserve-ms", reserve_ms)):
-            if not 0 <= value < float("inf"):
-                raise ValueError(f"{name}: expected a finite number of milliseconds >= 0, got {value}")
+        check_hops(hop_ms=hop_ms, step_gap_ms=step_gap_ms, reserve_ms=reserve_ms)
         self.hop_s = hop_ms / 1e3
         self.step_gap_s = step_gap_ms / 1e3
         self.reserve_s = reserve_ms / 1e3

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from disagg.cluster.bench.compare import TARGET_ATTAINMENT
 from disagg.cluster.bench.metrics import slo_attainment
-from disagg.cluster.simulate.fleet import SimFleet
+from disagg.cluster.simulate.fleet import SimFleet, check_hops
 from disagg.cluster.simulate.run import simulate_run, workload_spec
 from disagg.config import Config
 
@@ -168,9 +168,10 @@ class RunLength:
 
 def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_name: str,
           slos_ms: Mapping[str, float], run_length: RunLength = RunLength(), seed: int = 0, seeds: int = 1,
-          link_gbps: float = 364.0, start_rate: float | None = None, **lengths: Any) -> Candidate:
+          link_gbps: float = 364.0, hops: Mapping[str, float] | None = None, start_rate: float | None = None,
+          **lengths: Any) -> Candidate:
     """Simulate ``candidate`` at the rates `max_rate` asks for (each over ``seeds`` draws, pooled);
-    set its goodput."""
+    set its goodput. ``hops``: `SimFleet`'s ``hop_ms``, ``step_gap_ms``, ``reserve_ms``."""
     if seeds < 1:
         raise ValueError(f"--seeds: expected at least 1 draw per rate, got {seeds}")
     config = Config.from_dict(config_of(base, candidate), origin=candidate.label)
@@ -178,7 +179,7 @@ def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_
     def attainment(rate: float) -> float:
         outputs = []
         for draw in range(seed, seed + seeds):
-            fleet = SimFleet(config, profile, link_gbps)
+            fleet = SimFleet(config, profile, link_gbps, **(hops or {}))
             spec = workload_spec(profile, fleet.max_model_len, dataset_name=dataset_name,
                                  num_prompts=run_length.prompts_at(rate), seed=draw, **lengths)
             outputs += simulate_run(config, profile, spec, request_rate=rate, seed=draw, fleet=fleet).run.outputs
@@ -191,7 +192,8 @@ def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_
 
 def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_gpus: int,
          chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, run_length: RunLength = RunLength(), seed: int = 0,
-         seeds: int = 1, link_gbps: float = 364.0, search: Sequence[Candidate] | None = None,
+         seeds: int = 1, link_gbps: float = 364.0, hops: Mapping[str, float] | None = None,
+         search: Sequence[Candidate] | None = None,
          adaptive_chunk_sizes: Sequence[int] | None = None, adaptive_prefers: Sequence[str] = ("fastest",),
          jobs: int = 1, on_judged: Callable[[Candidate], None] | None = None, **lengths: Any) -> list[Candidate]:
     """Judge every candidate, ``jobs`` at a time in worker processes (each simulation is one
@@ -199,8 +201,8 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
     (goodput per GPU, then the order searched). ``on_judged`` sees each as it is judged.
 
     Raises:
-        ValueError: a bad GPU count, SLOs missing, fewer than one seed or job, or a workload flag
-            out of range.
+        ValueError: a bad GPU count, SLOs missing, fewer than one seed or job, a hop below 0 ms,
+            or a workload flag out of range.
     """
     if seeds < 1:
         raise ValueError(f"--seeds: expected at least 1 draw per rate, got {seeds}")
@@ -208,6 +210,7 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
         raise ValueError(f"--jobs: expected at least 1 worker process, got {jobs}")
     if not slos_ms:
         raise ValueError("--goodput: expected SLOs such as ttft:500 tpot:50, got none")
+    check_hops(**(hops or {}))
     base = base_sections(profile, slos_ms)
     judged = []
     search = search if search is not None else candidates(num_gpus, chunk_sizes,
@@ -219,7 +222,7 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
             router.setdefault("slo_ttft_ms", slos_ms.get("ttft"))
             router.setdefault("slo_tpot_ms", slos_ms.get("tpot"))
     kwargs = dict(dataset_name=dataset_name, slos_ms=slos_ms, run_length=run_length, seed=seed, seeds=seeds,
-                  link_gbps=link_gbps, **lengths)
+                  link_gbps=link_gbps, hops=hops, **lengths)
     if jobs == 1 or len(search) < 2:
         for cand in search:
             judged.append(judge(cand, base, profile, **kwargs))
@@ -251,16 +254,17 @@ def _judge_in_workers(search: list[Candidate], base: dict[str, Any], profile: di
 
 
 def best_yaml(best: Candidate, base: dict[str, Any], *, dataset_name: str, link_gbps: float,
-              ranked: Sequence[Candidate]) -> str:
-    """The YAML of ``best`` with a header saying how it was chosen."""
+              ranked: Sequence[Candidate], hops: Mapping[str, float] | None = None) -> str:
+    """The YAML of ``best`` with a header saying how it was chosen (the hops given, if any)."""
     import yaml
 
     colocated = [c for c in ranked if c.label.startswith("colocated")]
     versus = (f" ({best.goodput_per_gpu / colocated[0].goodput_per_gpu:.2f}x the best colocated)"
               if colocated and colocated[0].goodput_per_gpu > 0 else "")
+    given = "".join(f", --{name.replace('_', '-')} {value:g}" for name, value in (hops or {}).items() if value)
     header = (f"# `disagg plan`: the best of {len(ranked)} deployments of {best.num_gpus} GPU(s) for workload "
               f"{dataset_name!r},\n# simulated goodput {best.goodput_per_gpu:.3f} req/s per GPU{versus}; "
-              f"pushes at {link_gbps:g} GB/s.\n")
+              f"pushes at {link_gbps:g} GB/s{given}.\n")
     return header + yaml.safe_dump(config_of(base, best), sort_keys=False)
 
 

@@ -65,6 +65,30 @@ def test_cli_prints_every_candidate_and_writes_a_loadable_yaml(tmp_path: Path):
     assert config.bench.goodput == {"ttft": 300.0, "tpot": 20.0}
 
 
+def test_hops_are_given_to_every_simulated_fleet_and_named_in_the_yaml(tmp_path: Path):
+    """A hop longer than the TTFT target leaves no rate within it: the judged fleets ran with it."""
+    def goodput(**hops):
+        (cand,) = [c for c in planner.candidates(2, adaptive=False, colocated=False)]
+        base = planner.base_sections(PROFILE, {"ttft": 300, "tpot": 20})
+        return planner.judge(cand, base, PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20},
+                             run_length=SHORT, input_len=64, output_len=8, hops=hops).goodput_rps
+
+    assert goodput() > 0 and goodput(hop_ms=400.0) < goodput()
+    assert goodput(reserve_ms=400.0) < goodput()  # 1P1D: every request is pushed, every one reserves
+    with pytest.raises(ValueError, match="--step-gap-ms"):
+        planner.plan(PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=2,
+                     hops={"step_gap_ms": -1.0}, search=[])
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--dataset-name", "random",
+                                      "--random-input-len", "64", "--random-output-len", "16", "--goodput",
+                                      "ttft:300", "tpot:20", "--gpus", "1", "--chunk-sizes", "256",
+                                      "--run-seconds", "3", "--max-prompts", "150", "--hop-ms", "6",
+                                      "--reserve-ms", "8"])
+    assert result.exit_code == 0, result.output
+    assert "--hop-ms 6, --reserve-ms 8." in result.output
+
+
 def test_cli_needs_slos(tmp_path: Path):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(PROFILE))
