@@ -44,6 +44,7 @@ import collections
 import math
 from dataclasses import dataclass, replace
 
+from disagg.cluster.requests import seat_holders
 from disagg.cluster.step_model import StepTimeModel
 from disagg.engine.steps import prompt_pairs
 
@@ -525,6 +526,7 @@ class FleetModel:
         progress = []
         outputs = [int(req.params.max_tokens) for req in requests]
         for req in requests:
+            seated += any(held is inst for held in seat_holders(req))
             if inst is req.colocated:  # local or kept: prompt here until its first token
                 computing = req.num_output == 0
             elif inst is req.prefill and req.stage in ("reserving", "prefilling"):
@@ -532,10 +534,7 @@ class FleetModel:
             elif inst is req.decode and req.stage == "decoding":
                 computing = False
             else:
-                # reserved here, its prompt computed elsewhere: it takes a seat at its first token
-                seated += inst is req.decode and req.stage in ("reserving", "prefilling")
                 continue
-            seated += 1
             if computing:
                 queued += req.prompt_len
                 pairs += prompt_pairs(0, req.prompt_len)

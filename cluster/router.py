@@ -71,7 +71,7 @@ class Router:
         self.settings = fleet.config.router
         self.requests: dict[str, Request] = {}
         self.queue: collections.deque[Request] = collections.deque()
-        self.picker = Picker(self.settings.policy)
+        self.picker = Picker(self.settings.policy, fleet.config.scheduler.max_num_seqs)
         self.counts: collections.Counter[str] = collections.Counter()
         self.aborts: collections.Counter[str] = collections.Counter()    # by `failure_reason`
         self.failures: collections.Counter[str] = collections.Counter()  # by `failure_reason`

@@ -62,16 +62,20 @@ class Timeline:
 
 
 class TrackedPicker(Picker):
-    """The router's `Picker` with its loads kept up to date as requests move instead of summed
-    over every live request at each pick (the same numbers: `SimFleet.check_loads`), so an
+    """The router's `Picker` with its loads and seats kept up to date as requests move instead of
+    summed over every live request at each pick (the same numbers: `SimFleet.check_loads`), so an
     overloaded fleet of 10,000 queued requests costs O(instances) per placement."""
 
-    def __init__(self, policy: str) -> None:
-        super().__init__(policy)
+    def __init__(self, policy: str, max_seqs: int | None = None) -> None:
+        super().__init__(policy, max_seqs)
         self.tokens: collections.Counter[str] = collections.Counter()
+        self.held: collections.Counter[str] = collections.Counter()
 
     def loads(self, instances: list[Instance], requests: Any) -> dict[str, int]:
         return {inst.name: self.tokens[inst.name] for inst in instances}
+
+    def seats(self, instances: list[Instance], requests: Any) -> dict[str, int]:
+        return {inst.name: self.held[inst.name] for inst in instances}
 
 
 def _sink(delta: Any, metrics: Any) -> None:  # the router's sink; the fleet records tokens itself
@@ -123,7 +127,7 @@ class SimFleet:
         self.instances = [self._instance(f"{role}-{i}", role) for role in ("prefill", "decode", "colocated")
                           for i in range(getattr(config.instances, role))]
         self._by_name = {inst.name: inst for inst in self.instances}
-        self.picker = TrackedPicker(config.router.policy)
+        self.picker = TrackedPicker(config.router.policy, config.scheduler.max_num_seqs)
         # No prefix affinity: the simulated prompts have no token ids and `SimEngine` no prefix cache.
         self.placer = Placer(config, self.instances, self.picker, clock=lambda: self.now)
         self.placer.fleet_model.models = {inst.name: self.model for inst in self.instances}
@@ -305,6 +309,8 @@ class SimFleet:
         req.prefill, req.stage = prefill, "reserving"
         self.picker.tokens[prefill.name] += req.prompt_len
         self.picker.tokens[req.decode.name] += req.prompt_len
+        self.picker.held[prefill.name] += 1
+        self.picker.held[req.decode.name] += 1
         self.placed[req.request_id] = req
         answered = self._call_done(req.decode) + self.reserve_s
         if answered > self.now:
@@ -331,6 +337,7 @@ class SimFleet:
     def _place_alone(self, req: Request, inst: Instance) -> str:
         req.colocated, req.stage = inst, "running"
         self.picker.tokens[inst.name] += req.prompt_len
+        self.picker.held[inst.name] += 1
         inst.actor.add(req.request_id, req.prompt_len, req.params.max_tokens)
         self.placed[req.request_id] = req
         return inst.name
@@ -350,6 +357,7 @@ class SimFleet:
             if engine_req.dest is not None:  # pushed: the first token; decoding waits for the push
                 req.stage = "decoding"
                 self.picker.tokens[req.prefill.name] -= req.prompt_len
+                self.picker.held[req.prefill.name] -= 1
                 self._push(max(self.now, self._link_free[inst.name]), PUSH_END, (req, inst, engine_req))
                 if finished:
                     self._end(req)
@@ -369,8 +377,10 @@ class SimFleet:
             return
         if self.placed.pop(req.request_id, None) is not None:
             self.picker.tokens[(req.colocated or req.decode).name] -= req.prompt_len + req.num_output
+            self.picker.held[(req.colocated or req.decode).name] -= 1
             if req.stage in ("reserving", "prefilling"):
                 self.picker.tokens[req.prefill.name] -= req.prompt_len
+                self.picker.held[req.prefill.name] -= 1
         req.stage = "done"
         if not error:
             self.placer.finished(req)
@@ -382,10 +392,12 @@ class SimFleet:
 
 
     def check_loads(self) -> None:
-        """Assert that the tracked loads are the router's `Picker.loads` over the live requests."""
-        expected = Picker("least_loaded").loads(self.instances, list(self.placed.values()))
-        tracked = self.picker.loads(self.instances, ())
-        assert tracked == expected, f"tracked loads {tracked} != the picker's {expected}"
+        """Assert that the tracked loads and seats are the router's `Picker.loads` and `Picker.seats`
+        over the live requests."""
+        live, picker, insts = list(self.placed.values()), Picker("least_loaded"), self.instances
+        for name, expected, tracked in (("loads", picker.loads(insts, live), self.picker.loads(insts, ())),
+                                        ("seats", picker.seats(insts, live), self.picker.seats(insts, ()))):
+            assert tracked == expected, f"tracked {name} {tracked} != the picker's {expected}"
 
 
 def _pages_of(profile: dict, config: Config) -> int:

@@ -53,3 +53,34 @@ def test_least_loaded_takes_turns_among_equal_loads_and_still_prefers_the_least_
     assert [[i.name for i in loaded.order(fleet, [])] for _ in range(3)] == [["prefill-1", "prefill-0", "prefill-2"]] * 3
     fleet[1].alive = False
     assert picker.order(fleet, [])[0].name in {"prefill-0", "prefill-2"}
+
+
+def test_least_loaded_puts_an_instance_with_every_seat_held_last():
+    """colocated-0 holds fewer tokens but all its 2 seats; colocated-1 has one free: with
+    ``max_seqs`` it goes first, without it the lighter one does. Seats count what `seat_holders`
+    names: a request's colocated or decode instance, and its prefill instance while prefilling."""
+    from disagg.cluster.bootstrap import Instance
+    from disagg.cluster.outputs import RequestMetrics
+    from disagg.cluster.requests import Picker, Request, seat_holders
+    from disagg.sampling import SamplingParams
+
+    c0, c1 = Instance("colocated-0", "colocated", actor=None), Instance("colocated-1", "colocated", actor=None)
+
+    def req(rid, inst, prompt_len):
+        r = Request(rid, [0] * prompt_len, SamplingParams(max_tokens=8), lambda *a: None, RequestMetrics(arrival_time=0.0))
+        r.colocated, r.stage = inst, "running"
+        return r
+
+    live = [req("a", c0, 10), req("b", c0, 10), req("c", c1, 500)]
+    assert Picker("least_loaded").order([c0, c1], live)[0] is c0
+    assert Picker("least_loaded", max_seqs=2).order([c0, c1], live)[0] is c1
+    assert Picker("least_loaded", max_seqs=3).order([c0, c1], live)[0] is c0  # a seat free on both
+    assert Picker("least_loaded", max_seqs=2).seats([c0, c1], live) == {"colocated-0": 2, "colocated-1": 1}
+    p, d = Instance("prefill-0", "prefill", actor=None), Instance("decode-0", "decode", actor=None)
+    pushed = req("d", None, 10)
+    pushed.colocated, pushed.prefill, pushed.decode, pushed.stage = None, p, d, "prefilling"
+    assert seat_holders(pushed) == (d, p)
+    pushed.stage = "decoding"
+    assert seat_holders(pushed) == (d,)
+    pushed.stage = "done"
+    assert seat_holders(pushed) == ()
