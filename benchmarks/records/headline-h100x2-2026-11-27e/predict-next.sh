@@ -38,6 +38,15 @@ sim "$P" chat adaptive-balanced configs/llama3-8b-1p1d.yaml 21,28 20 16 "${ch[@]
   --set router.adaptive_prefer=balanced &
 sim "$P" chat colocated-8192 configs/llama3-8b-colocated.yaml 24,28 20 16 "${ch[@]}" &
 wait
+# prefill-heavy at the SLOs of its last calibration (two H200s, 2026-11-23: 158 : 14.3), the router at 1x
+ph=(158 14.3)
+sim "$P" prefill-heavy 1p1d configs/llama3-8b-1p1d.yaml 8 20 16 "${ph[@]}" &
+sim "$P" prefill-heavy adaptive configs/llama3-8b-1p1d.yaml 12,16 20 16 "${ph[@]}" $(a "${ph[@]}") &
+wait
+sim "$P" prefill-heavy adaptive-balanced configs/llama3-8b-1p1d.yaml 12,16 20 16 "${ph[@]}" $(a "${ph[@]}") \
+  --set router.adaptive_prefer=balanced &
+sim "$P" prefill-heavy colocated-8192 configs/llama3-8b-colocated.yaml 12,16 20 16 "${ph[@]}" &
+wait
 # long-prompt at this record's SLOs (1529.66 : 18.1971): the default `fastest`, not measured yet
 lp=(1529.66 18.1971)
 sim "$X" long-prompt adaptive-fastest configs/llama3.1-8b-1p1d.yaml 0.5,0.8,1.1 30 8 "${lp[@]}" $(a "${lp[@]}") &
