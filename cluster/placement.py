@@ -265,18 +265,19 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
     each decode instance, kept on each prefill instance (page fit not yet judged)."""
     out = []
     # A prompt computed on an instance first needs one of its seats (`InstanceView.seat_wait_s`).
-    best_p = min(prefills, key=lambda p: p.seat_wait_s() + p.prefill_s(prompt_len), default=None)
+    seat_of = {v.name: v.seat_wait_s() for v in prefills + decodes}
+    best_p = min(prefills, key=lambda p: seat_of[p.name] + p.prefill_s(prompt_len), default=None)
     for d in decodes:
         remote_tpot, local_tpot = _decode_side_tpot(d, prompt_len)
         # D's running decodes hold the step in flight (and, scheduled ahead, the next): a local
         # prompt's first chunk starts about one decode step later, and so does a remote one's
         # push, whose reservation D answers between steps (unless it overlaps them).
         wait = d.step_in_flight_s()
-        seat = d.seat_wait_s()
+        seat = seat_of[d.name]
         if best_p is not None:
             # A pushed request waits for D's seat after its first token: a gap in its TPOT.
             seat_tpot = seat / max(d.output_tokens - 1.0, 1.0) if seat and d.output_tokens else 0.0
-            start = (wait if d.reserve_waits else 0.0) + best_p.seat_wait_s()
+            start = (wait if d.reserve_waits else 0.0) + seat_of[best_p.name]
             out.append(Prediction("remote", best_p.name, d.name, start + best_p.prefill_s(prompt_len),
                                   remote_tpot + seat_tpot, max(best_p.model.error, d.model.error),
                                   seat_tpot_s=seat_tpot))
@@ -288,7 +289,7 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
         # spread over the tokens they delay, P's recent stalls stretching its gaps (`StallMeter`).
         # The one-step rule it had (every gap as long as a step with a chunk) kept the prefill
         # GPU out of decoding, where colocated uses both (two H100s, chat: 1-5 of 420 kept).
-        out.append(Prediction("kept", p.name, p.name, p.seat_wait_s() + p.prefill_s(prompt_len),
+        out.append(Prediction("kept", p.name, p.name, seat_of[p.name] + p.prefill_s(prompt_len),
                               _decode_side_tpot(p, prompt_len)[1], p.model.error))
     return out
 

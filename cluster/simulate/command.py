@@ -255,11 +255,11 @@ def plan_command(
                             "--adaptive-prefer", distinct=True)
     console = Console()
     lengths = dict(input_len=random_input_len, output_len=random_output_len, range_ratio=random_range_ratio)
+    hops = dict(hop_ms=hop_ms, step_gap_ms=step_gap_ms, reserve_ms=reserve_ms)
     try:
         ranked = planner.plan(prof, dataset_name=dataset_name, slos_ms=slos, num_gpus=gpus, chunk_sizes=chunks,
                               run_length=planner.RunLength(run_seconds, min(100, max_prompts), max_prompts),
-                              seed=seed, seeds=seeds, link_gbps=link_gbps,
-                              hops=dict(hop_ms=hop_ms, step_gap_ms=step_gap_ms, reserve_ms=reserve_ms),
+                              seed=seed, seeds=seeds, link_gbps=link_gbps, hops=hops,
                               adaptive_chunk_sizes=adaptive_chunks,
                               adaptive_prefers=prefers, jobs=jobs,
                               on_judged=lambda c: console.print(f"{c.label}: {c.goodput_per_gpu:.3f} req/s per GPU",
@@ -276,8 +276,7 @@ def plan_command(
         table.add_row(*(escape(cell) for cell in row))  # labels hold [chunk=...]: not markup
     console.print(table)
     text = planner.best_yaml(ranked[0], planner.base_sections(prof, slos), dataset_name=dataset_name,
-                             link_gbps=link_gbps, ranked=ranked,
-                             hops=dict(hop_ms=hop_ms, step_gap_ms=step_gap_ms, reserve_ms=reserve_ms))
+                             link_gbps=link_gbps, ranked=ranked, hops=hops)
     typer.echo(f"best: {ranked[0].label}")
     typer.echo(text)
     if out is not None:
