@@ -21,6 +21,7 @@
 # "adaptive-NAME" (an A/B at one tree, e.g. "remote:router.adaptive_prefer=remote"). ADAPTIVE_SLO_SCALE (default 1): the adaptive
 # router's targets are this multiple of the calibrated SLOs; it optimizes the SLO it is given, so
 # judge it at the scale it targeted (two H100s: a router targeting 1x held 2x worse than it could).
+# MAX_TAR_BYTES (default 15000000): above it the per-deployment tars come back instead of one.
 # CPU smoke check: HEADLINE_MODEL=tiny RATES=2 HEADLINE_SECONDS=3 bash benchmarks/sitting_headline_workload.sh chat
 set -euo pipefail
 W=${1:?workload: chat | prefill-heavy | decode-heavy | long-prompt | shared-prefix}
@@ -76,8 +77,16 @@ python3 benchmarks/summarize_runs.py --table "results/$W" > "$OUT/$W-runs.md" ||
 python3 benchmarks/summarize_runs.py "results/$W" > "$OUT/$W-runs.json" || true
 cat "$OUT/$W-runs.md"
 tar czf "$OUT/$W.tgz" "results/$W" "$OUT"/"$W"-*.log
-# The device returns at most 8 files: the whole tar replaces the per-deployment ones and the logs
-# in it (the merged log, runs.md and runs.json stay beside it).
-find "$OUT" -maxdepth 1 \( -name "$W-*.tgz" -o -name "$W-*.log" \) ! -name "$W-merged.log" -delete
+# The device returns at most 8 files of 16 MiB each: the whole tar replaces the per-deployment ones
+# and the logs in it (the merged log, runs.md and runs.json stay beside it). A whole tar too big
+# to come back (decode-heavy at 26-34 req/s, 2026-11-27: its per-request results were lost) goes;
+# the per-deployment tars stay instead, the logs in one small tar beside them.
+if [ "$(stat -c %s "$OUT/$W.tgz")" -le "${MAX_TAR_BYTES:-15000000}" ]; then
+  find "$OUT" -maxdepth 1 \( -name "$W-*.tgz" -o -name "$W-*.log" \) ! -name "$W-merged.log" -delete
+else
+  rm "$OUT/$W.tgz"
+  tar czf "$OUT/$W-logs.tgz" "$OUT"/"$W"-*.log
+  find "$OUT" -maxdepth 1 -name "$W-*.log" -delete
+fi
 [ -n "${DISAGG_TRACE_DIR:-}" ] && tar czf "$OUT/$W-trace.tgz" "$DISAGG_TRACE_DIR"
-echo "workload $W: $OUT/$W-runs.md, $OUT/$W.tgz${DISAGG_TRACE_DIR:+, $OUT/$W-trace.tgz}"
+echo "workload $W: $(ls "$OUT" | grep "^$W" | tr '\n' ' ')"

@@ -42,20 +42,22 @@ def rows(root: str) -> list[dict]:
                     "mean_tpot_ms": round(r["mean_tpot_ms"], 2), "p99_tpot_ms": round(r["p99_tpot_ms"], 2),
                     "placements": r.get("placements"),
                     "prefix_hit_rate": None if prefix.get("hit_rate") is None else round(prefix["hit_rate"], 3),
-                    "busy": {k: round(v, 2) for k, v in (r.get("busy_fraction") or {}).items()}})
+                    "busy": {k: round(v, 2) for k, v in (r.get("busy_fraction") or {}).items()},
+                    "host_cpu": {k: round(v, 2) for k, v in (r.get("host_cpu") or {}).items()}})
     return out
 
 
 def table(all_rows: list[dict]) -> str:
     lines = ["| source | workload | deployment | req/s | 1x | 2x | p50 / p99 TTFT ms | mean TPOT ms | "
-             "remote / local / kept | busy |", "| --- " * 10 + "|"]
+             "remote / local / kept | busy | host CPU |", "| --- " * 11 + "|"]
     for r in sorted(all_rows, key=lambda r: (r["workload"], r["source"], r["rate"])):
         pl = r["placements"] or {}
         placed = " / ".join(str(pl.get(k, 0)) for k in ("remote", "local", "kept")) if pl else ""
         busy = " / ".join(f"{v:.2f}" for v in r["busy"].values())
+        cpu = " / ".join(f"{v:.2f}" for v in r["host_cpu"].values())  # router thread / process
         lines.append(f"| {r['source']} | {r['workload']} | {r['deployment']} | {r['rate']:g} | "
                      f"{r['attainment_1x']:.1%} | {r['attainment_2x']:.1%} | {r['median_ttft_ms']:.0f} / "
-                     f"{r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} | {placed} | {busy} |")
+                     f"{r['p99_ttft_ms']:.0f} | {r['mean_tpot_ms']:.1f} | {placed} | {busy} | {cpu} |")
     return "\n".join(lines)
 
 

@@ -504,10 +504,13 @@ class Router:
     # ------------------------------------------------------------------ stats
     def snapshot(self) -> dict:
         """Queue length, live requests per stage, outcome counts, aborts and failures by reason
-        (`failure_reason`) and instance loads (tokens)."""
+        (`failure_reason`), instance loads (tokens) and the CPU seconds used so far by the router's
+        thread and by its whole process (``cpu_s``; `disagg bench` turns them into each run's
+        ``host_cpu`` fractions: a router thread near 1.0 is the bottleneck, not the GPUs)."""
         live = list(self.requests.values())
         placer = self.placer
         return {"queued": len(self.queue), "live": len(live),
+                "cpu_s": {"router_thread": time.thread_time(), "process": time.process_time()},
                 "stages": dict(collections.Counter(req.stage for req in live)),
                 "counts": dict(self.counts), "aborts": dict(self.aborts), "failures": dict(self.failures),
                 "loads": self.picker.loads(self.fleet.instances, live), "placements": dict(placer.placements),

@@ -129,6 +129,7 @@ def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: Swee
         after = stats() if stats else None
         more = dict(extra or {}, prefix_cache_reset=reset is not None and options.reset_prefix_cache,
                     busy_fraction=busy_fractions(before, after, outcome.duration_s),
+                    host_cpu=host_cpu_fractions(before, after, outcome.duration_s),
                     gpu_utilization=gpus["gpu_utilization"], placements=placements_of(before, after),
                     prefix_cache=prefix_cache_of(before, after), cluster_stats=after)
         results.append(build_result(outcome, goodput_slos_ms=slos_ms, percentiles=options.percentiles,
@@ -243,6 +244,18 @@ def busy_fractions(before: Mapping | None, after: Mapping | None, duration_s: fl
         return None
     start, end = _busy_seconds(before), _busy_seconds(after)
     fractions = {name: (end[name] - start[name]) / duration_s for name in end if name in start}
+    return fractions or None
+
+
+def host_cpu_fractions(before: Mapping | None, after: Mapping | None, duration_s: float) -> dict[str, float] | None:
+    """The CPU the launching process spent during the run, as a fraction of the run: its router
+    thread's and the whole process's (the bench client, Ray's driver threads and the router;
+    several threads can add up past 1.0). From the router's ``cpu_s`` (`Router.snapshot`); None
+    when the stats have none (a server benchmarked over HTTP)."""
+    if not before or not after or duration_s <= 0:
+        return None
+    start, end = ((stats.get("router") or {}).get("cpu_s") or {} for stats in (before, after))
+    fractions = {name: (float(end[name]) - float(start[name])) / duration_s for name in end if name in start}
     return fractions or None
 
 

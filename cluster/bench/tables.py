@@ -188,7 +188,8 @@ def common_rate_table(summary: Mapping[str, Any]):
     where = f"{fmt_rate(rate)} req/s offered to each" if rate is not None else "no rate every deployment ran"
     table = _table(f"At a common rate: {where}",
                    caption=f"{legend(summary)}. busy: fraction of the run each instance spent in engine steps. "
-                           "GPU util: nvidia-smi's mean ('-' on the CPU).")
+                           "GPU util: nvidia-smi's mean ('-' on the CPU). host CPU: the CPU the launching "
+                           "process spent, as a fraction of the run (its router thread; the whole process).")
     _column(table, "", "left")
     for label in sides:
         _column(table, marks[label])
@@ -198,7 +199,8 @@ def common_rate_table(summary: Mapping[str, Any]):
              ("SLO attainment", lambda r: _percent(r.get("attainment"))),
              ("client overhead (ms)", lambda r: fmt(r.get("mean_client_overhead_ms"))),
              ("busy", lambda r: _fractions(r.get("busy_fraction"))),
-             ("GPU util", lambda r: _fractions(r.get("gpu_utilization")))]
+             ("GPU util", lambda r: _fractions(r.get("gpu_utilization"))),
+             ("host CPU", lambda r: _fractions(r.get("host_cpu")))]
     for name, cell in lines:
         table.add_row(name, *(cell(rows[label]) for label in sides))
     return table

@@ -14,7 +14,7 @@ def _result(folder: Path, label: str, rate: float, ttfts: list[float], tpot_s: f
             "workload": {"dataset_name": "chat"}, "goodput": {"ttft": 100.0, "tpot": 10.0},
             "median_ttft_ms": 1e3 * sorted(ttfts)[n // 2], "p99_ttft_ms": 1e3 * max(ttfts), "mean_tpot_ms": 1e3 * tpot_s,
             "p99_tpot_ms": 1e3 * tpot_s, "placements": {"remote": n, "local": 0, "kept": 0},
-            "busy_fraction": {"prefill-0": 0.25, "decode-0": 0.5},
+            "busy_fraction": {"prefill-0": 0.25, "decode-0": 0.5}, "host_cpu": {"router_thread": 0.4, "process": 1.2},
             "successes": [True] * n, "input_lens": [8] * n, "output_lens": [5] * n, "expected_output_lens": [5] * n,
             "ttfts": ttfts, "itls": [[tpot_s] * 4] * n, "latencies": [t + 4 * tpot_s for t in ttfts],
             "start_times": [0.0] * n, "errors": [""] * n, "client_overheads": [[]] * n}
@@ -36,4 +36,4 @@ def test_each_run_judged_at_its_slos_and_twice_them(tmp_path, capsys, monkeypatc
     monkeypatch.setattr("sys.argv", ["summarize_runs", "--table", str(root)])
     module.main()
     out = capsys.readouterr().out
-    assert "| chat/adaptive | chat | adaptive | 21 | 50.0% | 75.0% | 150 / 250 | 8.0 | 4 / 0 / 0 | 0.25 / 0.50 |" in out
+    assert "| chat/adaptive | chat | adaptive | 21 | 50.0% | 75.0% | 150 / 250 | 8.0 | 4 / 0 / 0 | 0.25 / 0.50 | 0.40 / 1.20 |" in out

@@ -45,6 +45,17 @@ def test_launch_reports_the_fleet(cluster):
     assert warmed == {"prefill-0": ["prefill"], "decode-0": ["decode"]}, warmed
 
 
+def test_router_cpu_is_its_own_thread(cluster):
+    """`bench`'s host_cpu: the router thread's CPU seconds exclude the caller's; the process's include them."""
+    before = cluster.router_stats()["cpu_s"]
+    spin_until = time.thread_time() + 0.3
+    while time.thread_time() < spin_until:  # 0.3 s of CPU in this (the caller's) thread, the router idle
+        pass
+    after = cluster.router_stats()["cpu_s"]
+    assert after["process"] - before["process"] >= 0.3
+    assert after["router_thread"] - before["router_thread"] < 0.15
+
+
 def test_24_mixed_requests_match_the_colocated_engine(cluster):
     prompts = mixed_prompts(24, seed=1)
     max_tokens = [1, 2, 5, 16, 31, 9] * 4

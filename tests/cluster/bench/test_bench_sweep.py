@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from disagg.cluster.bench import compare as cmp
 from disagg.cluster.bench.report import check_result, load_json
-from disagg.cluster.bench.sweep import SweepOptions, bench_config, busy_fractions, compare_configs
+from disagg.cluster.bench.sweep import SweepOptions, bench_config, busy_fractions, compare_configs, host_cpu_fractions
 
 
 def test_quick_compare_writes_results_and_plots(stand_in, tmp_path):
@@ -78,6 +78,14 @@ def test_busy_fractions_read_either_stats_shape():
     later = {"colocated-0": {"busy_s": 1.0}, "colocated-1": {"busy_s": 1.0}, "router": 4}
     assert busy_fractions(nested, later, 1.0) == {"colocated-0": 1.0, "colocated-1": 0.0}
     assert busy_fractions({"instances": [{"name": "x"}]}, {"instances": [{"name": "x"}]}, 1.0) is None
+
+
+def test_host_cpu_fractions_from_the_router_stats():
+    before = {"instances": [], "router": {"cpu_s": {"router_thread": 1.0, "process": 2.0}}}
+    after = {"instances": [], "router": {"cpu_s": {"router_thread": 2.5, "process": 5.0}}}
+    assert host_cpu_fractions(before, after, 2.0) == {"router_thread": 0.75, "process": 1.5}
+    assert host_cpu_fractions({"router": {}}, after, 2.0) is None       # a server over HTTP: no router stats
+    assert host_cpu_fractions(before, after, 0.0) is None
 
 
 def test_one_launch_serves_every_workload(stand_in, tmp_path):
