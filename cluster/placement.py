@@ -266,7 +266,13 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
     out = []
     # A prompt computed on an instance first needs one of its seats (`InstanceView.seat_wait_s`).
     seat_of = {v.name: v.seat_wait_s() for v in prefills + decodes}
-    best_p = min(prefills, key=lambda p: seat_of[p.name] + p.prefill_s(prompt_len), default=None)
+    # ... and waits for the decodes' step in flight there, as a local prompt on D does (below): a
+    # prefill instance that keeps requests decodes them too. Without it the kept and remote TTFTs
+    # were half the time measured since the decision, the local one's right (simulated two H100s,
+    # decode-heavy 26 req/s, `balanced`: kept 14.9 vs 27.1 ms p50, local 23.2 vs 23.0; served: kept
+    # 20.8 vs 41.4; benchmarks/records/headline-h100x2-2026-11-27i/).
+    start_of = {p.name: max(p.step_in_flight_s(), seat_of[p.name]) for p in prefills}
+    best_p = min(prefills, key=lambda p: start_of[p.name] + p.prefill_s(prompt_len), default=None)
     for d in decodes:
         remote_tpot, local_tpot = _decode_side_tpot(d, prompt_len)
         # D's running decodes hold the step in flight (and, scheduled ahead, the next): a local
@@ -277,7 +283,7 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
         if best_p is not None:
             # A pushed request waits for D's seat after its first token: a gap in its TPOT.
             seat_tpot = seat / max(d.output_tokens - 1.0, 1.0) if seat and d.output_tokens else 0.0
-            start = (wait if d.reserve_waits else 0.0) + seat_of[best_p.name]
+            start = (wait if d.reserve_waits else 0.0) + start_of[best_p.name]
             out.append(Prediction("remote", best_p.name, d.name, start + best_p.prefill_s(prompt_len),
                                   remote_tpot + seat_tpot, max(best_p.model.error, d.model.error),
                                   seat_tpot_s=seat_tpot))
@@ -289,7 +295,7 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
         # spread over the tokens they delay, P's recent stalls stretching its gaps (`StallMeter`).
         # The one-step rule it had (every gap as long as a step with a chunk) kept the prefill
         # GPU out of decoding, where colocated uses both (two H100s, chat: 1-5 of 420 kept).
-        out.append(Prediction("kept", p.name, p.name, seat_of[p.name] + p.prefill_s(prompt_len),
+        out.append(Prediction("kept", p.name, p.name, start_of[p.name] + p.prefill_s(prompt_len),
                               _decode_side_tpot(p, prompt_len)[1], p.model.error))
     return out
 

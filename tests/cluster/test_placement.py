@@ -433,6 +433,18 @@ def test_a_remote_prompt_waits_for_the_decode_step_in_flight_unless_reservations
     assert FleetModel(512, 16, reserve_waits=False).view(_instance("D"), []).reserve_waits is False
 
 
+def test_kept_and_remote_prompts_wait_for_the_prefill_sides_decode_step_in_flight():
+    # A prefill instance that keeps requests decodes them: a prompt placed there (kept, or pushed
+    # from there) starts after their step in flight, as a local prompt on D does (simulated: kept
+    # TTFTs ran 2x their predictions without it, benchmarks/records/headline-h100x2-2026-11-27i/).
+    p, d = view("P", decoding=32, context=32_000), view("D")
+    by = {c.path: c for c in predict(64, [p], [d])}
+    in_flight = p.model.step_s(0, 32, 32_000, 0)
+    assert by["kept"].ttft_s == pytest.approx(in_flight + p.prefill_s(64))
+    assert by["remote"].ttft_s == pytest.approx(in_flight + p.prefill_s(64))
+    assert by["local"].ttft_s == pytest.approx(d.prefill_s(64))  # D idle: no wait there
+
+
 def _instance(name):
     from disagg.cluster.bootstrap import Instance
     return Instance(name, "decode", actor=None)
