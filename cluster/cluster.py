@@ -3,7 +3,8 @@
 `Cluster.launch(config)` starts the fleet (`disagg.cluster.bootstrap`) and the router on its own
 thread and event loop. `stream` is an async generator usable from any event loop or thread: the
 request is submitted to the router's loop with `call_soon_threadsafe`, as aborts are, so an
-abort sent after a submit reaches the router after it; its deltas come back the same way.
+abort sent after a submit reaches the router after it; its deltas come back to the caller's
+loop in one call per router loop turn (`Handoff`: a batch's deltas together).
 Closing the generator or cancelling its task (even before the submit ran) aborts the request.
 `generate` is the blocking form for lists of prompts. Runs in the launching process.
 """
@@ -17,6 +18,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence, Union
 
@@ -45,6 +47,9 @@ class Cluster:
         self._thread = threading.Thread(target=self._loop.run_forever, name="disagg-router", daemon=True)
         self._thread.start()
         self._router = Router(fleet)
+        # per caller loop, the deltas of one router turn go over together (`Handoff`)
+        self._handoffs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Handoff] = weakref.WeakKeyDictionary()
+        self._handoffs_lock = threading.Lock()
         self._call(self._router.start())
         self._closed = False
         if self.config.cluster.warmup:
@@ -137,13 +142,13 @@ class Cluster:
             ValueError: a bad prompt, id or length (before anything is queued).
             NoLiveInstance: the cluster is shut down. QueueFull: the router's queue is full.
         """
-        caller_loop = asyncio.get_running_loop()
+        handoff = self._handoff_to(asyncio.get_running_loop())
         deltas: asyncio.Queue[StreamDelta] = asyncio.Queue()
 
         def sink(delta: StreamDelta, metrics: RequestMetrics | None) -> None:
             if metrics is not None:
                 delta = dataclasses.replace(delta, metrics=metrics)
-            caller_loop.call_soon_threadsafe(deltas.put_nowait, delta)
+            handoff.put(deltas, delta)
 
         request_id, _, submitted = self._submit(prompt, params, request_id, sink)
         finished = False
@@ -156,6 +161,14 @@ class Cluster:
         finally:
             if not finished and _may_have_run(submitted):
                 self.abort(request_id)
+
+    def _handoff_to(self, caller_loop: asyncio.AbstractEventLoop) -> Handoff:
+        """The one `Handoff` from the router's loop to ``caller_loop`` (made on first use)."""
+        with self._handoffs_lock:
+            handoff = self._handoffs.get(caller_loop)
+            if handoff is None or handoff.caller_loop.is_closed():
+                handoff = self._handoffs[caller_loop] = Handoff(self._loop, caller_loop)
+            return handoff
 
     def generate(self, prompts: Sequence[Prompt], params: Any = None,
                  timeout_s: float | None = None) -> list[Completion]:
@@ -342,6 +355,45 @@ def _answer(inst: Instance, ref: Any) -> dict:
 def _default_params() -> Any:
     from disagg.sampling import SamplingParams
     return SamplingParams()
+
+
+class Handoff:
+    """Items from the router's loop to one caller's loop, handed over once per router loop turn.
+
+    The router emits a delta per request for every batch an engine returns (~150 at once on a
+    busy instance); each `call_soon_threadsafe` writes the caller loop's self-pipe and wakes it,
+    and both loops share one interpreter lock. `put` (on the router's loop) queues the item and,
+    for the first of a turn, schedules `_flush` after the callback running now (a whole batch's
+    `_on_rows`), which hands every queued item over in one call; the caller's loop puts them
+    into their queues in order. Two H100s, decode-heavy 26 req/s: an engine's token took 4 -> 19
+    ms to reach the router as the streams grew (benchmarks/records/headline-h100x2-2026-11-27i/);
+    `benchmarks/bench_handoff.py` measures the two ways.
+    """
+
+    def __init__(self, router_loop: asyncio.AbstractEventLoop, caller_loop: asyncio.AbstractEventLoop) -> None:
+        self.router_loop, self.caller_loop = router_loop, caller_loop
+        self._pending: list[tuple[asyncio.Queue, Any]] = []
+
+    def put(self, queue: asyncio.Queue, item: Any) -> None:
+        """Queue ``item`` for ``queue`` (on the router's loop). Raises RuntimeError when the
+        caller's loop is closed (nobody reads: the router aborts the request)."""
+        if self.caller_loop.is_closed():
+            raise RuntimeError("the caller's event loop is closed")
+        if not self._pending:
+            self.router_loop.call_soon(self._flush)
+        self._pending.append((queue, item))
+
+    def _flush(self) -> None:
+        items, self._pending = self._pending, []
+        try:
+            self.caller_loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # the caller's loop closed since `put`: nobody reads
+            logger.debug("dropped %d deltas for a closed event loop", len(items))
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _fetch_tokenizer(fleet: Fleet) -> Any:
