@@ -1,8 +1,8 @@
 """The router: where a request enters the fleet, gets its pages, and streams back.
 
 Disaggregated: a FIFO queue feeds one dispatcher; for the head request it reserves pages on the
-least-loaded live decode instance D (`dest = D.reserve(...)`; OutOfPages on every D -> wait for
-pages to free, in order), hands the prompt to the least-loaded prefill instance P
+least-loaded live decode instance D (`dest = D.reserve(...)`, beside the dispatch of the requests
+behind it; OutOfPages on every D -> back to the queue head to wait for pages to free), hands the prompt to the least-loaded prefill instance P
 (`P.add(req, dest)`), and when P's first token arrives calls `D.start(req, first)`; D's tokens
 follow. Colocated: each request goes straight to the least-loaded colocated instance.
 `router.placement` local sends every request to the least-loaded decode instance to prefill
@@ -84,6 +84,7 @@ class Router:
         self.placer = Placer(config, fleet.instances, self.picker, affinity)
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
+        self._refused: Request | None = None  # back at the queue head: every decode instance refused it
         self._stopping = False
 
     # ------------------------------------------------------------------ lifetime
@@ -189,10 +190,11 @@ class Router:
                 await self._wake.wait()
                 continue
             req = self.queue[0]
-            if req.done or await self._place(req):
+            if self._refused is not req and (req.done or await self._place(req)):
                 if self.queue and self.queue[0] is req:
                     self.queue.popleft()
                 continue
+            self._refused = None  # a head every decode instance refused waits for a change first
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), PAGES_RETRY_S)
@@ -205,7 +207,8 @@ class Router:
         Returns False (the request stays at the queue head) when it says wait: every prefill
         instance already has ``prefill_queue_tokens`` queued, or no decode instance has the
         pages (decode pages are reserved only when a prefill instance can start on the prompt
-        soon, so a lease measures the push, not the queue).
+        soon, so a lease measures the push, not the queue). A remote request leaves the queue
+        while it reserves (`_reserve`); refused everywhere, it comes back to the head.
         """
         plan = self.placer.plan(req, list(self.requests.values()), self._decide)
         if isinstance(plan, Wait):
@@ -216,10 +219,22 @@ class Router:
         if isinstance(plan, Alone):
             self._run_alone(req, plan)
             return True
+        # The reservation's round trip (D answers between its steps) runs beside the dispatch:
+        # the requests behind it are placed meanwhile, as the simulator places them. Awaited
+        # here, it held every later request (local and kept too) at the queue (two H100s,
+        # decode-heavy 26 req/s: TTFTs of those placed behind one 13 ms longer at p50, 55 at p90;
+        # benchmarks/records/headline-h100x2-2026-11-27i/).
         req.stage = "reserving"
-        for inst in plan.decodes:
+        self._spawn(self._reserve(req, plan.decodes))
+        return True
+
+    async def _reserve(self, req: Request, decodes: tuple[Instance, ...]) -> None:
+        """Reserve ``req``'s pages on the first of ``decodes`` that has them, then hand its prompt
+        to a prefill instance; every one refusing puts it back at the queue head, which then
+        waits for a change (pages freed, a request ended) before it is planned again."""
+        for inst in decodes:
             if req.done:  # aborted or timed out while an earlier instance refused
-                return True
+                return
             try:
                 dest = await inst.actor.reserve.remote(req.request_id, req.prompt_len, req.params,
                                                        req.prompt_token_ids)
@@ -232,20 +247,22 @@ class Router:
                 cause = _cause(err)
                 self._end(req, "error", _refusal(inst, f"{inst.name} refused the request: {cause}", cause),
                           release=False)
-                return True
+                return
             if req.done:  # aborted or timed out while reserving: dest never left the router
                 self._cancel_on(inst, dest)
-                return True
+                return
             req.decode = inst
             trace.event("reserved", req.request_id, instance=inst.name)
             break
         else:
             if req.done:
-                return True
-            req.stage = "queued"
-            return False  # every decode instance refused (WAIT_PAGES)
+                return
+            req.stage = "queued"  # every decode instance refused (WAIT_PAGES)
+            self.queue.appendleft(req)
+            self._refused = req
+            self._wake.set()
+            return
         self._hand_to_prefill(req, dest)
-        return True
 
     def _decide(self, req: Request, prefills: list[Instance], decodes: list[Instance],
                 live: list[Request]) -> Decision:

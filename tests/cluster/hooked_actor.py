@@ -80,6 +80,10 @@ class HookedInstanceActor(InstanceActor):
         """Prefill: accept the next ``num_requests`` requests and never run them."""
         self._num_to_drop = num_requests
 
+    async def num_dropped(self) -> int:
+        """The requests held by `drop_next` now (accepted, never run, not yet aborted)."""
+        return len(self._dropped)
+
     async def stall(self, seconds: float) -> None:
         """Hold the step loop (no step, no call) for up to ``seconds`` or until `unstall`, as a
         slow instance would; returns once the loop is held."""

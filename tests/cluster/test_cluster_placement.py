@@ -8,6 +8,7 @@ import time
 
 import pytest
 from cluster_helpers import BackgroundStream, force_paths, launch, reference_tokens, wait_all_free
+from hooked_actor import HookedInstanceActor
 
 from disagg.sampling import SamplingParams
 
@@ -24,7 +25,7 @@ def prompts_of(lengths, seed=7):
 
 @pytest.fixture(scope="module", params=["local", "adaptive"])
 def cluster(ray_local, request):
-    cluster = launch("tiny-1p1d", router__placement=request.param)
+    cluster = launch("tiny-1p1d", HookedInstanceActor, router__placement=request.param)
     yield cluster
     cluster.shutdown()
 
@@ -69,6 +70,31 @@ def test_a_forced_mix_of_paths_matches_and_frees_every_page(cluster, monkeypatch
     # Consecutive requests took different paths: remote on P -> D, local on D, kept on P.
     assert [(c.metrics.prefill_instance, c.metrics.decode_instance) for c in got[:3]] == [
         ("prefill-0", "decode-0"), ("decode-0", "decode-0"), ("prefill-0", "prefill-0")]
+
+
+def test_a_kept_request_goes_while_a_remote_one_waits_for_its_reservation(cluster, monkeypatch, ray_local):
+    """The dispatcher does not hold the queue for a reservation's round trip: a request kept on
+    P behind a remote one whose decode instance answers no call (stalled) is served meanwhile."""
+    if cluster.config.router.placement != "adaptive":
+        pytest.skip("forcing decisions needs the adaptive placement")
+    force_paths(cluster, monkeypatch, ["remote", "kept"])
+    remote_prompt, kept_prompt = prompts_of([40, 24], seed=10)
+    want = reference_tokens([remote_prompt, kept_prompt], [6, 6])
+    decode = cluster.instance("decode-0").actor
+    ray_local.get(decode.stall.remote(60.0))  # from now on D's reserve() waits behind the stall
+    try:
+        remote = BackgroundStream(cluster, remote_prompt, SamplingParams(max_tokens=6), request_id="waits-remote")
+        deadline = time.monotonic() + 30
+        while not cluster.router_stats()["stages"].get("reserving"):
+            assert time.monotonic() < deadline, "the remote request never reserved"
+            time.sleep(0.05)
+        kept = BackgroundStream(cluster, kept_prompt, SamplingParams(max_tokens=6), request_id="goes-kept")
+        last = kept.result(timeout_s=30)
+        assert (last.finish_reason, kept.token_ids) == ("length", want[1])
+        assert not remote.done.is_set()  # still waiting for D
+    finally:
+        ray_local.get(decode.unstall.remote())
+    assert remote.result().finish_reason == "length" and remote.token_ids == want[0]
 
 
 def test_aborts_on_every_path_free_every_page(cluster, monkeypatch):

@@ -58,7 +58,7 @@ def test_3p1d_parity_then_killed_prefill_frees_the_decode_pages_it_held(ray_loca
         ray_local.get(victim.actor.drop_next.remote(2))  # what reaches prefill-1 stays there
         prompts = mixed_prompts(9, seed=4)
         streams = [BackgroundStream(cluster, p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts]
-        _wait_until(lambda: _only_stuck_left(cluster, streams))
+        _wait_until(lambda: _only_stuck_left(cluster, streams, ray_local.get(victim.actor.num_dropped.remote())))
         num_stuck = cluster.router_stats()["live"]
         decode = _instance_stats(cluster, "decode-0")
         assert decode["leases"] == num_stuck and decode["free_pages"] < decode["total_pages"], decode
@@ -84,12 +84,14 @@ def test_3p1d_parity_then_killed_prefill_frees_the_decode_pages_it_held(ray_loca
         wait_all_free(cluster)
 
 
-def _only_stuck_left(cluster, streams) -> bool:
-    """Every request not held by the dropping prefill has finished; at least one is held."""
+def _only_stuck_left(cluster, streams, num_dropped: int) -> bool:
+    """Every request not held by the dropping prefill has finished; at least one is held (the
+    live ones are the dropped ones: with every request dispatched at once, all of them are
+    "prefilling" for a moment before any has finished)."""
     router = cluster.router_stats()
     num_done = sum(stream.done.is_set() for stream in streams)
     return router["live"] >= 1 and router["stages"] == {"prefilling": router["live"]} and \
-        num_done + router["live"] == len(streams)
+        num_done + router["live"] == len(streams) and router["live"] == num_dropped
 
 
 def _instance_stats(cluster, name: str) -> dict:
