@@ -171,7 +171,9 @@ class Placer:
         if not decodes or not alive_prefills:
             return Fail("decode" if not decodes else "prefill")
         queues = queued_prompt_tokens(alive_prefills, live)
-        queued = min(queues.values())
+        # a reservation still on its way to a prefill instance (the router's run beside its
+        # dispatch, `Router._reserve`) queues its prompt there too
+        queued = min(queues.values()) + sum(r.prompt_len for r in live if r.stage == "reserving" and r.prefill is None)
         if queued and queued + req.prompt_len > self.prefill_queue_tokens:
             return Wait(WAIT_PREFILL_QUEUE)
         return Remote(tuple(decodes))

@@ -55,6 +55,10 @@ def test_the_prefill_queue_bound_holds_the_request_until_a_prefill_instance_has_
     assert isinstance(placer.plan(request("r", [2] * 40), live), Remote)  # 60 + 40 fits
     live[1].stage = "decoding"  # prefill-1's queue emptied: an idle instance takes any prompt
     assert isinstance(placer.plan(request("r", [2] * 500), live), Remote)
+    # A request still reserving (no prefill instance yet) will queue its prompt too.
+    reserving = request("v", [3] * 60, stage="reserving")
+    assert placer.plan(request("r", [2] * 50), [*live, reserving]) == Wait(WAIT_PREFILL_QUEUE)
+    assert isinstance(placer.plan(request("r", [2] * 40), [*live, reserving]), Remote)
 
 
 def test_requests_decoding_on_a_prefill_instance_queue_no_prompt_there():
