@@ -46,16 +46,13 @@ def test_generate_needs_a_prompt():
     assert result.exit_code == 2 and "give a prompt" in result.output
 
 
-def test_generate_streams_token_ids_over_segment_puts(tmp_path: Path):
+def test_generate_streams_token_ids_over_segment_puts(ray_local, monkeypatch):
     from cluster_helpers import reference_tokens
 
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    command = [sys.executable, "-c", "from disagg.cluster.cli import app; app()"]
-    result = subprocess.run(command + ["generate", str(CONFIGS / "tiny-1p1d.yaml"), "--prompt-ids", "5,6,7,8",
-                                       "--max-tokens", "6", "--ignore-eos",
-                                       "--set", "transfer.force_segment_puts=true"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # in this process, on the module's Ray
+    result = runner.invoke(app, ["generate", str(CONFIGS / "tiny-1p1d.yaml"), "--prompt-ids", "5,6,7,8",
+                                 "--max-tokens", "6", "--ignore-eos", "--set", "transfer.force_segment_puts=true"])
+    assert result.exit_code == 0, result.output
     assert "[6 tokens, finish_reason length, TTFT" in result.stdout
     ids = [int(t) for t in result.stdout.split("[6 tokens")[0].split()]
     assert ids == reference_tokens([[5, 6, 7, 8]], [6])[0]  # the host-initiated path lands the same KV
@@ -90,11 +87,11 @@ def test_launch_prints_status_until_ctrl_c(tmp_path: Path):
     assert "shutting down" in output and proc.returncode == 0, output[-2000:]
 
 
-def test_check_exits_1_with_the_preflight_reason(tmp_path: Path):
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    command = [sys.executable, "-c", "from disagg.cluster.cli import app; app()", "check",
-               str(CONFIGS / "tiny-colocated.yaml"), "--set", "model.max_model_len=5000", "--set", "cache.num_pages=null"]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+def test_check_exits_1_with_the_preflight_reason(ray_local, monkeypatch):
+    # In this process, on the session's Ray (a subprocess with its own Ray took 13 s).
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    result = runner.invoke(app, ["check", str(CONFIGS / "tiny-colocated.yaml"), "--set", "model.max_model_len=5000",
+                                 "--set", "cache.num_pages=null"])
+    assert result.exit_code == 1, result.output
     assert "PreflightError: model.max_model_len (5000 tokens) exceeds the model's max_position_embeddings (4096)" \
         in result.stderr

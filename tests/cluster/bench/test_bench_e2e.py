@@ -26,7 +26,7 @@ def test_tiny_1p1d_vs_colocated(tmp_path, monkeypatch):
     # minutes of CI; the kernels are tested under it on their own).
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     summary = quick_compare(str(CONFIGS / "tiny-1p1d.yaml"), str(CONFIGS / "tiny-colocated.yaml"), str(tmp_path),
-                            num_prompts=6, rates=(2.0, 8.0), input_len=24, output_len=6,
+                            num_prompts=6, rates=(4.0, 8.0), input_len=24, output_len=6,
                             goodput={"ttft": 20000, "tpot": 5000})
     assert [side["label"] for side in summary["sides"]] == ["tiny-1p1d", "tiny-colocated"]
     for run in summary["runs"]:
@@ -39,6 +39,8 @@ def test_tiny_1p1d_vs_colocated(tmp_path, monkeypatch):
             assert result["mean_client_overhead_ms"] > 0                       # emit times came through
             busy = result["busy_fraction"]                                      # from the actors' busy_s
             assert len(busy) == 2 and all(0.0 <= value <= 1.05 for value in busy.values()), busy
+            cpu = result["host_cpu"]                                            # the router's Router.snapshot cpu_s
+            assert set(cpu) == {"router_thread", "process"} and 0.0 < cpu["router_thread"] <= cpu["process"], cpu
     assert (tmp_path / "compare.json").exists()
     for name in ("attainment_vs_rate.png", "ttft_cdf.png", "tpot_cdf.png", "throughput_vs_rate.png"):
         assert (tmp_path / name).stat().st_size > 1000
