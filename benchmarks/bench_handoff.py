@@ -81,7 +81,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
-    rows = [run(way, args.streams, args.period_ms / 1e3, args.seconds) for way in ("per-delta", "handoff", "per-delta", "handoff")]
+    ways = ("per-delta", "handoff") * 2  # alternating, twice each
+    rows = [run(way, args.streams, args.period_ms / 1e3, args.seconds) for way in ways]
     by = {way: [r for r in rows if r["way"] == way] for way in ("per-delta", "handoff")}
     summary = {"streams": args.streams, "period_ms": args.period_ms, "seconds": args.seconds, "runs": rows,
                "router_cpu_ratio": round(sum(r["router_cpu_s"] for r in by["handoff"])
