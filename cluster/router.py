@@ -5,9 +5,9 @@ least-loaded live decode instance D (`dest = D.reserve(...)`, beside the dispatc
 behind it; OutOfPages on every D -> back to the queue head to wait for pages to free), hands the
 prompt to the least-loaded prefill instance P (`P.add(req, dest)`), and when P's first token
 arrives calls `D.start(req, first)`; D's tokens follow. Colocated: each request goes straight
-to the least-loaded colocated instance. `router.placement` local sends every request to the least-loaded decode instance to prefill
-and decode itself; adaptive decides per request (`disagg.cluster.placement`): remote (the path
-above), local, or kept (a prefill instance prefills and decodes it); local and kept requests
+to the least-loaded colocated instance. `router.placement` local sends every request to the
+least-loaded decode instance to prefill and decode itself; adaptive decides per request
+(`disagg.cluster.placement`): remote (the path above), local, or kept (a prefill instance prefills and decodes it); local and kept requests
 are, from here on, colocated requests on that instance. Which instances, in which order, and
 when to wait are the `Placer`'s plan (`disagg.cluster.placer`, which the simulator shares);
 the router carries it out with actor calls and handles their failures. One poller
