@@ -1,28 +1,28 @@
 """The router: where a request enters the fleet, gets its pages, and streams back.
 
 Disaggregated: a FIFO queue feeds one dispatcher; for the head request it reserves pages on the
-least-loaded live decode instance D (`dest = D.reserve(...)`, beside the dispatch of the requests
-behind it; OutOfPages on every D -> back to the queue head to wait for pages to free), hands the
-prompt to the least-loaded prefill instance P (`P.add(req, dest)`), and when P's first token
-arrives calls `D.start(req, first)`; D's tokens follow. Colocated: each request goes straight
-to the least-loaded colocated instance. `router.placement` local sends every request to the
-least-loaded decode instance to prefill and decode itself; adaptive decides per request
-(`disagg.cluster.placement`): remote (the path above), local, or kept (a prefill instance prefills and decodes it); local and kept requests
-are, from here on, colocated requests on that instance. Which instances, in which order, and
-when to wait are the `Placer`'s plan (`disagg.cluster.placer`, which the simulator shares);
-the router carries it out with actor calls and handles their failures. One poller
-per instance keeps one `next_outputs` call outstanding and fans each batch out per request; a
-watchdog enforces `lease_s` (first token never came: fail, release D's pages) and
-`request_timeout_s`. Aborts release pages on both sides. D's reservation is freed at once
-(`cancel_reservation`) whenever no push can land in it: P refused the request or never got it,
-or P's abort answered `PushState.QUIESCED` (at once, or once its in-flight pushes completed);
-else D quarantines it until the ring or its lease (a dead or silent P). An instance that dies
-fails the requests it holds (`Request.holders`: P and D until D produced a token, then D alone)
-and is never routed to again. An abort that arrives before its request's submit is remembered
-(`EARLY_ABORT_TTL_S`, `MAX_REMEMBERED_IDS`) and ends that request at its submit. Failures are
-typed (`disagg.errors`): `submit` raises `QueueFull`; a request that ends badly carries
-`NoLiveInstance`, `InstanceDied`, `RequestRefused`, `RequestTimedOut` or `SignalTimeout` (lease)
-as its last delta's ``cause``.
+least-loaded live decode instance D (`dest = D.reserve(...)`, beside the dispatch of the
+requests behind it; OutOfPages on every D -> back to the queue head to wait for pages to free),
+hands the prompt to the least-loaded prefill instance P (`P.add(req, dest)`), and when P's first
+token arrives calls `D.start(req, first)`; D's tokens follow. Colocated: each request goes
+straight to the least-loaded colocated instance. `router.placement` local sends every request to
+the least-loaded decode instance to prefill and decode itself; adaptive decides per request
+(`disagg.cluster.placement`): remote (the path above), local, or kept (a prefill instance
+prefills and decodes it); local and kept requests are, from here on, colocated requests on that
+instance. Which instances, in which order, and when to wait are the `Placer`'s plan
+(`disagg.cluster.placer`, which the simulator shares); the router carries it out with actor
+calls and handles their failures. One poller per instance keeps one `next_outputs` call
+outstanding and fans each batch out per request; a watchdog enforces `lease_s` (first token
+never came: fail, release D's pages) and `request_timeout_s`. Aborts release pages on both
+sides. D's reservation is freed at once (`cancel_reservation`) whenever no push can land in it:
+P refused the request or never got it, or P's abort answered `PushState.QUIESCED` (at once, or
+once its in-flight pushes completed); else D quarantines it until the ring or its lease (a dead
+or silent P). An instance that dies fails the requests it holds (`Request.holders`: P and D
+until D produced a token, then D alone) and is never routed to again. An abort that arrives
+before its request's submit is remembered (`EARLY_ABORT_TTL_S`, `MAX_REMEMBERED_IDS`) and ends
+that request at its submit. Failures are typed (`disagg.errors`): `submit` raises `QueueFull`; a
+request that ends badly carries `NoLiveInstance`, `InstanceDied`, `RequestRefused`,
+`RequestTimedOut` or `SignalTimeout` (lease) as its last delta's ``cause``.
 Runs on one asyncio loop in the launching process (see `disagg.cluster.cluster`); callbacks to
 callers go through each request's sink. The whole path, file by file: docs/ARCHITECTURE.md §7.
 """
