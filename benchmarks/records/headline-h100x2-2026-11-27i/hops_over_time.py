@@ -1,5 +1,6 @@
-"""Per 4-s window of a traced run: each hop's median (ms) and the TTFT p50/p90, and per instance
-its steps' p50 and decode batch. Reads a `DISAGG_TRACE_DIR` directory (or this record's tar):
+"""Per 4-s window of a traced run: each hop's median (ms) and the TTFT p50/p90, the adaptive
+router's predicted against measured TTFT (since the decision, p50 per path), and per instance its
+steps' p50 and decode batch. Reads a `DISAGG_TRACE_DIR` directory (or this record's tar):
 
     tar xzf benchmarks/records/headline-h100x2-2026-11-27i/bal26-trace.tgz -C /tmp
     python3 benchmarks/records/headline-h100x2-2026-11-27i/hops_over_time.py /tmp/tmp/tr
@@ -17,7 +18,7 @@ import numpy as np
 
 HOPS = ["client_send", "submit", "placed", "actor_add", "engine_add", "prompt_start", "first_emit", "first_token",
         "client_first"]
-events, steps = collections.defaultdict(dict), collections.defaultdict(list)
+events, steps, decisions = collections.defaultdict(dict), collections.defaultdict(list), []
 for name in glob.glob(os.path.join(sys.argv[1], "*.jsonl")):
     for line in open(name, encoding="utf-8"):
         r = json.loads(line)
@@ -25,6 +26,8 @@ for name in glob.glob(os.path.join(sys.argv[1], "*.jsonl")):
             events[r["request"]][r["event"]] = r["t"]
         elif r.get("kind") == "step":
             steps[r["instance"]].append(r)
+        elif r.get("kind") == "decision":
+            decisions.append(r)
 reqs = sorted((v["submit"], v) for v in events.values() if "submit" in v)[10:]
 t0 = reqs[0][0]
 print("window s | n | TTFT p50 / p90 ms | " + " | ".join(f"{a}->{b}" for a, b in zip(HOPS, HOPS[1:])))
@@ -44,3 +47,12 @@ for inst, rows in sorted(steps.items()):
             ms = np.array([s["t_end"] - s["t_start"] for s in sel]) * 1e3
             seqs = np.array([s["num_decode_seqs"] for s in sel])
             print(f"  {a}-{a + 4} s: {len(sel)} steps, p50 {np.median(ms):.1f} ms, decodes p50 {np.median(seqs):.0f}")
+print("window s | predicted / measured TTFT since the decision, p50 ms, per path")
+for a in range(0, 20, 4):
+    cells = []
+    for path in ("kept", "local", "remote"):
+        sel = [r for r in decisions if r["path"] == path and a <= r["t"] - t0 < a + 4]
+        pred = [next(p["ttft_ms"] for p in r["predictions"] if p["path"] == path) for r in sel]
+        cells.append(f"{path} {np.median(pred):.0f} / {np.median([r['ttft_ms'] for r in sel]):.0f} (n {len(sel)})"
+                     if sel else f"{path} -")
+    print(f"{a}-{a + 4} | " + " | ".join(cells))
