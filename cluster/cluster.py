@@ -166,7 +166,7 @@ class Cluster:
         """The one `Handoff` from the router's loop to ``caller_loop`` (made on first use)."""
         with self._handoffs_lock:
             handoff = self._handoffs.get(caller_loop)
-            if handoff is None or handoff.caller_loop.is_closed():
+            if handoff is None:
                 handoff = self._handoffs[caller_loop] = Handoff(self._loop, caller_loop)
             return handoff
 

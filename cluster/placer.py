@@ -173,7 +173,8 @@ class Placer:
         queues = queued_prompt_tokens(alive_prefills, live)
         # a reservation still on its way to a prefill instance (the router's run beside its
         # dispatch, `Router._reserve`) queues its prompt there too
-        queued = min(queues.values()) + sum(r.prompt_len for r in live if r.stage == "reserving" and r.prefill is None)
+        queued = min(queues.values()) + sum(r.prompt_len for r in live
+                                            if r.stage == "reserving" and r.prefill is None)
         if queued and queued + req.prompt_len > self.prefill_queue_tokens:
             return Wait(WAIT_PREFILL_QUEUE)
         return Remote(tuple(decodes))

@@ -240,11 +240,7 @@ def calibrate(backend: Backend, requests: Sequence[SampleRequest], options: Swee
 
 def busy_fractions(before: Mapping | None, after: Mapping | None, duration_s: float) -> dict[str, float] | None:
     """Per instance, the fraction of the run it spent in engine steps (needs ``busy_s`` in stats)."""
-    if not before or not after or duration_s <= 0:
-        return None
-    start, end = _busy_seconds(before), _busy_seconds(after)
-    fractions = {name: (end[name] - start[name]) / duration_s for name in end if name in start}
-    return fractions or None
+    return _fractions_of_run(before, after, duration_s, _busy_seconds)
 
 
 def host_cpu_fractions(before: Mapping | None, after: Mapping | None, duration_s: float) -> dict[str, float] | None:
@@ -252,10 +248,19 @@ def host_cpu_fractions(before: Mapping | None, after: Mapping | None, duration_s
     thread's and the whole process's (the bench client, Ray's driver threads and the router;
     several threads can add up past 1.0). From the router's ``cpu_s`` (`Router.snapshot`); None
     when the stats have none (a server benchmarked over HTTP)."""
+    return _fractions_of_run(before, after, duration_s,
+                             lambda stats: {name: float(s) for name, s in
+                                            ((stats.get("router") or {}).get("cpu_s") or {}).items()})
+
+
+def _fractions_of_run(before: Mapping | None, after: Mapping | None, duration_s: float,
+                      seconds: Callable[[Mapping], dict[str, float]]) -> dict[str, float] | None:
+    """Each of ``seconds(stats)``'s counters: how much it grew from ``before`` to ``after``, over
+    ``duration_s``; None without both stats, a run time, or any counter in both."""
     if not before or not after or duration_s <= 0:
         return None
-    start, end = ((stats.get("router") or {}).get("cpu_s") or {} for stats in (before, after))
-    fractions = {name: (float(end[name]) - float(start[name])) / duration_s for name in end if name in start}
+    start, end = seconds(before), seconds(after)
+    fractions = {name: (end[name] - start[name]) / duration_s for name in end if name in start}
     return fractions or None
 
 
