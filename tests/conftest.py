@@ -1,4 +1,5 @@
-"""Shared pytest set-up: GPU markers skip with a reason when the hardware is absent.
+"""Shared pytest set-up: GPU markers skip with a reason when the hardware is absent, and one local
+Ray for the modules that ask for it (`ray_local`).
 
 ``multigpu`` tests run two or more instances (Ray actors, NVSHMEM PEs): on one GPU per instance
 where two GPUs are visible, else on one GPU shared by all of them (Ray fractional GPUs; NVSHMEM's
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -79,3 +81,54 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_two)
         elif ("gpu" in item.keywords or "multigpu" in item.keywords) and num_gpus < 1:
             item.add_marker(skip_gpu)
+
+
+# ---------------------------------------------------------------------------------------- Ray
+# Starting and stopping a local Ray costs ~4 s; ~15 modules ask for one. `ray_local` starts it
+# once and keeps it for the modules that follow in a row; a test that does not ask for it gets no
+# Ray of ours (it may start its own, or check that none runs: `pytest_runtest_setup`).
+RAY_INIT = {"num_cpus": 4, "include_dashboard": False, "log_to_driver": False, "namespace": "disagg-tests"}
+RELEASE_WAIT_S = 5.0  # a module's fleets are gone; their actors' CPUs come back within this
+_ray_ours = False      # the running Ray was started by `ray_local`
+
+
+def _shutdown_ours() -> None:
+    global _ray_ours
+    if _ray_ours:
+        import ray
+        ray.shutdown()
+        _ray_ours = False
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray with 4 logical CPUs, shared by the modules that ask for it in a row.
+
+    At the end of the module every CPU must be free again (its fleets shut down); where one is
+    still held (a test failed before its fleet's teardown, say), Ray is stopped so that the next
+    module starts on an empty one.
+    """
+    global _ray_ours
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(**RAY_INIT)
+        _ray_ours = True
+    yield ray
+    if not _ray_ours:
+        return  # a Ray the module found running is not ours to judge or stop
+    deadline = time.monotonic() + RELEASE_WAIT_S
+    while ray.available_resources().get("CPU", 0.0) < ray.cluster_resources().get("CPU", 0.0):
+        if time.monotonic() > deadline:
+            _shutdown_ours()
+            return
+        time.sleep(0.05)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if "ray_local" not in item.fixturenames:
+        _shutdown_ours()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _shutdown_ours()

@@ -1,4 +1,4 @@
-"""Fixtures of the cluster tests: one local Ray per test module, sized for the CPU actors.
+"""Set-up of the cluster tests (their local Ray, `ray_local`, is in tests/conftest.py).
 
 The folder goes on sys.path so the tests import `cluster_helpers` by name (importlib mode puts
 no test folder there). Actors run the kernels' torch reference path (TRITON_INTERPRET=0): the
@@ -10,16 +10,4 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).parent))
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    """A local Ray instance for the whole module (4 logical CPUs; started once, ~10 s)."""
-    ray = pytest.importorskip("ray")
-    if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="disagg-tests")
-    yield ray
-    ray.shutdown()

@@ -37,15 +37,6 @@ HANG_S = 60.0
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="disagg-tests")
-    yield ray
-    ray.shutdown()
-
-
 class Tally:
     """Counts of one fault class."""
 

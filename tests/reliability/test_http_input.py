@@ -88,7 +88,7 @@ def _bad_input_cases(max_model_len: int) -> list[tuple[str, str, bytes | dict, i
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(ray_local, tmp_path_factory):
     model_dir = write_tiny_hf_dir(tmp_path_factory.mktemp("tiny-hf"))
     config = Config.from_yaml(CONFIG).override({"model.source": str(model_dir), "router.lease_s": LEASE_S})
     with pytest.MonkeyPatch.context() as patch:

@@ -15,6 +15,7 @@ from disagg.cluster.bench.report import check_result, load_json
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 pytestmark = [
+    pytest.mark.usefixtures("ray_local"),  # every fleet of the module on one local Ray
     pytest.mark.slow,
     pytest.mark.timeout(600),
     pytest.mark.skipif(not hasattr(disagg.cluster, "Cluster"), reason="disagg.cluster.Cluster has not landed yet"),

@@ -22,7 +22,7 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(ray_local, tmp_path_factory):
     model_dir = write_tiny_hf_dir(tmp_path_factory.mktemp("tiny-hf"))
     config = Config.from_yaml(CONFIG).override({"model.source": str(model_dir)})
     with pytest.MonkeyPatch.context() as patch:

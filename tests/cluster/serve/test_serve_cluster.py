@@ -29,7 +29,7 @@ PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + i % 11)] for i in range(200
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(ray_local):
     config = Config.from_yaml(CONFIG).override({"router.lease_s": LEASE_S})
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "0")  # passed on to the actors
