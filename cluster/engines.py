@@ -153,20 +153,20 @@ def make_engine(role: str, model: Any, heap: Any, num_pages: int, config: Config
                   prompt_graphs=None if mode in ("full", "full_and_piecewise") else False,
                   mixed_graphs=None if mode == "full" else False)
     budget = config.scheduler.max_num_batched_tokens
+    # every role decodes (a prefill instance the requests the adaptive router keeps on it)
+    steps = dict(async_scheduling=config.scheduler.async_scheduling, async_prompts=config.scheduler.async_prompts)
     if role == "prefill":
         # Decode graphs where the router may keep a request on it to decode (adaptive placement):
         # an eager decode step of an 8B model takes about twice the graph's.
         keeps = config.router.placement == "adaptive" and mode != "none"
         return PrefillEngine(model, heap, max_num_batched_tokens=budget, use_cuda_graphs=None if keeps else False,
-                             force_segment_puts=config.transfer.force_segment_puts, **common)
-    graphs = dict(use_cuda_graphs=False if mode == "none" else None,
-                  async_scheduling=config.scheduler.async_scheduling,
-                  async_prompts=config.scheduler.async_prompts)
+                             force_segment_puts=config.transfer.force_segment_puts, **steps, **common)
+    graphs = dict(use_cuda_graphs=False if mode == "none" else None)
     if role == "decode":
         return DecodeEngine(model, heap, lease_s=config.router.lease_s, max_num_batched_tokens=budget,
-                            **graphs, **common)
+                            **graphs, **steps, **common)
     if role == "colocated":
-        return ColocatedEngine(model, max_num_batched_tokens=budget, **graphs, **common)
+        return ColocatedEngine(model, max_num_batched_tokens=budget, **graphs, **steps, **common)
     raise ValueError(f"role must be prefill, decode or colocated, got {role!r}")
 
 

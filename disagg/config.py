@@ -190,7 +190,7 @@ class SchedulerSection(Section):
     max_num_seqs: int = Field(64, gt=0, description="sequences per forward (and running on decode), count")
     max_num_batched_tokens: int = Field(2048, gt=0, description="new tokens per forward (prefill "
                                                                 "chunk budget), tokens")
-    async_scheduling: bool = Field(True, description="decode and colocated instances launch the next "
+    async_scheduling: bool = Field(True, description="every instance that decodes launches the next "
                                                      "decode-only step before reading this step's tokens "
                                                      "(hides the host's bookkeeping, which otherwise "
                                                      "leaves the GPU idle between steps); false: read "

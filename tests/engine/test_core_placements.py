@@ -8,6 +8,8 @@ are preempted (a received or pushed one never is); every page is free at the end
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from engine_helpers import assert_all_free, close_heaps, collective, reference_tokens
 from test_disagg import FakeClock
@@ -22,6 +24,7 @@ PROMPTS = {"r1": [5, 9, 17, 3, 88, 41, 7, 200, 13, 66, 21], "l1": [42, 7, 7], "l
            "k1": [11, 12, 13, 14, 15, 16, 17, 18, 19], "r2": [3, 1, 4, 1, 5, 9, 2, 6], "l3": [99]}
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 PAGE_SIZE = 4
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def make_engines(tiny_model, num_pages: int, async_scheduling: bool):
@@ -137,3 +140,30 @@ def test_aborts_in_every_state_free_every_page(engines):
     assert not (prefill.has_work() or decode.has_work())
     assert_all_free(prefill)
     assert_all_free(decode)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_the_scheduler_settings_reach_a_prefill_engine_that_keeps_requests(tiny_model, torch_reference,
+                                                                          async_scheduling):
+    """`scheduler.async_scheduling` (and `async_prompts`) reach every role `make_engine` builds: a
+    prefill instance decodes the requests the adaptive router keeps there, and launched its
+    decode steps ahead whatever the setting said."""
+    from disagg.cluster.engines import make_engine
+    from disagg.config import Config
+
+    config = Config.from_yaml(CONFIGS / "tiny-1p1d.yaml").override({
+        "router.placement": "adaptive", "scheduler.async_scheduling": async_scheduling,
+        "scheduler.async_prompts": async_scheduling, "cache.page_size": PAGE_SIZE})
+    uid = new_unique_id("shm")
+    heap = open_heap("shm", uid=uid, rank=0, world_size=1, size_bytes=1 << 20, num_signals=16, timeout_s=10.0)
+    try:
+        prefill = make_engine("prefill", tiny_model, heap, 24, config)
+        assert (prefill.async_scheduling, prefill.async_prompts) == (async_scheduling, async_scheduling)
+        prefill.add("k1", PROMPTS["k1"], GREEDY, None)  # kept: it decodes here
+        tokens = []
+        while prefill.has_work():
+            tokens += [out.token_id for out in prefill.step() if out.token_id is not None]
+        assert len(tokens) == GREEDY.max_tokens
+        assert (prefill.num_steps_ahead > 0) is async_scheduling
+    finally:
+        close_heaps(uid, [heap])
