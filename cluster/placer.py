@@ -114,7 +114,8 @@ class Placer:
         self.prefill_queue_tokens = config.router.prefill_queue_tokens or 4 * sched.max_num_batched_tokens
         self.fleet_model = FleetModel(sched.max_num_batched_tokens, config.cache.page_size,
                                       seed_fit(config.router.step_profile),
-                                      reserve_waits=not sched.overlap_reservations, max_seqs=sched.max_num_seqs)
+                                      reserve_waits=not sched.overlap_reservations, max_seqs=sched.max_num_seqs,
+                                      launches_ahead=sched.async_scheduling)
         self.targets = Targets.from_ms(config.router.slo_ttft_ms, config.router.slo_tpot_ms,
                                        config.router.adaptive_prefer)
         self.placements: collections.Counter[str] = collections.Counter({path: 0 for path in PATHS})
