@@ -106,7 +106,8 @@ def ray_local():
 
     At the end of the module every CPU must be free again (its fleets shut down); where one is
     still held (a test failed before its fleet's teardown, say), Ray is stopped so that the next
-    module starts on an empty one.
+    module starts on an empty one. With GPUs it is stopped after every module, as before: a
+    killed actor's process may still hold its GPU memory when the next module's actors start.
     """
     global _ray_ours
     ray = pytest.importorskip("ray")
@@ -116,6 +117,9 @@ def ray_local():
     yield ray
     if not _ray_ours:
         return  # a Ray the module found running is not ours to judge or stop
+    if ray.cluster_resources().get("GPU"):
+        _shutdown_ours()
+        return
     deadline = time.monotonic() + RELEASE_WAIT_S
     while ray.available_resources().get("CPU", 0.0) < ray.cluster_resources().get("CPU", 0.0):
         if time.monotonic() > deadline:
