@@ -97,6 +97,10 @@ def test_balanced_sends_a_tie_of_remote_and_kept_to_decode_on_the_prefill_side_p
     # of its decode steps (~10 ms) after this prompt's 480 ms within half of it.
     assert path(1000, 25).path == "kept"
     assert path(900, 25).path == "remote"
+    # D's predicted TPOT within its model's error (5%) of the target: a request pushed there may
+    # miss it, one kept on P will not; keeping then needs room in the whole TTFT target only.
+    tight = remote.tpot_s * 1e3 * 1.03  # the target 3% above D's TPOT
+    assert path(900, tight).path == "kept"  # 480 ms and a ~10 ms step: past half of 900, within it
 
 
 def test_a_decode_side_out_of_pages_makes_the_prefill_side_keep_the_request():
