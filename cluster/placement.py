@@ -280,10 +280,10 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
     # A prompt computed on an instance first needs one of its seats (`InstanceView.seat_wait_s`).
     seat_of = {v.name: v.seat_wait_s() for v in prefills + decodes}
     # ... and waits for the decodes' steps ahead of it there (`InstanceView.prompt_wait_s`), as a
-    # local prompt on D does (below): a prefill instance that keeps requests decodes them too. Without it the kept and remote TTFTs
-    # were half the time measured since the decision, the local one's right (simulated two H100s,
-    # decode-heavy 26 req/s, `balanced`: kept 14.9 vs 27.1 ms p50, local 23.2 vs 23.0; served: kept
-    # 20.8 vs 41.4; benchmarks/records/headline-h100x2-2026-11-27i/).
+    # local prompt on D does (below): a prefill instance that keeps requests decodes them too.
+    # Without it the kept and remote TTFTs were half the time measured since the decision, the
+    # local one's right (simulated two H100s, decode-heavy 26 req/s, `balanced`: kept 14.9 vs 27.1
+    # ms p50, local 23.2 vs 23.0; served: kept 20.8 vs 41.4; benchmarks/records/headline-h100x2-2026-11-27i/).
     start_of = {p.name: max(p.prompt_wait_s(), seat_of[p.name]) for p in prefills}
     best_p = min(prefills, key=lambda p: start_of[p.name] + p.prefill_s(prompt_len), default=None)
     for d in decodes:
@@ -432,7 +432,7 @@ def _decode_on_prefill(prompt_len: int, near: list[Prediction], views: dict[str,
         # it; one kept here will not, and the TTFT target itself bounds the prompts its steps
         # delay. Two H100s' profile, decode-heavy 256 seats at 26 req/s, 80 : 14.9 ms: every
         # miss was a pushed request's TPOT (44 of 273, predicted 14.6 ms p50), kept refused for
-        # want of TTFT room (34 + 9 > 40 ms); keeping them: 94.2-95.4% -> 98.5-100% attainment
+        # want of TTFT room (34 + 9 > 40 ms); keeping them: 94.1-95.4% -> 98.8-100% attainment
         # (colocated 96.8-97.8%), the same seeds (benchmarks/records/headline-h100x2-2026-11-27i/).
         return best.ttft_s + step <= targets.ttft_s
     return best.ttft_s + step <= KEEP_SHARE * targets.ttft_s
