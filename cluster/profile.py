@@ -374,6 +374,6 @@ def summary_lines(profile: dict) -> list[str]:
         if err.get("num_outliers"):
             rest = err["rms_rel_error_without_outliers"]
             line += (f" ({'-' if rest is None else f'{100 * rest:.1f}%'} without the {err['num_outliers']} "
-                     f"over {OUTLIER_RATIO:g}x the fit, not fitted)")
+                     f"outside 1/{OUTLIER_RATIO:g}-{OUTLIER_RATIO:g}x the fit, not fitted)")
         lines.append(line)
     return lines

@@ -20,7 +20,9 @@ import numpy as np
 MIN_SAMPLES_TO_FIT = 8
 PRIOR_WEIGHT = 2.0  # the prior counts as this many samples in the fit
 PROFILE_PRIOR_WEIGHT = 1e-3  # a profile's grid covers every direction: its fit barely leans on the prior
-OUTLIER_RATIO = 3.0  # a step over 3x the fit's prediction is a one-off (a first use of a shape): not fitted
+# A step over 3x the fit's prediction is a one-off (a first use of a shape), one under a third of it
+# a timing artifact (`_inliers`): neither is fitted.
+OUTLIER_RATIO = 3.0
 # Per step (`features`): is it pure decode (0/1), prompt tokens, decoding sequences, their context
 # tokens, has it prompt tokens (0/1), the prompt tokens' attention pairs (`disagg.engine.steps.
 # prompt_pairs`), has it prompt tokens and decodes (0/1), context tokens again when it has prompt
@@ -97,9 +99,9 @@ class StepTimeModel:
     defaults of the right order for an 8B model on one H100-class GPU, or a profile's fit), so a
     direction no sample varies (a prefill instance that never decodes) keeps its prior;
     coefficients >= 0. A step over `OUTLIER_RATIO` x the first fit's prediction (a first use of a
-    shape: allocator growth, a kernel's first launch) is left out of the second fit and counted
-    in ``num_outliers``. `from_samples` also picks ``knee_tokens`` (`KNEE_CHOICES`: the one that
-    fits best).
+    shape: allocator growth, a kernel's first launch) or under 1 / `OUTLIER_RATIO` of it (a
+    timing artifact, `_inliers`) is left out of the second fit and counted in ``num_outliers``.
+    `from_samples` also picks ``knee_tokens`` (`KNEE_CHOICES`: the one that fits best).
     """
 
     # The first five as before (an 8B model's order, per prompt token ~4x high: prefill is not
@@ -152,7 +154,7 @@ class StepTimeModel:
             scaled = _nonnegative_ridge(x[kept], y[kept] * weight[kept], lam, prior)
             self.coef = scaled / FEATURE_SCALE
             predicted = np.maximum(raw @ self.coef, 1e-9)
-            kept = y <= OUTLIER_RATIO * predicted
+            kept = _inliers(y, predicted)
         self.num_outliers = int(np.count_nonzero(~kept))
         self.error = float(np.sqrt(np.mean(((predicted[kept] - y[kept]) / y[kept]) ** 2))) if kept.any() else 1.0
 
@@ -184,7 +186,7 @@ class StepTimeModel:
     def errors_by_region(self, samples: list[tuple]) -> dict[str, dict]:
         """Relative RMS error of the fit over ``samples`` (as `from_samples` takes), per region:
         prefill (no decodes), decode (no prompt tokens) and mixed steps; over all of them and
-        without the steps over `OUTLIER_RATIO` x the prediction (``num_outliers``)."""
+        without the steps outside `OUTLIER_RATIO` of the prediction either way (``num_outliers``)."""
         regions: dict[str, list[float]] = {"prefill": [], "decode": [], "mixed": []}
         for prompt, seqs, context, pairs, seconds in samples:
             region = "decode" if prompt == 0 else "prefill" if seqs == 0 else "mixed"
@@ -192,7 +194,7 @@ class StepTimeModel:
         out = {}
         for name, errs in regions.items():
             errs = np.asarray(errs)
-            inliers = errs[errs >= 1.0 / OUTLIER_RATIO - 1.0]
+            inliers = errs[_inliers(1.0, errs + 1.0)]
             out[name] = {"num_samples": len(errs), "rms_rel_error": _rms(errs), "num_outliers": len(errs) - len(inliers),
                          "rms_rel_error_without_outliers": _rms(inliers)}
         return out
@@ -211,6 +213,20 @@ class StepTimeModel:
     def to_dict(self) -> dict:
         return {"coef_s": [float(v) for v in self.coef], "features": list(FEATURES), "knee_tokens": self.knee_tokens,
                 "error": self.error, "num_samples": self.num_samples, "num_outliers": self.num_outliers}
+
+
+def _inliers(seconds, predicted):
+    """Which steps the fit keeps: those within `OUTLIER_RATIO` of the prediction either way.
+
+    Over it, a one-off (a first use of a shape). Under a third of it, a timing artifact: with
+    async scheduling the step loop times `engine.step()`, which waits for a step launched in the
+    call before; where the host was busy between the calls (the router's calls, a reservation)
+    the GPU ran that step meanwhile and the call timed only its tail. Two H200s, decode-heavy
+    (benchmarks/records/headline-h200x2-2026-11-28/): 21 of 58,326 served steps took 0.5-1.9 ms
+    (a 164-sequence decode step takes ~9); under the relative weighting of a profile's fit six of
+    them on the decode instance priced a prompt chunk at nothing (its mixed steps' error 72%; 19%
+    without them)."""
+    return (seconds <= OUTLIER_RATIO * predicted) & (seconds * OUTLIER_RATIO >= predicted)
 
 
 def _rms(errs: np.ndarray) -> float | None:
