@@ -24,8 +24,8 @@ what it has spent so far (`InstanceView.tpot_slack_s`). With `router.adaptive_pr
 a TTFT target an admissible remote path is taken (a TTFT under its target earns nothing; local
 and kept spend the other phase's instance, for the requests remote cannot serve within the
 targets); by default, among admissible paths the lowest predicted TTFT (ties within the model's error margin go to local, then
-remote, then kept: `PREFERENCE`; with `router.adaptive_prefer: balanced`, a tie of remote and
-kept, the same prefill instance computing the prompt, decodes there while the decode instance's
+remote, then kept: `PREFERENCE`; with `router.adaptive_prefer: balanced`, that path, when it
+decodes on a decode instance, gives way to an admissible kept one while the decode instance's
 predicted TPOT is past `KEEP_SHARE` of the TPOT target, the prefill instance's is lower and the
 TTFT target has room for its decode steps: `_decode_on_prefill`); when none is admissible, the smallest violation, never a local
 prompt on a decode instance that already misses the TPOT bound or whose slack it breaks. A prompt
@@ -53,10 +53,10 @@ PATHS = ("remote", "local", "kept")
 # (admissible only when it slows no running decode step beyond the bound, it uses a decode
 # instance's spare compute and needs no transfer), then remote, then kept.
 PREFERENCE = ("local", "remote", "kept")
-# `router.adaptive_prefer: balanced`: a near-tie of remote and kept decodes on the prefill
-# instance while the decode instance's predicted TPOT is past this share of the TPOT target and a
-# prompt's TTFT plus one of the prefill instance's decode steps is within this share of the TTFT
-# target (`_decode_on_prefill`). Not the default: simulated it wins decode-heavy (two GPUs, 50 : 34
+# `router.adaptive_prefer: balanced`: the fastest path decoding on a decode instance gives way to
+# keeping the decode on the prefill instance while the decode instance's predicted TPOT is past
+# this share of the TPOT target and the kept prompt's TTFT plus one of the prefill instance's
+# decode steps is within this share of the TTFT target (`_decode_on_prefill`). Not the default: simulated it wins decode-heavy (two GPUs, 50 : 34
 # ms, 1.00x -> 1.15x colocated) and loses strict chat (74 : 17 ms, 5.0 -> 3.8 req/s/GPU); measured
 # on two H100s (decode-heavy, 70.7 : 14.9 ms) 54% -> 64% attainment at 16 req/s, 52% -> 43% at 22
 # (benchmarks/records/headline-h100x2-2026-11-27c/).
@@ -386,11 +386,12 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
         cutoff = max(c.ttft_s for c in ok if c.ttft_s <= best * (1.0 + c.margin))
         near = [c for c in ok if c.ttft_s <= cutoff]
         path = min(near, key=lambda c: (PREFERENCE.index(c.path), c.ttft_s)).path
-        if targets.prefer == "balanced" and _decode_on_prefill(prompt_len, near, views, targets):
-            path = "kept"
         # The fastest of that path, even one whose own (smaller) margin left it out of `near`: an
         # uncertain instance's prediction must not win over a surer, faster one of the same path.
-        return Decision(min((c for c in ok if c.path == path), key=lambda c: c.ttft_s), tuple(judged))
+        chosen = min((c for c in ok if c.path == path), key=lambda c: c.ttft_s)
+        if targets.prefer == "balanced":
+            chosen = _decode_on_prefill(prompt_len, chosen, ok, views, targets) or chosen
+        return Decision(chosen, tuple(judged))
     fitting = [c for c in judged if _fits(c, views, prompt_len)]
     if not fitting:
         return Decision(None, tuple(judged))
@@ -403,39 +404,46 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     return Decision(min(spare, key=lambda c: _violation(c, targets, bound)), tuple(judged))
 
 
-def _decode_on_prefill(prompt_len: int, near: list[Prediction], views: dict[str, InstanceView],
-                       targets: Targets) -> bool:
-    """Whether a request whose remote and kept paths both tie for the best TTFT (the same
-    prefill instance computes its prompt either way) should decode on that prefill instance
-    rather than on the decode instance. With a TPOT target, when the decode instance's predicted
-    TPOT is past `KEEP_SHARE` of it, the prefill instance's is lower, and the TTFT target (if
-    any) has room for one of the prefill instance's decode steps ahead of a prompt: its decodes
-    delay every prompt after them, so a strict TTFT keeps it a pure prefill instance (simulated,
-    decode-heavy at 25 ms: without this, 100% -> 75% attainment at 8 req/s). Near-ties otherwise
-    go by `PREFERENCE`, which put every decode on the decode instance while the prefill instance
-    idled (two H100s, chat, 2026-11-27: kept admissible in 371 of 430 decisions, its TPOT
-    predicted 8.3 ms against the decode instance's 17.9, chosen in none; prefill instance 32% busy)."""
-    remote = [c for c in near if c.path == "remote"]
-    kept = [c for c in near if c.path == "kept"]
-    if targets.tpot_s is None or not remote or not kept:
-        return False
-    pushed = min(remote, key=lambda c: c.tpot_s - c.seat_tpot_s)
-    decode_side = pushed.tpot_s - pushed.seat_tpot_s
+def _decode_on_prefill(prompt_len: int, chosen: Prediction, ok: list[Prediction], views: dict[str, InstanceView],
+                       targets: Targets) -> Prediction | None:
+    """The admissible kept candidate that ``chosen`` (the fastest path, decoding on a decode
+    instance: remote or local) should give way to under `router.adaptive_prefer: balanced`, or
+    None. With a TPOT target, when the decode instance's predicted TPOT is past `KEEP_SHARE` of
+    it, a prefill instance's is lower, and the TTFT target (if any) has room for one of that
+    prefill instance's decode steps ahead of a prompt: its decodes delay every prompt after them,
+    so a strict TTFT keeps it a pure prefill instance (simulated, decode-heavy at 25 ms: without
+    this, 100% -> 75% attainment at 8 req/s). Near-ties otherwise go by `PREFERENCE`, which put
+    every decode on the decode instance while the prefill instance idled (two H100s, chat,
+    2026-11-27: kept admissible in 371 of 430 decisions, its TPOT predicted 8.3 ms against the
+    decode instance's 17.9, chosen in none; prefill instance 32% busy).
+
+    A local path gives way as a remote one does: kept need not tie it for TTFT (a TTFT under its
+    target earns nothing; the room above is what counts). Two H200s, decode-heavy 26 req/s, when
+    only a remote/kept tie could give way: the first 5 s put 130 of 145 prompts local on D (its
+    TTFT predicted 16-28 ms, kept's 30-40 while P's model still held the prior), P decoded
+    nothing, and from 13 s no path held the TPOT target: 41% attainment against colocated's 99%
+    (benchmarks/records/headline-h200x2-2026-11-28/)."""
+    if targets.tpot_s is None or chosen.path == "kept":
+        return None
+    decode_side = chosen.tpot_s - chosen.seat_tpot_s  # D's decode speed, not its seat wait
+    kept = [c for c in ok if c.path == "kept"]
+    if not kept or decode_side <= KEEP_SHARE * targets.tpot_s:
+        return None
     best = min(kept, key=lambda c: c.tpot_s)
-    if decode_side <= KEEP_SHARE * targets.tpot_s or best.tpot_s >= decode_side:
-        return False
+    if best.tpot_s >= decode_side:
+        return None
     if targets.ttft_s is None:
-        return True
+        return best
     step = views[best.prefill].decode_step_s(1, prompt_len)
-    if decode_side * (1.0 + pushed.margin) > targets.tpot_s:
+    if decode_side * (1.0 + chosen.margin) > targets.tpot_s:
         # Within its model's error of the TPOT target the decode instance's requests may miss
         # it; one kept here will not, and the TTFT target itself bounds the prompts its steps
         # delay. Two H100s' profile, decode-heavy 256 seats at 26 req/s, 80 : 14.9 ms: every
         # miss was a pushed request's TPOT (44 of 273, predicted 14.6 ms p50), kept refused for
         # want of TTFT room (34 + 9 > 40 ms); keeping them: 94.1-95.4% -> 98.8-100% attainment
         # (colocated 96.8-97.8%), the same seeds (benchmarks/records/headline-h100x2-2026-11-27i/).
-        return best.ttft_s + step <= targets.ttft_s
-    return best.ttft_s + step <= KEEP_SHARE * targets.ttft_s
+        return best if best.ttft_s + step <= targets.ttft_s else None
+    return best if best.ttft_s + step <= KEEP_SHARE * targets.ttft_s else None
 
 
 def _stall_past_slack(d: InstanceView, prompt_len: int, bound_s: float) -> str:

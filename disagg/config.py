@@ -262,9 +262,10 @@ class RouterSection(Section):
                                "the push whenever it holds them (with a TTFT target; spares the decode "
                                "instances: better where decoding is the bottleneck, worse where "
                                "prefilling is; `disagg plan` numbers in docs/ARCHITECTURE.md §7); balanced: "
-                               "fastest, but a tie of remote and kept decodes on the prefill instance while "
-                               "the decode instance's TPOT is past half its target and the TTFT target has "
-                               "room (measured on two H100s: mixed; docs/ARCHITECTURE.md §7)")
+                               "fastest, but a request whose decode would go to a decode instance decodes on "
+                               "the prefill instance instead while the decode instance's TPOT is past half "
+                               "its target, the prefill instance's is lower and the TTFT target has room "
+                               "(measured on two H100s and two H200s: mixed; docs/ARCHITECTURE.md §7)")
     slo_ttft_ms: float | None = Field(None, gt=0.0, description="time-to-first-token target the adaptive "
                                                                 "placement predicts against, ms; null: none "
                                                                 "(then it minimises the predicted TTFT)")
