@@ -21,6 +21,12 @@
 # "adaptive-NAME" (an A/B at one tree, e.g. "remote:router.adaptive_prefer=remote"). ADAPTIVE_SLO_SCALE (default 1): the adaptive
 # router's targets are this multiple of the calibrated SLOs; it optimizes the SLO it is given, so
 # judge it at the scale it targeted (two H100s: a router targeting 1x held 2x worse than it could).
+# STEP_PROFILE=1 (optional): first `disagg profile` on GPU 0 (the model's one-GPU colocated config,
+# about a minute), its fit seeding the adaptive routers' step-time models (`router.step_profile`)
+# where they would start from the built-in prior (an H100's order, per prompt token 4x high: on two
+# H200s the prefill instance's TTFT was predicted 2x long until it had served prompts, and the
+# decode instance took every prompt; benchmarks/records/headline-h200x2-2026-11-28/); the profile
+# comes back as $OUT/<workload>-profile.json for `disagg simulate --profile`.
 # MAX_TAR_BYTES (default 15000000): above it the per-deployment tars come back instead of one.
 # CPU smoke check: HEADLINE_MODEL=tiny RATES=2 HEADLINE_SECONDS=3 bash benchmarks/sitting_headline_workload.sh chat
 set -euo pipefail
@@ -60,6 +66,15 @@ scale=${ADAPTIVE_SLO_SCALE:-1}
 TA=$(awk -v t="$T" -v k="$scale" 'BEGIN{print t*k}'); PA=$(awk -v p="$P" -v k="$scale" 'BEGIN{print p*k}')
 adaptive=("configs/$MODEL-1p1d.yaml" --request-rate "${RATES_ADAPTIVE:-$RATES}" "${disagg_set[@]}"
           --set router.placement=adaptive --set "router.slo_ttft_ms=$TA" --set "router.slo_tpot_ms=$PA" "${judge[@]}")
+if [ -n "${STEP_PROFILE:-}" ]; then
+  pconf="configs/$MODEL-1gpu-colocated.yaml"
+  [ -f "$pconf" ] || pconf="configs/$MODEL-colocated.yaml"
+  grid=(); [ "$MODEL" = tiny ] && grid=(--small-grid)
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout "${PER_RUN_TIMEOUT:-170}" python3 -m disagg.cluster.cli \
+    profile "$pconf" "${grid[@]}" --out "$OUT/$W-profile.json" > "$OUT/$W-profile.log" 2>&1 \
+    && adaptive+=(--set "router.step_profile=$OUT/$W-profile.json") || echo "profile: rc $? (the prior seeds the routers)"
+  tail -5 "$OUT/$W-profile.log"
+fi
 run adaptive "${adaptive[@]}"
 merged=(--from-results "results/$W/1p1d" --from-results "results/$W/adaptive")
 for variant in ${ADAPTIVE_VARIANTS:-}; do  # NAME:KEY=VALUE -> the run "adaptive-NAME"
