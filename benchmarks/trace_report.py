@@ -13,7 +13,11 @@ taken, the adaptive router's "decision" records: its predicted TTFT against the 
 decision, and its "tpot" records: the TPOT predicted for the path against the TPOT had ("decisions"). A `disagg simulate --trace-dir` directory (steps and decisions, no
 request events) reads the same way, so a simulated and a served run compare. ``--by-run``:
 the same per `disagg bench` run (a sweep's rates: request ids ``benchN.<label>.<pid>-...``), each run's steps
-and calls those inside its requests' span. Events of several hosts compare wall clocks: keep such
+and calls those inside its requests' span. ``--window S``: the decisions over time too, per S
+seconds since the first: how many, how many had no admissible path, the paths taken, and the
+chosen path's predicted TTFT and TPOT against what its requests had (where a run went wrong, and
+when: two H200s, decode-heavy, the first 5 s put 130 of 145 decodes on one GPU;
+benchmarks/records/headline-h200x2-2026-11-28/). Events of several hosts compare wall clocks: keep such
 runs on one host.
 """
 
@@ -103,6 +107,51 @@ def summarize_decisions(decisions: list[dict], tpots: list[dict] = ()) -> dict[s
     return out
 
 
+def summarize_windows(decisions: list[dict], tpots: list[dict], seconds: float) -> list[dict]:
+    """The "decision" records per ``seconds`` of their time since the first: [{"start_s", "n",
+    "no_admissible", "paths": {path: n}, "ttft_ms": {"predicted", "actual"} p50s of the chosen
+    path's TTFT and the TTFT since the decision, "tpot_ms": the same of the TPOT predicted for the
+    path taken and had (requests with a "tpot" record)}], empty windows left out."""
+    if not decisions:
+        return []
+    t0 = min(d["t"] for d in decisions)
+    had = {t["request"]: t for t in tpots}
+    windows: dict[int, list[dict]] = {}
+    for d in decisions:
+        windows.setdefault(int((d["t"] - t0) // seconds), []).append(d)
+    out = []
+    for k, rows in sorted(windows.items()):
+        chosen = [next(p for p in d["predictions"] if p["path"] == d["chosen"]) for d in rows]
+        ended = [had[d["request"]] for d in rows if d["request"] in had]
+        paths: dict[str, int] = {}
+        for d in rows:
+            paths[d["path"]] = paths.get(d["path"], 0) + 1
+        out.append({"start_s": k * seconds, "n": len(rows),
+                    "no_admissible": sum(not any(p["admissible"] for p in d["predictions"]) for d in rows),
+                    "paths": dict(sorted(paths.items())),
+                    "ttft_ms": {"predicted": _median([c["ttft_ms"] for c in chosen]),
+                                "actual": _median([d["ttft_ms"] for d in rows])},
+                    "tpot_ms": {"predicted": _median([t["predicted_tpot_ms"] for t in ended]),
+                                "actual": _median([t["tpot_ms"] for t in ended])}})
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _print_windows(windows: list[dict], seconds: float) -> None:
+    def ms(value):
+        return "-" if value is None else f"{value:.1f}"
+    print(f"decisions per {seconds:g} s: start s, n, none admissible, paths taken, "
+          "TTFT p50 predicted / actual ms, TPOT p50 predicted / had ms")
+    for w in windows:
+        paths = " ".join(f"{path} {n}" for path, n in w["paths"].items())
+        print(f"  {w['start_s']:7.1f}  n {w['n']:>4}  none {w['no_admissible']:>4}  {paths:<32} "
+              f"TTFT {ms(w['ttft_ms']['predicted'])} / {ms(w['ttft_ms']['actual'])}  "
+              f"TPOT {ms(w['tpot_ms']['predicted'])} / {ms(w['tpot_ms']['actual'])}")
+
+
 def _judged(predicted: list[float], actual: list[float]) -> dict:
     return {"predicted_ms": _spread(predicted), "actual_ms": _spread(actual),
             "ratio": _spread([a / p for a, p in zip(actual, predicted) if p > 0], unit="")}
@@ -121,9 +170,10 @@ def _print_decisions(decisions: dict[str, dict]) -> None:
 
 
 def report(requests: dict, steps: list[dict], calls: list[dict], decisions: list[dict] = (),
-           tpots: list[dict] = ()) -> dict:
+           tpots: list[dict] = (), window_s: float | None = None) -> dict:
     """{path: hops (`summarize`), ..., "instances": `summarize_instances`, "decisions":
-    `summarize_decisions`}, printed as it goes."""
+    `summarize_decisions`, and with ``window_s`` "windows": `summarize_windows`}, printed as it
+    goes."""
     by_path: dict[str, dict] = {}
     for request, events in requests.items():
         by_path.setdefault(events.get("placed", {}).get("path", "unplaced"), {})[request] = events
@@ -137,7 +187,11 @@ def report(requests: dict, steps: list[dict], calls: list[dict], decisions: list
     _print_instances(instances)
     judged = summarize_decisions(list(decisions), list(tpots))
     _print_decisions(judged)
-    return {**out, "instances": instances, "decisions": judged}
+    out = {**out, "instances": instances, "decisions": judged}
+    if window_s and decisions:
+        out["windows"] = summarize_windows(list(decisions), list(tpots), window_s)
+        _print_windows(out["windows"], window_s)
+    return out
 
 
 def by_run(requests: dict) -> dict[str, dict]:
@@ -162,7 +216,11 @@ def main() -> None:
     parser.add_argument("directory", help="the DISAGG_TRACE_DIR of the run")
     parser.add_argument("--json", help="also write the summary here")
     parser.add_argument("--by-run", action="store_true", help="one report per disagg bench run (rate)")
+    parser.add_argument("--window", type=float, metavar="S",
+                        help="the adaptive router's decisions per S seconds too (paths, none admissible)")
     args = parser.parse_args()
+    if args.window is not None and not args.window > 0:
+        parser.error(f"--window: expected seconds > 0, got {args.window:g}")
     requests = trace.read(args.directory)
     steps, calls = trace.read_records(args.directory, "step"), trace.read_records(args.directory, "call")
     decisions, tpots = trace.read_records(args.directory, "decision"), trace.read_records(args.directory, "tpot")
@@ -171,9 +229,10 @@ def main() -> None:
         for run, group in by_run(requests).items():
             print(f"== {run}: {len(group)} requests")
             out[run] = report(group, _within(steps, group, "t_start"), _within(calls, group, "t_queued"),
-                              [d for d in decisions if d["request"] in group], [t for t in tpots if t["request"] in group])
+                              [d for d in decisions if d["request"] in group], [t for t in tpots if t["request"] in group],
+                              args.window)
     else:
-        out = report(requests, steps, calls, decisions, tpots)
+        out = report(requests, steps, calls, decisions, tpots, args.window)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)

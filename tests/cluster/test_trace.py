@@ -244,3 +244,39 @@ def test_the_report_sets_each_paths_predicted_ttft_beside_the_actual(tmp_path, m
     assert report["bench1"]["decisions"]["local"]["n"] == 1 and report["bench1"]["decisions"]["remote"]["n"] == 1
     assert report["bench1"]["decisions"]["local"]["tpot"]["n"] == 1  # not bench9's
     assert report["bench1"]["decisions"]["local"]["tpot"]["ratio"]["p50"] == 0.5
+
+
+def test_the_report_windows_the_decisions_over_time(tmp_path, monkeypatch, capsys, benchmark_script):
+    """--window S: per S seconds since the first decision, the paths taken, the decisions with no
+    admissible path and the chosen path's predicted TTFT / TPOT beside what its requests had."""
+    def decision(request, t, path, admissible, predicted, actual):
+        preds = [{"path": p, "prefill": None, "decode": "decode-0", "ttft_ms": predicted if p == path else 99.0,
+                  "tpot_ms": 10.0, "admissible": admissible} for p in ("remote", "local", "kept")]
+        trace.record("decision", request=request, t=t, prompt_len=8, chosen=path, path=path, ttft_ms=actual,
+                     predictions=preds)
+
+    t0 = 1000.0
+    with environment(DISAGG_TRACE_DIR=str(tmp_path)):
+        decision("bench1-chat-0-0", t0, "local", True, 10.0, 20.0)
+        decision("bench1-chat-1-1", t0 + 1.0, "local", True, 30.0, 40.0)
+        decision("bench1-chat-2-2", t0 + 4.9, "remote", False, 50.0, 80.0)
+        decision("bench1-chat-3-3", t0 + 12.0, "kept", True, 5.0, 6.0)
+        trace.record("tpot", t=t0 + 20, request="bench1-chat-3-3", path="kept", num_output=9,
+                     predicted_tpot_ms=8.0, tpot_ms=12.0)
+    module = benchmark_script("trace_report")
+    windows = module.summarize_windows(trace.read_records(str(tmp_path), "decision"),
+                                       trace.read_records(str(tmp_path), "tpot"), 5.0)
+    assert [w["start_s"] for w in windows] == [0.0, 10.0]  # the empty 5-10 s left out
+    first, last = windows
+    assert first["n"] == 3 and first["no_admissible"] == 1 and first["paths"] == {"local": 2, "remote": 1}
+    assert first["ttft_ms"] == {"predicted": 30.0, "actual": 40.0} and first["tpot_ms"]["actual"] is None
+    assert last["paths"] == {"kept": 1} and last["tpot_ms"] == {"predicted": 8.0, "actual": 12.0}
+    out = tmp_path / "report.json"
+    monkeypatch.setattr(sys, "argv", ["trace_report", str(tmp_path), "--window", "5", "--json", str(out)])
+    module.main()
+    assert json.loads(out.read_text())["windows"] == windows
+    assert "decisions per 5 s" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["trace_report", str(tmp_path), "--window", "0"])
+    with pytest.raises(SystemExit):
+        module.main()
+    assert "--window: expected seconds > 0, got 0" in capsys.readouterr().err
