@@ -26,7 +26,9 @@
 # where they would start from the built-in prior (an H100's order, per prompt token 4x high: on two
 # H200s the prefill instance's TTFT was predicted 2x long until it had served prompts, and the
 # decode instance took every prompt; benchmarks/records/headline-h200x2-2026-11-28/); the profile
-# comes back as $OUT/<workload>-profile.json for `disagg simulate --profile`.
+# comes back as $OUT/<workload>-profile.json for `disagg simulate --profile`. STEP_PROFILE=FILE: seed
+# them with that profile instead (one made by an earlier command of the same session and kept in
+# the tree, which travels: no second minute of profiling).
 # MAX_TAR_BYTES (default 15000000): above it the per-deployment tars come back instead of one.
 # CPU smoke check: HEADLINE_MODEL=tiny RATES=2 HEADLINE_SECONDS=3 bash benchmarks/sitting_headline_workload.sh chat
 set -euo pipefail
@@ -66,7 +68,9 @@ scale=${ADAPTIVE_SLO_SCALE:-1}
 TA=$(awk -v t="$T" -v k="$scale" 'BEGIN{print t*k}'); PA=$(awk -v p="$P" -v k="$scale" 'BEGIN{print p*k}')
 adaptive=("configs/$MODEL-1p1d.yaml" --request-rate "${RATES_ADAPTIVE:-$RATES}" "${disagg_set[@]}"
           --set router.placement=adaptive --set "router.slo_ttft_ms=$TA" --set "router.slo_tpot_ms=$PA" "${judge[@]}")
-if [ -n "${STEP_PROFILE:-}" ]; then
+if [ -n "${STEP_PROFILE:-}" ] && [ -f "$STEP_PROFILE" ]; then
+  adaptive+=(--set "router.step_profile=$STEP_PROFILE")
+elif [ -n "${STEP_PROFILE:-}" ]; then
   pconf="configs/$MODEL-1gpu-colocated.yaml"
   [ -f "$pconf" ] || pconf="configs/$MODEL-colocated.yaml"
   grid=(); [ "$MODEL" = tiny ] && grid=(--small-grid)
