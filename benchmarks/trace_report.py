@@ -24,6 +24,7 @@ runs on one host.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 
@@ -123,9 +124,7 @@ def summarize_windows(decisions: list[dict], tpots: list[dict], seconds: float) 
     for k, rows in sorted(windows.items()):
         chosen = [next(p for p in d["predictions"] if p["path"] == d["chosen"]) for d in rows]
         ended = [had[d["request"]] for d in rows if d["request"] in had]
-        paths: dict[str, int] = {}
-        for d in rows:
-            paths[d["path"]] = paths.get(d["path"], 0) + 1
+        paths = collections.Counter(d["path"] for d in rows)
         out.append({"start_s": k * seconds, "n": len(rows),
                     "no_admissible": sum(not any(p["admissible"] for p in d["predictions"]) for d in rows),
                     "paths": dict(sorted(paths.items())),

@@ -56,8 +56,8 @@ PREFERENCE = ("local", "remote", "kept")
 # `router.adaptive_prefer: balanced`: the fastest path decoding on a decode instance gives way to
 # keeping the decode on the prefill instance while the decode instance's predicted TPOT is past
 # this share of the TPOT target and the kept prompt's TTFT plus one of the prefill instance's
-# decode steps is within this share of the TTFT target (`_decode_on_prefill`). Not the default: simulated it wins decode-heavy (two GPUs, 50 : 34
-# ms, 1.00x -> 1.15x colocated) and loses strict chat (74 : 17 ms, 5.0 -> 3.8 req/s/GPU); measured
+# decode steps is within this share of the TTFT target (`_decode_on_prefill`). Not the default:
+# simulated it wins decode-heavy (two GPUs, 50 : 34 ms, 1.00x -> 1.15x colocated) and loses strict chat (74 : 17 ms, 5.0 -> 3.8 req/s/GPU); measured
 # on two H100s (decode-heavy, 70.7 : 14.9 ms) 54% -> 64% attainment at 16 req/s, 52% -> 43% at 22
 # (benchmarks/records/headline-h100x2-2026-11-27c/).
 KEEP_SHARE = 0.5
@@ -434,7 +434,7 @@ def _decode_on_prefill(prompt_len: int, chosen: Prediction, ok: list[Prediction]
         return None
     if targets.ttft_s is None:
         return best
-    step = views[best.prefill].decode_step_s(1, prompt_len)
+    room = KEEP_SHARE * targets.ttft_s
     if decode_side * (1.0 + chosen.margin) > targets.tpot_s:
         # Within its model's error of the TPOT target the decode instance's requests may miss
         # it; one kept here will not, and the TTFT target itself bounds the prompts its steps
@@ -442,8 +442,9 @@ def _decode_on_prefill(prompt_len: int, chosen: Prediction, ok: list[Prediction]
         # miss was a pushed request's TPOT (44 of 273, predicted 14.6 ms p50), kept refused for
         # want of TTFT room (34 + 9 > 40 ms); keeping them: 94.1-95.4% -> 98.8-100% attainment
         # (colocated 96.8-97.8%), the same seeds (benchmarks/records/headline-h100x2-2026-11-27i/).
-        return best if best.ttft_s + step <= targets.ttft_s else None
-    return best if best.ttft_s + step <= KEEP_SHARE * targets.ttft_s else None
+        room = targets.ttft_s
+    step = views[best.prefill].decode_step_s(1, prompt_len)
+    return best if best.ttft_s + step <= room else None
 
 
 def _stall_past_slack(d: InstanceView, prompt_len: int, bound_s: float) -> str:
