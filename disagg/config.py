@@ -257,7 +257,7 @@ class RouterSection(Section):
                                      "and decoded by a prefill instance) by the instances' predicted step "
                                      "times and load (docs/ARCHITECTURE.md §7)")
     adaptive_prefer: Literal["fastest", "remote", "balanced"] = Field(
-        "fastest", description="among the paths predicted to hold the SLOs, the adaptive placement takes: "
+        "balanced", description="among the paths predicted to hold the SLOs, the adaptive placement takes: "
                                "fastest: the lowest predicted TTFT (near-ties: local, remote, kept); remote: "
                                "the push whenever it holds them (with a TTFT target; spares the decode "
                                "instances: better where decoding is the bottleneck, worse where "
@@ -265,7 +265,8 @@ class RouterSection(Section):
                                "fastest, but a request whose decode would go to a decode instance decodes on "
                                "the prefill instance instead while the decode instance's TPOT is past half "
                                "its target, the prefill instance's is lower and the TTFT target has room "
-                               "(measured on two H100s and two H200s: mixed; docs/ARCHITECTURE.md §7)")
+                               "(the default: on two H200s it beat or tied fastest on every workload "
+                               "measured; docs/ARCHITECTURE.md §7)")
     slo_ttft_ms: float | None = Field(None, gt=0.0, description="time-to-first-token target the adaptive "
                                                                 "placement predicts against, ms; null: none "
                                                                 "(then it minimises the predicted TTFT)")

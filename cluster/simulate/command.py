@@ -209,8 +209,9 @@ def plan_command(
     adaptive_chunk_sizes: Annotated[Optional[str], Opt(help="prompt chunk sizes of the adaptive candidates, tokens "
                                                             "(default: --chunk-sizes; one size is a third of the "
                                                             "adaptive runs)")] = None,
-    adaptive_prefer: Annotated[str, Opt(help="router.adaptive_prefer of the adaptive candidates, comma-separated "
-                                             "(fastest, remote, balanced): one candidate each")] = "fastest",
+    adaptive_prefer: Annotated[Optional[str], Opt(help="router.adaptive_prefer of the adaptive candidates, "
+                                                       "comma-separated (fastest, remote, balanced): one candidate "
+                                                       "each; default: the config's default (balanced)")] = None,
     link_gbps: Annotated[float, Opt(help="KV push bandwidth per prefill instance, GB/s")] = 364.0,
     hop_ms: HopMsOpt = 0.0,
     step_gap_ms: StepGapMsOpt = 0.0,
@@ -251,8 +252,9 @@ def plan_command(
                        [int(c) for c in flags.positive_floats(adaptive_chunk_sizes, "--adaptive-chunk-sizes")])
     from disagg.config import RouterSection
 
-    prefers = flags.choices(adaptive_prefer, typing.get_args(RouterSection.model_fields["adaptive_prefer"].annotation),
-                            "--adaptive-prefer", distinct=True)
+    prefers = None if adaptive_prefer is None else flags.choices(
+        adaptive_prefer, typing.get_args(RouterSection.model_fields["adaptive_prefer"].annotation), "--adaptive-prefer",
+        distinct=True)
     console = Console()
     lengths = dict(input_len=random_input_len, output_len=random_output_len, range_ratio=random_range_ratio)
     hops = dict(hop_ms=hop_ms, step_gap_ms=step_gap_ms, reserve_ms=reserve_ms)

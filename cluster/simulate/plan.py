@@ -11,7 +11,8 @@ The candidates, one instance per GPU, all with the profiled instance's model, pa
                            each `--adaptive-chunk-sizes` C (default: `--chunk-sizes`, as the
                            colocated side: best against best; the label drops [chunk=C] when
                            there is one), and each `--adaptive-prefer` P (`router.adaptive_prefer`;
-                           default fastest alone, labelled [prefer=P] when there are several)
+                           default the config's default alone, labelled [prefer=P] when there
+                           are several)
 
 Each candidate's goodput is DistServe's: the highest request rate whose SLO attainment (the
 fraction of requests within every `--goodput` SLO) is at least 90% (`bench.compare.
@@ -33,7 +34,7 @@ from disagg.cluster.bench.compare import TARGET_ATTAINMENT
 from disagg.cluster.bench.metrics import slo_attainment
 from disagg.cluster.simulate.fleet import SimFleet, check_hops
 from disagg.cluster.simulate.run import simulate_run, workload_spec
-from disagg.config import Config
+from disagg.config import Config, RouterSection
 
 DEFAULT_CHUNK_SIZES = (512, 2048, 8192)
 MAX_DOUBLINGS = 12
@@ -84,10 +85,13 @@ def prefill_counts(num_gpus: int) -> list[int]:
 def candidates(num_gpus: int, chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, *, splits: bool = True,
                adaptive: bool = True, colocated: bool = True,
                adaptive_chunk_sizes: Sequence[int] | None = None,
-               adaptive_prefers: Sequence[str] = ("fastest",)) -> list[Candidate]:
+               adaptive_prefers: Sequence[str] | None = None) -> list[Candidate]:
     """Every deployment of the search for ``num_gpus`` (module docstring; `prefill_counts`);
     ``adaptive_chunk_sizes`` defaults to ``chunk_sizes``; ``adaptive_prefers``: the adaptive
-    candidates' `router.adaptive_prefer` values (set in their YAML unless "fastest", the default)."""
+    candidates' `router.adaptive_prefer` values (default: the config's default alone; set in
+    their YAML unless it is that default)."""
+    default_prefer = RouterSection.model_fields["adaptive_prefer"].default
+    adaptive_prefers = (default_prefer,) if adaptive_prefers is None else tuple(adaptive_prefers)
     if num_gpus < 1:
         raise ValueError(f"--gpus: expected at least 1 GPU, got {num_gpus}")
     out = []
@@ -105,7 +109,7 @@ def candidates(num_gpus: int, chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, 
                 for prefer in adaptive_prefers:
                     suffix = (f"[chunk={chunk}]" if len(chunks) > 1 else "") + \
                         (f"[prefer={prefer}]" if len(adaptive_prefers) > 1 else "")
-                    router = {"placement": "adaptive", **({"adaptive_prefer": prefer} if prefer != "fastest" else {})}
+                    router = {"placement": "adaptive", **({"adaptive_prefer": prefer} if prefer != default_prefer else {})}
                     out.append(Candidate(f"{x}P{num_gpus - x}D-adaptive{suffix}", {
                         "instances": instances, "router": router, "scheduler": {"max_num_batched_tokens": chunk}}))
     return out
@@ -194,7 +198,7 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
          chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, run_length: RunLength = RunLength(), seed: int = 0,
          seeds: int = 1, link_gbps: float = 364.0, hops: Mapping[str, float] | None = None,
          search: Sequence[Candidate] | None = None,
-         adaptive_chunk_sizes: Sequence[int] | None = None, adaptive_prefers: Sequence[str] = ("fastest",),
+         adaptive_chunk_sizes: Sequence[int] | None = None, adaptive_prefers: Sequence[str] | None = None,
          jobs: int = 1, on_judged: Callable[[Candidate], None] | None = None, **lengths: Any) -> list[Candidate]:
     """Judge every candidate, ``jobs`` at a time in worker processes (each simulation is one
     core's work: 19 candidates of 64 GPUs take ~75 minutes of one); return them best first

@@ -114,7 +114,7 @@ def test_search_space_every_split_up_to_8_gpus_then_ratios():
     prefers = planner.candidates(2, chunk_sizes=(512,), splits=False, colocated=False,
                                  adaptive_prefers=("fastest", "balanced"))
     assert [(c.label, c.sections["router"].get("adaptive_prefer")) for c in prefers] == [
-        ("1P1D-adaptive[prefer=fastest]", None), ("1P1D-adaptive[prefer=balanced]", "balanced")]
+        ("1P1D-adaptive[prefer=fastest]", "fastest"), ("1P1D-adaptive[prefer=balanced]", None)]
     assert planner.prefill_counts(8) == list(range(1, 8))
     assert planner.prefill_counts(64) == [8, 11, 16, 21, 32, 43, 48, 53, 56]
     with pytest.raises(ValueError, match="at least 1 GPU"):
