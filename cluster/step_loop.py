@@ -200,23 +200,32 @@ class StepLoop:
         return True
 
     def _record(self, seconds: float, tracing: bool) -> None:
-        """Keep the step's sample (engines that report a `last_step_shape`) and the load; while
-        ``tracing``, write the step's record."""
-        shape = getattr(self.engine, "last_step_shape", None)
+        """Keep the step's samples and the load; while ``tracing``, write each step's record. A
+        sample is a forward's shape and seconds: each forward's span on the GPU where the engine
+        times them (`last_step_forwards`, `disagg.engine.steps.ForwardTimer`: the forwards seen
+        ending during this call, maybe none, maybe several), else this call's ``seconds`` for
+        the forward whose tokens it read (`last_step_shape`)."""
         load = getattr(self.engine, "load", None)
         if load is not None:
             self.load = load()
-        if shape is not None:
+        forwards = getattr(self.engine, "last_step_forwards", None)
+        if forwards is None:
+            shape = getattr(self.engine, "last_step_shape", None)
+            if shape is None:
+                return
+            forwards = [(shape, getattr(self.engine, "last_step_prompts", ()), seconds)]
+        for shape, prompt_ids, took in forwards:
             with self._cond:
                 self._samples.append(StepSample(shape.num_prefill_tokens, shape.num_decode_seqs,
-                                                shape.num_context_tokens, shape.num_prompt_pairs, seconds))
+                                                shape.num_context_tokens, shape.num_prompt_pairs, took))
             if tracing:
-                self._trace_step(shape, seconds)
+                self._trace_step(shape, prompt_ids, took)
 
-    def _trace_step(self, shape: Any, seconds: float) -> None:
-        """The "step" record of the step that just ended after ``seconds`` (`disagg.trace`)."""
+    def _trace_step(self, shape: Any, prompt_ids: tuple, seconds: float) -> None:
+        """The "step" record of a forward that took ``seconds`` and ended by now (`disagg.trace`;
+        timed on the GPU, it may have ended a little before)."""
         end_t = time.time()
-        prompts = [str(r) for r in getattr(self.engine, "last_step_prompts", ())]
+        prompts = [str(r) for r in prompt_ids]
         fields = {"prompts": prompts} if len(prompts) <= trace.MAX_PROMPT_IDS else {}
         trace.record("step", instance=self.name, t_start=end_t - seconds, t_end=end_t,
                      num_prefill_tokens=shape.num_prefill_tokens, num_decode_seqs=shape.num_decode_seqs,

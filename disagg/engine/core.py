@@ -49,7 +49,7 @@ from disagg.engine.request import (PushState, RecvDest, Request, RequestFactory,
                                    check_engine_sizes, check_fits, check_new_request, check_reserve, pages_for)
 from disagg.engine.runner import ModelRunner, PendingTokens
 from disagg.engine.scheduler import ScheduledBatch, Scheduler
-from disagg.engine.steps import InstanceLoad, Launched, NextStep, StepShape, same_requests
+from disagg.engine.steps import ForwardTimer, InstanceLoad, Launched, NextStep, StepShape, TimedForward, same_requests
 from disagg.errors import InvalidArgument, InvalidArgumentType, OutOfPages
 from disagg.sampling import SamplingParams
 
@@ -118,6 +118,10 @@ class EngineCore:
         self._deferred: list[Request] = []  # ended requests whose pages a launched step still writes
         self.last_step_shape: StepShape | None = None  # of the forward whose tokens the last step() read
         self.last_step_prompts: tuple = ()  # that forward's prompts' request ids (only while tracing)
+        # On the GPU, the forwards the last step() saw end, each with its span there (`ForwardTimer`);
+        # None off the GPU, where the step's call times its forward.
+        self.timer = ForwardTimer(model.device)
+        self.last_step_forwards: list[TimedForward] | None = None
         self.num_reserved_steps = 0  # steps that ran a plan reserved during the step before
         self.num_steps_ahead = 0
         self.num_prompt_steps_ahead = 0  # of those: steps that started waiting prompts
@@ -455,6 +459,7 @@ class EngineCore:
         """Run one forward (if there is work); return this step's outputs."""
         outputs, self._outputs = self._outputs, []
         self.last_step_shape, self.last_step_prompts = None, ()
+        self.last_step_forwards = self.timer.done() if self.timer.enabled else None
         self._poll_quiescing(outputs)
         self._drain()
         current, self._inflight = self._inflight, None
@@ -471,6 +476,8 @@ class EngineCore:
             self.on_gpu_wait(current.pending.is_ready)
         tokens = current.pending.result()
         self.last_step_shape, self.last_step_prompts = current.shape, current.prompt_ids
+        if self.timer.enabled:
+            self.last_step_forwards += self.timer.done()
         if current.num_pushed_tokens:
             self.push_s += time.perf_counter() - current.start_s
             self.pushed_bytes += current.num_pushed_tokens * self.token_bytes
@@ -540,6 +547,7 @@ class EngineCore:
         start = time.perf_counter()
         plan = self.cache.begin_forward([r.seq_id for r in reqs], counts)
         num_pushed = int(np.count_nonzero(plan.push_slots >= 0)) + len(plan.copy_remote_slots)
+        timed = self.timer.begin()
         try:
             offsets = [1 if i < k else 0 for i in rows] if k else 0  # their tokens: not appended yet
             pending = self.runner.execute(plan, ids, np.asarray(rows, dtype=np.int64), sampled,
@@ -547,6 +555,7 @@ class EngineCore:
                                           step_offset=offsets, device_prefix=device_ids)
         finally:
             self.cache.end_forward()
+        self.timer.end(timed, shape, prompt_ids)
         for r, n in zip(reqs, counts):
             r.num_computed += n
             if not r.decoding and self.cache.prefix_caching:  # a prompt chunk: its KV is written
@@ -557,7 +566,9 @@ class EngineCore:
     def _launch_reserved(self, reserved: NextStep, ids: torch.Tensor, step_offset: int) -> Launched:
         reqs = list(reserved.requests)
         shape = StepShape.of(reqs, [1] * len(reqs))
+        timed = self.timer.begin()
         pending = self.runner.execute(reserved.plan, ids, np.arange(len(reqs)), reqs, step_offset=step_offset)
+        self.timer.end(timed, shape, ())
         for req in reqs:
             req.num_computed += 1
         return Launched(reqs, reqs, pending, frozenset(r.seq_id for r in reqs), shape=shape)

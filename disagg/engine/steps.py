@@ -6,7 +6,9 @@ the input of the router's step-time model (`disagg.cluster.placement`, docs/ARCH
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -42,6 +44,55 @@ class StepShape:
         decodes = [r for r in reqs if r.decoding]
         return cls(sum(n for _, n in chunks), len(decodes), sum(r.num_computed for r in decodes),
                    sum(prompt_pairs(done, n) for done, n in chunks))
+
+
+class TimedForward(NamedTuple):
+    """A forward whose span on the GPU is known (`ForwardTimer.done`)."""
+
+    shape: StepShape
+    prompt_ids: tuple  # its prompts' request ids (only while tracing)
+    seconds: float
+
+
+class ForwardTimer:
+    """Each forward's span on the GPU, from CUDA events recorded on the stream before and after
+    it (docs/ARCHITECTURE.md §6, "Step times"). The host's call of `EngineCore.step` cannot time a
+    forward under async scheduling: a step whose forward samples no token (a prompt chunk that
+    does not end its prompt) returns at once, and the step that reads the next token waits for
+    both. Two H200s, long-prompt: 8192-token chunks "took" 17-35 ms and the chunk ending each
+    prompt the whole prompt (22 + 17 + 838 ms against 227 + 322 + 376 predicted), and the router's
+    step model, fed that, priced a 32k-token prompt 2x (benchmarks/records/headline-h200x2-2026-11-28b/).
+    The start event waits in the stream behind the forward before it, so a span is the forward's
+    own even when it was launched ahead. Off the GPU (``enabled`` False) the caller times the call,
+    which there waits for the forward."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.enabled = torch.device(device).type == "cuda"
+        self._pending: collections.deque = collections.deque()
+
+    def begin(self) -> torch.cuda.Event | None:
+        """Before a forward's first kernel: its start event (None off the GPU)."""
+        if not self.enabled:
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def end(self, start: torch.cuda.Event | None, shape: StepShape, prompt_ids: tuple) -> None:
+        """After a forward's last kernel (``start``: its `begin`)."""
+        if start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((start, end, shape, prompt_ids))
+
+    def done(self) -> list[TimedForward]:
+        """The forwards ended on the GPU since the last call, in launch order."""
+        out = []
+        while self._pending and self._pending[0][1].query():
+            start, end, shape, prompt_ids = self._pending.popleft()
+            out.append(TimedForward(shape, prompt_ids, start.elapsed_time(end) / 1e3))
+        return out
 
 
 @dataclass(frozen=True)

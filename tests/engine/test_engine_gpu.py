@@ -297,3 +297,43 @@ def test_layer_pdl_and_skinny_gemm_in_graphs_equal_eager(linear):
     fused_graphs, _ = _colocated_tokens(model, use_cuda_graphs=True)
     assert fused_eager == eager
     assert fused_graphs == plain
+
+
+@pytest.mark.gpu
+def test_async_chunked_prompts_report_each_forwards_own_gpu_span():
+    """Under async scheduling a prompt chunk that ends no prompt samples nothing, so its step's
+    call returns before the forward ends and the call that reads the prompt's token waits for
+    every chunk (two H200s, long-prompt: 17-35 ms for 8192-token chunks, the last one the whole
+    prompt). `ForwardTimer` reports every forward once, in launch order, with its own span on the
+    GPU: no chunk near zero, the last one not the sum."""
+    import time
+
+    import torch
+
+    from disagg.engine import ColocatedEngine
+    from disagg.model import load_model
+
+    model = load_model(SOURCE, dtype=torch.float32, device="cuda")
+    engine = ColocatedEngine(model, num_pages=1024, page_size=16, max_num_seqs=4, max_num_batched_tokens=1024,
+                             async_scheduling=True)
+    engine.warmup(prompt_len=1024, max_kv_len=8192)
+    assert engine.timer.enabled
+    launched = engine.runner.num_forwards
+    engine.add("long", [(13 * j) % 49000 + 5 for j in range(7 * 1024)], SamplingParams(max_tokens=4, ignore_eos=True))
+    forwards, steps, start = [], 0, time.perf_counter()
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        forwards += engine.last_step_forwards
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    forwards += engine.timer.done()
+    chunks = [f for f in forwards if f.shape.num_prefill_tokens]
+    assert [f.shape.num_prefill_tokens for f in chunks] == [1024] * 7
+    assert len(forwards) == engine.runner.num_forwards - launched >= 7 + 3  # each forward once
+    spans = [f.seconds for f in chunks]
+    assert sum(f.seconds for f in forwards) <= wall and min(spans) > 0, (spans, wall)
+    # Chunk k attends k x 1024 keys more than the first, so spans grow, but never 3x the next one's
+    # (the call timing gave ~0 and then the whole prompt).
+    assert all(b < 3 * a for a, b in zip(spans, spans[1:])), spans
+    assert spans[-1] < 0.5 * sum(spans), spans
