@@ -356,3 +356,17 @@ def test_step_gap_lengthens_every_inter_token_gap_by_the_gap(fuse: bool):
     assert busy[1] == pytest.approx(busy[0]) and records[1] == pytest.approx(records[0])
     with pytest.raises(ValueError, match="--step-gap-ms"):
         SimFleet(config, PROFILE, step_gap_ms=-1.0)
+
+
+def test_cli_warns_when_the_profile_timed_another_model(tmp_path: Path):
+    """The profile's model is what runs: a config of another model gets a warning naming both (a
+    long-prompt workload on a llama3-8b profile had its prompts cut to that context, silently)."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    args = ["simulate", str(CONFIGS / "tiny-1p1d.yaml"), "--profile", str(profile), "--dataset-name", "chat",
+            "--num-prompts", "8", "--request-rate", "5", "--result-dir", str(tmp_path / "out")]
+    same = CliRunner().invoke(app, args)
+    assert same.exit_code == 0 and "warning" not in same.output, same.output
+    other = CliRunner().invoke(app, args + ["--set", "model.source=dummy:smollm2-135m"])
+    assert other.exit_code == 0, other.output
+    assert "the profile timed dummy:tiny (max_model_len" in other.output and "serves dummy:smollm2-135m" in other.output
