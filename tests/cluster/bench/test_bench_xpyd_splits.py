@@ -23,6 +23,7 @@ from disagg.cluster.cli import app
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 WORKLOADS = ("prefill-heavy", "chat")
 NUM_PROMPTS = 4
+RATE = "16"  # req/s: the four prompts arrive within ~0.25 s (at 4 req/s each run took ~1 s of waiting)
 DEPLOYMENTS = {  # name: (config, --set overrides)
     "3p1d": ("tiny-2p2d.yaml", ["instances.prefill=3", "instances.decode=1"]),
     "colocated-4": ("tiny-colocated.yaml", ["instances.colocated=4", "instances.cpus_per_instance=0.5"]),
@@ -40,7 +41,7 @@ def test_each_split_against_four_colocated_from_stored_results(ray_local, tmp_pa
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the actors inherit it: torch reference kernels
     for name, (config, sets) in DEPLOYMENTS.items():
         bench([str(CONFIGS / config), "--no-compare", *[a for s in sets for a in ("--set", s)],
-               "--dataset-name", ",".join(WORKLOADS), "--num-prompts", str(NUM_PROMPTS), "--request-rate", "4",
+               "--dataset-name", ",".join(WORKLOADS), "--num-prompts", str(NUM_PROMPTS), "--request-rate", RATE,
                "--random-input-len", "40", "--random-output-len", "4", "--num-warmups", "1",
                "--goodput", "ttft:20000", "--goodput", "tpot:5000", "--slo-scales", "1,2",
                "--save-result", "--result-dir", str(tmp_path / name), "--disable-tqdm"])
