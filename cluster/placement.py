@@ -104,8 +104,6 @@ class InstanceView:
         seated: the sequences holding or awaiting one of those seats: ``num_decoding``, the
             prompts queued here, and pushed requests reserved here whose prompt is still being
             computed elsewhere.
-        incoming: of those, the pushed requests: they decode here soon, beside whatever prompt
-            chunks are queued here by then (`_decode_side_tpot`).
     """
 
     name: str
@@ -125,7 +123,6 @@ class InstanceView:
     max_seqs: int | None = None
     seated: int = 0
     launches_ahead: bool = False
-    incoming: int = 0
 
     def step_in_flight_s(self) -> float:
         """What a call waits for the forward running here at most (its decodes' step; 0 when none
@@ -338,13 +335,6 @@ def _decode_side_tpot(d: InstanceView, prompt_len: int) -> tuple[float, float]:
     if queued and own_h:  # the prompts queued ahead decode while this one's chunks run
         ahead = d.mean_tpot_s(HORIZON_SHARE * own_h, prompt_len, prompt_pairs(0, prompt_len), 1, queued)
         running_local = max(running_local, ahead)
-    if d.incoming and own_h:
-        # Pushed requests on their way here decode beside this prompt's chunks too, over their
-        # whole answer: unseen by the running decodes' rules (not decoding yet), they took every
-        # local long prompt placed meanwhile (simulated long-prompt, 2470 : 19 ms at 0.8 req/s, a
-        # 19-token answer: 40.5 ms TPOT behind a 20k-token local prompt; records 28b section 6).
-        arriving = d.mean_tpot_s(own_h, queued + prompt_len, queued_pairs + prompt_pairs(0, prompt_len), d.incoming)
-        running_local = max(running_local, arriving)
     return max(own_remote, running_remote), max(own_local, running_local)
 
 
@@ -575,7 +565,7 @@ class FleetModel:
     def view(self, inst, requests: list, now: float | None = None) -> InstanceView:
         """``inst`` (an `Instance`) with the work of the router's live ``requests`` on it;
         ``now`` (the clock of their ``first_token_at``) also gives its decodes' progress."""
-        queued = decoding = context = pairs = remaining = seated = incoming = 0
+        queued = decoding = context = pairs = remaining = seated = 0
         progress = []
         outputs = [int(req.params.max_tokens) for req in requests]
         for req in requests:
@@ -587,7 +577,6 @@ class FleetModel:
             elif inst is req.decode and req.stage == "decoding":
                 computing = False
             else:
-                incoming += inst is req.decode and req.stage in ("reserving", "prefilling")
                 continue
             if computing:
                 queued += req.prompt_len
@@ -602,8 +591,7 @@ class FleetModel:
         return InstanceView(inst.name, self.model_of(inst.name), self.chunk_tokens, queued, decoding, context,
                             None if load is None else load.free_pages, self.page_size, pairs, remaining,
                             sum(outputs) / len(outputs) if outputs else None, self.stalls[inst.name].factor,
-                            self.reserve_waits, tuple(progress), self.max_seqs, seated, self.launches_ahead,
-                            incoming)
+                            self.reserve_waits, tuple(progress), self.max_seqs, seated, self.launches_ahead)
 
     def snapshot(self) -> dict:
         """Each instance's fitted model (coefficients, error, samples), its stall factor and its

@@ -603,30 +603,12 @@ def test_the_fleet_view_counts_seats_of_decodes_queued_prompts_and_pushes_on_the
     fleet = FleetModel(512, 16, max_seqs=128)
     v = fleet.view(dec, live)
     # a and e decode, d's prompt is queued, b and c are pushed here once their prompts are computed
-    assert (v.max_seqs, v.seated, v.num_decoding, v.incoming) == (128, 5, 2, 2)
+    assert (v.max_seqs, v.seated, v.num_decoding) == (128, 5, 2)
     p = fleet.view(pre, live)
-    assert (p.seated, p.num_decoding, p.incoming) == (3, 0, 0)  # b, c computing; f's prompt queued (kept)
+    assert (p.seated, p.num_decoding) == (3, 0)  # b, c computing; f's prompt queued (kept)
     assert FleetModel(512, 16).view(dec, live).max_seqs is None
 
 
 def replace_seats(v: InstanceView, max_seqs):
     from dataclasses import replace
     return replace(v, max_seqs=max_seqs)
-
-
-def test_a_local_long_prompt_counts_the_pushed_requests_on_their_way_to_decode_beside_it():
-    """A pushed request still being computed on P decodes on D soon, beside any local prompt's
-    chunks placed there meanwhile; with a short answer those chunks are most of its TPOT. The
-    local path is judged by that, so a long prompt goes where nobody is about to decode."""
-    from dataclasses import replace
-
-    targets = Targets.from_ms(10_000, 19, "balanced")
-    p, d = view("P", chunk=8192), replace(view("D", chunk=8192), output_tokens=20.0)
-    alone = decide(24_000, [p], [d], targets)
-    assert alone.path == "local"  # idle both: the near-tie goes local (`PREFERENCE`)
-    waited = replace(d, incoming=1, seated=1)
-    local = next(c for c in predict(24_000, [p], [waited]) if c.path == "local")
-    chunks, seconds = waited.chunks(24_000, prompt_pairs(0, 24_000), 1, 0)
-    assert local.tpot_s == pytest.approx((seconds + (20 - chunks) * waited.decode_gap_s(1, 0)) / 20)
-    assert local.tpot_s > 0.019
-    assert decide(24_000, [p], [waited], targets).path != "local"
