@@ -67,7 +67,8 @@ class ForwardTimer:
     which there waits for the forward."""
 
     def __init__(self, device: torch.device) -> None:
-        self.enabled = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.enabled = self.device.type == "cuda"
         self._pending: collections.deque = collections.deque()
 
     def begin(self) -> torch.cuda.Event | None:
@@ -75,7 +76,7 @@ class ForwardTimer:
         if not self.enabled:
             return None
         start = torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(torch.cuda.current_stream(self.device))  # the model's device, whichever is current
         return start
 
     def end(self, start: torch.cuda.Event | None, shape: StepShape, prompt_ids: tuple) -> None:
@@ -83,7 +84,7 @@ class ForwardTimer:
         if start is None:
             return
         end = torch.cuda.Event(enable_timing=True)
-        end.record()
+        end.record(torch.cuda.current_stream(self.device))
         self._pending.append((start, end, shape, prompt_ids))
 
     def done(self) -> list[TimedForward]:
