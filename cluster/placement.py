@@ -23,8 +23,8 @@ still holds the target holding it: its chunks' stall is added to each one's whol
 what it has spent so far (`InstanceView.tpot_slack_s`). With `router.adaptive_prefer: remote` and
 a TTFT target an admissible remote path is taken (a TTFT under its target earns nothing; local
 and kept spend the other phase's instance, for the requests remote cannot serve within the
-targets); by default, among admissible paths the lowest predicted TTFT (ties within the model's error margin go to local, then
-remote, then kept: `PREFERENCE`; with `router.adaptive_prefer: balanced`, that path, when it
+targets); with `fastest`, among admissible paths the lowest predicted TTFT (ties within the model's error margin go to local, then
+remote, then kept: `PREFERENCE`; with `balanced`, the config's default, that path, when it
 decodes on a decode instance, gives way to an admissible kept one while the decode instance's
 predicted TPOT is past `KEEP_SHARE` of the TPOT target, the prefill instance's is lower and the
 TTFT target has room for its decode steps: `_decode_on_prefill`); when none is admissible, the smallest violation, never a local
@@ -56,10 +56,12 @@ PREFERENCE = ("local", "remote", "kept")
 # `router.adaptive_prefer: balanced`: the fastest path decoding on a decode instance gives way to
 # keeping the decode on the prefill instance while the decode instance's predicted TPOT is past
 # this share of the TPOT target and the kept prompt's TTFT plus one of the prefill instance's
-# decode steps is within this share of the TTFT target (`_decode_on_prefill`). Not the default:
-# simulated it wins decode-heavy (two GPUs, 50 : 34 ms, 1.00x -> 1.15x colocated) and loses strict chat (74 : 17 ms, 5.0 -> 3.8 req/s/GPU); measured
-# on two H100s (decode-heavy, 70.7 : 14.9 ms) 54% -> 64% attainment at 16 req/s, 52% -> 43% at 22
-# (benchmarks/records/headline-h100x2-2026-11-27c/).
+# decode steps is within this share of the TTFT target (`_decode_on_prefill`). The default since
+# 2026-11-28: on two H200s it beat or tied `fastest` on chat and prefill-heavy
+# (benchmarks/records/headline-h200x2-2026-11-28b/). Earlier: simulated it won decode-heavy (two
+# GPUs, 50 : 34 ms, 1.00x -> 1.15x colocated) and lost strict chat (74 : 17 ms, 5.0 -> 3.8
+# req/s/GPU); measured on two H100s (decode-heavy, 70.7 : 14.9 ms) 54% -> 64% attainment at 16
+# req/s, 52% -> 43% at 22 (benchmarks/records/headline-h100x2-2026-11-27c/).
 KEEP_SHARE = 0.5
 TPOT_SLACK = 1.1  # without a TPOT target: a decode step may grow to 1.1 x the remote path's step
 # A stall counts in the running decodes' TPOT over this share of their mean remaining tokens:

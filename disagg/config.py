@@ -265,8 +265,8 @@ class RouterSection(Section):
                                "fastest, but a request whose decode would go to a decode instance decodes on "
                                "the prefill instance instead while the decode instance's TPOT is past half "
                                "its target, the prefill instance's is lower and the TTFT target has room "
-                               "(the default: on two H200s it beat or tied fastest on every workload "
-                               "measured; docs/ARCHITECTURE.md §7)")
+                               "(the default: on two H200s it beat or tied fastest on chat and "
+                               "prefill-heavy; docs/ARCHITECTURE.md §7)")
     slo_ttft_ms: float | None = Field(None, gt=0.0, description="time-to-first-token target the adaptive "
                                                                 "placement predicts against, ms; null: none "
                                                                 "(then it minimises the predicted TTFT)")
