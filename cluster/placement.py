@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from disagg.cluster.requests import seat_holders
@@ -564,9 +565,16 @@ class FleetModel:
             pure = self.model_of(name).step_s(0, num_decode_seqs, num_context_tokens, 0)
             self.stalls[name].note(seconds, pure, count)
 
-    def view(self, inst, requests: list, now: float | None = None) -> InstanceView:
+    def view(self, inst, requests: list, now: float | None = None, planned: Mapping[str, str] | None = None
+             ) -> InstanceView:
         """``inst`` (an `Instance`) with the work of the router's live ``requests`` on it;
-        ``now`` (the clock of their ``first_token_at``) also gives its decodes' progress."""
+        ``now`` (the clock of their ``first_token_at``) also gives its decodes' progress.
+        ``planned``: request id -> the prefill instance a remote decision named for a request
+        whose reservation is still on its way (no ``prefill`` yet: `Placer.hand` names it when
+        the decode instance answers): its prompt is queued there already, as
+        `Placer.plan`'s prefill-queue bound counts it. Without it, a prompt decided in the same
+        instant (requests released together after a wait) was priced in front of it."""
+        planned = planned or {}
         queued = decoding = context = pairs = remaining = seated = 0
         progress = []
         outputs = [int(req.params.max_tokens) for req in requests]
@@ -575,6 +583,8 @@ class FleetModel:
             if inst is req.colocated:  # local or kept: prompt here until its first token
                 computing = req.num_output == 0
             elif inst is req.prefill and req.stage in ("reserving", "prefilling"):
+                computing = True
+            elif req.prefill is None and req.stage == "reserving" and planned.get(req.request_id) == inst.name:
                 computing = True
             elif inst is req.decode and req.stage == "decoding":
                 computing = False

@@ -186,8 +186,9 @@ class Placer:
         `FleetModel.view`s), kept in ``decisions``."""
         now = self.clock()
         view = self.fleet_model.view
-        decision = decide(req.prompt_len, [view(inst, live, now) for inst in prefills],
-                          [view(inst, live, now) for inst in decodes], self.targets)
+        planned = self._remote_prefill  # the reservations on their way: `FleetModel.view`
+        decision = decide(req.prompt_len, [view(inst, live, now, planned) for inst in prefills],
+                          [view(inst, live, now, planned) for inst in decodes], self.targets)
         self.decisions.append(decision)
         if decision.chosen is not None:
             _remember(self._predicted, req.request_id, (decision, now))

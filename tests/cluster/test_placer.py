@@ -216,6 +216,31 @@ def test_launch_refuses_a_bad_step_profile_before_starting_a_fleet(tmp_path, mon
         cluster_module.Cluster.launch(config)
 
 
+def test_a_remote_decisions_prompt_is_queued_on_its_prefill_instance_while_its_reservation_is_on_its_way():
+    """Between a remote decision and the decode instance's answer the request has no prefill
+    instance yet; the next decision (the same instant, requests released together) still sees its
+    prompt queued on the one its decision named, not an idle instance."""
+    placer, by = fleet("adaptive")
+    first = request("r1", [1] * 300)
+    chosen = Prediction("remote", "prefill-1", "decode-0", 0.0, 0.0, 0.0)
+    plan = placer.plan(first, [], lambda *a: Decision(chosen, (chosen,)))
+    assert isinstance(plan, Remote)
+    first.stage = "reserving"  # `Router._reserve` under way: ``prefill`` is still None
+    views = {}
+
+    def decide(req, prefills, decodes, live):
+        views.update({p.name: placer.fleet_model.view(p, live, None, placer._remote_prefill) for p in prefills})
+        return placer.decide(req, prefills, decodes, live)
+
+    placer.plan(request("r2", [2] * 40), [first], decide)
+    assert (views["prefill-1"].queued_prompt_tokens, views["prefill-0"].queued_prompt_tokens) == (300, 0)
+    kept = next(p for p in placer.decisions[-1].predictions if p.path == "kept" and p.prefill == "prefill-1")
+    idle = next(p for p in placer.decisions[-1].predictions if p.path == "kept" and p.prefill == "prefill-0")
+    assert kept.ttft_s > idle.ttft_s  # priced behind r1's 300 tokens
+    first.prefill = placer.hand(first, by["decode-0"], [first])  # answered: counted as its prefill's
+    assert placer.fleet_model.view(by["prefill-1"], [first], None, placer._remote_prefill).queued_prompt_tokens == 300
+
+
 def test_first_tokens_measure_each_paths_ttft_miss_on_the_instance_that_computed_it():
     """An adaptive decision's TTFT prediction against the time to its first token (the placer's
     clock): the miss goes to that path of the prompt's instance (a diagnostic: the predictions
