@@ -46,6 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from disagg.cluster.requests import seat_holders
+from disagg.config import RouterSection
 from disagg.cluster.step_model import StepTimeModel
 from disagg.engine.steps import prompt_pairs
 
@@ -64,6 +65,7 @@ PREFERENCE = ("local", "remote", "kept")
 # req/s/GPU); measured on two H100s (decode-heavy, 70.7 : 14.9 ms) 54% -> 64% attainment at 16
 # req/s, 52% -> 43% at 22 (benchmarks/records/headline-h100x2-2026-11-27c/).
 KEEP_SHARE = 0.5
+DEFAULT_PREFER = RouterSection.model_fields["adaptive_prefer"].default  # one default: the config's
 TPOT_SLACK = 1.1  # without a TPOT target: a decode step may grow to 1.1 x the remote path's step
 # A stall counts in the running decodes' TPOT over this share of their mean remaining tokens:
 # the rest of their budget is left to the prompts that come after it.
@@ -242,10 +244,10 @@ class Targets:
 
     ttft_s: float | None = None
     tpot_s: float | None = None
-    prefer: str = "fastest"
+    prefer: str = DEFAULT_PREFER
 
     @classmethod
-    def from_ms(cls, ttft_ms: float | None, tpot_ms: float | None, prefer: str = "fastest") -> Targets:
+    def from_ms(cls, ttft_ms: float | None, tpot_ms: float | None, prefer: str = DEFAULT_PREFER) -> Targets:
         return cls(None if ttft_ms is None else ttft_ms / 1e3, None if tpot_ms is None else tpot_ms / 1e3, prefer)
 
 

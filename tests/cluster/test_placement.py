@@ -41,7 +41,7 @@ def test_preferring_remote_takes_the_push_that_holds_the_ttft_target_over_a_fast
     assert decide(32, prefills, decodes, Targets.from_ms(None, 50, "remote")).path == "local"  # no TTFT target
     d = decide(32, prefills, decodes, Targets.from_ms(1000, 50, "remote"))
     assert d.path == "remote" and min(p.ttft_s for p in d.predictions) < d.chosen.ttft_s < 1.0
-    assert decide(32, prefills, decodes, Targets.from_ms(1000, 50)).path == "local"
+    assert decide(32, prefills, decodes, Targets.from_ms(1000, 50, "fastest")).path == "local"
     assert decide(32, prefills, decodes, Targets.from_ms(300, 50, "remote")).path == "local"  # remote misses it
 
 
@@ -55,7 +55,7 @@ def test_a_local_prompt_may_not_stall_a_running_request_past_its_tpot():
         return InstanceView("D", model(), 4096, 0, 8, 8000, None, 16, remaining_tokens=8 * 400,
                             output_tokens=400, decode_progress=progress)
 
-    prefills, targets = [view("P", queued=20_000)], Targets.from_ms(None, 25)
+    prefills, targets = [view("P", queued=20_000)], Targets.from_ms(None, 25, "fastest")
     assert decide(2000, prefills, [d(1.0)], targets).path == "local"
     assert decide(2000, prefills, [d(2.5)], targets).path == "local"
     dec = decide(2000, prefills, [d(1.8)], targets)
@@ -68,7 +68,7 @@ def test_a_local_prompt_may_not_stall_a_running_request_past_its_tpot():
 
 def test_a_long_prompt_goes_remote_when_local_chunks_would_slow_running_decodes():
     decodes = [view("D", decoding=64, context=64 * 1000)]
-    d = decide(4000, [view("P")], decodes, Targets.from_ms(None, 25))  # D steps 20 ms
+    d = decide(4000, [view("P")], decodes, Targets.from_ms(None, 25, "fastest"))  # D steps 20 ms
     assert d.path == "remote", d.predictions
     local = next(p for p in d.predictions if p.path == "local")
     assert not local.admissible and "TPOT" in local.why
@@ -133,7 +133,7 @@ def test_a_decode_side_out_of_pages_makes_the_prefill_side_keep_the_request():
 
 def test_a_decode_side_over_its_tpot_target_makes_the_prefill_side_keep_the_request():
     # D's step with 256 long sequences is 10 + 12.8 + 25.6 ms = 48 ms > 30 ms; P's is ~10 ms.
-    d = decide(100, [view("P")], [view("D", decoding=256, context=256_000)], Targets.from_ms(None, 30))
+    d = decide(100, [view("P")], [view("D", decoding=256, context=256_000)], Targets.from_ms(None, 30, "fastest"))
     assert d.path == "kept", d.predictions
 
 
@@ -147,14 +147,14 @@ def test_a_long_prefill_queue_sends_the_prompt_to_the_decode_side_when_it_can_ta
     # 10 ms step -> over the bound, unless the TTFT target rules remote out first.
     prefills, decodes = [view("P", queued=20_000)], [view("D", decoding=4, context=4000, chunk=256)]
     assert decide(256, prefills, decodes).path == "remote"
-    d = decide(256, prefills, decodes, Targets.from_ms(500, 100))
+    d = decide(256, prefills, decodes, Targets.from_ms(500, 100, "fastest"))
     assert d.path == "local", d.predictions
 
 
 def test_when_nothing_is_admissible_the_smallest_violation_wins():
     # Every path misses the 10 ms TTFT; no decode misses the 1 s TPOT bound.
     d = decide(2000, [view("P", queued=50_000)], [view("D", decoding=32, context=32_000)],
-               Targets.from_ms(10, 1000))
+               Targets.from_ms(10, 1000, "fastest"))
     assert d.chosen is not None and not d.chosen.admissible
     worst = {p.path: max(p.ttft_s / 0.010, p.tpot_s / 1.0) for p in d.predictions}
     assert worst[d.path] == pytest.approx(min(worst.values()), rel=1e-6)
@@ -165,7 +165,7 @@ def test_an_overloaded_decode_instance_gets_no_local_prompt_however_close_its_vi
     # D's decodes already miss the 5 ms TPOT bound (its remote candidate does): a local prompt
     # would slow all of them further. Local's own violation is the smallest; it is still not taken.
     d = decide(2000, [view("P", queued=50_000)], [view("D", decoding=32, context=32_000)],
-               Targets.from_ms(10, 5))
+               Targets.from_ms(10, 5, "fastest"))
     assert d.chosen is not None and not d.chosen.admissible
     worst = {p.path: max(p.ttft_s / 0.010, p.tpot_s / 0.005) for p in d.predictions}
     assert worst["local"] == min(worst.values())
@@ -281,7 +281,7 @@ def test_a_prompts_prefill_time_is_the_sum_of_its_chunks_steps():
 def test_a_stall_spread_over_the_running_decodes_remaining_tokens_lets_a_long_prompt_go_local():
     # D: 8 sequences, 11.2 ms a step; a 2000-token chunk makes one step 211 ms (> the 25 ms TPOT),
     # but spread over half their 400 remaining tokens each it adds ~1 ms to their mean gap.
-    prefills, targets = [view("P", queued=20_000)], Targets.from_ms(1000, 25)
+    prefills, targets = [view("P", queued=20_000)], Targets.from_ms(1000, 25, "fastest")
     busy = dict(decoding=8, context=8000, chunk=4096)
     one_step = decide(2000, prefills, [view("D", **busy)], targets)  # remaining unknown: one step's rule
     assert one_step.path != "local"
@@ -299,7 +299,7 @@ def test_recent_stalls_stretch_the_decodes_future_steps_and_close_the_local_path
     # ~2.2x their decodes' time (other local prompts' chunks), every future gap is predicted that
     # much longer: first the local prompt's own stall tips it over the bound (remote still holds),
     # then the remote path misses too and D counts as overloaded: no local prompt either.
-    prefills, targets = [view("P", queued=20_000)], Targets.from_ms(None, 25)
+    prefills, targets = [view("P", queued=20_000)], Targets.from_ms(None, 25, "fastest")
 
     def decision(stall_factor):
         d = InstanceView("D", model(), 4096, 0, 8, 8000, None, 16, remaining_tokens=8 * 400, output_tokens=400,
@@ -353,7 +353,7 @@ def test_the_fleet_model_meters_steps_with_decodes_only():
 def test_decodes_near_their_last_tokens_refuse_the_stall():
     # The same D, its sequences 4 tokens from their ends: the 211 ms step counts over 2 tokens.
     d = InstanceView("D", model(), 4096, 0, 8, 8000, None, 16, remaining_tokens=8 * 4, output_tokens=400)
-    dec = decide(2000, [view("P", queued=20_000)], [d], Targets.from_ms(None, 25))
+    dec = decide(2000, [view("P", queued=20_000)], [d], Targets.from_ms(None, 25, "fastest"))
     local = next(p for p in dec.predictions if p.path == "local")
     assert not local.admissible and "TPOT" in local.why and dec.path != "local"
 
@@ -365,7 +365,7 @@ def test_a_remote_requests_own_tpot_spreads_the_chunk_queued_on_its_decode_side(
         return InstanceView("D", model(), 8192, 8000, 0, 0, None, 16, prompt_pairs(0, 8000),
                             output_tokens=output_tokens)
 
-    prefills, targets = [view("P", decoding=2, context=2000)], Targets.from_ms(None, 50)
+    prefills, targets = [view("P", decoding=2, context=2000)], Targets.from_ms(None, 50, "fastest")
     assert decide(100, prefills, [d(None)], targets).path == "kept"  # unknown: one step of 0.8 s
     spread = decide(100, prefills, [d(200)], targets)
     assert spread.path == "remote", spread.predictions
@@ -412,7 +412,7 @@ def test_a_push_needs_the_pages_of_its_whole_answer_on_the_decode_side():
 
     prefills = [view("P", free_pages=5000)]
     assert decide(100, prefills, [d(None)]).path in ("remote", "local")
-    dec = decide(100, prefills, [d(1000)], Targets.from_ms(None, 50))
+    dec = decide(100, prefills, [d(1000)], Targets.from_ms(None, 50, "fastest"))
     remote = next(p for p in dec.predictions if p.path == "remote")
     assert not remote.admissible and "free pages" in remote.why
     assert dec.path in ("local", "kept"), dec.predictions
@@ -424,7 +424,7 @@ def test_a_local_prompt_behind_a_queued_one_stalls_that_ones_first_tokens():
     def d(queued):
         return InstanceView("D", model(), 8192, queued, 0, 0, None, 16, prompt_pairs(0, queued), output_tokens=40)
 
-    targets = Targets.from_ms(None, 25)
+    targets = Targets.from_ms(None, 25, "fastest")
     alone = next(p for p in decide(8000, [view("P", queued=50_000)], [d(0)], targets).predictions if p.path == "local")
     assert alone.admissible
     dec = decide(8000, [view("P", queued=50_000)], [d(8000)], targets)
@@ -444,7 +444,7 @@ def test_a_sure_instance_beats_an_unsure_slower_one_of_the_same_path():
                     chunk=64, error=0.0, context=2),
                view("D1", coef=(0.03125, 1.192092896e-07, 0.00041782170266259263, 0.0), queued=1, decoding=2,
                     chunk=2048, error=0.5, context=495)]
-    d = decide(1, prefills, decodes, Targets.from_ms(None, None))
+    d = decide(1, prefills, decodes, Targets.from_ms(None, None, "fastest"))
     local = {p.decode: p for p in d.predictions if p.path == "local"}
     assert local["D0"].ttft_s < local["D1"].ttft_s
     assert (d.chosen.path, d.chosen.decode) == ("local", "D0")
@@ -518,7 +518,7 @@ def test_a_kept_request_is_judged_by_the_local_rule_on_its_prefill_instance():
     # old one-step rule (every gap a step with a chunk, ~211 ms) never let P decode.
     p = InstanceView("P", model(), 4096, 2000, 0, 0, None, 16, prompt_pairs(0, 2000), output_tokens=400)
     d = InstanceView("D", model(), 4096, 0, 60, 120_000, None, 16, remaining_tokens=60 * 400, output_tokens=400)
-    dec = decide(100, [p], [d], Targets.from_ms(None, 25))
+    dec = decide(100, [p], [d], Targets.from_ms(None, 25, "fastest"))
     kept = next(c for c in dec.predictions if c.path == "kept")
     from disagg.cluster.placement import _decode_side_tpot
     assert kept.admissible and kept.tpot_s == pytest.approx(_decode_side_tpot(p, 100)[1])
@@ -551,7 +551,7 @@ def test_a_prompt_goes_where_a_seat_is_free():
     progress = [(0.1, 10, 400), (0.1, 10, 300), (0.1, 10, 250), (0.1, 10, 210)]
     full_d = _seated("D", decoding=4, progress=progress)
     p = _seated("P", decoding=0, queued=4096, seated=1)
-    targets = Targets.from_ms(None, 50)
+    targets = Targets.from_ms(None, 50, "fastest")
     assert decide(32, [p], [replace_seats(full_d, None)], targets).path == "local"
     d = decide(32, [p], [full_d], targets)
     assert d.path != "local"
