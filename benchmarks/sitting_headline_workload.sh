@@ -2,7 +2,8 @@
 # Every deployment of one workload in ONE command (under 10 minutes on two GPUs), so that a
 # device session of ~30 minutes can measure two or three workloads at one commit: 1P1D (it
 # calibrates the SLOs as cluster/bench/HEADLINE.md says), the same fleet with
-# `router.placement: adaptive` (targets = the SLOs), and colocated at one chunk size, each at a
+# `router.placement: adaptive` (targets = the SLOs), and colocated at one chunk size or more
+# (CHUNK=8192,512: one run each; long-prompt's relaxed SLOs are planned best at 512), each at a
 # few rates around the knee the simulator predicts (benchmarks/records/whowins-sim-2026-11-27/),
 # with shorter runs than benchmarks/sitting_headline.sh (which sweeps every rate of one
 # deployment per command). The merged comparison runs here too, and everything is tarred to $OUT.
@@ -85,9 +86,12 @@ for variant in ${ADAPTIVE_VARIANTS:-}; do  # NAME:KEY=VALUE -> the run "adaptive
   run "adaptive-${variant%%:*}" "${adaptive[@]}" --set "${variant#*:}"
   merged+=(--from-results "results/$W/adaptive-${variant%%:*}")
 done
-run "colocated-$CHUNK" "configs/$MODEL-colocated.yaml" --request-rate "${RATES_COLOCATED:-$RATES}" \
-  --set "scheduler.max_num_batched_tokens=$CHUNK" "${all_set[@]}" "${judge[@]}"
-python3 -m disagg.cluster.cli bench "${merged[@]}" --from-results "results/$W/colocated-$CHUNK" --slo-scales 1,2 \
+for chunk in ${CHUNK//,/ }; do  # CHUNK=8192,512: colocated at each chunk size (its best one is the comparison)
+  run "colocated-$chunk" "configs/$MODEL-colocated.yaml" --request-rate "${RATES_COLOCATED:-$RATES}" \
+    --set "scheduler.max_num_batched_tokens=$chunk" "${all_set[@]}" "${judge[@]}"
+  merged+=(--from-results "results/$W/colocated-$chunk")
+done
+python3 -m disagg.cluster.cli bench "${merged[@]}" --slo-scales 1,2 \
   --result-dir "results/$W/merged" > "$OUT/$W-merged.log" 2>&1 || echo "merge: rc $?"
 grep -v '^\s*$' "$OUT/$W-merged.log" | tail -40
 # Small enough to come back from a device run (~25 MB did not): every run's summary and the logs;
