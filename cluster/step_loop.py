@@ -61,6 +61,7 @@ class StepLoop:
         self._stopping = False
         self.num_steps = 0
         self.busy_s = 0.0  # seconds spent in steps that did work (the instance's utilization)
+        self._gpu_end_t: float | None = None  # when the last forward ended, on the GPU's timeline (`_record`)
         self._thread = threading.Thread(target=self._run, name=f"steploop-{name}", daemon=True)
         self._thread.start()
 
@@ -213,20 +214,38 @@ class StepLoop:
             shape = getattr(self.engine, "last_step_shape", None)
             if shape is None:
                 return
-            forwards = [(shape, getattr(self.engine, "last_step_prompts", ()), seconds)]
-        for shape, prompt_ids, took in forwards:
+            forwards = [(shape, getattr(self.engine, "last_step_prompts", ()), seconds, None)]
+        # Timed on the GPU (``idle``: its idle seconds since the forward before), forwards are
+        # placed on the GPU's own timeline: end to end by their spans and idles, after the last
+        # one placed, the last ending by now. At the host's reading instead (each ending now),
+        # forwards read together overlapped in the trace: a prefill instance "busy" 118% with
+        # -221-ms gaps between its 8192-token chunks (benchmarks/records/headline-h200x2-2026-11-28c/).
+        ends, t = [], 0.0
+        for i, (_, _, took, idle) in enumerate(forwards):
+            t += (idle or 0.0) if i else 0.0
+            t += took
+            ends.append(t)
+        now = time.time()
+        first_idle = forwards[0][3] if forwards else None
+        base = now - ends[-1] if ends else now
+        if first_idle is not None and self._gpu_end_t is not None:
+            base = min(self._gpu_end_t + first_idle, base)
+        for (shape, prompt_ids, took, idle), end in zip(forwards, ends):
             with self._cond:
                 self._samples.append(StepSample(shape.num_prefill_tokens, shape.num_decode_seqs,
                                                 shape.num_context_tokens, shape.num_prompt_pairs, took))
+            self._gpu_end_t = base + end
             if tracing:
-                self._trace_step(shape, prompt_ids, took)
+                self._trace_step(shape, prompt_ids, took, self._gpu_end_t, idle)
 
-    def _trace_step(self, shape: Any, prompt_ids: tuple, seconds: float) -> None:
-        """The "step" record of a forward that took ``seconds`` and ended by now (`disagg.trace`;
-        timed on the GPU, it may have ended a little before)."""
-        end_t = time.time()
+    def _trace_step(self, shape: Any, prompt_ids: tuple, seconds: float, end_t: float,
+                    idle: float | None = None) -> None:
+        """The "step" record of a forward that took ``seconds`` and ended at ``end_t``
+        (`disagg.trace`; ``idle``: the GPU's idle seconds before it, where known)."""
         prompts = [str(r) for r in prompt_ids]
         fields = {"prompts": prompts} if len(prompts) <= trace.MAX_PROMPT_IDS else {}
+        if idle is not None:
+            fields["gpu_idle_before_s"] = idle
         trace.record("step", instance=self.name, t_start=end_t - seconds, t_end=end_t,
                      num_prefill_tokens=shape.num_prefill_tokens, num_decode_seqs=shape.num_decode_seqs,
                      num_context_tokens=shape.num_context_tokens, num_prompt_pairs=shape.num_prompt_pairs,

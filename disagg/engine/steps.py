@@ -52,6 +52,9 @@ class TimedForward(NamedTuple):
     shape: StepShape
     prompt_ids: tuple  # its prompts' request ids (only while tracing)
     seconds: float
+    # The GPU's idle seconds between the forward before it and this one (None: the first): the
+    # host's share of the gap between two tokens, which no span shows.
+    idle_before: float | None = None
 
 
 class ForwardTimer:
@@ -64,12 +67,15 @@ class ForwardTimer:
     step model, fed that, priced a 32k-token prompt 2x (benchmarks/records/headline-h200x2-2026-11-28b/).
     The start event waits in the stream behind the forward before it, so a span is the forward's
     own even when it was launched ahead. Off the GPU (``enabled`` False) the caller times the call,
-    which there waits for the forward."""
+    which there waits for the forward. Between two forwards the end event of the one and the start
+    event of the next give the GPU's idle time (``idle_before``): zero where the host launched the
+    next one ahead, the host's scheduling and output work where it could not."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.enabled = self.device.type == "cuda"
         self._pending: collections.deque = collections.deque()
+        self._last_end: torch.cuda.Event | None = None  # the end event of the last forward reported
 
     def begin(self) -> torch.cuda.Event | None:
         """Before a forward's first kernel: its start event (None off the GPU)."""
@@ -92,7 +98,9 @@ class ForwardTimer:
         out = []
         while self._pending and self._pending[0][1].query():
             start, end, shape, prompt_ids = self._pending.popleft()
-            out.append(TimedForward(shape, prompt_ids, start.elapsed_time(end) / 1e3))
+            idle = None if self._last_end is None else max(self._last_end.elapsed_time(start) / 1e3, 0.0)
+            out.append(TimedForward(shape, prompt_ids, start.elapsed_time(end) / 1e3, idle))
+            self._last_end = end
         return out
 
 

@@ -92,6 +92,38 @@ def test_an_adaptive_fleet_traces_each_requests_decision_and_tpot(ray_local, tmp
         assert 0 < record["tpot_ms"] * (n - 1) <= (time.time() - first) * 1e3 and record["predicted_tpot_ms"] > 0
 
 
+def test_forwards_timed_on_the_gpu_are_traced_on_the_gpus_timeline(tmp_path, monkeypatch):
+    """Async chunks read together (one call saw three forwards end) are placed end to end by their
+    GPU spans and the GPU's idle time between them, the last ending at the reading: no overlap, no
+    busy time above the wall. The engine's report is given directly here (`ForwardTimer` measures
+    it on a GPU: tests/engine/test_engine_gpu.py)."""
+    import types
+
+    from disagg.engine.steps import StepShape, TimedForward
+
+    monkeypatch.setenv(trace.ENV, str(tmp_path))
+    chunk = StepShape(8192, 0, 0, 8192 * 8193 // 2)
+    loop = StepLoop("prefill-0")
+    try:
+        engine = types.SimpleNamespace(last_step_forwards=[TimedForward(chunk, ("a",), 0.2),
+                                                           TimedForward(chunk, ("a",), 0.3, 0.0),
+                                                           TimedForward(chunk, ("a",), 0.4, 0.01)])
+        loop.engine = engine
+        before = time.time()
+        loop._record(0.0, True)
+        engine.last_step_forwards = [TimedForward(StepShape(0, 1, 8193, 0), (), 0.005, 0.002)]
+        time.sleep(0.02)  # read after it ended on the GPU (2 + 5 ms after the chunks)
+        loop._record(0.0, True)
+    finally:
+        loop.stop()
+    steps = trace.read_records(str(tmp_path), "step")
+    assert [round(s["t_end"] - s["t_start"], 6) for s in steps] == [0.2, 0.3, 0.4, 0.005]
+    gaps = [b["t_start"] - a["t_end"] for a, b in zip(steps, steps[1:])]
+    assert gaps == pytest.approx([0.0, 0.01, 0.002], abs=1e-6)
+    assert before <= steps[2]["t_end"] <= steps[3]["t_start"] <= time.time()
+    assert [s.get("gpu_idle_before_s") for s in steps] == [None, 0.0, 0.01, 0.002]
+
+
 def _run_to_end(loop: StepLoop, requests: dict[str, list[int]], params: SamplingParams) -> None:
     """Add ``requests`` through the loop's calls and wait until every one finished."""
     for request_id, prompt in requests.items():

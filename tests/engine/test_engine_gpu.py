@@ -337,3 +337,8 @@ def test_async_chunked_prompts_report_each_forwards_own_gpu_span():
     # (the call timing gave ~0 and then the whole prompt).
     assert all(b < 3 * a for a, b in zip(spans, spans[1:])), spans
     assert spans[-1] < 0.5 * sum(spans), spans
+    # Between two forwards the GPU's idle time (the first's may count from warm-up's last): with
+    # the spans it fits in the wall time of the run.
+    idles = [f.idle_before for f in forwards[1:]]
+    assert all(i is not None and i >= 0 for i in idles), idles
+    assert sum(idles) + sum(f.seconds for f in forwards) <= wall, (idles, wall)
