@@ -46,8 +46,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from disagg.cluster.requests import seat_holders
-from disagg.config import RouterSection
 from disagg.cluster.step_model import StepTimeModel
+from disagg.config import RouterSection
 from disagg.engine.steps import prompt_pairs
 
 PATHS = ("remote", "local", "kept")

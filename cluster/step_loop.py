@@ -215,6 +215,8 @@ class StepLoop:
             if shape is None:
                 return
             forwards = [(shape, getattr(self.engine, "last_step_prompts", ()), seconds, None)]
+        if not forwards:  # none ended on the GPU during this call
+            return
         # Timed on the GPU (``idle``: its idle seconds since the forward before), forwards are
         # placed on the GPU's own timeline: end to end by their spans and idles, after the last
         # one placed, the last ending by now. At the host's reading instead (each ending now),
@@ -225,9 +227,8 @@ class StepLoop:
             t += (idle or 0.0) if i else 0.0
             t += took
             ends.append(t)
-        now = time.time()
-        first_idle = forwards[0][3] if forwards else None
-        base = now - ends[-1] if ends else now
+        base = time.time() - ends[-1]
+        first_idle = forwards[0][3]
         if first_idle is not None and self._gpu_end_t is not None:
             base = min(self._gpu_end_t + first_idle, base)
         for (shape, prompt_ids, took, idle), end in zip(forwards, ends):

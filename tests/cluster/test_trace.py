@@ -105,7 +105,9 @@ def test_forwards_timed_on_the_gpu_are_traced_on_the_gpus_timeline(tmp_path, mon
     chunk = StepShape(8192, 0, 0, 8192 * 8193 // 2)
     loop = StepLoop("prefill-0")
     try:
-        engine = types.SimpleNamespace(last_step_forwards=[TimedForward(chunk, ("a",), 0.2),
+        # no work: the loop's thread never steps it; this test records on its behalf
+        engine = types.SimpleNamespace(has_work=lambda: False,
+                                       last_step_forwards=[TimedForward(chunk, ("a",), 0.2),
                                                            TimedForward(chunk, ("a",), 0.3, 0.0),
                                                            TimedForward(chunk, ("a",), 0.4, 0.01)])
         loop.engine = engine
@@ -116,6 +118,7 @@ def test_forwards_timed_on_the_gpu_are_traced_on_the_gpus_timeline(tmp_path, mon
         loop._record(0.0, True)
     finally:
         loop.stop()
+    assert loop.fatal is None
     steps = trace.read_records(str(tmp_path), "step")
     assert [round(s["t_end"] - s["t_start"], 6) for s in steps] == [0.2, 0.3, 0.4, 0.005]
     gaps = [b["t_start"] - a["t_end"] for a, b in zip(steps, steps[1:])]
