@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -72,6 +73,7 @@ TPOT_SLACK = 1.1  # without a TPOT target: a decode step may grow to 1.1 x the r
 HORIZON_SHARE = 0.5
 TTFT_MISS_WEIGHT = 1 / 16  # `FleetModel.note_ttft`: the miss follows about the last 16 first tokens
 STALL_WINDOW_STEPS = 128  # `StallMeter`'s memory: about a second of an 8B decode instance's steps
+HOP_WINDOW = 32  # `HopMeter`: the recent hops whose median stands for the next one
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,11 @@ class InstanceView:
         seated: the sequences holding or awaiting one of those seats: ``num_decoding``, the
             prompts queued here, and pushed requests reserved here whose prompt is still being
             computed elsewhere.
+        reserve_extra_s: what the recent reservations on it took beyond the step in flight they
+            were predicted to wait for (`FleetModel.note_reserve`: the Ray round trip, the calls
+            its actor ran first, the model's error; may be < 0): `reserve_wait_s`.
+        relay_s: what the recent first tokens it computed took to reach the router
+            (`FleetModel.note_relay`: its output batch's way back, the router's event loop).
     """
 
     name: str
@@ -128,11 +135,23 @@ class InstanceView:
     max_seqs: int | None = None
     seated: int = 0
     launches_ahead: bool = False
+    reserve_extra_s: float = 0.0
+    relay_s: float = 0.0
 
     def step_in_flight_s(self) -> float:
         """What a call waits for the forward running here at most (its decodes' step; 0 when none
         decode)."""
         return self.model.step_s(0, self.num_decoding, self.context_tokens, 0) if self.num_decoding else 0.0
+
+    def reserve_step_s(self) -> float:
+        """The step in flight a reservation made here now is predicted to wait for: none when
+        reservations are answered mid-forward (``reserve_waits`` False)."""
+        return self.step_in_flight_s() if self.reserve_waits else 0.0
+
+    def reserve_wait_s(self) -> float:
+        """What a reservation made here now takes until the router has its answer: the step in
+        flight (`reserve_step_s`) and what the recent ones took beyond it (``reserve_extra_s``)."""
+        return max(self.reserve_step_s() + self.reserve_extra_s, 0.0)
 
     def prompt_wait_s(self) -> float:
         """What a prompt placed here now waits before its first chunk can run, on average: the
@@ -264,6 +283,7 @@ class Prediction:
     admissible: bool = True
     why: str = ""
     seat_tpot_s: float = 0.0  # the part of ``tpot_s`` a pushed request waits for its decode seat
+    reserve_step_s: float = 0.0  # remote: the decode instance's step in flight its reservation waits for
 
 
 @dataclass(frozen=True)
@@ -301,19 +321,28 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
         if best_p is not None:
             # A pushed request waits for D's seat after its first token: a gap in its TPOT.
             seat_tpot = seat / max(d.output_tokens - 1.0, 1.0) if seat and d.output_tokens else 0.0
-            start = (d.step_in_flight_s() if d.reserve_waits else 0.0) + start_of[best_p.name]
-            out.append(Prediction("remote", best_p.name, d.name, start + best_p.prefill_s(prompt_len),
+            # Every path's first token then travels to the router (``relay_s``); a remote one's
+            # prompt also waits for D's answer, which the router times (`reserve_wait_s`): without
+            # these, two H200s (decode-heavy, 27 req/s) predicted remote TTFTs 2.05x short, 27.8
+            # against 57.8 ms p50 (reservation 12.7, relay 6.7), and took remote where no path
+            # held the 57-ms target (benchmarks/records/headline-h200x2-2026-11-28c/).
+            # P goes on computing its queue meanwhile: the answer delays the prompt only where
+            # it comes after P would have reached it.
+            queue_s = best_p.prefill_s(0)
+            start = max(d.reserve_wait_s(), start_of[best_p.name] + queue_s)
+            own_s = best_p.prefill_s(prompt_len) - queue_s
+            out.append(Prediction("remote", best_p.name, d.name, start + own_s + best_p.relay_s,
                                   remote_tpot + seat_tpot, max(best_p.model.error, d.model.error),
-                                  seat_tpot_s=seat_tpot))
-        out.append(Prediction("local", d.name, d.name, max(wait, seat) + d.prefill_s(prompt_len), local_tpot,
-                              d.model.error))
+                                  seat_tpot_s=seat_tpot, reserve_step_s=d.reserve_step_s()))
+        out.append(Prediction("local", d.name, d.name, max(wait, seat) + d.prefill_s(prompt_len) + d.relay_s,
+                              local_tpot, d.model.error))
     for p in prefills:
         # Kept: a local prompt on P (computed beside P's queue and the requests it keeps, then
         # decoded between the chunks P goes on computing), judged by the local rule: its stalls
         # spread over the tokens they delay, P's recent stalls stretching its gaps (`StallMeter`).
         # The one-step rule it had (every gap as long as a step with a chunk) kept the prefill
         # GPU out of decoding, where colocated uses both (two H100s, chat: 1-5 of 420 kept).
-        out.append(Prediction("kept", p.name, p.name, start_of[p.name] + p.prefill_s(prompt_len),
+        out.append(Prediction("kept", p.name, p.name, start_of[p.name] + p.prefill_s(prompt_len) + p.relay_s,
                               _decode_side_tpot(p, prompt_len)[1], p.model.error))
     return out
 
@@ -505,6 +534,20 @@ class StallMeter:
         return max(1.0, self.actual_s / self.pure_s) if self.pure_s > 0 else 1.0
 
 
+class HopMeter:
+    """One kind of hop of one instance as measured (seconds): the median of the last
+    `HOP_WINDOW` (0 before the first). A median, not a mean: one reservation that waited behind a
+    long prompt chunk (54 ms p90 against 12.7 p50 on two H200s) must not price the next ones."""
+
+    def __init__(self, window: int = HOP_WINDOW) -> None:
+        self.recent: collections.deque[float] = collections.deque(maxlen=window)
+        self.median = 0.0
+
+    def note(self, seconds: float) -> None:
+        self.recent.append(seconds)
+        self.median = statistics.median(self.recent)
+
+
 class FleetModel:
     """The router's picture of its instances for `decide`: a `StepTimeModel` per instance fed
     from its step samples, its last reported load, and its live requests' prompt and decode work.
@@ -517,11 +560,15 @@ class FleetModel:
             None: the `StepTimeModel` defaults.
         reserve_waits, max_seqs, launches_ahead: every view's (`InstanceView`): from
             scheduler.overlap_reservations, max_num_seqs and async_scheduling.
+        measured_hops: the views carry the hops measured (`note_reserve`, `note_relay`;
+            `router.measured_hops`); False: they are still measured (`snapshot`), not priced.
     """
 
     def __init__(self, chunk_tokens: int, page_size: int, seed_fit: dict | None = None,
-                 reserve_waits: bool = True, max_seqs: int | None = None, launches_ahead: bool = False) -> None:
+                 reserve_waits: bool = True, max_seqs: int | None = None, launches_ahead: bool = False,
+                 measured_hops: bool = True) -> None:
         self.chunk_tokens, self.page_size = chunk_tokens, page_size
+        self.measured_hops = measured_hops
         self.launches_ahead = launches_ahead
         self.max_seqs = max_seqs
         self.seed_fit = seed_fit
@@ -530,6 +577,8 @@ class FleetModel:
         self.loads: dict[str, object] = {}  # name -> `InstanceLoad` of its last batch
         self.stalls: dict[str, StallMeter] = collections.defaultdict(StallMeter)
         self.ttft_miss: dict[str, dict[str, float]] = collections.defaultdict(dict)  # name -> path -> s
+        self.reserve_extra: dict[str, HopMeter] = collections.defaultdict(HopMeter)  # `note_reserve`
+        self.relay: dict[str, HopMeter] = collections.defaultdict(HopMeter)  # `note_relay`
 
     def model_of(self, name: str) -> StepTimeModel:
         model = self.models.get(name)
@@ -558,6 +607,17 @@ class FleetModel:
         old = misses.get(path)
         miss = measured_s - predicted_s
         misses[path] = miss if old is None else old + TTFT_MISS_WEIGHT * (miss - old)
+
+    def note_reserve(self, name: str, measured_s: float, step_s: float) -> None:
+        """A reservation on decode instance ``name`` answered ``measured_s`` after its decision,
+        which predicted it to wait ``step_s`` for the step in flight: the rest is what reservations
+        there take beyond their step (`InstanceView.reserve_extra_s`)."""
+        self.reserve_extra[name].note(measured_s - step_s)
+
+    def note_relay(self, name: str, seconds: float) -> None:
+        """A first token instance ``name`` computed reached the router ``seconds`` after its step
+        returned (`InstanceView.relay_s`; a negative reading, clocks apart, counts as 0)."""
+        self.relay[name].note(max(seconds, 0.0))
 
     def note_step(self, name: str, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int,
                   num_prompt_pairs: int, seconds: float, count: int = 1) -> None:
@@ -605,11 +665,15 @@ class FleetModel:
         return InstanceView(inst.name, self.model_of(inst.name), self.chunk_tokens, queued, decoding, context,
                             None if load is None else load.free_pages, self.page_size, pairs, remaining,
                             sum(outputs) / len(outputs) if outputs else None, self.stalls[inst.name].factor,
-                            self.reserve_waits, tuple(progress), self.max_seqs, seated, self.launches_ahead)
+                            self.reserve_waits, tuple(progress), self.max_seqs, seated, self.launches_ahead,
+                            *((self.reserve_extra[inst.name].median, self.relay[inst.name].median)
+                              if self.measured_hops else (0.0, 0.0)))
 
     def snapshot(self) -> dict:
-        """Each instance's fitted model (coefficients, error, samples), its stall factor and its
-        recent TTFT miss per path (measured - predicted, ms)."""
+        """Each instance's fitted model (coefficients, error, samples), its stall factor, its
+        measured hops (ms) and its recent TTFT miss per path (measured - predicted, ms)."""
         return {name: {**model.to_dict(), "stall_factor": round(self.stalls[name].factor, 3),
+                       "reserve_extra_ms": round(self.reserve_extra[name].median * 1e3, 2),
+                       "relay_ms": round(self.relay[name].median * 1e3, 2),
                        "ttft_miss_ms": {path: round(s * 1e3, 2) for path, s in self.ttft_miss.get(name, {}).items()}}
                 for name, model in self.models.items()}

@@ -115,7 +115,8 @@ class Placer:
         self.fleet_model = FleetModel(sched.max_num_batched_tokens, config.cache.page_size,
                                       seed_fit(config.router.step_profile),
                                       reserve_waits=not sched.overlap_reservations, max_seqs=sched.max_num_seqs,
-                                      launches_ahead=sched.async_scheduling)
+                                      launches_ahead=sched.async_scheduling,
+                                      measured_hops=config.router.measured_hops)
         self.targets = Targets.from_ms(config.router.slo_ttft_ms, config.router.slo_tpot_ms,
                                        config.router.adaptive_prefer)
         self.placements: collections.Counter[str] = collections.Counter({path: 0 for path in PATHS})
@@ -194,15 +195,32 @@ class Placer:
             _remember(self._predicted, req.request_id, (decision, now))
         return decision
 
-    def first_token(self, req: Request) -> None:
+    def reserved(self, req: Request) -> None:
+        """``req``'s decode instance (``req.decode``) answered its reservation (now, by ``clock``):
+        for an adaptive remote decision that named it, the time since the decision beyond the step
+        in flight it predicted goes to that instance's `FleetModel.note_reserve`, which prices the
+        next remote paths through it."""
+        entry = self._predicted.get(req.request_id)
+        if entry is None or req.decode is None:
+            return
+        decision, at = entry
+        chosen = decision.chosen
+        if chosen.path == "remote" and chosen.decode == req.decode.name:
+            self.fleet_model.note_reserve(req.decode.name, self.clock() - at, chosen.reserve_step_s)
+
+    def first_token(self, req: Request, relay_s: float | None = None) -> None:
         """``req``'s first token reached the router (now, by ``clock``; `Request.first_token_at`,
-        from which the adaptive placement counts its TPOT so far): its placement's TTFT prediction
-        against the time since the decision, the miss of its path on the instance that computed
-        its prompt (`FleetModel.note_ttft`, a diagnostic), and while tracing the decision's
-        "decision" record (`decision_record`)."""
+        from which the adaptive placement counts its TPOT so far), ``relay_s`` after the step that
+        made it returned (None: not measured; the simulator's tokens arrive as their step ends):
+        that hop of the instance that computed its prompt (`FleetModel.note_relay`), its
+        placement's TTFT prediction against the time since the decision, the miss of its path
+        there (`FleetModel.note_ttft`, a diagnostic), and while tracing the decision's "decision"
+        record (`decision_record`)."""
         now = req.first_token_at = self.clock()
         entry = self._predicted.pop(req.request_id, None)
         computing = req.colocated or req.prefill
+        if relay_s is not None and computing is not None:
+            self.fleet_model.note_relay(computing.name, relay_s)
         if entry is None or computing is None:
             return
         decision, at = entry

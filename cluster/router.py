@@ -252,6 +252,7 @@ class Router:
                 self._cancel_on(inst, dest)
                 return
             req.decode = inst
+            self.placer.reserved(req)
             trace.event("reserved", req.request_id, instance=inst.name)
             break
         else:
@@ -357,7 +358,7 @@ class Router:
             self._end(req, "error", ClusterError(error or f"{inst.name} ended the prefill (finish_reason {reason})"))
             return
         trace.event("first_token", req.request_id)
-        self.placer.first_token(req)
+        self.placer.first_token(req, time.time() - emit_time)
         req.lease_deadline = None
         req.stage = "decoding"  # from here a release only concerns the decode side
         self._wake.set()  # the prefill queue shrank: the queue head may go now
@@ -375,7 +376,7 @@ class Router:
         tokens, times = [], []
         if req.num_output == 0 and rows and rows[0][1] is not None:
             trace.event("first_token", req.request_id)
-            self.placer.first_token(req)
+            self.placer.first_token(req, time.time() - rows[0][5])
         for _, token_id, finished, reason, error, emit_time in rows:
             if token_id is None:  # the engine ended it without a token (abort, error, lease expiry)
                 self._end(req, "error", self._engine_ended(req, inst, reason, error),

@@ -60,7 +60,7 @@ class StepLoop:
         self._end_watches: dict[Any, concurrent.futures.Future] = {}
         self._stopping = False
         self.num_steps = 0
-        self.busy_s = 0.0  # seconds spent in steps that did work (the instance's utilization)
+        self.busy_s = 0.0  # seconds spent in steps that ran a forward or had outputs (its utilization)
         self._gpu_end_t: float | None = None  # when the last forward ended, on the GPU's timeline (`_record`)
         self._thread = threading.Thread(target=self._run, name=f"steploop-{name}", daemon=True)
         self._thread.start()
@@ -185,9 +185,13 @@ class StepLoop:
         seconds = time.perf_counter() - start
         self.num_steps += 1
         self._record(seconds, tracing)
+        # A forward without outputs (a prompt's chunk before its last) is work too: counted only
+        # with outputs, colocated at chunk 512 read 8-34% busy where the simulator had 29-69%
+        # (benchmarks/records/headline-h200x2-2026-11-28d/sim-vs-measured-lp.md).
+        if outputs or getattr(self.engine, "last_step_shape", None) is not None:
+            self.busy_s += seconds
         if not outputs:
             return False
-        self.busy_s += seconds
         now = time.time()
         rows = [OutputRow(o.request_id, None if o.token_id is None else int(o.token_id), bool(o.finished),
                           o.finish_reason, getattr(o, "error", None), now) for o in outputs]

@@ -279,6 +279,11 @@ class RouterSection(Section):
                                                        "adaptive placement's predictions before an instance's "
                                                        "own steps refine them; null: built-in defaults of the "
                                                        "order of an 8B model on one H100")
+    measured_hops: bool = Field(True, description="the adaptive placement prices what it times itself: each "
+                                                  "decode instance's reservation round trip beyond its step "
+                                                  "in flight and each instance's first-token relay to the "
+                                                  "router (medians of the recent ones); false: neither, "
+                                                  "the A/B of benchmarks/records/headline-h200x2-2026-11-28d/")
     poll_wait_s: float = Field(0.25, gt=0.0, le=5.0, description="how long an actor's next_outputs() waits "
                                                                  "when it has no output (it returns at once "
                                                                  "when it has some), seconds")

@@ -330,6 +330,7 @@ class SimFleet:
         """The reservation answered: ``req``'s prompt goes to its prefill instance."""
         if req.done:
             return set()
+        self.placer.reserved(req)
         req.stage = "prefilling"
         req.prefill.actor.add(req.request_id, req.prompt_len, req.params.max_tokens, pushed=True)
         return {req.prefill.name, req.decode.name}

@@ -98,6 +98,8 @@ def test_llama3_shaped_placements_over_nvshmem_equal_colocated(ray_local, gpu_sh
     assert placed["remote"] >= 8 and placed["local"] >= 8 and placed["kept"] >= 8, placed
     models = stats["placement"]["models"]
     assert all(m["num_samples"] > 0 for m in models.values()), models
+    # every instance computed first tokens (remote, kept; local): the router timed their way back
+    assert all(m["relay_ms"] > 0 for m in models.values()), models
     got = forced + decided
     assert all(c.error is None for c in got), [c.error for c in got if c.error][:3]
     with launch("llama3-8b-colocated", gpu_share) as cluster:

@@ -3,10 +3,13 @@ constructed loads and models: no fleet, no Ray."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from disagg.cluster.bootstrap import Instance
 from disagg.cluster.placement import PREFERENCE, FleetModel, InstanceView, StallMeter, Targets, decide, predict
 from disagg.cluster.step_model import StepTimeModel
 from disagg.engine.steps import prompt_pairs
@@ -178,11 +181,13 @@ def test_a_wide_margin_does_not_let_a_slower_path_pass_a_faster_surer_one():
     was near the best, kept, within its own margin; local (error 0), faster than remote, was not
     within its own; and remote won. Whatever is faster than a near-tie is one too: local, first
     in `PREFERENCE`. (D0's context 105,739 found then; 250,000 keeps the order since a prompt
-    waits for half the step in flight, `InstanceView.prompt_wait_s`.)"""
+    waits for half the step in flight, `InstanceView.prompt_wait_s`; D1's reservations measured 130
+    ms beyond its step keep remote the slowest since P's queue hides a shorter one, `predict`.)"""
     p_coef, d_coef = (0.03125, 5.21e-4, 2.03e-4, 0.0), (0.03125, 7.58e-4, 1.668e-5, 1.2725e-7)
     prefills = [view(f"P{i}", queued=128, context=49, chunk=64, coef=p_coef, error=0.0) for i in range(2)]
     decodes = [view("D0", queued=96, decoding=2, context=250_000, chunk=2048, coef=d_coef, error=0.0),
-               view("D1", queued=132, decoding=3, context=76, chunk=2048, coef=d_coef, error=0.5)]
+               replace(view("D1", queued=132, decoding=3, context=76, chunk=2048, coef=d_coef, error=0.5),
+                       reserve_extra_s=0.13)]
     d = decide(1, prefills, decodes)
     by = {(p.path, p.decode): p for p in d.predictions}
     kept, local, remote = by["kept", "P0"], by["local", "D0"], by["remote", "D1"]
@@ -612,3 +617,41 @@ def test_the_fleet_view_counts_seats_of_decodes_queued_prompts_and_pushes_on_the
 def replace_seats(v: InstanceView, max_seqs):
     from dataclasses import replace
     return replace(v, max_seqs=max_seqs)
+
+
+def test_measured_hops_price_every_path_and_the_reservation_only_the_remote_one():
+    """A first token's way to the router (``relay_s``, of the instance that computed the prompt)
+    lengthens every path's TTFT; what reservations on a decode instance took beyond its step in
+    flight (``reserve_extra_s``) only the remote path through it, never below a wait of 0."""
+    p, d = view("P0", decoding=8, context=4000), view("D0", decoding=64, context=64_000)
+    base = {c.path: c for c in predict(200, [p], [d])}
+    hopped = {c.path: c for c in predict(200, [replace(p, relay_s=0.004)],
+                                         [replace(d, relay_s=0.002, reserve_extra_s=0.007)])}
+    assert hopped["remote"].ttft_s == pytest.approx(base["remote"].ttft_s + 0.007 + 0.004)
+    assert hopped["local"].ttft_s == pytest.approx(base["local"].ttft_s + 0.002)
+    assert hopped["kept"].ttft_s == pytest.approx(base["kept"].ttft_s + 0.004)
+    assert base["remote"].reserve_step_s == pytest.approx(d.step_in_flight_s()) and d.step_in_flight_s() > 0
+    queued_p = view("P0", queued=20_000, decoding=8, context=4000)  # its queue outlasts the answer
+    hidden = {c.path: c for c in predict(200, [queued_p], [replace(d, reserve_extra_s=0.007)])}
+    assert hidden["remote"].ttft_s == pytest.approx(hidden["kept"].ttft_s)
+    early = replace(d, reserve_extra_s=-1.0)  # answered sooner than the step: never before now
+    assert early.reserve_wait_s() == 0.0
+    overlapping = replace(d, reserve_waits=False, reserve_extra_s=0.003)  # answered mid-forward
+    assert (overlapping.reserve_step_s(), overlapping.reserve_wait_s()) == (0.0, pytest.approx(0.003))
+
+
+def test_the_fleet_model_keeps_each_instances_median_hop():
+    fleet = FleetModel(512, 16)
+    for measured in (0.012, 0.010, 0.090):  # one reservation behind a long chunk
+        fleet.note_reserve("D0", measured, 0.004)
+    fleet.note_relay("P0", 0.005)
+    fleet.note_relay("P0", -0.001)  # clocks apart: 0
+    d, p = fleet.view(Instance("D0", "decode", actor=None), []), fleet.view(Instance("P0", "prefill", actor=None), [])
+    assert d.reserve_extra_s == pytest.approx(0.008) and p.reserve_extra_s == 0.0
+    assert p.relay_s == pytest.approx(0.0025) and d.relay_s == 0.0
+    assert fleet.snapshot().keys() == {"D0", "P0"}
+    assert fleet.snapshot()["D0"]["reserve_extra_ms"] == pytest.approx(8.0)
+    unpriced = FleetModel(512, 16, measured_hops=False)  # `router.measured_hops: false`: the A/B
+    unpriced.note_reserve("D0", 0.012, 0.004)
+    assert unpriced.view(Instance("D0", "decode", actor=None), []).reserve_extra_s == 0.0
+    assert unpriced.snapshot()["D0"]["reserve_extra_ms"] == pytest.approx(8.0)

@@ -314,3 +314,34 @@ def test_the_decision_that_placed_a_request_goes_to_the_trace_at_its_first_token
     (tpot,) = trace.read_records(str(tmp_path), "tpot")
     assert tpot["request"] == "r" and tpot["path"] == decision.path and tpot["num_output"] == 9
     assert tpot["tpot_ms"] == pytest.approx(50.0) and tpot["predicted_tpot_ms"] == round(decision.chosen.tpot_s * 1e3, 3)
+
+
+def test_reservations_and_first_tokens_measure_the_hops_that_price_the_next_decisions():
+    """The time from a remote decision to its decode instance's answer, beyond the step in flight
+    it predicted, prices the next remote path through that instance; a first token's way to the
+    router prices every path whose prompt that instance computes."""
+    now = [100.0]
+    config = Config.from_yaml(CONFIGS / "tiny-2p2d.yaml").override({"router.placement": "adaptive"})
+    instances = [Instance(f"{role}-{i}", role, actor=None) for role in ("prefill", "decode") for i in range(2)]
+    placer = Placer(config, instances, Picker(config.router.policy), clock=lambda: now[0])
+    by = {inst.name: inst for inst in instances}
+    prefills, decodes = [by["prefill-0"], by["prefill-1"]], [by["decode-0"], by["decode-1"]]
+
+    def ttft(path, name):  # the predicted TTFT of ``path`` through instance ``name``
+        decision = placer.decide(request("probe", [5] * 40), prefills, decodes, [])
+        return next(p.ttft_s for p in decision.predictions if p.path == path and name in (p.prefill, p.decode))
+
+    before = {"remote": ttft("remote", "decode-1"), "kept": ttft("kept", "prefill-0")}
+    chosen = Prediction("remote", "prefill-0", "decode-1", 0.02, 0.0, 0.0, reserve_step_s=0.003)
+    req = request("r", [3] * 40)
+    decision = Decision(chosen, (chosen,))
+    assert isinstance(placer.plan(req, [], lambda *a: decision), Remote)
+    placer._predicted["r"] = (decision, now[0])  # as `Placer.decide` keeps its own decisions
+    now[0] += 0.013  # answered 13 ms after the decision: 10 beyond the 3-ms step it predicted
+    req.decode = by["decode-1"]
+    placer.reserved(req)
+    req.prefill = placer.hand(req, req.decode, [])
+    placer.first_token(req, relay_s=0.006)
+    assert ttft("remote", "decode-1") == pytest.approx(before["remote"] + 0.010 + 0.006)
+    assert ttft("kept", "prefill-0") == pytest.approx(before["kept"] + 0.006)
+    assert ttft("local", "decode-0") == ttft("local", "decode-1")  # not their hops

@@ -370,3 +370,15 @@ def test_cli_warns_when_the_profile_timed_another_model(tmp_path: Path):
     other = CliRunner().invoke(app, args + ["--set", "model.source=dummy:smollm2-135m"])
     assert other.exit_code == 0, other.output
     assert "the profile timed dummy:tiny (max_model_len" in other.output and "serves dummy:smollm2-135m" in other.output
+
+
+def test_the_simulated_router_times_its_reservations_as_the_served_one_does():
+    """The simulator answers a reservation ``reserve_ms`` after the decode instance's step in
+    flight ends; its placer learns that hop (`Placer.reserved`) as the router's does."""
+    config = Config.from_yaml(CONFIGS / "tiny-2p2d.yaml").override({"router.placement": "adaptive"})
+    fleet = SimFleet(config, copy.deepcopy(PROFILE), reserve_ms=20.0)
+    spec = workload_spec(PROFILE, 512, dataset_name="chat", num_prompts=60, seed=0)
+    simulate_run(config, PROFILE, spec, request_rate=40.0, seed=0, fleet=fleet)
+    assert fleet.placer.placements["remote"] > 0
+    extra = {name: meter.median for name, meter in fleet.placer.fleet_model.reserve_extra.items() if meter.recent}
+    assert extra and all(0.010 < s < 0.021 for s in extra.values())  # 20 ms, less the step it predicted

@@ -76,9 +76,12 @@ def test_an_adaptive_fleet_traces_each_requests_decision_and_tpot(ray_local, tmp
         try:
             done = cluster.generate([[5, 6, 7, 8, 9], [11, 12], [13]],
                                     [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 3, 1)])
+            models = cluster.router_stats()["placement"]["models"]
         finally:
             cluster.shutdown()
     assert [c.finish_reason for c in done] == ["length"] * 3
+    # the router timed the first tokens' way back from the instances that computed them (`Placer.first_token`)
+    assert any(m["relay_ms"] > 0 for m in models.values()), models
     decisions = {d["request"]: d for d in trace.read_records(directory, "decision")}
     tpots = {t["request"]: t for t in trace.read_records(directory, "tpot")}
     assert {c.request_id for c in done} <= set(decisions)
@@ -125,6 +128,28 @@ def test_forwards_timed_on_the_gpu_are_traced_on_the_gpus_timeline(tmp_path, mon
     assert gaps == pytest.approx([0.0, 0.01, 0.002], abs=1e-6)
     assert before <= steps[2]["t_end"] <= steps[3]["t_start"] <= time.time()
     assert [s.get("gpu_idle_before_s") for s in steps] == [None, 0.0, 0.01, 0.002]
+
+
+def test_a_forward_without_outputs_counts_as_busy_and_a_step_without_a_forward_does_not():
+    """A prompt's chunk before its last yields no token but ran a forward: the instance was busy
+    (counted only with outputs, a colocated fleet at chunk 512 read 8-34% busy against 29-69%)."""
+    import types
+
+    from disagg.engine.steps import StepShape
+
+    loop = StepLoop("colocated-0")
+    try:  # no work: the loop's thread never steps it; the test steps it
+        engine = types.SimpleNamespace(has_work=lambda: False, step=lambda: (time.sleep(0.01), [])[1],
+                                       last_step_shape=StepShape(512, 0, 0, 512 * 513 // 2), last_step_prompts=())
+        loop.engine = engine
+        loop._step(False)
+        chunk_busy = loop.busy_s
+        engine.last_step_shape = None  # nothing to run (a decode instance awaiting a push)
+        loop._step(False)
+    finally:
+        loop.stop()
+    assert loop.fatal is None and loop.num_steps == 2
+    assert chunk_busy >= 0.01 and loop.busy_s == chunk_busy
 
 
 def _run_to_end(loop: StepLoop, requests: dict[str, list[int]], params: SamplingParams) -> None:
