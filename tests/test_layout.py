@@ -93,3 +93,22 @@ def test_lower_layers_never_import_the_cluster():
                  for p in _sources(folder)
                  if any(n.startswith("disagg.cluster") for n in _imported_roots(p))]
     assert not offenders, f"imports must point down; these import disagg.cluster: {offenders}"
+
+
+# The working tree travels to the GPU machine beside the wheels (`.whl`, ~55 MiB of the device's
+# 64-MiB carry): at 9.4 MB of tracked files a run was refused (2026-11-28). Raw traces and
+# per-request results belong in the device's $OUT and the records' summaries, not the tree.
+TRACKED_BYTES_MAX = 7 * 2**20
+
+
+def test_the_tracked_tree_stays_light_enough_to_travel_with_the_wheels():
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    files = [ROOT / name for name in listed.stdout.decode().split("\0") if name]
+    sizes = {str(f.relative_to(ROOT)): f.stat().st_size for f in files if f.is_file()}
+    largest = sorted(sizes.items(), key=lambda kv: -kv[1])[:5]
+    assert sum(sizes.values()) <= TRACKED_BYTES_MAX, (
+        f"tracked files: expected <= {TRACKED_BYTES_MAX / 2**20:.0f} MiB, got {sum(sizes.values()) / 2**20:.1f} MiB;"
+        f" the largest: {largest}")
