@@ -39,6 +39,9 @@ class StepSample(NamedTuple):
     num_context_tokens: int
     num_prompt_pairs: int
     seconds: float
+    # the GPU's idle time just before it, where it ran decodes (they waited: host time between
+    # forwards), at most its own seconds; 0 where unknown (not timed on a GPU)
+    gap_s: float = 0.0
 
 
 @dataclass

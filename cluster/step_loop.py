@@ -236,9 +236,12 @@ class StepLoop:
         if first_idle is not None and self._gpu_end_t is not None:
             base = min(self._gpu_end_t + first_idle, base)
         for (shape, prompt_ids, took, idle), end in zip(forwards, ends):
+            # decodes waited on the host while the GPU idled before this forward: their tokens'
+            # gap (`StepSample.gap_s`; longer than the forward itself: not a steady host cost)
+            gap = min(idle, took) if idle is not None and shape.num_decode_seqs else 0.0
             with self._cond:
                 self._samples.append(StepSample(shape.num_prefill_tokens, shape.num_decode_seqs,
-                                                shape.num_context_tokens, shape.num_prompt_pairs, took))
+                                                shape.num_context_tokens, shape.num_prompt_pairs, took, gap))
             self._gpu_end_t = base + end
             if tracing:
                 self._trace_step(shape, prompt_ids, took, self._gpu_end_t, idle)

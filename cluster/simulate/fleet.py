@@ -241,15 +241,16 @@ class SimFleet:
 
     def _note_steps(self, name: str, step) -> None:
         """Feed a launched step's forwards to the fleet model's stall meters (its fit is the
-        profile's: the simulated steps take exactly what it predicts)."""
+        profile's: the simulated steps take exactly what it predicts), each with the host gap
+        before it, as the step loop reports a GPU-timed forward's (`StepSample.gap_s`)."""
         shape, fleet, gap = step.shape, self.placer.fleet_model, self._by_name[name].actor.step_gap_s
         fleet.note_step(name, shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens,
-                        shape.num_prompt_pairs, step.durations[0] - gap)
+                        shape.num_prompt_pairs, step.durations[0] - gap, gap_s=gap)
         fused = len(step.durations) - 1  # pure decode forwards of the same sequences, a token longer each
         if fused:
             n = shape.num_decode_seqs
             fleet.note_step(name, 0, n, shape.num_context_tokens + n * (fused + 1) // 2, 0,
-                            sum(step.durations[1:]) / fused - gap, fused)
+                            sum(step.durations[1:]) / fused - gap, fused, gap_s=gap)
 
     def _end_times(self, step) -> list[float]:
         """When each of a step's forwards ends, accumulated as the clock would, forward by forward."""

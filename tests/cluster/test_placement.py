@@ -346,6 +346,21 @@ def test_the_stall_meter_is_the_recent_ratio_of_measured_over_pure_decode_second
     assert fast.factor == 1.0
 
 
+def test_the_host_time_decodes_wait_between_forwards_stretches_their_predicted_gaps():
+    """A forward timed by its GPU span leaves out the host time its decodes waited before it
+    (`StepSample.gap_s`); the stall meter adds it: a token's gap is both."""
+    from disagg.cluster.messages import StepSample
+
+    fleet = FleetModel(512, 16)
+    pure = fleet.model_of("D0").step_s(0, 64, 64_000, 0)
+    fleet.observe("D0", [StepSample(0, 64, 64_000, 0, pure, 0.25 * pure)] * 400, None)
+    fleet.observe("P0", [StepSample(512, 0, 0, 512 * 513 // 2, 0.02, 0.01)] * 400, None)  # no decodes waited
+    assert fleet.stalls["D0"].factor == pytest.approx(1.25, rel=0.02)
+    assert fleet.stalls["P0"].factor == 1.0
+    d = fleet.view(Instance("D0", "decode", actor=None), [])
+    assert d.decode_gap_s(64, 64_000) == pytest.approx(1.25 * fleet.model_of("D0").step_s(0, 64, 64_000, 0), rel=0.02)
+
+
 def test_the_fleet_model_meters_steps_with_decodes_only():
     fleet = FleetModel(chunk_tokens=512, page_size=16)
     pure = fleet.model_of("D").step_s(0, 8, 8000, 0)

@@ -382,3 +382,16 @@ def test_the_simulated_router_times_its_reservations_as_the_served_one_does():
     assert fleet.placer.placements["remote"] > 0
     extra = {name: meter.median for name, meter in fleet.placer.fleet_model.reserve_extra.items() if meter.recent}
     assert extra and all(0.010 < s < 0.021 for s in extra.values())  # 20 ms, less the step it predicted
+
+
+def test_the_simulated_router_counts_the_host_gap_in_its_decodes_token_gaps():
+    """The simulated steps report their forwards' spans and the host gap before them apart, as a
+    GPU-timed step loop does (`StepSample.gap_s`): the router's stall meters carry the gap."""
+    factors = {}
+    for gap_ms in (0.0, 3.0):
+        config = Config.from_yaml(CONFIGS / "tiny-2p2d.yaml").override({"router.placement": "adaptive"})
+        fleet = SimFleet(config, copy.deepcopy(PROFILE), step_gap_ms=gap_ms)
+        spec = workload_spec(PROFILE, 512, dataset_name="chat", num_prompts=60, seed=0)
+        simulate_run(config, PROFILE, spec, request_rate=40.0, seed=0, fleet=fleet)
+        factors[gap_ms] = max(m.factor for m in fleet.placer.fleet_model.stalls.values())
+    assert factors[3.0] > factors[0.0] + 0.1

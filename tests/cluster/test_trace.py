@@ -119,9 +119,12 @@ def test_forwards_timed_on_the_gpu_are_traced_on_the_gpus_timeline(tmp_path, mon
         engine.last_step_forwards = [TimedForward(StepShape(0, 1, 8193, 0), (), 0.005, 0.002)]
         time.sleep(0.02)  # read after it ended on the GPU (2 + 5 ms after the chunks)
         loop._record(0.0, True)
+        samples = loop.drain()[1]
     finally:
         loop.stop()
     assert loop.fatal is None
+    # the decode forward's decodes waited 2 ms on the host (the chunks had none waiting)
+    assert [s.gap_s for s in samples] == [0.0, 0.0, 0.0, 0.002]
     steps = trace.read_records(str(tmp_path), "step")
     assert [round(s["t_end"] - s["t_start"], 6) for s in steps] == [0.2, 0.3, 0.4, 0.005]
     gaps = [b["t_start"] - a["t_end"] for a, b in zip(steps, steps[1:])]
