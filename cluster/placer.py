@@ -184,12 +184,11 @@ class Placer:
     def decide(self, req: Request, prefills: list[Instance], decodes: list[Instance],
                live: Collection[Request]) -> Decision:
         """The adaptive choice for ``req`` (`disagg.cluster.placement.decide` over
-        `FleetModel.view`s), kept in ``decisions``."""
+        `FleetModel.views`, one pass over ``live``), kept in ``decisions``."""
         now = self.clock()
-        view = self.fleet_model.view
-        planned = self._remote_prefill  # the reservations on their way: `FleetModel.view`
-        decision = decide(req.prompt_len, [view(inst, live, now, planned) for inst in prefills],
-                          [view(inst, live, now, planned) for inst in decodes], self.targets)
+        planned = self._remote_prefill  # the reservations on their way: `FleetModel.views`
+        views = self.fleet_model.views(prefills + decodes, live, now, planned)
+        decision = decide(req.prompt_len, views[:len(prefills)], views[len(prefills):], self.targets)
         self.decisions.append(decision)
         if decision.chosen is not None:
             _remember(self._predicted, req.request_id, (decision, now))

@@ -670,3 +670,81 @@ def test_the_fleet_model_keeps_each_instances_median_hop():
     unpriced.note_reserve("D0", 0.012, 0.004)
     assert unpriced.view(Instance("D0", "decode", actor=None), []).reserve_extra_s == 0.0
     assert unpriced.snapshot()["D0"]["reserve_extra_ms"] == pytest.approx(8.0)
+
+
+def _reference_work(inst, requests, now, planned) -> tuple:
+    """The live requests' work on ``inst`` as `FleetModel.view` summed it one instance at a time,
+    before `FleetModel.views` summed every instance's in one pass: (queued, pairs, decoding,
+    context, remaining, progress, seated, output_tokens)."""
+    from disagg.cluster.requests import seat_holders
+
+    queued = decoding = context = pairs = remaining = seated = 0
+    progress = []
+    outputs = [int(req.params.max_tokens) for req in requests]
+    for req in requests:
+        seated += any(held is inst for held in seat_holders(req))
+        if inst is req.colocated:
+            computing = req.num_output == 0
+        elif inst is req.prefill and req.stage in ("reserving", "prefilling"):
+            computing = True
+        elif req.prefill is None and req.stage == "reserving" and planned.get(req.request_id) == inst.name:
+            computing = True
+        elif inst is req.decode and req.stage == "decoding":
+            computing = False
+        else:
+            continue
+        if computing:
+            queued += req.prompt_len
+            pairs += prompt_pairs(0, req.prompt_len)
+        else:
+            decoding += 1
+            context += req.prompt_len + req.num_output
+            remaining += max(int(req.params.max_tokens) - req.num_output, 1)
+            if now is not None and req.first_token_at is not None:
+                progress.append((now - req.first_token_at, req.num_output, int(req.params.max_tokens)))
+    return (queued, pairs, decoding, context, remaining, tuple(progress), seated,
+            sum(outputs) / len(outputs) if outputs else None)
+
+
+@st.composite
+def fleet_states(draw):
+    """Instances of every role and live requests placed on them at random, in any stage (even
+    ones the router never makes: a prefill instance that is also its colocated one), with
+    remote decisions planned on names in the fleet and out of it."""
+    from disagg.cluster.outputs import RequestMetrics
+    from disagg.cluster.requests import STAGES, Request
+    from disagg.sampling import SamplingParams
+
+    instances = [Instance(f"{role}-{i}", role, actor=None) for role in ("prefill", "decode", "colocated")
+                 for i in range(draw(st.integers(0 if role == "colocated" else 1, 3)))]
+    some = st.one_of(st.none(), st.sampled_from(instances))
+    live = []
+    for i in range(draw(st.integers(0, 40))):
+        req = Request(f"r{i}", [0] * draw(st.integers(1, 3000)), SamplingParams(max_tokens=draw(st.integers(1, 2000))),
+                      lambda *a: None, RequestMetrics(arrival_time=0.0))
+        req.prefill, req.decode, req.colocated = draw(some), draw(some), draw(some)
+        req.stage, req.num_output = draw(st.sampled_from(STAGES)), draw(st.integers(0, 2100))
+        req.first_token_at = draw(st.one_of(st.none(), st.floats(0, 10)))
+        live.append(req)
+    planned = draw(st.dictionaries(st.sampled_from([f"r{i}" for i in range(40)]),
+                                   st.sampled_from([inst.name for inst in instances] + ["gone"])))
+    return instances, live, planned, draw(st.one_of(st.none(), st.floats(0, 20)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(state=fleet_states(), data=st.data())
+def test_the_fleet_views_in_one_pass_are_the_views_one_instance_at_a_time(state, data):
+    """`FleetModel.views` (one pass over the live requests for the whole fleet, what every
+    decision takes) gives each instance the view one pass per instance gave it, and `view` the
+    same; a part of the fleet, in any order, some listed twice, the same views."""
+    instances, live, planned, now = state
+    fleet = FleetModel(512, 16, max_seqs=128)
+    fleet.note_reserve(instances[0].name, 0.012, 0.004)
+    fleet.note_relay(instances[-1].name, 0.005)
+    views = fleet.views(instances, live, now, planned)
+    assert [(v.queued_prompt_tokens, v.queued_prompt_pairs, v.num_decoding, v.context_tokens, v.remaining_tokens,
+             v.decode_progress, v.seated, v.output_tokens) for v in views] == [
+        _reference_work(inst, live, now, planned) for inst in instances]
+    assert views == [fleet.view(inst, live, now, planned) for inst in instances]
+    part = data.draw(st.lists(st.sampled_from(instances), max_size=2 * len(instances)))
+    assert fleet.views(part, live, now, planned) == [views[instances.index(inst)] for inst in part]
