@@ -10,6 +10,7 @@ limited multi-process mode), so the whole NVSHMEM path is testable on any single
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -17,6 +18,13 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+# One intra-op thread per process (before anything imports torch; Ray's actors and the tests'
+# subprocesses inherit it): on CI's two cores the test process and the fleets' actors each ran
+# torch with two threads and oversubscribed them. The in-process reference engine's 6 x 100 tiny
+# tokens took 30-39 s that way beside a busy fleet, 0.4 s with one thread; two placement-fault
+# test files 316 s -> 35 s (2026-11-28).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

@@ -46,18 +46,6 @@ def test_generate_needs_a_prompt():
     assert result.exit_code == 2 and "give a prompt" in result.output
 
 
-def test_generate_streams_token_ids_over_segment_puts(ray_local, monkeypatch):
-    from cluster_helpers import reference_tokens
-
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # in this process, on the module's Ray
-    result = runner.invoke(app, ["generate", str(CONFIGS / "tiny-1p1d.yaml"), "--prompt-ids", "5,6,7,8",
-                                 "--max-tokens", "6", "--ignore-eos", "--set", "transfer.force_segment_puts=true"])
-    assert result.exit_code == 0, result.output
-    assert "[6 tokens, finish_reason length, TTFT" in result.stdout
-    ids = [int(t) for t in result.stdout.split("[6 tokens")[0].split()]
-    assert ids == reference_tokens([[5, 6, 7, 8]], [6])[0]  # the host-initiated path lands the same KV
-
-
 def test_launch_prints_status_until_ctrl_c(tmp_path: Path):
     import signal
     import time
@@ -85,6 +73,20 @@ def test_launch_prints_status_until_ctrl_c(tmp_path: Path):
     assert "tiny-colocated: colocated on cpu" in output
     assert sum(" | colocated-0 run 0 wait 0 free 256/256 " in line for line in lines) >= 2, output[-2000:]
     assert "shutting down" in output and proc.returncode == 0, output[-2000:]
+
+
+# The two tests on the module's Ray come last, in a row: between them a test without it would stop
+# Ray, and the next start it again (~5 s).
+def test_generate_streams_token_ids_over_segment_puts(ray_local, monkeypatch):
+    from cluster_helpers import reference_tokens
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # in this process, on the module's Ray
+    result = runner.invoke(app, ["generate", str(CONFIGS / "tiny-1p1d.yaml"), "--prompt-ids", "5,6,7,8",
+                                 "--max-tokens", "6", "--ignore-eos", "--set", "transfer.force_segment_puts=true"])
+    assert result.exit_code == 0, result.output
+    assert "[6 tokens, finish_reason length, TTFT" in result.stdout
+    ids = [int(t) for t in result.stdout.split("[6 tokens")[0].split()]
+    assert ids == reference_tokens([[5, 6, 7, 8]], [6])[0]  # the host-initiated path lands the same KV
 
 
 def test_check_exits_1_with_the_preflight_reason(ray_local, monkeypatch):

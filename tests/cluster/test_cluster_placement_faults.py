@@ -24,17 +24,22 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 # (48 let remote-0 finish first there); 4 x (prompt + 800) fit decode-0's 4096 slots.
 TOKENS = 800
 PATHS = ["remote", "local", "kept"] * 2
+PROMPTS = mixed_prompts(len(PATHS), seed=11)
+
+
+@pytest.fixture(scope="module")
+def want() -> list[list[int]]:
+    """The colocated engine's tokens for PROMPTS: one reference for both victims (~4 s each)."""
+    return reference_tokens(PROMPTS, [TOKENS] * len(PROMPTS))
 
 
 @pytest.mark.parametrize("victim", ["prefill-0", "decode-0"])
-def test_a_killed_instance_fails_only_the_placements_it_takes_part_in(ray_local, monkeypatch, victim):
+def test_a_killed_instance_fails_only_the_placements_it_takes_part_in(ray_local, monkeypatch, want, victim):
     with launch("tiny-1p1d", HookedInstanceActor, router__placement="adaptive", router__lease_s=2.0) as cluster:
         force_paths(cluster, monkeypatch, PATHS)
-        prompts = mixed_prompts(len(PATHS), seed=11)
         params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
-        want = reference_tokens(prompts, [TOKENS] * len(prompts))
         streams = []
-        for i, prompt in enumerate(prompts):  # one at a time: each takes the path given in turn
+        for i, prompt in enumerate(PROMPTS):  # one at a time: each takes the path given in turn
             streams.append(BackgroundStream(cluster, prompt, params, request_id=f"{PATHS[i]}-{i}"))
             _wait_until(lambda: len(streams[-1].token_ids) >= 2)  # decoding (a remote one's KV landed)
         others = [name for name in ("prefill-0", "decode-0") if name != victim]

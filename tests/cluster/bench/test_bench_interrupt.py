@@ -31,7 +31,8 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
                "--num-prompts", "6", "--input-len", "8", "--output-len", "2", "--request-rate", "100,0.05",
                "--goodput", "ttft:60000", "tpot:60000", "--save-result", "--result-dir", str(tmp_path),
                "--disable-tqdm"]
-    env = dict(os.environ, COLUMNS="80", DISAGG_LOG="ERROR", PYTHONUNBUFFERED="1")
+    # TRITON_INTERPRET=0: the actors run the torch reference kernels (the interpreter took 8 s more).
+    env = dict(os.environ, COLUMNS="80", DISAGG_LOG="ERROR", PYTHONUNBUFFERED="1", TRITON_INTERPRET="0")
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             preexec_fn=ctrl_c_enabled)
     seen, first_run_done = [], threading.Event()
