@@ -376,7 +376,7 @@ class Router:
         tokens, times = [], []
         if req.num_output == 0 and rows and rows[0][1] is not None:
             trace.event("first_token", req.request_id)
-            self.placer.first_token(req, time.time() - rows[0][5])
+            self.placer.first_token(req, time.time() - rows[0][5])  # since its emit_time
         for _, token_id, finished, reason, error, emit_time in rows:
             if token_id is None:  # the engine ended it without a token (abort, error, lease expiry)
                 self._end(req, "error", self._engine_ended(req, inst, reason, error),
