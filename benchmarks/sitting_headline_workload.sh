@@ -32,22 +32,34 @@
 # the tree, which travels: no second minute of profiling).
 # MAX_TAR_BYTES (default 15000000): above it the per-deployment tars come back instead of one.
 # CPU smoke check: HEADLINE_MODEL=tiny RATES=2 HEADLINE_SECONDS=3 bash benchmarks/sitting_headline_workload.sh chat
+# PREDICT=PROFILE SLOS=TTFT:TPOT (CPU, before a sitting): the same runs with `disagg simulate` on that
+# profile instead of `disagg bench` (no GPU; the SLOs given, as only a served 1P1D calibrates them;
+# HOPS: the simulator's host constants, default 28c's "--hop-ms 6 --step-gap-ms 0.17 --reserve-ms 8"):
+# the simulator's prediction of the sitting, in the same summary, made by the same command.
 set -euo pipefail
 W=${1:?workload: chat | prefill-heavy | decode-heavy | long-prompt | shared-prefix}
 OUT=${OUT:-results/sitting-workload}
 mkdir -p "$OUT"
+PY=${PYTHON:-python3}  # the interpreter with disagg installed (the GPU hosts: python3)
 MODEL=llama3-8b
 [ "$W" = long-prompt ] && MODEL=llama3.1-8b
 MODEL=${HEADLINE_MODEL:-$MODEL}
 RATES=${RATES:?rates around the predicted knee, e.g. RATES=4,6,8}
 CHUNK=${CHUNK:-8192}
-common=(--no-compare --dataset-name "$W" --run-seconds "${HEADLINE_SECONDS:-20}"
-        --min-prompts "${MIN_PROMPTS:-16}" --num-prompts 1000 --num-warmups 8 --slo-scales 1,2
-        --save-result --disable-tqdm)
-nvidia-smi -L 2>/dev/null || true
+common=(--dataset-name "$W" --run-seconds "${HEADLINE_SECONDS:-20}" --min-prompts "${MIN_PROMPTS:-16}"
+        --num-prompts 1000)
+if [ -n "${PREDICT:-}" ]; then
+  [ -n "${SLOS:-}" ] || { echo "PREDICT needs SLOS=TTFT_MS:TPOT_MS (the sitting's calibrated SLOs)" >&2; exit 2; }
+  read -r -a hops <<< "${HOPS:---hop-ms 6 --step-gap-ms 0.17 --reserve-ms 8}"
+  tool=(simulate --profile "$PREDICT" "${hops[@]}" --seed 0)
+  [ -n "${STEP_PROFILE:-}" ] || STEP_PROFILE=$PREDICT  # the routers' seed: the profile simulated
+else
+  tool=(bench --no-compare --num-warmups 8 --slo-scales 1,2 --save-result --disable-tqdm)
+  nvidia-smi -L 2>/dev/null || true
+fi
 run() {  # LABEL CONFIG [bench flags]
   local label=$1; shift
-  timeout "${PER_RUN_TIMEOUT:-170}" python3 -m disagg.cluster.cli bench "$@" "${common[@]}" --label "$label" \
+  timeout "${PER_RUN_TIMEOUT:-170}" "$PY" -m disagg.cluster.cli "${tool[@]}" "$@" "${common[@]}" --label "$label" \
     --result-dir "results/$W/$label" > "$OUT/$W-$label.log" 2>&1 || echo "$label: rc $?"
   grep -E "SLOs|Request goodput|Median TTFT|Mean TPOT" "$OUT/$W-$label.log" | head -8 || true
   # each deployment's results reach $OUT as soon as it ends (a command stopped at the device's
@@ -59,9 +71,15 @@ all_set=()
 disagg_set=("${all_set[@]}")
 [ -n "${CHUNK_DISAGG:-}" ] && disagg_set+=(--set "scheduler.max_num_batched_tokens=$CHUNK_DISAGG")
 [ -n "${SET_DISAGG:-}" ] && disagg_set+=(--set "$SET_DISAGG")
-run 1p1d "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_1P1D:-$RATES}" --slo-calibrate "${disagg_set[@]}"
-slos=$(grep -o "SLOs TTFT [0-9.]* ms, TPOT [0-9.]* ms" "$OUT/$W-1p1d.log" | head -1 || true)
-T=$(echo "$slos" | awk '{print $3}'); P=$(echo "$slos" | awk '{print $6}')
+if [ -n "${PREDICT:-}" ]; then
+  T=${SLOS%%:*}; P=${SLOS#*:}
+  run 1p1d "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_1P1D:-$RATES}" --goodput "ttft:$T" --goodput "tpot:$P" \
+    "${disagg_set[@]}"
+else
+  run 1p1d "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_1P1D:-$RATES}" --slo-calibrate "${disagg_set[@]}"
+  slos=$(grep -o "SLOs TTFT [0-9.]* ms, TPOT [0-9.]* ms" "$OUT/$W-1p1d.log" | head -1 || true)
+  T=$(echo "$slos" | awk '{print $3}'); P=$(echo "$slos" | awk '{print $6}')
+fi
 [ -n "$T" ] && [ -n "$P" ] || { echo "no SLOs in $OUT/$W-1p1d.log" >&2; exit 1; }
 echo "SLOs: TTFT $T ms, TPOT $P ms"
 judge=(--goodput "ttft:$T" --goodput "tpot:$P")
@@ -75,7 +93,7 @@ elif [ -n "${STEP_PROFILE:-}" ]; then
   pconf="configs/$MODEL-1gpu-colocated.yaml"
   [ -f "$pconf" ] || pconf="configs/$MODEL-colocated.yaml"
   grid=(); [ "$MODEL" = tiny ] && grid=(--small-grid)
-  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout "${PER_RUN_TIMEOUT:-170}" python3 -m disagg.cluster.cli \
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout "${PER_RUN_TIMEOUT:-170}" "$PY" -m disagg.cluster.cli \
     profile "$pconf" "${grid[@]}" --out "$OUT/$W-profile.json" > "$OUT/$W-profile.log" 2>&1 \
     && adaptive+=(--set "router.step_profile=$OUT/$W-profile.json") || echo "profile: rc $? (the prior seeds the routers)"
   tail -5 "$OUT/$W-profile.log"
@@ -91,13 +109,13 @@ for chunk in ${CHUNK//,/ }; do  # CHUNK=8192,512: colocated at each chunk size (
     --set "scheduler.max_num_batched_tokens=$chunk" "${all_set[@]}" "${judge[@]}"
   merged+=(--from-results "results/$W/colocated-$chunk")
 done
-python3 -m disagg.cluster.cli bench "${merged[@]}" --slo-scales 1,2 \
+"$PY" -m disagg.cluster.cli bench "${merged[@]}" --slo-scales 1,2 \
   --result-dir "results/$W/merged" > "$OUT/$W-merged.log" 2>&1 || echo "merge: rc $?"
 grep -v '^\s*$' "$OUT/$W-merged.log" | tail -40
 # Small enough to come back from a device run (~25 MB did not): every run's summary and the logs;
 # the raw results and the traces in their own tars.
-python3 benchmarks/summarize_runs.py --table "results/$W" > "$OUT/$W-runs.md" || true
-python3 benchmarks/summarize_runs.py "results/$W" > "$OUT/$W-runs.json" || true
+"$PY" benchmarks/summarize_runs.py --table "results/$W" > "$OUT/$W-runs.md" || true
+"$PY" benchmarks/summarize_runs.py "results/$W" > "$OUT/$W-runs.json" || true
 cat "$OUT/$W-runs.md"
 tar czf "$OUT/$W.tgz" "results/$W" "$OUT"/"$W"-*.log
 # The device returns at most 8 files of 16 MiB each: the whole tar replaces the per-deployment ones
