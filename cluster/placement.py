@@ -311,6 +311,9 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
     # ms p50, local 23.2 vs 23.0; served: kept 20.8 vs 41.4; benchmarks/records/headline-h100x2-2026-11-27i/).
     start_of = {p.name: max(p.prompt_wait_s(), seat_of[p.name]) for p in prefills}
     best_p = min(prefills, key=lambda p: start_of[p.name] + p.prefill_s(prompt_len), default=None)
+    if best_p is not None:  # its queue's seconds and then this prompt's own, the same for every D
+        queue_s = best_p.prefill_s(0)
+        own_s = best_p.prefill_s(prompt_len) - queue_s
     for d in decodes:
         remote_tpot, local_tpot = _decode_side_tpot(d, prompt_len)
         # D's running decodes hold the step in flight (and, launched ahead, the next): a local
@@ -328,9 +331,7 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
             # held the 57-ms target (benchmarks/records/headline-h200x2-2026-11-28c/).
             # P goes on computing its queue meanwhile: the answer delays the prompt only where
             # it comes after P would have reached it.
-            queue_s = best_p.prefill_s(0)
             start = max(d.reserve_wait_s(), start_of[best_p.name] + queue_s)
-            own_s = best_p.prefill_s(prompt_len) - queue_s
             out.append(Prediction("remote", best_p.name, d.name, start + own_s + best_p.relay_s,
                                   remote_tpot + seat_tpot, max(best_p.model.error, d.model.error),
                                   seat_tpot_s=seat_tpot, reserve_step_s=d.reserve_step_s()))
