@@ -27,8 +27,11 @@ targets); with `fastest`, among admissible paths the lowest predicted TTFT (ties
 remote, then kept: `PREFERENCE`; with `balanced`, the config's default, that path, when it
 decodes on a decode instance, gives way to an admissible kept one while the decode instance's
 predicted TPOT is past `KEEP_SHARE` of the TPOT target, the prefill instance's is lower and the
-TTFT target has room for its decode steps: `_decode_on_prefill`); when none is admissible, the smallest violation, never a local
-prompt on a decode instance that already misses the TPOT bound or whose slack it breaks. A prompt
+TTFT target has room for its decode steps: `_decode_on_prefill`); when none is admissible, the smallest violation (a
+remote one's TPOT counts the requests P keeps, its chunks beside them: `Prediction.worst_tpot_s`),
+never a local prompt on a decode instance that already misses the TPOT bound or whose slack it
+breaks, nor a remote or kept one through a prefill instance whose kept requests' slack it breaks
+while another path spares them. A prompt
 computed on an instance whose `scheduler.max_num_seqs` seats are taken waits for a decode there
 to end, and a pushed request whose decode instance has none waits after its first token: both are
 in the predictions (`InstanceView.seat_wait_s`). A
@@ -284,6 +287,15 @@ class Prediction:
     why: str = ""
     seat_tpot_s: float = 0.0  # the part of ``tpot_s`` a pushed request waits for its decode seat
     reserve_step_s: float = 0.0  # remote: the decode instance's step in flight its reservation waits for
+    # remote: the mean TPOT predicted for the requests the prefill instance decodes (kept ones),
+    # this prompt's chunks beside them; local and kept count their instance's decodes in ``tpot_s``.
+    prefill_tpot_s: float = 0.0
+
+    @property
+    def worst_tpot_s(self) -> float:
+        """The worst TPOT this placement predicts for anyone: the request's own, and that of
+        the requests decoding where its prompt is computed and where it decodes."""
+        return max(self.tpot_s, self.prefill_tpot_s)
 
 
 @dataclass(frozen=True)
@@ -314,6 +326,9 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
     if best_p is not None:  # its queue's seconds and then this prompt's own, the same for every D
         queue_s = best_p.prefill_s(0)
         own_s = best_p.prefill_s(prompt_len) - queue_s
+        # The requests P keeps decode beside this prompt's chunks, as D's do beside a local one's:
+        # what the push costs them counts where nothing is admissible (`decide`'s violation).
+        p_running = _running_tpot(best_p, prompt_len)
     for d in decodes:
         remote_tpot, local_tpot = _decode_side_tpot(d, prompt_len)
         # D's running decodes hold the step in flight (and, launched ahead, the next): a local
@@ -334,7 +349,8 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
             start = max(d.reserve_wait_s(), start_of[best_p.name] + queue_s)
             out.append(Prediction("remote", best_p.name, d.name, start + own_s + best_p.relay_s,
                                   remote_tpot + seat_tpot, max(best_p.model.error, d.model.error),
-                                  seat_tpot_s=seat_tpot, reserve_step_s=d.reserve_step_s()))
+                                  seat_tpot_s=seat_tpot, reserve_step_s=d.reserve_step_s(),
+                                  prefill_tpot_s=p_running))
         out.append(Prediction("local", d.name, d.name, max(wait, seat) + d.prefill_s(prompt_len) + d.relay_s,
                               local_tpot, d.model.error))
     for p in prefills:
@@ -363,14 +379,25 @@ def _decode_side_tpot(d: InstanceView, prompt_len: int) -> tuple[float, float]:
     own_local = d.decode_gap_s(d.num_decoding + 1, d.context_tokens + prompt_len) if own_h else step_d
     if running_h:
         running_remote = d.mean_tpot_s(running_h, queued, queued_pairs, 1, prompt_len)
-        running_local = d.mean_tpot_s(running_h, queued + prompt_len, queued_pairs + prompt_pairs(0, prompt_len))
     else:
         running_remote = step_d if d.num_decoding and not own_h else 0.0
-        running_local = d.decode_step_s(0, 0, queued + prompt_len) if d.num_decoding else 0.0
-    if queued and own_h:  # the prompts queued ahead decode while this one's chunks run
-        ahead = d.mean_tpot_s(HORIZON_SHARE * own_h, prompt_len, prompt_pairs(0, prompt_len), 1, queued)
-        running_local = max(running_local, ahead)
-    return max(own_remote, running_remote), max(own_local, running_local)
+    return max(own_remote, running_remote), max(own_local, _running_tpot(d, prompt_len))
+
+
+def _running_tpot(v: InstanceView, prompt_len: int) -> float:
+    """The TPOT predicted for the requests decoding on ``v`` (and the prompts queued there,
+    which decode while this one's chunks run) when a prompt of ``prompt_len`` tokens is computed
+    on ``v`` beside them: their mean over `InstanceView.running_horizon` where known, else one
+    step with the chunks in it; 0 when nothing decodes there."""
+    queued, queued_pairs = v.queued_prompt_tokens, v.queued_prompt_pairs
+    if v.running_horizon:
+        running = v.mean_tpot_s(v.running_horizon, queued + prompt_len, queued_pairs + prompt_pairs(0, prompt_len))
+    else:
+        running = v.decode_step_s(0, 0, queued + prompt_len) if v.num_decoding else 0.0
+    if queued and v.output_tokens:  # the prompts queued ahead decode while this one's chunks run
+        ahead = v.mean_tpot_s(HORIZON_SHARE * v.output_tokens, prompt_len, prompt_pairs(0, prompt_len), 1, queued)
+        running = max(running, ahead)
+    return running
 
 
 def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[InstanceView],
@@ -393,7 +420,12 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     bound = targets.tpot_s
     if bound is None and remote_steps:
         bound = TPOT_SLACK * min(remote_steps)
-    stalls = {d.name: _stall_past_slack(d, prompt_len, targets.tpot_s) for d in decodes if targets.tpot_s is not None}
+    # A prompt's chunks stall the requests decoding where it is computed: D's for a local prompt
+    # (refused when they break their slack), P's kept ones for a remote or kept prompt (only past
+    # the knee, below: P computes prompts, its kept requests' stall meter stretches their gaps;
+    # refusing pushes for them cost the simulated prefill-heavy 2-9 points at 12-16 req/s).
+    stalls = {v.name: _stall_past_slack(v, prompt_len, targets.tpot_s)
+              for v in prefills + decodes if targets.tpot_s is not None}
     for cand in candidates:
         why = ""
         if not _fits(cand, views, prompt_len):
@@ -435,7 +467,13 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     # decode on it further, however close its own prediction.
     saturated = {c.decode for c in judged if c.path == "remote" and bound is not None and c.tpot_s > bound}
     saturated |= {name for name, why in stalls.items() if why}
-    spare = [c for c in fitting if not (c.path == "local" and c.decode in saturated)] or fitting
+    # Nor is a prompt pushed or kept through a prefill instance whose kept requests its chunks
+    # would stall past their slack, while another path spares them: the suspected cause (no trace
+    # yet) of two H200s' collapse one rate past the knee at f47ab54, the remote prompts rising as
+    # attainment fell (decode-heavy 7 -> 147, 98.5% -> 62.7% from 27 to 28 req/s, colocated 93.4%;
+    # chat 2x at 30 req/s 64.2% against 89.5%; benchmarks/records/headline-h200x2-2026-11-28e/).
+    spare = [c for c in fitting if not (c.path == "local" and c.decode in saturated)
+             and not (c.path != "local" and stalls.get(c.prefill))] or fitting
     return Decision(min(spare, key=lambda c: _violation(c, targets, bound)), tuple(judged))
 
 
@@ -506,7 +544,7 @@ def _fits(cand: Prediction, views: dict[str, InstanceView], prompt_len: int) -> 
 
 def _violation(cand: Prediction, targets: Targets, bound: float | None) -> float:
     """How far ``cand`` misses its targets, as the worst ratio of predicted over target."""
-    ratios = [cand.tpot_s / bound if bound else 0.0]
+    ratios = [cand.worst_tpot_s / bound if bound else 0.0]
     if targets.ttft_s is not None:
         ratios.append(cand.ttft_s / targets.ttft_s)
     return max(ratios) + 1e-9 * cand.ttft_s

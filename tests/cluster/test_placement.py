@@ -69,6 +69,33 @@ def test_a_local_prompt_may_not_stall_a_running_request_past_its_tpot():
     assert decide(2000, prefills, [d(1.8)]).path == "local"  # no TPOT target, no slack: the 1.1 x rule alone
 
 
+def test_past_the_knee_a_prompt_is_not_pushed_through_a_prefill_instance_whose_kept_requests_it_breaks():
+    # P keeps 8 requests decoding; one is 50 of 100 tokens in after 1.8 s: 115 ms of slack at
+    # 25 ms, and a 2000-token prompt computed on P stalls them 200 ms, whether it is then pushed
+    # (remote) or kept. D decodes 64 (20-ms steps) with room. A 1-ms TTFT target: no path is
+    # admissible, the smallest violation decides, and the fastest first token is the push through
+    # P. Two H200s at f47ab54 collapsed one rate past the knee as their remote prompts rose
+    # (decode-heavy 7 -> 147, 98.5% -> 62.7% from 27 to 28 req/s, colocated 93.4%; records 28e):
+    # there a push spends P's kept requests' slack, so it gives way to a path that spares them.
+    progress = tuple((e, 50, 100) for e in (1.0,) * 7 + (1.8,))
+    p = InstanceView("P", model(), 4096, 0, 8, 8000, None, 16, remaining_tokens=8 * 400, output_tokens=400,
+                     decode_progress=progress)
+    d = InstanceView("D", model(), 512, 0, 64, 64_000, None, 16, remaining_tokens=64 * 400, output_tokens=400)
+    targets = Targets.from_ms(1, 25, "fastest")
+    dec = decide(2000, [p], [d], targets)
+    remote, local = (next(c for c in dec.predictions if c.path == name) for name in ("remote", "local"))
+    assert not any(c.admissible for c in dec.predictions) and remote.ttft_s < local.ttft_s
+    assert dec.path == "local", dec.chosen
+    # Below the knee the push is judged on D's side, as before: P computes prompts, its kept
+    # requests live with that (their stall meter stretches their predicted gaps).
+    assert decide(2000, [p], [d], Targets.from_ms(None, 25, "fastest")).path in ("remote", "kept")
+    # P's kept requests with the slack: a path through P is the smallest violation again.
+    p_easy = replace(p, decode_progress=((1.0, 50, 100),) * 8)
+    assert decide(2000, [p_easy], [d], targets).chosen.prefill == "P"
+    # The push's P-side TPOT is part of its worst TPOT (its violation).
+    assert remote.prefill_tpot_s > 0 and remote.worst_tpot_s == max(remote.tpot_s, remote.prefill_tpot_s)
+
+
 def test_a_long_prompt_goes_remote_when_local_chunks_would_slow_running_decodes():
     decodes = [view("D", decoding=64, context=64 * 1000)]
     d = decide(4000, [view("P")], decodes, Targets.from_ms(None, 25, "fastest"))  # D steps 20 ms
