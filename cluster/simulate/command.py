@@ -234,6 +234,9 @@ def plan_command(
                              "(one core each)")] = 1,
     run_seconds: Annotated[float, Opt(min=0.001, help="virtual seconds of arrivals per simulated run")] = 30.0,
     max_prompts: Annotated[int, Opt(min=1, help="most requests of one simulated run")] = 3000,
+    only: Annotated[Optional[str], Opt("--only", help="judge only these candidates of the search, comma-separated "
+                                       "labels as printed, e.g. '56P8D,56P8D-adaptive,colocated-64[chunk=8192]' "
+                                       "(a fleet too large to search whole)")] = None,
     log_level: LogLevelOpt = None, verbose: VerboseOpt = False,
 ) -> None:
     """Search xPyD splits, colocated chunk sizes and the adaptive placement for --gpus GPUs by
@@ -266,7 +269,13 @@ def plan_command(
     lengths = dict(input_len=random_input_len, output_len=random_output_len, range_ratio=random_range_ratio)
     hops = dict(hop_ms=hop_ms, step_gap_ms=step_gap_ms, reserve_ms=reserve_ms)
     try:
+        search = None
+        if only is not None:
+            search = planner.only(planner.candidates(gpus, chunks, adaptive_chunk_sizes=adaptive_chunks,
+                                                     adaptive_prefers=prefers),
+                                  [label.strip() for label in only.split(",") if label.strip()])
         ranked = planner.plan(prof, dataset_name=dataset_name, slos_ms=slos, num_gpus=gpus, chunk_sizes=chunks,
+                              search=search,
                               run_length=planner.RunLength(run_seconds, min(100, max_prompts), max_prompts),
                               seed=seed, seeds=seeds, link_gbps=link_gbps, hops=hops,
                               adaptive_chunk_sizes=adaptive_chunks,

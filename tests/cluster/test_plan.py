@@ -89,6 +89,27 @@ def test_hops_are_given_to_every_simulated_fleet_and_named_in_the_yaml(tmp_path:
     assert "--hop-ms 6, --reserve-ms 8." in result.output
 
 
+def test_only_judges_the_named_candidates_and_names_the_valid_ones_otherwise(tmp_path: Path):
+    search = planner.candidates(4, chunk_sizes=(512,))
+    assert [c.label for c in planner.only(search, ["3P1D-adaptive", "colocated-4[chunk=512]"])] == [
+        "colocated-4[chunk=512]", "3P1D-adaptive"]
+    with pytest.raises(ValueError, match=r"--only: expected labels of this search \(colocated-4\[chunk=512\], "
+                                         r"1P3D, .*got 5P3D"):
+        planner.only(search, ["1P3D", "5P3D"])
+    with pytest.raises(ValueError, match="got none"):
+        planner.only(search, [])
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    common = ["plan", "--profile", str(profile), "--dataset-name", "random", "--random-input-len", "64",
+              "--random-output-len", "16", "--goodput", "ttft:300", "tpot:20", "--gpus", "2", "--chunk-sizes", "256",
+              "--run-seconds", "3", "--max-prompts", "150"]
+    result = CliRunner().invoke(app, common + ["--only", "1P1D"])
+    assert result.exit_code == 0, result.output
+    assert "1P1D: " in result.output and "colocated-2" not in result.output and "1P1D-adaptive" not in result.output
+    result = CliRunner().invoke(app, common + ["--only", "1P1D,2P0D"])
+    assert result.exit_code == 2 and "--only" in result.output and "2P0D" in result.output
+
+
 def test_cli_needs_slos(tmp_path: Path):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(PROFILE))
