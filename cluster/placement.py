@@ -19,8 +19,9 @@ decode step by more than 10% beyond the remote path's. TPOT is predicted as the 
 request's mean gap: a stall of prompt chunks is spread over the tokens it delays
 (`InstanceView.mean_tpot_s`; where the router's requests' max_tokens are unknown, one step's). With
 a TPOT target a local prompt must also leave every running request on its decode instance that
-still holds the target holding it: its chunks' stall is added to each one's whole TPOT, against
-what it has spent so far (`InstanceView.tpot_slack_s`). With `router.adaptive_prefer: remote` and
+still holds the target holding it, and the pushes on their way there (`InstanceView.incoming`):
+its chunks' stall is added to each one's whole TPOT, against what it has spent so far
+(`InstanceView.tpot_slack_s`). With `router.adaptive_prefer: remote` and
 a TTFT target an admissible remote path is taken (a TTFT under its target earns nothing; local
 and kept spend the other phase's instance, for the requests remote cannot serve within the
 targets); with `fastest`, among admissible paths the lowest predicted TTFT (ties within the model's error margin go to local, then
@@ -119,6 +120,9 @@ class InstanceView:
             its actor ran first, the model's error; may be < 0): `reserve_wait_s`.
         relay_s: what the recent first tokens it computed took to reach the router
             (`FleetModel.note_relay`: its output batch's way back, the router's event loop).
+        incoming: pushed requests reserved here whose prompts are still computed elsewhere: they
+            decode here within a prompt's time, beside whatever prompt is then computed here
+            (`tpot_slack_s` counts them as requests of ``output_tokens`` yet to start).
     """
 
     name: str
@@ -140,6 +144,7 @@ class InstanceView:
     launches_ahead: bool = False
     reserve_extra_s: float = 0.0
     relay_s: float = 0.0
+    incoming: int = 0
 
     def step_in_flight_s(self) -> float:
         """What a call waits for the forward running here at most (its decodes' step; 0 when none
@@ -240,9 +245,20 @@ class InstanceView:
         less one): a request that has decoded k of its n tokens in e seconds, the rest at
         `decode_gap_s`, has ``bound_s (n - 1) - e - (n - k) gap`` to spare. The smallest such
         slack of those predicted to hold the bound; those already past it are left out (a stall
-        cannot save them). None: none known to hold it."""
+        cannot save them); each push on its way (``incoming``) as one of ``output_tokens`` tokens
+        not yet started: ``bound_s (n - 1) - n gap``. Without them, simulated 8 GPUs long-prompt
+        (7P1D-adaptive) put prompts local on the one decode instance while pushes were on their way,
+        and every later push was refused for the stall: 0.422 req/s per GPU against 0.938 for the
+        same split fixed; with them 0.516 (1P7D-adaptive 0.656 -> 0.719;
+        benchmarks/records/plan-h200-2026-11-28/). They refuse a local prompt while a path is
+        admissible, but do not make the instance "saturated" where none is (`decide`): that took
+        every prompt off the decode instance of a 1P1D fleet past the knee (simulated long-prompt
+        at 1.4 req/s, 69.0% -> 23.8%). None: none known to hold it."""
         gap = self.decode_gap_s(self.num_decoding, self.context_tokens)
         slacks = [bound_s * (n - 1) - elapsed - (n - k) * gap for elapsed, k, n in self.decode_progress if n > 1]
+        if self.incoming and self.output_tokens and self.output_tokens > 1:
+            n = self.output_tokens
+            slacks.append(bound_s * (n - 1) - n * gap)
         return min((s for s in slacks if s >= 0), default=None)
 
     def decode_gap_s(self, seqs: int, context: int) -> float:
@@ -466,7 +482,10 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     # candidate does) has no spare compute for a prompt; a local one there would only slow every
     # decode on it further, however close its own prediction.
     saturated = {c.decode for c in judged if c.path == "remote" and bound is not None and c.tpot_s > bound}
-    saturated |= {name for name, why in stalls.items() if why}
+    # (its running decodes' slack only: pushes on their way are not yet decoding there)
+    saturated |= {name for name, why in stalls.items()
+                  if why and (not views[name].incoming or _stall_past_slack(replace(views[name], incoming=0),
+                                                                              prompt_len, targets.tpot_s))}
     # Nor is a prompt pushed or kept through a prefill instance whose kept requests its chunks
     # would stall past their slack, while another path spares them: the suspected cause (no trace
     # yet) of two H200s' collapse one rate past the knee at f47ab54, the remote prompts rising as
@@ -591,10 +610,10 @@ class _Work:
     """One instance's share of the live requests, summed by `FleetModel.views`: the fields of
     its `InstanceView` that the requests give."""
 
-    __slots__ = ("queued", "pairs", "decoding", "context", "remaining", "progress", "seated")
+    __slots__ = ("queued", "pairs", "decoding", "context", "remaining", "progress", "seated", "incoming")
 
     def __init__(self) -> None:
-        self.queued = self.pairs = self.decoding = self.context = self.remaining = self.seated = 0
+        self.queued = self.pairs = self.decoding = self.context = self.remaining = self.seated = self.incoming = 0
         self.progress: list[tuple[float, int, int]] = []
 
     def add(self, req, computing: bool, max_tokens: int, now: float | None) -> None:
@@ -735,6 +754,9 @@ class FleetModel:
             colocated, prefill = req.colocated, req.prefill
             if colocated is not None and id(colocated) in work:  # local or kept: prompt here until its first token
                 work[id(colocated)].add(req, req.num_output == 0, max_tokens, now)
+            if (req.stage in ("reserving", "prefilling") and req.decode is not None and req.decode is not colocated
+                    and id(req.decode) in work):
+                work[id(req.decode)].incoming += 1
             if req.stage in ("reserving", "prefilling") and prefill is not None:
                 if prefill is not colocated and id(prefill) in work:
                     work[id(prefill)].add(req, True, max_tokens, now)
@@ -756,7 +778,7 @@ class FleetModel:
         return InstanceView(name, self.model_of(name), self.chunk_tokens, work.queued, work.decoding, work.context,
                             None if load is None else load.free_pages, self.page_size, work.pairs, work.remaining,
                             output_tokens, self.stalls[name].factor, self.reserve_waits, tuple(work.progress),
-                            self.max_seqs, work.seated, self.launches_ahead, *hops)
+                            self.max_seqs, work.seated, self.launches_ahead, *hops, incoming=work.incoming)
 
     def snapshot(self) -> dict:
         """Each instance's fitted model (coefficients, error, samples), its stall factor, its

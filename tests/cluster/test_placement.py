@@ -96,6 +96,30 @@ def test_past_the_knee_a_prompt_is_not_pushed_through_a_prefill_instance_whose_k
     assert remote.prefill_tpot_s > 0 and remote.worst_tpot_s == max(remote.tpot_s, remote.prefill_tpot_s)
 
 
+def test_a_local_prompt_may_not_stall_the_pushes_on_their_way_past_their_tpot():
+    # D decodes nothing yet, but 3 pushes are reserved on it, their prompts computing on P: they
+    # decode on D within a prompt's time, beside this local prompt's chunks. 400 tokens each at
+    # 25 ms with D's ~10-ms steps leave ~6 s of slack; a 2000-token chunk stalls them 0.2 s, fine;
+    # with 40-token answers the slack is ~0.6 s, and a 20,000-token local prompt (2 s of chunks)
+    # breaks it. Simulated 8 GPUs long-prompt 7P1D-adaptive: local prompts on the one decode
+    # instance while pushes were on their way, every later push refused, 0.422 req/s per GPU
+    # against 0.938 for 7P1D fixed; counting them, 0.516 (benchmarks/records/plan-h200-2026-11-28/).
+    # Past the knee they do not make D saturated: its local path stays the fallback's to take.
+    def d(incoming, output_tokens):
+        return InstanceView("D", model(), 4096, 0, 0, 0, None, 16, output_tokens=output_tokens, incoming=incoming)
+
+    prefills, targets = [view("P", queued=200_000)], Targets.from_ms(None, 25, "fastest")
+    assert decide(2000, prefills, [d(3, 400)], targets).path == "local"
+    dec = decide(20_000, prefills, [d(3, 40)], targets)
+    local = next(c for c in dec.predictions if c.path == "local")
+    assert not local.admissible and "slack" in local.why and dec.path != "local", local
+    assert decide(20_000, prefills, [d(0, 40)], targets).path == "local"  # none on their way: nothing to stall
+    assert d(3, 40).tpot_slack_s(0.025) == pytest.approx(0.025 * 39 - 40 * 0.01)
+    # Nothing admissible (a 1-ms TTFT target): the pushes on their way do not close D's local path,
+    # the fallback still takes it where it is the smallest violation (P's queue is 20 s long).
+    assert decide(20_000, prefills, [d(3, 40)], Targets.from_ms(1, 25, "fastest")).path == "local"
+
+
 def test_a_long_prompt_goes_remote_when_local_chunks_would_slow_running_decodes():
     decodes = [view("D", decoding=64, context=64 * 1000)]
     d = decide(4000, [view("P")], decodes, Targets.from_ms(None, 25, "fastest"))  # D steps 20 ms
@@ -650,9 +674,9 @@ def test_the_fleet_view_counts_seats_of_decodes_queued_prompts_and_pushes_on_the
     fleet = FleetModel(512, 16, max_seqs=128)
     v = fleet.view(dec, live)
     # a and e decode, d's prompt is queued, b and c are pushed here once their prompts are computed
-    assert (v.max_seqs, v.seated, v.num_decoding) == (128, 5, 2)
+    assert (v.max_seqs, v.seated, v.num_decoding, v.incoming) == (128, 5, 2, 2)
     p = fleet.view(pre, live)
-    assert (p.seated, p.num_decoding) == (3, 0)  # b, c computing; f's prompt queued (kept)
+    assert (p.seated, p.num_decoding, p.incoming) == (3, 0, 0)  # b, c computing; f's prompt queued (kept)
     assert FleetModel(512, 16).view(dec, live).max_seqs is None
 
 
