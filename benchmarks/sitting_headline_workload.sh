@@ -71,7 +71,15 @@ all_set=()
 disagg_set=("${all_set[@]}")
 [ -n "${CHUNK_DISAGG:-}" ] && disagg_set+=(--set "scheduler.max_num_batched_tokens=$CHUNK_DISAGG")
 [ -n "${SET_DISAGG:-}" ] && disagg_set+=(--set "$SET_DISAGG")
-if [ -n "${PREDICT:-}" ]; then
+# DEPLOYMENTS (default "1p1d adaptive colocated"): the deployments this command runs, e.g. the
+# colocated runs alone in a second command when one command of ten minutes cannot hold them all.
+# Without 1p1d a served sitting needs SLOS=TTFT:TPOT (calibrated by the earlier command's 1P1D).
+DEPLOYMENTS=" ${DEPLOYMENTS:-1p1d adaptive colocated} "
+merged=()
+if [[ $DEPLOYMENTS != *" 1p1d "* ]]; then
+  [ -n "${SLOS:-}" ] || { echo "DEPLOYMENTS without 1p1d needs SLOS=TTFT_MS:TPOT_MS (calibrated earlier)" >&2; exit 2; }
+  T=${SLOS%%:*}; P=${SLOS#*:}
+elif [ -n "${PREDICT:-}" ]; then
   T=${SLOS%%:*}; P=${SLOS#*:}
   run 1p1d "configs/$MODEL-1p1d.yaml" --request-rate "${RATES_1P1D:-$RATES}" --goodput "ttft:$T" --goodput "tpot:$P" \
     "${disagg_set[@]}"
@@ -80,6 +88,7 @@ else
   slos=$(grep -o "SLOs TTFT [0-9.]* ms, TPOT [0-9.]* ms" "$OUT/$W-1p1d.log" | head -1 || true)
   T=$(echo "$slos" | awk '{print $3}'); P=$(echo "$slos" | awk '{print $6}')
 fi
+[[ $DEPLOYMENTS == *" 1p1d "* ]] && merged+=(--from-results "results/$W/1p1d")
 [ -n "$T" ] && [ -n "$P" ] || { echo "no SLOs in $OUT/$W-1p1d.log" >&2; exit 1; }
 echo "SLOs: TTFT $T ms, TPOT $P ms"
 judge=(--goodput "ttft:$T" --goodput "tpot:$P")
@@ -98,12 +107,15 @@ elif [ -n "${STEP_PROFILE:-}" ]; then
     && adaptive+=(--set "router.step_profile=$OUT/$W-profile.json") || echo "profile: rc $? (the prior seeds the routers)"
   tail -5 "$OUT/$W-profile.log"
 fi
-run adaptive "${adaptive[@]}"
-merged=(--from-results "results/$W/1p1d" --from-results "results/$W/adaptive")
-for variant in ${ADAPTIVE_VARIANTS:-}; do  # NAME:KEY=VALUE -> the run "adaptive-NAME"
-  run "adaptive-${variant%%:*}" "${adaptive[@]}" --set "${variant#*:}"
-  merged+=(--from-results "results/$W/adaptive-${variant%%:*}")
-done
+if [[ $DEPLOYMENTS == *" adaptive "* ]]; then
+  run adaptive "${adaptive[@]}"
+  merged+=(--from-results "results/$W/adaptive")
+  for variant in ${ADAPTIVE_VARIANTS:-}; do  # NAME:KEY=VALUE -> the run "adaptive-NAME"
+    run "adaptive-${variant%%:*}" "${adaptive[@]}" --set "${variant#*:}"
+    merged+=(--from-results "results/$W/adaptive-${variant%%:*}")
+  done
+fi
+[[ $DEPLOYMENTS == *" colocated "* ]] || CHUNK=
 for chunk in ${CHUNK//,/ }; do  # CHUNK=8192,512: colocated at each chunk size (its best one is the comparison)
   run "colocated-$chunk" "configs/$MODEL-colocated.yaml" --request-rate "${RATES_COLOCATED:-$RATES}" \
     --set "scheduler.max_num_batched_tokens=$chunk" "${all_set[@]}" "${judge[@]}"
