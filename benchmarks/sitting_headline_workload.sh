@@ -9,7 +9,8 @@
 # deployment per command). The merged comparison runs here too, and everything is tarred to $OUT.
 # Usage (device tool: kind nvidia-h200-x2 or nvidia-h100-x2, carry [".whl"]):
 #   source .whl/gpu-env.sh && RATES=4,6,8 CHUNK=8192 bash benchmarks/sitting_headline_workload.sh chat
-# Per deployment: RATES_1P1D, RATES_ADAPTIVE, RATES_COLOCATED (default RATES), e.g. the knees of
+# Per deployment: RATES_1P1D, RATES_ADAPTIVE, RATES_COLOCATED (default RATES; RATES_COLOCATED_<chunk>
+# for one chunk size), e.g. the knees of
 # benchmarks/records/headline-plan-2026-11-27/README.md. CHUNK_DISAGG: the prefill budget of the
 # 1P1D and adaptive fleets (default: the config's), the disaggregated side of HEADLINE.md's sweep.
 # DISAGG_TRACE_DIR (optional): per-request and per-step traces of every run, tarred apart.
@@ -30,6 +31,8 @@
 # comes back as $OUT/<workload>-profile.json for `disagg simulate --profile`. STEP_PROFILE=FILE: seed
 # them with that profile instead (one made by an earlier command of the same session and kept in
 # the tree, which travels: no second minute of profiling).
+# PER_RUN_TIMEOUT (default 170): seconds for one deployment's whole sweep (every rate of it: long-prompt
+# at 30-s runs takes ~45 s a rate).
 # MAX_TAR_BYTES (default 15000000): above it the per-deployment tars come back instead of one.
 # CPU smoke check: HEADLINE_MODEL=tiny RATES=2 HEADLINE_SECONDS=3 bash benchmarks/sitting_headline_workload.sh chat
 # PREDICT=PROFILE SLOS=TTFT:TPOT (CPU, before a sitting): the same runs with `disagg simulate` on that
@@ -117,7 +120,8 @@ if [[ $DEPLOYMENTS == *" adaptive "* ]]; then
 fi
 [[ $DEPLOYMENTS == *" colocated "* ]] || CHUNK=
 for chunk in ${CHUNK//,/ }; do  # CHUNK=8192,512: colocated at each chunk size (its best one is the comparison)
-  run "colocated-$chunk" "configs/$MODEL-colocated.yaml" --request-rate "${RATES_COLOCATED:-$RATES}" \
+  rates_chunk="RATES_COLOCATED_$chunk"  # RATES_COLOCATED_512=...: that chunk size's own rates
+  run "colocated-$chunk" "configs/$MODEL-colocated.yaml" --request-rate "${!rates_chunk:-${RATES_COLOCATED:-$RATES}}" \
     --set "scheduler.max_num_batched_tokens=$chunk" "${all_set[@]}" "${judge[@]}"
   merged+=(--from-results "results/$W/colocated-$chunk")
 done

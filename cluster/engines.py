@@ -160,7 +160,8 @@ def make_engine(role: str, model: Any, heap: Any, num_pages: int, config: Config
         # an eager decode step of an 8B model takes about twice the graph's.
         keeps = config.router.placement == "adaptive" and mode != "none"
         return PrefillEngine(model, heap, max_num_batched_tokens=budget, use_cuda_graphs=None if keeps else False,
-                             force_segment_puts=config.transfer.force_segment_puts, **steps, **common)
+                             force_segment_puts=config.transfer.force_segment_puts,
+                             push_after=config.transfer.push_after, **steps, **common)
     graphs = dict(use_cuda_graphs=False if mode == "none" else None)
     if role == "decode":
         return DecodeEngine(model, heap, lease_s=config.router.lease_s, max_num_batched_tokens=budget,

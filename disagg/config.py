@@ -182,6 +182,11 @@ class TransferSection(Section):
     force_segment_puts: bool = Field(
         False, description="push with host-initiated segment puts even to load/store-reachable peers "
                            "(the inter-node path, testable on one node)")
+    push_after: Literal["graphs", "never", "always"] = Field(
+        "graphs", description="when a prefill forward pushes its K/V: graphs = after the forward, every layer "
+                              "at once, where a whole-forward CUDA graph runs it (short prompts, mixed steps), "
+                              "layer by layer in the others; never = always layer by layer (eager); always = "
+                              "after every forward")
 
 
 class SchedulerSection(Section):
@@ -209,7 +214,7 @@ class SchedulerSection(Section):
     cuda_graphs: Literal["full", "full_and_piecewise", "full_decode_only", "none"] = Field(
         "full", description="CUDA graphs on GPUs (vLLM's cudagraph_mode names): "
                                           "full: as full_and_piecewise, and prompt and mixed steps of "
-                                          "<= 512 tokens that push nothing replay whole-forward graphs, "
+                                          "<= 512 tokens replay whole-forward graphs (pushing after them: transfer.push_after), "
                                           "attention included; full_and_piecewise: pure-decode steps "
                                           "replay whole-forward graphs, prompt and mixed steps of <= "
                                           "2048 tokens piecewise graphs between their attentions; "

@@ -56,7 +56,7 @@ from disagg.kernels.append import PreparedAppend, prepare_append_push
 from disagg.plan import ForwardPlan
 from disagg.transfer.doorbell import DoorbellTicket, ring_async
 from disagg.transfer.heap import SymmetricHeap
-from disagg.transfer.push_plan import PushWork, build_push_work, check_plan
+from disagg.transfer.push_plan import PushWork, build_push_work, check_plan, request_of_token
 from disagg.transfer.segments import KVGeometry, LayerSegments
 
 logger = logging.getLogger(__name__)
@@ -266,6 +266,61 @@ class KVPusher:
                 logger.debug("request %s: PE %d -> PE %d rang doorbell word %d epoch %d",
                              seq, self.heap.rank, ticket.pe, ticket.index, ticket.epoch)
         self._forward = None
+        return event
+
+    def can_push_written(self, plan: ForwardPlan) -> bool:
+        """Whether `push_written` can push ``plan``: every token it pushes has a local slot (the
+        copy reads it there once the forward has written it)."""
+        pushed = plan.push_pes >= 0
+        return not pushed.any() or bool((plan.append_slots[pushed] >= 0).all())
+
+    def push_written(self, plan: ForwardPlan) -> torch.cuda.Event | None:
+        """Push ``plan``'s new K/V after a forward that wrote it to the local pages without this
+        pusher (a whole-forward CUDA graph: `ModelRunner._pushes_after`), every layer at once, then
+        its copies of existing KV, and ring the doorbells it completes: `begin_forward`, every
+        `push_layer_async` and `end_forward` in one call, on the transfer stream after the
+        caller's work so far (no host sync). The caller applied the plan's fork copies.
+
+        Returns:
+            As `end_forward`: on CUDA with transfers, an event after them and the rings.
+
+        Raises:
+            ForwardStateError: a forward is open.
+            TransferError, ValueError: as `begin_forward` (nothing was written), or a pushed token
+                has no local slot (`can_push_written`).
+        """
+        if self._forward is not None:
+            raise ForwardStateError("KVPusher.push_written: a forward is open (begin_forward)")
+        rank = self.heap.rank
+        if self.heap.closed and plan.has_transfers:
+            raise TransferError("the heap is closed", request_id=int(plan.send_seq_ids[0]),
+                                src_pe=rank, dst_pe=int(plan.send_pes[0]))
+        check_plan(plan, self.geometry, rank, self.heap.world_size, self._doorbells)
+        if not self.can_push_written(plan):
+            token = int(np.flatnonzero((plan.push_pes >= 0) & (plan.append_slots < 0))[0])
+            raise TransferError(f"token {token} is pushed but has no local slot to copy from after the forward "
+                                "(push it layer by layer: begin_forward)", request_id=request_of_token(plan, token),
+                                src_pe=rank, dst_pe=int(plan.push_pes[token]))
+        work = build_push_work(plan, self.geometry, rank, self._reachable, self._doorbells)
+        num_layers = self.geometry.num_layers
+        event = None
+        if work.has_transfers:
+            with self._on_transfer_stream(num_layers) as stream:
+                self._copy_existing(work)
+                for i, pe in enumerate(work.peer_pes):  # the new tokens: page to page, every layer
+                    mine = work.dst_index == i
+                    local, remote = self._to_device(work.append_slots[mine], work.dst_slots[mine])
+                    copy_slots(self.kv, local, self._peer_kv[pe], remote, check_indices=False)
+                for pe, runs in work.segment_pushes.items():
+                    self.heap.put_segments_async(self.kv, pe, runs.for_layers(num_layers), stream)
+                for ticket in work.rings:
+                    ring_async(self.heap, ticket, stream)
+                if stream is not None:
+                    event = self._done_events[num_layers]
+                    event.record(stream)
+        for seq, complete in zip(plan.send_seq_ids.tolist(), plan.send_complete.tolist()):
+            if complete:
+                self._doorbells.pop(seq)
         return event
 
     def synchronize(self) -> None:

@@ -30,7 +30,7 @@ class ColocatedEngine(EngineCore):
         kv_dtype: KV dtype (default: the model's).
         use_cuda_graphs: None = on CUDA; False = eager always.
         prompt_graphs: piecewise graphs of prompt and mixed forwards; None = as ``use_cuda_graphs``.
-        mixed_graphs: whole-forward CUDA graphs of short prompt and mixed steps that push nothing
+        mixed_graphs: whole-forward CUDA graphs of short prompt and mixed steps (pushes after them)
             (`disagg.engine.mixed_graphs`; needs the decode graphs); None = as the decode graphs.
         async_scheduling: launch a reserved decode-only step before reading the tokens of the
             one before it (see `EngineCore`).

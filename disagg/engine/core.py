@@ -70,7 +70,7 @@ class EngineCore:
         use_cuda_graphs: decode graphs; None = on CUDA; False = eager always.
         prompt_graphs: piecewise graphs of prompt and mixed forwards (`disagg.engine.prompt_graphs`);
             None = as ``use_cuda_graphs``.
-        mixed_graphs: whole-forward CUDA graphs of short prompt and mixed steps that push nothing
+        mixed_graphs: whole-forward CUDA graphs of short prompt and mixed steps (pushes after them)
             (`disagg.engine.mixed_graphs`; needs the decode graphs); None = as the decode graphs.
         async_scheduling: launch a reserved decode-only step before reading the tokens of the one
             before it (module docstring).
@@ -79,6 +79,8 @@ class EngineCore:
         lease_s: seconds a reservation waits for its doorbell before its pages are released.
         clock: monotonic clock for leases (tests pass a fake one).
         force_segment_puts: push with segment puts even to load/store-reachable peers.
+        push_after: when its pushes run: after a forward's graph, or layer by layer
+            (`ModelRunner`'s ``push_after``; `transfer.push_after`).
         prefix_caching: automatic prefix caching (`disagg.cache`): prompts fork from the longest
             cached prefix and compute only the rest; a decode reservation made with the prompt's
             ids receives only the rest.
@@ -89,7 +91,7 @@ class EngineCore:
                  use_cuda_graphs: bool | None = None, prompt_graphs: bool | None = None,
                  mixed_graphs: bool | None = None, async_scheduling: bool = True, async_prompts: bool = True, lease_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, force_segment_puts: bool = False,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, push_after: str = "graphs") -> None:
         check_engine_sizes(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens)
         self.model = model
@@ -103,7 +105,7 @@ class EngineCore:
                                                                               device=model.device)
         self.runner = ModelRunner(model, self.kv, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, use_cuda_graphs=use_cuda_graphs,
-                                  prompt_graphs=prompt_graphs, mixed_graphs=mixed_graphs)
+                                  prompt_graphs=prompt_graphs, mixed_graphs=mixed_graphs, push_after=push_after)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.requests: dict[Hashable, Request] = {}
         self._factory = RequestFactory(tuple(model.config.eos_token_ids))
@@ -442,6 +444,7 @@ class EngineCore:
                 "num_graph_replays": self.runner.num_graph_replays,
                 "num_prompt_graph_replays": self.runner.num_prompt_graph_replays,
                 "num_mixed_graph_replays": self.runner.num_mixed_graph_replays,
+                "num_pushes_after": self.runner.num_pushes_after,
                 "num_reserved_steps": self.num_reserved_steps, "num_steps_ahead": self.num_steps_ahead,
                 "num_prompt_steps_ahead": self.num_prompt_steps_ahead,
                 **self.cache.prefix_stats()}

@@ -65,7 +65,7 @@ class DecodeEngine(EngineCore):
         lease_s: seconds a reservation waits for its doorbell before its pages are released.
         use_cuda_graphs: None = on CUDA; False = eager always.
         prompt_graphs: piecewise graphs of local prompts' forwards; None = as ``use_cuda_graphs``.
-        mixed_graphs: whole-forward CUDA graphs of short prompt and mixed steps that push nothing
+        mixed_graphs: whole-forward CUDA graphs of short prompt and mixed steps (pushes after them)
             (`disagg.engine.mixed_graphs`; needs the decode graphs); None = as the decode graphs.
         clock: monotonic clock for leases (tests pass a fake one).
         async_scheduling: launch the next step before reading this one's tokens (see the module

@@ -55,10 +55,13 @@ class PrefillEngine(EngineCore):
             False: eager).
         use_cuda_graphs: decode graphs, for the requests it keeps and decodes itself (None: on
             CUDA); off by default: a prefill engine of a fixed disaggregated fleet never decodes.
-        mixed_graphs: whole-forward CUDA graphs of short prompt and mixed steps that push nothing
-            (`disagg.engine.mixed_graphs`; needs the decode graphs); None = as the decode graphs.
+        mixed_graphs: whole-forward CUDA graphs of short prompt and mixed steps (their pushes run
+            after the graph: ``push_after``; `disagg.engine.mixed_graphs`; needs the decode
+            graphs); None = as the decode graphs.
         async_scheduling, async_prompts: as `EngineCore`'s, for the requests it keeps and decodes
             (`scheduler.async_scheduling`, `scheduler.async_prompts`).
+        push_after: when pushes run: "graphs" (after a whole-forward graph, else layer by
+            layer), "never", "always" (`ModelRunner`; `transfer.push_after`).
     """
 
     def __init__(self, model, heap, *, num_pages: int, page_size: int, max_num_seqs: int,
@@ -66,12 +69,12 @@ class PrefillEngine(EngineCore):
                  force_segment_puts: bool = False, prefix_caching: bool = True,
                  prompt_graphs: bool | None = None, use_cuda_graphs: bool | None = False,
                  mixed_graphs: bool | None = None, async_scheduling: bool = True,
-                 async_prompts: bool = True) -> None:
+                 async_prompts: bool = True, push_after: str = "graphs") -> None:
         super().__init__(model, heap=heap, num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype,
                          use_cuda_graphs=use_cuda_graphs, prompt_graphs=prompt_graphs is not False,
                          mixed_graphs=mixed_graphs,
-                         force_segment_puts=force_segment_puts,
+                         force_segment_puts=force_segment_puts, push_after=push_after,
                          prefix_caching=prefix_caching, async_scheduling=async_scheduling,
                          async_prompts=async_prompts)
 

@@ -6,10 +6,10 @@ Every engine owns one, in its own process, next to its KV tensor. A step is:
 
 Pure-decode batches on CUDA replay a CUDA graph of the forward (`disagg.engine.graphs`), padded
 up to the next batch-size bucket; with ``mixed_graphs`` prompt and mixed batches of up to
-`MAX_FULL_TOKENS` tokens that push nothing replay whole-forward graphs too
-(`disagg.engine.mixed_graphs`); other prompt chunks and mixed batches up to `MAX_GRAPH_TOKENS`
-tokens (pushes included) replay the piecewise graphs between their attentions, which run eagerly
-(`disagg.engine.prompt_graphs`); larger forwards and the CPU run eagerly. Sampling runs after the forward on the same stream, and the sampled ids come back
+`MAX_FULL_TOKENS` tokens replay whole-forward graphs too (`disagg.engine.mixed_graphs`), their
+pushes, if any, after the graph (`push_after`); other prompt chunks and mixed batches up to
+`MAX_GRAPH_TOKENS` tokens replay the piecewise graphs between their attentions, which run eagerly
+and push layer by layer (`disagg.engine.prompt_graphs`); larger forwards and the CPU run eagerly. Sampling runs after the forward on the same stream, and the sampled ids come back
 through a pinned buffer with an event (`PendingTokens`), so a caller can do host work for the
 next step before it waits for them.
 """
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from disagg.engine.graphs import DecodeGraphs
+from disagg.kernels import copy_slots
 from disagg.engine.mixed_graphs import MixedGraphs
 from disagg.engine.prompt_graphs import PromptGraphs
 from disagg.cache import PagedKVCache
@@ -34,6 +35,9 @@ from disagg.plan import ForwardPlan
 from disagg.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# When a forward with receivers pushes its K/V (`ModelRunner._pushes_after`, `transfer.push_after`).
+PUSH_AFTER = ("graphs", "never", "always")
 
 
 @dataclass
@@ -72,14 +76,21 @@ class ModelRunner:
             prompt graphs).
         use_cuda_graphs: decode graphs; None = on CUDA devices; False = always eager.
         prompt_graphs: the piecewise graphs of prompt and mixed forwards; None = as the decode graphs.
-        mixed_graphs: whole-forward graphs of short prompt and mixed forwards without pushes
-            (needs the decode graphs and a token budget; CUDA only); None = as the decode graphs.
+        mixed_graphs: whole-forward graphs of short prompt and mixed forwards (needs the decode
+            graphs and a token budget; CUDA only); None = as the decode graphs.
         kv_scales: fp8 caches only, handed to ``model.forward``.
+        push_after: when a forward with receivers pushes its K/V (`transfer.push_after`):
+            "graphs", after the forward where a whole-forward graph runs it (the graph cannot hold
+            the layer-by-layer push), layer by layer in the others; "never": always layer by
+            layer; "always": after every forward (the path the graphs take, on any device).
     """
 
     def __init__(self, model, kv: torch.Tensor, *, max_num_seqs: int, max_num_batched_tokens: int | None = None,
                  use_cuda_graphs: bool | None = None, prompt_graphs: bool | None = None,
-                 mixed_graphs: bool | None = None, kv_scales=None) -> None:
+                 mixed_graphs: bool | None = None, kv_scales=None, push_after: str = "graphs") -> None:
+        if push_after not in PUSH_AFTER:
+            raise ValueError(f"push_after: expected one of {PUSH_AFTER}, got {push_after!r}")
+        self.push_after = push_after
         self.model = model
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -96,6 +107,7 @@ class ModelRunner:
         # Plans come from PagedKVCache, already checked on the host: no device-to-host checks.
         self._check_indices = False if on_gpu else None
         self.num_forwards = 0
+        self.num_pushes_after = 0  # forwards whose pushes ran after them (`_pushes_after`)
         self.num_graph_replays = 0
 
     # ------------------------------------------------------------------ steps
@@ -125,7 +137,11 @@ class ModelRunner:
         host_ids = None if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids, np.int64)
         if device_prefix is not None:  # rows :k come from the device; zeros stand in for them here
             host_ids = np.concatenate([np.zeros(device_prefix.shape[0], np.int64), host_ids])
-        if pusher is not None:
+        bucket = None
+        if self.mixed_graphs is not None and host_ids is not None:
+            bucket = self.mixed_graphs.bucket(plan)
+        after = pusher is not None and self._pushes_after(plan, pusher, bucket)
+        if pusher is not None and not after:
             pusher.begin_forward(plan)
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
             logits = self.model.forward(self._device_ids(input_ids, host_ids, device_prefix), batch, self.kv,
@@ -136,15 +152,35 @@ class ModelRunner:
             # device to device.
             logits = self.graphs.run(plan, input_ids if host_ids is None else host_ids)
             self.num_graph_replays += 1
-        elif (self.mixed_graphs is not None and host_ids is not None
-              and (bucket := self.mixed_graphs.bucket(plan)) is not None):
+        elif bucket is not None:
             logits = self.mixed_graphs.run(plan, host_ids, bucket, device_prefix=device_prefix)
         else:
+            if after and len(plan.fork_src_slots):  # the pusher's begin_forward applies them otherwise
+                src, dst = (torch.as_tensor(np.asarray(a, dtype=np.int64)).to(self.device, non_blocking=True)
+                            for a in (plan.fork_src_slots, plan.fork_dst_slots))
+                copy_slots(self.kv, src, self.kv, dst, check_indices=self._check_indices)
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
             logits = self.model.forward(self._device_ids(input_ids, host_ids, device_prefix), batch, self.kv,
                                         kv_scales=self.kv_scales, pieces=self._pieces(plan))
+        if after:
+            push_done = pusher.push_written(plan)
+            self.num_pushes_after += 1
         self.num_forwards += 1
         return self._sample(logits, sample_rows, sample_requests, push_done, step_offset)
+
+    def _pushes_after(self, plan: ForwardPlan, pusher, bucket: tuple[int, int] | None) -> bool:
+        """Whether ``plan``'s pushes go after its forward, every layer at once (``push_after``).
+
+        A whole-forward graph (a short prompt, a mixed step) cannot push layer by layer, and its
+        forward run eagerly to push so cost P's decodes the graph's speed: two H200s, decode-heavy
+        at 27 req/s, a mixed step of ~150 prompt tokens beside ~80 decodes took 28.6 ms pushing
+        eagerly against 10.0 ms graphed (benchmarks/records/headline-h200x2-2026-11-28f/). After
+        the graph the push is one copy of the forward's few MiB over NVLink (a 512-token forward
+        of an 8B model: 64 MiB, ~0.2 ms); long prompts keep the layer-by-layer overlap. Every
+        pushed token must have a local slot to copy from (`KVPusher.can_push_written`)."""
+        if self.push_after == "never" or not pusher.can_push_written(plan):
+            return False
+        return self.push_after == "always" or bucket is not None
 
     def _pieces(self, plan: ForwardPlan):
         """The prompt graphs' pieces for an eager forward of ``plan`` (None: run it all eagerly)."""

@@ -94,6 +94,9 @@ def test_llama3_shaped_placements_over_nvshmem_equal_colocated(ray_local, gpu_sh
         wait_all_free(cluster)
     # The prefill instance decodes its kept requests with CUDA graphs (adaptive placement), as D does.
     assert instances["prefill-0"]["num_graph_replays"] > 0, instances["prefill-0"]
+    # Its short remote prompts (<= 512 tokens) ran as whole-forward graphs and pushed after them
+    # (`transfer.push_after: graphs`); the longer ones layer by layer: both paths equal colocated.
+    assert instances["prefill-0"]["num_pushes_after"] > 0, instances["prefill-0"]
     placed = stats["placements"]
     assert placed["remote"] >= 8 and placed["local"] >= 8 and placed["kept"] >= 8, placed
     models = stats["placement"]["models"]

@@ -17,18 +17,22 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 NUM_PAGES, PAGE_SIZE = 24, 4
 
 
-@pytest.fixture(params=[False, True], ids=["sync", "async"])
+@pytest.fixture(params=[(False, "graphs"), (True, "graphs"), (True, "always")],
+                ids=["sync", "async", "async-push-after"])
 def engines(tiny_model, torch_reference, request):
     """(prefill on PE 0, decode on PE 1, the decode engine's lease clock); heaps closed after.
-    Every test runs with the decode engine's async scheduling off and on."""
+    Every test runs with the decode engine's async scheduling off and on, and once with the
+    prefill engine pushing after each forward (`transfer.push_after: always`, the path of the
+    forwards a whole-forward CUDA graph runs; "graphs" on the CPU pushes layer by layer)."""
+    async_scheduling, push_after = request.param
     uid = new_unique_id("shm")
     heaps = collective([lambda r=r: open_heap("shm", uid=uid, rank=r, world_size=2, size_bytes=1 << 20,
                                               num_signals=16, timeout_s=10.0) for r in range(2)])
     clock = FakeClock()
     sizes = dict(num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_num_seqs=4)
     prefill, decode = collective([
-        lambda: PrefillEngine(tiny_model, heaps[0], max_num_batched_tokens=5, **sizes),
-        lambda: DecodeEngine(tiny_model, heaps[1], lease_s=5.0, clock=clock, async_scheduling=request.param,
+        lambda: PrefillEngine(tiny_model, heaps[0], max_num_batched_tokens=5, push_after=push_after, **sizes),
+        lambda: DecodeEngine(tiny_model, heaps[1], lease_s=5.0, clock=clock, async_scheduling=async_scheduling,
                              **sizes)])
     yield prefill, decode, clock
     close_heaps(uid, heaps)
@@ -71,6 +75,8 @@ def test_tokens_equal_full_recompute(engines, expected):
         assert [o.token_id for o in results[rid]] == expected[rid], rid
         assert results[rid][-1].finish_reason == "length"
     assert prefill.runner.num_forwards >= 4  # 19 prompt tokens, 5 per forward: "a" was chunked
+    pushed_after = prefill.runner.num_pushes_after
+    assert pushed_after == (prefill.runner.num_forwards if prefill.runner.push_after == "always" else 0)
     assert_all_free(prefill)
     assert_all_free(decode)
     assert decode.stats()["committed_pages"] == 0

@@ -21,7 +21,10 @@ from disagg.transfer import DoorbellTable, KVPusher
 LAYERS, PAGES, HEADS, PAGE, DIM = 3, 8, 2, 4, 8
 # How the pusher reaches the receiver: KVPusher keyword arguments by path.
 MODES = {"fused": {}, "caller-stream-append": {"append_on_caller_stream": True},
-         "segment-puts": {"force_segment_puts": True}}
+         "segment-puts": {"force_segment_puts": True},
+         # the forward writes the local pages, then `push_written` pushes every layer at once
+         "after-forward": {}, "after-forward-segment-puts": {"force_segment_puts": True}}
+LAYERWISE = [mode for mode in MODES if not mode.startswith("after-forward")]
 SHAPE = (LAYERS, PAGES, 2, HEADS, PAGE, DIM)
 I32 = np.int32
 
@@ -71,7 +74,20 @@ def written(kv: torch.Tensor, slots: np.ndarray, layer: int) -> tuple[torch.Tens
     return kv[layer, slots // PAGE, 0, :, slots % PAGE], kv[layer, slots // PAGE, 1, :, slots % PAGE]
 
 
-def run(pusher: KVPusher, plan: ForwardPlan) -> None:
+def run(pusher: KVPusher, plan: ForwardPlan, mode: str = "fused") -> None:
+    if mode.startswith("after-forward"):  # as `ModelRunner` around a graph: forks, the forward, the push
+        kv = pusher.kv
+        fork_src = torch.from_numpy(plan.fork_src_slots.astype(np.int64))
+        fork_dst = torch.from_numpy(plan.fork_dst_slots.astype(np.int64))
+        kv[:, fork_dst // PAGE, :, :, fork_dst % PAGE] = kv[:, fork_src // PAGE, :, :, fork_src % PAGE]
+        stored = plan.append_slots >= 0
+        slots = torch.from_numpy(plan.append_slots[stored].astype(np.int64))
+        for layer in range(LAYERS):
+            k, v = layer_kv(plan.num_tokens, layer)
+            kv[layer, slots // PAGE, 0, :, slots % PAGE] = k[torch.from_numpy(stored)]
+            kv[layer, slots // PAGE, 1, :, slots % PAGE] = v[torch.from_numpy(stored)]
+        pusher.push_written(plan)
+        return
     pusher.begin_forward(plan)
     for layer in range(LAYERS):
         pusher.push_layer_async(layer, *layer_kv(plan.num_tokens, layer))
@@ -87,7 +103,7 @@ def test_push_lands_bit_exact_at_the_receiver_slots_only(pair, mode):
     local, remote = np.array([9, 10, 11, 12, 13, 20]), np.array([0, 1, 2, 3, 4, 30])
     pusher = KVPusher(h0, kv0, **MODES[mode])
     pusher.attach_doorbell(7, ticket)
-    run(pusher, make_plan([dict(seq=7, slots=local, push_slots=remote, pe=1)]))
+    run(pusher, make_plan([dict(seq=7, slots=local, push_slots=remote, pe=1)]), mode)
     assert doorbells.is_rung(ticket) and doorbells.poll() == [ticket]
     for layer in range(LAYERS):
         k, v = layer_kv(len(local), layer)
@@ -114,7 +130,7 @@ def test_existing_kv_goes_page_to_page_and_forks_apply_first(pair, mode):
     plan = make_plan([dict(seq=3, slots=np.array([10, 11]), push_slots=np.array([22, 23]), pe=1)],
                      copies=(existing_src, existing_dst, [1] * 6), forks=(fork_src, fork_dst))
     expected = [written(kv0, existing_src, layer) for layer in range(LAYERS)]
-    run(pusher, plan)
+    run(pusher, plan, mode)
     assert doorbells.is_rung(ticket)
     for layer in range(LAYERS):
         got_k, got_v = written(kv1, existing_dst, layer)
@@ -139,7 +155,7 @@ def test_two_sequences_in_one_batch_ring_only_when_complete(pair):
     doorbells.release(t_a)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", LAYERWISE)
 def test_plan_without_transfers_is_a_local_append(pair, mode):
     h0, _, kv0, _ = pair
     pusher = KVPusher(h0, kv0, **MODES[mode])
@@ -169,20 +185,44 @@ def _misuse_cases():
     }
 
 
+@pytest.mark.parametrize("entry", ["begin_forward", "push_written"])
 @pytest.mark.parametrize("case", list(_misuse_cases()))
-def test_misuse_raises_naming_request_and_pes_and_writes_nothing(pair, case):
+def test_misuse_raises_naming_request_and_pes_and_writes_nothing(pair, case, entry):
     h0, h1, kv0, kv1 = pair
     plan, error, match = _misuse_cases()[case]
     before0, before1 = kv0.clone(), kv1.clone()
     pusher = KVPusher(h0, kv0)
     pusher.attach_doorbell(5, DoorbellTable(h1).arm(5))
     with pytest.raises(error, match=match) as err:
-        pusher.begin_forward(plan)
+        getattr(pusher, entry)(plan)
     if isinstance(err.value, TransferError):
         assert err.value.request_id in (5, 6) and err.value.src_pe == 0
         assert f"request {err.value.request_id}, PE 0 -> PE" in str(err.value)
     assert torch.equal(kv0, before0) and torch.equal(kv1, before1)
     run(pusher, make_plan([dict(seq=5, slots=[0, 1], push_slots=[4, 5], pe=1)]))  # still usable
+
+
+def test_push_written_refuses_an_unstored_token_and_an_open_forward_writing_nothing(pair):
+    h0, h1, kv0, kv1 = pair
+    pusher = KVPusher(h0, kv0)
+    doorbells = DoorbellTable(h1)
+    ticket = doorbells.arm(5)
+    pusher.attach_doorbell(5, ticket)
+    before0, before1 = kv0.clone(), kv1.clone()
+    unstored = make_plan([dict(seq=5, slots=[0, -1], push_slots=[4, 5], pe=1)])
+    assert not pusher.can_push_written(unstored)
+    with pytest.raises(TransferError, match=r"token 1 is pushed but has no local slot.*\(request 5, PE 0 -> PE 1\)"):
+        pusher.push_written(unstored)
+    plan = make_plan([dict(seq=5, slots=[0, 1], push_slots=[4, 5], pe=1)])
+    pusher.begin_forward(plan)
+    with pytest.raises(ForwardStateError, match="a forward is open"):
+        pusher.push_written(plan)
+    assert torch.equal(kv0, before0) and torch.equal(kv1, before1)
+    assert not doorbells.is_rung(ticket)
+    for layer in range(LAYERS):  # the refusals changed nothing: the open forward completes
+        pusher.push_layer_async(layer, *layer_kv(2, layer))
+    pusher.end_forward()
+    assert torch.equal(written(kv1, [4, 5], 0)[0], layer_kv(2, 0)[0])
 
 
 def test_doorbell_of_another_pe_and_closed_heap_are_refused(pair):
@@ -215,7 +255,7 @@ def test_forward_order_is_enforced(pair):
         pusher.end_forward()
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", LAYERWISE)
 def test_bad_layer_input_raises_writes_nothing_and_the_layer_can_be_pushed_after(pair, mode):
     h0, h1, kv0, kv1 = pair
     pusher = KVPusher(h0, kv0, **MODES[mode])
