@@ -61,6 +61,9 @@ from disagg.transfer.segments import KVGeometry, LayerSegments
 
 logger = logging.getLogger(__name__)
 
+# Index arrays copied to the device together start this many int32 apart (16 bytes: `_to_device`).
+ALIGN_INDICES = 4
+
 
 @dataclass
 class _Forward:
@@ -364,14 +367,24 @@ class KVPusher:
         return self._peer_kv[pe] is not None
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """int32 index arrays -> tensors on the KV device (CUDA: one pinned H2D copy for all)."""
-        packed = np.concatenate([np.asarray(a, dtype=np.int32) for a in arrays])
+        """int32 index arrays -> tensors on the KV device (CUDA: one pinned H2D copy for all).
+
+        Each starts 16 bytes into the packed buffer's alignment (padded to ALIGN_INDICES
+        entries): Triton specializes a kernel on its pointers' 16-byte alignment, and an array
+        starting wherever the one before it ended compiled `copy_slots` anew mid-run (two H200s,
+        decode-heavy: a 0.3-s step on the prefill instance at its first odd-length push)."""
+        lengths = [len(a) for a in arrays]
+        padded = [-(-n // ALIGN_INDICES) * ALIGN_INDICES for n in lengths]
+        packed = np.full(sum(padded), -1, dtype=np.int32)
+        starts = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(int)
+        for a, start, n in zip(arrays, starts, lengths):
+            packed[start:start + n] = a
         if self.kv.is_cuda:
             host = torch.from_numpy(packed).pin_memory()
             packed_dev = host.to(self.kv.device, non_blocking=True)
         else:
             packed_dev = torch.from_numpy(packed)
-        return list(torch.split(packed_dev, [len(a) for a in arrays]))
+        return [packed_dev[start:start + n] for start, n in zip(starts, lengths)]
 
     def _copy_existing(self, work: PushWork) -> None:
         """KV present at mark_send: page to page, every layer (transfer stream or inline)."""

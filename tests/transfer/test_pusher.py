@@ -306,3 +306,15 @@ def test_detach_doorbell_forgets_the_ticket_of_an_aborted_request(pair):
     assert torch.equal(kv1, before) and not doorbells.is_rung(ticket)
     run(pusher, make_plan([dict(seq=8, slots=[1])]))  # the pusher goes on with other requests
     assert not doorbells.is_rung(ticket)
+
+
+def test_index_arrays_reach_the_device_16_byte_aligned(pair):
+    """Triton specializes `copy_slots` on its pointers' 16-byte alignment: arrays packed end to
+    end compiled it anew whenever the first one's length was not a multiple of four."""
+    h0, _, kv0, _ = pair
+    pusher = KVPusher(h0, kv0)
+    arrays = [np.arange(n, dtype=np.int32) for n in (3, 5, 1, 8)]
+    tensors = pusher._to_device(*arrays)
+    base = tensors[0].data_ptr()
+    for a, t in zip(arrays, tensors):
+        assert (t.data_ptr() - base) % 16 == 0 and t.tolist() == a.tolist()
