@@ -47,14 +47,33 @@ def summarize(requests: dict) -> dict[str, dict[str, float]]:
     return dict(sorted(out.items(), key=lambda item: order[item[0].split(" -> ")[0]]))
 
 
-def summarize_instances(steps: list[dict], calls: list[dict]) -> dict[str, dict]:
+def summarize_instances(steps: list[dict], calls: list[dict], paths: dict | None = None) -> dict[str, dict]:
     """Per instance, from its "step" and "call" records (`disagg.trace`): {"steps": n,
     "step_ms": spread, "busy": steps' seconds / (last t_end - first t_start), "gap_ms": spread of
     the idle time between consecutive steps, "prompt_tokens": spread over the steps with prompt
-    tokens, "call_wait_ms": {call name: spread of t_ran - t_queued}}; spreads as `_spread`."""
+    tokens, "call_wait_ms": {call name: spread of t_ran - t_queued}, "by_prompts": `_by_prompts`};
+    spreads as `_spread`. ``paths``: each request's placement path (its "placed" event)."""
     names = sorted({record["instance"] for record in steps + calls})
     return {name: {**_step_summary([s for s in steps if s["instance"] == name]),
-                   "call_wait_ms": _call_waits([c for c in calls if c["instance"] == name])} for name in names}
+                   "call_wait_ms": _call_waits([c for c in calls if c["instance"] == name]),
+                   "by_prompts": _by_prompts([s for s in steps if s["instance"] == name], paths or {})}
+            for name in names}
+
+
+def _by_prompts(steps: list[dict], paths: dict) -> dict[str, dict]:
+    """The steps by the prompts they carry: "none", "remote" (one pushed prompt or more: a push
+    may cost its step what the steps of the same tokens without one do not), or the path of their
+    first prompt ("kept", "local", "colocated"; "unplaced" when its request has no "placed"
+    event): {class: {"n", "step_ms": spread, "prompt_tokens": mean, "decodes": mean}}."""
+    groups: dict[str, list[dict]] = {}
+    for step in steps:
+        prompts = [paths.get(r, "unplaced") for r in step.get("prompts", ())]
+        kind = "none" if not prompts else "remote" if "remote" in prompts else prompts[0]
+        groups.setdefault(kind, []).append(step)
+    return {kind: {"n": len(group), "step_ms": _spread([(s["t_end"] - s["t_start"]) * 1e3 for s in group]),
+                   "prompt_tokens": statistics.fmean(s["num_prefill_tokens"] for s in group),
+                   "decodes": statistics.fmean(s["num_decode_seqs"] for s in group)}
+            for kind, group in sorted(groups.items())}
 
 
 def _step_summary(steps: list[dict]) -> dict:
@@ -84,6 +103,11 @@ def _print_instances(instances: dict[str, dict]) -> None:
             print(f"  {'gap between steps':<28} p50 {gap['p50_ms']:8.2f} ms  p90 {gap['p90_ms']:8.2f} ms")
             print(f"  {'prompt tokens per step':<28} n {tokens['n']:>5}  p50 {tokens['p50']:8.0f}  "
                   f"p90 {tokens['p90']:8.0f}  mean {tokens['mean']:8.1f}   (steps with prompt tokens)")
+        for kind, group in row["by_prompts"].items():
+            step = group["step_ms"]
+            print(f"  {'steps, prompts ' + kind:<28} n {group['n']:>5}  p50 {step['p50_ms']:8.2f} ms  "
+                  f"mean {step['mean_ms']:8.2f} ms  prompt tokens {group['prompt_tokens']:7.1f}  "
+                  f"decodes {group['decodes']:6.1f}")
         for name, wait in row["call_wait_ms"].items():
             print(f"  {'call ' + name + ' waited':<28} n {wait['n']:>5}  p50 {wait['p50_ms']:8.2f} ms  "
                   f"p90 {wait['p90_ms']:8.2f} ms")
@@ -182,7 +206,8 @@ def report(requests: dict, steps: list[dict], calls: list[dict], decisions: list
         for hop, row in hops.items():
             print(f"  {hop:<28} n {row['n']:>5}  p50 {row['p50_ms']:8.2f} ms  p90 {row['p90_ms']:8.2f} ms  "
                   f"mean {row['mean_ms']:8.2f} ms")
-    instances = summarize_instances(steps, calls)
+    paths = {request: events["placed"].get("path") for request, events in requests.items() if "placed" in events}
+    instances = summarize_instances(steps, calls, paths)
     _print_instances(instances)
     judged = summarize_decisions(list(decisions), list(tpots))
     _print_decisions(judged)

@@ -233,7 +233,10 @@ def plan_command(
     jobs: Annotated[int, Opt("--jobs", "-j", min=1, help="candidates judged at once, each in its own process "
                              "(one core each)")] = 1,
     run_seconds: Annotated[float, Opt(min=0.001, help="virtual seconds of arrivals per simulated run")] = 30.0,
-    max_prompts: Annotated[int, Opt(min=1, help="most requests of one simulated run")] = 3000,
+    max_prompts: Annotated[Optional[int], Opt(min=1, help="most requests of one simulated run (default: 375 per "
+                                              "GPU, at least 3000); a run it cuts short of --run-seconds is "
+                                              "judged before the fleet fills and reads too well: the plan "
+                                              "names the candidates so judged")] = None,
     only: Annotated[Optional[str], Opt("--only", help="judge only these candidates of the search, comma-separated "
                                        "labels as printed, e.g. '56P8D,56P8D-adaptive,colocated-64[chunk=8192]' "
                                        "(a fleet too large to search whole)")] = None,
@@ -274,14 +277,19 @@ def plan_command(
             search = planner.only(planner.candidates(gpus, chunks, adaptive_chunk_sizes=adaptive_chunks,
                                                      adaptive_prefers=prefers),
                                   [label.strip() for label in only.split(",") if label.strip()])
+        run_length = planner.RunLength.for_gpus(gpus, run_seconds, max_prompts)
+
+        def judged(c) -> None:
+            short = run_length.seconds_at(c.goodput_rps)
+            cut = f" (judged on {short:.1f} s of arrivals: --max-prompts)" if short < 0.9 * run_seconds else ""
+            console.print(f"{c.label}: {c.goodput_per_gpu:.3f} req/s per GPU{cut}", markup=False)
+
         ranked = planner.plan(prof, dataset_name=dataset_name, slos_ms=slos, num_gpus=gpus, chunk_sizes=chunks,
-                              search=search,
-                              run_length=planner.RunLength(run_seconds, min(100, max_prompts), max_prompts),
+                              search=search, run_length=run_length,
                               seed=seed, seeds=seeds, link_gbps=link_gbps, hops=hops,
                               adaptive_chunk_sizes=adaptive_chunks,
                               adaptive_prefers=prefers, jobs=jobs,
-                              on_judged=lambda c: console.print(f"{c.label}: {c.goodput_per_gpu:.3f} req/s per GPU",
-                                                                markup=False),
+                              on_judged=judged,
                               **lengths)
     except ValueError as err:
         typer.echo(f"disagg plan: {err}", err=True)
@@ -293,6 +301,10 @@ def plan_command(
     for row in planner.table_rows(ranked):
         table.add_row(*(escape(cell) for cell in row))  # labels hold [chunk=...]: not markup
     console.print(table)
+    cut = [c.label for c in ranked if run_length.seconds_at(c.goodput_rps) < 0.9 * run_seconds]
+    if cut:
+        console.print(f"judged on fewer than {run_seconds:g} s of arrivals (--max-prompts {run_length.max_prompts}), "
+                      f"optimistic: {', '.join(cut)}", markup=False)
     text = planner.best_yaml(ranked[0], planner.base_sections(prof, slos), dataset_name=dataset_name,
                              link_gbps=link_gbps, ranked=ranked, hops=hops)
     typer.echo(f"best: {ranked[0].label}")

@@ -173,6 +173,10 @@ def max_rate(attainment: Callable[[float], float], start: float, target: float =
     return low
 
 
+# `RunLength.for_gpus`: the requests of one simulated run per GPU of the fleet, by default.
+PROMPTS_PER_GPU = 375
+
+
 @dataclass(frozen=True)
 class RunLength:
     """How many requests a simulated run sends: ``rate x seconds`` of arrivals (a steady state,
@@ -184,6 +188,20 @@ class RunLength:
 
     def prompts_at(self, rate: float) -> int:
         return int(min(self.max_prompts, max(self.min_prompts, math.ceil(rate * self.seconds))))
+
+    def seconds_at(self, rate: float) -> float:
+        """The virtual seconds of arrivals a run at ``rate`` sends: ``seconds``, less where
+        ``max_prompts`` cuts it short. A short run is judged before the fleet fills (its decode
+        seats, its queues) and reads too well: chat at 2x on 8 H200s, colocated held 16.5 req/s
+        per GPU over 23 s of arrivals and 22.5 over 2.2 s (benchmarks/records/plan-h200-2026-11-28/)."""
+        return self.prompts_at(rate) / rate if rate > 0 else self.seconds
+
+    @classmethod
+    def for_gpus(cls, num_gpus: int, seconds: float = 30.0, max_prompts: int | None = None) -> RunLength:
+        """``seconds`` of arrivals, at most ``max_prompts`` requests (default `PROMPTS_PER_GPU` per
+        GPU, at least 3000: a fleet's whole 30 s up to 12.5 req/s per GPU, whatever its size)."""
+        cap = max_prompts if max_prompts is not None else max(3000, PROMPTS_PER_GPU * num_gpus)
+        return cls(seconds, min(100, cap), cap)
 
 
 def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_name: str,

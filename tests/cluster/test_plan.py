@@ -110,6 +110,26 @@ def test_only_judges_the_named_candidates_and_names_the_valid_ones_otherwise(tmp
     assert result.exit_code == 2 and "--only" in result.output and "2P0D" in result.output
 
 
+def test_runs_send_the_same_seconds_of_arrivals_at_any_fleet_size_and_a_cut_run_is_named(tmp_path: Path):
+    """Capped at a fixed 3000 requests, a 64-GPU fleet's runs lasted 2-3 s of arrivals, judged
+    before its seats filled (decode-heavy: 344 req/s per GPU against 13 on 8 GPUs)."""
+    assert planner.RunLength.for_gpus(8).max_prompts == 3000 and planner.RunLength.for_gpus(2).max_prompts == 3000
+    run = planner.RunLength.for_gpus(64)
+    assert run.max_prompts == 64 * planner.PROMPTS_PER_GPU and run.seconds_at(12.5 * 64) == pytest.approx(30.0, rel=0.01)
+    assert planner.RunLength.for_gpus(64, max_prompts=3000).seconds_at(800.0) == pytest.approx(3.75)
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    common = ["plan", "--profile", str(profile), "--dataset-name", "random", "--random-input-len", "64",
+              "--random-output-len", "16", "--goodput", "ttft:300", "tpot:20", "--gpus", "2", "--chunk-sizes", "256",
+              "--run-seconds", "3", "--only", "1P1D"]
+    result = CliRunner().invoke(app, common + ["--max-prompts", "12"])
+    assert result.exit_code == 0, result.output
+    assert "s of arrivals: --max-prompts)" in result.output, result.output
+    assert "judged on fewer than 3 s of arrivals (--max-prompts 12), optimistic: 1P1D" in result.output
+    result = CliRunner().invoke(app, common)
+    assert result.exit_code == 0 and "of arrivals" not in result.output, result.output
+
+
 def test_cli_needs_slos(tmp_path: Path):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(PROFILE))
