@@ -361,8 +361,12 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
             # against 57.8 ms p50 (reservation 12.7, relay 6.7), and took remote where no path
             # held the 57-ms target (benchmarks/records/headline-h200x2-2026-11-28c/).
             # P goes on computing its queue meanwhile: the answer delays the prompt only where
-            # it comes after P would have reached it.
-            start = max(d.reserve_wait_s(), start_of[best_p.name] + queue_s)
+            # it comes after P would have reached it. The prompt reaches P with the answer (the
+            # router hands it over then), so past it the prompt still waits for P's step in
+            # flight: without that wait remote TTFTs were 1.8-2.4x their predictions, kept ones
+            # 1.3x (two H200s, decode-heavy 27-28 req/s: 57 against 30-32 ms p50;
+            # benchmarks/records/headline-h200x2-2026-11-28f/).
+            start = max(d.reserve_wait_s() + best_p.prompt_wait_s(), start_of[best_p.name] + queue_s)
             out.append(Prediction("remote", best_p.name, d.name, start + own_s + best_p.relay_s,
                                   remote_tpot + seat_tpot, max(best_p.model.error, d.model.error),
                                   seat_tpot_s=seat_tpot, reserve_step_s=d.reserve_step_s(),
