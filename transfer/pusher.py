@@ -61,7 +61,7 @@ from disagg.transfer.segments import KVGeometry, LayerSegments
 
 logger = logging.getLogger(__name__)
 
-# Index arrays copied to the device together start this many int32 apart (16 bytes: `_to_device`).
+# Index arrays copied to the device together start a multiple of this many entries apart (`_to_device`).
 ALIGN_INDICES = 4
 
 
@@ -367,15 +367,16 @@ class KVPusher:
         return self._peer_kv[pe] is not None
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """int32 index arrays -> tensors on the KV device (CUDA: one pinned H2D copy for all).
+        """Index arrays -> int64 tensors on the KV device (CUDA: one pinned H2D copy for all).
 
-        Each starts 16 bytes into the packed buffer's alignment (padded to ALIGN_INDICES
-        entries): Triton specializes a kernel on its pointers' 16-byte alignment, and an array
-        starting wherever the one before it ended compiled `copy_slots` anew mid-run (two H200s,
-        decode-heavy: a 0.3-s step on the prefill instance at its first odd-length push)."""
+        Triton compiles `copy_slots` anew for each dtype and 16-byte alignment of its index
+        pointers: every array starts 16-byte aligned (padded to ALIGN_INDICES entries) and is
+        int64, as the fork copies that the engine's warm-up runs are (`ModelRunner._warm_fork_copy`),
+        so no push compiles it mid-run. Two H200s, decode-heavy, packed int32 end to end: a 0.37-s
+        step at the first push after a graph, a 0.30-s one at the first odd-length one."""
         lengths = [len(a) for a in arrays]
         padded = [-(-n // ALIGN_INDICES) * ALIGN_INDICES for n in lengths]
-        packed = np.full(sum(padded), -1, dtype=np.int32)
+        packed = np.full(sum(padded), -1, dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(int)
         for a, start, n in zip(arrays, starts, lengths):
             packed[start:start + n] = a

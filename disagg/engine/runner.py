@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from disagg.engine.graphs import DecodeGraphs
-from disagg.kernels import copy_slots
 from disagg.engine.mixed_graphs import MixedGraphs
 from disagg.engine.prompt_graphs import PromptGraphs
 from disagg.cache import PagedKVCache
@@ -154,11 +153,7 @@ class ModelRunner:
             self.num_graph_replays += 1
         elif bucket is not None:
             logits = self.mixed_graphs.run(plan, host_ids, bucket, device_prefix=device_prefix)
-        else:
-            if after and len(plan.fork_src_slots):  # the pusher's begin_forward applies them otherwise
-                src, dst = (torch.as_tensor(np.asarray(a, dtype=np.int64)).to(self.device, non_blocking=True)
-                            for a in (plan.fork_src_slots, plan.fork_dst_slots))
-                copy_slots(self.kv, src, self.kv, dst, check_indices=self._check_indices)
+        else:  # (the model applies the plan's fork copies: `AttentionBatch.fork_src_slots`)
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
             logits = self.model.forward(self._device_ids(input_ids, host_ids, device_prefix), batch, self.kv,
                                         kv_scales=self.kv_scales, pieces=self._pieces(plan))

@@ -308,13 +308,13 @@ def test_detach_doorbell_forgets_the_ticket_of_an_aborted_request(pair):
     assert not doorbells.is_rung(ticket)
 
 
-def test_index_arrays_reach_the_device_16_byte_aligned(pair):
-    """Triton specializes `copy_slots` on its pointers' 16-byte alignment: arrays packed end to
-    end compiled it anew whenever the first one's length was not a multiple of four."""
+def test_index_arrays_reach_the_device_16_byte_aligned_int64(pair):
+    """Triton specializes `copy_slots` on its index pointers' dtype and 16-byte alignment: int32
+    arrays packed end to end compiled it anew mid-run (the engine's warm-up compiles int64)."""
     h0, _, kv0, _ = pair
     pusher = KVPusher(h0, kv0)
     arrays = [np.arange(n, dtype=np.int32) for n in (3, 5, 1, 8)]
     tensors = pusher._to_device(*arrays)
     base = tensors[0].data_ptr()
     for a, t in zip(arrays, tensors):
-        assert (t.data_ptr() - base) % 16 == 0 and t.tolist() == a.tolist()
+        assert (t.data_ptr() - base) % 16 == 0 and t.dtype == torch.int64 and t.tolist() == a.tolist()
