@@ -20,17 +20,21 @@ A = [5, 9, 17, 3, 88, 41, 7, 200, 13, 66, 21, 8, 30, 31]  # 14 tokens
 B = A[:12] + [1, 2, 3, 4, 5]  # shares 3 pages of A
 
 
-@pytest.fixture(params=[True, False], ids=["prefill-cache", "prefill-nocache"])
+@pytest.fixture(params=[(True, "graphs"), (False, "graphs"), (True, "always")],
+                ids=["prefill-cache", "prefill-nocache", "prefill-cache-push-after"])
 def engines(tiny_model, torch_reference, request):
-    """(prefill on PE 0, with or without its own prefix cache; decode on PE 1; the lease clock)."""
+    """(prefill on PE 0, with or without its own prefix cache, pushing layer by layer or after each
+    forward (`transfer.push_after`: its forks, the existing KV's copies); decode on PE 1; the lease
+    clock)."""
+    prefix_caching, push_after = request.param
     uid = new_unique_id("shm")
     heaps = collective([lambda r=r: open_heap("shm", uid=uid, rank=r, world_size=2, size_bytes=1 << 20,
                                               num_signals=16, timeout_s=10.0) for r in range(2)])
     clock = FakeClock()
     sizes = dict(num_pages=24, page_size=P, max_num_seqs=4)
     prefill, decode = collective([
-        lambda: PrefillEngine(tiny_model, heaps[0], max_num_batched_tokens=6, prefix_caching=request.param,
-                              **sizes),
+        lambda: PrefillEngine(tiny_model, heaps[0], max_num_batched_tokens=6, prefix_caching=prefix_caching,
+                              push_after=push_after, **sizes),
         lambda: DecodeEngine(tiny_model, heaps[1], lease_s=5.0, clock=clock, **sizes)])
     yield prefill, decode, clock
     close_heaps(uid, heaps)
