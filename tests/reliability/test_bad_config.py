@@ -41,6 +41,8 @@ CASES = {
     "seconds as string": (_set("router.lease_s", "30"), "router.lease_s: Input should be a valid number"),
     "timeout as word": (_set("router.request_timeout_s", "never"), "router.request_timeout_s:"),
     "bool as int": (_set("transfer.force_segment_puts", 1), "transfer.force_segment_puts: Input should be a valid boolean"),
+    "push mode unknown": (_set("transfer.push_after", "sometimes"),
+                          "transfer.push_after: Input should be 'graphs', 'never' or 'always' (got 'sometimes')"),
     "bool as string": (_set("cluster.warmup", "yes"), "cluster.warmup: Input should be a valid boolean (got 'yes')"),
     "bool as 'true'": (_set("scheduler.async_scheduling", "true"), "scheduler.async_scheduling: Input should be a valid boolean"),
     "port as string": (_set("serve.port", "8000"), "serve.port: Input should be a valid integer"),
