@@ -150,14 +150,8 @@ class KVPusher:
             TransferError, ValueError: the plan does not fit this heap and KV tensor, or the heap
                 is closed (nothing was written).
         """
-        if self._forward is not None:
-            raise ForwardStateError("KVPusher.begin_forward: the previous forward was not ended")
-        rank = self.heap.rank
-        if self.heap.closed and plan.has_transfers:
-            raise TransferError("the heap is closed", request_id=int(plan.send_seq_ids[0]),
-                                src_pe=rank, dst_pe=int(plan.send_pes[0]))
-        check_plan(plan, self.geometry, rank, self.heap.world_size, self._doorbells)
-        work = build_push_work(plan, self.geometry, rank, self._reachable, self._doorbells)
+        self._check_plan(plan, "begin_forward")
+        work = build_push_work(plan, self.geometry, self.heap.rank, self._reachable, self._doorbells)
         append, local = self._prepare_appends(work)
         num_layers = self.geometry.num_layers
         fwd = _Forward(plan=plan, work=work, append=append, local=local,
@@ -292,13 +286,8 @@ class KVPusher:
             TransferError, ValueError: as `begin_forward` (nothing was written), or a pushed token
                 has no local slot (`can_push_written`).
         """
-        if self._forward is not None:
-            raise ForwardStateError("KVPusher.push_written: a forward is open (begin_forward)")
+        self._check_plan(plan, "push_written")
         rank = self.heap.rank
-        if self.heap.closed and plan.has_transfers:
-            raise TransferError("the heap is closed", request_id=int(plan.send_seq_ids[0]),
-                                src_pe=rank, dst_pe=int(plan.send_pes[0]))
-        check_plan(plan, self.geometry, rank, self.heap.world_size, self._doorbells)
         if not self.can_push_written(plan):
             token = int(np.flatnonzero((plan.push_pes >= 0) & (plan.append_slots < 0))[0])
             raise TransferError(f"token {token} is pushed but has no local slot to copy from after the forward "
@@ -332,6 +321,16 @@ class KVPusher:
             stream.synchronize()
 
     # ------------------------------------------------------------------ internals
+    def _check_plan(self, plan: ForwardPlan, entry: str) -> None:
+        """What `begin_forward` and `push_written` (``entry``) refuse before writing anything: an
+        open forward, a closed heap, a plan that does not fit this heap (`check_plan`)."""
+        if self._forward is not None:
+            raise ForwardStateError(f"KVPusher.{entry}: a forward is open (the last begin_forward was not ended)")
+        if self.heap.closed and plan.has_transfers:
+            raise TransferError("the heap is closed", request_id=int(plan.send_seq_ids[0]),
+                                src_pe=self.heap.rank, dst_pe=int(plan.send_pes[0]))
+        check_plan(plan, self.geometry, self.heap.rank, self.heap.world_size, self._doorbells)
+
     def _prepare_appends(self, work: PushWork) -> tuple[PreparedAppend | None, PreparedAppend | None]:
         """(launcher on the transfer stream, local append on the caller's stream) of a forward.
 

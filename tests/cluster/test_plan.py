@@ -89,6 +89,15 @@ def test_hops_are_given_to_every_simulated_fleet_and_named_in_the_yaml(tmp_path:
     assert "--hop-ms 6, --reserve-ms 8." in result.output
 
 
+def _small_plan(tmp_path: Path) -> list[str]:
+    """`disagg plan` on two GPUs of PROFILE, short random prompts, 3-s runs (add the options)."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    return ["plan", "--profile", str(profile), "--dataset-name", "random", "--random-input-len", "64",
+            "--random-output-len", "16", "--goodput", "ttft:300", "tpot:20", "--gpus", "2", "--chunk-sizes", "256",
+            "--run-seconds", "3"]
+
+
 def test_only_judges_the_named_candidates_and_names_the_valid_ones_otherwise(tmp_path: Path):
     search = planner.candidates(4, chunk_sizes=(512,))
     assert [c.label for c in planner.only(search, ["3P1D-adaptive", "colocated-4[chunk=512]"])] == [
@@ -98,11 +107,7 @@ def test_only_judges_the_named_candidates_and_names_the_valid_ones_otherwise(tmp
         planner.only(search, ["1P3D", "5P3D"])
     with pytest.raises(ValueError, match="got none"):
         planner.only(search, [])
-    profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps(PROFILE))
-    common = ["plan", "--profile", str(profile), "--dataset-name", "random", "--random-input-len", "64",
-              "--random-output-len", "16", "--goodput", "ttft:300", "tpot:20", "--gpus", "2", "--chunk-sizes", "256",
-              "--run-seconds", "3", "--max-prompts", "150"]
+    common = _small_plan(tmp_path) + ["--max-prompts", "150"]
     result = CliRunner().invoke(app, common + ["--only", "1P1D"])
     assert result.exit_code == 0, result.output
     assert "1P1D: " in result.output and "colocated-2" not in result.output and "1P1D-adaptive" not in result.output
@@ -117,11 +122,7 @@ def test_runs_send_the_same_seconds_of_arrivals_at_any_fleet_size_and_a_cut_run_
     run = planner.RunLength.for_gpus(64)
     assert run.max_prompts == 64 * planner.PROMPTS_PER_GPU and run.seconds_at(12.5 * 64) == pytest.approx(30.0, rel=0.01)
     assert planner.RunLength.for_gpus(64, max_prompts=3000).seconds_at(800.0) == pytest.approx(3.75)
-    profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps(PROFILE))
-    common = ["plan", "--profile", str(profile), "--dataset-name", "random", "--random-input-len", "64",
-              "--random-output-len", "16", "--goodput", "ttft:300", "tpot:20", "--gpus", "2", "--chunk-sizes", "256",
-              "--run-seconds", "3", "--only", "1P1D"]
+    common = _small_plan(tmp_path) + ["--only", "1P1D"]
     result = CliRunner().invoke(app, common + ["--max-prompts", "12"])
     assert result.exit_code == 0, result.output
     assert "s of arrivals: --max-prompts)" in result.output, result.output
