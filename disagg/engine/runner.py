@@ -136,9 +136,9 @@ class ModelRunner:
         host_ids = None if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids, np.int64)
         if device_prefix is not None:  # rows :k come from the device; zeros stand in for them here
             host_ids = np.concatenate([np.zeros(device_prefix.shape[0], np.int64), host_ids])
-        bucket = None
-        if self.mixed_graphs is not None and host_ids is not None:
-            bucket = self.mixed_graphs.bucket(plan)
+        # The whole-forward graph's bucket, first where a pusher asks whether to push after it
+        # (a pure-decode step takes the decode graphs before anyone needs it).
+        bucket = self._mixed_bucket(plan, host_ids) if pusher is not None else None
         after = pusher is not None and self._pushes_after(plan, pusher, bucket)
         if pusher is not None and not after:
             pusher.begin_forward(plan)
@@ -151,7 +151,7 @@ class ModelRunner:
             # device to device.
             logits = self.graphs.run(plan, input_ids if host_ids is None else host_ids)
             self.num_graph_replays += 1
-        elif bucket is not None:
+        elif (bucket := bucket if pusher is not None else self._mixed_bucket(plan, host_ids)) is not None:
             logits = self.mixed_graphs.run(plan, host_ids, bucket, device_prefix=device_prefix)
         else:  # (the model applies the plan's fork copies: `AttentionBatch.fork_src_slots`)
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
@@ -162,6 +162,10 @@ class ModelRunner:
             self.num_pushes_after += 1
         self.num_forwards += 1
         return self._sample(logits, sample_rows, sample_requests, push_done, step_offset)
+
+    def _mixed_bucket(self, plan: ForwardPlan, host_ids: np.ndarray | None) -> tuple[int, int] | None:
+        """The whole-forward graph bucket that runs ``plan`` (None: none; ids only on the device)."""
+        return None if self.mixed_graphs is None or host_ids is None else self.mixed_graphs.bucket(plan)
 
     def _pushes_after(self, plan: ForwardPlan, pusher, bucket: tuple[int, int] | None) -> bool:
         """Whether ``plan``'s pushes go after its forward, every layer at once (``push_after``).
