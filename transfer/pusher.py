@@ -257,11 +257,7 @@ class KVPusher:
                 if stream is not None:
                     event = self._done_events[self.geometry.num_layers]
                     event.record(stream)
-        for seq, complete in zip(fwd.plan.send_seq_ids.tolist(), fwd.plan.send_complete.tolist()):
-            if complete:
-                ticket = self._doorbells.pop(seq)
-                logger.debug("request %s: PE %d -> PE %d rang doorbell word %d epoch %d",
-                             seq, self.heap.rank, ticket.pe, ticket.index, ticket.epoch)
+        self._forget_rung(fwd.plan)
         self._forward = None
         return event
 
@@ -310,9 +306,7 @@ class KVPusher:
                 if stream is not None:
                     event = self._done_events[num_layers]
                     event.record(stream)
-        for seq, complete in zip(plan.send_seq_ids.tolist(), plan.send_complete.tolist()):
-            if complete:
-                self._doorbells.pop(seq)
+        self._forget_rung(plan)
         return event
 
     def synchronize(self) -> None:
@@ -330,6 +324,14 @@ class KVPusher:
             raise TransferError("the heap is closed", request_id=int(plan.send_seq_ids[0]),
                                 src_pe=self.heap.rank, dst_pe=int(plan.send_pes[0]))
         check_plan(plan, self.geometry, self.heap.rank, self.heap.world_size, self._doorbells)
+
+    def _forget_rung(self, plan: ForwardPlan) -> None:
+        """Drop the tickets of the requests ``plan`` completed: their doorbells are rung."""
+        for seq, complete in zip(plan.send_seq_ids.tolist(), plan.send_complete.tolist()):
+            if complete:
+                ticket = self._doorbells.pop(seq)
+                logger.debug("request %s: PE %d -> PE %d rang doorbell word %d epoch %d",
+                             seq, self.heap.rank, ticket.pe, ticket.index, ticket.epoch)
 
     def _prepare_appends(self, work: PushWork) -> tuple[PreparedAppend | None, PreparedAppend | None]:
         """(launcher on the transfer stream, local append on the caller's stream) of a forward.
