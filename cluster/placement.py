@@ -32,7 +32,8 @@ TTFT target has room for its decode steps: `_decode_on_prefill`); when none is a
 remote one's TPOT counts the requests P keeps, its chunks beside them: `Prediction.worst_tpot_s`),
 never a local prompt on a decode instance that already misses the TPOT bound or whose slack it
 breaks, nor a remote or kept one through a prefill instance whose kept requests' slack it breaks
-while another path spares them. A prompt
+while another path spares them (with `router.adaptive_overload: no_push`, the least of the paths
+that push nothing, a push only where none of them fits). A prompt
 computed on an instance whose `scheduler.max_num_seqs` seats are taken waits for a decode there
 to end, and a pushed request whose decode instance has none waits after its first token: both are
 in the predictions (`InstanceView.seat_wait_s`). A
@@ -71,6 +72,7 @@ PREFERENCE = ("local", "remote", "kept")
 # req/s, 52% -> 43% at 22 (benchmarks/records/headline-h100x2-2026-11-27c/).
 KEEP_SHARE = 0.5
 DEFAULT_PREFER = RouterSection.model_fields["adaptive_prefer"].default  # one default: the config's
+DEFAULT_OVERLOAD = RouterSection.model_fields["adaptive_overload"].default
 TPOT_SLACK = 1.1  # without a TPOT target: a decode step may grow to 1.1 x the remote path's step
 # A stall counts in the running decodes' TPOT over this share of their mean remaining tokens:
 # the rest of their budget is left to the prompts that come after it.
@@ -283,10 +285,13 @@ class Targets:
     ttft_s: float | None = None
     tpot_s: float | None = None
     prefer: str = DEFAULT_PREFER
+    overload: str = DEFAULT_OVERLOAD
 
     @classmethod
-    def from_ms(cls, ttft_ms: float | None, tpot_ms: float | None, prefer: str = DEFAULT_PREFER) -> Targets:
-        return cls(None if ttft_ms is None else ttft_ms / 1e3, None if tpot_ms is None else tpot_ms / 1e3, prefer)
+    def from_ms(cls, ttft_ms: float | None, tpot_ms: float | None, prefer: str = DEFAULT_PREFER,
+                overload: str = DEFAULT_OVERLOAD) -> Targets:
+        return cls(None if ttft_ms is None else ttft_ms / 1e3, None if tpot_ms is None else tpot_ms / 1e3, prefer,
+                   overload)
 
 
 @dataclass(frozen=True)
@@ -497,6 +502,13 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     # chat 2x at 30 req/s 64.2% against 89.5%; benchmarks/records/headline-h200x2-2026-11-28e/).
     spare = [c for c in fitting if not (c.path == "local" and c.decode in saturated)
              and not (c.path != "local" and stalls.get(c.prefill))] or fitting
+    if targets.overload == "no_push":
+        # Past the knee a push is work no other path does (the pushing step, the reservation's
+        # round trip) and its TTFT was predicted short the most: two H200s, decode-heavy at 28
+        # req/s, 85 of the 123 decisions of the last 5 s found nothing admissible and pushed, at
+        # 1.7x their predicted TTFT, while colocated, pushing nothing, held 99.6%
+        # (benchmarks/records/headline-h200x2-2026-11-28g/).
+        spare = [c for c in spare if c.path != "remote"] or spare
     return Decision(min(spare, key=lambda c: _violation(c, targets, bound)), tuple(judged))
 
 

@@ -118,7 +118,7 @@ class Placer:
                                       launches_ahead=sched.async_scheduling,
                                       measured_hops=config.router.measured_hops)
         self.targets = Targets.from_ms(config.router.slo_ttft_ms, config.router.slo_tpot_ms,
-                                       config.router.adaptive_prefer)
+                                       config.router.adaptive_prefer, config.router.adaptive_overload)
         self.placements: collections.Counter[str] = collections.Counter({path: 0 for path in PATHS})
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
         self.affinity_hits = 0

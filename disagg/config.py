@@ -272,6 +272,12 @@ class RouterSection(Section):
                                "its target, the prefill instance's is lower and the TTFT target has room "
                                "(the default: on two H200s it beat or tied fastest on chat and "
                                "prefill-heavy; docs/ARCHITECTURE.md §7)")
+    adaptive_overload: Literal["least_violation", "no_push"] = Field(
+        "least_violation", description="where the adaptive placement puts a prompt when no path is predicted "
+                                       "to hold the SLOs: least_violation: the path predicted to miss them "
+                                       "least (a push among them); no_push: the least of the paths that push "
+                                       "nothing (local, kept), as a colocated fleet serves past its knee, a "
+                                       "push only where neither fits (docs/ARCHITECTURE.md §7)")
     slo_ttft_ms: float | None = Field(None, gt=0.0, description="time-to-first-token target the adaptive "
                                                                 "placement predicts against, ms; null: none "
                                                                 "(then it minimises the predicted TTFT)")

@@ -227,6 +227,30 @@ def test_an_overloaded_decode_instance_gets_no_local_prompt_however_close_its_vi
     assert worst[d.path] == pytest.approx(min(v for k, v in worst.items() if k != "local"), rel=1e-6)
 
 
+@pytest.mark.parametrize("queued", [1000, 8000])
+def test_past_the_knee_no_push_takes_the_least_violation_of_the_paths_that_push_nothing(queued):
+    # P has a prompt queue, D decodes 32: nothing holds a 30-ms TTFT and an 11-ms TPOT. The push
+    # misses least (its TPOT barely over, D's decodes unstalled), so least_violation pushes;
+    # `router.adaptive_overload: no_push` keeps the prompt off the link, as colocated would.
+    prefills, decodes = [view("P", queued=queued)], [view("D", decoding=32, context=32_000)]
+    pushes = decide(32, prefills, decodes, Targets.from_ms(30, 11, "balanced", "least_violation"))
+    assert not pushes.chosen.admissible and pushes.path == "remote"
+    d = decide(32, prefills, decodes, Targets.from_ms(30, 11, "balanced", "no_push"))
+    assert not d.chosen.admissible and d.path in ("local", "kept")
+    worst = {p.path: max(p.ttft_s / 0.030, p.worst_tpot_s / 0.011) for p in d.predictions}
+    saturated = [p for p in d.predictions if p.path == "remote" and p.tpot_s > 0.011]
+    open_paths = [path for path in ("local", "kept") if not (path == "local" and saturated)]
+    assert d.path == min(open_paths, key=worst.get)
+
+
+def test_no_push_still_pushes_where_no_other_path_fits():
+    # P has no pages for a request of its own (kept); D's decodes miss the TPOT bound (no local
+    # prompt there): the push is the one path left, no_push or not.
+    prefills, decodes = [view("P", queued=1000, free_pages=4)], [view("D", decoding=32, context=32_000)]
+    d = decide(512, prefills, decodes, Targets.from_ms(30, 11, "balanced", "no_push"))
+    assert d.path == "remote"
+
+
 def test_a_wide_margin_does_not_let_a_slower_path_pass_a_faster_surer_one():
     """Found by the property test below (CI, 2026-11-27): remote (its decode model's error 0.5)
     was near the best, kept, within its own margin; local (error 0), faster than remote, was not
