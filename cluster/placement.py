@@ -48,7 +48,7 @@ from __future__ import annotations
 import collections
 import math
 import statistics
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 
 from disagg.cluster.requests import seat_holders
@@ -194,12 +194,13 @@ class InstanceView:
     def fits(self, prompt_len: int) -> bool:
         return self.free_pages is None or self.free_pages >= math.ceil((prompt_len + 1) / self.page_size)
 
-    def prefill_s(self, prompt_len: int) -> float:
+    def prefill_s(self, prompt_len: int, cached: int = 0) -> float:
         """Seconds until a prompt of ``prompt_len`` placed now is computed here: the queue ahead
-        of it and then its own tokens, in chunks of ``chunk_tokens`` beside the decodes (the model
-        is linear: its steps' sum is the number of steps times the mean step)."""
-        total = self.queued_prompt_tokens + prompt_len
-        pairs = self.queued_prompt_pairs + prompt_pairs(0, prompt_len)
+        of it and then its own tokens past the ``cached`` ones (its prefix found in this
+        instance's cache), in chunks of ``chunk_tokens`` beside the decodes (the model is linear:
+        its steps' sum is the number of steps times the mean step)."""
+        total = self.queued_prompt_tokens + prompt_len - cached
+        pairs = self.queued_prompt_pairs + prompt_pairs(cached, prompt_len - cached)
         return self.chunks(total, pairs, self.num_decoding, self.context_tokens)[1]
 
     def chunks(self, prompt_tokens: int, num_prompt_pairs: int, seqs: int, context: int) -> tuple[int, float]:
@@ -331,10 +332,14 @@ class Decision:
         return None if self.chosen is None else self.chosen.path
 
 
-def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[InstanceView]) -> list[Prediction]:
+def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[InstanceView],
+            cached: Mapping[str, int] | None = None) -> list[Prediction]:
     """Every candidate: remote via the fastest prefill instance to each decode instance, local on
-    each decode instance, kept on each prefill instance (page fit not yet judged)."""
+    each decode instance, kept on each prefill instance (page fit not yet judged). ``cached``:
+    instance name -> the prompt's tokens believed in its prefix cache (`cached_tokens`): an
+    instance computes only what follows them (the rest still attended to)."""
     out = []
+    hit = cached_tokens(prompt_len, cached)
     # A prompt computed on an instance first needs one of its seats (`InstanceView.seat_wait_s`).
     seat_of = {v.name: v.seat_wait_s() for v in prefills + decodes}
     # ... and waits for the decodes' steps ahead of it there (`InstanceView.prompt_wait_s`), as a
@@ -343,15 +348,15 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
     # local one's right (simulated two H100s, decode-heavy 26 req/s, `balanced`: kept 14.9 vs 27.1
     # ms p50, local 23.2 vs 23.0; served: kept 20.8 vs 41.4; benchmarks/records/headline-h100x2-2026-11-27i/).
     start_of = {p.name: max(p.prompt_wait_s(), seat_of[p.name]) for p in prefills}
-    best_p = min(prefills, key=lambda p: start_of[p.name] + p.prefill_s(prompt_len), default=None)
+    best_p = min(prefills, key=lambda p: start_of[p.name] + p.prefill_s(prompt_len, hit(p)), default=None)
     if best_p is not None:  # its queue's seconds and then this prompt's own, the same for every D
         queue_s = best_p.prefill_s(0)
-        own_s = best_p.prefill_s(prompt_len) - queue_s
+        own_s = best_p.prefill_s(prompt_len, hit(best_p)) - queue_s
         # The requests P keeps decode beside this prompt's chunks, as D's do beside a local one's:
         # what the push costs them counts where nothing is admissible (`decide`'s violation).
-        p_running = _running_tpot(best_p, prompt_len)
+        p_running = _running_tpot(best_p, prompt_len, hit(best_p))
     for d in decodes:
-        remote_tpot, local_tpot = _decode_side_tpot(d, prompt_len)
+        remote_tpot, local_tpot = _decode_side_tpot(d, prompt_len, hit(d))
         # D's running decodes hold the step in flight (and, launched ahead, the next): a local
         # prompt's first chunk starts after them (`prompt_wait_s`); a remote one's reservation,
         # which D answers between steps (unless it overlaps them), after the step in flight.
@@ -376,7 +381,7 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
                                   remote_tpot + seat_tpot, max(best_p.model.error, d.model.error),
                                   seat_tpot_s=seat_tpot, reserve_step_s=d.reserve_step_s(),
                                   prefill_tpot_s=p_running))
-        out.append(Prediction("local", d.name, d.name, max(wait, seat) + d.prefill_s(prompt_len) + d.relay_s,
+        out.append(Prediction("local", d.name, d.name, max(wait, seat) + d.prefill_s(prompt_len, hit(d)) + d.relay_s,
                               local_tpot, d.model.error))
     for p in prefills:
         # Kept: a local prompt on P (computed beside P's queue and the requests it keeps, then
@@ -384,15 +389,27 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
         # spread over the tokens they delay, P's recent stalls stretching its gaps (`StallMeter`).
         # The one-step rule it had (every gap as long as a step with a chunk) kept the prefill
         # GPU out of decoding, where colocated uses both (two H100s, chat: 1-5 of 420 kept).
-        out.append(Prediction("kept", p.name, p.name, start_of[p.name] + p.prefill_s(prompt_len) + p.relay_s,
-                              _decode_side_tpot(p, prompt_len)[1], p.model.error))
+        out.append(Prediction("kept", p.name, p.name, start_of[p.name] + p.prefill_s(prompt_len, hit(p)) + p.relay_s,
+                              _decode_side_tpot(p, prompt_len, hit(p))[1], p.model.error))
     return out
 
 
-def _decode_side_tpot(d: InstanceView, prompt_len: int) -> tuple[float, float]:
+def cached_tokens(prompt_len: int, cached: Mapping[str, int] | None) -> Callable[[InstanceView], int]:
+    """Per instance view, the tokens of a ``prompt_len`` prompt its prefix cache is believed to
+    hold (``cached``: name -> tokens; the router's `PrefixAffinity` credit), at most all but the
+    last (an engine computes a prompt's last token whatever it holds). Priced whole, a prompt of
+    the shared-prefix workload (88% of its tokens cached) cost ~8x its work: on two H200s the
+    adaptive fleet decoded nearly everything on the decode GPU while the prefill GPU idled (busy
+    0.95 against 0.34-0.38; benchmarks/records/headline-h200x2-2026-11-28g/)."""
+    if not cached:
+        return lambda view: 0
+    return lambda view: max(0, min(cached.get(view.name, 0), prompt_len - 1))
+
+
+def _decode_side_tpot(d: InstanceView, prompt_len: int, cached: int = 0) -> tuple[float, float]:
     """The TPOT predicted on decode instance ``d`` for a prompt of ``prompt_len`` placed remote
-    (it decodes beside D's queued prompt chunks) and local (its chunks also slow D's running
-    decodes; afterwards it decodes like a remote one): each the worse of this request's and
+    (it decodes beside D's queued prompt chunks) and local (its chunks, past the ``cached``
+    tokens, also slow D's running decodes; afterwards it decodes like a remote one): each the worse of this request's and
     D's running decodes'. Where the tokens they have to go are known (``output_tokens``,
     `InstanceView.running_horizon`), a TPOT is the mean over them (`InstanceView.mean_tpot_s`);
     else one step's: a decode step with a chunk in it."""
@@ -406,27 +423,29 @@ def _decode_side_tpot(d: InstanceView, prompt_len: int) -> tuple[float, float]:
         running_remote = d.mean_tpot_s(running_h, queued, queued_pairs, 1, prompt_len)
     else:
         running_remote = step_d if d.num_decoding and not own_h else 0.0
-    return max(own_remote, running_remote), max(own_local, _running_tpot(d, prompt_len))
+    return max(own_remote, running_remote), max(own_local, _running_tpot(d, prompt_len, cached))
 
 
-def _running_tpot(v: InstanceView, prompt_len: int) -> float:
+def _running_tpot(v: InstanceView, prompt_len: int, cached: int = 0) -> float:
     """The TPOT predicted for the requests decoding on ``v`` (and the prompts queued there,
-    which decode while this one's chunks run) when a prompt of ``prompt_len`` tokens is computed
-    on ``v`` beside them: their mean over `InstanceView.running_horizon` where known, else one
-    step with the chunks in it; 0 when nothing decodes there."""
+    which decode while this one's chunks run) when a prompt of ``prompt_len`` tokens, ``cached``
+    of them found in its cache, is computed on ``v`` beside them: their mean over
+    `InstanceView.running_horizon` where known, else one step with the chunks in it; 0 when
+    nothing decodes there."""
     queued, queued_pairs = v.queued_prompt_tokens, v.queued_prompt_pairs
+    new, pairs = prompt_len - cached, prompt_pairs(cached, prompt_len - cached)
     if v.running_horizon:
-        running = v.mean_tpot_s(v.running_horizon, queued + prompt_len, queued_pairs + prompt_pairs(0, prompt_len))
+        running = v.mean_tpot_s(v.running_horizon, queued + new, queued_pairs + pairs)
     else:
-        running = v.decode_step_s(0, 0, queued + prompt_len) if v.num_decoding else 0.0
+        running = v.decode_step_s(0, 0, queued + new) if v.num_decoding else 0.0
     if queued and v.output_tokens:  # the prompts queued ahead decode while this one's chunks run
-        ahead = v.mean_tpot_s(HORIZON_SHARE * v.output_tokens, prompt_len, prompt_pairs(0, prompt_len), 1, queued)
+        ahead = v.mean_tpot_s(HORIZON_SHARE * v.output_tokens, new, pairs, 1, queued)
         running = max(running, ahead)
     return running
 
 
 def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[InstanceView],
-           targets: Targets = Targets()) -> Decision:
+           targets: Targets = Targets(), cached: Mapping[str, int] | None = None) -> Decision:
     """Choose a path for a prompt of ``prompt_len`` tokens (module docstring): with a TTFT
     target an admissible remote path, else the lowest predicted TTFT among the admissible ones.
 
@@ -434,13 +453,15 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
         prompt_len: the prompt's tokens (>= 1).
         prefills, decodes: the live instances of each role.
         targets: the SLOs; without a TPOT target the bound is `TPOT_SLACK` x the remote step.
+        cached: instance name -> the prompt's tokens believed cached there (`predict`).
 
     Returns:
         The `Decision`; ``chosen`` is None when no instance has the pages for it.
     """
     views = {v.name: v for v in prefills + decodes}
     judged = []
-    candidates = predict(prompt_len, prefills, decodes)
+    candidates = predict(prompt_len, prefills, decodes, cached)
+    hit = cached_tokens(prompt_len, cached)
     remote_steps = [c.tpot_s for c in candidates if c.path == "remote" and _fits(c, views, prompt_len)]
     bound = targets.tpot_s
     if bound is None and remote_steps:
@@ -449,7 +470,7 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     # (refused when they break their slack), P's kept ones for a remote or kept prompt (only past
     # the knee, below: P computes prompts, its kept requests' stall meter stretches their gaps;
     # refusing pushes for them cost the simulated prefill-heavy 2-9 points at 12-16 req/s).
-    stalls = {v.name: _stall_past_slack(v, prompt_len, targets.tpot_s)
+    stalls = {v.name: _stall_past_slack(v, prompt_len, targets.tpot_s, hit(v))
               for v in prefills + decodes if targets.tpot_s is not None}
     for cand in candidates:
         why = ""
@@ -494,7 +515,8 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     # (its running decodes' slack only: pushes on their way are not yet decoding there)
     saturated |= {name for name, why in stalls.items()
                   if why and (not views[name].incoming or _stall_past_slack(replace(views[name], incoming=0),
-                                                                              prompt_len, targets.tpot_s))}
+                                                                              prompt_len, targets.tpot_s,
+                                                                              hit(views[name])))}
     # Nor is a prompt pushed or kept through a prefill instance whose kept requests its chunks
     # would stall past their slack, while another path spares them: the suspected cause (no trace
     # yet) of two H200s' collapse one rate past the knee at f47ab54, the remote prompts rising as
@@ -555,14 +577,16 @@ def _decode_on_prefill(prompt_len: int, chosen: Prediction, ok: list[Prediction]
     return best if best.ttft_s + step <= room else None
 
 
-def _stall_past_slack(d: InstanceView, prompt_len: int, bound_s: float) -> str:
-    """Why a local prompt of ``prompt_len`` on ``d`` breaks a running request's TPOT (its
-    chunks' stall, beyond the prompts queued there, exceeds `InstanceView.tpot_slack_s`), or ""."""
+def _stall_past_slack(d: InstanceView, prompt_len: int, bound_s: float, cached: int = 0) -> str:
+    """Why a local prompt of ``prompt_len`` on ``d`` (``cached`` of its tokens found in its cache)
+    breaks a running request's TPOT (its chunks' stall, beyond the prompts queued there, exceeds
+    `InstanceView.tpot_slack_s`), or ""."""
     slack = d.tpot_slack_s(bound_s)
     if slack is None:
         return ""
     queued, pairs = d.queued_prompt_tokens, d.queued_prompt_pairs
-    stall = d.stall_s(queued + prompt_len, pairs + prompt_pairs(0, prompt_len)) - d.stall_s(queued, pairs)
+    stall = (d.stall_s(queued + prompt_len - cached, pairs + prompt_pairs(cached, prompt_len - cached))
+             - d.stall_s(queued, pairs))
     if stall <= slack:
         return ""
     return f"its chunks stall {d.name}'s decodes {stall * 1e3:.1f} ms > their TPOT slack {slack * 1e3:.1f} ms"
@@ -636,9 +660,10 @@ class _Work:
         """``req`` (of ``max_tokens``) placed here: its prompt queued (``computing``: not yet
         computed), else decoding here, with its progress where ``now`` and its first token are
         known (`InstanceView.decode_progress`)."""
-        if computing:
-            self.queued += req.prompt_len
-            self.pairs += prompt_pairs(0, req.prompt_len)
+        if computing:  # what follows its prefix believed cached there (`Request.cached_tokens`)
+            cached = min(req.cached_tokens, req.prompt_len - 1)
+            self.queued += req.prompt_len - cached
+            self.pairs += prompt_pairs(cached, req.prompt_len - cached)
             return
         self.decoding += 1
         self.context += req.prompt_len + req.num_output

@@ -188,10 +188,15 @@ class Placer:
         now = self.clock()
         planned = self._remote_prefill  # the reservations on their way: `FleetModel.views`
         views = self.fleet_model.views(prefills + decodes, live, now, planned)
-        decision = decide(req.prompt_len, views[:len(prefills)], views[len(prefills):], self.targets)
+        cached = None  # each instance prices only what follows the prefix it is believed to hold
+        if self.affinity is not None:
+            cached = self.affinity.credit([v.name for v in views], self.affinity.keys(req.prompt_token_ids))
+        decision = decide(req.prompt_len, views[:len(prefills)], views[len(prefills):], self.targets, cached)
         self.decisions.append(decision)
         if decision.chosen is not None:
             _remember(self._predicted, req.request_id, (decision, now))
+            if cached is not None and decision.path == "remote":  # queued on that P until `hand`
+                req.cached_tokens = cached.get(decision.chosen.prefill, 0)
         return decision
 
     def reserved(self, req: Request) -> None:
@@ -267,13 +272,13 @@ class Placer:
         ranked = [named] if named is not None and named.alive else self._order(req, "prefill", live)
         if not ranked:
             return None
-        self._note(req, ranked[0])
+        req.cached_tokens = self._note(req, ranked[0])
         self.placements["remote"] += 1
         return ranked[0]
 
     # ------------------------------------------------------------------ helpers
     def _alone(self, req: Request, inst: Instance, path: str) -> Alone:
-        self._note(req, inst)
+        req.cached_tokens = self._note(req, inst)
         if path in PATHS:
             self.placements[path] += 1
         return Alone(inst, path)
@@ -286,14 +291,17 @@ class Placer:
             credit = self.affinity.credit([inst.name for inst in instances], self.affinity.keys(req.prompt_token_ids))
         return self.picker.order(instances, live, credit)
 
-    def _note(self, req: Request, inst: Instance) -> None:
-        """``inst`` gets ``req``'s prompt: its pages become that instance's most recent."""
+    def _note(self, req: Request, inst: Instance) -> int:
+        """``inst`` gets ``req``'s prompt: its pages become that instance's most recent. Returns
+        the prompt's tokens it was believed to hold before (0 without an affinity)."""
         if self.affinity is None:
-            return
+            return 0
         keys = self.affinity.keys(req.prompt_token_ids)
-        if self.affinity.credit([inst.name], keys)[inst.name]:
+        credit = self.affinity.credit([inst.name], keys)[inst.name]
+        if credit:
             self.affinity_hits += 1
         self.affinity.note(inst.name, keys)
+        return credit
 
     def clear_counts(self) -> None:
         """Forget the placement counts and decisions (after the warm-up requests)."""

@@ -47,6 +47,9 @@ class Request:
             of the prefill instance landed and the prefill instance has let the request go.
         first_token_at: when its first token reached the router, by the `Placer`'s clock
             (`Placer.first_token`), or None: the adaptive placement's measure of its TPOT so far.
+        cached_tokens: the prompt's tokens the router's prefix affinity believed cached on the
+            instance placed to compute it, when it was placed (`Placer`): the adaptive
+            placement counts only the rest as that instance's queued prompt work.
     """
 
     request_id: str
@@ -64,6 +67,7 @@ class Request:
     num_output: int = 0
     kv_landed: bool = False
     first_token_at: float | None = None
+    cached_tokens: int = 0
 
     @property
     def done(self) -> bool:

@@ -251,6 +251,29 @@ def test_no_push_still_pushes_where_no_other_path_fits():
     assert d.path == "remote"
 
 
+def test_a_prompt_is_priced_at_what_follows_the_prefix_cached_on_each_instance():
+    # A shared-prefix prompt: 2048 of its 2176 tokens in P's cache, none in D's.
+    p, d = view("P", decoding=16, context=32_000), view("D", decoding=16, context=32_000)
+    whole = {c.path: c for c in predict(2176, [p], [d])}
+    hit = {c.path: c for c in predict(2176, [p], [d], {"P": 2048})}
+    # P computes 128 tokens that attend to 2176: its chunk's steps, not the whole prompt's
+    own = p.chunks(128, prompt_pairs(2048, 128), 16, 32_000)[1]
+    assert p.prefill_s(2176, 2048) == pytest.approx(own)
+    assert hit["kept"].ttft_s == pytest.approx(whole["kept"].ttft_s - p.prefill_s(2176) + own)
+    assert hit["remote"].ttft_s < whole["remote"].ttft_s
+    assert hit["kept"].tpot_s < whole["kept"].tpot_s  # its chunk stalls P's decodes less
+    assert hit["local"] == whole["local"]  # D holds none of it
+    # Priced whole, no path holds 100 : 20 ms and the prompt stalls D's decodes locally; priced
+    # at its 128 uncached tokens on P, the push holds both.
+    targets = Targets.from_ms(100, 20, "balanced")
+    assert not decide(2176, [p], [d], targets).chosen.admissible
+    d_hit = decide(2176, [p], [d], targets, {"P": 2048})
+    assert d_hit.chosen.admissible and d_hit.path == "remote"
+    # a belief of the whole prompt still leaves its last token to compute
+    assert predict(2176, [p], [d], {"P": 5000})[-1].ttft_s == pytest.approx(
+        predict(2176, [p], [d], {"P": 2175})[-1].ttft_s)
+
+
 def test_a_wide_margin_does_not_let_a_slower_path_pass_a_faster_surer_one():
     """Found by the property test below (CI, 2026-11-27): remote (its decode model's error 0.5)
     was near the best, kept, within its own margin; local (error 0), faster than remote, was not

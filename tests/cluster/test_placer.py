@@ -241,6 +241,41 @@ def test_a_remote_decisions_prompt_is_queued_on_its_prefill_instance_while_its_r
     assert placer.fleet_model.view(by["prefill-1"], [first], None, placer._remote_prefill).queued_prompt_tokens == 300
 
 
+def test_the_adaptive_decision_prices_each_instance_at_what_follows_the_prefix_it_holds():
+    """The first prompt of a shared prefix goes to prefill-1 (kept); the second, sharing its 64
+    tokens (four pages), is priced there at its 3 new tokens, everywhere else whole, and the
+    first one queued there counts at what follows the prefix it was credited with (none)."""
+    placer, by = fleet("adaptive")
+    shared = list(range(100, 164))
+    first = request("r1", shared + [1, 2, 3])
+    chosen = Prediction("kept", "prefill-1", "prefill-1", 0.0, 0.0, 0.0)
+    assert placer.plan(first, [], lambda *a: Decision(chosen, (chosen,))) == Alone(by["prefill-1"], "kept")
+    assert first.cached_tokens == 0
+    first.colocated, first.stage = by["prefill-1"], "running"
+    second = request("r2", shared + [9, 9, 9])
+    seen = {}
+
+    def decide(req, prefills, decodes, live):
+        decision = placer.decide(req, prefills, decodes, live)
+        seen.update({(c.path, c.prefill): c.ttft_s for c in decision.predictions})
+        return decision
+
+    placer.plan(second, [first], decide)
+    views = {v.name: placer.fleet_model.view(by[v.name], [first]) for v in by.values()}
+    assert views["prefill-1"].queued_prompt_tokens == 67  # r1 was credited with nothing
+    p1, p0 = views["prefill-1"], views["prefill-0"]
+    # kept on prefill-1: r1's 67 queued, then 3 tokens attending to 67; on prefill-0 the whole 67
+    assert seen[("kept", "prefill-1")] - p1.relay_s == pytest.approx(
+        max(p1.prompt_wait_s(), p1.seat_wait_s()) + p1.prefill_s(67, 64))
+    assert seen[("kept", "prefill-0")] - p0.relay_s == pytest.approx(
+        max(p0.prompt_wait_s(), p0.seat_wait_s()) + p0.prefill_s(67))
+    if placer.decisions[-1].path != "local":  # computed on a prefill instance: credited there
+        assert second.cached_tokens == (64 if placer.decisions[-1].chosen.prefill == "prefill-1" else 0)
+    # queued where its prefix is, a credited prompt counts its new tokens only
+    second.colocated, second.stage, second.cached_tokens = by["prefill-1"], "running", 64
+    assert placer.fleet_model.view(by["prefill-1"], [first, second]).queued_prompt_tokens == 67 + 3
+
+
 def test_first_tokens_measure_each_paths_ttft_miss_on_the_instance_that_computed_it():
     """An adaptive decision's TTFT prediction against the time to its first token (the placer's
     clock): the miss goes to that path of the prompt's instance (a diagnostic: the predictions
