@@ -15,8 +15,27 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from disagg.prefix_index import page_keys
+
+if TYPE_CHECKING:
+    from disagg.config import Config
+
+
+def prefix_affinity(config: Config, capacity_pages: int) -> PrefixAffinity | None:
+    """The prefix affinity of ``config``'s router: kept where the instances cache prefixes
+    (``cache.prefix_caching``) and the picker weighs loads (``router.policy`` least_loaded; round
+    robin ignores credit); None otherwise. The router and the simulator
+    (`disagg.cluster.simulate.fleet`) both take it from here.
+
+    Args:
+        config: the deployment.
+        capacity_pages: pages remembered per instance (the smallest instance cache's).
+    """
+    if not (config.cache.prefix_caching and config.router.policy == "least_loaded"):
+        return None
+    return PrefixAffinity(config.cache.page_size, capacity_pages)
 
 
 class PrefixAffinity:

@@ -39,7 +39,7 @@ from typing import Any
 import ray
 
 from disagg import trace
-from disagg.cluster.affinity import PrefixAffinity
+from disagg.cluster.affinity import prefix_affinity
 from disagg.cluster.bootstrap import Fleet, Instance
 from disagg.cluster.outputs import RequestMetrics, StreamDelta
 from disagg.cluster.placement import Decision
@@ -79,9 +79,7 @@ class Router:
         # An abort of one of these came after its request ended: it must not wait for a submit.
         self.ended_ids = RecentIds(4 * MAX_REMEMBERED_IDS)
         config = fleet.config
-        affinity = (PrefixAffinity(config.cache.page_size, _cache_pages(fleet))
-                    if config.cache.prefix_caching and self.settings.policy == "least_loaded" else None)
-        self.placer = Placer(config, fleet.instances, self.picker, affinity)
+        self.placer = Placer(config, fleet.instances, self.picker, prefix_affinity(config, _cache_pages(fleet)))
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self._refused: Request | None = None  # back at the queue head: every decode instance refused it

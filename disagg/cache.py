@@ -173,7 +173,7 @@ class PagedKVCache:
         """Raise `CacheIntegrityError` if any invariant is broken (see `disagg.integrity`), or the
         prefix cache's index or cached sequences disagree with the sequences."""
         integrity.check_integrity(self)
-        problems = self._cached.problems(self._seqs)
+        problems = self._cached.problems(self._seqs) + self._cached.count_problems(self._blocks, self._seqs)
         if problems:
             raise CacheIntegrityError("; ".join(problems))
 
@@ -196,8 +196,7 @@ class PagedKVCache:
         if prefix is not None and prefix.seq_id is not None and prefix.num_tokens:
             self._fork(self._seqs[prefix.seq_id], seq_id, prefix.num_tokens)
             self._cached.touch(prefix.seq_id)
-        else:
-            self._cached.invalidate()
+        else:  # a new root block without pages: what only cached sequences reach is unchanged
             block = self._blocks.get()
             block.external_ref_cnt = 1
             self._seqs[seq_id] = Sequence(seq_id, block.index, 0, np.empty(0, dtype=np.int32))
@@ -226,11 +225,14 @@ class PagedKVCache:
         if not num:
             return PrefixMatch(None, 0, query, 0, self._epoch)
         parent = self._seqs[parent_id]
-        cost = int(num % self.page_size > 0)
+        partial = num % self.page_size > 0
+        cost = int(partial)
         evictable = self._cached.evictable_pages(self._blocks, self._seqs)
         if evictable:
+            # The fork pins the shared whole pages; a mid-page hit's copy also reads the parent's
+            # partial page, which counts as free no more until the copy has run (touched).
             touched = self._pool.touched
-            cost += sum(1 for p in parent.table[: num // self.page_size].tolist()
+            cost += sum(1 for p in parent.table[: num // self.page_size + partial].tolist()
                         if p in evictable and p not in touched)
         return PrefixMatch(parent_id, num, query, cost, self._epoch)
 
@@ -426,19 +428,23 @@ class PagedKVCache:
     def append_without_plan(self, seq_ids: SequenceLike[int], append_lengths: SequenceLike[int]) -> None:
         """`begin_forward` + `end_forward` for a forward that computes nothing: the batch's slots
         are reserved (pages taken exactly as `begin_forward` takes them) and no plan is built.
-        The simulator's forward (`disagg.cluster.simulate`); refused while fork copies or sends
-        are pending, since only a plan carries those out.
+        The simulator's forward (`disagg.cluster.simulate`). Pending fork copies (a prefix-cache
+        hit that ends mid page) count as run by it, as `begin_forward`'s plan would run them;
+        refused while sends are pending (the simulator marks none).
 
         Raises:
-            ForwardStateError, SequenceNotFound, CacheError (bad batch, pending copies or
-            sends), OutOfPages. State unchanged.
+            ForwardStateError, SequenceNotFound, CacheError (bad batch, pending sends),
+            OutOfPages. State unchanged.
         """
         self._require_closed("append_without_plan")
-        if self._senders or self._copies.fork:
-            raise CacheError("append_without_plan: copies or sends are pending; they need begin_forward's plan")
+        if self._senders:
+            raise CacheError("append_without_plan: sends are pending; they need begin_forward's plan")
         ids, lens = forward.check_batch(seq_ids, append_lengths)
         seqs = [self._get(i, "append_without_plan") for i in ids]
         reserve_batch(self._blocks, self._pool, seqs, lens, self.page_size, "append_without_plan", self._room())
+        if self._copies.fork:
+            self._copies.drain(self._senders, {})  # the forward runs them before its appends
+        self._epoch += 1
         self._pool.release_deferred()
 
     def end_forward(self) -> None:

@@ -45,10 +45,26 @@ class CachedSequences:
         self.num_hit_tokens = 0
         self.num_evicted_pages = 0
         self._next_id = -1
-        self._unpinned: set[int] | None = set()  # pages held only by cached sequences; None: stale
+        # The pages only cached sequences reach: their number, the blocks holding them and the
+        # pages' set, each None when stale. A change of the tree stales all three (a walk over the
+        # blocks recounts them when next asked); an eviction only takes its pages off the number,
+        # which every page budget reads; the set, built from the blocks, only a prefix hit reads.
+        self._num_unpinned: int | None = 0
+        self._unpinned_blocks: list[int] | None = []
+        self._unpinned: set[int] | None = set()
 
     def invalidate(self) -> None:
         """The block tree changed: recount the evictable pages when next asked."""
+        self._num_unpinned = None
+        self._unpinned_blocks = None
+        self._unpinned = None
+
+    def _forget_pages(self, num_pages: int) -> None:
+        """``num_pages`` evictable pages left the cache (a cached sequence's private pages, evicted
+        or dropped: no other sequence reaches them, so no other page changes state)."""
+        if self._num_unpinned is not None:
+            self._num_unpinned -= num_pages
+        self._unpinned_blocks = None
         self._unpinned = None
 
     def new_id(self, seqs: dict[int, Sequence]) -> int:
@@ -68,23 +84,28 @@ class CachedSequences:
         """Pages of blocks that no live sequence's trace reaches (touched ones included)."""
         if not self.lru:
             return set()
+        if self._unpinned_blocks is None:
+            self._recount(blocks, seqs)
         if self._unpinned is None:
-            seen: set[int] = set()
-            for seq_id, seq in seqs.items():
-                if seq_id not in self.lru:
-                    _walk(blocks, seq.last_block_idx, seen, None)
-            pages: list[int] = []
-            for seq_id in self.lru:
-                _walk(blocks, seqs[seq_id].last_block_idx, seen, pages)
-            self._unpinned = set(pages)
+            self._unpinned = {p for idx in self._unpinned_blocks for p in blocks.blocks[idx].page_ids}
         return self._unpinned
 
     def num_evictable(self, blocks: BlockPool, pool: PagePool, seqs: dict[int, Sequence]) -> int:
         """Pages eviction can free now (not counting pages a pending copy touches)."""
+        if not self.lru:
+            return 0
+        if self._num_unpinned is None:
+            self._recount(blocks, seqs)
+        if not pool.touched or not self._num_unpinned:
+            return self._num_unpinned
         pages = self.evictable_pages(blocks, seqs)
-        if not pool.touched or not pages:
-            return len(pages)
         return len(pages) - len(pages & pool.touched)
+
+    def _recount(self, blocks: BlockPool, seqs: dict[int, Sequence]) -> None:
+        """Find the blocks only cached sequences reach and count their pages (a walk over blocks)."""
+        self._unpinned_blocks = _unpinned_blocks(blocks, seqs, self.lru)
+        self._num_unpinned = sum(len(blocks.blocks[idx].page_ids) for idx in self._unpinned_blocks)
+        self._unpinned = None
 
     def can_free_one(self, blocks: BlockPool, pool: PagePool, seqs: dict[int, Sequence], protect: int) -> bool:
         """Whether `evict` can free a page without touching cached sequence ``protect``'s pages."""
@@ -121,8 +142,8 @@ class CachedSequences:
                 plan = prefix.plan_pop(blocks, seq, seq.seq_length - keep, self.page_size)
                 prefix.commit_pop(blocks, pool, [], seq, plan, self.page_size)
                 self.index.truncate(seq.seq_id, keep)
+                self._forget_pages(chain_pages - _private_tail(blocks, seq)[0])
             self.num_evicted_pages += pool.num_free - before
-            self._unpinned = None
 
     def drop_all(self, blocks: BlockPool, pool: PagePool, seqs: dict[int, Sequence]) -> int:
         """Remove every cached sequence (pages a live sequence shares stay with it); returns the
@@ -136,11 +157,12 @@ class CachedSequences:
 
     def drop(self, blocks: BlockPool, pool: PagePool, seqs: dict[int, Sequence], seq: Sequence) -> None:
         """Remove the cached sequence ``seq``: pages only it held are freed."""
+        private_pages = _private_tail(blocks, seq)[0]
         prefix.release_sequence(blocks, pool, seq)
         del seqs[seq.seq_id]
         del self.lru[seq.seq_id]
         self.index.drop(seq.seq_id)
-        self._unpinned = None
+        self._forget_pages(private_pages)
 
     def problems(self, seqs: dict[int, Sequence]) -> list[str]:
         """Inconsistencies (for `disagg.integrity`)."""
@@ -157,15 +179,41 @@ class CachedSequences:
             out.append("prefix caching is off but sequences are registered or cached")
         return out
 
+    def count_problems(self, blocks: BlockPool, seqs: dict[int, Sequence]) -> list[str]:
+        """The kept count of evictable pages against a recount (for `PagedKVCache.check_integrity`)."""
+        if not self.lru:
+            return []
+        fresh = _unpinned_blocks(blocks, seqs, self.lru)
+        pages = sum(len(blocks.blocks[idx].page_ids) for idx in fresh)
+        out = []
+        if self._num_unpinned is not None and pages != self._num_unpinned:
+            out.append(f"evictable pages kept as {self._num_unpinned}, recounted {pages}")
+        if self._unpinned_blocks is not None and sorted(fresh) != sorted(self._unpinned_blocks):
+            out.append(f"blocks only cached sequences reach kept as {sorted(self._unpinned_blocks)}, "
+                       f"recounted {sorted(fresh)}")
+        return out
 
-def _walk(blocks: BlockPool, idx: int, seen: set[int], pages: list[int] | None) -> None:
+
+def _unpinned_blocks(blocks: BlockPool, seqs: dict[int, Sequence], cached: dict[int, None]) -> list[int]:
+    """The blocks on the traces of the ``cached`` sequences that no other sequence's trace reaches."""
+    seen: set[int] = set()
+    for seq_id, seq in seqs.items():
+        if seq_id not in cached:
+            _walk(blocks, seq.last_block_idx, seen, None)
+    found: list[int] = []
+    for seq_id in cached:
+        _walk(blocks, seqs[seq_id].last_block_idx, seen, found)
+    return found
+
+
+def _walk(blocks: BlockPool, idx: int, seen: set[int], found: list[int] | None) -> None:
     """Mark the trace ending at block ``idx`` seen (stopping at a seen block: its ancestors are
-    seen too); add the pages of newly seen blocks to ``pages``."""
+    seen too); add the newly seen blocks to ``found``."""
     block_of = blocks.blocks
     while idx != -1 and idx not in seen:
         seen.add(idx)
-        if pages is not None:
-            pages.extend(block_of[idx].page_ids)
+        if found is not None:
+            found.append(idx)
         idx = block_of[idx].parent_idx
 
 

@@ -51,7 +51,8 @@ class PrefixMatch:
         num_tokens: prompt tokens found (0 .. num_query_tokens - 1: one is always computed).
         num_query_tokens: prompt tokens looked up.
         num_pages: pages of ``num_free_pages`` that the fork takes (cached pages it pins, plus the
-            page a mid-page hit copies into).
+            page a mid-page hit copies into and the cached page it copies from, which its pending
+            copy keeps from being evicted).
         epoch: the cache's state when matched; `add_sequence` refuses a match made stale by any
             change since.
     """

@@ -78,6 +78,7 @@ def write_all(by_label: Mapping[str, Sequence[Mapping[str, Any]]], summary: dict
             "p99_ttft_ms": r["p99_ttft_ms"], "p99_tpot_ms": r["p99_tpot_ms"],
             "attainment": attainment_of(r, slos), "busy_fraction": r.get("busy_fraction"),
             "gpu_utilization": r.get("gpu_utilization"), "host_cpu": r.get("host_cpu"),
+            "prefix_hit_rate": (r.get("prefix_cache") or {}).get("hit_rate"),
             "mean_client_overhead_ms": r.get("mean_client_overhead_ms"),
             "slo_scale_curve": slo_scale_curve(r, slos, summary["slo_scales"])}
             for label, r in at_rate.items()}}

@@ -179,8 +179,9 @@ def comparison_table(summary: Mapping[str, Any]):
 
 
 def common_rate_table(summary: Mapping[str, Any]):
-    """Each deployment at the common rate: p99 TTFT/TPOT, attainment, client overhead, busy
-    fraction per instance (cluster stats' busy_s) and GPU utilization (nvidia-smi); one column each."""
+    """Each deployment at the common rate: p99 TTFT/TPOT, attainment, client overhead, prefix-cache
+    hit rate (the run's ``prefix_cache``), busy fraction per instance (cluster stats' busy_s) and GPU
+    utilization (nvidia-smi); one column each."""
     common = summary.get("at_common_rate") or {}
     sides = [side["label"] for side in summary["sides"]]
     marks = letters(sides)
@@ -188,7 +189,8 @@ def common_rate_table(summary: Mapping[str, Any]):
     where = f"{fmt_rate(rate)} req/s offered to each" if rate is not None else "no rate every deployment ran"
     table = _table(f"At a common rate: {where}",
                    caption=f"{legend(summary)}. busy: fraction of the run each instance spent in engine steps. "
-                           "GPU util: nvidia-smi's mean ('-' on the CPU). host CPU: the CPU the launching "
+                           "prefix hits: prompt tokens found in the instances' prefix caches, of those "
+                           "looked up. GPU util: nvidia-smi's mean ('-' on the CPU). host CPU: the CPU the launching "
                            "process spent, as a fraction of the run (its router thread; the whole process).")
     _column(table, "", "left")
     for label in sides:
@@ -198,6 +200,7 @@ def common_rate_table(summary: Mapping[str, Any]):
              ("p99 TPOT (ms)", lambda r: fmt(r.get("p99_tpot_ms"))),
              ("SLO attainment", lambda r: _percent(r.get("attainment"))),
              ("client overhead (ms)", lambda r: fmt(r.get("mean_client_overhead_ms"))),
+             ("prefix hits", lambda r: _percent(r.get("prefix_hit_rate"))),
              ("busy", lambda r: _fractions(r.get("busy_fraction"))),
              ("GPU util", lambda r: _fractions(r.get("gpu_utilization"))),
              ("host CPU", lambda r: _fractions(r.get("host_cpu")))]

@@ -155,21 +155,38 @@ def sample_requests(spec: WorkloadSpec) -> list[SampleRequest]:
         ValueError: as `WorkloadSpec.resolved`.
     """
     spec = spec.resolved()
+    if spec.dataset_name in PREFIX_DATASETS:
+        return _prefix_requests(spec, np.random.default_rng(spec.seed))
+    prompts, output_lens = sample_prompts(spec)
+    return [SampleRequest(f"{spec.dataset_name}-{index}", ids.tolist(), num_out)
+            for index, (ids, num_out) in enumerate(zip(prompts, output_lens.tolist()))]
+
+
+def sample_prompts(spec: WorkloadSpec) -> tuple[list[np.ndarray], np.ndarray]:
+    """The prompts and output lengths of `sample_requests(spec)`, the prompts as int32 arrays (the
+    simulator's workloads: 3,000 long-prompt prompts as lists of ints would take ~2.5 GB).
+
+    Returns:
+        ``[num_prompts]`` int32 arrays of prompt ids and ``[num_prompts]`` int64 output lengths,
+        request by request.
+
+    Raises:
+        ValueError: as `WorkloadSpec.resolved`.
+    """
+    spec = spec.resolved()
     rng = np.random.default_rng(spec.seed)
     if spec.dataset_name in PREFIX_DATASETS:
-        return _prefix_requests(spec, rng)
+        requests = _prefix_requests(spec, rng)
+        return ([np.asarray(r.prompt_token_ids, dtype=np.int32) for r in requests],
+                np.array([r.expected_output_len for r in requests], dtype=np.int64))
     input_lens, output_lens = _lengths(spec, rng)
-    allowed = _allowed_ids(spec.vocab_size, spec.avoid_token_ids)
-    requests = []
-    for index, (num_in, num_out) in enumerate(zip(input_lens.tolist(), output_lens.tolist())):
-        ids = allowed[rng.integers(0, len(allowed), size=num_in)]
-        requests.append(SampleRequest(f"{spec.dataset_name}-{index}", ids.tolist(), int(num_out)))
-    return requests
+    allowed = _allowed_ids(spec.vocab_size, spec.avoid_token_ids).astype(np.int32)
+    return [allowed[rng.integers(0, len(allowed), size=num_in)] for num_in in input_lens.tolist()], output_lens
 
 
 def sample_lengths(spec: WorkloadSpec) -> tuple[np.ndarray, np.ndarray]:
     """The prompt and output lengths of `sample_requests(spec)`, without drawing any token id
-    (the simulator's workloads: 10,000 long prompts need no ids).
+    (the simulator's workloads where no prefix cache reads the ids).
 
     Returns:
         ``([num_prompts], [num_prompts])`` int64 prompt and output lengths, request by request.

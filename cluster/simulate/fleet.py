@@ -20,8 +20,12 @@ request over the same `Request` records (the `Picker`'s order, the prefill queue
 `router.placement` local or adaptive through `placement.decide` over `FleetModel.view`s whose
 models are the profile's fit), and `_place` carries the plan out on the simulated instances as
 the router's `_place` does with actor calls: decode reservations in the plan's order, then the
-prefill instance `Placer.hand` names. No prefix affinity: the simulated prompts have no token
-ids to key it, and `SimEngine` no prefix cache whose hits it would buy.
+prefill instance `Placer.hand` names. Prefix caching (``cache.prefix_caching``): requests carry
+their prompts' token ids, every `SimEngine` holds the engine's prefix cache (a prompt computes
+only what follows its longest cached prefix, a reservation forks the decode side's cached whole
+pages and its push carries only what follows them), and the `Placer` has the router's prefix
+affinity (`affinity.prefix_affinity`). Each fleet starts cold, as `disagg bench` resets the
+prefix cache before each run.
 Pushes: layer by layer beside the forward that computes the tokens; a prefill instance's link
 carries one forward's tokens after the other at ``link_gbps``, and a push ends no earlier than
 its forward. Not modelled: router and network hops (beyond ``--hop-ms`` before placement and
@@ -37,11 +41,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.cluster.affinity import prefix_affinity
 from disagg.cluster.bootstrap import Instance
 from disagg.cluster.outputs import RequestMetrics
 from disagg.cluster.step_model import StepTimeModel
 from disagg.cluster.placer import Alone, Fail, Placer, Wait
 from disagg.cluster.requests import Picker, Request
+from disagg.cluster.simulate.instance import SimEngine
 from disagg.config import Config
 from disagg.engine.request import pages_for
 from disagg.sampling import SamplingParams
@@ -128,8 +134,8 @@ class SimFleet:
                           for i in range(getattr(config.instances, role))]
         self._by_name = {inst.name: inst for inst in self.instances}
         self.picker = TrackedPicker(config.router.policy, config.scheduler.max_num_seqs)
-        # No prefix affinity: the simulated prompts have no token ids and `SimEngine` no prefix cache.
-        self.placer = Placer(config, self.instances, self.picker, clock=lambda: self.now)
+        self.placer = Placer(config, self.instances, self.picker, prefix_affinity(config, self.num_pages),
+                             clock=lambda: self.now)
         self.placer.fleet_model.models = {inst.name: self.model for inst in self.instances}
         self.now = 0.0
         self._events: list[tuple] = []
@@ -143,12 +149,11 @@ class SimFleet:
         self.step_records: list[dict] | None = None  # `keep_records`: trace records of the run
 
     def _instance(self, name: str, role: str) -> Instance:
-        from disagg.cluster.simulate.instance import SimEngine
-
         sched = self.config.scheduler
         engine = SimEngine(self.model, num_pages=self.num_pages, page_size=self.page_size,
                            max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-                           max_model_len=self.max_model_len, async_scheduling=sched.async_scheduling)
+                           max_model_len=self.max_model_len, async_scheduling=sched.async_scheduling,
+                           prefix_caching=self.config.cache.prefix_caching)
         engine.step_gap_s = self.step_gap_s
         return Instance(name=name, role=role, actor=engine)
 
@@ -160,10 +165,27 @@ class SimFleet:
         """Requests placed per path (`placement.PATHS`), as the router's stats count them."""
         return self.placer.placements
 
+    def prefix_stats(self) -> dict[str, dict]:
+        """Per instance, its engine's prefix-cache counters and pushed KV as `disagg bench` reads
+        them from engine stats (``prefix_query_tokens``, ``prefix_hit_tokens``, ``pushed_bytes``)."""
+        out = {}
+        for inst in self.instances:
+            stats = inst.actor.stats()
+            out[inst.name] = {"prefix_query_tokens": stats["prefix_query_tokens"],
+                              "prefix_hit_tokens": stats["prefix_hit_tokens"],
+                              "pushed_bytes": stats["num_pushed_tokens"] * self.token_bytes}
+        return out
+
     # ------------------------------------------------------------------ the clock
-    def submit_at(self, t: float, request_id: str, prompt_len: int, max_tokens: int) -> None:
-        """A request sent at virtual time ``t``: it reaches the router ``hop_ms`` later."""
-        self._push(t + self.hop_s, ARRIVAL, (request_id, prompt_len, max_tokens, t))
+    def submit_at(self, t: float, request_id: str, prompt: Any, max_tokens: int) -> None:
+        """A request sent at virtual time ``t``: it reaches the router ``hop_ms`` later.
+
+        Args:
+            prompt: its token ids (a list or an int array: the prefix caches and the affinity key
+                them), or an int: a prompt of that many tokens that shares no prefix with any other
+                (its first id is negative and its own, the rest 0).
+        """
+        self._push(t + self.hop_s, ARRIVAL, (request_id, prompt, max_tokens, t))
 
     def run(self, on_end: Any = None) -> None:
         """Process events until none is left. ``on_end(request_id, now)`` hears each request end."""
@@ -261,10 +283,15 @@ class SimFleet:
         return times
 
     # ------------------------------------------------------------------ router
-    def _arrive(self, request_id: str, prompt_len: int, max_tokens: int, sent: float) -> set[str]:
+    def _arrive(self, request_id: str, prompt: Any, max_tokens: int, sent: float) -> set[str]:
+        if isinstance(prompt, int):
+            ids = [-len(self.timelines) - 1] + [0] * (prompt - 1)
+        else:
+            ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+        prompt_len = len(ids)
         self.timelines[request_id] = Timeline(prompt_len, max_tokens, sent)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        req = Request(request_id, [0] * prompt_len, params, _sink, RequestMetrics(arrival_time=self.now))
+        req = Request(request_id, ids, params, _sink, RequestMetrics(arrival_time=self.now))
         longest = pages_for(min(prompt_len + max_tokens, self.max_model_len), self.page_size)
         if prompt_len + max_tokens > self.max_model_len or longest > self.num_pages:
             self._end(req, f"RequestRefused: prompt {prompt_len} + max_tokens {max_tokens} does not fit "
@@ -300,8 +327,9 @@ class SimFleet:
         if isinstance(plan, Alone):
             return {self._place_alone(req, plan.instance)}
         for inst in plan.decodes:
-            if inst.actor.reserve(req.request_id, req.prompt_len, req.params.max_tokens):
-                req.decode = inst
+            dest = inst.actor.reserve(req.request_id, req.prompt_token_ids, req.params.max_tokens)
+            if dest is not None:
+                req.decode, req.dest = inst, dest
                 break
         else:
             return None  # every decode instance is out of pages
@@ -333,14 +361,14 @@ class SimFleet:
             return set()
         self.placer.reserved(req)
         req.stage = "prefilling"
-        req.prefill.actor.add(req.request_id, req.prompt_len, req.params.max_tokens, pushed=True)
+        req.prefill.actor.add(req.request_id, req.prompt_token_ids, req.params.max_tokens, dest=req.dest)
         return {req.prefill.name, req.decode.name}
 
     def _place_alone(self, req: Request, inst: Instance) -> str:
         req.colocated, req.stage = inst, "running"
         self.picker.tokens[inst.name] += req.prompt_len
         self.picker.held[inst.name] += 1
-        inst.actor.add(req.request_id, req.prompt_len, req.params.max_tokens)
+        inst.actor.add(req.request_id, req.prompt_token_ids, req.params.max_tokens)
         self.placed[req.request_id] = req
         return inst.name
 

@@ -13,7 +13,16 @@ and takes the pages (the launch), `finish_step` appends the tokens (after the fo
 as the engine does around its forward. With ``async_scheduling`` a pure-decode step of every
 running request, with nobody waiting, is followed by the same batch launched ahead (the
 engine's `_launch_ahead`): requests that arrive meanwhile join the step after it, so the next
-step is scheduled with the queue hidden. Used by `fleet.py` only.
+step is scheduled with the queue hidden.
+
+Prefix caching (``prefix_caching``, the engine's): the cache is the engine's `PagedKVCache` with
+its prefix cache (page keys, LRU eviction) and requests carry their prompts' real ids, so a
+waiting prompt enters forked from its longest cached prefix in the real `Scheduler._enter` and
+only the rest is computed (and timed: the cached tokens stay its attention context); each
+forward registers the prompt chunks it computed and a finished request its tokens, where
+`EngineCore` does (`cache_tokens`). A reservation forks the decode side's cached whole pages
+(`Scheduler.match_received`, the engine's `_reserve`), and its sender pushes only what follows
+them. Used by `fleet.py` only.
 """
 
 from __future__ import annotations
@@ -29,7 +38,17 @@ from disagg.engine.scheduler import ScheduledBatch, Scheduler
 from disagg.engine.steps import InstanceLoad, StepShape
 from disagg.sampling import SamplingParams
 
-PUSHED = object()  # `Request.dest` of a prompt whose KV is pushed (the engine's `RecvDest`; no heap here)
+
+@dataclass(frozen=True)
+class SimDest:
+    """`Request.dest` of a prompt whose KV is pushed (the engine's `RecvDest`; no heap here).
+
+    Attributes:
+        num_cached_tokens: prompt tokens the decode side already holds (its prefix cache, whole
+            pages): not pushed.
+    """
+
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -58,14 +77,17 @@ class SimEngine:
         num_pages, page_size: the KV cache.
         max_num_seqs, max_num_batched_tokens: the scheduler's budgets.
         max_model_len: the context limit.
+        async_scheduling: the engine's step launched ahead (module docstring).
+        prefix_caching: the engine's automatic prefix caching (module docstring).
     """
 
     def __init__(self, model: StepTimeModel, *, num_pages: int, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, async_scheduling: bool = False) -> None:
+                 max_num_batched_tokens: int, max_model_len: int, async_scheduling: bool = False,
+                 prefix_caching: bool = False) -> None:
         self.model = model
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
-        self.cache = PagedKVCache(num_pages, page_size)
+        self.cache = PagedKVCache(num_pages, page_size, prefix_caching=prefix_caching)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.requests: dict[Hashable, Request] = {}
         self.ready: list[Request] = []  # received, started, waiting for a batch slot
@@ -76,6 +98,7 @@ class SimEngine:
         self._ahead = False  # the next step was launched with the last one (async scheduling)
         self.busy_s = 0.0
         self.num_steps = 0
+        self.num_pushed_tokens = 0  # KV tokens this instance pushed (the engine's pushed_bytes / token)
         self.min_free_pages = self.scheduler.free_pages()
         self.step_log: list[StepShape] | None = None  # shapes, when a test asks for them
 
@@ -84,27 +107,32 @@ class SimEngine:
         """Whether the request could ever fit this cache alone (the engine's `check_fits`)."""
         return pages_for(min(prompt_len + max_tokens, self.max_model_len), self.cache.page_size) <= self.cache.num_pages
 
-    def add(self, request_id: Hashable, prompt_len: int, max_tokens: int, pushed: bool = False) -> None:
-        """Queue a local request, or (``pushed``) a prompt whose KV goes to a decode instance."""
-        req = self._new(request_id, prompt_len, max_tokens)
-        if pushed:
-            req.dest, req.committed_pages = PUSHED, pages_for(prompt_len, self.cache.page_size)
+    def add(self, request_id: Hashable, prompt_token_ids: list[int], max_tokens: int,
+            dest: SimDest | None = None) -> None:
+        """Queue a local request, or (``dest``) a prompt whose KV goes to a decode instance."""
+        req = self._new(request_id, prompt_token_ids, max_tokens)
+        if dest is not None:
+            req.dest, req.committed_pages = dest, pages_for(len(prompt_token_ids), self.cache.page_size)
         self.scheduler.add(req)
 
-    def reserve(self, request_id: Hashable, prompt_len: int, max_tokens: int) -> bool:
-        """Reserve pages for a pushed prompt and the whole answer (the engine's `_reserve`);
-        False when the free, unpromised pages are too few (the engine's OutOfPages)."""
-        need = pages_for(min(prompt_len + max_tokens, self.max_model_len), self.cache.page_size)
+    def reserve(self, request_id: Hashable, prompt_token_ids: list[int], max_tokens: int) -> SimDest | None:
+        """Reserve pages for a pushed prompt and the whole answer, forked from the cached whole
+        pages of its prompt (the engine's `_reserve`): where its sender pushes; None when the free,
+        unpromised pages are too few (the engine's OutOfPages)."""
+        prompt_len = len(prompt_token_ids)
+        total = pages_for(min(prompt_len + max_tokens, self.max_model_len), self.cache.page_size)
+        match, need = self.scheduler.match_received(prompt_token_ids, total)
         if need > self.scheduler.free_pages():
-            return False
-        req = self._new(request_id, prompt_len, max_tokens)
-        self.cache.add_sequence(req.seq_id)
-        self.cache.disagg_prepare_recv(req.seq_id, prompt_len)
+            return None
+        hit = match.num_tokens
+        req = self._new(request_id, prompt_token_ids, max_tokens)
+        self.cache.add_sequence(req.seq_id, prefix=match)
+        self.cache.disagg_prepare_recv(req.seq_id, prompt_len - hit)
         self.cache.end_forward()
-        req.num_computed, req.in_cache = prompt_len, True
-        req.received, req.committed_pages = True, need
+        req.num_computed, req.in_cache, req.num_cached_tokens = prompt_len, True, hit
+        req.received, req.committed_pages = True, total
         self.scheduler.commit(req)
-        return True
+        return SimDest(hit)
 
     def start(self, request_id: Hashable) -> bool:
         """The prompt's KV landed and its first token came (the engine's `_start` after the ring):
@@ -120,13 +148,16 @@ class SimEngine:
         """A pushed prompt's pushes have landed: its pages go (the engine's `_drain`)."""
         self.scheduler.release(req)
 
-    def _new(self, request_id: Hashable, prompt_len: int, max_tokens: int) -> Request:
+    def _new(self, request_id: Hashable, prompt_token_ids: list[int], max_tokens: int) -> Request:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        req = self._factory.new(request_id, [0] * prompt_len, params)
+        req = self._factory.new(request_id, list(prompt_token_ids), params)
         self.requests[request_id] = req
         return req
 
     def _drop(self, req: Request) -> None:
+        """A request ended: its computed tokens stay in the prefix cache (the engine's `_drop`)."""
+        if self.cache.prefix_caching and req.in_cache:
+            self.cache.cache_tokens(req.seq_id, req.token_ids[:req.num_computed])
         del self.requests[req.request_id]
         self.scheduler.remove(req)
 
@@ -147,12 +178,15 @@ class SimEngine:
             return None
         reqs, counts = batch.requests, batch.num_tokens
         shape = StepShape.of(reqs, counts)
+        pushed = sum(_pushed_tokens(r, n) for r, n in zip(reqs, counts) if r.dest is not None)
         self.cache.append_without_plan([r.seq_id for r in reqs], counts)
         for req, n in zip(reqs, counts):
             req.num_computed += n
+            if not req.decoding and self.cache.prefix_caching:  # a prompt chunk: its KV is written
+                self.cache.cache_tokens(req.seq_id, req.token_ids[:req.num_computed])
         self._ahead = self.async_scheduling and self._will_launch_ahead(batch)
         sampled = [r for r in reqs if r.num_computed == len(r.token_ids)]
-        pushed = sum(n for r, n in zip(reqs, counts) if r.dest is not None)
+        self.num_pushed_tokens += pushed
         seconds = self._forward_s(shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens,
                                   shape.num_prompt_pairs)
         self.min_free_pages = min(self.min_free_pages, self.scheduler.free_pages(), self.cache.num_free_pages)
@@ -260,3 +294,23 @@ class SimEngine:
     def load(self) -> InstanceLoad:
         return InstanceLoad(self.scheduler.free_pages(), self.cache.num_pages, len(self.scheduler.running),
                             len(self.scheduler.waiting))
+
+    def stats(self) -> dict:
+        """The engine's prefix-cache counters (`PagedKVCache.prefix_stats`) and the KV it pushed,
+        in tokens (the engine's ``pushed_bytes`` over its bytes per token)."""
+        return {**self.cache.prefix_stats(), "num_pushed_tokens": self.num_pushed_tokens}
+
+
+def _pushed_tokens(req: Request, num_tokens: int) -> int:
+    """KV tokens a forward computing ``num_tokens`` of the pushed prompt ``req`` sends (taken
+    before its ``num_computed`` advances): the positions from the decode side's cached prefix on
+    (``dest.num_cached_tokens``). Its first forward also sends what it found in its own cache
+    past that prefix, page to page (the engine's `disagg_mark_send` when it enters a forward):
+
+        [0 .... decode hit | .... prefill hit (cached here) | computed by this forward ....]
+                           ^ first forward: sent from here  ^ later forwards: from here
+    """
+    begin = req.dest.num_cached_tokens
+    start = begin if not req.sending else max(req.num_computed, begin)
+    req.sending = True
+    return max(0, req.num_computed + num_tokens - start)

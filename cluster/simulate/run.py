@@ -1,13 +1,16 @@
 """A workload through a simulated fleet, as `disagg bench`'s result.
 
-`simulate_run` draws the bench's workload lengths (`workloads.sample_lengths`, the same lengths
-`disagg bench` sends for the same flags) and arrival offsets (`arrivals.arrival_offsets`), sends
-them into a `SimFleet` at those virtual times (with ``max_concurrency``, a request waits for a
-free slot, in order, as the bench client's semaphore makes it), runs the clock to the end and
-turns each request's token times into the client's `RequestOutput`. `simulated_result` writes
-that as `report.build_result` does for a measured run, with ``"simulated": true`` and what the
-simulation assumed, so `disagg bench --from-results` reads, compares and plots it beside
-measured runs. Pure Python; no GPU, no Ray.
+`simulate_run` draws the bench's workload (`workloads.sample_prompts`: the prompts `disagg
+bench` sends for the same flags, token for token, which the fleet's prefix caches key; only
+their lengths, `workloads.sample_lengths`, where ``cache.prefix_caching`` is off) and arrival
+offsets (`arrivals.arrival_offsets`), sends them into a `SimFleet` at those virtual times (with
+``max_concurrency``, a request waits for a free slot, in order, as the bench client's semaphore
+makes it), runs the clock to the end and turns each request's token times into the client's
+`RequestOutput`. `simulated_result` writes that as `report.build_result` does for a measured
+run, with ``"simulated": true``, what the simulation assumed and the run's prefix-cache hits as
+the bench reports them (``prefix_cache``, `sweep.prefix_cache_of`: each fleet starts cold, as
+each bench run does after its reset), so `disagg bench --from-results` reads, compares and plots
+it beside measured runs. Pure Python; no GPU, no Ray.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from disagg.cluster.bench.arrivals import arrival_offsets
 from disagg.cluster.bench.metrics import DEFAULT_PERCENTILES, RequestOutput
 from disagg.cluster.bench.report import build_result
 from disagg.cluster.bench.runner import RunResult
-from disagg.cluster.bench.workloads import WorkloadSpec, sample_lengths
+from disagg.cluster.bench.sweep import prefix_cache_of
+from disagg.cluster.bench.workloads import WorkloadSpec, sample_lengths, sample_prompts
 from disagg.cluster.simulate.fleet import SimFleet, Timeline
 from disagg.config import Config
 
@@ -62,16 +66,20 @@ def simulate_run(config: Config, profile: dict, spec: WorkloadSpec, *, request_r
         raise ValueError(f"--max-concurrency: expected an integer >= 1, got {max_concurrency}")
     started = time.perf_counter()
     fleet = fleet or SimFleet(config, profile, link_gbps, hop_ms)
-    input_lens, output_lens = sample_lengths(spec)
+    if config.cache.prefix_caching:  # the ids the bench sends: the prefix caches key them
+        prompts, output_lens = sample_prompts(spec)
+    else:
+        input_lens, output_lens = sample_lengths(spec)
+        prompts = [int(n) for n in input_lens]
     if num_requests is not None:
-        input_lens, output_lens = input_lens[:num_requests], output_lens[:num_requests]
-    offsets = arrival_offsets(len(input_lens), request_rate, burstiness, seed)
-    ids = [f"{spec.dataset_name}-{i}" for i in range(len(input_lens))]
+        prompts, output_lens = prompts[:num_requests], output_lens[:num_requests]
+    offsets = arrival_offsets(len(prompts), request_rate, burstiness, seed)
+    ids = [f"{spec.dataset_name}-{i}" for i in range(len(prompts))]
     limit = len(ids) if max_concurrency is None else min(max_concurrency, len(ids))
     sent = iter(range(len(ids)))
 
     def send(i: int, not_before: float) -> None:
-        fleet.submit_at(max(float(offsets[i]), not_before), ids[i], int(input_lens[i]), int(output_lens[i]))
+        fleet.submit_at(max(float(offsets[i]), not_before), ids[i], prompts[i], int(output_lens[i]))
 
     for i in itertools.islice(sent, limit):
         send(i, 0.0)
@@ -122,11 +130,14 @@ def simulated_result(sim: Simulation, config: Config, profile: dict, *, label: s
             "config_path": config_path, "overrides": dict(overrides or {}), "model_id": config.model.source,
             "dtype": config.model.dtype, "tokenizer_id": config.model.source, "device": profile.get("device"),
             "busy_fraction": busy, "placements": dict(fleet.placements) if config.mode == "disaggregated" else None,
+            "prefix_cache_reset": True, "prefix_cache": prefix_cache(fleet),
             "simulation": {"profile_date": profile.get("date"), "profile_commit": profile.get("commit"),
                            "profile_model": profile.get("model"), "fit": profile["fit"],
                            "link_gbps": link_gbps, "hop_ms": fleet.hop_s * 1e3,
                            "step_gap_ms": fleet.step_gap_s * 1e3,
                            "reserve_ms": fleet.reserve_s * 1e3, "num_pages": fleet.num_pages, "num_events": fleet.num_events,
+                           "prefix_caching": config.cache.prefix_caching,
+                           "affinity_hits": fleet.placer.affinity_hits,
                            "num_steps": {i.name: i.actor.num_steps for i in fleet.instances},
                            "min_free_pages": min(i.actor.min_free_pages for i in fleet.instances),
                            "wall_s": sim.wall_s}}
@@ -134,3 +145,12 @@ def simulated_result(sim: Simulation, config: Config, profile: dict, *, label: s
     return build_result(sim.run, goodput_slos_ms=goodput_slos_ms, percentiles=percentiles, label=label,
                         workload=sim.spec.to_dict(), config=config.model_dump(mode="json", exclude=SECRET_FIELDS),
                         extra=info)
+
+
+def prefix_cache(fleet: SimFleet) -> dict[str, Any] | None:
+    """The run's prefix-cache hits, as `disagg bench` reports a measured run's (``prefix_cache``:
+    `sweep.prefix_cache_of` over the engines' counters before, all 0 in a fresh fleet, and after)."""
+    after = [{"name": name, **stats} for name, stats in fleet.prefix_stats().items()]
+    before = [{"name": one["name"], "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "pushed_bytes": 0}
+              for one in after]
+    return prefix_cache_of({"instances": before}, {"instances": after})

@@ -210,9 +210,8 @@ class EngineCore:
         prompt = None if prompt_token_ids is None else [int(t) for t in prompt_token_ids]
         size = self.cache.page_size
         total = pages_for(min(prompt_len + params.max_tokens, self.max_model_len), size)
-        match = self.cache.match_prefix(prompt, page_aligned=True) if prompt is not None else None
+        match, need = self.scheduler.match_received(prompt, total)
         hit = match.num_tokens if match is not None else 0
-        need = total - hit // size + (match.num_pages if match is not None else 0)
         free = self.scheduler.free_pages()
         if need > free:
             raise OutOfPages(f"reserve: request {request_id!r} needs {need} pages (prompt {prompt_len} + "

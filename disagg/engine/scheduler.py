@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from disagg.cache import PagedKVCache
 from disagg.engine.request import Request, pages_for
+from disagg.prefix_index import PrefixMatch
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,24 @@ class Scheduler:
             return None
         self._schedule_chunks(batch, free)
         return batch if len(batch) > len(decodes) else None
+
+    def match_received(self, prompt_token_ids: list[int] | None, num_pages: int) -> tuple[PrefixMatch | None, int]:
+        """The cached prefix a received request forks and the pages its reservation takes.
+
+        Args:
+            prompt_token_ids: the prompt (None: unknown, so nothing is matched).
+            num_pages: the pages it is promised for its whole stay (prompt + max_tokens).
+
+        Returns:
+            ``(match, num_pages_needed)``: the longest cached prefix of whole pages
+            (`PagedKVCache.match_prefix` page aligned: the sender writes whole pages after it),
+            or None; and the pages of `free_pages` the reservation takes (its promise less the
+            shared pages, plus the cached ones the fork pins).
+        """
+        if prompt_token_ids is None:
+            return None, num_pages
+        match = self.cache.match_prefix(prompt_token_ids, page_aligned=True)
+        return match, num_pages - match.num_tokens // self.cache.page_size + match.num_pages
 
     def finish_prompt(self, req: Request) -> None:
         """``req`` sampled its first token after (re)computing its prompt: it decodes from now on."""

@@ -119,7 +119,8 @@ def test_simulated_engine_schedules_the_real_engines_steps(async_scheduling: boo
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     sizes = dict(num_pages=8, page_size=16, max_num_seqs=3, max_num_batched_tokens=32)
     config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml").override({"model.num_layers": 1})
-    # The simulator models no prefix cache (random workloads hit none); these prompts share ids.
+    # Without the prefix cache (these prompts share ids; tests/cluster/test_simulate_prefix.py
+    # runs both with it).
     real = ColocatedEngine(engines.load(config, "cpu"), async_scheduling=async_scheduling, prefix_caching=False,
                            **sizes)
     from disagg.cluster.step_model import StepTimeModel
@@ -130,7 +131,7 @@ def test_simulated_engine_schedules_the_real_engines_steps(async_scheduling: boo
     for k in range(40):
         for i, (prompt_len, max_tokens) in enumerate(arrivals.get(k, [])):
             real.add(f"r{k}-{i}", [5] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-            sim.add(f"r{k}-{i}", prompt_len, max_tokens)
+            sim.add(f"r{k}-{i}", [5] * prompt_len, max_tokens)
         real.step()
         if real.last_step_shape is not None:
             real_shapes.append(real.last_step_shape)
