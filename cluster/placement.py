@@ -398,9 +398,8 @@ def cached_tokens(prompt_len: int, cached: Mapping[str, int] | None) -> Callable
     """Per instance view, the tokens of a ``prompt_len`` prompt its prefix cache is believed to
     hold (``cached``: name -> tokens; the router's `PrefixAffinity` credit), at most all but the
     last (an engine computes a prompt's last token whatever it holds). Priced whole, a prompt of
-    the shared-prefix workload (88% of its tokens cached) cost ~8x its work: on two H200s the
-    adaptive fleet decoded nearly everything on the decode GPU while the prefill GPU idled (busy
-    0.95 against 0.34-0.38; benchmarks/records/headline-h200x2-2026-11-28g/)."""
+    the shared-prefix workload (88% of its tokens cached) cost ~8x what its instance computes
+    (simulated on two H200s, goodput unchanged either way: benchmarks/records/headline-h200x2-2026-11-28g/)."""
     if not cached:
         return lambda view: 0
     return lambda view: max(0, min(cached.get(view.name, 0), prompt_len - 1))
