@@ -184,16 +184,26 @@ def _replay_killed_decode(cluster, prompts: list[list[int]], ray) -> Tally:
 def _replay_reset_mid_flight(cluster, prompts: list[list[int]], want: list[list[int]]) -> Tally:
     """Every request's prompt shares a 40-token system prompt (cached pages to fork from on both
     instances); two rounds of them run concurrently while another thread resets every instance's
-    prefix cache every few milliseconds."""
+    prefix cache in bursts (three resets a few milliseconds apart). After each burst it waits
+    until some request has forked from the cache again, so the resets land while forked requests
+    run however fast the machine is (resetting without pause, a slow CI machine once saw 31 resets
+    and no fork at all: the replay proved nothing)."""
     import threading
 
     tally, stop, resets = Tally(), threading.Event(), [0]
 
+    def hits() -> int:
+        return sum(i.get("prefix_hit_tokens", 0) for i in cluster.stats()["instances"])
+
     def keep_resetting() -> None:
         while not stop.is_set():
-            cluster.reset_prefix_cache()
-            resets[0] += 1
-            time.sleep(0.005)
+            for _ in range(3):
+                cluster.reset_prefix_cache()
+                resets[0] += 1
+                time.sleep(0.005)
+            seen = hits()
+            while not stop.is_set() and hits() == seen:
+                stop.wait(0.01)
 
     async def run() -> None:
         for round_ in range(2):
@@ -201,9 +211,6 @@ def _replay_reset_mid_flight(cluster, prompts: list[list[int]], want: list[list[
                                           for i, p in enumerate(prompts)))
             for i, (tokens, last) in enumerate(outs):
                 tally.check_finished(f"reset-{round_}-{i}", tokens, last, want[i])
-
-    def hits() -> int:
-        return sum(i.get("prefix_hit_tokens", 0) for i in cluster.stats()["instances"])
 
     before = hits()
     resetter = threading.Thread(target=keep_resetting, daemon=True)
