@@ -94,8 +94,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # ---------------------------------------------------------------------------------------- Ray
 # Starting and stopping a local Ray costs ~4 s; ~15 modules ask for one. `ray_local` starts it
 # once and keeps it for the modules that follow in a row; a test that does not ask for it gets no
-# Ray of ours (it may start its own, or check that none runs: `pytest_runtest_setup`).
+# Ray of ours (it may start its own, or check that none runs: `pytest_runtest_setup`), except in
+# the folders of `KEEPS_RAY`: there the tests without it neither start a Ray in this process nor
+# look for one (stand-in fleets; a command in a subprocess starts its own head there), so Ray stays
+# up across them for the folder's next module that asks (one start for bench/ and serve/, not three).
 RAY_INIT = {"num_cpus": 4, "include_dashboard": False, "log_to_driver": False, "namespace": "disagg-tests"}
+KEEPS_RAY = {Path(__file__).parent / "cluster" / "bench", Path(__file__).parent / "cluster" / "serve"}
 RELEASE_WAIT_S = 5.0  # a module's fleets are gone; their actors' CPUs come back within this
 _ray_ours = False      # the running Ray was started by `ray_local`
 
@@ -138,7 +142,7 @@ def ray_local():
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if "ray_local" not in item.fixturenames:
+    if "ray_local" not in item.fixturenames and item.path.parent not in KEEPS_RAY:
         _shutdown_ours()
 
 

@@ -1,4 +1,5 @@
-"""The `disagg` command: help on every verb, config errors before launch, one streamed generate."""
+"""The `disagg` command: help on every verb, config errors before launch, one streamed generate, a
+prompt over max_model_len refused on a real fleet."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def test_launch_prints_status_until_ctrl_c(tmp_path: Path):
     assert "shutting down" in output and proc.returncode == 0, output[-2000:]
 
 
-# The two tests on the module's Ray come last, in a row: between them a test without it would stop
+# The tests on the module's Ray come last, in a row: between them a test without it would stop
 # Ray, and the next start it again (~5 s).
 def test_generate_streams_token_ids_over_segment_puts(ray_local, monkeypatch):
     from cluster_helpers import reference_tokens
@@ -97,3 +98,18 @@ def test_check_exits_1_with_the_preflight_reason(ray_local, monkeypatch):
     assert result.exit_code == 1, result.output
     assert "PreflightError: model.max_model_len (5000 tokens) exceeds the model's max_position_embeddings (4096)" \
         in result.stderr
+
+
+@pytest.mark.slow
+def test_a_prompt_over_max_model_len_on_a_real_fleet(ray_local, monkeypatch):
+    # `disagg generate` (tests/cluster/test_generate_command.py) on the real max_model_len, here
+    # on the module's Ray: alone in its module it started one of its own (~8 s).
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the actors inherit it: torch reference kernels
+    for name in ("DISAGG_LOG", "RAY_LOGGER_LEVEL"):  # setup_logging sets them; give them back
+        monkeypatch.setenv(name, "WARNING")
+    result = runner.invoke(app, ["generate", str(CONFIGS / "tiny-1p1d.yaml"), "--prompt-ids", ",".join(["5"] * 300),
+                                 "--set", "model.max_model_len=256"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert [line for line in result.stderr.splitlines() if line.strip()] == [
+        "disagg generate: the prompt is 300 tokens, and max_model_len is 256: no room for an output token; "
+        "shorten it or raise model.max_model_len (--set model.max_model_len=N)"]

@@ -7,6 +7,7 @@ After every test, every instance's pages are all free again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -275,10 +276,10 @@ def _wait_until(predicate, timeout_s: float = 30.0) -> None:
 
 
 @pytest.mark.parametrize("async_scheduling", [None, False], ids=["default", "off"])
-def test_async_scheduling_from_the_config_gives_the_same_tokens(ray_local, async_scheduling):
+def test_async_scheduling_from_the_config_gives_the_same_tokens(cluster, async_scheduling):
     """`scheduler.async_scheduling` (default true) reaches the decode and colocated engines (steps
     launched ahead, or none when false), and tokens equal the reference, stop ids (EOS-like ends)
-    included."""
+    included. The default 1P1D is the module's fleet (its scheduler section is the default one)."""
     prompts = mixed_prompts(12, seed=5)
     max_tokens = [3, 16, 31, 9] * 3
     want = reference_tokens(prompts, max_tokens)
@@ -286,20 +287,26 @@ def test_async_scheduling_from_the_config_gives_the_same_tokens(ray_local, async
     params = [SamplingParams(max_tokens=n, stop_token_ids=(stop[i],) if i in stop else ())
               for i, n in enumerate(max_tokens)]
     overrides = {} if async_scheduling is None else {"scheduler__async_scheduling": async_scheduling}
-    with launch("tiny-1p1d", **overrides) as cluster:
-        got = cluster.generate(prompts, params)
-        stats = {inst["name"]: inst for inst in cluster.stats()["instances"]}
-        wait_all_free(cluster)
-    assert (stats["decode-0"]["num_steps_ahead"] > 0) == (async_scheduling is None)
-    with launch("tiny-colocated", **overrides) as cluster:
-        colocated = cluster.generate(prompts, params)
-        stats.update({inst["name"]: inst for inst in cluster.stats()["instances"]})
-        wait_all_free(cluster)
-    ahead = stats["colocated-0"]["num_steps_ahead"] + stats["colocated-1"]["num_steps_ahead"]
+    own = bool(overrides)  # else the module's fleet, launched with the default scheduler section
+    with launch("tiny-1p1d", **overrides) if own else contextlib.nullcontext(cluster) as fleet:
+        before = _steps_ahead(fleet)
+        got = fleet.generate(prompts, params)
+        ahead = _steps_ahead(fleet)["decode-0"] - before["decode-0"]  # this test's steps only
+        wait_all_free(fleet)
+    assert (ahead > 0) == (async_scheduling is None)
+    with launch("tiny-colocated", **overrides) as twin_fleet:
+        colocated = twin_fleet.generate(prompts, params)
+        ahead = sum(_steps_ahead(twin_fleet).values())
+        wait_all_free(twin_fleet)
     assert (ahead > 0) == (async_scheduling is None)
     for i, (completion, twin, tokens) in enumerate(zip(got, colocated, want)):
         expected = tokens[:tokens.index(stop[i]) + 1] if i in stop else tokens
         assert completion.token_ids == expected == twin.token_ids, f"request {i}"
+
+
+def _steps_ahead(cluster) -> dict[str, int]:
+    """Each instance's steps launched ahead since its launch, by name."""
+    return {inst["name"]: inst["num_steps_ahead"] for inst in cluster.stats()["instances"]}
 
 
 def test_reservations_overlapping_forwards_give_the_same_tokens(ray_local):

@@ -3,8 +3,9 @@ bad input as one line and exit 2, --version, readable help, SIGTERM to `disagg l
 
 Most tests run the command in process with the launcher replaced by a `FakeCluster` (the real
 SmolLM2 tokenizer, a stream that records the prompt ids it gets): the command's own work, no Ray.
-The slow ones launch real fleets in a subprocess: SmolLM2 answering a question, the tiny model
-refusing a prompt over max_model_len, and `disagg launch` stopped by SIGTERM.
+The slow ones launch real fleets in a subprocess: SmolLM2 answering a question, and `disagg
+launch` stopped by SIGTERM. The tiny model refusing a prompt over max_model_len on a real fleet
+is in tests/cluster/test_cli.py, on that module's Ray.
 """
 
 from __future__ import annotations
@@ -185,19 +186,6 @@ def test_smollm2_answers_through_its_chat_template(smollm2_tokenizer, tmp_path: 
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "Paris" in result.stdout and "tokens/s]" in result.stdout, result.stdout
     assert "Started a local Ray instance" not in result.stderr and "Token authentication" not in result.stderr
-
-
-@pytest.mark.slow
-def test_a_prompt_over_max_model_len_on_a_real_fleet(ray_local, monkeypatch: pytest.MonkeyPatch):
-    # In this process, on the module's Ray (a subprocess with its own Ray took 13 s).
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the actors inherit it: torch reference kernels
-    for name in ("DISAGG_LOG", "RAY_LOGGER_LEVEL"):  # setup_logging sets them; give them back
-        monkeypatch.setenv(name, "WARNING")
-    result = CliRunner().invoke(app, ["generate", TINY, "--prompt-ids", ",".join(["5"] * 300),
-                                      "--set", "model.max_model_len=256"])
-    assert _one_line_exit_2(result) == (
-        "disagg generate: the prompt is 300 tokens, and max_model_len is 256: no room for an output token; "
-        "shorten it or raise model.max_model_len (--set model.max_model_len=N)")
 
 
 @pytest.mark.slow

@@ -20,6 +20,9 @@ PROFILE = {
     "fit": {"coef_s": [1.5e-3, 2e-5, 1.8e-4, 5e-8], "error": 0.1}, "samples": [],
 }
 SHORT = planner.RunLength(seconds=3.0, min_prompts=40, max_prompts=150)
+# Runs for what holds at any size (labels, flags, a hop past the TTFT target): 40 requests at most.
+TINY_RUN = planner.RunLength(seconds=1.0, min_prompts=10, max_prompts=40)
+TINY_RUN_ARGS = ["--run-seconds", "1", "--max-prompts", "40"]
 
 
 def test_max_rate_brackets_and_bisects():
@@ -55,8 +58,7 @@ def test_cli_prints_every_candidate_and_writes_a_loadable_yaml(tmp_path: Path):
     result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--dataset-name", "random",
                                       "--random-input-len", "64", "--random-output-len", "16", "--goodput",
                                       "ttft:300", "tpot:20", "--gpus", "2", "--chunk-sizes", "256",
-                                      "--run-seconds", "3", "--max-prompts", "150", "--out", str(out),
-                                      "--adaptive-prefer", "fastest,balanced"])
+                                      *TINY_RUN_ARGS, "--out", str(out), "--adaptive-prefer", "fastest,balanced"])
     assert result.exit_code == 0, result.output
     for label in ("colocated-2[chunk=256]", "1P1D", "1P1D-adaptive[prefer=fastest]", "1P1D-adaptive[prefer=balanced]"):
         assert label in result.output
@@ -71,7 +73,7 @@ def test_hops_are_given_to_every_simulated_fleet_and_named_in_the_yaml(tmp_path:
         (cand,) = [c for c in planner.candidates(2, adaptive=False, colocated=False)]
         base = planner.base_sections(PROFILE, {"ttft": 300, "tpot": 20})
         return planner.judge(cand, base, PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20},
-                             run_length=SHORT, input_len=64, output_len=8, hops=hops).goodput_rps
+                             run_length=TINY_RUN, input_len=64, output_len=8, hops=hops).goodput_rps
 
     assert goodput() > 0 and goodput(hop_ms=400.0) < goodput()
     assert goodput(reserve_ms=400.0) < goodput()  # 1P1D: every request is pushed, every one reserves
@@ -83,8 +85,7 @@ def test_hops_are_given_to_every_simulated_fleet_and_named_in_the_yaml(tmp_path:
     result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--dataset-name", "random",
                                       "--random-input-len", "64", "--random-output-len", "16", "--goodput",
                                       "ttft:300", "tpot:20", "--gpus", "1", "--chunk-sizes", "256",
-                                      "--run-seconds", "3", "--max-prompts", "150", "--hop-ms", "6",
-                                      "--reserve-ms", "8"])
+                                      *TINY_RUN_ARGS, "--hop-ms", "6", "--reserve-ms", "8"])
     assert result.exit_code == 0, result.output
     assert "--hop-ms 6, --reserve-ms 8." in result.output
 
@@ -107,7 +108,7 @@ def test_only_judges_the_named_candidates_and_names_the_valid_ones_otherwise(tmp
         planner.only(search, ["1P3D", "5P3D"])
     with pytest.raises(ValueError, match="got none"):
         planner.only(search, [])
-    common = _small_plan(tmp_path) + ["--max-prompts", "150"]
+    common = _small_plan(tmp_path) + ["--max-prompts", "40"]
     result = CliRunner().invoke(app, common + ["--only", "1P1D"])
     assert result.exit_code == 0, result.output
     assert "1P1D: " in result.output and "colocated-2" not in result.output and "1P1D-adaptive" not in result.output

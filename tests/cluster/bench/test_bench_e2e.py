@@ -1,25 +1,57 @@
 """End to end: a short disaggregated vs colocated comparison on the tiny CPU configs through the
-real Cluster (Ray actors, /dev/shm heap, router), writing JSON that recomputes and the plots."""
+real Cluster (Ray actors, /dev/shm heap, router), writing JSON that recomputes and the plots.
+
+Every bench of tiny-1p1d.yaml here runs on one fleet launched for the module (`tiny_1p1d`): a
+launch is ~6 s of actors starting, and the module's benches launched that config six times. Each
+test gets the fleet with every prefix cache emptied; the rest a bench reports is a difference of
+stats taken around its runs.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
 import pytest
+from cluster_helpers import launch_config
 
 import disagg.cluster
 from disagg.cluster.bench.compare import quick_compare
 from disagg.cluster.bench.report import check_result, load_json
+from disagg.config import Config
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 pytestmark = [
-    pytest.mark.usefixtures("ray_local"),  # every fleet of the module on one local Ray
+    pytest.mark.usefixtures("ray_local", "tiny_1p1d"),  # every fleet of the module on one local Ray
     pytest.mark.slow,
     pytest.mark.timeout(600),
     pytest.mark.skipif(not hasattr(disagg.cluster, "Cluster"), reason="disagg.cluster.Cluster has not landed yet"),
 ]
+
+
+@pytest.fixture(scope="module")
+def tiny_1p1d_fleet(ray_local):
+    """(config, fleet) of configs/tiny-1p1d.yaml, launched once for the module (actors on the torch
+    reference kernels: `cluster_helpers.ACTOR_ENV`)."""
+    config = Config.from_yaml(CONFIGS / "tiny-1p1d.yaml")
+    with launch_config(config) as cluster:
+        yield config, cluster
+
+
+@pytest.fixture
+def tiny_1p1d(tiny_1p1d_fleet, monkeypatch):
+    """`Cluster.launch` of tiny-1p1d.yaml (unchanged) hands out the module's fleet, with every prefix
+    cache emptied, and leaves it running at the end of the bench; any other config launches."""
+    config, cluster = tiny_1p1d_fleet
+    launch = disagg.cluster.Cluster.launch
+
+    def shared_or_launch(wanted):
+        return contextlib.nullcontext(cluster) if wanted == config else launch(wanted)
+    monkeypatch.setattr(disagg.cluster.Cluster, "launch", staticmethod(shared_or_launch))
+    cluster.reset_prefix_cache()
+    return cluster
 
 
 def test_tiny_1p1d_vs_colocated(tmp_path, monkeypatch):

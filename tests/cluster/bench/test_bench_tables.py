@@ -25,12 +25,13 @@ def _fits(text: str) -> None:
     assert max(len(line) for line in text.splitlines()) <= 80, text
 
 
-@pytest.fixture
-def summary(stand_in, tmp_path):
-    """Three deployments with long labels (a variant sweep), two rates."""
+@pytest.fixture(scope="module")
+def summary(stand_in_module, tmp_path_factory):
+    """Three deployments with long labels (a variant sweep), two rates: one comparison (~1.3 s) that
+    every test of the module renders."""
     options = SweepOptions(num_prompts=4, rates=[100.0, 400.0], input_len=6, output_len=3,
                            goodput_slos_ms={"ttft": 500.0, "tpot": 50.0}, show_progress=False)
-    return compare_configs(TINY_1P1D, [TINY_COLOCATED], tmp_path, options,
+    return compare_configs(TINY_1P1D, [TINY_COLOCATED], tmp_path_factory.mktemp("compare"), options,
                            variants=[{"scheduler.max_num_batched_tokens": 64},
                                      {"scheduler.max_num_batched_tokens": 128}])
 
