@@ -145,6 +145,7 @@ class SimFleet:
         self.timelines: dict[str, Timeline] = {}
         self._link_free = {inst.name: 0.0 for inst in self.instances}
         self.num_events = 0
+        self.halted = False
         self.fuse = True  # run the pure-decode forwards no event can change in one event (`SimEngine.fuse`)
         self.step_records: list[dict] | None = None  # `keep_records`: trace records of the run
 
@@ -188,15 +189,21 @@ class SimFleet:
         self._push(t + self.hop_s, ARRIVAL, (request_id, prompt, max_tokens, t))
 
     def run(self, on_end: Any = None) -> None:
-        """Process events until none is left. ``on_end(request_id, now)`` hears each request end."""
-        self._on_end = on_end
-        while self._events:
+        """Process events until none is left, or until `halt`. ``on_end(request_id, now)`` hears
+        each request end."""
+        self._on_end, self.halted = on_end, False
+        while self._events and not self.halted:
             t, _, kind, payload = heapq.heappop(self._events)
             self.now = t
             self.num_events += 1
             touched = self._handle(kind, payload)
             self._dispatch(touched)
             self._launch([self._by_name[name] for name in sorted(touched)])
+
+    def halt(self) -> None:
+        """Stop `run` after the event being processed: what has not ended by then never ends
+        (its timeline stays open; `run.client_output` makes it a failed request)."""
+        self.halted = True
 
     def _push(self, t: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._events, (t, next(self._order), kind, payload))

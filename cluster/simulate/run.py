@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from disagg.cluster.bench.arrivals import arrival_offsets
 from disagg.cluster.bench.metrics import DEFAULT_PERCENTILES, RequestOutput
@@ -54,10 +54,13 @@ def workload_spec(profile: dict, fleet_max_model_len: int, *, dataset_name: str,
 def simulate_run(config: Config, profile: dict, spec: WorkloadSpec, *, request_rate: float,
                  burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
                  link_gbps: float = 364.0, hop_ms: float = 0.0, fleet: SimFleet | None = None,
-                 num_requests: int | None = None) -> Simulation:
+                 num_requests: int | None = None,
+                 stop_when: Callable[[RequestOutput], bool] | None = None) -> Simulation:
     """Run ``spec`` at ``request_rate`` through the fleet of ``config`` (module docstring): its
     first ``num_requests`` requests (default all), as `disagg bench` runs the first ones of the
-    prompts it sampled.
+    prompts it sampled. ``stop_when(output)`` hears each request's client record as it ends; once
+    it answers True the run stops (`SimFleet.halt`), and every request not ended by then is a
+    failed one in the result (`disagg plan` stops a run whose SLO miss is already certain).
 
     Raises:
         ValueError: a bad rate, burstiness, concurrency or link bandwidth.
@@ -85,16 +88,24 @@ def simulate_run(config: Config, profile: dict, spec: WorkloadSpec, *, request_r
         send(i, 0.0)
 
     def on_end(request_id: str, now: float) -> None:
+        if stop_when is not None and stop_when(client_output(fleet.timelines[request_id])):
+            fleet.halt()
+            return
         nxt = next(sent, None)
         if nxt is not None:
             send(nxt, now)
 
     fleet.run(on_end)
-    outputs = [client_output(fleet.timelines[i]) for i in ids]
+    outputs = [client_output(fleet.timelines[i]) if i in fleet.timelines else unsent_output(i) for i in ids]
     ends = [out.start_time + out.latency for out in outputs if out.success]
     duration = max(ends + [float(offsets[-1]), 1e-9])
     run = RunResult(outputs, duration, request_rate, burstiness, max_concurrency)
     return Simulation(run, fleet, spec, time.perf_counter() - started)
+
+
+def unsent_output(request_id: str) -> RequestOutput:
+    """The record of a request that a stopped run (``stop_when``) never reached the router with."""
+    return RequestOutput(error=f"the simulated run stopped before {request_id} was sent")
 
 
 def client_output(timeline: Timeline) -> RequestOutput:
@@ -102,8 +113,9 @@ def client_output(timeline: Timeline) -> RequestOutput:
     out = RequestOutput(prompt_len=timeline.prompt_len, expected_output_len=timeline.max_tokens,
                         start_time=timeline.sent)
     times = timeline.token_times
-    if timeline.error or not times:
-        out.error = timeline.error or "the simulated request ended without a token"
+    if timeline.error or not times or not timeline.ended:
+        out.error = timeline.error or ("the simulated request ended without a token" if timeline.ended
+                                       else "the simulated run stopped before the request ended")
         return out
     out.success, out.output_len = True, len(times)
     out.ttft = times[0] - timeline.sent

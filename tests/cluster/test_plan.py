@@ -171,7 +171,8 @@ def test_seeds_pool_the_requests_of_several_draws():
     for seed, seeds in ((0, 1), (1, 1), (0, 2)):
         (cand,) = [c for c in planner.candidates(2, adaptive=False, colocated=False)]
         judged[seed, seeds] = planner.judge(cand, base, PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20},
-                                            run_length=SHORT, seed=seed, seeds=seeds, input_len=200, output_len=8)
+                                            run_length=SHORT, seed=seed, seeds=seeds, input_len=200, output_len=8,
+                                            stop_early=False)
     rates = set(judged[0, 1].attainment_at) & set(judged[1, 1].attainment_at) & set(judged[0, 2].attainment_at)
     apart = [r for r in rates if judged[0, 1].attainment_at[r] != judged[1, 1].attainment_at[r]]
     assert apart, "the two draws never differ: the test could not tell pooling from one draw"
@@ -180,6 +181,29 @@ def test_seeds_pool_the_requests_of_several_draws():
             (judged[0, 1].attainment_at[rate] + judged[1, 1].attainment_at[rate]) / 2)
     with pytest.raises(ValueError, match="--seeds"):
         planner.plan(PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=2, seeds=0)
+
+
+@pytest.mark.parametrize("seeds", [1, 2])
+def test_runs_stop_at_a_certain_miss_with_the_same_verdicts(seeds):
+    """``stop_early`` (the default): the same goodput and, rate by rate, the same verdict as runs
+    played to the end; a cut rate's attainment is a bound below the target, and the search cuts
+    the rates past the knee."""
+    base = planner.base_sections(PROFILE, {"ttft": 300, "tpot": 20})
+    judged = {}
+    for stop_early in (False, True):
+        (cand,) = [c for c in planner.candidates(2, adaptive=False, colocated=False)]
+        judged[stop_early] = planner.judge(cand, base, PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20},
+                                           run_length=SHORT, seeds=seeds, input_len=200, output_len=8,
+                                           stop_early=stop_early)
+    full, cut = judged[False], judged[True]
+    assert cut.goodput_rps == full.goodput_rps > 0
+    assert cut.attainment_at.keys() == full.attainment_at.keys()
+    target = planner.TARGET_ATTAINMENT
+    assert {r: a >= target for r, a in cut.attainment_at.items()} == {r: a >= target for r, a in full.attainment_at.items()}
+    assert cut.cut_at and not full.cut_at and all(full.attainment_at[r] < target for r in cut.cut_at)
+    for rate, attained in cut.attainment_at.items():
+        assert attained == full.attainment_at[rate] if rate not in cut.cut_at else attained <= full.attainment_at[rate]
+    assert [planner.misses_allowed(n) for n in (1, 9, 10, 11, 100, 101)] == [0, 0, 1, 1, 10, 10]
 
 
 def test_jobs_judge_in_worker_processes_with_the_same_result():

@@ -230,6 +230,27 @@ def test_max_concurrency_holds_requests_at_the_client():
     assert peak == 2 and all(out.success for out in sim.run.outputs)
 
 
+@pytest.mark.parametrize("max_concurrency", [None, 4])
+def test_stop_when_ends_the_run_and_fails_every_request_not_ended(max_concurrency):
+    """`simulate_run(stop_when=)`: the run stops at the request that said so; the requests ended
+    before it keep the records a whole run gives them, every other one (started, queued, or not
+    yet sent) is a failed request."""
+    config = Config.from_yaml(CONFIGS / "tiny-1p1d.yaml")
+    spec = workload_spec(PROFILE, 512, dataset_name="chat", num_prompts=60, seed=0)
+    whole = simulate_run(config, PROFILE, spec, request_rate=40.0, max_concurrency=max_concurrency)
+    heard = []
+    cut = simulate_run(config, PROFILE, spec, request_rate=40.0, max_concurrency=max_concurrency,
+                       stop_when=lambda out: heard.append(out) or len(heard) == 10)
+    assert len(heard) == 10 and len(cut.run.outputs) == 60
+    ended = [i for i, out in enumerate(cut.run.outputs) if out.success]
+    assert len(ended) == 10 and [cut.run.outputs[i] for i in ended] == [whole.run.outputs[i] for i in ended]
+    assert sorted(out.latency + out.start_time for out in heard) == sorted(
+        cut.run.outputs[i].latency + cut.run.outputs[i].start_time for i in ended)
+    failed = [out for out in cut.run.outputs if not out.success]
+    assert any(t.token_times for rid, t in cut.fleet.timelines.items() if not t.ended), "no request stopped mid-stream"
+    assert all(out.error.startswith("the simulated run stopped before") for out in failed)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_reservation_made_mid_forward_answers_when_the_forward_ends(overlap):
     """1P1D: "b" arrives while the decode instance runs a forward (decoding "a"); its prompt
