@@ -659,16 +659,18 @@ class _Work:
         """``req`` (of ``max_tokens``) placed here: its prompt queued (``computing``: not yet
         computed), else decoding here, with its progress where ``now`` and its first token are
         known (`InstanceView.decode_progress`)."""
+        prompt_len = len(req.prompt_token_ids)
         if computing:  # what follows its prefix believed cached there (`Request.cached_tokens`)
-            cached = min(req.cached_tokens, req.prompt_len - 1)
-            self.queued += req.prompt_len - cached
-            self.pairs += prompt_pairs(cached, req.prompt_len - cached)
+            cached = min(req.cached_tokens, prompt_len - 1)
+            self.queued += prompt_len - cached
+            self.pairs += prompt_pairs(cached, prompt_len - cached)
             return
+        num_output = req.num_output
         self.decoding += 1
-        self.context += req.prompt_len + req.num_output
-        self.remaining += max(max_tokens - req.num_output, 1)
+        self.context += prompt_len + num_output
+        self.remaining += max(max_tokens - num_output, 1)
         if now is not None and req.first_token_at is not None:
-            self.progress.append((now - req.first_token_at, req.num_output, max_tokens))
+            self.progress.append((now - req.first_token_at, num_output, max_tokens))
 
 
 class FleetModel:
@@ -785,28 +787,37 @@ class FleetModel:
         for key, inst in unique.items():
             by_name[inst.name].append(key)
         outputs = count = 0
+        of = work.get  # the hot loop of a decision (a 64-instance fleet: ~1,600 live requests each)
         for req in requests:
             max_tokens = int(req.params.max_tokens)
             outputs, count = outputs + max_tokens, count + 1
-            for held in {id(inst) for inst in seat_holders(req)}:  # one seat per instance however held
-                if held in work:
-                    work[held].seated += 1
-            colocated, prefill = req.colocated, req.prefill
-            if colocated is not None and id(colocated) in work:  # local or kept: prompt here until its first token
-                work[id(colocated)].add(req, req.num_output == 0, max_tokens, now)
-            if (req.stage in ("reserving", "prefilling") and req.decode is not None and req.decode is not colocated
-                    and id(req.decode) in work):
-                work[id(req.decode)].incoming += 1
-            if req.stage in ("reserving", "prefilling") and prefill is not None:
-                if prefill is not colocated and id(prefill) in work:
-                    work[id(prefill)].add(req, True, max_tokens, now)
-            elif req.stage == "reserving" and prefill is None:
+            for held in seat_holders(req):  # each instance once: one seat however held
+                w = of(id(held))
+                if w is not None:
+                    w.seated += 1
+            stage, colocated, decode, prefill = req.stage, req.colocated, req.decode, req.prefill
+            if colocated is not None:  # local or kept: prompt here until its first token
+                w = of(id(colocated))
+                if w is not None:
+                    w.add(req, req.num_output == 0, max_tokens, now)
+            computing = stage == "reserving" or stage == "prefilling"
+            if computing and decode is not None and decode is not colocated:
+                w = of(id(decode))
+                if w is not None:
+                    w.incoming += 1
+            if computing and prefill is not None:
+                if prefill is not colocated:
+                    w = of(id(prefill))
+                    if w is not None:
+                        w.add(req, True, max_tokens, now)
+            elif stage == "reserving" and prefill is None:
                 for key in by_name.get(planned.get(req.request_id), ()):
                     if unique[key] is not colocated:
                         work[key].add(req, True, max_tokens, now)
-            elif req.stage == "decoding" and req.decode is not None:
-                if req.decode is not colocated and id(req.decode) in work:
-                    work[id(req.decode)].add(req, False, max_tokens, now)
+            elif stage == "decoding" and decode is not None and decode is not colocated:
+                w = of(id(decode))
+                if w is not None:
+                    w.add(req, False, max_tokens, now)
         output_tokens = outputs / count if count else None
         return [self._view(inst, work[id(inst)], output_tokens) for inst in instances]
 

@@ -223,13 +223,16 @@ def seat_holders(req: Request) -> tuple[Instance, ...]:
     """The instances on which ``req`` holds or awaits one of the engine's `scheduler.max_num_seqs`
     seats: the one that computes and decodes it (local, kept, colocated), the decode instance it is
     reserved on (decoding, or to decode once its prompt lands), and a prefill instance while it
-    computes its prompt."""
-    if req.done:
+    computes its prompt; each instance once, however it is held there (one seat)."""
+    stage = req.stage
+    if stage == "done":
         return ()
-    held = tuple(inst for inst in (req.colocated, req.decode) if inst is not None)
-    if req.prefill is not None and req.stage in ("reserving", "prefilling"):
-        held += (req.prefill,)
-    return held
+    colocated, decode, prefill = req.colocated, req.decode, req.prefill
+    if decode is colocated:
+        decode = None
+    if prefill is colocated or prefill is decode or (stage != "reserving" and stage != "prefilling"):
+        prefill = None
+    return tuple(inst for inst in (colocated, decode, prefill) if inst is not None)
 
 
 def _load_of(req: Request) -> list[tuple[Instance, int]]:
