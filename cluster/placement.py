@@ -645,7 +645,7 @@ class HopMeter:
         self.median = statistics.median(self.recent)
 
 
-class _Work:
+class InstanceWork:
     """One instance's share of the live requests, summed by `FleetModel.views`: the fields of
     its `InstanceView` that the requests give."""
 
@@ -673,6 +673,51 @@ class _Work:
             self.progress.append((now - req.first_token_at, num_output, max_tokens))
 
 
+def tally(instances: list, requests: Collection, now: float | None = None,
+          planned: Mapping[str, str] | None = None) -> tuple[dict[int, InstanceWork], float | None]:
+    """The work of ``requests`` on each of ``instances`` (`FleetModel.views`): id(instance) ->
+    its `InstanceWork`, and the mean max_tokens of the requests (None: none)."""
+    planned = planned or {}
+    unique = {id(inst): inst for inst in instances}  # an instance listed twice is viewed once
+    work = {key: InstanceWork() for key in unique}
+    by_name: dict[str, list[int]] = collections.defaultdict(list)
+    for key, inst in unique.items():
+        by_name[inst.name].append(key)
+    outputs = count = 0
+    of = work.get  # the hot loop of a decision (a 64-instance fleet: ~1,600 live requests each)
+    for req in requests:
+        max_tokens = int(req.params.max_tokens)
+        outputs, count = outputs + max_tokens, count + 1
+        for held in seat_holders(req):  # each instance once: one seat however held
+            w = of(id(held))
+            if w is not None:
+                w.seated += 1
+        stage, colocated, decode, prefill = req.stage, req.colocated, req.decode, req.prefill
+        if colocated is not None:  # local or kept: prompt here until its first token
+            w = of(id(colocated))
+            if w is not None:
+                w.add(req, req.num_output == 0, max_tokens, now)
+        computing = stage == "reserving" or stage == "prefilling"
+        if computing and decode is not None and decode is not colocated:
+            w = of(id(decode))
+            if w is not None:
+                w.incoming += 1
+        if computing and prefill is not None:
+            if prefill is not colocated:
+                w = of(id(prefill))
+                if w is not None:
+                    w.add(req, True, max_tokens, now)
+        elif stage == "reserving" and prefill is None:
+            for key in by_name.get(planned.get(req.request_id), ()):
+                if unique[key] is not colocated:
+                    work[key].add(req, True, max_tokens, now)
+        elif stage == "decoding" and decode is not None and decode is not colocated:
+            w = of(id(decode))
+            if w is not None:
+                w.add(req, False, max_tokens, now)
+    return work, (outputs / count if count else None)
+
+
 class FleetModel:
     """The router's picture of its instances for `decide`: a `StepTimeModel` per instance fed
     from its step samples, its last reported load, and its live requests' prompt and decode work.
@@ -687,6 +732,12 @@ class FleetModel:
             scheduler.overlap_reservations, max_num_seqs and async_scheduling.
         measured_hops: the views carry the hops measured (`note_reserve`, `note_relay`;
             `router.measured_hops`); False: they are still measured (`snapshot`), not priced.
+
+    Attributes:
+        ledger: None (the router): `views` sums the live requests' work (`tally`) at every
+            decision. The simulator sets its `TrackedWork`, which keeps the same sums up to date
+            as its requests move (``ledger.tally(instances, now)``, `tally`'s answer), so a
+            decision costs O(instances + decodes) instead of O(live requests).
     """
 
     def __init__(self, chunk_tokens: int, page_size: int, seed_fit: dict | None = None,
@@ -704,6 +755,7 @@ class FleetModel:
         self.ttft_miss: dict[str, dict[str, float]] = collections.defaultdict(dict)  # name -> path -> s
         self.reserve_extra: dict[str, HopMeter] = collections.defaultdict(HopMeter)  # `note_reserve`
         self.relay: dict[str, HopMeter] = collections.defaultdict(HopMeter)  # `note_relay`
+        self.ledger = None
 
     def model_of(self, name: str) -> StepTimeModel:
         model = self.models.get(name)
@@ -779,49 +831,15 @@ class FleetModel:
         ~1,500 req/s simulated no candidate in 30 minutes (benchmarks/records/plan-h200-2026-11-28/).
         A request counts on the instance each of its fields names, never twice on one: its
         ``colocated`` one; its prefill instance (or the planned one) while its prompt is computed
-        there; its decode instance while it decodes."""
-        planned = planned or {}
-        unique = {id(inst): inst for inst in instances}  # an instance listed twice is viewed once
-        work = {key: _Work() for key in unique}
-        by_name: dict[str, list[int]] = collections.defaultdict(list)
-        for key, inst in unique.items():
-            by_name[inst.name].append(key)
-        outputs = count = 0
-        of = work.get  # the hot loop of a decision (a 64-instance fleet: ~1,600 live requests each)
-        for req in requests:
-            max_tokens = int(req.params.max_tokens)
-            outputs, count = outputs + max_tokens, count + 1
-            for held in seat_holders(req):  # each instance once: one seat however held
-                w = of(id(held))
-                if w is not None:
-                    w.seated += 1
-            stage, colocated, decode, prefill = req.stage, req.colocated, req.decode, req.prefill
-            if colocated is not None:  # local or kept: prompt here until its first token
-                w = of(id(colocated))
-                if w is not None:
-                    w.add(req, req.num_output == 0, max_tokens, now)
-            computing = stage == "reserving" or stage == "prefilling"
-            if computing and decode is not None and decode is not colocated:
-                w = of(id(decode))
-                if w is not None:
-                    w.incoming += 1
-            if computing and prefill is not None:
-                if prefill is not colocated:
-                    w = of(id(prefill))
-                    if w is not None:
-                        w.add(req, True, max_tokens, now)
-            elif stage == "reserving" and prefill is None:
-                for key in by_name.get(planned.get(req.request_id), ()):
-                    if unique[key] is not colocated:
-                        work[key].add(req, True, max_tokens, now)
-            elif stage == "decoding" and decode is not None and decode is not colocated:
-                w = of(id(decode))
-                if w is not None:
-                    w.add(req, False, max_tokens, now)
-        output_tokens = outputs / count if count else None
+        there; its decode instance while it decodes (`tally`). With a ``ledger`` the same sums
+        come from it instead (``requests`` and ``planned`` unread)."""
+        if self.ledger is not None:
+            work, output_tokens = self.ledger.tally(instances, now)
+        else:
+            work, output_tokens = tally(instances, requests, now, planned)
         return [self._view(inst, work[id(inst)], output_tokens) for inst in instances]
 
-    def _view(self, inst, work: _Work, output_tokens: float | None) -> InstanceView:
+    def _view(self, inst, work: InstanceWork, output_tokens: float | None) -> InstanceView:
         """``inst``'s `InstanceView` of its ``work`` and this model's picture of it."""
         name = inst.name
         load = self.loads.get(name)

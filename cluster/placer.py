@@ -34,7 +34,7 @@ from disagg import trace
 from disagg.cluster.affinity import PrefixAffinity
 from disagg.cluster.bootstrap import Instance
 from disagg.cluster.placement import PATHS, Decision, FleetModel, Targets, decide
-from disagg.cluster.requests import Picker, Request, queued_prompt_tokens
+from disagg.cluster.requests import Picker, Request
 from disagg.config import Config
 from disagg.errors import NoLiveInstance
 
@@ -172,11 +172,10 @@ class Placer:
             _remember(self._remote_prefill, req.request_id, decision.chosen.prefill)
         if not decodes or not alive_prefills:
             return Fail("decode" if not decodes else "prefill")
-        queues = queued_prompt_tokens(alive_prefills, live)
         # a reservation still on its way to a prefill instance (the router's run beside its
         # dispatch, `Router._reserve`) queues its prompt there too
-        queued = min(queues.values()) + sum(r.prompt_len for r in live
-                                            if r.stage == "reserving" and r.prefill is None)
+        queues, unnamed = self.picker.prompt_queues(alive_prefills, live)
+        queued = min(queues.values()) + unnamed
         if queued and queued + req.prompt_len > self.prefill_queue_tokens:
             return Wait(WAIT_PREFILL_QUEUE)
         return Remote(tuple(decodes))

@@ -197,26 +197,28 @@ class Picker:
                     loads[inst.name] += tokens
         return loads
 
-
-def queued_prompt_tokens(instances: list[Instance], requests: list[Request]) -> dict[str, int]:
-    """Each of ``instances``' prompt tokens placed on it and not yet computed
-    (`router.prefill_queue_tokens` bounds them): a pushed prompt's until its prefill instance
-    lets it go, a kept or local one's until its first token. Not `Picker.loads`, which also
-    weighs the tokens a request decodes there: a prefill instance keeping a few requests would
-    otherwise hold every remote prompt back behind decodes that queue no prompt, and every request
-    queued behind that one (two H100s, decode-heavy 22 req/s with 140 kept: submit -> placed p50
-    5.6 s, p99 TTFT 10.4 s; benchmarks/records/headline-h100x2-2026-11-27c/)."""
-    queued = {inst.name: 0 for inst in instances}
-    for req in requests:
-        if req.prefill is not None and req.stage in ("reserving", "prefilling"):
-            inst = req.prefill
-        elif req.colocated is not None and req.num_output == 0 and not req.done:
-            inst = req.colocated
-        else:
-            continue
-        if inst.name in queued:
-            queued[inst.name] += req.prompt_len
-    return queued
+    def prompt_queues(self, instances: list[Instance], requests: list[Request]) -> tuple[dict[str, int], int]:
+        """Each of ``instances``' prompt tokens placed on it and not yet computed
+        (`router.prefill_queue_tokens` bounds them): a pushed prompt's until its prefill instance
+        lets it go, a kept or local one's until its first token; and the prompt tokens of the
+        reservations still on their way to a prefill instance (none named yet). Not `loads`,
+        which also weighs the tokens a request decodes there: a prefill instance keeping a few
+        requests would otherwise hold every remote prompt back behind decodes that queue no prompt,
+        and every request queued behind that one (two H100s, decode-heavy 22 req/s with 140 kept:
+        submit -> placed p50 5.6 s, p99 TTFT 10.4 s; benchmarks/records/headline-h100x2-2026-11-27c/)."""
+        queued, unnamed = {inst.name: 0 for inst in instances}, 0
+        for req in requests:
+            if req.stage == "reserving" and req.prefill is None:
+                unnamed += req.prompt_len
+            if req.prefill is not None and req.stage in ("reserving", "prefilling"):
+                inst = req.prefill
+            elif req.colocated is not None and req.num_output == 0 and not req.done:
+                inst = req.colocated
+            else:
+                continue
+            if inst.name in queued:
+                queued[inst.name] += req.prompt_len
+        return queued, unnamed
 
 
 def seat_holders(req: Request) -> tuple[Instance, ...]:

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from disagg.cluster.cli import app
-from disagg.cluster.simulate.fleet import SimFleet
+from disagg.cluster.simulate.fleet import SimFleet, TrackedWork
 from disagg.cluster.simulate.instance import SimEngine
 from disagg.cluster.simulate.run import simulate_run, simulated_result, workload_spec
 from disagg.config import Config
@@ -45,9 +45,9 @@ def simulate(name: str, *, rate: float = 40.0, num_prompts: int = 120, seed: int
     config = config.override(overrides) if overrides else config
     fleet = SimFleet(config, copy.deepcopy(PROFILE))
     spec = workload_spec(PROFILE, 512, dataset_name=dataset, num_prompts=num_prompts, seed=seed, **spec_args)
-    if check_loads:  # the tracked loads, checked at every request's end
+    if check_loads:  # the tracked loads and work, checked at every request's end
         run = fleet.run
-        fleet.run = lambda on_end: run(lambda rid, now: (fleet.check_loads(), on_end(rid, now)))
+        fleet.run = lambda on_end: run(lambda rid, now: (fleet.check_loads(), fleet.check_views(), on_end(rid, now)))
     return config, simulate_run(config, PROFILE, spec, request_rate=rate, seed=seed, fleet=fleet)
 
 
@@ -65,6 +65,59 @@ def test_every_request_ends_once_and_every_page_comes_back(name: str):
     assert not fleet.placed and all(v == 0 for v in fleet.picker.tokens.values())
     if name == "3p1d-tight":
         assert len(fleet.of_role("prefill")) == 3 and fleet.placements["remote"] == 120
+
+
+def checked_at_every_decision(fleet: SimFleet) -> list[int]:
+    """Check ``fleet``'s tracked work and loads (`SimFleet.check_views`, `check_loads`) before each
+    adaptive decision; the number of decisions checked, in a list that grows."""
+    checked, decide = [0], fleet.placer.decide
+
+    def checking(*args, **kwargs):
+        fleet.check_views()
+        fleet.check_loads()
+        checked[0] += 1
+        return decide(*args, **kwargs)
+
+    fleet.placer.decide = checking
+    return checked
+
+
+@pytest.mark.parametrize("overrides", [{}, {"cache.prefix_caching": True, "scheduler.max_num_seqs": 4}],
+                         ids=["adaptive", "adaptive-prefix-tight-seats"])
+def test_tracked_work_is_the_live_requests_sum_at_every_decision(overrides: dict):
+    """The views an adaptive decision prices (`FleetModel.views` through `TrackedWork`) are those
+    summed over the live requests, every field, at every decision, on every path taken; they are
+    what the run decides on (the placements are those of a fleet summing them)."""
+    config = Config.from_yaml(CONFIGS / "tiny-2p2d.yaml").override({"router.placement": "adaptive", **overrides})
+    runs = []
+    for tracked in (True, False):
+        fleet = SimFleet(config, copy.deepcopy(PROFILE))
+        checked = checked_at_every_decision(fleet)
+        if not tracked:
+            fleet.placer.fleet_model.ledger = None
+        spec = workload_spec(PROFILE, 512, dataset_name="multi-turn" if overrides else "chat", num_prompts=150,
+                             seed=1, **({"input_len": 48, "output_len": 24} if overrides else {}))
+        sim = simulate_run(config, PROFILE, spec, request_rate=60.0, seed=1, fleet=fleet)
+        runs.append(([t.token_times for t in fleet.timelines.values()], dict(fleet.placements)))
+        assert checked[0] >= 150
+    assert runs[0] == runs[1]
+    placements = runs[0][1]
+    assert placements["remote"] and placements["local"] + placements["kept"]  # more than one path checked
+
+
+def test_check_views_catches_a_ledger_that_misses_a_move(monkeypatch):
+    """A ledger that misses the first token of a colocated-path request (still counted as its
+    queued prompt) fails `check_views`."""
+    monkeypatch.setattr(TrackedWork, "touch", lambda self, req: None if req.num_output else TOUCH(self, req))
+    config = Config.from_yaml(CONFIGS / "tiny-2p2d.yaml").override({"router.placement": "adaptive"})
+    fleet = SimFleet(config, copy.deepcopy(PROFILE))
+    checked_at_every_decision(fleet)
+    spec = workload_spec(PROFILE, 512, dataset_name="chat", num_prompts=150, seed=1)
+    with pytest.raises(AssertionError, match="summed over the live requests"):
+        simulate_run(config, PROFILE, spec, request_rate=60.0, seed=1, fleet=fleet)
+
+
+TOUCH = TrackedWork.touch
 
 
 def test_tight_pages_preempt_and_still_conserve():
