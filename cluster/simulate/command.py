@@ -237,6 +237,10 @@ def plan_command(
                                               "GPU, at least 3000); a run it cuts short of --run-seconds is "
                                               "judged before the fleet fills and reads too well: the plan "
                                               "names the candidates so judged")] = None,
+    start_rate: Annotated[float, Opt("--start-rate", help="each candidate's first rate judged, req/s per GPU; "
+                                     "the search doubles (or halves) from it to the knee, then bisects: a rate "
+                                     "near the knee skips the runs below it (the same result wherever they would "
+                                     "all have held)")] = 1.0,
     only: Annotated[Optional[str], Opt("--only", help="judge only these candidates of the search, comma-separated "
                                        "labels as printed, e.g. '56P8D,56P8D-adaptive,colocated-64[chunk=8192]' "
                                        "(a fleet too large to search whole)")] = None,
@@ -288,7 +292,7 @@ def plan_command(
                               search=search, run_length=run_length,
                               seed=seed, seeds=seeds, link_gbps=link_gbps, hops=hops,
                               adaptive_chunk_sizes=adaptive_chunks,
-                              adaptive_prefers=prefers, jobs=jobs,
+                              adaptive_prefers=prefers, jobs=jobs, start_rate_per_gpu=start_rate,
                               on_judged=judged,
                               **lengths)
     except ValueError as err:

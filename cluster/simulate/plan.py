@@ -214,9 +214,10 @@ class RunLength:
 def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_name: str,
           slos_ms: Mapping[str, float], run_length: RunLength = RunLength(), seed: int = 0, seeds: int = 1,
           link_gbps: float = 364.0, hops: Mapping[str, float] | None = None, start_rate: float | None = None,
-          stop_early: bool = True, **lengths: Any) -> Candidate:
+          stop_early: bool = True, start_rate_per_gpu: float = 1.0, **lengths: Any) -> Candidate:
     """Simulate ``candidate`` at the rates `max_rate` asks for (each over ``seeds`` draws, pooled);
-    set its goodput. ``hops``: `SimFleet`'s ``hop_ms``, ``step_gap_ms``, ``reserve_ms``.
+    set its goodput. ``hops``: `SimFleet`'s ``hop_ms``, ``step_gap_ms``, ``reserve_ms``. The
+    search starts at ``start_rate`` req/s (default ``start_rate_per_gpu`` per GPU of the candidate).
 
     ``stop_early``: a rate's runs stop as soon as more requests have missed an SLO than
     `TARGET_ATTAINMENT` allows of them all (`misses_allowed`); the rate's verdict is the same,
@@ -251,7 +252,7 @@ def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_
         candidate.attainment_at[rate] = sum(meets_slos(out, slos_ms) for out in outputs) / (num_prompts * seeds)
         return candidate.attainment_at[rate]
 
-    candidate.goodput_rps = max_rate(attainment, start_rate or float(candidate.num_gpus))
+    candidate.goodput_rps = max_rate(attainment, start_rate or start_rate_per_gpu * candidate.num_gpus)
     return candidate
 
 
@@ -260,19 +261,25 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
          seeds: int = 1, link_gbps: float = 364.0, hops: Mapping[str, float] | None = None,
          search: Sequence[Candidate] | None = None,
          adaptive_chunk_sizes: Sequence[int] | None = None, adaptive_prefers: Sequence[str] | None = None,
-         jobs: int = 1, on_judged: Callable[[Candidate], None] | None = None, **lengths: Any) -> list[Candidate]:
+         jobs: int = 1, on_judged: Callable[[Candidate], None] | None = None, start_rate_per_gpu: float = 1.0,
+         **lengths: Any) -> list[Candidate]:
     """Judge every candidate, ``jobs`` at a time in worker processes (each simulation is one
     core's work: 19 candidates of 64 GPUs take ~75 minutes of one); return them best first
     (goodput per GPU, then the order searched). ``on_judged`` sees each as it is judged.
+    ``start_rate_per_gpu``: each candidate's first rate (`max_rate`'s start) per GPU; one near the
+    knee skips the runs of the rates doubled through below it (the same goodput wherever those
+    would all have held: the same bracket is then bisected).
 
     Raises:
         ValueError: a bad GPU count, SLOs missing, fewer than one seed or job, a hop below 0 ms,
-            or a workload flag out of range.
+            a start rate not above 0, or a workload flag out of range.
     """
     if seeds < 1:
         raise ValueError(f"--seeds: expected at least 1 draw per rate, got {seeds}")
     if jobs < 1:
         raise ValueError(f"--jobs: expected at least 1 worker process, got {jobs}")
+    if not 0 < start_rate_per_gpu < math.inf:
+        raise ValueError(f"--start-rate: expected a rate > 0 req/s per GPU, got {start_rate_per_gpu}")
     if not slos_ms:
         raise ValueError("--goodput: expected SLOs such as ttft:500 tpot:50, got none")
     check_hops(**(hops or {}))
@@ -287,7 +294,7 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
             router.setdefault("slo_ttft_ms", slos_ms.get("ttft"))
             router.setdefault("slo_tpot_ms", slos_ms.get("tpot"))
     kwargs = dict(dataset_name=dataset_name, slos_ms=slos_ms, run_length=run_length, seed=seed, seeds=seeds,
-                  link_gbps=link_gbps, hops=hops, **lengths)
+                  link_gbps=link_gbps, hops=hops, start_rate_per_gpu=start_rate_per_gpu, **lengths)
     if jobs == 1 or len(search) < 2:
         for cand in search:
             judged.append(judge(cand, base, profile, **kwargs))

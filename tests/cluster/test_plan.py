@@ -206,6 +206,27 @@ def test_runs_stop_at_a_certain_miss_with_the_same_verdicts(seeds):
     assert [planner.misses_allowed(n) for n in (1, 9, 10, 11, 100, 101)] == [0, 0, 1, 1, 10, 10]
 
 
+def test_a_start_rate_near_the_knee_skips_the_low_rates_with_the_same_goodput(tmp_path: Path):
+    """--start-rate: the bracket the search doubles to from 1 req/s per GPU is found from a start
+    inside it without the rates below; the same goodput. A start of 0 is refused."""
+    kwargs = dict(dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=2, run_length=SHORT,
+                  input_len=200, output_len=8)
+    search = lambda: planner.candidates(2, splits=False, adaptive=False, chunk_sizes=(256,))  # noqa: E731
+    (whole,) = planner.plan(PROFILE, search=search(), **kwargs)
+    rates = sorted(whole.attainment_at)
+    held = [r for r in rates if whole.attainment_at[r] >= planner.TARGET_ATTAINMENT]
+    doubled = [r for r in rates if r / 2 in rates or r == 2.0]  # 2, 4, 8, ...: the doubling
+    start = max(r for r in doubled if r in held)  # the bracket's low end
+    (started,) = planner.plan(PROFILE, search=search(), start_rate_per_gpu=start / 2, **kwargs)
+    assert started.goodput_rps == whole.goodput_rps > 0
+    assert min(started.attainment_at) == start and len(started.attainment_at) < len(whole.attainment_at)
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--dataset-name", "random", "--goodput",
+                                      "ttft:300", "tpot:20", "--gpus", "2", "--start-rate", "0"])
+    assert result.exit_code == 2 and "--start-rate" in result.output
+
+
 def test_jobs_judge_in_worker_processes_with_the_same_result():
     search = lambda: planner.candidates(2, chunk_sizes=(16, 256), splits=False, adaptive=False)  # noqa: E731
     kwargs = dict(dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=2, run_length=SHORT,
