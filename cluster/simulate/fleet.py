@@ -108,6 +108,7 @@ class TrackedWork:
         # there whose first token the router has seen (`InstanceView.decode_progress`)
         self.decoding: dict[int, dict[str, tuple[Request, float, int]]] = {id(inst): {} for inst in instances}
         self.shares: dict[str, dict[int, InstanceWork]] = {}  # request id -> its share per instance
+        self.decoding_share: dict[str, tuple[InstanceWork, InstanceWork]] = {}  # request id -> (total, share)
         self.outputs = self.count = 0
 
     def touch(self, req: Request) -> None:
@@ -120,21 +121,21 @@ class TrackedWork:
             total = self.totals[key]
             for name in self.FIELDS:
                 setattr(total, name, getattr(total, name) + getattr(share, name))
-            if share.decoding and req.first_token_at is not None:
-                self.decoding[key][req.request_id] = (req, req.first_token_at, int(req.params.max_tokens))
+            if share.decoding:
+                self.decoding_share[req.request_id] = (total, share)
+                if req.first_token_at is not None:
+                    self.decoding[key][req.request_id] = (req, req.first_token_at, int(req.params.max_tokens))
         self.outputs += int(req.params.max_tokens)
         self.count += 1
 
     def advance(self, req: Request, num_tokens: int) -> None:
         """``req``, decoding on one instance, made ``num_tokens`` more tokens there."""
-        for key, share in self.shares[req.request_id].items():
-            if share.decoding:
-                total = self.totals[key]
-                remaining = max(int(req.params.max_tokens) - req.num_output, 1)
-                total.context += num_tokens
-                total.remaining += remaining - share.remaining
-                share.context += num_tokens
-                share.remaining = remaining
+        total, share = self.decoding_share[req.request_id]
+        remaining = max(int(req.params.max_tokens) - req.num_output, 1)
+        total.context += num_tokens
+        total.remaining += remaining - share.remaining
+        share.context += num_tokens
+        share.remaining = remaining
 
     def drop(self, req: Request) -> None:
         """``req`` ended (or is about to be `touch`ed): its share comes off."""
@@ -146,6 +147,7 @@ class TrackedWork:
             for name in self.FIELDS:
                 setattr(total, name, getattr(total, name) - getattr(share, name))
             self.decoding[key].pop(req.request_id, None)
+        self.decoding_share.pop(req.request_id, None)
         self.outputs -= int(req.params.max_tokens)
         self.count -= 1
 
@@ -216,7 +218,8 @@ class SimFleet:
         self.placer = Placer(config, self.instances, self.picker, prefix_affinity(config, self.num_pages),
                              clock=lambda: self.now)
         self.placer.fleet_model.models = {inst.name: self.model for inst in self.instances}
-        self.work = TrackedWork(self.instances)  # the adaptive decisions' sums of the live requests
+        # the adaptive decisions' sums of the live requests (none are made otherwise: nothing to keep)
+        self.work = TrackedWork(self.instances) if self.placer.placement == "adaptive" else None
         self.placer.fleet_model.ledger = self.work
         self.now = 0.0
         self._events: list[tuple] = []
@@ -424,7 +427,8 @@ class SimFleet:
         prefill = self.placer.hand(req, req.decode, live)
         assert prefill is not None, "a simulated instance never dies"
         req.prefill, req.stage = prefill, "reserving"
-        self.work.touch(req)
+        if self.work is not None:
+            self.work.touch(req)
         self.picker.queued[prefill.name] += req.prompt_len
         self.picker.tokens[prefill.name] += req.prompt_len
         self.picker.tokens[req.decode.name] += req.prompt_len
@@ -451,13 +455,15 @@ class SimFleet:
             return set()
         self.placer.reserved(req)
         req.stage = "prefilling"
-        self.work.touch(req)
+        if self.work is not None:
+            self.work.touch(req)
         req.prefill.actor.add(req.request_id, req.prompt_token_ids, req.params.max_tokens, dest=req.dest)
         return {req.prefill.name, req.decode.name}
 
     def _place_alone(self, req: Request, inst: Instance) -> str:
         req.colocated, req.stage = inst, "running"
-        self.work.touch(req)
+        if self.work is not None:
+            self.work.touch(req)
         self.picker.queued[inst.name] += req.prompt_len
         self.picker.tokens[inst.name] += req.prompt_len
         self.picker.held[inst.name] += 1
@@ -488,7 +494,7 @@ class SimFleet:
                     self._end(req)
             elif finished:
                 self._end(req)
-            if first and not req.done:  # its prompt computed: it decodes where it is
+            if first and not req.done and self.work is not None:  # its prompt computed: it decodes here
                 self.work.touch(req)
         return touched
 
@@ -502,14 +508,15 @@ class SimFleet:
         self.timelines[req.request_id].token_times.extend(times)
         req.num_output += len(times)
         self.picker.tokens[(req.colocated or req.decode).name] += len(times)
-        if not first:
+        if not first and self.work is not None:
             self.work.advance(req, len(times))
 
     def _end(self, req: Request, error: str = "") -> None:
         if req.done:
             return
         if self.placed.pop(req.request_id, None) is not None:
-            self.work.drop(req)
+            if self.work is not None:
+                self.work.drop(req)
             self.picker.tokens[(req.colocated or req.decode).name] -= req.prompt_len + req.num_output
             self.picker.held[(req.colocated or req.decode).name] -= 1
             if req.stage in ("reserving", "prefilling"):
@@ -539,7 +546,10 @@ class SimFleet:
             assert tracked == expected, f"tracked {name} {tracked} != the picker's {expected}"
 
     def check_views(self) -> None:
-        """Assert that the tracked work (`TrackedWork`) is `placement.tally`'s over the live requests."""
+        """Assert that the tracked work (`TrackedWork`, adaptive fleets) is `placement.tally`'s over
+        the live requests."""
+        if self.work is None:
+            return
         live = list(self.placed.values())
         expected, expected_out = tally(self.instances, live, self.now)
         tracked, tracked_out = self.work.tally(self.instances, self.now)

@@ -106,18 +106,15 @@ def test_tracked_work_is_the_live_requests_sum_at_every_decision(overrides: dict
 
 
 def test_check_views_catches_a_ledger_that_misses_a_move(monkeypatch):
-    """A ledger that misses the first token of a colocated-path request (still counted as its
-    queued prompt) fails `check_views`."""
-    monkeypatch.setattr(TrackedWork, "touch", lambda self, req: None if req.num_output else TOUCH(self, req))
+    """A ledger that misses the tokens of the requests decoding (their context and remaining
+    tokens unchanged) fails `check_views`."""
+    monkeypatch.setattr(TrackedWork, "advance", lambda self, req, num_tokens: None)
     config = Config.from_yaml(CONFIGS / "tiny-2p2d.yaml").override({"router.placement": "adaptive"})
     fleet = SimFleet(config, copy.deepcopy(PROFILE))
     checked_at_every_decision(fleet)
     spec = workload_spec(PROFILE, 512, dataset_name="chat", num_prompts=150, seed=1)
     with pytest.raises(AssertionError, match="summed over the live requests"):
         simulate_run(config, PROFILE, spec, request_rate=60.0, seed=1, fleet=fleet)
-
-
-TOUCH = TrackedWork.touch
 
 
 def test_tight_pages_preempt_and_still_conserve():
