@@ -230,8 +230,9 @@ def plan_command(
     seeds: Annotated[int, Opt("--seeds", min=1, help="draws of prompts and arrivals per rate (seeds --seed, "
                               "--seed + 1, ...), their requests pooled: steadier knees, that many times the "
                               "runs")] = 1,
-    jobs: Annotated[int, Opt("--jobs", "-j", min=1, help="candidates judged at once, each in its own process "
-                             "(one core each)")] = 1,
+    jobs: Annotated[int, Opt("--jobs", "-j", min=1, help="simulations run at once, each in its own process (one "
+                             "core each): candidates, and with more jobs than candidates each one's rates "
+                             "(the same goodput in fewer rounds)")] = 1,
     run_seconds: Annotated[float, Opt(min=0.001, help="virtual seconds of arrivals per simulated run")] = 30.0,
     max_prompts: Annotated[Optional[int], Opt(min=1, help="most requests of one simulated run (default: 375 per "
                                               "GPU, at least 3000); a run it cuts short of --run-seconds is "

@@ -31,6 +31,44 @@ def test_max_rate_brackets_and_bisects():
     assert planner.max_rate(lambda r: 0.0, 4.0) == 0.0
 
 
+def _drive(search, attainment):
+    """Run a `rate_search` generator to its end; its answer and the batches it asked for."""
+    batches, rates = [], next(search)
+    while True:
+        batches.append(rates)
+        try:
+            rates = search.send([attainment(r) for r in rates])
+        except StopIteration as done:
+            return done.value, batches
+
+
+@pytest.mark.parametrize("width", [2, 3, 7, 15, 16])
+def test_a_wider_rate_search_finds_the_one_at_a_time_rate_whatever_the_attainments(width):
+    """Batches judge the rates a one-at-a-time search would visit among others, and walk its path:
+    the same rate for any attainment, monotone or not (noisy knees, a rate that holds past one that
+    misses), in fewer rounds."""
+    import random
+    rng = random.Random(width)
+    for trial in range(300):
+        knee, noise, start = rng.uniform(0.01, 500), rng.random() * 0.3, rng.choice([0.5, 1.0, 4.0, 64.0])
+        table: dict[float, float] = {}
+
+        def attainment(rate: float) -> float:  # the same answer for a rate however often asked
+            if rate not in table:
+                table[rate] = min(1.0, max(0.0, (0.95 if rate <= knee else 0.8) + rng.uniform(-noise, noise)))
+            return table[rate]
+
+        one, one_batches = _drive(planner.rate_search(start, 1), attainment)
+        wide, wide_batches = _drive(planner.rate_search(start, width), attainment)
+        assert wide == one == planner.max_rate(attainment, start), (trial, knee, noise, start)
+        assert all(len(b) <= width for b in wide_batches)
+        assert {r for b in one_batches for r in b} <= {r for b in wide_batches for r in b}
+        assert len(wide_batches) <= len(one_batches)
+        assert width < 3 or len(wide_batches) < len(one_batches)  # >= 2 bisection levels a round
+    with pytest.raises(ValueError, match="width"):
+        next(planner.rate_search(1.0, 0))
+
+
 @pytest.mark.parametrize("lengths, best, worst", [
     (dict(input_len=200, output_len=6), "3P1D", "1P3D"),   # prompts dominate: prefill instances
     (dict(input_len=8, output_len=64), "1P3D", "3P1D"),    # answers dominate: decode instances
@@ -225,6 +263,23 @@ def test_a_start_rate_near_the_knee_skips_the_low_rates_with_the_same_goodput(tm
     result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--dataset-name", "random", "--goodput",
                                       "ttft:300", "tpot:20", "--gpus", "2", "--start-rate", "0"])
     assert result.exit_code == 2 and "--start-rate" in result.output
+
+
+def test_more_jobs_than_candidates_judge_rates_at_once_with_the_same_goodput():
+    """--jobs beyond the candidates: each candidate's rates in batches across the workers; the same
+    goodput as one process, every rate that one judged judged alike, and each candidate heard once."""
+    kwargs = dict(dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=2, run_length=SHORT,
+                  input_len=200, output_len=8)
+    search = lambda: planner.candidates(2, chunk_sizes=(256,), splits=False, adaptive=False) + \
+        [c for c in planner.candidates(2, adaptive=False, colocated=False)]  # noqa: E731
+    alone = planner.plan(PROFILE, search=search(), **kwargs)
+    seen = []
+    wide = planner.plan(PROFILE, search=search(), jobs=6, on_judged=lambda c: seen.append(c.label), **kwargs)
+    assert [(c.label, c.goodput_rps) for c in wide] == [(c.label, c.goodput_rps) for c in alone]
+    assert all(c.goodput_rps > 0 for c in wide) and sorted(seen) == sorted(c.label for c in alone)
+    for w, a in zip(wide, alone):
+        assert a.attainment_at.items() <= w.attainment_at.items()  # the same runs, more of them
+        assert a.cut_at <= w.cut_at
 
 
 def test_jobs_judge_in_worker_processes_with_the_same_result():
