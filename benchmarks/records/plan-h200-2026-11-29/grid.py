@@ -2,9 +2,10 @@
 run in its own process: a 64-GPU row's knee found in one sitting on a many-core machine, where
 `disagg plan`'s doubling and bisection run its rates one after the other.
 
-Each run is the one `plan.judge` makes at that rate (the same fleet, hops, workload, seed and run
-length; stopped once its miss is certain): attainment >= 0.9 holds. Prints one JSON line per run
-and writes them all to --out.
+Each run is the one `plan.judge` makes at that rate (`plan.rate_attainment`: the same fleet, hops,
+workload, seed and run length; stopped once its miss is certain): attainment >= 0.9 holds. Prints
+one JSON line per run and writes them all to --out. (Since a3b1885 `disagg plan --jobs N` with
+fewer candidates than N batches each one's rates across the workers itself.)
 
     python3 benchmarks/records/plan-h200-2026-11-29/grid.py --profile P --dataset-name decode-heavy \
         --goodput ttft:66.0932 tpot:11.1873 --gpus 64 --only 8P56D,8P56D-adaptive --rates 12,12.5,13 \
@@ -18,11 +19,7 @@ import concurrent.futures
 import json
 import time
 
-from disagg.cluster.bench.metrics import meets_slos
 from disagg.cluster.simulate import plan as planner
-from disagg.cluster.simulate.fleet import SimFleet
-from disagg.cluster.simulate.run import simulate_run, workload_spec
-from disagg.config import Config
 
 
 def one(args: argparse.Namespace, label: str, rate_per_gpu: float) -> dict:
@@ -35,27 +32,17 @@ def one(args: argparse.Namespace, label: str, rate_per_gpu: float) -> dict:
     if router.get("placement") == "adaptive":  # as `plan.plan` sets them
         router.setdefault("slo_ttft_ms", slos.get("ttft"))
         router.setdefault("slo_tpot_ms", slos.get("tpot"))
-    config = Config.from_dict(planner.config_of(planner.base_sections(prof, slos), cand), origin=label)
     rate = rate_per_gpu * cand.num_gpus
-    run_length = planner.RunLength.for_gpus(args.gpus, args.run_seconds)
-    num_prompts = run_length.prompts_at(rate)
-    allowed, misses = planner.misses_allowed(num_prompts), 0
-
-    def certain_miss(out) -> bool:
-        nonlocal misses
-        misses += not meets_slos(out, slos)
-        return misses > allowed
-
     started = time.perf_counter()
-    fleet = SimFleet(config, prof, args.link_gbps, args.hop_ms, args.step_gap_ms, args.reserve_ms)
-    spec = workload_spec(prof, fleet.max_model_len, dataset_name=args.dataset_name, num_prompts=num_prompts,
-                         seed=args.seed)
-    outputs = simulate_run(config, prof, spec, request_rate=rate, seed=args.seed, fleet=fleet,
-                           stop_when=certain_miss).run.outputs
-    met = sum(meets_slos(out, slos) for out in outputs)
+    attained, cut = planner.rate_attainment(
+        planner.config_of(planner.base_sections(prof, slos), cand), label, prof, rate,
+        dataset_name=args.dataset_name, slos_ms=slos, run_length=planner.RunLength.for_gpus(args.gpus, args.run_seconds),
+        seed=args.seed, link_gbps=args.link_gbps,
+        hops=dict(hop_ms=args.hop_ms, step_gap_ms=args.step_gap_ms, reserve_ms=args.reserve_ms))
+    num_prompts = planner.RunLength.for_gpus(args.gpus, args.run_seconds).prompts_at(rate)
     return {"candidate": label, "rate_per_gpu": rate_per_gpu, "num_prompts": num_prompts,
-            "attainment": met / num_prompts, "holds": met / num_prompts >= planner.TARGET_ATTAINMENT,
-            "cut": misses > allowed, "wall_s": round(time.perf_counter() - started, 1)}
+            "attainment": attained, "holds": attained >= planner.TARGET_ATTAINMENT,
+            "cut": cut, "wall_s": round(time.perf_counter() - started, 1)}
 
 
 def main() -> None:
