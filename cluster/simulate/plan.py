@@ -268,14 +268,13 @@ class RunLength:
         return cls(seconds, min(100, cap), cap)
 
 
-def rate_attainment(config_dict: dict[str, Any], label: str, profile: dict, rate: float, *, dataset_name: str,
+def rate_attainment(config: Config, profile: dict, rate: float, *, dataset_name: str,
                     slos_ms: Mapping[str, float], run_length: RunLength = RunLength(), seed: int = 0,
                     seeds: int = 1, link_gbps: float = 364.0, hops: Mapping[str, float] | None = None,
                     stop_early: bool = True, **lengths: Any) -> tuple[float, bool]:
-    """The SLO attainment of the deployment ``config_dict`` (a YAML-ready dict, `config_of`;
-    ``label`` names it) at ``rate`` req/s over ``seeds`` draws, pooled (`judge`), and whether its
-    runs stopped at a certain miss (then the attainment is a bound below the target)."""
-    config = Config.from_dict(config_dict, origin=label)
+    """The SLO attainment of the deployment ``config`` at ``rate`` req/s over ``seeds`` draws,
+    pooled (`judge`), and whether its runs stopped at a certain miss (then the attainment is a
+    bound below the target)."""
     outputs: list[RequestOutput] = []
     num_prompts = run_length.prompts_at(rate)
     allowed = misses_allowed(num_prompts * seeds)
@@ -314,12 +313,12 @@ def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_
     knee: chat's colocated-2 was judged in 10.1 s instead of 30.4, the same goodput (ARCHITECTURE §11)."""
     if seeds < 1:
         raise ValueError(f"--seeds: expected at least 1 draw per rate, got {seeds}")
-    config_dict = config_of(base, candidate)
+    config = Config.from_dict(config_of(base, candidate), origin=candidate.label)
     settings = dict(dataset_name=dataset_name, slos_ms=slos_ms, run_length=run_length, seed=seed, seeds=seeds,
                     link_gbps=link_gbps, hops=hops, stop_early=stop_early, **lengths)
 
     def attainment(rate: float) -> float:
-        return candidate.note(rate, *rate_attainment(config_dict, candidate.label, profile, rate, **settings))
+        return candidate.note(rate, *rate_attainment(config, profile, rate, **settings))
 
     candidate.goodput_rps = max_rate(attainment, start_rate or start_rate_per_gpu * candidate.num_gpus)
     return candidate
@@ -379,17 +378,24 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
     return sorted(judged, key=lambda c: (-round(c.goodput_per_gpu, 9), order[id(c)]))
 
 
+def _worker_pool(workers: int):
+    """A pool of ``workers`` processes, forked where the platform can (each starts with the
+    parent's imports instead of loading them again)."""
+    import concurrent.futures
+    import multiprocessing
+
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
+
+
 def _judge_in_workers(search: list[Candidate], base: dict[str, Any], profile: dict, jobs: int,
                       kwargs: dict[str, Any], on_judged: Callable[[Candidate], None] | None) -> list[Candidate]:
     """`judge` of every candidate in ``jobs`` forked worker processes (the candidates, profile and
     settings are copied into them; a result comes back as the judged candidate); in search order."""
     import concurrent.futures
-    import multiprocessing
 
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     out: list[Candidate | None] = [None] * len(search)
-    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(search)),
-                                                mp_context=multiprocessing.get_context(method)) as pool:
+    with _worker_pool(min(jobs, len(search))) as pool:
         futures = {pool.submit(judge, cand, base, profile, **kwargs): i for i, cand in enumerate(search)}
         for future in concurrent.futures.as_completed(futures):
             out[futures[future]] = future.result()
@@ -405,25 +411,21 @@ def _judge_rates_in_workers(search: list[Candidate], base: dict[str, Any], profi
     (`rate_search`'s batches; each run one task, `rate_attainment`) in ``jobs`` forked worker
     processes; in search order."""
     import concurrent.futures
-    import multiprocessing
 
     settings = dict(kwargs)
     start_per_gpu = settings.pop("start_rate_per_gpu", 1.0)
-    if settings["seeds"] < 1:
-        raise ValueError(f"--seeds: expected at least 1 draw per rate, got {settings['seeds']}")
     width = max(1, jobs // len(search))
-    configs = [config_of(base, cand) for cand in search]
+    configs = [Config.from_dict(config_of(base, cand), origin=cand.label) for cand in search]
     searches = [rate_search(start_per_gpu * cand.num_gpus, width) for cand in search]
     batches: list[list[float]] = [[] for _ in search]
     held: list[list[float | None]] = [[] for _ in search]
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context(method)) as pool:
+    with _worker_pool(jobs) as pool:
         futures: dict[concurrent.futures.Future, tuple[int, int]] = {}
 
         def submit(i: int, rates: list[float]) -> None:
             batches[i], held[i] = rates, [None] * len(rates)
             for j, rate in enumerate(rates):
-                futures[pool.submit(rate_attainment, configs[i], search[i].label, profile, rate, **settings)] = (i, j)
+                futures[pool.submit(rate_attainment, configs[i], profile, rate, **settings)] = (i, j)
 
         for i, rates in enumerate(next(s) for s in searches):
             submit(i, rates)

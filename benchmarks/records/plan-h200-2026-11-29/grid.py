@@ -20,6 +20,7 @@ import json
 import time
 
 from disagg.cluster.simulate import plan as planner
+from disagg.config import Config
 
 
 def one(args: argparse.Namespace, label: str, rate_per_gpu: float) -> dict:
@@ -34,8 +35,9 @@ def one(args: argparse.Namespace, label: str, rate_per_gpu: float) -> dict:
         router.setdefault("slo_tpot_ms", slos.get("tpot"))
     rate = rate_per_gpu * cand.num_gpus
     started = time.perf_counter()
+    config = Config.from_dict(planner.config_of(planner.base_sections(prof, slos), cand), origin=label)
     attained, cut = planner.rate_attainment(
-        planner.config_of(planner.base_sections(prof, slos), cand), label, prof, rate,
+        config, prof, rate,
         dataset_name=args.dataset_name, slos_ms=slos, run_length=planner.RunLength.for_gpus(args.gpus, args.run_seconds),
         seed=args.seed, link_gbps=args.link_gbps,
         hops=dict(hop_ms=args.hop_ms, step_gap_ms=args.step_gap_ms, reserve_ms=args.reserve_ms))
