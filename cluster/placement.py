@@ -18,10 +18,11 @@ push, the prompt's and its expected answer's: the decode side reserves both), an
 decode step by more than 10% beyond the remote path's. TPOT is predicted as the SLO counts it, a
 request's mean gap: a stall of prompt chunks is spread over the tokens it delays
 (`InstanceView.mean_tpot_s`; where the router's requests' max_tokens are unknown, one step's). With
-a TPOT target a local prompt must also leave every running request on its decode instance that
-still holds the target holding it, and the pushes on their way there (`InstanceView.incoming`):
-its chunks' stall is added to each one's whole TPOT, against what it has spent so far
-(`InstanceView.tpot_slack_s`). With `router.adaptive_prefer: remote` and
+a TPOT target a prompt must also leave every request decoding where it is computed that still
+holds the target holding it (D's for a local prompt, P's kept ones for a remote or kept one), and
+those on their way there (`InstanceView.incoming`): its chunks' stall is added to each one's whole
+TPOT, against what it has spent so far (`InstanceView.tpot_slacks_s`); a push goes through the
+fastest prefill instance that spares its kept requests where the fastest would not. With `router.adaptive_prefer: remote` and
 a TTFT target an admissible remote path is taken (a TTFT under its target earns nothing; local
 and kept spend the other phase's instance, for the requests remote cannot serve within the
 targets); with `fastest`, among admissible paths the lowest predicted TTFT (ties within the model's error margin go to local, then
@@ -29,7 +30,8 @@ remote, then kept: `PREFERENCE`; with `balanced`, the config's default, that pat
 decodes on a decode instance, gives way to an admissible kept one while the decode instance's
 predicted TPOT is past `KEEP_SHARE` of the TPOT target, the prefill instance's is lower and the
 TTFT target has room for its decode steps: `_decode_on_prefill`); when none is admissible, the smallest violation (a
-remote one's TPOT counts the requests P keeps, its chunks beside them: `Prediction.worst_tpot_s`),
+remote one's TPOT counts the requests P keeps, its chunks beside them: `Prediction.worst_tpot_s`;
+each request whose slack the path breaks adds one),
 never a local prompt on a decode instance that already misses the TPOT bound or whose slack it
 breaks, nor a remote or kept one through a prefill instance whose kept requests' slack it breaks
 while another path spares them (with `router.adaptive_overload: no_push`, the least of the paths
@@ -122,8 +124,9 @@ class InstanceView:
             its actor ran first, the model's error; may be < 0): `reserve_wait_s`.
         relay_s: what the recent first tokens it computed took to reach the router
             (`FleetModel.note_relay`: its output batch's way back, the router's event loop).
-        incoming: pushed requests reserved here whose prompts are still computed elsewhere: they
-            decode here within a prompt's time, beside whatever prompt is then computed here
+        incoming: requests that will decode here whose prompts are not yet computed: pushed ones
+            reserved here (their prompts computed elsewhere), and local or kept ones queued here:
+            they decode here within a prompt's time, beside whatever prompt is then computed here
             (`tpot_slack_s` counts them as requests of ``output_tokens`` yet to start).
     """
 
@@ -203,6 +206,14 @@ class InstanceView:
         pairs = self.queued_prompt_pairs + prompt_pairs(cached, prompt_len - cached)
         return self.chunks(total, pairs, self.num_decoding, self.context_tokens)[1]
 
+    def queue_left(self, after_s: float) -> tuple[int, int]:
+        """The prompt tokens (and their attention pairs) queued here still to compute ``after_s``
+        from now: the queue is computed in `prefill_s` (0) seconds, at an even pace."""
+        if not self.queued_prompt_tokens or after_s <= 0.0:
+            return self.queued_prompt_tokens, self.queued_prompt_pairs
+        share = max(0.0, 1.0 - after_s / self.prefill_s(0))
+        return round(share * self.queued_prompt_tokens), round(share * self.queued_prompt_pairs)
+
     def chunks(self, prompt_tokens: int, num_prompt_pairs: int, seqs: int, context: int) -> tuple[int, float]:
         """The steps and seconds of ``prompt_tokens`` (of ``num_prompt_pairs`` attention pairs)
         computed here in chunks of ``chunk_tokens`` beside ``seqs`` decoding sequences of
@@ -257,12 +268,17 @@ class InstanceView:
         admissible, but do not make the instance "saturated" where none is (`decide`): that took
         every prompt off the decode instance of a 1P1D fleet past the knee (simulated long-prompt
         at 1.4 req/s, 69.0% -> 23.8%). None: none known to hold it."""
+        return min(self.tpot_slacks_s(bound_s), default=None)
+
+    def tpot_slacks_s(self, bound_s: float) -> list[float]:
+        """Each slack `tpot_slack_s` takes the least of: one per running decode predicted to hold
+        ``bound_s``, one per request on its way (``incoming``)."""
         gap = self.decode_gap_s(self.num_decoding, self.context_tokens)
         slacks = [bound_s * (n - 1) - elapsed - (n - k) * gap for elapsed, k, n in self.decode_progress if n > 1]
         if self.incoming and self.output_tokens and self.output_tokens > 1:
             n = self.output_tokens
-            slacks.append(bound_s * (n - 1) - n * gap)
-        return min((s for s in slacks if s >= 0), default=None)
+            slacks += [bound_s * (n - 1) - n * gap] * self.incoming
+        return [s for s in slacks if s >= 0]
 
     def decode_gap_s(self, seqs: int, context: int) -> float:
         """The seconds between two tokens of ``seqs`` sequences decoding here from now on: a pure
@@ -333,11 +349,13 @@ class Decision:
 
 
 def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[InstanceView],
-            cached: Mapping[str, int] | None = None) -> list[Prediction]:
+            cached: Mapping[str, int] | None = None, spare: Collection[str] | None = None) -> list[Prediction]:
     """Every candidate: remote via the fastest prefill instance to each decode instance, local on
     each decode instance, kept on each prefill instance (page fit not yet judged). ``cached``:
     instance name -> the prompt's tokens believed in its prefix cache (`cached_tokens`): an
-    instance computes only what follows them (the rest still attended to)."""
+    instance computes only what follows them (the rest still attended to). ``spare``: the
+    prefill instances whose decodes the prompt's chunks would not stall past their TPOT slack
+    (`decide`; None: all): where the fastest is not one of them, remote also via the fastest that is."""
     out = []
     hit = cached_tokens(prompt_len, cached)
     # A prompt computed on an instance first needs one of its seats (`InstanceView.seat_wait_s`).
@@ -348,41 +366,30 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
     # local one's right (simulated two H100s, decode-heavy 26 req/s, `balanced`: kept 14.9 vs 27.1
     # ms p50, local 23.2 vs 23.0; served: kept 20.8 vs 41.4; benchmarks/records/headline-h100x2-2026-11-27i/).
     start_of = {p.name: max(p.prompt_wait_s(), seat_of[p.name]) for p in prefills}
-    best_p = min(prefills, key=lambda p: start_of[p.name] + p.prefill_s(prompt_len, hit(p)), default=None)
-    if best_p is not None:  # its queue's seconds and then this prompt's own, the same for every D
-        queue_s = best_p.prefill_s(0)
-        own_s = best_p.prefill_s(prompt_len, hit(best_p)) - queue_s
-        # The requests P keeps decode beside this prompt's chunks, as D's do beside a local one's:
-        # what the push costs them counts where nothing is admissible (`decide`'s violation).
-        p_running = _running_tpot(best_p, prompt_len, hit(best_p))
+
+    def first_token_s(p: InstanceView) -> float:
+        return start_of[p.name] + p.prefill_s(prompt_len, hit(p))
+
+    best_p = min(prefills, key=first_token_s, default=None)
+    vias = [best_p] if best_p is not None else []
+    if best_p is not None and spare is not None and best_p.name not in spare:
+        # The fastest prefill instance would break its kept requests' TPOT: also push through
+        # the fastest one that spares its own (`decide` judges both).
+        vias += [min((p for p in prefills if p.name in spare), key=first_token_s)] if any(
+            p.name in spare for p in prefills) else []
+    # Through each: its queue's seconds and then this prompt's own, the same for every D; the
+    # requests P keeps decode beside this prompt's chunks, as D's do beside a local one's: what the
+    # push costs them counts where nothing is admissible (`decide`'s violation).
+    through = [(p, start_of[p.name], p.prefill_s(0), p.prefill_s(prompt_len, hit(p)),
+                _running_tpot(p, prompt_len, hit(p))) for p in vias]
     for d in decodes:
-        remote_tpot, local_tpot = _decode_side_tpot(d, prompt_len, hit(d))
+        out.extend(_remote(d, *via, seat_of[d.name], prompt_len) for via in through)
         # D's running decodes hold the step in flight (and, launched ahead, the next): a local
         # prompt's first chunk starts after them (`prompt_wait_s`); a remote one's reservation,
         # which D answers between steps (unless it overlaps them), after the step in flight.
-        wait = d.prompt_wait_s()
-        seat = seat_of[d.name]
-        if best_p is not None:
-            # A pushed request waits for D's seat after its first token: a gap in its TPOT.
-            seat_tpot = seat / max(d.output_tokens - 1.0, 1.0) if seat and d.output_tokens else 0.0
-            # Every path's first token then travels to the router (``relay_s``); a remote one's
-            # prompt also waits for D's answer, which the router times (`reserve_wait_s`): without
-            # these, two H200s (decode-heavy, 27 req/s) predicted remote TTFTs 2.05x short, 27.8
-            # against 57.8 ms p50 (reservation 12.7, relay 6.7), and took remote where no path
-            # held the 57-ms target (benchmarks/records/headline-h200x2-2026-11-28c/).
-            # P goes on computing its queue meanwhile: the answer delays the prompt only where
-            # it comes after P would have reached it. The prompt reaches P with the answer (the
-            # router hands it over then), so past it the prompt still waits for P's step in
-            # flight: without that wait remote TTFTs were 1.8-2.4x their predictions, kept ones
-            # 1.3x (two H200s, decode-heavy 27-28 req/s: 57 against 30-32 ms p50;
-            # benchmarks/records/headline-h200x2-2026-11-28f/).
-            start = max(d.reserve_wait_s() + best_p.prompt_wait_s(), start_of[best_p.name] + queue_s)
-            out.append(Prediction("remote", best_p.name, d.name, start + own_s + best_p.relay_s,
-                                  remote_tpot + seat_tpot, max(best_p.model.error, d.model.error),
-                                  seat_tpot_s=seat_tpot, reserve_step_s=d.reserve_step_s(),
-                                  prefill_tpot_s=p_running))
-        out.append(Prediction("local", d.name, d.name, max(wait, seat) + d.prefill_s(prompt_len, hit(d)) + d.relay_s,
-                              local_tpot, d.model.error))
+        out.append(Prediction("local", d.name, d.name, max(d.prompt_wait_s(), seat_of[d.name])
+                              + d.prefill_s(prompt_len, hit(d)) + d.relay_s, _local_tpot(d, prompt_len, hit(d)),
+                              d.model.error))
     for p in prefills:
         # Kept: a local prompt on P (computed beside P's queue and the requests it keeps, then
         # decoded between the chunks P goes on computing), judged by the local rule: its stalls
@@ -390,8 +397,35 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
         # The one-step rule it had (every gap as long as a step with a chunk) kept the prefill
         # GPU out of decoding, where colocated uses both (two H100s, chat: 1-5 of 420 kept).
         out.append(Prediction("kept", p.name, p.name, start_of[p.name] + p.prefill_s(prompt_len, hit(p)) + p.relay_s,
-                              _decode_side_tpot(p, prompt_len, hit(p))[1], p.model.error))
+                              _local_tpot(p, prompt_len, hit(p)), p.model.error))
     return out
+
+
+def _remote(d: InstanceView, p: InstanceView, start_s: float, queue_s: float, done_s: float, p_running_s: float,
+            seat_s: float, prompt_len: int) -> Prediction:
+    """The remote candidate of a prompt of ``prompt_len`` through prefill instance ``p`` to decode
+    instance ``d`` (`predict`): ``p`` can start the prompt ``start_s`` from now (its step in
+    flight, its seat), computes its queue in ``queue_s`` and the prompt by ``done_s``, its kept
+    requests' TPOT beside it ``p_running_s``; a seat on ``d`` is ``seat_s`` away; its TPOT
+    decoding there from its first token on (`_pushed_tpot`)."""
+    # A pushed request waits for D's seat after its first token: a gap in its TPOT.
+    seat_tpot = seat_s / max(d.output_tokens - 1.0, 1.0) if seat_s and d.output_tokens else 0.0
+    # Every path's first token then travels to the router (``relay_s``); a remote one's
+    # prompt also waits for D's answer, which the router times (`reserve_wait_s`): without
+    # these, two H200s (decode-heavy, 27 req/s) predicted remote TTFTs 2.05x short, 27.8
+    # against 57.8 ms p50 (reservation 12.7, relay 6.7), and took remote where no path
+    # held the 57-ms target (benchmarks/records/headline-h200x2-2026-11-28c/).
+    # P goes on computing its queue meanwhile: the answer delays the prompt only where
+    # it comes after P would have reached it. The prompt reaches P with the answer (the
+    # router hands it over then), so past it the prompt still waits for P's step in
+    # flight: without that wait remote TTFTs were 1.8-2.4x their predictions, kept ones
+    # 1.3x (two H200s, decode-heavy 27-28 req/s: 57 against 30-32 ms p50;
+    # benchmarks/records/headline-h200x2-2026-11-28f/).
+    start = max(d.reserve_wait_s() + p.prompt_wait_s(), start_s + queue_s)
+    ttft = start + done_s - queue_s + p.relay_s
+    return Prediction("remote", p.name, d.name, ttft, _pushed_tpot(d, prompt_len, ttft) + seat_tpot,
+                      max(p.model.error, d.model.error), seat_tpot_s=seat_tpot, reserve_step_s=d.reserve_step_s(),
+                      prefill_tpot_s=p_running_s)
 
 
 def cached_tokens(prompt_len: int, cached: Mapping[str, int] | None) -> Callable[[InstanceView], int]:
@@ -405,24 +439,39 @@ def cached_tokens(prompt_len: int, cached: Mapping[str, int] | None) -> Callable
     return lambda view: max(0, min(cached.get(view.name, 0), prompt_len - 1))
 
 
-def _decode_side_tpot(d: InstanceView, prompt_len: int, cached: int = 0) -> tuple[float, float]:
-    """The TPOT predicted on decode instance ``d`` for a prompt of ``prompt_len`` placed remote
-    (it decodes beside D's queued prompt chunks) and local (its chunks, past the ``cached``
-    tokens, also slow D's running decodes; afterwards it decodes like a remote one): each the worse of this request's and
-    D's running decodes'. Where the tokens they have to go are known (``output_tokens``,
-    `InstanceView.running_horizon`), a TPOT is the mean over them (`InstanceView.mean_tpot_s`);
-    else one step's: a decode step with a chunk in it."""
+def _pushed_tpot(d: InstanceView, prompt_len: int, arrive_s: float = 0.0) -> float:
+    """The TPOT predicted on decode instance ``d`` for a prompt of ``prompt_len`` pushed there,
+    its first token ``arrive_s`` from now: the worse of its own (it decodes beside what is left
+    then of D's queued prompt chunks: `InstanceView.queue_left`) and D's running decodes' (beside
+    all of them, and one more sequence). Where the tokens they have to go are known
+    (``output_tokens``, `InstanceView.running_horizon`), a TPOT is the mean over them
+    (`InstanceView.mean_tpot_s`); else one step's: a decode step with a chunk in it. Priced
+    beside D's whole queue, a push behind a local 29k-token prompt on the one decode instance of
+    a simulated 8-GPU long-prompt fleet (7P1D-adaptive) was predicted a 34-39 ms TPOT, though D
+    had computed most of it by the push's first token: the pushes went kept instead."""
     queued, queued_pairs = d.queued_prompt_tokens, d.queued_prompt_pairs
     step_d = d.decode_step_s(1, prompt_len, queued)
     own_h, running_h = d.output_tokens, d.running_horizon
-    own_remote = d.mean_tpot_s(own_h, queued, queued_pairs, 1, prompt_len) if own_h else step_d
-    # Local: once its prompt (and the queue ahead of it) is computed it decodes without chunks.
-    own_local = d.decode_gap_s(d.num_decoding + 1, d.context_tokens + prompt_len) if own_h else step_d
-    if running_h:
-        running_remote = d.mean_tpot_s(running_h, queued, queued_pairs, 1, prompt_len)
+    if own_h:
+        left, left_pairs = d.queue_left(arrive_s)
+        own = d.mean_tpot_s(own_h, left, left_pairs, 1, prompt_len)
     else:
-        running_remote = step_d if d.num_decoding and not own_h else 0.0
-    return max(own_remote, running_remote), max(own_local, _running_tpot(d, prompt_len, cached))
+        own = step_d
+    if running_h:
+        running = d.mean_tpot_s(running_h, queued, queued_pairs, 1, prompt_len)
+    else:
+        running = step_d if d.num_decoding and not own_h else 0.0
+    return max(own, running)
+
+
+def _local_tpot(d: InstanceView, prompt_len: int, cached: int = 0) -> float:
+    """The TPOT predicted on instance ``d`` for a prompt of ``prompt_len`` computed there (local,
+    or kept on a prefill instance) past its ``cached`` tokens: the worse of its own (once its
+    prompt and the queue ahead of it are computed it decodes without chunks) and that of the
+    requests decoding there, which its chunks slow (`_running_tpot`)."""
+    own = (d.decode_gap_s(d.num_decoding + 1, d.context_tokens + prompt_len) if d.output_tokens
+           else d.decode_step_s(1, prompt_len, d.queued_prompt_tokens))
+    return max(own, _running_tpot(d, prompt_len, cached))
 
 
 def _running_tpot(v: InstanceView, prompt_len: int, cached: int = 0) -> float:
@@ -459,18 +508,19 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     """
     views = {v.name: v for v in prefills + decodes}
     judged = []
-    candidates = predict(prompt_len, prefills, decodes, cached)
     hit = cached_tokens(prompt_len, cached)
+    # A prompt's chunks stall the requests decoding where it is computed: D's (and the pushes on
+    # their way there) for a local prompt, P's kept ones for a remote or kept prompt. A path that
+    # breaks one's TPOT slack is refused while another is admissible; pushes go through a prefill
+    # instance that spares its kept requests where the fastest would not (`predict`).
+    stalls = {v.name: _stall_past_slack(v, prompt_len, targets.tpot_s, hit(v))
+              for v in prefills + decodes if targets.tpot_s is not None}
+    spare = {p.name for p in prefills if not stalls[p.name][0]} if stalls else None
+    candidates = predict(prompt_len, prefills, decodes, cached, spare)
     remote_steps = [c.tpot_s for c in candidates if c.path == "remote" and _fits(c, views, prompt_len)]
     bound = targets.tpot_s
     if bound is None and remote_steps:
         bound = TPOT_SLACK * min(remote_steps)
-    # A prompt's chunks stall the requests decoding where it is computed: D's for a local prompt
-    # (refused when they break their slack), P's kept ones for a remote or kept prompt (only past
-    # the knee, below: P computes prompts, its kept requests' stall meter stretches their gaps;
-    # refusing pushes for them cost the simulated prefill-heavy 2-9 points at 12-16 req/s).
-    stalls = {v.name: _stall_past_slack(v, prompt_len, targets.tpot_s, hit(v))
-              for v in prefills + decodes if targets.tpot_s is not None}
     for cand in candidates:
         why = ""
         if not _fits(cand, views, prompt_len):
@@ -479,8 +529,8 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
             why = f"TTFT {cand.ttft_s * 1e3:.1f} ms > target {targets.ttft_s * 1e3:.1f} ms"
         elif bound is not None and cand.tpot_s > bound and (targets.tpot_s is not None or cand.path != "remote"):
             why = f"TPOT {cand.tpot_s * 1e3:.2f} ms > bound {bound * 1e3:.2f} ms"
-        elif cand.path == "local" and stalls.get(cand.decode):
-            why = stalls[cand.decode]
+        elif cand.prefill in stalls and stalls[cand.prefill][0]:
+            why = stalls[cand.prefill][1]
         judged.append(cand if not why else replace(cand, admissible=False, why=why))
     ok = [c for c in judged if c.admissible]
     remote = [c for c in ok if c.path == "remote"]
@@ -512,17 +562,17 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     # decode on it further, however close its own prediction.
     saturated = {c.decode for c in judged if c.path == "remote" and bound is not None and c.tpot_s > bound}
     # (its running decodes' slack only: pushes on their way are not yet decoding there)
-    saturated |= {name for name, why in stalls.items()
-                  if why and (not views[name].incoming or _stall_past_slack(replace(views[name], incoming=0),
-                                                                              prompt_len, targets.tpot_s,
-                                                                              hit(views[name])))}
+    saturated |= {name for name, (broken, _) in stalls.items()
+                  if broken and (not views[name].incoming or _stall_past_slack(replace(views[name], incoming=0),
+                                                                                 prompt_len, targets.tpot_s,
+                                                                                 hit(views[name]))[0])}
     # Nor is a prompt pushed or kept through a prefill instance whose kept requests its chunks
     # would stall past their slack, while another path spares them: the suspected cause (no trace
     # yet) of two H200s' collapse one rate past the knee at f47ab54, the remote prompts rising as
     # attainment fell (decode-heavy 7 -> 147, 98.5% -> 62.7% from 27 to 28 req/s, colocated 93.4%;
     # chat 2x at 30 req/s 64.2% against 89.5%; benchmarks/records/headline-h200x2-2026-11-28e/).
     spare = [c for c in fitting if not (c.path == "local" and c.decode in saturated)
-             and not (c.path != "local" and stalls.get(c.prefill))] or fitting
+             and not (c.path != "local" and c.prefill in stalls and stalls[c.prefill][0])] or fitting
     if targets.overload == "no_push":
         # Past the knee a push is work no other path does (the pushing step, the reservation's
         # round trip) and its TTFT was predicted short the most: two H200s, decode-heavy at 28
@@ -530,7 +580,16 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
         # 1.7x their predicted TTFT, while colocated, pushing nothing, held 99.6%
         # (benchmarks/records/headline-h200x2-2026-11-28g/).
         spare = [c for c in spare if c.path != "remote"] or spare
-    return Decision(min(spare, key=lambda c: _violation(c, targets, bound)), tuple(judged))
+    # The smallest violation, each request its chunks stall past its slack where it is computed
+    # (on their way there included) counting as one whole miss more. By violation alone, simulated
+    # 8 GPUs long-prompt (7P1D-adaptive) put a 31k-token prompt local on the one decode instance,
+    # its own TTFT in time, while seven pushes were on their way there: every one of them missed
+    # its TPOT. By misses alone (its own, then those it causes), a prompt went where everything
+    # already missed (1P7D-adaptive: a 29k-token prompt local at a predicted 4.9 s TTFT).
+    def cost(c: Prediction) -> float:
+        return _violation(c, targets, bound) + (stalls[c.prefill][0] if c.prefill in stalls else 0)
+
+    return Decision(min(spare, key=cost), tuple(judged))
 
 
 def _decode_on_prefill(prompt_len: int, chosen: Prediction, ok: list[Prediction], views: dict[str, InstanceView],
@@ -576,19 +635,22 @@ def _decode_on_prefill(prompt_len: int, chosen: Prediction, ok: list[Prediction]
     return best if best.ttft_s + step <= room else None
 
 
-def _stall_past_slack(d: InstanceView, prompt_len: int, bound_s: float, cached: int = 0) -> str:
-    """Why a local prompt of ``prompt_len`` on ``d`` (``cached`` of its tokens found in its cache)
-    breaks a running request's TPOT (its chunks' stall, beyond the prompts queued there, exceeds
-    `InstanceView.tpot_slack_s`), or ""."""
-    slack = d.tpot_slack_s(bound_s)
-    if slack is None:
-        return ""
+def _stall_past_slack(d: InstanceView, prompt_len: int, bound_s: float, cached: int = 0) -> tuple[int, str]:
+    """How many of the requests decoding on ``d`` (and on their way there) a prompt of
+    ``prompt_len`` computed on ``d`` (``cached`` of its tokens found in its cache) takes past
+    their TPOT (its chunks' stall, beyond the prompts queued there, exceeds their
+    `InstanceView.tpot_slacks_s`), and why; (0, "") for none."""
+    slacks = d.tpot_slacks_s(bound_s)
+    if not slacks:
+        return 0, ""
     queued, pairs = d.queued_prompt_tokens, d.queued_prompt_pairs
     stall = (d.stall_s(queued + prompt_len - cached, pairs + prompt_pairs(cached, prompt_len - cached))
              - d.stall_s(queued, pairs))
-    if stall <= slack:
-        return ""
-    return f"its chunks stall {d.name}'s decodes {stall * 1e3:.1f} ms > their TPOT slack {slack * 1e3:.1f} ms"
+    broken = sum(1 for slack in slacks if slack < stall)
+    if not broken:
+        return 0, ""
+    return broken, (f"its chunks stall {d.name}'s decodes {stall * 1e3:.1f} ms > their TPOT slack "
+                    f"{min(slacks) * 1e3:.1f} ms ({broken} of {len(slacks)})")
 
 
 def _fits(cand: Prediction, views: dict[str, InstanceView], prompt_len: int) -> bool:
@@ -664,6 +726,8 @@ class InstanceWork:
             cached = min(req.cached_tokens, prompt_len - 1)
             self.queued += prompt_len - cached
             self.pairs += prompt_pairs(cached, prompt_len - cached)
+            if req.colocated is not None:  # decodes here once computed: beside the prompts placed after it
+                self.incoming += 1
             return
         num_output = req.num_output
         self.decoding += 1

@@ -338,10 +338,13 @@ def seed_fit(path: str | None) -> dict | None:
 def decision_record(req: Request, decision: Decision, t: float, path: str, since_s: float) -> dict:
     """The decision that placed ``req``, as a "decision" trace record written at its first token
     (``t``: wall clock serving, the virtual clock simulated): its prompt, the path chosen and the
-    one taken, every candidate's predicted TTFT and TPOT (ms), and the first token's time since
-    the decision (``ttft_ms``: what the chosen prediction's ``ttft_ms`` predicted)."""
+    one taken with the instances that computed its prompt and decode it, every candidate's predicted
+    TTFT and TPOT (ms), and the first token's time since the decision (``ttft_ms``: what the chosen
+    prediction's ``ttft_ms`` predicted)."""
+    computing, decoder = req.colocated or req.prefill, req.colocated or req.decode
     return {"request": str(req.request_id), "t": t, "prompt_len": req.prompt_len, "chosen": decision.path,
-            "path": path, "ttft_ms": round(since_s * 1e3, 3),
+            "path": path, "prefill": computing and computing.name, "decode": decoder and decoder.name,
+            "ttft_ms": round(since_s * 1e3, 3),
             "predictions": [{"path": p.path, "prefill": p.prefill, "decode": p.decode,
                              "ttft_ms": round(p.ttft_s * 1e3, 3), "tpot_ms": round(p.tpot_s * 1e3, 3),
                              "admissible": p.admissible} for p in decision.predictions]}

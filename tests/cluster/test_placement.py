@@ -69,14 +69,14 @@ def test_a_local_prompt_may_not_stall_a_running_request_past_its_tpot():
     assert decide(2000, prefills, [d(1.8)]).path == "local"  # no TPOT target, no slack: the 1.1 x rule alone
 
 
-def test_past_the_knee_a_prompt_is_not_pushed_through_a_prefill_instance_whose_kept_requests_it_breaks():
+def test_a_prompt_is_not_computed_on_a_prefill_instance_whose_kept_requests_it_breaks():
     # P keeps 8 requests decoding; one is 50 of 100 tokens in after 1.8 s: 115 ms of slack at
     # 25 ms, and a 2000-token prompt computed on P stalls them 200 ms, whether it is then pushed
     # (remote) or kept. D decodes 64 (20-ms steps) with room. A 1-ms TTFT target: no path is
-    # admissible, the smallest violation decides, and the fastest first token is the push through
-    # P. Two H200s at f47ab54 collapsed one rate past the knee as their remote prompts rose
-    # (decode-heavy 7 -> 147, 98.5% -> 62.7% from 27 to 28 req/s, colocated 93.4%; records 28e):
-    # there a push spends P's kept requests' slack, so it gives way to a path that spares them.
+    # admissible, and the fastest first token is the push through P. Two H200s at f47ab54
+    # collapsed one rate past the knee as their remote prompts rose (decode-heavy 7 -> 147,
+    # 98.5% -> 62.7% from 27 to 28 req/s, colocated 93.4%; records 28e): there a push spends P's
+    # kept requests' slack, so it gives way to a path that spares them.
     progress = tuple((e, 50, 100) for e in (1.0,) * 7 + (1.8,))
     p = InstanceView("P", model(), 4096, 0, 8, 8000, None, 16, remaining_tokens=8 * 400, output_tokens=400,
                      decode_progress=progress)
@@ -86,9 +86,23 @@ def test_past_the_knee_a_prompt_is_not_pushed_through_a_prefill_instance_whose_k
     remote, local = (next(c for c in dec.predictions if c.path == name) for name in ("remote", "local"))
     assert not any(c.admissible for c in dec.predictions) and remote.ttft_s < local.ttft_s
     assert dec.path == "local", dec.chosen
-    # Below the knee the push is judged on D's side, as before: P computes prompts, its kept
-    # requests live with that (their stall meter stretches their predicted gaps).
-    assert decide(2000, [p], [d], Targets.from_ms(None, 25, "fastest")).path in ("remote", "kept")
+    # Below the knee too: a path through P is refused for the kept request it would break (its
+    # why says so), and the prompt goes where it breaks nobody. Judged on D's side alone, simulated
+    # 8 GPUs long-prompt 7P1D-adaptive sent prompts to prefill instances whose kept requests
+    # (40-token answers, ~0.3 s of slack) then waited out 1-4 chunks of 0.3 s (docs/ARCHITECTURE.md §7).
+    below = decide(2000, [p], [d], Targets.from_ms(None, 25, "fastest"))
+    assert below.path == "local", below.chosen
+    assert all(not c.admissible and "TPOT slack 115.0 ms (1 of 8)" in c.why
+               for c in below.predictions if c.prefill == "P")
+    # ... and with another prefill instance that spares its own, the push goes through that one,
+    # though it is slower (2000 tokens queued): remote through each is predicted, the fastest refused.
+    p2 = InstanceView("P2", model(), 4096, 2000, 0, 0, None, 16, output_tokens=400)
+    two = decide(2000, [p, p2], [replace(d, num_decoding=0, context_tokens=0, remaining_tokens=None)],
+                 Targets.from_ms(1000, 25, "remote"))
+    through = {c.prefill: c for c in two.predictions if c.path == "remote"}
+    assert set(through) == {"P", "P2"} and through["P"].ttft_s < through["P2"].ttft_s
+    assert not through["P"].admissible and two.chosen == through["P2"], two.chosen
+    assert len([c for c in decide(2000, [p2, replace(p2, name="P3")], [d]).predictions if c.path == "remote"]) == 1
     # P's kept requests with the slack: a path through P is the smallest violation again.
     p_easy = replace(p, decode_progress=((1.0, 50, 100),) * 8)
     assert decide(2000, [p_easy], [d], targets).chosen.prefill == "P"
@@ -487,7 +501,11 @@ def test_a_remote_requests_own_tpot_spreads_the_chunk_queued_on_its_decode_side(
     assert decide(100, prefills, [d(None)], targets).path == "kept"  # unknown: one step of 0.8 s
     spread = decide(100, prefills, [d(200)], targets)
     assert spread.path == "remote", spread.predictions
-    assert spread.chosen.tpot_s == pytest.approx(d(200).mean_tpot_s(200, 8000, prompt_pairs(0, 8000), 1, 100))
+    # ... and only what is left of it when its first token comes: D computes the rest meanwhile.
+    left = d(200).queue_left(spread.chosen.ttft_s)
+    assert 0 < left[0] < 8000 and left[0] / 8000 == pytest.approx(1 - spread.chosen.ttft_s / d(200).prefill_s(0), abs=1e-3)
+    assert spread.chosen.tpot_s == pytest.approx(d(200).mean_tpot_s(200, *left, 1, 100))
+    assert d(200).queue_left(0.0) == (8000, prompt_pairs(0, 8000)) and d(200).queue_left(60.0) == (0, 0)
 
 
 def test_a_local_prompt_waits_for_the_decode_step_in_flight():
@@ -638,8 +656,8 @@ def test_a_kept_request_is_judged_by_the_local_rule_on_its_prefill_instance():
     d = InstanceView("D", model(), 4096, 0, 60, 120_000, None, 16, remaining_tokens=60 * 400, output_tokens=400)
     dec = decide(100, [p], [d], Targets.from_ms(None, 25, "fastest"))
     kept = next(c for c in dec.predictions if c.path == "kept")
-    from disagg.cluster.placement import _decode_side_tpot
-    assert kept.admissible and kept.tpot_s == pytest.approx(_decode_side_tpot(p, 100)[1])
+    from disagg.cluster.placement import _local_tpot
+    assert kept.admissible and kept.tpot_s == pytest.approx(_local_tpot(p, 100))
     assert kept.tpot_s < 0.025 < p.decode_step_s(1, 100, 2000)
 
 
@@ -720,10 +738,11 @@ def test_the_fleet_view_counts_seats_of_decodes_queued_prompts_and_pushes_on_the
             req("d", "running", 0, colocated=dec), req("e", "running", 3, colocated=dec), req("f", "running", 0, colocated=pre)]
     fleet = FleetModel(512, 16, max_seqs=128)
     v = fleet.view(dec, live)
-    # a and e decode, d's prompt is queued, b and c are pushed here once their prompts are computed
-    assert (v.max_seqs, v.seated, v.num_decoding, v.incoming) == (128, 5, 2, 2)
+    # a and e decode, d's prompt is queued; b and c are pushed here once their prompts are computed,
+    # and d decodes here once its own is: three on their way
+    assert (v.max_seqs, v.seated, v.num_decoding, v.incoming) == (128, 5, 2, 3)
     p = fleet.view(pre, live)
-    assert (p.seated, p.num_decoding, p.incoming) == (3, 0, 0)  # b, c computing; f's prompt queued (kept)
+    assert (p.seated, p.num_decoding, p.incoming) == (3, 0, 1)  # b, c computing; f's prompt queued (kept)
     assert FleetModel(512, 16).view(dec, live).max_seqs is None
 
 

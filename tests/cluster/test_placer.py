@@ -337,6 +337,9 @@ def test_the_decision_that_placed_a_request_goes_to_the_trace_at_its_first_token
     (record,) = trace.read_records(str(tmp_path), "decision")
     assert record["request"] == "r" and record["chosen"] == decision.path == record["path"]
     assert record["ttft_ms"] == 25.0 and record["prompt_len"] == 10 and before <= record["t"] <= time.time()
+    # the instances it took: its prompt's, and its decode's (none yet answered for a pushed one)
+    assert record["prefill"] == (req.colocated or req.prefill).name
+    assert record["decode"] == (req.colocated.name if req.colocated else None)
     assert [(p["path"], p["ttft_ms"], p["admissible"]) for p in record["predictions"]] == [
         (p.path, round(p.ttft_s * 1e3, 3), p.admissible) for p in decision.predictions]
     # At its end, 9 tokens 0.4 s after the first: its TPOT, 50 ms, beside the one predicted.
