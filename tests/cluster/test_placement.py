@@ -134,6 +134,25 @@ def test_a_local_prompt_may_not_stall_the_pushes_on_their_way_past_their_tpot():
     assert decide(20_000, prefills, [d(3, 40)], Targets.from_ms(1, 25, "fastest")).path == "local"
 
 
+def test_with_nothing_admissible_each_request_a_path_breaks_counts_as_a_miss():
+    # Three pushes of 40-token answers on their way to D; a 20,000-token prompt local on D would
+    # break all three (its chunks' stall > their slack) though its own TTFT is in time; through P
+    # (10,000 tokens queued) its TTFT is 25% past the target. By its own violation alone the local
+    # path is smaller (0.8 against 1.25); counting the three it breaks, the push is: simulated
+    # 8 GPUs long-prompt 7P1D-adaptive 76.7% -> 90.6% at 6 req/s (benchmarks/records/plan-h200-2026-11-29b/).
+    d = InstanceView("D", model(), 4096, 0, 0, 0, None, 16, output_tokens=40, incoming=3)
+    p = view("P", queued=10_000, chunk=4096)
+    probe = {c.path: c for c in predict(20_000, [p], [d])}
+    target_ms = probe["local"].ttft_s / 0.8 * 1e3
+    assert probe["remote"].ttft_s * 1e3 > target_ms  # the push misses its own TTFT
+    dec = decide(20_000, [p], [d], Targets.from_ms(target_ms, 25, "fastest"))
+    assert not any(c.admissible for c in dec.predictions)
+    local = next(c for c in dec.predictions if c.path == "local")
+    assert "(3 of 3)" in local.why and dec.path == "remote", dec.chosen
+    # None on their way: the local path breaks nobody and is the smaller violation.
+    assert decide(20_000, [p], [replace(d, incoming=0)], Targets.from_ms(target_ms, 25, "fastest")).path == "local"
+
+
 def test_a_long_prompt_goes_remote_when_local_chunks_would_slow_running_decodes():
     decodes = [view("D", decoding=64, context=64 * 1000)]
     d = decide(4000, [view("P")], decodes, Targets.from_ms(None, 25, "fastest"))  # D steps 20 ms
