@@ -22,10 +22,10 @@ a TPOT target a prompt must also leave every request decoding where it is comput
 holds the target holding it (D's for a local prompt, P's kept ones for a remote or kept one), and
 those on their way there (`InstanceView.incoming`): its chunks' stall is added to each one's whole
 TPOT, against what it has spent so far (`InstanceView.tpot_slacks_s`); a push goes through the
-fastest prefill instance that spares its kept requests where the fastest would not. With `router.adaptive_prefer: remote` and
-a TTFT target an admissible remote path is taken (a TTFT under its target earns nothing; local
-and kept spend the other phase's instance, for the requests remote cannot serve within the
-targets); with `fastest`, among admissible paths the lowest predicted TTFT (ties within the model's error margin go to local, then
+fastest prefill instance that spares its kept requests where the fastest would not. With
+`router.adaptive_prefer: remote` and a TTFT target an admissible remote path is taken (a TTFT
+under its target earns nothing; local and kept spend the other phase's instance, for the requests
+remote cannot serve within the targets); with `fastest`, among admissible paths the lowest predicted TTFT (ties within the model's error margin go to local, then
 remote, then kept: `PREFERENCE`; with `balanced`, the config's default, that path, when it
 decodes on a decode instance, gives way to an admissible kept one while the decode instance's
 predicted TPOT is past `KEEP_SHARE` of the TPOT target, the prefill instance's is lower and the
@@ -375,8 +375,9 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
     if best_p is not None and spare is not None and best_p.name not in spare:
         # The fastest prefill instance would break its kept requests' TPOT: also push through
         # the fastest one that spares its own (`decide` judges both).
-        vias += [min((p for p in prefills if p.name in spare), key=first_token_s)] if any(
-            p.name in spare for p in prefills) else []
+        spared = [p for p in prefills if p.name in spare]
+        if spared:
+            vias.append(min(spared, key=first_token_s))
     # Through each: its queue's seconds and then this prompt's own, the same for every D; the
     # requests P keeps decode beside this prompt's chunks, as D's do beside a local one's: what the
     # push costs them counts where nothing is admissible (`decide`'s violation).
