@@ -516,7 +516,8 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     # instance that spares its kept requests where the fastest would not (`predict`).
     stalls = {v.name: _stall_past_slack(v, prompt_len, targets.tpot_s, hit(v))
               for v in prefills + decodes if targets.tpot_s is not None}
-    spare = {p.name for p in prefills if not stalls[p.name][0]} if stalls else None
+    broken = {name: count for name, (count, _) in stalls.items()}  # name -> the requests it breaks
+    spare = {p.name for p in prefills if not broken[p.name]} if stalls else None
     candidates = predict(prompt_len, prefills, decodes, cached, spare)
     remote_steps = [c.tpot_s for c in candidates if c.path == "remote" and _fits(c, views, prompt_len)]
     bound = targets.tpot_s
@@ -530,7 +531,7 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
             why = f"TTFT {cand.ttft_s * 1e3:.1f} ms > target {targets.ttft_s * 1e3:.1f} ms"
         elif bound is not None and cand.tpot_s > bound and (targets.tpot_s is not None or cand.path != "remote"):
             why = f"TPOT {cand.tpot_s * 1e3:.2f} ms > bound {bound * 1e3:.2f} ms"
-        elif cand.prefill in stalls and stalls[cand.prefill][0]:
+        elif broken.get(cand.prefill):
             why = stalls[cand.prefill][1]
         judged.append(cand if not why else replace(cand, admissible=False, why=why))
     ok = [c for c in judged if c.admissible]
@@ -563,17 +564,17 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     # decode on it further, however close its own prediction.
     saturated = {c.decode for c in judged if c.path == "remote" and bound is not None and c.tpot_s > bound}
     # (its running decodes' slack only: pushes on their way are not yet decoding there)
-    saturated |= {name for name, (broken, _) in stalls.items()
-                  if broken and (not views[name].incoming or _stall_past_slack(replace(views[name], incoming=0),
-                                                                                 prompt_len, targets.tpot_s,
-                                                                                 hit(views[name]))[0])}
+    saturated |= {name for name, count in broken.items()
+                  if count and (not views[name].incoming or _stall_past_slack(replace(views[name], incoming=0),
+                                                                                prompt_len, targets.tpot_s,
+                                                                                hit(views[name]))[0])}
     # Nor is a prompt pushed or kept through a prefill instance whose kept requests its chunks
     # would stall past their slack, while another path spares them: the suspected cause (no trace
     # yet) of two H200s' collapse one rate past the knee at f47ab54, the remote prompts rising as
     # attainment fell (decode-heavy 7 -> 147, 98.5% -> 62.7% from 27 to 28 req/s, colocated 93.4%;
     # chat 2x at 30 req/s 64.2% against 89.5%; benchmarks/records/headline-h200x2-2026-11-28e/).
     spare = [c for c in fitting if not (c.path == "local" and c.decode in saturated)
-             and not (c.path != "local" and c.prefill in stalls and stalls[c.prefill][0])] or fitting
+             and not (c.path != "local" and broken.get(c.prefill))] or fitting
     if targets.overload == "no_push":
         # Past the knee a push is work no other path does (the pushing step, the reservation's
         # round trip) and its TTFT was predicted short the most: two H200s, decode-heavy at 28
@@ -588,7 +589,7 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     # its TPOT. By misses alone (its own, then those it causes), a prompt went where everything
     # already missed (1P7D-adaptive: a 29k-token prompt local at a predicted 4.9 s TTFT).
     def cost(c: Prediction) -> float:
-        return _violation(c, targets, bound) + (stalls[c.prefill][0] if c.prefill in stalls else 0)
+        return _violation(c, targets, bound) + broken.get(c.prefill, 0)
 
     return Decision(min(spare, key=cost), tuple(judged))
 
