@@ -800,10 +800,11 @@ class FleetModel:
             `router.measured_hops`); False: they are still measured (`snapshot`), not priced.
 
     Attributes:
-        ledger: None (the router): `views` sums the live requests' work (`tally`) at every
-            decision. The simulator sets its `TrackedWork`, which keeps the same sums up to date
-            as its requests move (``ledger.tally(instances, now)``, `tally`'s answer), so a
-            decision costs O(instances + decodes) instead of O(live requests).
+        ledger: the `disagg.cluster.ledger.Ledger` of a tracked `Placer` (the router's, the
+            simulator's), which keeps the same sums up to date as the requests move
+            (``ledger.tally(instances, now)``, `tally`'s answer): a decision costs O(instances +
+            decodes) instead of O(live requests); None: `views` sums the live requests' work
+            (`tally`) at every decision.
     """
 
     def __init__(self, chunk_tokens: int, page_size: int, seed_fit: dict | None = None,

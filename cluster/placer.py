@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from disagg import trace
 from disagg.cluster.affinity import PrefixAffinity
 from disagg.cluster.bootstrap import Instance
+from disagg.cluster.ledger import Ledger
 from disagg.cluster.placement import PATHS, Decision, FleetModel, Targets, decide
 from disagg.cluster.requests import Picker, Request
 from disagg.config import Config
@@ -95,16 +96,22 @@ class Placer:
         affinity: the prefix affinity credited to instances that hold a prompt's prefix, or None.
         clock: seconds now (the router's ``time.monotonic``, the simulator's virtual clock):
             an adaptive decision's time, against which `first_token` measures its TTFT.
+        tracked: the caller reports every move of its requests to ``ledger`` (`Ledger.touch`,
+            `advance`, `drop`): the picker's loads and the adaptive views are read from it,
+            O(instances) a placement, and the live requests passed in are not summed. False:
+            summed over them at each placement (the tests of constructed states).
 
     Attributes:
         placements: requests placed per path (`PATHS`); colocated ones are not counted.
         decisions: the latest adaptive decisions, newest last.
         affinity_hits: placements on an instance believed to hold part of the prompt.
         fleet_model: each instance's step-time model and load, for `decide`.
+        ledger: the live requests' sums (``tracked``), or None.
     """
 
     def __init__(self, config: Config, instances: list[Instance], picker: Picker,
-                 affinity: PrefixAffinity | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 affinity: PrefixAffinity | None = None, clock: Callable[[], float] = time.monotonic,
+                 tracked: bool = False) -> None:
         self.instances = instances
         self.colocated = config.mode == "colocated"
         self.placement = config.router.placement
@@ -136,6 +143,9 @@ class Placer:
         # record(kind, fields): None, the trace while it is on (serving); the simulator's
         # --trace-dir records take them here
         self.record: Callable[[str, dict], None] | None = None
+        self.ledger = Ledger(instances, planned=self._remote_prefill) if tracked else None
+        if tracked:
+            picker.ledger = self.fleet_model.ledger = self.ledger
 
     def of_role(self, role: str) -> list[Instance]:
         return [inst for inst in self.instances if inst.role == role]

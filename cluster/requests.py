@@ -138,7 +138,7 @@ class RecentIds:
 
 @dataclass
 class Picker:
-    """Chooses instances by policy; loads are computed from the router's live requests.
+    """Chooses instances by policy, by the loads of the live requests.
 
     Args:
         policy: "least_loaded" or "round_robin".
@@ -148,10 +148,14 @@ class Picker:
             its decodes to end (two H100s, colocated decode-heavy at 22 req/s: 19 of 440 TTFTs
             over 0.5 s, with 226-244 of 256 seats held; simulated, 94.2% -> 97.6% attainment;
             benchmarks/records/headline-h100x2-2026-11-27e/).
+        ledger: a `disagg.cluster.ledger.Ledger` its owner keeps up to date: the loads, seats and
+            prompt queues come from it, O(instances), and the ``requests`` passed are not read;
+            None: summed over them.
     """
 
     policy: str
     max_seqs: int | None = None
+    ledger: Any = None
     _turns: dict[str, itertools.count] = field(default_factory=dict)
 
     def order(self, candidates: list[Instance], requests: list[Request],
@@ -181,6 +185,8 @@ class Picker:
 
     def seats(self, instances: list[Instance], requests: list[Request]) -> dict[str, int]:
         """Each of ``instances``' seats held or awaited by the live ``requests`` (`seat_holders`)."""
+        if self.ledger is not None:
+            return {inst.name: self.ledger.seats[inst.name] for inst in instances}
         seats = {inst.name: 0 for inst in instances}
         for req in requests:
             for inst in seat_holders(req):
@@ -189,35 +195,33 @@ class Picker:
         return seats
 
     def loads(self, instances: list[Instance], requests: list[Request]) -> dict[str, int]:
-        """Each of ``instances``' load in tokens, as `order` counts it."""
+        """Each of ``instances``' load in tokens, as `order` counts it (`load_of`)."""
+        if self.ledger is not None:
+            return {inst.name: self.ledger.loads[inst.name] for inst in instances}
         loads = {inst.name: 0 for inst in instances}
         for req in requests:
-            for inst, tokens in _load_of(req):
+            for inst, tokens in load_of(req):
                 if inst.name in loads:
                     loads[inst.name] += tokens
         return loads
 
     def prompt_queues(self, instances: list[Instance], requests: list[Request]) -> tuple[dict[str, int], int]:
         """Each of ``instances``' prompt tokens placed on it and not yet computed
-        (`router.prefill_queue_tokens` bounds them): a pushed prompt's until its prefill instance
-        lets it go, a kept or local one's until its first token; and the prompt tokens of the
+        (`router.prefill_queue_tokens` bounds them; `queued_prompt`), and the prompt tokens of the
         reservations still on their way to a prefill instance (none named yet). Not `loads`,
         which also weighs the tokens a request decodes there: a prefill instance keeping a few
         requests would otherwise hold every remote prompt back behind decodes that queue no prompt,
         and every request queued behind that one (two H100s, decode-heavy 22 req/s with 140 kept:
         submit -> placed p50 5.6 s, p99 TTFT 10.4 s; benchmarks/records/headline-h100x2-2026-11-27c/)."""
+        if self.ledger is not None:
+            return {inst.name: self.ledger.queued[inst.name] for inst in instances}, self.ledger.unnamed
         queued, unnamed = {inst.name: 0 for inst in instances}, 0
         for req in requests:
-            if req.stage == "reserving" and req.prefill is None:
-                unnamed += req.prompt_len
-            if req.prefill is not None and req.stage in ("reserving", "prefilling"):
-                inst = req.prefill
-            elif req.colocated is not None and req.num_output == 0 and not req.done:
-                inst = req.colocated
-            else:
-                continue
-            if inst.name in queued:
-                queued[inst.name] += req.prompt_len
+            inst, tokens = queued_prompt(req)
+            if inst is None:
+                unnamed += tokens
+            elif inst.name in queued:
+                queued[inst.name] += tokens
         return queued, unnamed
 
 
@@ -237,7 +241,21 @@ def seat_holders(req: Request) -> tuple[Instance, ...]:
     return tuple(inst for inst in (colocated, decode, prefill) if inst is not None)
 
 
-def _load_of(req: Request) -> list[tuple[Instance, int]]:
+def queued_prompt(req: Request) -> tuple[Instance | None, int]:
+    """Where ``req``'s prompt waits to be computed (`Picker.prompt_queues`): (the instance, its
+    tokens): a pushed prompt's prefill instance until it lets it go, a kept or local one's instance
+    until its first token; (None, its tokens) while its reservation is on its way and no prefill
+    instance is named; (None, 0) once computed."""
+    if req.stage == "reserving" and req.prefill is None:
+        return None, req.prompt_len
+    if req.prefill is not None and req.stage in ("reserving", "prefilling"):
+        return req.prefill, req.prompt_len
+    if req.colocated is not None and req.num_output == 0 and not req.done:
+        return req.colocated, req.prompt_len
+    return None, 0
+
+
+def load_of(req: Request) -> list[tuple[Instance, int]]:
     """What ``req`` weighs on each instance holding it, tokens."""
     out = []
     if req.prefill is not None and req.stage in ("reserving", "prefilling"):

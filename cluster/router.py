@@ -79,7 +79,11 @@ class Router:
         # An abort of one of these came after its request ended: it must not wait for a submit.
         self.ended_ids = RecentIds(4 * MAX_REMEMBERED_IDS)
         config = fleet.config
-        self.placer = Placer(config, fleet.instances, self.picker, prefix_affinity(config, _cache_pages(fleet)))
+        self.placer = Placer(config, fleet.instances, self.picker, prefix_affinity(config, _cache_pages(fleet)),
+                             tracked=True)
+        # the live requests' sums the placement reads (loads, seats, prompt queues, adaptive views):
+        # every move of a request below is reported to it (`Ledger.touch`, `advance`, `drop`)
+        self.ledger = self.placer.ledger
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self._refused: Request | None = None  # back at the queue head: every decode instance refused it
@@ -137,6 +141,7 @@ class Router:
         req = Request(request_id, list(prompt_token_ids), params, sink, RequestMetrics(arrival_time=time.time()),
                       deadline=None if timeout is None else time.monotonic() + timeout)
         self.requests[request_id] = req
+        self.ledger.touch(req)
         trace.event("submit", request_id)
         self.counts["submitted"] += 1
         self.ended_ids.pop(request_id)  # a new life of the id: its aborts are this request's
@@ -174,7 +179,7 @@ class Router:
 
     # ------------------------------------------------------------------ placement
     def _place_colocated(self, req: Request) -> None:
-        plan = self.placer.plan(req, list(self.requests.values()))
+        plan = self.placer.plan(req, self.requests.values())
         if isinstance(plan, Fail):
             self._end(req, "error", plan.error())
             return
@@ -208,7 +213,7 @@ class Router:
         soon, so a lease measures the push, not the queue). A remote request leaves the queue
         while it reserves (`_reserve`); refused everywhere, it comes back to the head.
         """
-        plan = self.placer.plan(req, list(self.requests.values()), self._decide)
+        plan = self.placer.plan(req, self.requests.values(), self._decide)
         if isinstance(plan, Wait):
             return False
         if isinstance(plan, Fail):
@@ -223,6 +228,7 @@ class Router:
         # decode-heavy 26 req/s: TTFTs of those placed behind one 13 ms longer at p50, 55 at p90;
         # benchmarks/records/headline-h100x2-2026-11-27i/).
         req.stage = "reserving"
+        self.ledger.touch(req)
         self._spawn(self._reserve(req, plan.decodes))
         return True
 
@@ -250,6 +256,7 @@ class Router:
                 self._cancel_on(inst, dest)
                 return
             req.decode = inst
+            self.ledger.touch(req)
             self.placer.reserved(req)
             trace.event("reserved", req.request_id, instance=inst.name)
             break
@@ -257,6 +264,7 @@ class Router:
             if req.done:
                 return
             req.stage = "queued"  # every decode instance refused (WAIT_PAGES)
+            self.ledger.touch(req)
             self.queue.appendleft(req)
             self._refused = req
             self._wake.set()
@@ -273,6 +281,7 @@ class Router:
         from the router's side, a colocated request on that instance."""
         inst = plan.instance
         req.colocated, req.stage = inst, "running"
+        self.ledger.touch(req)
         req.metrics.dispatch_time = time.time()
         req.metrics.decode_instance = req.metrics.prefill_instance = inst.name
         trace.event("placed", req.request_id, path=plan.path, instance=inst.name)
@@ -280,12 +289,13 @@ class Router:
         self._spawn(self._await(inst, ref, "add", req))
 
     def _hand_to_prefill(self, req: Request, dest: Any) -> None:
-        inst = self.placer.hand(req, req.decode, list(self.requests.values()))
+        inst = self.placer.hand(req, req.decode, self.requests.values())
         if inst is None:
             self._cancel_on(req.decode, dest)
             self._end(req, "error", Fail("prefill").error(), release=False)
             return
         req.prefill, req.stage, req.dest = inst, "prefilling", dest
+        self.ledger.touch(req)
         req.lease_deadline = time.monotonic() + self.settings.lease_s
         req.metrics.dispatch_time = time.time()
         req.metrics.prefill_instance, req.metrics.decode_instance = inst.name, req.decode.name
@@ -368,11 +378,13 @@ class Router:
             self._end(req, reason or "stop", tokens=[token_id], times=[emit_time], release=False)
             return
         req.num_output += 1
+        self.ledger.touch(req)
         self._emit(req, StreamDelta(req.request_id, [token_id], [emit_time]))
 
     def _on_tokens(self, req: Request, inst: Instance, rows: list[tuple]) -> None:
         tokens, times = [], []
-        if req.num_output == 0 and rows and rows[0][1] is not None:
+        first = req.num_output == 0
+        if first and rows and rows[0][1] is not None:
             trace.event("first_token", req.request_id)
             self.placer.first_token(req, time.time() - rows[0][5])  # since its emit_time
         for _, token_id, finished, reason, error, emit_time in rows:
@@ -387,6 +399,10 @@ class Router:
                 self._end(req, reason or "stop", tokens=tokens, times=times, release=False)
                 return
         req.num_output += len(tokens)
+        if first:  # its prompt computed: it decodes here from now on
+            self.ledger.touch(req)
+        else:
+            self.ledger.advance(req, len(tokens))
         self._emit(req, StreamDelta(req.request_id, tokens, times))
 
     @staticmethod
@@ -411,6 +427,7 @@ class Router:
             return
         stage, req.stage = req.stage, "done"
         self.requests.pop(req.request_id, None)
+        self.ledger.drop(req)
         self.ended_ids.add(req.request_id)
         if stage == "queued" and req in self.queue:
             self.queue.remove(req)

@@ -148,3 +148,59 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _shutdown_ours()
+
+
+class LedgerChecks:
+    """What the routers of this session found checking their `Ledger` (`router_ledgers_checked`):
+    checks made and the first mismatch of each failed one."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.failures: list[str] = []
+
+
+LEDGER_CHECKS = LedgerChecks()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def router_ledgers_checked():
+    """Every router that runs in this process (the cluster, serve and reliability tests') checks
+    its ledger against the sums over its live requests before each placement and after each end
+    (`Ledger.check`): a move the router forgot to report fails the test that made it
+    (`ledger_clean`). A mismatch is recorded, not raised: raised, it would end the router's
+    dispatcher, and the test would hang rather than fail."""
+    from disagg.cluster.router import Router
+
+    place, place_colocated, end = Router._place, Router._place_colocated, Router._end
+
+    def check(router) -> None:
+        LEDGER_CHECKS.count += 1
+        try:
+            router.ledger.check(router.requests.values(), router.placer.clock())
+        except AssertionError as err:
+            LEDGER_CHECKS.failures.append(str(err))
+
+    async def checked_place(self, req):
+        check(self)
+        return await place(self, req)
+
+    def checked_place_colocated(self, req):
+        check(self)
+        place_colocated(self, req)
+
+    def checked_end(self, req, *args, **kwargs):
+        end(self, req, *args, **kwargs)
+        check(self)
+
+    Router._place, Router._place_colocated, Router._end = checked_place, checked_place_colocated, checked_end
+    yield LEDGER_CHECKS
+    Router._place, Router._place_colocated, Router._end = place, place_colocated, end
+
+
+@pytest.fixture(autouse=True)
+def ledger_clean():
+    """Fail a test during which a router's ledger check failed (`router_ledgers_checked`)."""
+    LEDGER_CHECKS.failures.clear()
+    yield
+    failures, LEDGER_CHECKS.failures[:] = list(LEDGER_CHECKS.failures), []
+    assert not failures, f"{len(failures)} router ledger check(s) failed; the first: {failures[0]}"

@@ -45,7 +45,6 @@ from disagg.cluster.affinity import prefix_affinity
 from disagg.cluster.bootstrap import Instance
 from disagg.cluster.outputs import RequestMetrics
 from disagg.cluster.step_model import StepTimeModel
-from disagg.cluster.placement import InstanceWork, tally
 from disagg.cluster.placer import Alone, Fail, Placer, Wait
 from disagg.cluster.requests import Picker, Request
 from disagg.cluster.simulate.instance import SimEngine
@@ -66,103 +65,6 @@ class Timeline:
     token_times: list[float] = field(default_factory=list)
     error: str = ""
     ended: bool = False
-
-
-class TrackedPicker(Picker):
-    """The router's `Picker` with its loads, seats and prompt queues kept up to date as requests
-    move instead of summed over every live request at each pick (the same numbers:
-    `SimFleet.check_loads`), so an overloaded fleet of 10,000 queued requests costs O(instances)
-    per placement. The simulator names a remote request's prefill instance as it reserves
-    (`SimFleet._place`): no reservation is ever on its way without one."""
-
-    def __init__(self, policy: str, max_seqs: int | None = None) -> None:
-        super().__init__(policy, max_seqs)
-        self.tokens: collections.Counter[str] = collections.Counter()
-        self.held: collections.Counter[str] = collections.Counter()
-        self.queued: collections.Counter[str] = collections.Counter()
-
-    def loads(self, instances: list[Instance], requests: Any) -> dict[str, int]:
-        return {inst.name: self.tokens[inst.name] for inst in instances}
-
-    def seats(self, instances: list[Instance], requests: Any) -> dict[str, int]:
-        return {inst.name: self.held[inst.name] for inst in instances}
-
-    def prompt_queues(self, instances: list[Instance], requests: Any) -> tuple[dict[str, int], int]:
-        return {inst.name: self.queued[inst.name] for inst in instances}, 0
-
-
-class TrackedWork:
-    """`FleetModel.views`' sums of the live requests' work per instance (`placement.tally`), kept
-    up to date as requests move instead of summed over every live request at each decision (the
-    same views: `SimFleet.check_views`). Each request's share is `tally` of it alone, kept from its
-    last change (`touch`) and taken back at its end (`drop`); its tokens move only its context and
-    remaining tokens (`advance`); the decodes' progress, which the clock moves, is read from the
-    requests decoding on each instance when it is viewed. A 64-instance adaptive fleet with ~1,500
-    live requests spent 39% of its simulation summing them (benchmarks/records/plan-h200-2026-11-28/)."""
-
-    FIELDS = ("queued", "pairs", "decoding", "context", "remaining", "seated", "incoming")
-
-    def __init__(self, instances: list[Instance]) -> None:
-        self.totals = {id(inst): InstanceWork() for inst in instances}
-        # instance -> request id -> (request, its first token's time, max_tokens): those decoding
-        # there whose first token the router has seen (`InstanceView.decode_progress`)
-        self.decoding: dict[int, dict[str, tuple[Request, float, int]]] = {id(inst): {} for inst in instances}
-        self.shares: dict[str, dict[int, InstanceWork]] = {}  # request id -> its share per instance
-        self.decoding_share: dict[str, tuple[InstanceWork, InstanceWork]] = {}  # request id -> (total, share)
-        self.outputs = self.count = 0
-
-    def touch(self, req: Request) -> None:
-        """``req`` was placed or changed where it is (its stage, instances, first token)."""
-        self.drop(req)
-        named = [inst for inst in (req.colocated, req.decode, req.prefill) if inst is not None]
-        shares, _ = tally(named, (req,))
-        self.shares[req.request_id] = shares
-        for key, share in shares.items():
-            total = self.totals[key]
-            for name in self.FIELDS:
-                setattr(total, name, getattr(total, name) + getattr(share, name))
-            if share.decoding:
-                self.decoding_share[req.request_id] = (total, share)
-                if req.first_token_at is not None:
-                    self.decoding[key][req.request_id] = (req, req.first_token_at, int(req.params.max_tokens))
-        self.outputs += int(req.params.max_tokens)
-        self.count += 1
-
-    def advance(self, req: Request, num_tokens: int) -> None:
-        """``req``, decoding on one instance, made ``num_tokens`` more tokens there."""
-        total, share = self.decoding_share[req.request_id]
-        remaining = max(int(req.params.max_tokens) - req.num_output, 1)
-        total.context += num_tokens
-        total.remaining += remaining - share.remaining
-        share.context += num_tokens
-        share.remaining = remaining
-
-    def drop(self, req: Request) -> None:
-        """``req`` ended (or is about to be `touch`ed): its share comes off."""
-        shares = self.shares.pop(req.request_id, None)
-        if shares is None:
-            return
-        for key, share in shares.items():
-            total = self.totals[key]
-            for name in self.FIELDS:
-                setattr(total, name, getattr(total, name) - getattr(share, name))
-            self.decoding[key].pop(req.request_id, None)
-        self.decoding_share.pop(req.request_id, None)
-        self.outputs -= int(req.params.max_tokens)
-        self.count -= 1
-
-    def tally(self, instances: list[Instance], now: float | None) -> tuple[dict[int, InstanceWork], float | None]:
-        """`placement.tally` of the live requests, for ``instances``."""
-        work = {}
-        for inst in instances:
-            key = id(inst)
-            total, view = self.totals[key], InstanceWork()
-            for name in self.FIELDS:
-                setattr(view, name, getattr(total, name))
-            if now is not None:
-                view.progress = [(now - first, r.num_output, n) for r, first, n in self.decoding[key].values()]
-            work[key] = view
-        return work, (self.outputs / self.count if self.count else None)
 
 
 def _sink(delta: Any, metrics: Any) -> None:  # the router's sink; the fleet records tokens itself
@@ -214,13 +116,11 @@ class SimFleet:
         self.instances = [self._instance(f"{role}-{i}", role) for role in ("prefill", "decode", "colocated")
                           for i in range(getattr(config.instances, role))]
         self._by_name = {inst.name: inst for inst in self.instances}
-        self.picker = TrackedPicker(config.router.policy, config.scheduler.max_num_seqs)
+        self.picker = Picker(config.router.policy, config.scheduler.max_num_seqs)
         self.placer = Placer(config, self.instances, self.picker, prefix_affinity(config, self.num_pages),
-                             clock=lambda: self.now)
+                             clock=lambda: self.now, tracked=True)
         self.placer.fleet_model.models = {inst.name: self.model for inst in self.instances}
-        # the adaptive decisions' sums of the live requests (none are made otherwise: nothing to keep)
-        self.work = TrackedWork(self.instances) if self.placer.placement == "adaptive" else None
-        self.placer.fleet_model.ledger = self.work
+        self.ledger = self.placer.ledger  # every move of a placed request is reported to it
         self.now = 0.0
         self._events: list[tuple] = []
         self._order = itertools.count()
@@ -405,7 +305,7 @@ class SimFleet:
     def _place(self, req: Request) -> set[str] | None:
         """Carry out the `Placer`'s plan for ``req`` as the router's `_place` does (module
         docstring): the instances it touched, None to wait."""
-        live = self.placed.values()  # the tracked picker does not walk them; the adaptive views do
+        live = self.placed.values()  # read from the ledger, not walked
         if self.placer.placement == "adaptive":
             for inst in self.instances:
                 self.placer.fleet_model.loads[inst.name] = inst.actor.load()
@@ -427,13 +327,7 @@ class SimFleet:
         prefill = self.placer.hand(req, req.decode, live)
         assert prefill is not None, "a simulated instance never dies"
         req.prefill, req.stage = prefill, "reserving"
-        if self.work is not None:
-            self.work.touch(req)
-        self.picker.queued[prefill.name] += req.prompt_len
-        self.picker.tokens[prefill.name] += req.prompt_len
-        self.picker.tokens[req.decode.name] += req.prompt_len
-        self.picker.held[prefill.name] += 1
-        self.picker.held[req.decode.name] += 1
+        self.ledger.touch(req)
         self.placed[req.request_id] = req
         answered = self._call_done(req.decode) + self.reserve_s
         if answered > self.now:
@@ -455,18 +349,13 @@ class SimFleet:
             return set()
         self.placer.reserved(req)
         req.stage = "prefilling"
-        if self.work is not None:
-            self.work.touch(req)
+        self.ledger.touch(req)
         req.prefill.actor.add(req.request_id, req.prompt_token_ids, req.params.max_tokens, dest=req.dest)
         return {req.prefill.name, req.decode.name}
 
     def _place_alone(self, req: Request, inst: Instance) -> str:
         req.colocated, req.stage = inst, "running"
-        if self.work is not None:
-            self.work.touch(req)
-        self.picker.queued[inst.name] += req.prompt_len
-        self.picker.tokens[inst.name] += req.prompt_len
-        self.picker.held[inst.name] += 1
+        self.ledger.touch(req)
         inst.actor.add(req.request_id, req.prompt_token_ids, req.params.max_tokens)
         self.placed[req.request_id] = req
         return inst.name
@@ -486,16 +375,13 @@ class SimFleet:
             self._tokens(req, times[-num_tokens:])
             if engine_req.dest is not None:  # pushed: the first token; decoding waits for the push
                 req.stage = "decoding"
-                self.picker.queued[req.prefill.name] -= req.prompt_len
-                self.picker.tokens[req.prefill.name] -= req.prompt_len
-                self.picker.held[req.prefill.name] -= 1
                 self._push(max(self.now, self._link_free[inst.name]), PUSH_END, (req, inst, engine_req))
                 if finished:
                     self._end(req)
             elif finished:
                 self._end(req)
-            if first and not req.done and self.work is not None:  # its prompt computed: it decodes here
-                self.work.touch(req)
+            if first and not req.done:  # its prompt computed: it decodes here
+                self.ledger.touch(req)
         return touched
 
     def _tokens(self, req: Request, times: list[float]) -> None:
@@ -503,28 +389,16 @@ class SimFleet:
         first = req.num_output == 0
         if first and times:
             self.placer.first_token(req)
-            if req.colocated is not None:  # its prompt no longer queued there
-                self.picker.queued[req.colocated.name] -= req.prompt_len
         self.timelines[req.request_id].token_times.extend(times)
         req.num_output += len(times)
-        self.picker.tokens[(req.colocated or req.decode).name] += len(times)
-        if not first and self.work is not None:
-            self.work.advance(req, len(times))
+        if not first:
+            self.ledger.advance(req, len(times))
 
     def _end(self, req: Request, error: str = "") -> None:
         if req.done:
             return
         if self.placed.pop(req.request_id, None) is not None:
-            if self.work is not None:
-                self.work.drop(req)
-            self.picker.tokens[(req.colocated or req.decode).name] -= req.prompt_len + req.num_output
-            self.picker.held[(req.colocated or req.decode).name] -= 1
-            if req.stage in ("reserving", "prefilling"):
-                self.picker.queued[req.prefill.name] -= req.prompt_len
-                self.picker.tokens[req.prefill.name] -= req.prompt_len
-                self.picker.held[req.prefill.name] -= 1
-            elif req.colocated is not None and req.num_output == 0:
-                self.picker.queued[req.colocated.name] -= req.prompt_len
+            self.ledger.drop(req)
         req.stage = "done"
         if not error:
             self.placer.finished(req)
@@ -535,31 +409,9 @@ class SimFleet:
             self._on_end(req.request_id, self.now)
 
 
-    def check_loads(self) -> None:
-        """Assert that the tracked loads, seats and prompt queues are the router's `Picker.loads`,
-        `Picker.seats` and `Picker.prompt_queues` over the live requests."""
-        live, picker, insts = list(self.placed.values()), Picker("least_loaded"), self.instances
-        for name, expected, tracked in (("loads", picker.loads(insts, live), self.picker.loads(insts, ())),
-                                        ("seats", picker.seats(insts, live), self.picker.seats(insts, ())),
-                                        ("prompt queues", picker.prompt_queues(insts, live),
-                                         self.picker.prompt_queues(insts, ()))):
-            assert tracked == expected, f"tracked {name} {tracked} != the picker's {expected}"
-
-    def check_views(self) -> None:
-        """Assert that the tracked work (`TrackedWork`, adaptive fleets) is `placement.tally`'s over
-        the live requests."""
-        if self.work is None:
-            return
-        live = list(self.placed.values())
-        expected, expected_out = tally(self.instances, live, self.now)
-        tracked, tracked_out = self.work.tally(self.instances, self.now)
-        for inst in self.instances:
-            want, got = expected[id(inst)], tracked[id(inst)]
-            for name in TrackedWork.FIELDS + ("progress",):
-                a, b = getattr(want, name), getattr(got, name)
-                a, b = (sorted(a), sorted(b)) if name == "progress" else (a, b)
-                assert a == b, f"{inst.name}: tracked {name} {b} != {a} summed over the live requests"
-        assert tracked_out == expected_out, f"tracked mean max_tokens {tracked_out} != {expected_out}"
+    def check_ledger(self) -> None:
+        """Assert that the ledger's sums are those over the placed requests (`Ledger.check`)."""
+        self.ledger.check(self.placed.values(), self.now)
 
 
 def _pages_of(profile: dict, config: Config) -> int:

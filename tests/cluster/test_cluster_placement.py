@@ -128,3 +128,19 @@ def test_adaptive_decisions_are_inspectable(cluster):
         assert {c["path"] for c in row["candidates"]} == {"remote", "local", "kept"}
         # The models learned from the instances' own steps.
         assert all(m["num_samples"] > 0 for m in placement["models"].values()), placement["models"]
+
+
+def test_the_router_ledger_is_checked_and_a_missed_move_is_caught(cluster, monkeypatch, router_ledgers_checked):
+    """The router's `Ledger` is checked against the sums over its live requests at every
+    placement and end (tests/conftest.py): the checks run, and a ledger that misses the tokens
+    of the requests decoding fails them."""
+    from disagg.cluster.ledger import Ledger
+
+    checks = router_ledgers_checked
+    before = checks.count
+    cluster.generate(prompts_of([20, 70]), SamplingParams(max_tokens=6))
+    assert checks.count >= before + 4 and not checks.failures  # two placements, two ends at least
+    monkeypatch.setattr(Ledger, "advance", lambda self, req, num_tokens: None)
+    cluster.generate(prompts_of([30, 90, 45]), SamplingParams(max_tokens=40, ignore_eos=True))
+    found, checks.failures[:] = list(checks.failures), []
+    assert found and "summed over the live requests" in found[0], found

@@ -16,7 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from disagg.cluster.cli import app
-from disagg.cluster.simulate.fleet import SimFleet, TrackedWork
+from disagg.cluster.ledger import Ledger
+from disagg.cluster.simulate.fleet import SimFleet
 from disagg.cluster.simulate.instance import SimEngine
 from disagg.cluster.simulate.run import simulate_run, simulated_result, workload_spec
 from disagg.config import Config
@@ -39,21 +40,21 @@ FLEETS = {  # name: (config, overrides)
 
 
 def simulate(name: str, *, rate: float = 40.0, num_prompts: int = 120, seed: int = 0, dataset: str = "chat",
-             check_loads: bool = False, **spec_args):
+             check_ledger: bool = False, **spec_args):
     path, overrides = FLEETS[name]
     config = Config.from_yaml(CONFIGS / path)
     config = config.override(overrides) if overrides else config
     fleet = SimFleet(config, copy.deepcopy(PROFILE))
     spec = workload_spec(PROFILE, 512, dataset_name=dataset, num_prompts=num_prompts, seed=seed, **spec_args)
-    if check_loads:  # the tracked loads and work, checked at every request's end
+    if check_ledger:  # the tracked loads and work, checked at every request's end
         run = fleet.run
-        fleet.run = lambda on_end: run(lambda rid, now: (fleet.check_loads(), fleet.check_views(), on_end(rid, now)))
+        fleet.run = lambda on_end: run(lambda rid, now: (fleet.check_ledger(), on_end(rid, now)))
     return config, simulate_run(config, PROFILE, spec, request_rate=rate, seed=seed, fleet=fleet)
 
 
 @pytest.mark.parametrize("name", list(FLEETS))
 def test_every_request_ends_once_and_every_page_comes_back(name: str):
-    _, sim = simulate(name, check_loads=True)
+    _, sim = simulate(name, check_ledger=True)
     fleet = sim.fleet
     assert all(t.ended for t in fleet.timelines.values()) and len(fleet.timelines) == 120
     assert all(out.success and out.output_len == out.expected_output_len for out in sim.run.outputs)
@@ -62,19 +63,18 @@ def test_every_request_ends_once_and_every_page_comes_back(name: str):
         assert engine.min_free_pages >= 0
         assert not engine.requests and not engine.has_work() and engine.current is None
         assert engine.cache.num_free_pages == engine.cache.num_pages  # every page back
-    assert not fleet.placed and all(v == 0 for v in fleet.picker.tokens.values())
+    assert not fleet.placed and not len(fleet.ledger) and not any(fleet.ledger.loads.values())
     if name == "3p1d-tight":
         assert len(fleet.of_role("prefill")) == 3 and fleet.placements["remote"] == 120
 
 
 def checked_at_every_decision(fleet: SimFleet) -> list[int]:
-    """Check ``fleet``'s tracked work and loads (`SimFleet.check_views`, `check_loads`) before each
+    """Check ``fleet``'s tracked work and loads (`SimFleet.check_ledger`) before each
     adaptive decision; the number of decisions checked, in a list that grows."""
     checked, decide = [0], fleet.placer.decide
 
     def checking(*args, **kwargs):
-        fleet.check_views()
-        fleet.check_loads()
+        fleet.check_ledger()
         checked[0] += 1
         return decide(*args, **kwargs)
 
@@ -85,7 +85,7 @@ def checked_at_every_decision(fleet: SimFleet) -> list[int]:
 @pytest.mark.parametrize("overrides", [{}, {"cache.prefix_caching": True, "scheduler.max_num_seqs": 4}],
                          ids=["adaptive", "adaptive-prefix-tight-seats"])
 def test_tracked_work_is_the_live_requests_sum_at_every_decision(overrides: dict):
-    """The views an adaptive decision prices (`FleetModel.views` through `TrackedWork`) are those
+    """The views an adaptive decision prices (`FleetModel.views` through the `Ledger`) are those
     summed over the live requests, every field, at every decision, on every path taken; they are
     what the run decides on (the placements are those of a fleet summing them)."""
     config = Config.from_yaml(CONFIGS / "tiny-2p2d.yaml").override({"router.placement": "adaptive", **overrides})
@@ -94,7 +94,7 @@ def test_tracked_work_is_the_live_requests_sum_at_every_decision(overrides: dict
         fleet = SimFleet(config, copy.deepcopy(PROFILE))
         checked = checked_at_every_decision(fleet)
         if not tracked:
-            fleet.placer.fleet_model.ledger = None
+            fleet.placer.fleet_model.ledger = fleet.picker.ledger = None  # summed at each decision
         spec = workload_spec(PROFILE, 512, dataset_name="multi-turn" if overrides else "chat", num_prompts=150,
                              seed=1, **({"input_len": 48, "output_len": 24} if overrides else {}))
         sim = simulate_run(config, PROFILE, spec, request_rate=60.0, seed=1, fleet=fleet)
@@ -105,10 +105,10 @@ def test_tracked_work_is_the_live_requests_sum_at_every_decision(overrides: dict
     assert placements["remote"] and placements["local"] + placements["kept"]  # more than one path checked
 
 
-def test_check_views_catches_a_ledger_that_misses_a_move(monkeypatch):
+def test_check_ledger_catches_a_ledger_that_misses_a_move(monkeypatch):
     """A ledger that misses the tokens of the requests decoding (their context and remaining
-    tokens unchanged) fails `check_views`."""
-    monkeypatch.setattr(TrackedWork, "advance", lambda self, req, num_tokens: None)
+    tokens unchanged) fails `check_ledger`."""
+    monkeypatch.setattr(Ledger, "advance", lambda self, req, num_tokens: None)
     config = Config.from_yaml(CONFIGS / "tiny-2p2d.yaml").override({"router.placement": "adaptive"})
     fleet = SimFleet(config, copy.deepcopy(PROFILE))
     checked_at_every_decision(fleet)
