@@ -21,7 +21,9 @@ request's mean gap: a stall of prompt chunks is spread over the tokens it delays
 a TPOT target a prompt must also leave every request decoding where it is computed that still
 holds the target holding it (D's for a local prompt, P's kept ones for a remote or kept one), and
 those on their way there (`InstanceView.incoming`): its chunks' stall is added to each one's whole
-TPOT, against what it has spent so far (`InstanceView.tpot_slacks_s`); a push goes through the
+TPOT, against what it has spent so far (`InstanceView.tpot_slacks_s`); a local prompt also counts
+the pushes expected into its stall (D's recent push rate, `InstanceView.push_rate`) where no other
+decode instance can take a push now; a push goes through the
 fastest prefill instance that spares its kept requests where the fastest would not. With
 `router.adaptive_prefer: remote` and a TTFT target an admissible remote path is taken (a TTFT
 under its target earns nothing; local and kept spend the other phase's instance, for the requests
@@ -82,6 +84,7 @@ HORIZON_SHARE = 0.5
 TTFT_MISS_WEIGHT = 1 / 16  # `FleetModel.note_ttft`: the miss follows about the last 16 first tokens
 STALL_WINDOW_STEPS = 128  # `StallMeter`'s memory: about a second of an 8B decode instance's steps
 HOP_WINDOW = 32  # `HopMeter`: the recent hops whose median stands for the next one
+PUSH_RATE_WINDOW_S = 2.0  # `RateMeter`: the seconds of recent pushes whose rate stands for the next ones
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,9 @@ class InstanceView:
             reserved here (their prompts computed elsewhere), and local or kept ones queued here:
             they decode here within a prompt's time, beside whatever prompt is then computed here
             (`tpot_slack_s` counts them as requests of ``output_tokens`` yet to start).
+        push_rate: pushes decided to this instance per second, recently (`RateMeter`): those decided
+            while a prompt computed here stalls its decodes arrive into that stall
+            (`placement._stall_past_slack`).
     """
 
     name: str
@@ -150,6 +156,7 @@ class InstanceView:
     reserve_extra_s: float = 0.0
     relay_s: float = 0.0
     incoming: int = 0
+    push_rate: float = 0.0
 
     def step_in_flight_s(self) -> float:
         """What a call waits for the forward running here at most (its decodes' step; 0 when none
@@ -514,7 +521,8 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     # their way there) for a local prompt, P's kept ones for a remote or kept prompt. A path that
     # breaks one's TPOT slack is refused while another is admissible; pushes go through a prefill
     # instance that spares its kept requests where the fastest would not (`predict`).
-    stalls = {v.name: _stall_past_slack(v, prompt_len, targets.tpot_s, hit(v))
+    stalls = {v.name: _stall_past_slack(replace(v, push_rate=0.0) if v.push_rate else v, prompt_len,
+                                        targets.tpot_s, hit(v))
               for v in prefills + decodes if targets.tpot_s is not None}
     broken = {name: count for name, (count, _) in stalls.items()}  # name -> the requests it breaks
     spare = {p.name for p in prefills if not broken[p.name]} if stalls else None
@@ -534,6 +542,21 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
         elif broken.get(cand.prefill):
             why = stalls[cand.prefill][1]
         judged.append(cand if not why else replace(cand, admissible=False, why=why))
+    for d in decodes if stalls else ():
+        # The pushes decided to D while a local prompt stalls it arrive into that stall: they
+        # count where no other decode instance can take a push now. Counted everywhere,
+        # simulated 8 GPUs long-prompt 4P4D-adaptive lost what 6P2D gained (with other decode
+        # instances the pushes go there; benchmarks/records/plan-h200-2026-11-29b/); counted
+        # so, over three seeds 6P2D-adaptive 0.656 -> 0.750 req/s per GPU, 4P4D- 0.625 -> 0.656,
+        # 7P1D- 0.781 -> 0.797, 1P7D- equal; chat, prefill-heavy and decode-heavy at 8 GPUs
+        # hold the same rates (benchmarks/records/plan-h200-2026-11-29c/).
+        if not d.push_rate or any(c.admissible and c.path == "remote" and c.decode != d.name for c in judged):
+            continue
+        stall = _stall_past_slack(d, prompt_len, targets.tpot_s, hit(d))
+        if stall[0] > broken[d.name]:
+            stalls[d.name], broken[d.name] = stall, stall[0]
+            judged = [replace(c, admissible=False, why=stall[1]) if c.admissible and c.path == "local"
+                      and c.decode == d.name else c for c in judged]
     ok = [c for c in judged if c.admissible]
     remote = [c for c in ok if c.path == "remote"]
     if remote and targets.ttft_s is not None and targets.prefer == "remote":
@@ -563,11 +586,11 @@ def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[Instance
     # candidate does) has no spare compute for a prompt; a local one there would only slow every
     # decode on it further, however close its own prediction.
     saturated = {c.decode for c in judged if c.path == "remote" and bound is not None and c.tpot_s > bound}
-    # (its running decodes' slack only: pushes on their way are not yet decoding there)
+    # (its running decodes' slack only: pushes on their way, or expected, are not yet decoding there)
     saturated |= {name for name, count in broken.items()
-                  if count and (not views[name].incoming or _stall_past_slack(replace(views[name], incoming=0),
-                                                                                prompt_len, targets.tpot_s,
-                                                                                hit(views[name]))[0])}
+                  if count and (not (views[name].incoming or views[name].push_rate)
+                                or _stall_past_slack(replace(views[name], incoming=0, push_rate=0.0), prompt_len,
+                                                     targets.tpot_s, hit(views[name]))[0])}
     # Nor is a prompt pushed or kept through a prefill instance whose kept requests its chunks
     # would stall past their slack, while another path spares them: the suspected cause (no trace
     # yet) of two H200s' collapse one rate past the knee at f47ab54, the remote prompts rising as
@@ -637,22 +660,33 @@ def _decode_on_prefill(prompt_len: int, chosen: Prediction, ok: list[Prediction]
     return best if best.ttft_s + step <= room else None
 
 
-def _stall_past_slack(d: InstanceView, prompt_len: int, bound_s: float, cached: int = 0) -> tuple[int, str]:
+def _stall_past_slack(d: InstanceView, prompt_len: int, bound_s: float, cached: int = 0) -> tuple[float, str]:
     """How many of the requests decoding on ``d`` (and on their way there) a prompt of
     ``prompt_len`` computed on ``d`` (``cached`` of its tokens found in its cache) takes past
     their TPOT (its chunks' stall, beyond the prompts queued there, exceeds their
-    `InstanceView.tpot_slacks_s`), and why; (0, "") for none."""
+    `InstanceView.tpot_slacks_s`), and why; (0, "") for none. With pushes decided to ``d`` at
+    ``push_rate`` per second, those expected to arrive while more of the stall than their slack is
+    ahead of them count too (``push_rate`` x (stall - slack), each a request of ``output_tokens``
+    not yet started): a long local prompt on the one decode instance of a 7P1D fleet takes every
+    push decided while it runs out of the pushes' reach (they go kept)."""
     slacks = d.tpot_slacks_s(bound_s)
-    if not slacks:
+    expected_slack = None
+    if d.push_rate and d.output_tokens and d.output_tokens > 1:
+        n = d.output_tokens
+        expected_slack = bound_s * (n - 1) - n * d.decode_gap_s(d.num_decoding, d.context_tokens)
+    if not slacks and expected_slack is None:
         return 0, ""
     queued, pairs = d.queued_prompt_tokens, d.queued_prompt_pairs
     stall = (d.stall_s(queued + prompt_len - cached, pairs + prompt_pairs(cached, prompt_len - cached))
              - d.stall_s(queued, pairs))
     broken = sum(1 for slack in slacks if slack < stall)
-    if not broken:
+    expected = d.push_rate * max(stall - max(expected_slack, 0.0), 0.0) if expected_slack is not None else 0.0
+    if not broken and expected < 0.5:
         return 0, ""
-    return broken, (f"its chunks stall {d.name}'s decodes {stall * 1e3:.1f} ms > their TPOT slack "
-                    f"{min(slacks) * 1e3:.1f} ms ({broken} of {len(slacks)})")
+    known = (f"their TPOT slack {min(slacks) * 1e3:.1f} ms ({broken} of {len(slacks)})" if broken
+             else f"the slack of the pushes decided meanwhile, {max(expected_slack, 0.0) * 1e3:.1f} ms")
+    more = f", {expected:.1f} pushes expected meanwhile" if expected >= 0.05 else ""
+    return broken + expected, f"its chunks stall {d.name}'s decodes {stall * 1e3:.1f} ms > {known}{more}"
 
 
 def _fits(cand: Prediction, views: dict[str, InstanceView], prompt_len: int) -> bool:
@@ -693,6 +727,24 @@ class StallMeter:
     @property
     def factor(self) -> float:
         return max(1.0, self.actual_s / self.pure_s) if self.pure_s > 0 else 1.0
+
+
+class RateMeter:
+    """Events per second recently: an exponentially decaying count over about `PUSH_RATE_WINDOW_S`
+    seconds (each event adds 1 / window, which decays by e every window), read at a time."""
+
+    def __init__(self, window_s: float = PUSH_RATE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self.level, self.at = 0.0, None
+
+    def note(self, now: float) -> None:
+        self.level = self.rate(now) + 1.0 / self.window_s
+        self.at = now
+
+    def rate(self, now: float | None) -> float:
+        if self.at is None or now is None:
+            return 0.0
+        return self.level * math.exp(-max(now - self.at, 0.0) / self.window_s)
 
 
 class HopMeter:
@@ -822,6 +874,7 @@ class FleetModel:
         self.ttft_miss: dict[str, dict[str, float]] = collections.defaultdict(dict)  # name -> path -> s
         self.reserve_extra: dict[str, HopMeter] = collections.defaultdict(HopMeter)  # `note_reserve`
         self.relay: dict[str, HopMeter] = collections.defaultdict(HopMeter)  # `note_relay`
+        self.pushes: dict[str, RateMeter] = collections.defaultdict(RateMeter)  # `note_push`
         self.ledger = None
 
     def model_of(self, name: str) -> StepTimeModel:
@@ -857,6 +910,10 @@ class FleetModel:
         which predicted it to wait ``step_s`` for the step in flight: the rest is what reservations
         there take beyond their step (`InstanceView.reserve_extra_s`)."""
         self.reserve_extra[name].note(measured_s - step_s)
+
+    def note_push(self, name: str, now: float) -> None:
+        """A push to decode instance ``name`` was decided at ``now`` (`InstanceView.push_rate`)."""
+        self.pushes[name].note(now)
 
     def note_relay(self, name: str, seconds: float) -> None:
         """A first token instance ``name`` computed reached the router ``seconds`` after its step
@@ -904,9 +961,9 @@ class FleetModel:
             work, output_tokens = self.ledger.tally(instances, now)
         else:
             work, output_tokens = tally(instances, requests, now, planned)
-        return [self._view(inst, work[id(inst)], output_tokens) for inst in instances]
+        return [self._view(inst, work[id(inst)], output_tokens, now) for inst in instances]
 
-    def _view(self, inst, work: InstanceWork, output_tokens: float | None) -> InstanceView:
+    def _view(self, inst, work: InstanceWork, output_tokens: float | None, now: float | None = None) -> InstanceView:
         """``inst``'s `InstanceView` of its ``work`` and this model's picture of it."""
         name = inst.name
         load = self.loads.get(name)
@@ -914,7 +971,8 @@ class FleetModel:
         return InstanceView(name, self.model_of(name), self.chunk_tokens, work.queued, work.decoding, work.context,
                             None if load is None else load.free_pages, self.page_size, work.pairs, work.remaining,
                             output_tokens, self.stalls[name].factor, self.reserve_waits, tuple(work.progress),
-                            self.max_seqs, work.seated, self.launches_ahead, *hops, incoming=work.incoming)
+                            self.max_seqs, work.seated, self.launches_ahead, *hops, incoming=work.incoming,
+                            push_rate=self.pushes[name].rate(now) if name in self.pushes else 0.0)
 
     def snapshot(self) -> dict:
         """Each instance's fitted model (coefficients, error, samples), its stall factor, its

@@ -171,6 +171,7 @@ class Placer:
         alive_prefills = [inst for inst in prefills if inst.alive]
         if self.placement == "local" and decodes:
             return self._alone(req, decodes[0], "local")
+        pushed = None
         if self.placement == "adaptive" and decodes and alive_prefills:
             decision = (decide or self.decide)(req, alive_prefills, decodes, live)
             if decision.chosen is None:
@@ -180,6 +181,7 @@ class Placer:
                 return self._alone(req, chosen, decision.path)
             decodes = [chosen] + [inst for inst in decodes if inst is not chosen]
             _remember(self._remote_prefill, req.request_id, decision.chosen.prefill)
+            pushed = chosen.name
         if not decodes or not alive_prefills:
             return Fail("decode" if not decodes else "prefill")
         # a reservation still on its way to a prefill instance (the router's run beside its
@@ -188,6 +190,8 @@ class Placer:
         queued = min(queues.values()) + unnamed
         if queued and queued + req.prompt_len > self.prefill_queue_tokens:
             return Wait(WAIT_PREFILL_QUEUE)
+        if pushed is not None:  # the decode instance's push rate (`InstanceView.push_rate`)
+            self.fleet_model.note_push(pushed, self.clock())
         return Remote(tuple(decodes))
 
     def decide(self, req: Request, prefills: list[Instance], decodes: list[Instance],

@@ -3,6 +3,8 @@ constructed loads and models: no fleet, no Ray."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import replace
 
 import numpy as np
@@ -132,6 +134,60 @@ def test_a_local_prompt_may_not_stall_the_pushes_on_their_way_past_their_tpot():
     # Nothing admissible (a 1-ms TTFT target): the pushes on their way do not close D's local path,
     # the fallback still takes it where it is the smallest violation (P's queue is 20 s long).
     assert decide(20_000, prefills, [d(3, 40)], Targets.from_ms(1, 25, "fastest")).path == "local"
+
+
+def test_a_local_prompt_may_not_stall_the_pushes_expected_while_it_runs_past_their_slack():
+    # D decodes nothing and nothing is on its way, but pushes are decided to it at some rate: a
+    # 20,000-token local prompt stalls D ~2 s, a 40-token answer absorbs ~0.6 s of it at 25 ms,
+    # so the pushes decided in the first ~1.4 s would miss: at 5 per second ~7 of them, refused;
+    # at 0.1 per second 0.14 expected, allowed. Simulated 8 GPUs long-prompt, 7P1D-adaptive:
+    # 61.9% -> 74.7% attainment at 7.5 req/s (benchmarks/records/plan-h200-2026-11-29b/).
+    def d(rate):
+        return InstanceView("D", model(), 4096, 0, 0, 0, None, 16, output_tokens=40, push_rate=rate)
+
+    prefills, targets = [view("P", queued=2_000, chunk=4096)], Targets.from_ms(None, 25, "fastest")
+    assert decide(20_000, prefills, [d(0.0)], targets).path == "local"
+    assert decide(20_000, prefills, [d(0.1)], targets).path == "local"
+    busy = decide(20_000, prefills, [d(5.0)], targets)
+    local = next(c for c in busy.predictions if c.path == "local")
+    assert busy.path == "remote" and not local.admissible and "pushes expected meanwhile" in local.why, local
+    stall = d(5.0).stall_s(20_000, prompt_pairs(0, 20_000))
+    slack = 0.025 * 39 - 40 * d(5.0).decode_gap_s(0, 0)
+    assert f"{5.0 * (stall - slack):.1f} pushes expected" in local.why
+    # A short prompt's stall is within their slack, however many come.
+    assert decide(1_000, prefills, [d(50.0)], targets).path == "local"
+
+
+def test_the_pushes_expected_count_only_where_no_other_decode_instance_can_take_a_push():
+    # D1 has pushes decided to it at 5 per second, as above; D2, idle, decodes nothing. While a
+    # push through D2 is admissible the pushes need not come to D1: the local prompt on D1 goes
+    # (counted there, 4P4D-adaptive lost what 6P2D gained). Where D2 cannot take one (no pages for
+    # a prompt and its answer), the pushes expected on D1 count again and refuse the local prompt.
+    def d(name, rate, free_pages=None):
+        return InstanceView(name, model(), 4096, 0, 0, 0, free_pages, 16, output_tokens=40, push_rate=rate)
+
+    prefills, targets = [view("P", queued=2_000, chunk=4096)], Targets.from_ms(None, 25, "fastest")
+    spread = decide(20_000, prefills, [d("D1", 5.0), d("D2", 0.0)], targets)
+    assert all(c.admissible for c in spread.predictions if c.path == "local"), spread.predictions
+    assert spread.path == "local"
+    full = decide(20_000, prefills, [d("D1", 5.0), d("D2", 0.0, free_pages=10)], targets)
+    local = next(c for c in full.predictions if c.path == "local" and c.decode == "D1")
+    assert not local.admissible and "pushes expected meanwhile" in local.why, local
+    assert (full.path, full.chosen.decode) == ("remote", "D1")
+
+
+def test_the_rate_meter_counts_recent_events_per_second():
+    from disagg.cluster.placement import RateMeter
+
+    meter = RateMeter(window_s=2.0)
+    assert meter.rate(0.0) == 0.0
+    for t in (0.0, 0.1, 0.2, 0.3):
+        meter.note(t)
+    assert meter.rate(0.3) == pytest.approx(0.5 * sum(math.exp(-(0.3 - t) / 2.0) for t in (0.0, 0.1, 0.2, 0.3)))
+    assert meter.rate(2.3) == pytest.approx(meter.rate(0.3) / math.e) and meter.rate(None) == 0.0
+    for i in range(400):  # a steady 10 per second reads ~10
+        meter.note(1.0 + i / 10)
+    assert meter.rate(40.9) == pytest.approx(10.0, rel=0.03)
 
 
 def test_with_nothing_admissible_each_request_a_path_breaks_counts_as_a_miss():

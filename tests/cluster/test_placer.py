@@ -117,6 +117,26 @@ def test_adaptive_follows_the_decision(path: str):
     assert placer.plan(request("w", [1] * 10), [], lambda *a: Decision(None, ())) == Wait(WAIT_PAGES)
 
 
+def test_a_push_the_placer_sends_counts_in_its_decode_instances_push_rate():
+    """A remote plan notes a push to its decode instance (`FleetModel.note_push`), at the placer's
+    clock; a remote decision held back by the prefill-queue bound sends nothing and notes nothing."""
+    placer, by = fleet("adaptive")
+    now = [10.0]
+    placer.clock = lambda: now[0]
+    chosen = Prediction("remote", "prefill-1", "decode-1", 0.0, 0.0, 0.0)
+    decide = lambda *a: Decision(chosen, (chosen,))  # noqa: E731
+    pushes = placer.fleet_model.pushes
+    full = [request(f"q{i}", [1] * 90, prefill=by[f"prefill-{i}"], decode=by["decode-0"], stage="prefilling")
+            for i in range(2)]
+    assert placer.plan(request("held", [2] * 50), full, decide) == Wait(WAIT_PREFILL_QUEUE)
+    assert "decode-1" not in pushes
+    for i in range(3):
+        assert isinstance(placer.plan(request(f"r{i}", [2] * 10), [], decide), Remote)
+    assert pushes["decode-1"].rate(10.0) == pytest.approx(3 / 2.0) and "decode-0" not in pushes
+    view = placer.fleet_model.view(by["decode-1"], [], now=10.0)
+    assert view.push_rate == pytest.approx(1.5) and placer.fleet_model.view(by["decode-0"], [], now=10.0).push_rate == 0
+
+
 def test_adaptive_remote_hands_the_prompt_to_the_prefill_instance_its_decision_predicted():
     """The picker would send it to prefill-0 (prefill-1 holds a kept request's tokens): the TTFT
     the decision chose was prefill-1's, so prefill-1 computes it; once, and while it lives."""
