@@ -4,7 +4,8 @@ the `Ledger` kept up to date as they move (`Placer(tracked=True)`, as the router
 simulator run; docs/ARCHITECTURE.md §7, step 2). Per fleet shape (instances, live requests, half
 of each role, every request decoding with its prompt on a random prefill instance): the adaptive
 views of every instance plus the picker's decode order and prefill queues, ms per placement, the
-ratio, and what a move costs the ledger (`touch`, `advance`, us), as JSON.
+ratio, what a move costs the ledger (`touch`, `advance`, us) and what the router's periodic
+`Ledger.audit` costs (ms), as JSON.
 
     python3 benchmarks/bench_placement.py                           # ~10 s on one core
     python3 benchmarks/bench_placement.py --shapes 8:1000,64:6400 --out results/placement.json
@@ -60,10 +61,13 @@ def shape(num_instances: int, num_live: int, repeats: int, seed: int = 0) -> dic
     for req in moved:
         ledger.touch(req)
     touch_us = (time.perf_counter() - started) / len(moved) * 1e6
-    ledger.check(live, 1.0)  # the sums read are the live requests' (a benchmark of wrong numbers is none)
+    started = time.perf_counter()
+    problem = ledger.audit(live, 1.0)  # the sums read are the live requests' (a benchmark of wrong numbers is none)
+    audit_ms = (time.perf_counter() - started) * 1e3
+    assert problem is None, problem
     return {"instances": num_instances, "live": num_live, "summed_ms": round(ms["summed"], 3),
             "ledger_ms": round(ms["ledger"], 3), "ratio": round(ms["summed"] / ms["ledger"], 1),
-            "touch_us": round(touch_us, 1), "advance_us": round(advance_us, 2)}
+            "touch_us": round(touch_us, 1), "advance_us": round(advance_us, 2), "audit_ms": round(audit_ms, 2)}
 
 
 def main() -> None:

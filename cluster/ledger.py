@@ -61,6 +61,9 @@ class Ledger:
         self.instances = list(instances)
         self.planned = planned if planned is not None else {}
         self._by_name = {inst.name: inst for inst in self.instances}
+        self._clear()
+
+    def _clear(self) -> None:
         self.work = {id(inst): InstanceWork() for inst in self.instances}
         # instance -> request id -> (request, first token's time, max_tokens): its decodes' progress
         self.decoding: dict[int, dict[str, tuple[Request, float, int]]] = {key: {} for key in self.work}
@@ -157,9 +160,9 @@ class Ledger:
             work[key] = view
         return work, (self.outputs / self.count if self.count else None)
 
-    def check(self, live: Collection[Request], now: float | None = None) -> None:
-        """Assert that every sum is the one over the ``live`` requests (`placement.tally`, the
-        `Picker`'s), naming the first that is not."""
+    def audit(self, live: Collection[Request], now: float | None = None) -> str | None:
+        """The first sum that is not the one over the ``live`` requests (`placement.tally`, the
+        `Picker`'s), as a sentence; None when every one is. O(live requests)."""
         live = list(live)
         instances = self.instances
         expected, expected_out = tally(instances, live, now, self.planned)
@@ -169,12 +172,28 @@ class Ledger:
             for name in WORK_FIELDS + ("progress",):
                 a, b = getattr(want, name), getattr(got, name)
                 a, b = (sorted(a), sorted(b)) if name == "progress" else (a, b)
-                assert a == b, f"{inst.name}: tracked {name} {b} != {a} summed over the live requests"
-        assert tracked_out == expected_out, f"tracked mean max_tokens {tracked_out} != {expected_out}"
+                if a != b:
+                    return f"{inst.name}: tracked {name} {b} != {a} summed over the live requests"
+        if tracked_out != expected_out:
+            return f"tracked mean max_tokens {tracked_out} != {expected_out} over the live requests"
         summed, kept = Picker("least_loaded"), Picker("least_loaded", ledger=self)
         for what in ("loads", "seats", "prompt_queues"):
             want, got = getattr(summed, what)(instances, live), getattr(kept, what)(instances, ())
-            assert got == want, f"tracked {what} {got} != {want} summed over the live requests"
+            if got != want:
+                return f"tracked {what} {got} != {want} summed over the live requests"
+        return None
+
+    def check(self, live: Collection[Request], now: float | None = None) -> None:
+        """Assert that every sum is the one over the ``live`` requests (`audit`)."""
+        problem = self.audit(live, now)
+        assert problem is None, problem
+
+    def rebuild(self, live: Collection[Request]) -> None:
+        """Forget every share and take those of the ``live`` requests again (after an `audit`
+        found a move that was not reported)."""
+        self._clear()
+        for req in live:
+            self.touch(req)
 
 
 def _add(total: InstanceWork, part: InstanceWork, sign: int) -> None:

@@ -53,6 +53,10 @@ logger = logging.getLogger(__name__)
 
 WATCHDOG_PERIOD_S = 0.05   # how often deadlines and leases are checked
 PAGES_RETRY_S = 0.2        # out of pages everywhere: retry the queue head at least this often
+# How often the watchdog audits the ledger against the live requests (`Ledger.audit`: O(live),
+# ~4 ms at 1,000 live requests, `benchmarks/bench_placement.py`); a move the router failed to
+# report is logged and the ledger rebuilt.
+LEDGER_AUDIT_S = 10.0
 # An abort for an id the router has not seen waits this long for that id's submit (the caller's
 # abort may overtake it on the way to the router's loop); the first submit with the id consumes it.
 EARLY_ABORT_TTL_S = 30.0
@@ -84,6 +88,7 @@ class Router:
         # the live requests' sums the placement reads (loads, seats, prompt queues, adaptive views):
         # every move of a request below is reported to it (`Ledger.touch`, `advance`, `drop`)
         self.ledger = self.placer.ledger
+        self.ledger_rebuilds = 0  # audits that found the ledger out of step (`_audit_ledger`)
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self._refused: Request | None = None  # back at the queue head: every decode instance refused it
@@ -519,10 +524,15 @@ class Router:
         self._wake.set()
 
     async def _watchdog(self) -> None:
-        """Abort requests past request_timeout_s; fail reservations past lease_s."""
+        """Abort requests past request_timeout_s; fail reservations past lease_s; audit the
+        ledger every `LEDGER_AUDIT_S`."""
+        next_audit = time.monotonic() + LEDGER_AUDIT_S
         while not self._stopping:
             await asyncio.sleep(WATCHDOG_PERIOD_S)
             now = time.monotonic()
+            if now >= next_audit:
+                self._audit_ledger()
+                next_audit = now + LEDGER_AUDIT_S
             for req in list(self.requests.values()):
                 if req.deadline is not None and now > req.deadline:
                     limit = self.settings.request_timeout_s
@@ -533,6 +543,18 @@ class Router:
                         f"its KV did not land within router.lease_s = {self.settings.lease_s} s ({req.prefill.name} "
                         f"-> {req.decode.name}); decode pages released", request_id=req.request_id,
                         src_pe=req.prefill.pe, dst_pe=req.decode.pe))
+
+    def _audit_ledger(self) -> None:
+        """Compare the ledger's sums with the live requests' (`Ledger.audit`); where one differs
+        (a move of a request that was not reported: a defect of this module), log it, count it
+        (``ledger_rebuilds`` in `snapshot`) and rebuild the ledger from the live requests, so one
+        missed move does not skew every later placement."""
+        problem = self.ledger.audit(self.requests.values(), self.placer.clock())
+        if problem is None:
+            return
+        self.ledger_rebuilds += 1
+        logger.error("the router's ledger is out of step with its live requests (%s); rebuilt from them", problem)
+        self.ledger.rebuild(self.requests.values())
 
     # ------------------------------------------------------------------ stats
     def snapshot(self) -> dict:
@@ -547,7 +569,7 @@ class Router:
                 "stages": dict(collections.Counter(req.stage for req in live)),
                 "counts": dict(self.counts), "aborts": dict(self.aborts), "failures": dict(self.failures),
                 "loads": self.picker.loads(self.fleet.instances, live), "placements": dict(placer.placements),
-                "affinity_hits": placer.affinity_hits,
+                "affinity_hits": placer.affinity_hits, "ledger_rebuilds": self.ledger_rebuilds,
                 "placement": {"mode": self.settings.placement, "models": placer.fleet_model.snapshot(),
                               "decisions": [_decision_row(d) for d in placer.decisions]}}
 

@@ -144,3 +144,36 @@ def test_the_router_ledger_is_checked_and_a_missed_move_is_caught(cluster, monke
     cluster.generate(prompts_of([30, 90, 45]), SamplingParams(max_tokens=40, ignore_eos=True))
     found, checks.failures[:] = list(checks.failures), []
     assert found and "summed over the live requests" in found[0], found
+
+
+def test_the_watchdogs_audit_rebuilds_a_ledger_out_of_step(cluster, caplog):
+    """A ledger out of step with the live requests (a move the router did not report) is found
+    by the watchdog's audit (`Router._audit_ledger`, every LEDGER_AUDIT_S), logged, counted and
+    rebuilt from the live requests; a ledger in step is left alone."""
+    import asyncio
+
+    router = cluster._router
+
+    def on_loop(fn):
+        async def run():
+            return fn()
+        return asyncio.run_coroutine_threadsafe(run(), cluster._loop).result(30)
+
+    before = cluster.router_stats()["ledger_rebuilds"]
+    on_loop(router._audit_ledger)
+    assert cluster.router_stats()["ledger_rebuilds"] == before  # in step: nothing to do
+
+    def corrupt_and_audit():
+        router.ledger.loads["decode-0"] += 7  # tokens no live request holds
+        router.ledger.seats["prefill-0"] += 1
+        router._audit_ledger()
+        return router.ledger.audit(router.requests.values(), router.placer.clock())
+
+    with caplog.at_level("ERROR", logger="disagg.cluster.router"):
+        assert on_loop(corrupt_and_audit) is None  # rebuilt: in step again
+    assert cluster.router_stats()["ledger_rebuilds"] == before + 1
+    assert "out of step with its live requests" in caplog.text and "tracked loads" in caplog.text
+    prompts = prompts_of([25, 300])
+    want = reference_tokens(prompts, [5, 5])
+    got = cluster.generate(prompts, SamplingParams(max_tokens=5))
+    assert [c.token_ids for c in got] == want
