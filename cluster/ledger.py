@@ -4,8 +4,9 @@ the router and the simulator (docs/ARCHITECTURE.md §7).
 What the placement reads of the fleet's load is a sum over the live requests: the `Picker`'s
 loads, seats and prompt queues (`disagg.cluster.requests`), and the work each instance's
 `InstanceView` prices (`disagg.cluster.placement.tally`). Summed over every live request at each
-placement, a decision costs O(live requests): 1.8 ms on 8 instances with 1,000 live, 20 ms on 64
-with 6,400 (the served router's loop, one core, at hundreds of requests a second). A `Ledger`
+placement, a decision costs O(live requests): 2.7 ms on 8 instances with 1,000 live, 24 ms on 64
+with 6,400 (`benchmarks/bench_placement.py`; the served router's loop, one core, at hundreds of
+requests a second). A `Ledger`
 keeps each request's share of every sum from its last change instead, so a placement costs
 O(instances):
 
@@ -14,9 +15,9 @@ O(instances):
     drop(req)            ended
 
 A request's share is those same functions of it alone (`tally` of one request, `load_of`,
-`queued_prompt`, `seat_holders`), so the sums equal the sums over the live requests whenever every move was
-reported; `check` asserts that, field by field (the tests call it at every decision of the
-router's and the simulator's fleets). The caller reports every move: the router as its requests
+`queued_prompt`, `seat_holders`), so the sums equal the sums over the live requests whenever every
+move was reported; `audit` compares them field by field (the tests `check` it at every decision of
+the router's and the simulator's fleets; the router's watchdog audits it every few seconds). The caller reports every move: the router as its requests
 move on its event loop, the simulator as its virtual engines move them.
 """
 
@@ -86,12 +87,10 @@ class Ledger:
         if req.done:
             return
         named = [inst for inst in (req.colocated, req.decode, req.prefill) if inst is not None]
-        planned = None
-        if req.stage == "reserving" and req.prefill is None:
-            planned = self._by_name.get(self.planned.get(req.request_id))
-            if planned is not None:
-                named.append(planned)
-        work, _ = tally(named, (req,), None, self.planned if planned is not None else None)
+        planned = self._by_name.get(self.planned.get(req.request_id))
+        if planned is not None and req.stage == "reserving" and req.prefill is None:
+            named.append(planned)  # its prompt queued there already (`tally`)
+        work, _ = tally(named, (req,), None, self.planned)
         loads = {inst.name: tokens for inst, tokens in load_of(req)}
         growing = tuple(inst.name for inst in (req.decode, req.colocated) if inst is not None)
         inst, tokens = queued_prompt(req)
