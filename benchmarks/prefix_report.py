@@ -1,4 +1,4 @@
-"""Issue 26's figures from `benchmarks/sitting_prefix.sh`'s results: per run the hit rate, median
+"""The prefix cache's figures from `benchmarks/run_prefix.sh`'s results: per run the hit rate, median
 and p99 TTFT, mean TPOT and KV bytes pushed per request; per rate the median TTFT ratio of the
 uncached to the cached colocated run; for 1P1D, pushed bytes cached / uncached beside 1 - the
 decode side's hit rate (what a push that skips the decode side's match should come to).

@@ -1,4 +1,4 @@
-"""Spike of issue 24: prefill and decode on separate SM partitions of one GPU, against mixed steps.
+"""Spike: prefill and decode on separate SM partitions of one GPU, against mixed steps.
 
     python3 benchmarks/spike_phase_split.py --out results/spike.json        # dummy:llama3.1-8b bf16
     python3 benchmarks/spike_phase_split.py --device cpu --model dummy:tiny --num-decodes 4 \
@@ -29,7 +29,7 @@ request, prefill tokens/s and the window length:
   compute-bound Triton kernel and our decode-step graph on the N-SM side against the whole GPU
   (they should grow as N shrinks).
 
-Verdict (issue 24): go if some split row gives >= 1.5x the decode tok/s of the best mixed row (by
+Verdict: go if some split row gives >= 1.5x the decode tok/s of the best mixed row (by
 decode tok/s), a longest gap <= half of its gap and >= 0.7x its prefill tok/s.
 """
 
@@ -90,7 +90,7 @@ def window_metrics(token_times: dict, t0: float, t_end: float, prompt_len: int) 
 
 
 def verdict(mixed: list[dict], split: list[dict]) -> dict:
-    """The issue's go/no-go rule over measured rows (rows with an "error" are ignored)."""
+    """The module docstring's go/no-go rule over measured rows (rows with an "error" are ignored)."""
     mixed = [r for r in mixed if "error" not in r]
     split = [r for r in split if "error" not in r]
     if not mixed or not split:

@@ -1,8 +1,8 @@
 """`disagg bench` / `disagg simulate` results in one table, measured and simulated alike: per run,
-SLO attainment at 1x and 2x the SLOs it was judged at (the result's own ``goodput``: a sitting's
-calibrated SLOs), latencies, placements, prefix hits and busy fractions (`attainment_of`, the
-bench's rule). A sitting's small summary (`sitting_headline_workload.sh` writes one), or a
-record's `runs.json` when the raw results stay out of git.
+SLO attainment at 1x and 2x the SLOs it was judged at (the result's own ``goodput``: the SLOs a
+headline comparison calibrated), latencies, placements, prefix hits and busy fractions
+(`attainment_of`, the bench's rule). A small summary (`run_headline_workload.sh` writes one), or
+a record's `runs.json` when the raw results stay out of git.
 
     python3 benchmarks/summarize_runs.py DIR... > runs.json
     python3 benchmarks/summarize_runs.py --table DIR...

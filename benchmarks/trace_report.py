@@ -16,9 +16,8 @@ the same per `disagg bench` run (a sweep's rates: request ids ``benchN.<label>.<
 and calls those inside its requests' span. ``--window S``: the decisions over time too, per S
 seconds since the first: how many, how many had no admissible path, the paths taken, and the
 chosen path's predicted TTFT and TPOT against what its requests had (where a run went wrong, and
-when: two H200s, decode-heavy, the first 5 s put 130 of 145 decodes on one GPU;
-benchmarks/records/headline-h200x2-2026-11-28/). Events of several hosts compare wall clocks: keep such
-runs on one host.
+when: say, first seconds that put most decodes on one GPU). Events of several hosts compare wall
+clocks: keep such runs on one host.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Prefix affinity: which prompt pages the router believes each instance holds in its prefix cache.
 
-The router's `Placer` (`disagg.cluster.placer`, in the launching process) keeps, per instance,
-the chained page keys of the prompts it sent there (`disagg.prefix_index.page_keys`, the keys
+The router's `Placer` (`disagg.cluster.placement.placer`, in the launching process) keeps, per
+instance, the chained page keys of the prompts it sent there (`disagg.prefix_index.page_keys`, the keys
 the instances' caches use), least recently used first and bounded by the instance's pages:
 SGLang's cache-aware router does the same rather than asking the workers. It is a belief, not the cache: an instance
 may have evicted a page the router still counts, which costs only a less useful choice (the

@@ -16,9 +16,10 @@ O(instances):
 
 A request's share is those same functions of it alone (`tally` of one request, `load_of`,
 `queued_prompt`, `seat_holders`), so the sums equal the sums over the live requests whenever every
-move was reported; `audit` compares them field by field (the tests `check` it at every decision of
-the router's and the simulator's fleets; the router's watchdog audits it every few seconds). The caller reports every move: the router as its requests
-move on its event loop, the simulator as its virtual engines move them.
+move was made; `audit` compares them field by field (the tests `check` it at every placement and
+end of the router's fleets and at every decision of the simulator's; the router's watchdog audits
+it every few seconds). The request flow (`disagg.cluster.flow`) makes every move, for the router
+and the simulator alike: a request counts from its placement to its end.
 """
 
 from __future__ import annotations

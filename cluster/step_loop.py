@@ -88,9 +88,9 @@ class StepLoop:
     def while_gpu_runs(self, is_ready: Callable[[], bool]) -> None:
         """The engine's `on_gpu_wait` (loop thread, inside a step, after its launches): until
         ``is_ready()`` says the step's sampled ids are on the host, run the calls at the head of the
-        queue that may run mid-step (`call_mid_step`), waking on each new call (a reservation
-        answers in ~a millisecond instead of after the step: two H100s measured p50 22-33 ms of
-        waiting at chat's knee, benchmarks/records/headline-h100x2-2026-11-27/)."""
+        queue that may run mid-step (`call_mid_step`), waking on each new call: a reservation
+        answers in about a millisecond instead of after the step, tens of milliseconds on a busy
+        instance."""
         tracing = trace.enabled()
         while True:
             with self._cond:
@@ -186,8 +186,7 @@ class StepLoop:
         self.num_steps += 1
         self._record(seconds, tracing)
         # A forward without outputs (a prompt's chunk before its last) is work too: counted only
-        # with outputs, colocated at chunk 512 read 8-34% busy where the simulator had 29-69%
-        # (benchmarks/records/headline-h200x2-2026-11-28d/sim-vs-measured-lp.md).
+        # with outputs, a chunking instance would read far less busy than it is.
         if outputs or getattr(self.engine, "last_step_shape", None) is not None:
             self.busy_s += seconds
         if not outputs:
@@ -224,8 +223,8 @@ class StepLoop:
         # Timed on the GPU (``idle``: its idle seconds since the forward before), forwards are
         # placed on the GPU's own timeline: end to end by their spans and idles, after the last
         # one placed, the last ending by now. At the host's reading instead (each ending now),
-        # forwards read together overlapped in the trace: a prefill instance "busy" 118% with
-        # -221-ms gaps between its 8192-token chunks (benchmarks/records/headline-h200x2-2026-11-28c/).
+        # forwards read together would overlap in the trace (a prefill instance over 100% busy,
+        # negative gaps between its chunks).
         ends, t = [], 0.0
         for i, (_, _, took, idle) in enumerate(forwards):
             t += (idle or 0.0) if i else 0.0

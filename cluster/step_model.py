@@ -104,12 +104,11 @@ class StepTimeModel:
     `from_samples` also picks ``knee_tokens`` (`KNEE_CHOICES`: the one that fits best).
     """
 
-    # The first five as before (an 8B model's order, per prompt token ~4x high: prefill is not
-    # underrated before the first samples); pairs, mixed step and eager context near the H100
-    # llama3-8b profiles' fits of 2026-11-27 (pairs 1.9-2.1e-9, mixed step 11-13 ms, eager context
-    # 1-3e-8; benchmarks/records/stepmodel-2026-11-27), the mixed step's halved: an unmeasured
-    # instance is not talked out of the local path by it; no knee (c8 = 0): a prompt token costs
-    # alike at any chunk size until measured.
+    # The first five of an 8B model's order, per prompt token ~4x high (prefill is not
+    # underrated before the first samples); pairs, mixed step and eager context near the fits of
+    # llama3-8b profiles on H100s (benchmarks/records/stepmodel-2026-11-27), the mixed step's
+    # halved: an unmeasured instance is not talked out of the local path by it; no knee (c8 = 0):
+    # a prompt token costs alike at any chunk size until measured.
     prior: tuple[float, ...] = (8e-3, 8e-5, 3e-5, 5e-8, 8e-3, 2e-9, 5e-3, 5e-8, 0.0)
     knee_tokens: int = KNEE_TOKENS
     max_samples: int = 512
@@ -221,11 +220,8 @@ def _inliers(seconds, predicted):
     Over it, a one-off (a first use of a shape). Under a third of it, a timing artifact: with
     async scheduling the step loop times `engine.step()`, which waits for a step launched in the
     call before; where the host was busy between the calls (the router's calls, a reservation)
-    the GPU ran that step meanwhile and the call timed only its tail. Two H200s, decode-heavy
-    (benchmarks/records/headline-h200x2-2026-11-28/): 21 of 58,326 served steps took 0.5-1.9 ms
-    (a 164-sequence decode step takes ~9); under the relative weighting of a profile's fit six of
-    them on the decode instance priced a prompt chunk at nothing (its mixed steps' error 72%; 19%
-    without them)."""
+    the GPU ran that step meanwhile and the call timed only its tail. Rare as they are, under the
+    relative weighting of a profile's fit a few such steps would price a prompt chunk at nothing."""
     return (seconds <= OUTLIER_RATIO * predicted) & (seconds * OUTLIER_RATIO >= predicted)
 
 

@@ -41,8 +41,8 @@ def _switch(default: Any, env: str, description: str) -> Any:
 class Settings(BaseModel):
     """Which kernels a model's forward runs; every choice gives the same tokens up to rounding.
 
-    Booleans are spelled 1 / 0 in the environment. The measurements are an H200's, llama3-8b
-    bf16 (`benchmarks/bench_engine.py`, 2026-11-25; see `disagg.model.layers`).
+    Booleans are spelled 1 / 0 in the environment. The defaults are measured on an H200, llama3-8b
+    bf16 (`benchmarks/bench_engine.py`; benchmarks/records/tuning-notes.md, `disagg.model.layers`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -56,20 +56,21 @@ class Settings(BaseModel):
     blas: Literal["auto", "cublaslt", "cublas"] = _switch(
         "auto", "DISAGG_BLAS",
         "the library of torch's GEMMs in a CUDA forward: auto takes cuBLASLt for forwards of "
-        "17-128 tokens (B=64 x 1024 decode step 6861 -> 6633 us) and cuBLAS otherwise")
+        "17-128 tokens, where it is the faster (benchmarks/records/engine-2026-11-25), and cuBLAS otherwise")
     layer_pdl: Literal["auto", True, False] = _switch(
         "auto", "DISAGG_LAYER_PDL",
         "launch the layer kernels with programmatic dependent launch (where Triton has it): auto "
-        "inside the decode graphs of <= 16 sequences (B=1 x 1024 step 4871 -> 4494 us with the "
-        "skinny GEMMs), true everywhere (30 us slower at B=64), false never")
+        "inside the decode graphs of <= 16 sequences, where it shortens the step (larger batches "
+        "lose; benchmarks/records/engine-2026-11-25), true everywhere, false never")
     rope_append: bool = _switch(
         True, "DISAGG_ROPE_APPEND",
         "RoPE and the K/V append as one kernel launch per layer when the cache has the "
-        "activations' dtype (B=64 x 1024 step 6916 -> 6868 us); false: two launches")
+        "activations' dtype (one launch fewer per layer); false: two launches")
     fused_layers: bool = _switch(
         True, "DISAGG_FUSED_LAYERS",
-        "on CUDA, norms, RoPE and the SwiGLU activation as fused Triton kernels (step 9.25 -> "
-        "7.14 ms); false: torch's ops, for comparison (Triton's interpreter always runs them)")
+        "on CUDA, norms, RoPE and the SwiGLU activation as fused Triton kernels (fewer launches "
+        "and memory passes than torch's ops); false: torch's ops, for comparison (Triton's "
+        "interpreter always runs them)")
 
     @field_validator("layer_pdl", mode="before")
     @classmethod

@@ -31,9 +31,10 @@ step_loop`) writes two kinds, times in wall-clock seconds:
             t_queued (handed to the loop), t_ran (it began), t_done
 
 `benchmarks/trace_report.py DIR` prints the median and p90 of every hop, and per instance its
-steps' durations, gaps and prompt tokens and its calls' waits. The first hunt it served:
-benchmarks/records/prompt-graphs-2026-11-27 (a launch-bound eager prompt step). Pure Python
-(json, os, threading); costs one environment lookup per event while off.
+steps' durations, gaps and prompt tokens and its calls' waits: where a request's time goes
+between the router, the instances' loops and their forwards (a launch-bound prompt step shows as
+steps far longer than their tokens explain). Pure Python (json, os, threading); costs one
+environment lookup per event while off.
 """
 
 from __future__ import annotations

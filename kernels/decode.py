@@ -38,7 +38,7 @@ MAX_SPLITS = 64
 # FULL_GRID_MIN_SPLIT_TOKENS tokens: the merge then costs more than the balance it buys.
 FULL_GRID_PROGRAMS_PER_SM = 2
 FULL_GRID_MIN_SPLIT_TOKENS = 2048
-# Launch options by cache dtype (benchmarks/sweep_kernels.py picks them; what was tried, with
+# Launch options by cache dtype (benchmarks/sweep_kernels.py picks them; the options and their
 # figures: benchmarks/records/tuning-notes.md): BLOCK_N tokens per K/V tile (halved for
 # head_dim > 128 to bound registers), warps, pipeline stages, and DEFER_SUM (keep the softmax
 # row sums per column, reduce them once after the loop; see `softmax_step`). The fp8 path
@@ -53,8 +53,8 @@ CONFIGS = {
 }
 # Programmatic dependent launch (PDL == 2, see the kernel) for grids of at most this many
 # programs per SM, i.e. latency-bound launches, where hiding the launch gap wins; big grids
-# launch plainly (PDL slowed them). Prefetching the split's pages into L2 before the PDL wait
-# was slower too. Figures: benchmarks/records/tuning-notes.md.
+# launch plainly (PDL slows them). Prefetching the split's pages into L2 before the PDL wait
+# is slower too. Figures: benchmarks/records/tuning-notes.md.
 PDL_MAX_PROGRAMS_PER_SM = 2
 MIN_ROWS = 16
 

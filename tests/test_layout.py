@@ -95,9 +95,9 @@ def test_lower_layers_never_import_the_cluster():
     assert not offenders, f"imports must point down; these import disagg.cluster: {offenders}"
 
 
-# The working tree travels to the GPU machine beside the wheels (`.whl`, ~55 MiB of the device's
-# 64-MiB carry): at 9.4 MB of tracked files a run was refused (2026-11-28). Raw traces and
-# per-request results belong in the device's $OUT and the records' summaries, not the tree.
+# The working tree is copied to a GPU host beside the wheels (`.whl`, ~55 MiB), both under 64 MiB
+# together, so the tracked files stay a few MiB: raw traces and per-request results belong in a
+# run's output and the records' summaries, not the tree.
 TRACKED_BYTES_MAX = 7 * 2**20
 
 

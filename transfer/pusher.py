@@ -1,6 +1,7 @@
 """The KV pusher: a worker's writer of new K/V, locally and into receivers' pages, layer by layer.
 
-The prefill worker's model runner drives it once per forward (its own process, its own GPU):
+The symmetric heaps' KV sender (`heap_connector.HeapSender`) is this pusher plus the abort
+fence; the prefill worker's model runner drives it once per forward (its own process, its own GPU):
 
     pusher.attach_doorbell(seq_id, ticket)      # once per request, after cache.disagg_mark_send
     plan = cache.begin_forward(seq_ids, lengths)
@@ -9,6 +10,7 @@ The prefill worker's model runner drives it once per forward (its own process, i
         k, v = ...                              # this layer's new K/V, on the current stream
         pusher.push_layer_async(layer, k, v)    # ONE fused append+push launch (transfer stream)
         pusher.wait_layer(layer)                # before attention reads the local pages
+                                                # (the two: `HeapSender.save_layer`, the model's hook)
         ...
     pusher.end_forward()                        # rings the doorbells of completed requests
     cache.end_forward()

@@ -5,11 +5,11 @@ Rooms: `workloads` (seeded synthetic requests), `arrivals` (Poisson/gamma send t
 OpenAI-compatible server), `metrics` (vLLM's metric names and rules), `report` (result JSON that
 recomputes from its own per-request lists), `compare` (SLO attainment, DistServe's per-GPU
 goodput, SLO-scale sweeps, the same-model check, `quick_compare`), `sweep` (launch, sweep,
-compare), `stored` (compare sweeps made in separate sittings), `tables` (80-column console
+compare), `stored` (compare sweeps run one deployment at a time), `tables` (80-column console
 tables), `markdown` (summary.md), `plots` (PNG figures), `flags` (flag values), `session` (one
 invocation: print, save, exit status) and `command` (the typer command, vLLM's option names).
-HEADLINE.md is the two-H200 recipe. These modules import no torch; ray comes only with
-the parent package (disagg.cluster) and the Cluster they drive.
+The measured recipes' runbooks are in benchmarks/records/runbooks/. These modules import no
+torch; ray comes only with the parent package (disagg.cluster) and the Cluster they drive.
 """
 
 from disagg.cluster.bench.compare import per_gpu_goodput, quick_compare

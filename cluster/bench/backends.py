@@ -46,7 +46,7 @@ class ClusterBackend:
 
     def _run_prefix(self) -> str:
         """``benchN.<label>.<pid>``: unique across runs, deployments and bench processes (a trace
-        directory shared by a sitting's deployments groups by it: `trace_report.py --by-run`)."""
+        directory shared by several deployments' runs groups by it: `trace_report.py --by-run`)."""
         label = re.sub(r"[^A-Za-z0-9_]+", "_", self.name).strip("_") or "cluster"
         return f"bench{next(_RUN_IDS)}.{label}.{os.getpid()}"
 

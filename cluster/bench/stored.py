@@ -1,7 +1,7 @@
 """Compare deployments from result files written earlier (`disagg bench --from-results DIR ...`).
 
-A comparison of several deployments over several workloads outlasts one sitting on a lent GPU
-machine (10 minutes a command), so each deployment can be swept on its own (`--no-compare
+A comparison of several deployments over several workloads can take longer than one command may
+run, so each deployment can be swept on its own (`--no-compare
 --save-result --result-dir DIR`) and the comparison drawn afterwards from the stored per-request
 lists: SLO attainment, per-GPU goodput, the SLO-scale sweep and the plots all recompute from
 them, under the SLOs given now or those stored with the first deployment. Runs anywhere; no

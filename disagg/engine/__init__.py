@@ -15,8 +15,9 @@
 Files: `core` (`EngineCore`: the one step pipeline and request life cycle every engine is a
 configuration of), `request` (request state, TokenOutput, RecvDest, add-time checks), `scheduler`
 (batching, page commitments, preemption), `runner` (plan -> forward -> sample), `graphs` (decode
-CUDA graphs), `sampler` (on-device sampling), `lease` (reservations awaiting their doorbell),
-`colocated`, `prefill`, `decode` (the three roles). Sampling parameters live in `disagg.sampling`.
+CUDA graphs), `sampler` (on-device sampling), `colocated`, `prefill`, `decode` (the three roles).
+Sampling parameters live in `disagg.sampling`; KV transfer (senders, receivers, their leases) in
+`disagg.transfer` behind its KV connector, whose `RecvDest` and `PushState` are importable here.
 """
 
 from __future__ import annotations

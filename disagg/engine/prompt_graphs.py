@@ -1,12 +1,12 @@
 """Piecewise CUDA graphs of prompt and mixed forwards: everything between two attentions.
 
 A step with prompt tokens cannot replay a whole-forward graph (its attention depends on the
-chunk layout), so it used to run eagerly, and eagerly an 8B model's ~300 kernel launches per
-forward cost ~40 ms of host time on an H100 whatever the chunk: an 8-token prompt beside 24
-decodes took as long as a 512-token one (benchmarks/records/prompt-graphs-2026-11-27). As
-vLLM's piecewise graphs do, the parts between attentions are captured per token bucket and
-replayed, and only attention (RoPE + KV append, paged prefill / decode, the pushes of a prefill
-worker) runs eagerly between them: per forward, `L + 1` replays and ~3 eager launches per layer.
+chunk layout). Run eagerly, an 8B model's ~300 kernel launches per forward cost ~40 ms of host
+time on an H100 whatever the chunk: an 8-token prompt beside 24 decodes took as long as a
+512-token one (benchmarks/records/prompt-graphs-2026-11-27). As vLLM's piecewise graphs do, the
+parts between attentions are captured per token bucket and replayed, and only attention (RoPE +
+KV append, paged prefill / decode, the pushes of a prefill worker) runs eagerly between them: per
+forward, `L + 1` replays and ~3 eager launches per layer.
 
 The pieces are the model's own (`Model.piece_embed`, `Model.piece_between`), so the graphed and
 the eager forward run the same code. A forward of T tokens takes the smallest bucket >= T

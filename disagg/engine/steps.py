@@ -62,11 +62,10 @@ class ForwardTimer:
     it (docs/ARCHITECTURE.md §6, "Step times"). The host's call of `EngineCore.step` cannot time a
     forward under async scheduling: a step whose forward samples no token (a prompt chunk that
     does not end its prompt) returns at once, and the step that reads the next token waits for
-    both. Two H200s, long-prompt: 8192-token chunks "took" 17-35 ms and the chunk ending each
-    prompt the whole prompt (22 + 17 + 838 ms against 227 + 322 + 376 predicted), and the router's
-    step model, fed that, priced a 32k-token prompt 2x (benchmarks/records/headline-h200x2-2026-11-28b/).
-    The start event waits in the stream behind the forward before it, so a span is the forward's
-    own even when it was launched ahead. Off the GPU (``enabled`` False) the caller times the call,
+    both: timed by the host, 8192-token chunks read 17-35 ms and the chunk ending a prompt the
+    whole prompt, and a step model fitted to those times misprices long prompts ~2x. The start
+    event waits in the stream behind the forward before it, so a span is the forward's own even
+    when it was launched ahead. Off the GPU (``enabled`` False) the caller times the call,
     which there waits for the forward. Between two forwards the end event of the one and the start
     event of the next give the GPU's idle time (``idle_before``): zero where the host launched the
     next one ahead, the host's scheduling and output work where it could not."""

@@ -1,4 +1,4 @@
-"""`benchmarks/prefix_report.py` (issue 26's figures from `sitting_prefix.sh`): per-rate median TTFT
+"""`benchmarks/prefix_report.py` (the prefix cache's figures from `run_prefix.sh`): per-rate median TTFT
 ratios of uncached to cached runs, and 1P1D's pushed bytes per request beside 1 - the decode hit."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Run on a host with four GPUs on one NVLink domain, from the project root (after
 ``source .whl/gpu-env.sh``): ``python3 -m pytest -q -m multigpu tests/cluster/test_cluster_gpu_4.py``
-(cluster/bench/FOURGPU.md gives the device command). Every prefill instance pushes into every
+(benchmarks/records/runbooks/FOURGPU.md gives the device command). Every prefill instance pushes into every
 decode instance; the tokens must equal the colocated fleet's (float32 keeps greedy tokens off near
 ties), and every page must be free at the end. Then prefill-0 is killed while it holds requests:
 those fail naming it, the rest finish, and the decode pages reserved for them come back (the

@@ -2,8 +2,8 @@
 
 A scheduler admits a prompt forked from a cached prefix when ``match.num_pages`` fits its free
 budget; the pages the fork takes from `num_free_pages` must be exactly that, or the forward
-after it finds fewer pages than promised and raises OutOfPages (found by the simulator's
-equivalence test, tests/cluster/test_simulate_prefix.py: a hit ending mid page in a cached
+after it finds fewer pages than promised and raises OutOfPages (the simulator's equivalence
+test, tests/cluster/test_simulate_prefix.py, catches it too: a hit ending mid page in a cached
 sequence also pins the partial page its copy reads).
 """
 

@@ -3,7 +3,7 @@ GPU will run: the skinny GEMM streams weights with cp.async into wgmma (64 rows)
 split-K arrives through an acquire-release atomic, under PDL the weights' first lines are
 prefetched into L2 before the wait, and `PDL=True` emits the grid-dependency wait
 and trigger while `PDL=False` emits neither. Catches a kernel that would not build, or would
-build into scalar loads, before a GPU sitting is spent on it.
+build into scalar loads, before GPU time is spent on it.
 
 Compiling needs Triton's compiled mode, so `sm90_compile.py` runs in a subprocess with
 `TRITON_INTERPRET=0` (ptxas ships in Triton's wheel; no GPU or driver is used).

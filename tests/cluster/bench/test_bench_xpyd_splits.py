@@ -1,9 +1,9 @@
-"""The four-GPU comparison recipe (cluster/bench/FOURGPU.md) on CPU actors with the tiny model.
+"""The four-GPU comparison recipe (benchmarks/records/runbooks/FOURGPU.md) on CPU actors with the tiny model.
 
 Each deployment is benched on its own through `disagg bench` (3P1D from tiny-2p2d.yaml by --set,
 four colocated instances from tiny-colocated.yaml), on the prefill-heavy and chat workloads
 shrunk to a few tokens, then `disagg bench --from-results` compares the split with colocated-4:
-as on the GPUs, where each deployment is one device sitting. Checks the plumbing (every request
+as on the GPUs, where each deployment is benched by a command of its own. Checks the plumbing (every request
 served, four GPUs' worth of instances per side, the split judged against colocated-4 per
 workload), not who wins. One split: the others differ only in their --set (2P2D and 1P3D serve
 in tests/cluster/test_cluster_2p2d.py and test_cluster_xpyd_splits.py), and four fleets of four

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# One single-GPU sitting (nvidia-h200) for the engine figures, under 10 minutes:
+# The engine figures on one GPU (an H200), in one command of under 10 minutes:
 #   1. the engine and layer GPU tests, 2. the skinny GEMM's tuning sweep at 64 rows, 3.
 #   bench_engine's decode rows with each default turned off in turn (A/B in one process) and
 #   with layer PDL (still opt-in), 4. the host-idle rows (sync and async scheduling).
-# Usage (device tool: carry [".whl"]):  source .whl/gpu-env.sh && bash benchmarks/sitting_engine.sh
-# Everything lands in $OUT (default results/sitting-engine); each step has its own time limit, so
+# Usage (the GPU wheels in .whl/):  source .whl/gpu-env.sh && bash benchmarks/run_engine.sh
+# Everything lands in $OUT (default results/engine); each step has its own time limit, so
 # a hang or failure costs that step only.
 set -u
-OUT=${OUT:-results/sitting-engine}
+OUT=${OUT:-results/engine}
 mkdir -p "$OUT"
 export TRITON_INTERPRET=0 TRITON_DEFAULT_FP_FUSION=1
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, print its tail

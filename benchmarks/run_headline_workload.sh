@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Every deployment of one workload in ONE command (under 10 minutes on two GPUs), so that a
-# device session of ~30 minutes can measure two or three workloads at one commit: 1P1D (it
-# calibrates the SLOs as cluster/bench/HEADLINE.md says), the same fleet with
+# Every deployment of one workload in ONE command (under 10 minutes on two GPUs), so that two or
+# three workloads are measured at one commit in half an hour: 1P1D (it calibrates the SLOs as
+# benchmarks/records/runbooks/HEADLINE.md says), the same fleet with
 # `router.placement: adaptive` (targets = the SLOs), and colocated at one chunk size or more
 # (CHUNK=8192,512: one run each; long-prompt's relaxed SLOs are planned best at 512), each at a
 # few rates around the knee the simulator predicts (benchmarks/records/whowins-sim-2026-11-27/),
-# with shorter runs than benchmarks/sitting_headline.sh (which sweeps every rate of one
+# with shorter runs than benchmarks/run_headline.sh (which sweeps every rate of one
 # deployment per command). The merged comparison runs here too, and everything is tarred to $OUT.
-# Usage (device tool: kind nvidia-h200-x2 or nvidia-h100-x2, carry [".whl"]):
-#   source .whl/gpu-env.sh && RATES=4,6,8 CHUNK=8192 bash benchmarks/sitting_headline_workload.sh chat
+# Usage (two H200s or H100s, the GPU wheels in .whl/):
+#   source .whl/gpu-env.sh && RATES=4,6,8 CHUNK=8192 bash benchmarks/run_headline_workload.sh chat
 # Per deployment: RATES_1P1D, RATES_ADAPTIVE, RATES_COLOCATED (default RATES; RATES_COLOCATED_<chunk>
 # for one chunk size), e.g. the knees of
 # benchmarks/records/headline-plan-2026-11-27/README.md. CHUNK_DISAGG: the prefill budget of the
@@ -25,23 +25,23 @@
 # judge it at the scale it targeted (two H100s: a router targeting 1x held 2x worse than it could).
 # STEP_PROFILE=1 (optional): first `disagg profile` on GPU 0 (the model's one-GPU colocated config,
 # about a minute), its fit seeding the adaptive routers' step-time models (`router.step_profile`)
-# where they would start from the built-in prior (an H100's order, per prompt token 4x high: on two
-# H200s the prefill instance's TTFT was predicted 2x long until it had served prompts, and the
-# decode instance took every prompt; benchmarks/records/headline-h200x2-2026-11-28/); the profile
-# comes back as $OUT/<workload>-profile.json for `disagg simulate --profile`. STEP_PROFILE=FILE: seed
-# them with that profile instead (one made by an earlier command of the same session and kept in
-# the tree, which travels: no second minute of profiling).
+# where they would start from the built-in prior (an H100's order, per prompt token 4x high on an
+# H200: the prefill instance's TTFT is predicted 2x long until it has served prompts, so the
+# decode instance takes every prompt); the profile comes back as $OUT/<workload>-profile.json for
+# `disagg simulate --profile`. STEP_PROFILE=FILE: seed them with that profile instead (one an
+# earlier command made, kept in the tree: no second minute of profiling).
 # PER_RUN_TIMEOUT (default 170): seconds for one deployment's whole sweep (every rate of it: long-prompt
 # at 30-s runs takes ~45 s a rate).
-# MAX_TAR_BYTES (default 15000000): above it the per-deployment tars come back instead of one.
-# CPU smoke check: HEADLINE_MODEL=tiny RATES=2 HEADLINE_SECONDS=3 bash benchmarks/sitting_headline_workload.sh chat
-# PREDICT=PROFILE SLOS=TTFT:TPOT (CPU, before a sitting): the same runs with `disagg simulate` on that
-# profile instead of `disagg bench` (no GPU; the SLOs given, as only a served 1P1D calibrates them;
-# HOPS: the simulator's host constants, default 28c's "--hop-ms 6 --step-gap-ms 0.17 --reserve-ms 8"):
-# the simulator's prediction of the sitting, in the same summary, made by the same command.
+# MAX_TAR_BYTES (default 15000000): above it the per-deployment tars are kept instead of one.
+# CPU smoke check: HEADLINE_MODEL=tiny RATES=2 HEADLINE_SECONDS=3 bash benchmarks/run_headline_workload.sh chat
+# PREDICT=PROFILE SLOS=TTFT:TPOT (CPU, before the GPU runs): the same runs with `disagg simulate` on
+# that profile instead of `disagg bench` (no GPU; the SLOs given, as only a served 1P1D calibrates
+# them; HOPS: the simulator's host constants, default "--hop-ms 6 --step-gap-ms 0.17 --reserve-ms 8",
+# measured on two H200s: benchmarks/records/headline-h200x2-2026-11-28c): the simulator's
+# prediction of the served runs, in the same summary, made by the same command.
 set -euo pipefail
 W=${1:?workload: chat | prefill-heavy | decode-heavy | long-prompt | shared-prefix}
-OUT=${OUT:-results/sitting-workload}
+OUT=${OUT:-results/headline-workload}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}  # the interpreter with disagg installed (the GPU hosts: python3)
 MODEL=llama3-8b
@@ -52,7 +52,7 @@ CHUNK=${CHUNK:-8192}
 common=(--dataset-name "$W" --run-seconds "${HEADLINE_SECONDS:-20}" --min-prompts "${MIN_PROMPTS:-16}"
         --num-prompts 1000)
 if [ -n "${PREDICT:-}" ]; then
-  [ -n "${SLOS:-}" ] || { echo "PREDICT needs SLOS=TTFT_MS:TPOT_MS (the sitting's calibrated SLOs)" >&2; exit 2; }
+  [ -n "${SLOS:-}" ] || { echo "PREDICT needs SLOS=TTFT_MS:TPOT_MS (the SLOs a served 1P1D calibrated)" >&2; exit 2; }
   read -r -a hops <<< "${HOPS:---hop-ms 6 --step-gap-ms 0.17 --reserve-ms 8}"
   tool=(simulate --profile "$PREDICT" "${hops[@]}" --seed 0)
   [ -n "${STEP_PROFILE:-}" ] || STEP_PROFILE=$PREDICT  # the routers' seed: the profile simulated
@@ -65,8 +65,8 @@ run() {  # LABEL CONFIG [bench flags]
   timeout "${PER_RUN_TIMEOUT:-170}" "$PY" -m disagg.cluster.cli "${tool[@]}" "$@" "${common[@]}" --label "$label" \
     --result-dir "results/$W/$label" > "$OUT/$W-$label.log" 2>&1 || echo "$label: rc $?"
   grep -E "SLOs|Request goodput|Median TTFT|Mean TPOT" "$OUT/$W-$label.log" | head -8 || true
-  # each deployment's results reach $OUT as soon as it ends (a command stopped at the device's
-  # time limit still returns the deployments it finished)
+  # each deployment's results reach $OUT as soon as it ends (a command stopped by a time limit
+  # still leaves the deployments it finished)
   [ -d "results/$W/$label" ] && tar czf "$OUT/$W-$label.tgz" "results/$W/$label" || true
 }
 all_set=()
@@ -76,7 +76,7 @@ disagg_set=("${all_set[@]}")
 [ -n "${SET_DISAGG:-}" ] && disagg_set+=(--set "$SET_DISAGG")
 # DEPLOYMENTS (default "1p1d adaptive colocated"): the deployments this command runs, e.g. the
 # colocated runs alone in a second command when one command of ten minutes cannot hold them all.
-# Without 1p1d a served sitting needs SLOS=TTFT:TPOT (calibrated by the earlier command's 1P1D).
+# Without 1p1d a served run needs SLOS=TTFT:TPOT (calibrated by an earlier command's 1P1D).
 DEPLOYMENTS=" ${DEPLOYMENTS:-1p1d adaptive colocated} "
 merged=()
 if [[ $DEPLOYMENTS != *" 1p1d "* ]]; then
@@ -128,16 +128,16 @@ done
 "$PY" -m disagg.cluster.cli bench "${merged[@]}" --slo-scales 1,2 \
   --result-dir "results/$W/merged" > "$OUT/$W-merged.log" 2>&1 || echo "merge: rc $?"
 grep -v '^\s*$' "$OUT/$W-merged.log" | tail -40
-# Small enough to come back from a device run (~25 MB did not): every run's summary and the logs;
-# the raw results and the traces in their own tars.
+# Small enough to copy back from a remote GPU host: every run's summary and the logs; the raw
+# results and the traces in their own tars.
 "$PY" benchmarks/summarize_runs.py --table "results/$W" > "$OUT/$W-runs.md" || true
 "$PY" benchmarks/summarize_runs.py "results/$W" > "$OUT/$W-runs.json" || true
 cat "$OUT/$W-runs.md"
 tar czf "$OUT/$W.tgz" "results/$W" "$OUT"/"$W"-*.log
-# The device returns at most 8 files of 16 MiB each: the whole tar replaces the per-deployment ones
-# and the logs in it (the merged log, runs.md and runs.json stay beside it). A whole tar too big
-# to come back (decode-heavy at 26-34 req/s, 2026-11-27: its per-request results were lost) goes;
-# the per-deployment tars stay instead, the logs in one small tar beside them.
+# The whole tar replaces the per-deployment ones and the logs in it (the merged log, runs.md and
+# runs.json stay beside it), so few files come back. A whole tar over MAX_TAR_BYTES (decode-heavy
+# at 26-34 req/s writes one) goes; the per-deployment tars stay instead, the logs in one small tar
+# beside them.
 if [ "$(stat -c %s "$OUT/$W.tgz")" -le "${MAX_TAR_BYTES:-15000000}" ]; then
   find "$OUT" -maxdepth 1 \( -name "$W-*.tgz" -o -name "$W-*.log" \) ! -name "$W-merged.log" -delete
 else

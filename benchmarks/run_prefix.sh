@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 26's benchmark on one GPU, one command: shared-prefix (2048-token shared prompt, 128-token
+# The prefix cache's benchmark on one GPU, one command: shared-prefix (2048-token shared prompt, 128-token
 # questions) with the prefix cache on and off, colocated over a rate sweep (median TTFT ratio per
 # rate), then 1P1D with both instances sharing the GPU (pushed bytes per request, cache on/off).
-#   source .whl/gpu-env.sh && RATES=4,8,12 bash benchmarks/sitting_prefix.sh
+#   source .whl/gpu-env.sh && RATES=4,8,12 bash benchmarks/run_prefix.sh
 # Results and logs land under ${OUT:-results/prefix} (one directory per run).
 set -euo pipefail
 OUT=${OUT:-results/prefix}
