@@ -66,6 +66,8 @@ class LocalHeap:
     """A one-PE stand-in for `SymmetricHeap` (plain device memory, host signal words), enough for a
     DecodeEngine whose doorbells the benchmark rings itself."""
 
+    backend = "shm"  # its engine's KV connector: the symmetric heaps' (`disagg.transfer.registry`)
+
     def __init__(self, device: torch.device, num_signals: int = 1024) -> None:
         self.rank, self.world_size, self.device, self.num_signals = 0, 1, device, num_signals
         self.signals = np.zeros(num_signals, dtype=np.int64)

@@ -1,7 +1,8 @@
 """The symmetric heap: one allocation per PE at the same offset on every PE, peer views, signals.
 
 `open_heap` is the only way in: every rank of a job calls it at the same time with the bytes that
-rank 0 got from `new_unique_id`. Two backends share the `SymmetricHeap` interface below:
+rank 0 got from `new_unique_id`. Two backends, each a module registered by name in
+`disagg.transfer.registry`, share the `SymmetricHeap` interface below:
 
 - ``"nvshmem"`` (`disagg.transfer.nvshmem_heap`): nvshmem4py on one GPU per process; peers on the
   same NVLink domain are load/store reachable, others only through host-initiated puts.
@@ -22,11 +23,12 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from disagg.errors import HeapError, SignalTimeout
+from disagg.transfer.registry import backend_names, get_backend
 
 if TYPE_CHECKING:
     import torch
 
-BACKENDS = ("nvshmem", "shm")
+BACKENDS = backend_names()  # ("nvshmem", "shm"): `disagg.transfer.registry.BACKENDS`
 NUM_SIGNALS_DEFAULT = 4096
 # Fields of one allocation record, compared across PEs before an allocation is committed.
 ALLOC_RECORD_FIELDS = ("sequence", "offset", "nbytes", "dtype", "ndim", "shape_crc")
@@ -240,13 +242,7 @@ def new_unique_id(backend: str, *, size_bytes: int | None = None) -> bytes:
     Returns:
         Opaque bytes for `open_heap(uid=...)` (128 bytes for nvshmem, 16 for shm).
     """
-    if backend == "shm":
-        from disagg.transfer.shm_heap import new_shm_unique_id
-        return new_shm_unique_id()
-    if backend == "nvshmem":
-        from disagg.transfer.nvshmem_heap import new_nvshmem_unique_id
-        return new_nvshmem_unique_id(size_bytes)
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return get_backend(backend).new_unique_id(size_bytes)
 
 
 def open_heap(backend: str, *, uid: bytes, rank: int, world_size: int, size_bytes: int,
@@ -270,8 +266,7 @@ def open_heap(backend: str, *, uid: bytes, rank: int, world_size: int, size_byte
         ValueError: a bad argument (named in the message).
         HeapError: the bootstrap failed (a PE missing, sizes that differ across PEs).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    entry = get_backend(backend)  # raises naming the registered backends
     if not isinstance(uid, (bytes, bytearray)) or not uid:
         raise ValueError(f"uid must be the non-empty bytes of new_unique_id({backend!r}), got {type(uid).__name__}")
     if world_size < 1 or not 0 <= rank < world_size:
@@ -280,10 +275,5 @@ def open_heap(backend: str, *, uid: bytes, rank: int, world_size: int, size_byte
         raise ValueError(f"size_bytes must be positive, got {size_bytes}")
     if num_signals <= 0:
         raise ValueError(f"num_signals must be positive, got {num_signals}")
-    if backend == "shm":
-        from disagg.transfer.shm_heap import ShmHeap
-        return ShmHeap.open(bytes(uid), rank=rank, world_size=world_size, size_bytes=size_bytes,
-                            device=device, num_signals=num_signals, timeout_s=timeout_s)
-    from disagg.transfer.nvshmem_heap import NvshmemHeap
-    return NvshmemHeap.open(bytes(uid), rank=rank, world_size=world_size, size_bytes=size_bytes,
-                            device=device, num_signals=num_signals)
+    return entry.open(bytes(uid), rank=rank, world_size=world_size, size_bytes=size_bytes, device=device,
+                      num_signals=num_signals, timeout_s=timeout_s)

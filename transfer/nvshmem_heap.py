@@ -25,6 +25,8 @@ import torch
 from disagg.errors import HeapError
 from disagg.transfer.heap import (ALLOC_RECORD_WORDS, SymmetricHeap, alloc_record,
                                   check_alloc_records, check_segments, check_signal_index)
+from disagg.transfer.heap_connector import HeapConnector
+from disagg.transfer.registry import TransferBackend
 
 logger = logging.getLogger(__name__)
 
@@ -345,3 +347,15 @@ class NvshmemHeap(SymmetricHeap):
         self._closed = True
         _active.clear()
         logger.info("nvshmem heap closed: PE %d/%d", self.rank, self.world_size)
+
+
+def _open_nvshmem(uid: bytes, *, rank: int, world_size: int, size_bytes: int, device: object | None,
+                  num_signals: int, timeout_s: float) -> NvshmemHeap:
+    """`NvshmemHeap.open`; NVSHMEM's bootstrap has no timeout (the caller wraps it in one)."""
+    return NvshmemHeap.open(uid, rank=rank, world_size=world_size, size_bytes=size_bytes, device=device,
+                            num_signals=num_signals)
+
+
+# The registry's entry (`disagg.transfer.registry`): the symmetric-heap connector, as shm's.
+BACKEND = TransferBackend(name="nvshmem", new_unique_id=new_nvshmem_unique_id, open=_open_nvshmem,
+                          connector=HeapConnector)

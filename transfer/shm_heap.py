@@ -27,6 +27,8 @@ import torch
 from disagg.errors import HeapError
 from disagg.transfer.heap import (ALLOC_RECORD_WORDS, SymmetricHeap, alloc_record,
                                   check_alloc_records, check_segments, check_signal_index)
+from disagg.transfer.heap_connector import HeapConnector
+from disagg.transfer.registry import TransferBackend
 
 logger = logging.getLogger(__name__)
 
@@ -264,3 +266,14 @@ def _wait_all(headers: list[np.ndarray], word: int, value: int, rank: int, timeo
         spins += 1
         if spins > 200:
             time.sleep(min(1e-3, 1e-6 * spins))
+
+
+def _open_shm(uid: bytes, *, rank: int, world_size: int, size_bytes: int, device: object | None,
+              num_signals: int, timeout_s: float) -> ShmHeap:
+    return ShmHeap.open(uid, rank=rank, world_size=world_size, size_bytes=size_bytes, device=device,
+                        num_signals=num_signals, timeout_s=timeout_s)
+
+
+# The registry's entry (`disagg.transfer.registry`): shm heaps share the symmetric-heap connector.
+BACKEND = TransferBackend(name="shm", new_unique_id=lambda size_bytes=None: new_shm_unique_id(),
+                          open=_open_shm, connector=HeapConnector)

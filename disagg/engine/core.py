@@ -13,8 +13,9 @@ holds requests in every state (docs/ARCHITECTURE.md §6):
 
 Each `step` is one forward: the scheduler (`scheduler.py`) picks decodes first, then prompt
 chunks, under the token and sequence budgets; the runner (`runner.py`) runs the forward (a CUDA
-graph replay for pure-decode steps), pushing the layers of pushed prompts through the `KVPusher`,
-and samples. While the GPU runs a step the host polls doorbells and leases and reserves the next
+graph replay for pure-decode steps), pushing the layers of pushed prompts through the KV
+connector's sender, and samples. While the GPU runs a step the host polls the connector's
+receiver (reservations whose KV landed or whose lease expired) and reserves the next
 pure-decode step's slots and plan; if after the sync the batch is the same (nobody ended, was
 aborted or arrived) the next step reuses that plan and the sampled ids still on the device.
 ``async_scheduling`` launches that reserved step before this one's tokens are read (a token
@@ -44,7 +45,6 @@ import torch
 
 from disagg import trace
 from disagg.cache import PagedKVCache
-from disagg.engine.lease import Lease, LeaseBook
 from disagg.engine.request import (PushState, RecvDest, Request, RequestFactory, TokenOutput, check_dest,
                                    check_engine_sizes, check_fits, check_new_request, check_reserve, pages_for)
 from disagg.engine.runner import ModelRunner, PendingTokens
@@ -52,6 +52,8 @@ from disagg.engine.scheduler import ScheduledBatch, Scheduler
 from disagg.engine.steps import ForwardTimer, InstanceLoad, Launched, NextStep, StepShape, TimedForward, same_requests
 from disagg.errors import InvalidArgument, InvalidArgumentType, OutOfPages
 from disagg.sampling import SamplingParams
+from disagg.transfer.connector import KVPoll, KVSender
+from disagg.transfer.registry import open_connector
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +66,10 @@ class EngineCore:
         num_pages, page_size: this engine's KV cache.
         max_num_seqs: sequences per forward (and decoding at once).
         max_num_batched_tokens: tokens per forward (the prefill chunk budget).
-        heap: this PE's symmetric heap, or None. With a heap the KV tensor is allocated from it
-            (collective) and the engine can push (`KVPusher`) and receive (doorbells, leases).
+        heap: this PE's symmetric heap (what `open_heap` returned), or None. With a heap the
+            engine's KV connector (`disagg.transfer.registry.open_connector`, by the heap's
+            backend) allocates the KV tensor (collective), pushes prompts' KV through its sender
+            and holds reservations in its receiver.
         kv_dtype: KV dtype (default: the model's).
         use_cuda_graphs: decode graphs; None = on CUDA; False = eager always.
         prompt_graphs: piecewise graphs of prompt and mixed forwards (`disagg.engine.prompt_graphs`);
@@ -95,14 +99,19 @@ class EngineCore:
         check_engine_sizes(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens)
         self.model = model
-        self.heap = heap
         self.max_model_len = int(model.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cache = PagedKVCache(num_pages, page_size, prefix_caching=prefix_caching)
         shape, dtype = model.kv_shape(num_pages, page_size), kv_dtype or model.dtype
-        self.kv = heap.alloc(shape, dtype) if heap is not None else torch.zeros(shape, dtype=dtype,
-                                                                              device=model.device)
+        # The KV transport (None: local requests only): its receiver is built now, its sender on the
+        # first pushed prompt (a receive-only instance never needs one).
+        self.connector = None if heap is None else open_connector(
+            heap, lease_s=lease_s, clock=clock, force_segment_puts=force_segment_puts)
+        self.kv = (self.connector.alloc_kv(shape, dtype) if self.connector is not None
+                   else torch.zeros(shape, dtype=dtype, device=model.device))
+        self.receiver = None if self.connector is None else self.connector.receiver
+        self._sender: KVSender | None = None
         self.runner = ModelRunner(model, self.kv, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, use_cuda_graphs=use_cuda_graphs,
                                   prompt_graphs=prompt_graphs, mixed_graphs=mixed_graphs, push_after=push_after)
@@ -127,24 +136,10 @@ class EngineCore:
         self.num_reserved_steps = 0  # steps that ran a plan reserved during the step before
         self.num_steps_ahead = 0
         self.num_prompt_steps_ahead = 0  # of those: steps that started waiting prompts
-        # Pushing (needs a heap): pushed prompts done but maybe still in flight, aborted ones.
-        self._pusher = None  # built on the first pushed prompt: a receive-only instance never needs one
-        self._force_segment_puts = force_segment_puts
-        self.draining: list[tuple[Request, torch.cuda.Event | None]] = []
-        self.quiescing: dict[Hashable, torch.cuda.Event] = {}  # aborted: fence after its pushes
         self.token_bytes = self.kv.element_size() * self.kv.numel() // (num_pages * page_size)
         self.pushed_bytes = 0
         self.push_s = 0.0  # wall time of the forwards that pushed (compute included: it overlaps)
-        # Receiving (needs a heap): reservations awaiting their doorbell, rung + started requests.
-        self.leases = None
-        if heap is not None:
-            from disagg.transfer import DoorbellTable
-            self.leases = LeaseBook(DoorbellTable(heap), lease_s, clock)
-        self.ready: list[Request] = []  # rung and started, waiting for a batch slot
-        self._quarantined: dict[Hashable, Request] = {}
-        self.num_doorbells_rung = 0
-        self.num_reservations_cancelled = 0
-        self.doorbell_wait_s = 0.0  # reserve to ring seen, summed over rung reservations (lease clock)
+        self.ready: list[Request] = []  # received: landed and started, waiting for a batch slot
 
     @property
     def running(self) -> list[Request]:
@@ -163,13 +158,14 @@ class EngineCore:
         params = SamplingParams() if params is None else params
         prompt = check_new_request(request_id, prompt_token_ids, params, known=self._known_ids(),
                                    vocab_size=self.model.config.vocab_size, max_model_len=self.max_model_len)
-        if request_id in self.quiescing:  # its abort output must stay unambiguous
+        in_flight = self._sender is not None and self._sender.is_quiescing(request_id)
+        if in_flight:  # its abort output must stay unambiguous
             raise InvalidArgument(f"request_id: {request_id!r} was aborted and its pushes may still be in "
                                   f"flight; expected a new id (or this one again after its abort output)",
                                   argument="request_id")
         size = self.cache.page_size
         if dest is not None:
-            check_dest(request_id, len(prompt), dest, self.heap)
+            check_dest(request_id, len(prompt), dest, self.connector)
             if pages_for(len(prompt), size) > self.cache.num_pages:
                 raise InvalidArgument(f"prompt_token_ids: request {request_id!r} has {len(prompt)} tokens, more than "
                                       f"this cache holds ({self.cache.num_pages} pages of {size})",
@@ -184,23 +180,22 @@ class EngineCore:
         self.scheduler.add(req)
 
     @property
-    def pusher(self):
-        """The `KVPusher` of this engine's pages (None without a heap), built on first use."""
-        if self._pusher is None and self.heap is not None:
-            from disagg.transfer import KVPusher
-            self._pusher = KVPusher(self.heap, self.kv, force_segment_puts=self._force_segment_puts)
-        return self._pusher
+    def sender(self) -> KVSender | None:
+        """The connector's sending side (None without a connector), built on first use."""
+        if self._sender is None and self.connector is not None:
+            self._sender = self.connector.sender
+        return self._sender
 
     def _known_ids(self) -> set:
-        """Ids a new request may not take: live ones and quarantined reservations (an id whose
-        aborted pushes are quiescing gets its own error in `_add`)."""
-        return self.requests.keys() | self._quarantined.keys()
+        """Ids a new request may not take: live ones and open reservations, quarantined ones
+        included (an id whose aborted pushes are quiescing gets its own error in `_add`)."""
+        return self.requests.keys() | (self.receiver.reserved_ids() if self.receiver is not None else set())
 
     # ------------------------------------------------------------------ received requests
     def _reserve(self, request_id: Hashable, prompt_len: int, params: SamplingParams | None,
                  prompt_token_ids: list[int] | None = None) -> RecvDest:
-        """Reserve pages for a prompt's KV and arm its doorbell (see `DecodeEngine.reserve`)."""
-        if self.leases is None:
+        """Reserve pages for a prompt's KV and open its reservation (see `DecodeEngine.reserve`)."""
+        if self.receiver is None:
             raise InvalidArgument(f"reserve: request {request_id!r}: this engine has no symmetric heap, so no "
                                   f"sender can push into it", argument="reserve")
         params = SamplingParams() if params is None else params
@@ -222,16 +217,15 @@ class EngineCore:
         try:
             cmap = self.cache.disagg_prepare_recv(req.seq_id, prompt_len - hit)
             self.cache.end_forward()
-            ticket = self.leases.doorbells.arm(request_id)
+            dest = self.receiver.reserve(request_id, cmap, num_cached_tokens=hit)
         except BaseException:
             self.cache.remove_sequence(req.seq_id)
             raise
-        self.leases.open(request_id, ticket)
         req.num_computed, req.in_cache, req.num_cached_tokens = prompt_len, True, hit
         req.received, req.committed_pages, req.prompt_known = True, total, prompt is not None
         self.scheduler.commit(req)
         self.requests[request_id] = req
-        return RecvDest(request_id, [int(x) for x in cmap], self.heap.rank, ticket, num_cached_tokens=hit)
+        return dest
 
     def _start(self, request_id: Hashable, first_token_id: int) -> None:
         """Hand a received request its first token (see `DecodeEngine.start`)."""
@@ -250,7 +244,7 @@ class EngineCore:
                                   argument="first_token_id")
         if req.append(int(first_token_id), self.max_model_len).finished:
             self._drop(req)
-        elif request_id not in self.leases:
+        elif request_id not in self.receiver:  # landed already
             self.ready.append(req)
 
     def _cancel_reservation(self, dest: RecvDest) -> None:
@@ -259,55 +253,38 @@ class EngineCore:
             raise InvalidArgumentType(f"dest: expected the RecvDest from reserve, got {type(dest).__name__}",
                                       argument="dest")
         request_id = dest.request_id
-        lease = self.leases.get(request_id) if self.leases is not None else None
-        if lease is None:
+        if self.receiver is None or request_id not in self.receiver:
             if request_id in self.requests:
                 raise InvalidArgument(f"dest: the doorbell of request {request_id!r} has rung (its KV landed); "
                                       f"expected a reservation still waiting for it: call abort({request_id!r})",
                                       argument="dest")
             raise InvalidArgument(f"dest: request {request_id!r} has no open reservation here (unknown, or freed "
                                   f"already by its ring, lease expiry or an earlier cancel)", argument="dest")
-        if lease.ticket != dest.ticket:
-            raise InvalidArgument(f"dest.ticket: request {request_id!r}'s open reservation waits on doorbell word "
-                                  f"{lease.ticket.index} epoch {lease.ticket.epoch}, got word {dest.ticket.index} "
-                                  f"epoch {dest.ticket.epoch} (an earlier reservation under the same id)",
-                                  argument="dest.ticket")
-        self.leases.cancel(request_id)
-        req = self._quarantined.pop(request_id, None)
+        req = self.receiver.cancel(dest)  # the quarantined request, or None (raises: another reservation's)
         if req is None:
             req = self.requests.pop(request_id)
             if req in self.ready:
                 self.ready.remove(req)
             self._outputs.append(TokenOutput(request_id, None, True, "abort"))
-        self.num_reservations_cancelled += 1
         self._release_when_safe(req)
 
-    def _close_leases(self, outputs: list[TokenOutput]) -> None:
-        """Rung reservations: started ones get ready to decode; expired ones fail and free."""
-        if self.leases is None or not len(self.leases):
+    def _poll_reservations(self, outputs: list[TokenOutput]) -> None:
+        """Closed reservations: landed and started ones get ready to decode; expired ones fail;
+        quarantined ones (aborted meanwhile) free their pages either way."""
+        if self.receiver is None or not len(self.receiver):
             return
-        rung, expired = self.leases.poll()
-        now = self.leases.clock()
-        for lease in rung:
-            self.num_doorbells_rung += 1
-            self.doorbell_wait_s += max(0.0, now - (lease.deadline - self.leases.lease_s))
-            req = self._quarantined.pop(lease.request_id, None)
-            if req is not None:
+        for closed in self.receiver.poll():
+            if closed.handle is not None:  # quarantined: only its pages waited
+                self._release_when_safe(closed.handle)
+            elif closed.state is KVPoll.LANDED:
+                req = self.requests[closed.request_id]
+                if req.num_output_tokens:
+                    self.ready.append(req)
+            else:
+                req = self.requests.pop(closed.request_id)
+                logger.warning("%s", closed.reason)
+                outputs.append(TokenOutput(closed.request_id, None, True, "error", closed.reason))
                 self._release_when_safe(req)
-            elif self.requests[lease.request_id].num_output_tokens:
-                self.ready.append(self.requests[lease.request_id])
-        for lease in expired:
-            self._expire(lease, outputs)
-
-    def _expire(self, lease: Lease, outputs: list[TokenOutput]) -> None:
-        req = self._quarantined.pop(lease.request_id, None)
-        if req is None:
-            req = self.requests.pop(lease.request_id)
-            message = (f"lease expired: the KV of request {lease.request_id!r} did not land within "
-                       f"{self.leases.lease_s} s (doorbell word {lease.ticket.index} on PE {lease.ticket.pe})")
-            logger.warning("%s", message)
-            outputs.append(TokenOutput(lease.request_id, None, True, "error", message))
-        self._release_when_safe(req)
 
     def _admit_ready(self) -> None:
         """Rung and started requests join the running batch while there is room."""
@@ -342,52 +319,33 @@ class EngineCore:
     def _abort_pushed(self, req: Request) -> PushState:
         del self.requests[req.request_id]
         pushed = req.sending and req.num_computed > req.num_cached_tokens  # some forward pushed part of it
-        if req.sending:
-            self.pusher.detach_doorbell(req.seq_id)
         self.scheduler.remove(req, release=False)
         self._release_when_safe(req)
-        fence = self._fence_pushes() if pushed else None
-        if fence is not None and not fence.query():
-            self.quiescing[req.request_id] = fence
-            return PushState.IN_FLIGHT
-        self._outputs.append(TokenOutput(req.request_id, None, True, "abort"))
-        return PushState.QUIESCED
+        state = self.sender.abort(req.request_id, req.seq_id, pushed=pushed) if req.sending else PushState.QUIESCED
+        if state is PushState.QUIESCED:
+            self._outputs.append(TokenOutput(req.request_id, None, True, "abort"))
+        return state
 
-    def _fence_pushes(self) -> torch.cuda.Event | None:
-        """An event after every push issued so far (None on the CPU: the shm pushes ran inline).
-
-        On CUDA the current stream already waits for each forward's transfer streams (`KVPusher.
-        end_forward`); a quiet completes the segment puts to peers without load/store access.
-        """
-        if not self.kv.is_cuda:
-            return None
-        self.heap.quiet_async()
-        event = torch.cuda.Event()
-        event.record()
-        return event
-
-    def _poll_quiescing(self, outputs: list[TokenOutput]) -> None:
-        """Report the aborts whose pushes have completed since the last step."""
-        for request_id, fence in list(self.quiescing.items()):
-            if fence.query():
-                del self.quiescing[request_id]
-                outputs.append(TokenOutput(request_id, None, True, "abort"))
+    def _poll_aborted(self, outputs: list[TokenOutput]) -> None:
+        """Report the IN_FLIGHT aborts whose pushes have completed since the last step."""
+        if self._sender is not None:
+            outputs.extend(TokenOutput(rid, None, True, "abort") for rid in self._sender.poll_aborted())
 
     def _drop(self, req: Request) -> None:
         """Forget ``req``; free its pages now, once no launched step writes them, or (received,
         KV maybe in flight) once its lease closes. A finished request's KV stays in the prefix
         cache (not an aborted one's, nor a reservation's whose KV may not have landed)."""
+        landing = self.receiver is not None and req.request_id in self.receiver  # its KV may be in flight
         if (req.finish_reason in ("stop", "length") and self.cache.prefix_caching and req.in_cache
-                and req.prompt_known and not (self.leases is not None and req.request_id in self.leases)):
+                and req.prompt_known and not landing):
             self.cache.cache_tokens(req.seq_id, req.token_ids[:req.num_computed])
         del self.requests[req.request_id]
         if req in self.ready:
             self.ready.remove(req)
         self.scheduler.remove(req, release=False)
-        if self.leases is not None and req.request_id in self.leases:
-            self.leases.quarantine(req.request_id)
+        if landing:
             req.committed_pages = 0  # it will not decode: only the pages it holds stay taken
-            self._quarantined[req.request_id] = req
+            self.receiver.quarantine(req.request_id, req)
         else:
             self._release_when_safe(req)
 
@@ -395,17 +353,13 @@ class EngineCore:
         """A pushed prompt is complete: it leaves; its pages go once its pushes have landed."""
         del self.requests[req.request_id]
         self.scheduler.remove(req, release=False)
-        self.draining.append((req, push_done))
+        self.sender.retire(req, push_done)
 
     def _drain(self) -> None:
-        """Free the pages of completed pushed prompts whose pushes and doorbell are done."""
-        keep = []
-        for req, event in self.draining:
-            if event is None or event.query():
+        """Free the pages of completed pushed prompts whose pushes and completion signal are done."""
+        if self._sender is not None:
+            for req in self._sender.poll_retired():
                 self._release_when_safe(req)
-            else:
-                keep.append((req, event))
-        self.draining = keep
 
     def _release_when_safe(self, req: Request) -> None:
         if self._inflight is not None and req.seq_id in self._inflight.seq_ids:
@@ -421,9 +375,10 @@ class EngineCore:
 
     # ------------------------------------------------------------------ queries
     def has_work(self) -> bool:
+        sender = self._sender
         return bool(self.scheduler.has_work() or self._outputs or self._inflight is not None or self._deferred
-                    or self.ready or (self.leases is not None and len(self.leases)) or self.draining
-                    or self.quiescing)
+                    or self.ready or (self.receiver is not None and len(self.receiver))
+                    or (sender is not None and (sender.num_retiring or sender.num_quiescing)))
 
     def load(self) -> InstanceLoad:
         """Pages and batch now, as the router sees them."""
@@ -450,7 +405,7 @@ class EngineCore:
 
     def _warmup(self, *, prompt_len: int | None, decode: bool, max_kv_len: int | None) -> dict[str, float]:
         """Compile the kernels (and capture the decode graphs) while idle: see `ModelRunner.warmup`."""
-        if self.requests or (self.leases is not None and len(self.leases)):
+        if self.requests or (self.receiver is not None and len(self.receiver)):
             raise RuntimeError("warmup: the engine has requests; call it before the first one")
         self._take_reserved()  # a step reserved before the last request ended: nothing to keep
         return self.runner.warmup(self.cache, prompt_len=prompt_len or 1, prefill=prompt_len is not None,
@@ -462,7 +417,7 @@ class EngineCore:
         outputs, self._outputs = self._outputs, []
         self.last_step_shape, self.last_step_prompts = None, ()
         self.last_step_forwards = self.timer.done() if self.timer.enabled else None
-        self._poll_quiescing(outputs)
+        self._poll_aborted(outputs)
         self._drain()
         current, self._inflight = self._inflight, None
         polled = current is None
@@ -470,7 +425,7 @@ class EngineCore:
             current = self._launch_next(outputs)
             if current is None:
                 return outputs
-            self._close_leases(outputs)  # while the GPU runs this step
+            self._poll_reservations(outputs)  # while the GPU runs this step
             self._reserve_next(current.requests)
         if self.async_scheduling:
             self._inflight = self._launch_ahead(current)
@@ -502,7 +457,7 @@ class EngineCore:
         ahead = self._inflight
         if ahead is not None:
             if not polled:
-                self._close_leases(outputs)  # while the step launched ahead runs
+                self._poll_reservations(outputs)  # while the step launched ahead runs
             self._reserve_next([r for r in ahead.sampled if self.requests.get(r.request_id) is r])
         elif self._next is not None and same_requests(self._next.requests, current.sampled):
             self._next.device_ids = current.pending.device_tokens  # row i is request i's next input
@@ -517,8 +472,8 @@ class EngineCore:
             self.num_reserved_steps += 1
             return self._launch_reserved(reserved, reserved.device_ids, step_offset=0)
         batch = self.scheduler.schedule()
-        if not batch and self.leases is not None and len(self.leases):
-            self._close_leases(outputs)
+        if not batch and self.receiver is not None and len(self.receiver):
+            self._poll_reservations(outputs)
             self._admit_ready()
             batch = self.scheduler.schedule()
         return self._launch(batch) if batch else None
@@ -532,7 +487,7 @@ class EngineCore:
         for req in reqs:
             if req.dest is not None and not req.sending:  # entered the cache for this forward
                 self.cache.disagg_mark_send(req.seq_id, req.dest.num_cached_tokens, req.dest.cmap, req.dest.pe)
-                self.pusher.attach_doorbell(req.seq_id, req.dest.ticket)
+                self.sender.attach(req.seq_id, req.dest)
                 req.sending = True
         ids = np.concatenate([np.asarray(r.token_ids[r.num_computed: r.num_computed + n], dtype=np.int64)
                               for r, n in zip(reqs[k:], counts[k:])])
@@ -553,7 +508,7 @@ class EngineCore:
         try:
             offsets = [1 if i < k else 0 for i in rows] if k else 0  # their tokens: not appended yet
             pending = self.runner.execute(plan, ids, np.asarray(rows, dtype=np.int64), sampled,
-                                          pusher=self.pusher if plan.has_transfers else None,
+                                          sender=self.sender if plan.has_transfers else None,
                                           step_offset=offsets, device_prefix=device_ids)
         finally:
             self.cache.end_forward()

@@ -12,8 +12,9 @@ from the symmetric heap. The request path:
 Pages: `reserve` commits the pages of the request's whole life (prompt + max_tokens, capped by
 the context), so a decode step never runs out of pages and never preempts; when the commitment
 does not fit, `reserve` raises `OutOfPages` and the caller queues. Until the doorbell rings the
-pages belong to the sender (`disagg.engine.lease`): an abort quarantines them, a lease expiry
-frees them and fails the request (finish_reason "error"). When the caller knows that no sender
+pages belong to the sender (the connector's receiver holds the reservation under a lease:
+`disagg.transfer.connector.KVReceiver`): an abort quarantines them, a lease expiry frees them
+and fails the request (finish_reason "error"). When the caller knows that no sender
 will write them (the prefill side refused the request or never got it, or its abort reported
 `PushState.QUIESCED`), `cancel_reservation(dest)` frees them at once, quarantined or not.
 
@@ -154,11 +155,12 @@ class DecodeEngine(EngineCore):
         """Pages, requests by state, leases, and doorbell totals: ``doorbell_wait_s`` is the time
         reservations waited for their KV (reserve to the ring seen by a step), summed over the
         ``num_doorbells_rung`` that rang; ``num_reservations_cancelled`` counts `cancel_reservation`."""
+        receiver = self.receiver
         return {**self._core_stats(), "waiting": len(self.requests) - len(self.running),
-                "leases": len(self.leases), "quarantined": len(self._quarantined),
+                "leases": len(receiver), "quarantined": receiver.num_quarantined,
                 "committed_pages": self.num_committed_pages,
-                "num_doorbells_rung": self.num_doorbells_rung, "doorbell_wait_s": self.doorbell_wait_s,
-                "num_reservations_cancelled": self.num_reservations_cancelled}
+                "num_doorbells_rung": receiver.num_landed, "doorbell_wait_s": receiver.wait_s,
+                "num_reservations_cancelled": receiver.num_cancelled}
 
     def warmup(self, max_kv_len: int | None = None, prompt_len: int | None = None) -> dict[str, float]:
         """Compile the decode kernels and capture the graphs before the first request (idle only);

@@ -4,11 +4,13 @@ One per prefill worker process: a configuration of `EngineCore` (`core.py`) whos
 comes from the symmetric heap. A request arrives
 with the decode side's `RecvDest` (compressed map of the reserved slots, PE, doorbell ticket).
 When it is admitted into the local cache, `disagg_mark_send(seq, 0, cmap, pe)` names where every
-prompt token goes and the pusher gets its ticket; then each forward (prompts batched, long ones
-chunked under ``max_num_batched_tokens``) runs
+prompt token goes and the connector's sender is attached to the destination
+(`disagg.transfer.connector.KVSender`); then each forward (prompts batched, long ones chunked
+under ``max_num_batched_tokens``) runs
 
-    plan = cache.begin_forward(...) -> pusher.begin_forward(plan) -> model.forward(..., pusher)
-    -> pusher.end_forward()  (rings the doorbells of prompts this forward completed)
+    plan = cache.begin_forward(...) -> sender.begin_forward(plan) -> model.forward(...), whose
+    attention hands each layer's K/V to sender.save_layer (`AttentionBatch.kv_writer`)
+    -> sender.end_forward()  (rings the doorbells of prompts this forward completed)
 
 so the push of a chunked prompt continues across forwards. A completed prompt yields its first
 sampled token (`TokenOutput`, ``finished`` only when that token already ends the request) and
@@ -106,9 +108,11 @@ class PrefillEngine(EngineCore):
         ``push_gbps`` (their ratio, GB/s: the rate KV leaves this worker while it prefills, a
         lower bound of the link's)."""
         in_cache = sum(r.in_cache for r in self.scheduler.waiting)
+        sender = self._sender
         return {**self._core_stats(), "running": len(self.running) + in_cache,
                 "waiting": len(self.scheduler.waiting) - in_cache,
-                "draining": len(self.draining), "quiescing": len(self.quiescing),
+                "draining": sender.num_retiring if sender is not None else 0,
+                "quiescing": sender.num_quiescing if sender is not None else 0,
                 "pushed_bytes": self.pushed_bytes, "push_s": self.push_s,
                 "push_gbps": self.pushed_bytes / self.push_s / 1e9 if self.push_s else 0.0}
 

@@ -2,11 +2,12 @@
 
 `Request` is the engine-side state of one generation (tokens, how many of them have KV in the
 cache, sampling and stopping rules). `TokenOutput` is one token of one request in a step's
-output list. `RecvDest` is what `DecodeEngine.reserve` returns and `PrefillEngine.add` takes:
-where the prompt's KV must land (picklable; it crosses processes). `check_new_request` is the
-`add`-time validation every engine runs before touching a page (`check_dest`, `check_reserve`:
-a pushed request's destination, a decode reservation). `PushState` is what
-`PrefillEngine.abort` says about the aborted request's pushes. Used by every engine process.
+output list. `check_new_request` is the `add`-time validation every engine runs before touching a
+page (`check_dest`, `check_reserve`: a pushed request's destination, a decode reservation).
+`RecvDest` (what `DecodeEngine.reserve` returns and `PrefillEngine.add` takes: where the prompt's
+KV must land) and `PushState` (what `PrefillEngine.abort` says about the aborted request's pushes)
+are the KV connector's (`disagg.transfer.connector`), importable from here. Used by every engine
+process.
 
 The token life of a request (vLLM v1's "num_computed_tokens" view, no prefill/decode flag):
 
@@ -20,7 +21,6 @@ token to compute". Preemption resets ``num_computed`` to 0 (recompute prompt + o
 
 from __future__ import annotations
 
-import enum
 import itertools
 import random
 from dataclasses import dataclass
@@ -29,7 +29,10 @@ from typing import Hashable, NamedTuple
 from disagg import posmap
 from disagg.errors import InvalidArgument, InvalidArgumentType
 from disagg.sampling import SamplingParams
-from disagg.transfer.doorbell import DoorbellTicket
+from disagg.transfer.connector import PushState, RecvDest  # the connector's; re-exported here
+
+__all__ = ["FINISH_REASONS", "PushState", "RecvDest", "Request", "RequestFactory", "TokenOutput", "check_dest",
+           "check_engine_sizes", "check_fits", "check_new_id", "check_new_request", "check_reserve", "pages_for"]
 
 FINISH_REASONS = (None, "stop", "length", "abort", "error")
 
@@ -52,41 +55,6 @@ class TokenOutput(NamedTuple):
     error: str | None = None
 
 
-class PushState(str, enum.Enum):
-    """Whether an aborted prefill request may still write into its decode pages.
-
-    QUIESCED: no push of it can land anymore (none started, or every one of them completed):
-        the decode side may free its reservation now (`DecodeEngine.cancel_reservation`).
-    IN_FLIGHT: a forward that pushed it may still be writing (GPU transfers not done yet); the
-        prefill engine reports the abort's ``"abort"`` output once they are, and only then is
-        the reservation safe to free.
-    """
-
-    QUIESCED = "quiesced"
-    IN_FLIGHT = "in_flight"
-
-
-@dataclass(frozen=True)
-class RecvDest:
-    """Where a prompt's KV goes: the decode side's reserved slots and its doorbell.
-
-    Attributes:
-        request_id: the request.
-        cmap: compressed position map of the reserved slots, for prompt positions
-            ``num_cached_tokens ..`` (`disagg.posmap` format).
-        pe: the decode worker's PE.
-        ticket: the doorbell the prefill side's pusher rings after the last write.
-        num_cached_tokens: prompt tokens whose KV the decode worker already holds (its prefix
-            cache; whole pages): the prefill side pushes only the positions after them.
-    """
-
-    request_id: Hashable
-    cmap: list[int]
-    pe: int
-    ticket: DoorbellTicket
-    num_cached_tokens: int = 0
-
-
 @dataclass
 class Request:
     """Engine-side state of one request; see the module docstring for the token layout."""
@@ -106,6 +74,7 @@ class Request:
     received: bool = False  # its prompt's KV arrives from a sender into pages reserved here
     committed_pages: int = 0  # pages promised for its whole stay here (pushed, received); 0: none
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it entered the cache
+    num_preemptions: int = 0  # times its pages were freed for it to recompute (vLLM's Request.num_preemptions)
     prompt_known: bool = True  # False: a reservation made without the prompt's ids (placeholders)
     sending: bool = False  # pushed: its send map is marked in the cache
 
@@ -235,15 +204,15 @@ def check_engine_sizes(**sizes: int) -> None:
             raise InvalidArgument(f"{name}: expected an int >= 1, got {value}", argument=name)
 
 
-def check_dest(request_id: Hashable, prompt_len: int, dest: object, heap) -> None:
-    """A pushed request's ``dest`` against this engine's heap and the prompt's length.
+def check_dest(request_id: Hashable, prompt_len: int, dest: object, connector) -> None:
+    """A pushed request's ``dest`` against this engine's KV connector and the prompt's length.
 
     Raises:
-        ValueError / TypeError: no heap, not a RecvDest, another request's, a bad PE, a cached
-            length outside ``[0, prompt_len)``, or a map not of ``prompt_len - num_cached_tokens``
-            slots.
+        ValueError / TypeError: no connector, not a RecvDest, another request's, a receiver the
+            connector cannot send to (`KVConnector.check_dest`), a cached length outside
+            ``[0, prompt_len)``, or a map not of ``prompt_len - num_cached_tokens`` slots.
     """
-    if heap is None:
+    if connector is None:
         raise InvalidArgument(f"dest: request {request_id!r}: this engine has no symmetric heap, so it cannot "
                               f"push KV; expected dest=None", argument="dest")
     if not isinstance(dest, RecvDest):
@@ -252,10 +221,7 @@ def check_dest(request_id: Hashable, prompt_len: int, dest: object, heap) -> Non
     if dest.request_id != request_id:
         raise InvalidArgument(f"dest: reserved for request {dest.request_id!r}, got request {request_id!r}",
                               argument="dest")
-    if not 0 <= dest.pe < heap.world_size or dest.pe == heap.rank or dest.ticket.pe != dest.pe:
-        raise InvalidArgument(f"dest.pe: expected a receiver PE in [0, {heap.world_size}) other than "
-                              f"this one ({heap.rank}) and equal to its ticket's, got {dest.pe} "
-                              f"(ticket PE {dest.ticket.pe})", argument="dest.pe")
+    connector.check_dest(request_id, dest)
     cached = dest.num_cached_tokens
     if isinstance(cached, bool) or not isinstance(cached, int) or not 0 <= cached < prompt_len:
         raise InvalidArgument(f"dest.num_cached_tokens: request {request_id!r} has {prompt_len} prompt "

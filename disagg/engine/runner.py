@@ -112,7 +112,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ steps
     def execute(self, plan: ForwardPlan, input_ids: np.ndarray | list[int] | torch.Tensor,
                 sample_rows: np.ndarray, sample_requests: list[Request], *,
-                pusher=None, step_offset: int | list[int] = 0,
+                sender=None, step_offset: int | list[int] = 0,
                 device_prefix: torch.Tensor | None = None) -> PendingTokens:
         """Run one forward and sample the rows that finished their computation.
 
@@ -121,7 +121,8 @@ class ModelRunner:
             input_ids: ``[T]`` token ids in plan order (host ints, or an int64 device tensor).
             sample_rows: ``[S]`` batch rows whose last new token is sampled.
             sample_requests: the S requests of those rows (their sampling values).
-            pusher: a `KVPusher` for a prefill forward with receivers (begin/end handled here).
+            sender: the KV connector's `KVSender` for a forward with receivers (begin/end handled
+                here; the model writes each layer through it: `AttentionBatch.kv_writer`).
             step_offset: tokens each request will have generated before this one beyond those
                 it holds now (1 for a step launched before the previous step's tokens were
                 appended): keeps seeded draws a function of the token's index; a list: one per
@@ -136,29 +137,29 @@ class ModelRunner:
         host_ids = None if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids, np.int64)
         if device_prefix is not None:  # rows :k come from the device; zeros stand in for them here
             host_ids = np.concatenate([np.zeros(device_prefix.shape[0], np.int64), host_ids])
-        # The whole-forward graph's bucket, first where a pusher asks whether to push after it
+        # The whole-forward graph's bucket, first where a sender asks whether to push after it
         # (a pure-decode step takes the decode graphs before anyone needs it).
-        bucket = self._mixed_bucket(plan, host_ids) if pusher is not None else None
-        after = pusher is not None and self._pushes_after(plan, pusher, bucket)
-        if pusher is not None and not after:
-            pusher.begin_forward(plan)
-            batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
+        bucket = self._mixed_bucket(plan, host_ids) if sender is not None else None
+        after = sender is not None and self._pushes_after(plan, sender, bucket)
+        if sender is not None and not after:
+            sender.begin_forward(plan)  # (applies the plan's fork copies)
+            batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices, kv_writer=sender)
             logits = self.model.forward(self._device_ids(input_ids, host_ids, device_prefix), batch, self.kv,
-                                        pusher=pusher, kv_scales=self.kv_scales, pieces=self._pieces(plan))
-            push_done = pusher.end_forward()
+                                        kv_scales=self.kv_scales, pieces=self._pieces(plan))
+            push_done = sender.end_forward()
         elif self.graphs is not None and device_prefix is None and self.graphs.can_run(plan):
             # Host ids travel with the plan's indices (one staging copy); device ids are copied
             # device to device.
             logits = self.graphs.run(plan, input_ids if host_ids is None else host_ids)
             self.num_graph_replays += 1
-        elif (bucket := bucket if pusher is not None else self._mixed_bucket(plan, host_ids)) is not None:
+        elif (bucket := bucket if sender is not None else self._mixed_bucket(plan, host_ids)) is not None:
             logits = self.mixed_graphs.run(plan, host_ids, bucket, device_prefix=device_prefix)
         else:  # (the model applies the plan's fork copies: `AttentionBatch.fork_src_slots`)
             batch = AttentionBatch.from_plan(plan, self.device, check_indices=self._check_indices)
             logits = self.model.forward(self._device_ids(input_ids, host_ids, device_prefix), batch, self.kv,
                                         kv_scales=self.kv_scales, pieces=self._pieces(plan))
         if after:
-            push_done = pusher.push_written(plan)
+            push_done = sender.save_written(plan)
             self.num_pushes_after += 1
         self.num_forwards += 1
         return self._sample(logits, sample_rows, sample_requests, push_done, step_offset)
@@ -167,7 +168,7 @@ class ModelRunner:
         """The whole-forward graph bucket that runs ``plan`` (None: none; ids only on the device)."""
         return None if self.mixed_graphs is None or host_ids is None else self.mixed_graphs.bucket(plan)
 
-    def _pushes_after(self, plan: ForwardPlan, pusher, bucket: tuple[int, int] | None) -> bool:
+    def _pushes_after(self, plan: ForwardPlan, sender, bucket: tuple[int, int] | None) -> bool:
         """Whether ``plan``'s pushes go after its forward, every layer at once (``push_after``).
 
         A whole-forward graph (a short prompt, a mixed step) cannot push layer by layer, and its
@@ -176,8 +177,8 @@ class ModelRunner:
         eagerly against 10.0 ms graphed (benchmarks/records/headline-h200x2-2026-11-28f/). After
         the graph the push is one copy of the forward's few MiB over NVLink (a 512-token forward
         of an 8B model: 64 MiB, ~0.2 ms); long prompts keep the layer-by-layer overlap. Every
-        pushed token must have a local slot to copy from (`KVPusher.can_push_written`)."""
-        if self.push_after == "never" or not pusher.can_push_written(plan):
+        pushed token must have a local slot to copy from (`KVSender.can_save_written`)."""
+        if self.push_after == "never" or not sender.can_save_written(plan):
             return False
         return self.push_after == "always" or bucket is not None
 

@@ -6,6 +6,11 @@ The model runner (in the engine's process) turns each `disagg.plan.ForwardPlan` 
     batch = AttentionBatch.from_plan(plan, device)      # eager: one host->device copy
     logits = model.forward(input_ids, batch, kv)
 
+A forward whose K/V also go elsewhere (a prefill pushing to decode workers) carries a
+`LayerKVWriter` in ``batch.kv_writer``: each layer's attention hands its new K/V to
+``kv_writer.save_layer`` instead of appending them itself (the KV connector's sender,
+`disagg.transfer.connector.KVSender`, is one; the model knows only this hook).
+
 CUDA graphs need tensors that stay put. A graph runner makes one static decode batch, takes a
 prefix view per batch-size bucket, captures each bucket once, then per step copies the plan in
 and replays the bucket's graph:
@@ -24,6 +29,7 @@ slot -1 (nothing written), sit at position 0: their logits are finite garbage to
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -36,6 +42,19 @@ from disagg.plan import ForwardPlan
 _FIELDS = ("qo_indptr", "page_indptr", "page_indices", "last_page_len", "append_slots",
            "positions", "logits_indices")
 _ALIGN = 4  # int32 elements: 16 bytes
+
+
+class LayerKVWriter(Protocol):
+    """Where a forward's new K/V go instead of the model's own append (`AttentionBatch.kv_writer`).
+
+    The writer's forward has begun before the model runs (it applied the plan's fork copies).
+    """
+
+    def save_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, *, k_scale: Any = None,
+                   v_scale: Any = None) -> None:
+        """Write layer ``layer``'s new K/V (``[T, H_kv, D]`` each, plan order) at the batch's
+        ``append_slots`` (and wherever else they go); on return the current stream may read them
+        from the layer's pages."""
 
 
 @dataclass
@@ -59,8 +78,8 @@ class AttentionBatch:
             (own 16-byte-aligned views, so no slice offset reaches a kernel), or None.
         max_kv_len: the longest sequence's tokens after the append (host int; decode split
             heuristic).
-        fork_src_slots, fork_dst_slots: `[F]` slot copies a fork left pending (applied to every
-            layer before the appends when the forward has no KV pusher), or None.
+        fork_src_slots, fork_dst_slots: `[F]` slot copies a fork left pending, applied to every
+            layer before the appends, or None (none, or ``kv_writer`` applied them).
         check_indices: passed to the kernel launchers (None: their default policy; False: the
             plan was validated on the host, skip the device-to-host check).
         out: decode only: `[B, H_q, D]` attention output buffer (model dtype), or None.
@@ -68,6 +87,8 @@ class AttentionBatch:
             (allocated per call).
         num_splits: the decode rows' splits per sequence, or None (heuristic per call).
         input_ids: static batches only: `[B]` int64 token buffer filled by `copy_from_plan`.
+        kv_writer: writes each layer's new K/V instead of the model's append (`LayerKVWriter`),
+            or None.
     """
 
     qo_indptr: torch.Tensor
@@ -91,6 +112,7 @@ class AttentionBatch:
     prefill_page_indptr: torch.Tensor | None = None
     prefill_page_indices: torch.Tensor | None = None
     prefill_last_page_len: torch.Tensor | None = None
+    kv_writer: LayerKVWriter | None = None
     _static: "_StaticBuffers | None" = field(default=None, repr=False)
 
     @property
@@ -103,7 +125,7 @@ class AttentionBatch:
 
     @classmethod
     def from_plan(cls, plan: ForwardPlan, device: torch.device | str, *,
-                  check_indices: bool | None = None) -> "AttentionBatch":
+                  check_indices: bool | None = None, kv_writer: LayerKVWriter | None = None) -> "AttentionBatch":
         """Copy `plan`'s attention arrays to `device` (one host-to-device copy).
 
         Args:
@@ -111,6 +133,8 @@ class AttentionBatch:
             device: the model's device.
             check_indices: see the attribute; an engine whose plans come from the cache passes
                 False on CUDA to skip the launchers' host syncs.
+            kv_writer: see the attribute; its forward for ``plan`` has begun (so the plan's fork
+                copies are its, not the batch's).
 
         Raises:
             ValueError: an empty plan, or a plan with a sliding-window hole.
@@ -126,12 +150,13 @@ class AttentionBatch:
             arrays.update(_prefill_tables(arrays, num_decodes))
         views = _to_device(arrays, torch.device(device))
         fork_src = fork_dst = None
-        if len(plan.fork_src_slots):
+        if len(plan.fork_src_slots) and kv_writer is None:
             fork_src, fork_dst = (torch.as_tensor(np.asarray(a, dtype=np.int64), device=device)
                                   for a in (plan.fork_src_slots, plan.fork_dst_slots))
         max_kv_len = int(arrays["positions"][arrays["logits_indices"]].max()) + 1
         return cls(**views, is_decode=is_decode, num_decodes=num_decodes, max_kv_len=max_kv_len,
-                   fork_src_slots=fork_src, fork_dst_slots=fork_dst, check_indices=check_indices)
+                   fork_src_slots=fork_src, fork_dst_slots=fork_dst, check_indices=check_indices,
+                   kv_writer=kv_writer)
 
     @classmethod
     def static(cls, max_batch_size: int, max_pages: int, *, num_qo_heads: int, num_kv_heads: int,

@@ -15,9 +15,10 @@ on GPU (`disagg.kernels.fused`, chosen in `disagg.model.layers`).
 
 Attention reads the whole sequence from the pages: `paged_prefill` (causal, ragged) for prompt
 chunks and mixed batches, `paged_decode` (split-K, CUDA-graph capturable) when every sequence
-appends one token. A prefill worker passes its `KVPusher`: each layer's K/V then goes out through
-`push_layer_async` (local pages and the receivers' in one pass) and attention waits for the
-local write with `wait_layer`.
+appends one token. A forward whose K/V also go elsewhere (a prefill worker pushing to decode
+workers) carries a writer in ``batch.kv_writer`` (`disagg.model.batch.LayerKVWriter`): each
+layer's K/V then goes to ``kv_writer.save_layer`` (local pages and the receivers' in one pass)
+instead of the model's own append, and attention reads the local pages once it returns.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from disagg.settings import Settings, active
 
 if TYPE_CHECKING:
     from disagg.model.tokenizer import Tokenizer
-    from disagg.transfer import KVPusher
 
 KVScales = tuple[Any, Any]  # (k_scale, v_scale): floats or 1-element float32 device tensors
 
@@ -92,17 +92,15 @@ class Model:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor, *,
-                pusher: "KVPusher | None" = None, kv_scales: KVScales | None = None,
-                pieces: Any = None) -> torch.Tensor:
+                kv_scales: KVScales | None = None, pieces: Any = None) -> torch.Tensor:
         """Run the new tokens of one batch; append their K/V; return each sequence's logits.
 
         Args:
             input_ids: `[T]` int64 on `device`, all new tokens in plan order.
-            batch: the forward's `AttentionBatch` (T tokens, B sequences).
+            batch: the forward's `AttentionBatch` (T tokens, B sequences); with a
+                ``batch.kv_writer`` each layer's K/V are written through it.
             kv: `[L, N, 2, H_kv, P, D]` of the model's dtype, or float8_e4m3fn (then
                 `kv_scales` or 1.0 for both); written in place at `batch.append_slots`.
-            pusher: a `KVPusher` whose forward for this plan has begun (it applied the fork
-                copies); it writes each layer's K/V locally and to the receivers.
             kv_scales: fp8 caches only: (k_scale, v_scale), one per tensor for all layers.
             pieces: runs the parts between attentions (`EagerPieces` when None; the engine's
                 prompt graphs pass a `disagg.engine.prompt_graphs.GraphPieces`).
@@ -115,11 +113,11 @@ class Model:
         """
         self._check_inputs(input_ids, batch, kv, kv_scales)
         with active(self.settings), preferred_blas(self.device, input_ids.shape[0]):
-            return self._forward(input_ids, batch, kv, pusher, kv_scales, pieces)
+            return self._forward(input_ids, batch, kv, kv_scales, pieces)
 
     def _forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor,
-                 pusher: "KVPusher | None", kv_scales: KVScales | None, pieces: Any = None) -> torch.Tensor:
-        if pusher is None and batch.fork_src_slots is not None:
+                 kv_scales: KVScales | None, pieces: Any = None) -> torch.Tensor:
+        if batch.fork_src_slots is not None:
             copy_slots(kv, batch.fork_src_slots, kv, batch.fork_dst_slots,
                        check_indices=batch.check_indices)
         k_scale, v_scale = kv_scales if kv_scales is not None and kv.dtype == FP8_DTYPE else (None, None)
@@ -128,7 +126,7 @@ class Model:
         qkv = pieces.embed(input_ids)
         for index, layer in enumerate(self.weights.layers):
             o = pieces.attention_out(index, batch)
-            self._attention(index, layer, qkv, cos, sin, batch, kv[index], pusher, k_scale, v_scale, o)
+            self._attention(index, layer, qkv, cos, sin, batch, kv[index], k_scale, v_scale, o)
             qkv = pieces.between(index, o)
         hidden, residual = qkv, pieces.residual
         # Only each sequence's last token reaches the head: gather, then add and norm those rows.
@@ -172,7 +170,7 @@ class Model:
 
     def _attention(self, index: int, layer: LayerWeights, qkv: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch: AttentionBatch, kv_layer: torch.Tensor,
-                   pusher: "KVPusher | None", k_scale: Any, v_scale: Any, out: torch.Tensor) -> None:
+                   k_scale: Any, v_scale: Any, out: torch.Tensor) -> None:
         """Self-attention of one layer over the paged cache: qkv `[T, (H_q + 2 H_kv) * D]` -> ``out``
         `[T, H_q * D]` (the o projection follows in `piece_between`)."""
         c = self.config
@@ -180,18 +178,18 @@ class Model:
         # Every layer's launches take tensors of the first layer's shapes, dtypes and strides: the
         # launchers check them for layer 0 only (~75 us of host time per layer otherwise).
         check_args = index == 0
-        if pusher is None and use_rope_append(qkv, kv_layer):
+        writer = batch.kv_writer
+        if writer is None and use_rope_append(qkv, kv_layer):
             q = rope_append(qkv, cos, sin, kv_layer, batch.append_slots, c.num_qo_heads,
                             check_indices=batch.check_indices, check_args=check_args)
         else:
             # q and k heads are adjacent in qkv: one RoPE over both, then views (strided k is
-            # fine for append_kv / the pusher; attention only needs head_dim contiguous).
+            # fine for append_kv / the writer; attention only needs head_dim contiguous).
             qk = apply_rope(qkv[:, :c.q_size + c.kv_size].view(num_tokens, -1, c.head_dim), cos, sin)
             q, k = qk[:, :c.num_qo_heads], qk[:, c.num_qo_heads:]
             v = qkv[:, c.q_size + c.kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
-            if pusher is not None:
-                pusher.push_layer_async(index, k, v, k_scale=k_scale, v_scale=v_scale)
-                pusher.wait_layer(index)
+            if writer is not None:
+                writer.save_layer(index, k, v, k_scale=k_scale, v_scale=v_scale)
             else:
                 append_kv(k, v, kv_layer, batch.append_slots, k_scale=k_scale, v_scale=v_scale,
                           check_indices=batch.check_indices)

@@ -38,6 +38,6 @@ class SlowFenceActor(HookedInstanceActor):
         stats = await super().build_engine(num_pages)
         if self.role == "prefill":
             def slow_fence() -> None:
-                self.loop.engine._fence_pushes = lambda: TimedFence(FENCE_S)
+                self.loop.engine.sender.fence = lambda: TimedFence(FENCE_S)  # the KV connector's sender
             await self._run(slow_fence)
         return stats

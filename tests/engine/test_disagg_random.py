@@ -83,7 +83,7 @@ def test_random_traffic(tiny_model, torch_reference, seed, async_scheduling):
             pump(prefill, decode, tokens, ended)
         assert_all_free(prefill)
         assert_all_free(decode)
-        assert decode.stats()["committed_pages"] == 0 and decode.leases.doorbells.num_armed == 0
+        assert decode.stats()["committed_pages"] == 0 and decode.receiver.num_armed == 0
         assert (decode.stats()["num_steps_ahead"] > 0) == async_scheduling
         finished = [rid for rid, reason in ended.items() if reason == "length"]
         reasons = sorted(ended.values())

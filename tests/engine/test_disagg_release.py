@@ -83,8 +83,8 @@ def test_refused_add_frees_the_reservation_at_once(engines):
         prefill.add("x", [1, 2, 10**6], GREEDY, dest)  # a token id outside the vocabulary
     decode.cancel_reservation(dest)  # the prefill side never took it: no sender
     assert [(o.request_id, o.token_id, o.finish_reason) for o in decode.step()] == [("x", None, "abort")]
-    assert decode.stats()["num_reservations_cancelled"] == 1 and len(decode.leases) == 0
-    assert decode.leases.doorbells.num_armed == 0
+    assert decode.stats()["num_reservations_cancelled"] == 1 and len(decode.receiver) == 0
+    assert decode.receiver.num_armed == 0
     assert not decode.has_work()
     assert_all_free(decode)
 
@@ -110,7 +110,7 @@ def test_abort_before_any_push_is_quiesced(engines, tiny_model):
     decode.cancel_reservation(dests["a"])  # a live reservation: it ends here too
     assert [(o.request_id, o.finish_reason) for o in decode.step()] == [(r, "abort") for r in ("c", "q", "a")]
     assert_all_free(decode)
-    assert decode.leases.doorbells.num_armed == 0
+    assert decode.receiver.num_armed == 0
     # The freed pages serve the next request correctly.
     assert serve(prefill, decode, "a2", PROMPTS["a"]) == reference_greedy(tiny_model, PROMPTS["a"], 6)
     assert_all_free(prefill)
@@ -122,7 +122,7 @@ def test_abort_mid_push_keeps_pages_until_the_forward_completed(engines, monkeyp
     dest = send(prefill, decode, "a")
     prefill.step()  # 5 of 11 tokens pushed into decode's pages
     fence = FakeFence()  # that forward's transfers have not completed (as on a GPU)
-    monkeypatch.setattr(prefill, "_fence_pushes", lambda: fence)
+    monkeypatch.setattr(prefill.sender, "fence", lambda: fence)
     assert prefill.abort("a") is PushState.IN_FLIGHT
     assert decode.abort("a") and decode.stats()["quarantined"] == 1
     with pytest.raises(ValueError, match="may still be in flight"):

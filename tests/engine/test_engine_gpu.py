@@ -209,6 +209,8 @@ class _OnePEHeap:
     """Plain device memory and host signal words: a decode engine whose doorbells the test rings
     (no transfer here; the KV pages hold zeros, the same for both runs compared)."""
 
+    backend = "shm"  # its engine's KV connector: the symmetric heaps' (`disagg.transfer.registry`)
+
     def __init__(self, device, num_signals: int = 64) -> None:
         import numpy as np
 

@@ -124,39 +124,37 @@ def test_fp8_kv_cache_close_to_fp32(tiny, reference_kernels):
     assert torch.equal(fp8.argmax(-1), exact.argmax(-1))
 
 
-class RecordingPusher:
-    """Stands in for a KVPusher: appends locally (as the real one does) and records the calls."""
+class RecordingWriter:
+    """A `LayerKVWriter` that records its calls and appends locally (what a sender does, minus
+    the receivers)."""
 
     def __init__(self, kv):
         self.kv = kv
         self.calls = []
 
-    def push_layer_async(self, layer, k, v, *, k_scale=None, v_scale=None):
-        self.calls.append(("push", layer, tuple(k.shape), tuple(v.shape)))
+    def save_layer(self, layer, k, v, *, k_scale=None, v_scale=None):
+        self.calls.append(("save", layer, tuple(k.shape), tuple(v.shape)))
         from disagg.kernels import append_kv
 
         append_kv(k, v, self.kv[layer], self.slots)
 
-    def wait_layer(self, layer):
-        self.calls.append(("wait", layer))
 
-
-def test_pusher_gets_every_layer_in_order(tiny, reference_kernels):
-    """With a pusher, each layer's K/V go through push_layer_async then wait_layer (no local
-    append by the model), and the logits equal a forward without one."""
+def test_kv_writer_gets_every_layer_in_order(tiny, reference_kernels):
+    """With a writer on the batch (`AttentionBatch.kv_writer`), each layer's K/V go through its
+    save_layer, in layer order (no local append by the model), and the logits equal a forward
+    without one."""
     expected = PagedRunner(tiny).prefill(PROMPTS)
     runner = PagedRunner(tiny)
-    pusher = RecordingPusher(runner.kv)
+    writer = RecordingWriter(runner.kv)
     for seq in range(len(PROMPTS)):
         runner.cache.add_sequence(seq)
     plan = runner.cache.begin_forward([0, 1, 2], [len(p) for p in PROMPTS])
-    pusher.slots = torch.from_numpy(plan.append_slots)
-    batch = AttentionBatch.from_plan(plan, "cpu")
-    logits = tiny.forward(torch.tensor(sum(PROMPTS, [])), batch, runner.kv, pusher=pusher)
+    writer.slots = torch.from_numpy(plan.append_slots)
+    batch = AttentionBatch.from_plan(plan, "cpu", kv_writer=writer)
+    logits = tiny.forward(torch.tensor(sum(PROMPTS, [])), batch, runner.kv)
     runner.cache.end_forward()
     num_tokens = sum(map(len, PROMPTS))
-    assert pusher.calls == [call for layer in range(2) for call in (
-        ("push", layer, (num_tokens, 2, 16), (num_tokens, 2, 16)), ("wait", layer))]
+    assert writer.calls == [("save", layer, (num_tokens, 2, 16), (num_tokens, 2, 16)) for layer in range(2)]
     torch.testing.assert_close(logits, expected, atol=1e-6, rtol=1e-6)
 
 

@@ -1,22 +1,22 @@
-"""Leases of a decode worker's reservations: pages a remote sender may still be writing.
+"""Leases of a receiver's reservations: pages a remote sender may still be writing.
 
-`DecodeEngine.reserve` gives a request pages and a doorbell; until that doorbell rings, the
-prefill side may be writing those pages, so they must not be handed to anyone else, whatever
-happens to the request (abort, error). A `Lease` records the reservation and its deadline
-(``lease_s`` after `reserve`). `LeaseBook.poll` reports the leases whose doorbell rang (the KV
-has landed: the pages are the request's own again) and the leases that expired (the sender is
-presumed gone: the pages can be freed and the request, if still wanted, fails). An aborted
-request whose lease is still open is *quarantined*: its pages stay reserved until one of the two,
-or until the caller asserts that no sender will write them (`cancel`: the prefill side refused
-the request, never got it, or reported its aborted pushes complete).
-Pure host bookkeeping, run inside the decode engine's step.
+`KVReceiver.reserve` gives a request's pages to a sender along with a doorbell; until that
+doorbell rings, the prefill side may be writing those pages, so they must not be handed to anyone
+else, whatever happens to the request (abort, error). A `Lease` records the reservation and its
+deadline (``lease_s`` after the reserve). `LeaseBook.poll` reports the leases whose doorbell rang
+(the KV has landed: the pages are the request's own again) and the leases that expired (the
+sender is presumed gone: the pages can be freed and the request, if still wanted, fails). An
+aborted request whose lease is still open is *quarantined*: its pages stay reserved until one of
+the two, or until the caller asserts that no sender will write them (`cancel`: the prefill side
+refused the request, never got it, or reported its aborted pushes complete).
+Pure host bookkeeping, run inside the receiving engine's step (`heap_connector.HeapReceiver`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 from disagg.transfer.doorbell import DoorbellTable, DoorbellTicket
 
@@ -30,19 +30,21 @@ class Lease:
         ticket: its doorbell.
         deadline: clock time after which its pages are released.
         quarantined: the request was aborted; only the pages wait for the ring or the deadline.
+        handle: what the quarantine was given (handed back when the lease closes).
     """
 
     request_id: Hashable
     ticket: DoorbellTicket
     deadline: float
     quarantined: bool = False
+    handle: Any = None
 
 
 class LeaseBook:
-    """Open leases of one decode engine.
+    """Open leases of one receiver.
 
     Args:
-        doorbells: the engine's doorbell table (tickets are armed by the engine, released here).
+        doorbells: the receiver's doorbell table (tickets are armed by the receiver, released here).
         lease_s: seconds a reservation may wait for its ring.
         clock: monotonic clock (tests pass a fake one).
     """
@@ -62,6 +64,9 @@ class LeaseBook:
     def __len__(self) -> int:
         return len(self._leases)
 
+    def ids(self) -> set[Hashable]:
+        return set(self._leases)
+
     @property
     def num_quarantined(self) -> int:
         return sum(lease.quarantined for lease in self._leases.values())
@@ -75,9 +80,10 @@ class LeaseBook:
         self._leases[request_id] = lease
         return lease
 
-    def quarantine(self, request_id: Hashable) -> None:
+    def quarantine(self, request_id: Hashable, handle: Any = None) -> None:
         """The request is gone, but its pages wait for the ring or the deadline."""
-        self._leases[request_id].quarantined = True
+        lease = self._leases[request_id]
+        lease.quarantined, lease.handle = True, handle
 
     def poll(self) -> tuple[list[Lease], list[Lease]]:
         """Close the leases that rang and those that expired; release their doorbells.
@@ -101,8 +107,9 @@ class LeaseBook:
             self.doorbells.release(lease.ticket)
         return rung, expired
 
-    def cancel(self, request_id: Hashable) -> None:
+    def cancel(self, request_id: Hashable) -> Lease:
         """Close a lease that no sender will ring: its reservation was undone before its ticket
         left this process, or the caller vouches that the sender stopped (see the module)."""
         lease = self._leases.pop(request_id)
         self.doorbells.release(lease.ticket)
+        return lease
