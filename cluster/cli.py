@@ -19,14 +19,61 @@ from typing import Annotated, Optional
 
 import typer
 
-from disagg.cluster.cli_common import (EXIT_RUNTIME, ConfigArg, Interrupted, LogLevelOpt, ReadableCommand, SetOpt,
-                                       VerboseOpt, interrupts_exit, launch_or_exit, load_config, setup_logging)
+from disagg.cluster.cli_common import (EXIT_RUNTIME, ConfigArg, Interrupted, LogLevelOpt, ReadableCommand,
+                                       ReadableGroup, SetOpt, VerboseOpt, interrupts_exit, launch_or_exit, load_config,
+                                       setup_logging)
 from disagg.cluster.generate_command import generate_command, stream_to_stdout  # noqa: F401  (demo.py)
 from disagg.config import Config
 from disagg.errors import DisaggError
 
-app = typer.Typer(name="disagg", no_args_is_help=True, add_completion=False,
-                  help="Disaggregated prefill/decode LLM serving on Ray: one YAML file per deployment.")
+# Per verb: its one line in `disagg --help` (short: one line at 60 columns) and the example
+# command lines its own --help ends with, printed as written (a " \\" line goes on; 70
+# columns at most). tests/cluster/test_cli.py parses each example with its verb.
+VERBS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "launch": ("Run CONFIG's fleet (and its API) until Ctrl-C", (
+        "disagg launch configs/tiny-1p1d.yaml",
+        "disagg launch configs/smollm2-1p1d.yaml --serve")),
+    "check": ("Preflight CONFIG's fleet, then stop", (
+        "disagg check configs/llama3-8b-1p1d.yaml",
+        "disagg check configs/tiny-1p1d.yaml --set cache.num_pages=512")),
+    "generate": ("Stream answers to prompts on CONFIG's fleet", (
+        "disagg generate configs/smollm2-1p1d.yaml --max-tokens 32 \\\n"
+        "    --prompt \"Name three prime numbers.\"",
+        "disagg generate configs/tiny-1p1d.yaml --prompt-ids 1,2,3,4 --max-tokens 8")),
+    "bench": ("Measure serving at the client; compare fleets", (
+        "disagg bench configs/tiny-1p1d.yaml --compare configs/tiny-colocated.yaml",
+        "disagg bench configs/llama3-8b-1p1d.yaml --dataset-name chat \\\n"
+        "    --request-rate 2,4,8 --goodput ttft:2000 tpot:100",
+        "disagg bench configs/llama3-8b-1p1d.yaml \\\n"
+        "    --set scheduler.max_num_batched_tokens=2048",
+        "disagg bench --base-url http://127.0.0.1:8000 --num-prompts 100")),
+    "serve": ("Serve the OpenAI API on CONFIG's fleet", (
+        "disagg serve configs/smollm2-1p1d.yaml --port 8000",)),
+    "profile": ("Time an instance's steps into a profile JSON", (
+        "disagg profile configs/llama3-8b-1gpu-colocated.yaml --out profile.json",
+        "disagg profile configs/tiny-colocated.yaml --small-grid --out tiny.json")),
+    "simulate": ("Simulate CONFIG's fleet from a profile", (
+        "disagg simulate configs/llama3-8b-2p2d.yaml --profile profile.json \\\n"
+        "    --dataset-name chat --request-rate 8,16",)),
+    "plan": ("Rank N-GPU deployments by simulated goodput", (
+        "disagg plan --profile profile.json --dataset-name chat \\\n"
+        "    --goodput ttft:2000 tpot:100 --gpus 8 --out best.yaml",
+        "disagg plan --profile profile.json --dataset-name chat \\\n"
+        "    --goodput ttft:2000 tpot:100 --gpus 64 --jobs 8 \\\n"
+        "    --only 56P8D,56P8D-adaptive")),
+}
+
+
+def verb(name: str) -> dict[str, str]:
+    """`app.command`'s short_help and epilog (the examples: `ReadableCommand.format_epilog`) of a verb."""
+    short_help, examples = VERBS[name]
+    return {"short_help": short_help, "epilog": "\n".join(examples)}
+
+
+app = typer.Typer(name="disagg", no_args_is_help=True, add_completion=False, cls=ReadableGroup,
+                  rich_markup_mode=None,  # click's layout (ReadableFormatter): rich cut words at 80 columns
+                  help="Disaggregated prefill/decode LLM serving on Ray: one YAML file per deployment.",
+                  epilog="Run 'disagg VERB --help' for a verb's options and examples.")
 
 
 def version_text() -> str:
@@ -87,7 +134,7 @@ def status_line(stats: dict) -> str:
     return f"{time.strftime('%H:%M:%S')} | " + " | ".join(parts) + f" | queued {router.get('queued', 0)} | {counts}"
 
 
-@app.command(cls=ReadableCommand)
+@app.command(cls=ReadableCommand, **verb("launch"))
 def launch(config: ConfigArg, set_: SetOpt = None,
            status_every_s: Annotated[float, typer.Option(metavar="SECONDS", help="seconds between status lines")] = 5.0,
            serve: Annotated[bool, typer.Option(
@@ -130,7 +177,7 @@ def _serve(config: Config, log_level: str) -> None:
     typer.echo("shutting down")
 
 
-@app.command(cls=ReadableCommand)
+@app.command(cls=ReadableCommand, **verb("check"))
 def check(config: ConfigArg, set_: SetOpt = None, log_level: LogLevelOpt = None, verbose: VerboseOpt = False) -> None:
     """Run the preflight of CONFIG (load weights, compare geometry, size pages, bootstrap the heap), then stop.
 
@@ -148,7 +195,7 @@ def check(config: ConfigArg, set_: SetOpt = None, log_level: LogLevelOpt = None,
             cluster.shutdown()
 
 
-app.command("generate", cls=ReadableCommand)(generate_command)
+app.command("generate", cls=ReadableCommand, **verb("generate"))(generate_command)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,16 +205,16 @@ app.command("generate", cls=ReadableCommand)(generate_command)
 # ---------------------------------------------------------------------------------------------
 
 from disagg.cluster.bench.command import BenchCommand, bench_command  # noqa: E402  (bench owns its command)
-app.command("bench", cls=BenchCommand)(bench_command)
+app.command("bench", cls=BenchCommand, **verb("bench"))(bench_command)
 
 from disagg.cluster.serve.command import serve_command  # noqa: E402  (serve owns its command)
-app.command("serve", cls=ReadableCommand)(serve_command)
+app.command("serve", cls=ReadableCommand, **verb("serve"))(serve_command)
 
 from disagg.cluster.simulate.command import (greedy_class, plan_command, profile_command,  # noqa: E402
                                              simulate_command)
-app.command("profile", cls=ReadableCommand)(profile_command)  # the simulator owns its verbs
-app.command("simulate", cls=greedy_class())(simulate_command)
-app.command("plan", cls=greedy_class())(plan_command)
+app.command("profile", cls=ReadableCommand, **verb("profile"))(profile_command)  # the simulator owns its verbs
+app.command("simulate", cls=greedy_class(), **verb("simulate"))(simulate_command)
+app.command("plan", cls=greedy_class(), **verb("plan"))(plan_command)
 
 
 if __name__ == "__main__":  # python -m disagg.cluster.cli (hosts without the console script)

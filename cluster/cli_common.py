@@ -1,7 +1,7 @@
 """What every `disagg` verb shares: exit codes, the CONFIG/--set/--log-level options, config loading,
 logging set-up (disagg's, the actors' and Ray's), fleet launch and the Ctrl-C/SIGTERM exit.
 
-Exit status of every verb (the README's CLI section has the same table):
+Exit status of every verb (docs/serving.md's "Logs and exit status" has the same table):
 
     0    done; `launch` / `serve` stopped by Ctrl-C or SIGTERM (their normal end)
     1    runtime failure: the preflight or fleet launch failed, a port cannot be bound, a request failed
@@ -15,9 +15,12 @@ launching process.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import re
 import signal
+import textwrap
 import threading
 from contextlib import contextmanager
 from enum import Enum
@@ -27,7 +30,7 @@ from typing import Annotated, Any, Iterator, Optional
 import click
 import typer
 import yaml
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 from disagg.config import Config
 from disagg.errors import ConfigError, DisaggError
@@ -79,10 +82,75 @@ METAVARS = {"str": "TEXT", "int": "N", "int range": "N", "float": "X", "float ra
             "path": "PATH", "file": "PATH", "dir": "DIR", "bool": ""}
 
 
+_FLAG_AND_VALUE = re.compile(r"(?<!\S)(--[a-z][a-z0-9-]*) (?=\S)")
+
+
+def wrap_whole_words(text: str, width: int, indent: str = "") -> list[str]:
+    """``text``'s paragraphs (split at blank lines) filled to ``width`` columns, each line starting
+    with ``indent``, without ever cutting a word: a word longer than the line (a path, a flag, a
+    dotted override) runs past it whole, a hyphen is not a break, and a ``--flag`` stays on the line
+    of the word after it (``--set scheduler.max_num_batched_tokens=2048`` reads as one piece). A
+    paragraph whose first line is ``\\b`` is kept as written, line for line (click's convention)."""
+    wrapper = textwrap.TextWrapper(max(1, width - len(indent)), break_long_words=False,
+                                   break_on_hyphens=False)
+    out: list[str] = []
+    for paragraph in [p for p in text.split("\n\n") if p.strip()]:
+        lines = paragraph.splitlines()
+        out += [""] if out else []
+        if lines[0].strip() == "\b":
+            out += [indent + line for line in lines[1:]]
+            continue
+        glued = _FLAG_AND_VALUE.sub("\\1\0", " ".join(lines))  # a NUL: no break there; a space again below
+        out += [indent + line.replace("\0", " ") for line in wrapper.wrap(glued)]
+    return out
+
+
+class ReadableFormatter(click.HelpFormatter):
+    """click's help layout (`disagg` runs typer without rich: ``rich_markup_mode=None``) with every
+    piece of text filled by `wrap_whole_words`: no word of a help text, no example, is cut at any
+    terminal width (rich cut them with an ellipsis in an 80-column options table)."""
+
+    def write_text(self, text: str) -> None:
+        indent = " " * self.current_indent
+        self.write("\n".join(wrap_whole_words(text, self.width, indent)) + "\n")
+
+    def write_dl(self, rows: Any, col_max: int = 30, col_spacing: int = 2) -> None:
+        rows = list(rows)
+        first_col = min(max((len(first) for first, _ in rows), default=0), col_max) + col_spacing
+        pad = " " * (self.current_indent + first_col)
+        for first, second in rows:
+            self.write(" " * self.current_indent + first)
+            if not second:
+                self.write("\n")
+                continue
+            self.write(" " * (first_col - len(first)) if len(first) <= first_col - col_spacing else "\n" + pad)
+            lines = [line.lstrip() for line in wrap_whole_words(second, max(self.width - first_col - 2, 10))]
+            self.write(("\n" + pad).join(lines) + "\n")
+
+
+class ReadableContext(typer.Context):
+    formatter_class = ReadableFormatter
+
+
+class ReadableGroup(TyperGroup):
+    """The `disagg` group: its help through `ReadableFormatter` (one line per verb: each verb's
+    ``short_help``)."""
+
+    context_class = ReadableContext
+
+
 class ReadableCommand(TyperCommand):
     """A typer command whose help names values as users read them (PATH, TEXT, N) where typer 0.29
-    prints Python types (``<list[str]>``, ``<bool>``), and shows on/off flags bare. Register every
-    verb with ``cls=ReadableCommand`` (or a subclass)."""
+    prints Python types (``<list[str]>``, ``<bool>``), and shows on/off flags bare; its help is laid
+    out by `ReadableFormatter`, and its epilog is the verb's example command lines, printed as
+    written under "Examples:". Register every verb with ``cls=ReadableCommand`` (or a subclass)."""
+
+    context_class = ReadableContext
+
+    def format_epilog(self, ctx: Any, formatter: Any) -> None:
+        if self.epilog:
+            with formatter.section("Examples"):
+                formatter.write_text("\b\n" + inspect.cleandoc(self.epilog))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -4,15 +4,17 @@ Pure functions over the dicts `engines.describe` and the heap bootstrap return, 
 tested without Ray: every instance loaded the same model with the same KV geometry; the pages
 that fit in memory (or the configured number) hold at least one sequence of the context limit;
 every decode PE is load/store reachable from every prefill PE, or the pair takes the segment-put
-path (said once in the log). Called by `disagg.cluster.bootstrap` in the launching process.
+path (said once in the log). One check runs before Ray starts, over the config alone
+(`check_model_source`). Called by `disagg.cluster.bootstrap` in the launching process.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
-from disagg.config import Config
+from disagg.config import DUMMY_PREFIX, SMOLLM2_SOURCE, Config
 from disagg.errors import PreflightError
 
 logger = logging.getLogger(__name__)
@@ -31,6 +33,57 @@ class CacheSizing:
     num_pages: int
     page_bytes: int
     max_model_len: int
+
+
+def check_model_source(config: Config) -> None:
+    """Before Ray starts: ``model.source`` is a known preset, or a model directory this host reads.
+
+    The instances read the source again when they load it; checked here, a wrong path fails at
+    once instead of after Ray's start-up and the actors' placement. Instances of a joined cluster
+    (``cluster.address`` set) may run on hosts whose copy this one lacks: there a directory
+    missing here is said in the log and left to them.
+
+    Raises:
+        PreflightError: an unknown preset; a directory that is missing (Ray to start here), has no
+            readable config.json, holds an architecture the model cannot run, or no *.safetensors.
+    """
+    from disagg.model.config import ModelConfig
+    from disagg.model.errors import ModelError
+    from disagg.model.presets import PRESETS
+    from disagg.model.weights import INDEX_FILE
+
+    source = config.model.source
+    if source == SMOLLM2_SOURCE:  # a conversion built by the launch itself (bootstrap.resolve_source)
+        return
+    if source.startswith(DUMMY_PREFIX):
+        if source[len(DUMMY_PREFIX):] not in PRESETS:
+            raise PreflightError(f"model.source {source!r}: unknown preset; expected one of "
+                                 f"{', '.join(DUMMY_PREFIX + name for name in sorted(PRESETS))}")
+        return
+    try:
+        model_dir = Path(source).expanduser()
+        if not model_dir.is_dir():
+            _missing_source(config, model_dir)
+            return
+        ModelConfig.from_dir(model_dir)
+    except ModelError as err:
+        raise PreflightError(f"model.source {source!r}: {err}") from None
+    if not (model_dir / INDEX_FILE).is_file() and not any(model_dir.glob("*.safetensors")):
+        raise PreflightError(f"model.source {source!r}: {model_dir} has no *.safetensors files (nor "
+                             f"{INDEX_FILE}); an HF model directory holds config.json and its weights")
+
+
+def _missing_source(config: Config, model_dir: Path) -> None:
+    source = config.model.source
+    where = "" if model_dir.is_absolute() else f" ({model_dir.absolute()}: a relative path is read next to the " \
+        "config, else in the working directory)"
+    what = "no such directory" if not model_dir.exists() else "not a directory"
+    if config.cluster.address is not None:
+        logger.warning("model.source %r: %s on this host%s; the instances on the cluster's nodes read it there",
+                       source, what, where)
+        return
+    raise PreflightError(f"model.source {source!r}: {what}{where}; expected an HF model directory (config.json "
+                         f"+ *.safetensors), '{DUMMY_PREFIX}<preset>' or '{SMOLLM2_SOURCE}'")
 
 
 def check_same_model(names: list[str], infos: list[dict]) -> None:

@@ -23,7 +23,7 @@ per region, the engine's sizes (pages, KV bytes per token for push times) and wh
 measured (device, dtype, model, commit). `disagg simulate` and `disagg plan` read it
 (docs/ARCHITECTURE.md §11). Runs in the CLI process; no Ray, no heap.
 
-Version 1 profiles (before the model had attention-pair, mixed-step, eager-context and knee
+Version 1 profiles (a model without the attention-pair, mixed-step, eager-context and knee
 terms) still load: their 5 coefficients predict what they did (`StepTimeModel.from_dict`), and `disagg
 profile --refit OLD.json --out NEW.json` refits them on the CPU from their own samples, whose
 attention pairs `replayed_prompt_pairs` derives by replaying the grid's prompts (`refit_profile`).
@@ -222,7 +222,8 @@ def run_profile(config: Config, grid: Grid = Grid(), engine_and_info: tuple[Any,
                    "max_num_seqs": max_seqs, "max_num_batched_tokens": budget, "max_model_len": max_len,
                    "kv_bytes_per_token": int(engine.token_bytes), "vocab_size": int(info["vocab_size"]),
                    "eos_token_ids": info["eos_token_ids"],
-                   "async_scheduling": bool(served_async)},
+                   "async_scheduling": bool(served_async), "cuda_graphs": config.scheduler.cuda_graphs,
+                   "num_layers": config.model.num_layers},  # these two: `disagg plan`'s YAML, as profiled
         "grid": asdict(grid),
         "sample_fields": SAMPLE_FIELDS,
         "samples": rec.samples,

@@ -125,9 +125,12 @@ class PagedKVCache:
         return self._num_evictable()
 
     def prefix_stats(self) -> dict[str, int]:
-        """Prompt tokens looked up and found by `add_sequence(prefix=)`, cached and evicted pages."""
+        """Prompt tokens looked up and found by `add_sequence(prefix=)` (a new request's, and apart
+        a preempted one's re-entering: ``prefix_preempted_*``), cached and evicted pages."""
         return {"prefix_query_tokens": self._cached.num_query_tokens,
                 "prefix_hit_tokens": self._cached.num_hit_tokens,
+                "prefix_preempted_query_tokens": self._cached.num_preempted_query_tokens,
+                "prefix_preempted_hit_tokens": self._cached.num_preempted_hit_tokens,
                 "prefix_cached_pages": self._num_evictable(),
                 "prefix_evicted_pages": self._cached.num_evicted_pages}
 
@@ -179,9 +182,10 @@ class PagedKVCache:
 
     # ------------------------------------------------------ sequence management
 
-    def add_sequence(self, seq_id: int, prefix: PrefixMatch | None = None) -> None:
+    def add_sequence(self, seq_id: int, prefix: PrefixMatch | None = None, *, preempted: bool = False) -> None:
         """Add a sequence: empty, or holding the cached prefix ``prefix`` (from `match_prefix`,
-        with no state change since; counted in `prefix_stats`).
+        with no state change since; counted in `prefix_stats`: apart when ``preempted``, a
+        request re-entering to recompute its own tokens, whose hits are not prompt reuse).
 
         Raises:
             SequenceExists, CacheError (bad id, stale match), ForwardStateError.
@@ -201,8 +205,7 @@ class PagedKVCache:
             block.external_ref_cnt = 1
             self._seqs[seq_id] = Sequence(seq_id, block.index, 0, np.empty(0, dtype=np.int32))
         if prefix is not None and self._cached.enabled:
-            self._cached.num_query_tokens += prefix.num_query_tokens
-            self._cached.num_hit_tokens += prefix.num_tokens
+            self._cached.count_lookup(prefix.num_query_tokens, prefix.num_tokens, preempted)
 
     def match_prefix(self, token_ids: SequenceLike[int], *, page_aligned: bool = False) -> PrefixMatch:
         """The longest cached prefix of a prompt (registered positions of live or cached sequences).

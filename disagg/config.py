@@ -34,6 +34,8 @@ SMOLLM2_SOURCE = "smollm2"
 DUMMY_PREFIX = "dummy:"
 MAX_PAGE_SIZE = 256
 RAY_GCS_PORT, RAY_CLIENT_PORT = 6379, 10001  # `ray start --head` defaults
+# Fields no actor needs and no result shows (`Config.model_dump(exclude=SECRET_FIELDS)`).
+SECRET_FIELDS = {"serve": {"api_key"}}
 
 
 class Section(BaseModel):
@@ -204,13 +206,14 @@ class SchedulerSection(Section):
                                                   "prompts is launched before the tokens of the step in "
                                                   "flight are read, its decodes fed those tokens on the "
                                                   "GPU (a new request waits one step less); false: it "
-                                                  "waits for the tokens, as before 2026-11-27")
+                                                  "waits for the tokens of the step in flight")
     overlap_reservations: bool = Field(True, description="decode instances answer the router's page "
                                                          "reservations while a forward runs on the GPU "
-                                                         "(polled every 0.1 ms) instead of between steps: "
-                                                         "a remote request's TTFT loses the wait for the "
-                                                         "decode step in flight (two H100s, chat: the "
-                                                         "wait p50 17.8 -> 1.0 ms); false: between steps")
+                                                         "(polled every 0.1 ms) instead of between steps, so "
+                                                         "a remote request's TTFT does not wait for the "
+                                                         "decode step in flight "
+                                                         "(benchmarks/records/headline-h100x2-2026-11-27b); "
+                                                         "false: between steps")
     cuda_graphs: Literal["full", "full_and_piecewise", "full_decode_only", "none"] = Field(
         "full", description="CUDA graphs on GPUs (vLLM's cudagraph_mode names): "
                                           "full: as full_and_piecewise, and prompt and mixed steps of "
@@ -222,7 +225,7 @@ class SchedulerSection(Section):
     phase_split: Literal["off", "sm", "auto"] = Field(
         "off", description="off: prompt chunks and decodes share each step (chunked prefill); sm and "
                            "auto (prefill and decode on separate SM partitions of one GPU) are refused: "
-                           "the spike measured no gain (benchmarks/records/phase-split-2026-11-27)")
+                           "the partitions measured no gain (benchmarks/records/phase-split-2026-11-27)")
 
     @field_validator("phase_split", mode="before")
     @classmethod
@@ -266,12 +269,11 @@ class RouterSection(Section):
                                "fastest: the lowest predicted TTFT (near-ties: local, remote, kept); remote: "
                                "the push whenever it holds them (with a TTFT target; spares the decode "
                                "instances: better where decoding is the bottleneck, worse where "
-                               "prefilling is; `disagg plan` numbers in docs/ARCHITECTURE.md §7); balanced: "
+                               "prefilling is); balanced: "
                                "fastest, but a request whose decode would go to a decode instance decodes on "
                                "the prefill instance instead while the decode instance's TPOT is past half "
                                "its target, the prefill instance's is lower and the TTFT target has room "
-                               "(the default: on two H200s it beat or tied fastest on chat and "
-                               "prefill-heavy; docs/ARCHITECTURE.md §7)")
+                               "(the default; the rule and its record: docs/placement-notes.md)")
     adaptive_overload: Literal["least_violation", "no_push"] = Field(
         "least_violation", description="where the adaptive placement puts a prompt when no path is predicted "
                                        "to hold the SLOs: least_violation: the path predicted to miss them "
@@ -293,8 +295,8 @@ class RouterSection(Section):
     measured_hops: bool = Field(True, description="the adaptive placement prices what it times itself: each "
                                                   "decode instance's reservation round trip beyond its step "
                                                   "in flight and each instance's first-token relay to the "
-                                                  "router (medians of the recent ones); false: neither, "
-                                                  "the A/B of benchmarks/records/headline-h200x2-2026-11-28d/")
+                                                  "router (medians of the recent ones); false: neither "
+                                                  "(the A/B: benchmarks/records/headline-h200x2-2026-11-28d/)")
     poll_wait_s: float = Field(0.25, gt=0.0, le=5.0, description="how long an actor's next_outputs() waits "
                                                                  "when it has no output (it returns at once "
                                                                  "when it has some), seconds")
@@ -473,6 +475,11 @@ class Config(Section):
             raise ConfigError(f"{path}: {err}") from None
         except OSError as err:
             raise ConfigError(f"{path}: cannot read the config: {err.strerror or err}") from err
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: cannot read the config: not UTF-8 text ({err.reason} at byte "
+                              f"{err.start})") from None
+        except yaml.MarkedYAMLError as err:
+            raise ConfigError(yaml_problem(path, err)) from None
         except yaml.YAMLError as err:
             raise ConfigError(f"{path}: not valid YAML: {err}") from err
         if not isinstance(raw, dict):
@@ -591,6 +598,33 @@ def load_yaml(text: str) -> Any:
         return loader.construct_document(node)
     finally:
         loader.dispose()
+
+
+def yaml_problem(path: str | Path, err: yaml.MarkedYAMLError) -> str:
+    """A YAML syntax error as ``path:line:column: not valid YAML: problem (context)`` and the line marked.
+
+    PyYAML names the stream "<unicode string>" and puts problem and context on four lines; this
+    names the file, as compilers do, and quotes the offending line with a caret under the column
+    (the context's line when the problem is at the end of the file).
+    """
+    mark = err.problem_mark or err.context_mark
+    problem = err.problem or err.context or type(err).__name__
+    if mark is None:
+        return f"{path}: not valid YAML: {problem}"
+    text = f"{path}:{mark.line + 1}:{mark.column + 1}: not valid YAML: {problem}"
+    context_mark = err.context_mark
+    if err.problem and err.context:
+        where = (f" at line {context_mark.line + 1}, column {context_mark.column + 1}"
+                 if context_mark is not None and context_mark.line != mark.line else "")
+        text += f" ({err.context}{where})"
+    if "'\\t'" in problem:
+        text += "; YAML indents with spaces, never tabs"
+    lines = (mark.buffer or "").rstrip("\0").splitlines()
+    shown = mark if mark.line < len(lines) and lines[mark.line].strip() else context_mark
+    if shown is not None and shown.line < len(lines) and lines[shown.line].strip():
+        gutter = f"{shown.line + 1:>5} | "
+        text += f"\n{gutter}{lines[shown.line]}\n{' ' * (len(gutter) - 2)}| {' ' * shown.column}^"
+    return text
 
 
 def _check_unique_keys(node: yaml.Node, path: tuple[str, ...], seen: set[int]) -> None:

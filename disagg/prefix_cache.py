@@ -31,8 +31,11 @@ class CachedSequences:
         enabled: whether removal keeps registered pages cached.
         index: the content index of every registered sequence (live and cached).
         lru: cached sequence ids, least recently used first.
-        num_query_tokens, num_hit_tokens: prompt tokens looked up / found (vLLM's
-            prefix_cache_queries / prefix_cache_hits).
+        num_query_tokens, num_hit_tokens: prompt tokens of new requests looked up / found
+            (vLLM's prefix_cache_queries / prefix_cache_hits).
+        num_preempted_query_tokens, num_preempted_hit_tokens: the same for requests re-entering
+            after a preemption (vLLM's preempted_queries / preempted_hits): their own KV, found
+            again, not a prompt reused.
         num_evicted_pages: pages evicted so far.
     """
 
@@ -43,6 +46,8 @@ class CachedSequences:
         self.lru: dict[int, None] = {}
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        self.num_preempted_query_tokens = 0
+        self.num_preempted_hit_tokens = 0
         self.num_evicted_pages = 0
         self._next_id = -1
         # The pages only cached sequences reach: their number, the blocks holding them and the
@@ -52,6 +57,15 @@ class CachedSequences:
         self._num_unpinned: int | None = 0
         self._unpinned_blocks: list[int] | None = []
         self._unpinned: set[int] | None = set()
+
+    def count_lookup(self, num_query_tokens: int, num_hit_tokens: int, preempted: bool) -> None:
+        """Count one `add_sequence(prefix=)` lookup (vLLM's ``PrefixCacheStats.record``)."""
+        if preempted:
+            self.num_preempted_query_tokens += num_query_tokens
+            self.num_preempted_hit_tokens += num_hit_tokens
+        else:
+            self.num_query_tokens += num_query_tokens
+            self.num_hit_tokens += num_hit_tokens
 
     def invalidate(self) -> None:
         """The block tree changed: recount the evictable pages when next asked."""

@@ -157,10 +157,33 @@ def test_missing_file_and_bad_yaml(tmp_path: Path):
         Config.from_yaml(tmp_path / "nope.yaml")
     bad = tmp_path / "broken.yaml"
     bad.write_text("model: [unclosed\n")
-    with pytest.raises(ConfigError, match=r"broken\.yaml: not valid YAML"):
+    with pytest.raises(ConfigError, match=r"broken\.yaml:2:1: not valid YAML"):
         Config.from_yaml(bad)
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match=r"broken\.yaml: expected a mapping"):
+        Config.from_yaml(bad)
+
+
+def test_a_yaml_syntax_error_names_the_file_line_and_column_and_quotes_the_line(tmp_path: Path):
+    bad = tmp_path / "typo.yaml"
+    bad.write_text("model:\n  source: dummy:tiny\ninstances:\n  prefill: 1\n   decode: 1\n")
+    with pytest.raises(ConfigError) as caught:
+        Config.from_yaml(bad)
+    first, quoted, caret = str(caught.value).splitlines()
+    assert first == f"{bad}:5:10: not valid YAML: mapping values are not allowed here"
+    assert quoted == "    5 |    decode: 1" and caret == "      |          ^"
+    assert "<unicode string>" not in str(caught.value)
+    bad.write_text("model:\n  source: dummy:tiny\ninstances:\n  prefill: 1\n  decode: [1\n")
+    with pytest.raises(ConfigError) as caught:  # at the end of the file: the context's line is quoted
+        Config.from_yaml(bad)
+    assert str(caught.value).splitlines() == [
+        f"{bad}:6:1: not valid YAML: expected ',' or ']', but got '<stream end>' (while parsing a flow "
+        "sequence at line 5, column 11)", "    5 |   decode: [1", "      |           ^"]
+    bad.write_text("model:\n\tsource: dummy:tiny\n")
+    with pytest.raises(ConfigError, match=r"typo\.yaml:2:1: .*YAML indents with spaces, never tabs"):
+        Config.from_yaml(bad)
+    bad.write_bytes(b"model:\n  source: \xff\n")
+    with pytest.raises(ConfigError, match=r"typo\.yaml: cannot read the config: not UTF-8 text"):
         Config.from_yaml(bad)
 
 
@@ -283,5 +306,5 @@ def test_phase_split_off_is_accepted_as_yaml_writes_it_and_sm_is_refused_with_th
     for value in ("sm", "auto"):
         path.write_text(raw.replace("scheduler:", f"scheduler:\n  phase_split: {value}", 1))
         with pytest.raises(ConfigError, match=r"scheduler\.phase_split: expected 'off', got '" + value
-                           + r"': SM partitions of one GPU are not built .*phase-split-2026-11-27"):
+                           + r"': SM partitions of one GPU are not built .*benchmarks/records/phase-split-2026-11-27"):
             Config.from_yaml(path)

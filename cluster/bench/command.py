@@ -48,7 +48,7 @@ def bench_command(
     no_compare: Annotated[bool, Opt("--no-compare", help="ignore bench.compare_with")] = False,
     allow_mismatch: Annotated[bool, Opt("--allow-mismatch", help="compare deployments that differ in model, "
                               "dtype or workload (refused otherwise), with a warning")] = False,
-    set_: Annotated[Optional[list[str]], Opt("--set", help="KEY=VALUE: a dotted override of CONFIG, "
+    set_: Annotated[Optional[list[str]], Opt("--set", metavar="KEY=VALUE", help="a dotted override of CONFIG, "
                     "e.g. --set scheduler.max_num_batched_tokens=2048")] = None,
     from_results: Annotated[Optional[list[Path]], Opt(help="compare result folders written earlier "
                             "(first = the deployment under test) instead of running anything")] = None,

@@ -183,10 +183,17 @@ def compare_sides(sides: Sequence[Mapping[str, Any]], slos_ms: Mapping[str, floa
     what it is compared with (CONFIG2 and its tuned variants): "best_other" is the best of those,
     as a careful operator would pick it. The ratio is best_own / best_other, so neither side is
     judged at a setting its operator would not choose.
+
+    A goodput outside the rates swept is a bound ("at_least": every rate held; "below_range":
+    below the lowest rate), and so is the ratio then: "ratio_bound" is "exact" (both found
+    inside the sweep), "at_least" or "at_most" (ratio is the bound: e.g. a side holding every
+    rate over one below its lowest), or None with ratio None when the sweep cannot order them
+    (both held every rate, or both missed the lowest).
     """
     rows = []
     scales = [entry["scale"] for entry in sides[0]["per_scale"]] if sides else []
     mine_family = family(sides[0]["label"]) if sides else None
+    lowest = {side["label"]: _lowest(side) for side in sides}
     for index, scale in enumerate(scales):
         goodputs = {side["label"]: side["per_scale"][index]["per_gpu_goodput"] for side in sides}
         bounds = {side["label"]: side["per_scale"][index]["bound"] for side in sides}
@@ -196,10 +203,38 @@ def compare_sides(sides: Sequence[Mapping[str, Any]], slos_ms: Mapping[str, floa
         if mine is None:  # no goodput anywhere in the family: name the side under test
             own_label, mine = sides[0]["label"], goodputs[sides[0]["label"]]
         best_label, best = max(others, key=lambda item: item[1] or 0.0, default=(None, None))
-        ratio = mine / best if mine is not None and best else None
+        ratio, ratio_bound = (None, None) if best_label is None else bounded_ratio(
+            (mine, bounds[own_label], lowest[own_label]), (best, bounds[best_label], lowest[best_label]))
         rows.append({"scale": scale, "slos_ms": scale_slos(slos_ms, scale), "per_gpu_goodput": goodputs,
-                     "bound": bounds, "best_own": own_label, "best_other": best_label, "ratio": ratio})
+                     "bound": bounds, "best_own": own_label, "best_other": best_label, "ratio": ratio,
+                     "ratio_bound": ratio_bound})
     return {"target_attainment": target, "slos_ms": dict(slos_ms), "rows": rows}
+
+
+def _lowest(side: Mapping[str, Any]) -> float | None:
+    """The lowest finite rate a side ran, per GPU: what a "below_range" goodput is below."""
+    finite = [float(r) for r in side.get("rates") or [] if math.isfinite(float(r))]
+    return min(finite) / (side.get("num_gpus") or 1) if finite else None
+
+
+def bounded_ratio(mine: tuple[float | None, str, float | None],
+                  other: tuple[float | None, str, float | None]) -> tuple[float | None, str | None]:
+    """(ratio, how far to trust it) of two goodputs, each given as (per-GPU goodput, its bound,
+    the lowest rate per GPU its side ran); see `compare_sides`."""
+    (a, a_bound, a_low), (b, b_bound, b_low) = mine, other
+    if a is None or b is None or "no_data" in (a_bound, b_bound):
+        return None, None
+    if a_bound == b_bound and a_bound in ("at_least", "below_range"):
+        return None, None  # both open the same way: the sweep cannot order them
+    if a_bound == "below_range":
+        a = a_low  # the true goodput is below it
+    if b_bound == "below_range":
+        b = b_low
+    if not a or not b:
+        return None, None
+    low = a_bound == "at_least" or b_bound == "below_range"
+    high = a_bound == "below_range" or b_bound == "at_least"
+    return a / b, "at_least" if low else "at_most" if high else "exact"
 
 
 def slo_scale_curve(result: Mapping[str, Any], slos_ms: Mapping[str, float],
@@ -212,7 +247,8 @@ def slo_scale_curve(result: Mapping[str, Any], slos_ms: Mapping[str, float],
 def quick_compare(config_a: str, config_b: str, out_dir: str, *, num_prompts: int = 16,
                   rates: Sequence[float] = (1.0, 4.0), dataset_name: str = "random",
                   goodput: Mapping[str, float] | None = None, seed: int = 0, progress: bool = False,
-                  allow_mismatch: bool = False, **workload_overrides: Any) -> dict[str, Any]:
+                  allow_mismatch: bool = False, caveat: str | None = None, launched: Any = None,
+                  extend_to_limit: int = 0, **workload_overrides: Any) -> dict[str, Any]:
     """Compare two configs on one workload in one call (the demo's entry); prints a small table.
 
     Args:
@@ -223,7 +259,14 @@ def quick_compare(config_a: str, config_b: str, out_dir: str, *, num_prompts: in
         goodput: SLOs in ms ({"ttft": .., "tpot": ..}); None takes config_a's `bench.goodput`.
         progress: show a progress bar per run.
         allow_mismatch: compare configs of different models or dtypes (logged as a warning).
-        workload_overrides: input_len, output_len, range_ratio for the workload.
+        caveat: why the goodputs do not compare the deployments (e.g. both sides time-slice one
+            GPU): printed in place of the goodput table, above the common-rate table (what the runs
+            do show), and noted in summary.md.
+        launched: config_a's fleet, already launched: swept, then shut down (`sweep.bench_config`).
+        extend_to_limit: up to this many more rates per side while it held every rate, each
+            twice the highest (`sweep.limit_rate`).
+        workload_overrides: input_len, output_len, range_ratio for the workload; run_seconds and
+            min_prompts for the requests of each run (`sweep.prompts_at`).
 
     Returns:
         the comparison summary (also written to out_dir/compare.json), with "plots" listing PNGs.
@@ -236,14 +279,18 @@ def quick_compare(config_a: str, config_b: str, out_dir: str, *, num_prompts: in
 
     options = SweepOptions(num_prompts=num_prompts, rates=list(rates), dataset_name=dataset_name,
                            goodput_slos_ms=dict(goodput) if goodput else None, seed=seed,
-                           show_progress=progress, **workload_overrides)
+                           show_progress=progress, extend_to_limit=extend_to_limit, **workload_overrides)
     differences = config_mismatches(config_a, [config_b])
     if differences and not allow_mismatch:
         raise Mismatch(f"{config_a} and {config_b} differ: {'; '.join(differences)}; compare one model and "
                        "dtype, or pass allow_mismatch=True")
     for what in differences:
         logger.warning("comparing deployments that differ: %s", what)
-    summary = compare_configs(config_a, [config_b], out_dir, options, mismatches=differences)
-    Console().print(comparison_table(summary))
+    summary = compare_configs(config_a, [config_b], out_dir, options, mismatches=differences,
+                              notes=[caveat] if caveat else (), launched=launched)
+    if caveat:
+        Console().print(caveat, markup=False, highlight=False)
+    else:
+        Console().print(comparison_table(summary))
     Console().print(common_rate_table(summary))
     return summary

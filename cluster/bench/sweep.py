@@ -29,7 +29,7 @@ from disagg.cluster.bench.runner import Backend, run, warm_up
 from disagg.cluster.bench.tables import fmt_slos
 from disagg.cluster.bench.utilization import sample_gpus
 from disagg.cluster.bench.workloads import SampleRequest, WorkloadSpec, sample_requests
-from disagg.cluster.bootstrap import SECRET_FIELDS
+from disagg.config import SECRET_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class SweepOptions:
     run_seconds: float | None = None
     min_prompts: int = 50
     early_stop: bool = False
+    extend_to_limit: int = 0
     reset_prefix_cache: bool = True
 
     @property
@@ -103,7 +104,9 @@ def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: Swee
               workload: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None,
               extra: Mapping[str, Any] | None = None, reset: Callable[[], Any] | None = None,
               on_result: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """One result object per rate of `options.rates` (see report.build_result).
+    """One result object per rate of `options.rates` (see report.build_result), and up to
+    `options.extend_to_limit` more while every rate run held the target under `slos_ms`, each
+    twice the highest (`limit_rate`; results then in ascending rate order).
 
     Args:
         stats: the cluster's stats(), read before and after each run for busy fractions.
@@ -114,9 +117,18 @@ def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: Swee
         workload / config / extra: stored in each result.
         on_result: called with each result as soon as it exists (saving it survives a killed sweep).
     """
-    results = []
+    results: list[dict[str, Any]] = []
     warm_up(backend, requests, options.num_warmups)  # outside every run: busy fractions stay the run's own
-    for rate in options.sweep_rates():
+    pending, extensions = list(options.sweep_rates()), options.extend_to_limit if slos_ms else 0
+    while pending or extensions:
+        if not pending:
+            extensions -= 1
+            further = limit_rate(results, slos_ms)
+            if further is None:
+                break
+            logger.info("%s: every rate held the target; adding %s req/s", label, further)
+            pending.append(further)
+        rate = pending.pop(0)
         batch = list(requests[:options.prompts_at(rate, len(requests))])
         if reset is not None and options.reset_prefix_cache:
             reset()
@@ -142,7 +154,22 @@ def run_sweep(backend: Backend, requests: Sequence[SampleRequest], options: Swee
                 logger.info("%s: attainment under the loosest SLOs fell below target at %s req/s; "
                             "higher rates skipped", label, rate)
                 break
+    if options.extend_to_limit and len(results) > len(options.rates):
+        results.sort(key=lambda result: float(result["request_rate"]))
     return results
+
+
+def limit_rate(results: Sequence[Mapping[str, Any]], slos_ms: Mapping[str, float],
+               target: float = cmp.TARGET_ATTAINMENT) -> float | None:
+    """The rate to run next for a deployment's limit under ``slos_ms``: twice the highest finite
+    rate when every rate run held ``target`` attainment (the goodput lies above them all); None
+    once a rate missed, or without a finite rate. Only upward, where runs are the shorter; for a
+    deployment that missed even the lowest rate, sweep lower rates (longer runs) on purpose."""
+    points = sorted((float(r["request_rate"]), cmp.attainment_of(r, slos_ms)) for r in results
+                    if math.isfinite(float(r["request_rate"])))
+    if points and all(attained >= target for _, attained in points):
+        return 2 * points[-1][0]
+    return None
 
 
 def public_overrides(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -165,15 +192,18 @@ def prefix_cache_of(before: dict | None, after: dict | None) -> dict[str, Any] |
 
     Returns:
         ``{"hit_rate", "query_tokens", "hit_tokens", "instances": {name: {the same three}},
-        "pushed_bytes"}``: prompt tokens looked up and found during the run (a hit rate of a
-        prefill instance is the share of prompt tokens it did not compute; of a decode instance,
-        the share it did not receive); pushed_bytes: KV the prefill instances pushed. None
-        without engine stats.
+        "pushed_bytes"}``: prompt tokens of new requests looked up and found during the run (a hit
+        rate of a prefill instance is the share of prompt tokens it did not compute; of a decode
+        instance, the share it did not receive); pushed_bytes: KV the prefill instances pushed.
+        Where the engines count them, ``"preempted": {"query_tokens", "hit_tokens"}``: the tokens
+        that preempted requests, re-entering to recompute, looked up and found again (their own
+        KV, not prompt reuse: vLLM's preempted_queries / preempted_hits, out of the hit rate).
+        None without engine stats.
     """
     if not before or not after:
         return None
     old = {inst.get("name"): inst for inst in before.get("instances") or [] if isinstance(inst, Mapping)}
-    instances, pushed = {}, 0
+    instances, pushed, preempted = {}, 0, None
     for inst in after.get("instances") or []:
         prev = old.get(inst.get("name")) if isinstance(inst, Mapping) else None
         if prev is None or "prefix_query_tokens" not in inst or "prefix_query_tokens" not in prev:
@@ -183,12 +213,17 @@ def prefix_cache_of(before: dict | None, after: dict | None) -> dict[str, Any] |
         instances[str(inst["name"])] = {"hit_rate": hits / query if query else None, "query_tokens": query,
                                         "hit_tokens": hits}
         pushed += inst.get("pushed_bytes", 0) - prev.get("pushed_bytes", 0)
+        if "prefix_preempted_query_tokens" in inst and "prefix_preempted_query_tokens" in prev:
+            preempted = preempted or {"query_tokens": 0, "hit_tokens": 0}
+            preempted["query_tokens"] += inst["prefix_preempted_query_tokens"] - prev["prefix_preempted_query_tokens"]
+            preempted["hit_tokens"] += inst["prefix_preempted_hit_tokens"] - prev["prefix_preempted_hit_tokens"]
     if not instances:
         return None
     query = sum(v["query_tokens"] for v in instances.values())
     hits = sum(v["hit_tokens"] for v in instances.values())
-    return {"hit_rate": hits / query if query else None, "query_tokens": query, "hit_tokens": hits,
-            "instances": instances, "pushed_bytes": pushed}
+    out = {"hit_rate": hits / query if query else None, "query_tokens": query, "hit_tokens": hits,
+           "instances": instances, "pushed_bytes": pushed}
+    return out if preempted is None else dict(out, preempted=preempted)
 
 
 @contextlib.contextmanager
@@ -214,8 +249,8 @@ def calibrate(backend: Backend, requests: Sequence[SampleRequest], options: Swee
     TPOT is the measured pure-decode step, their median TTFT the unloaded time to first token.
     The warm-ups send those same prompts first: ``reset`` (the deployment's prefix-cache reset,
     as `run_sweep`'s, when `options.reset_prefix_cache`) forgets them before the timed requests,
-    else the TTFT measured is a cached prompt's (two H100s, long-prompt: 49 ms for prompts of
-    8k-32k tokens whose loaded TTFT p50 is ~0.85 s, an SLO no run could hold). ``stats``: the cluster's
+    else the TTFT measured is a cached prompt's (for long prompts a small fraction of their
+    uncached time: an SLO no run could hold). ``stats``: the cluster's
     stats(), for the prefix hits of the timed requests (``prefix_cache``).
     """
     sample = list(requests[:num_requests])
@@ -278,7 +313,8 @@ def _busy_seconds(stats: Mapping) -> dict[str, float]:
 def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: Mapping[str, Any] | None = None,
                  slos_by_dataset: Mapping[str, Mapping[str, float] | None] | None = None,
                  label: str | None = None, extra: Mapping[str, Any] | None = None,
-                 on_result: Callable[[dict[str, Any]], None] | None = None) -> list[DatasetRuns]:
+                 on_result: Callable[[dict[str, Any]], None] | None = None,
+                 launched: Any = None) -> list[DatasetRuns]:
     """Launch the cluster of `config_path` (+ overrides), sweep every workload, shut down.
 
     Args:
@@ -286,6 +322,9 @@ def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: M
             without any takes `options.goodput_slos_ms`, else calibrates (`--slo-calibrate`), else
             the config's `bench.goodput`.
         extra: stored in each result (vLLM's --metadata).
+        launched: a fleet already launched from `config_path` as it is (no overrides), swept instead
+            of a new launch and shut down at the end as one launched here (`make demo` streams its
+            prompts on it first).
     """
     from disagg.cluster import Cluster
     from disagg.cluster.bench.backends import ClusterBackend
@@ -300,7 +339,9 @@ def bench_config(config_path: str | Path, options: SweepOptions, *, overrides: M
               "overrides": shown, "model_id": config.model.source, "dtype": config.model.dtype,
               "tokenizer_id": config.model.source}  # the tokenizer is read from model.source
     runs = []
-    with Cluster.launch(config) as cluster:
+    if launched is not None and overrides:
+        raise ValueError(f"launched: a fleet of {config_path} as it is, got overrides {shown} too")
+    with (launched if launched is not None else Cluster.launch(config)) as cluster:
         common["device_unit"] = device_unit(config, cluster)
         backend = ClusterBackend(cluster, name=label)
         for dataset in options.dataset_names:
@@ -380,7 +421,7 @@ def _first_attr(obj: Any, *paths: tuple[str, ...]) -> Any:
 def compare_configs(config_a: str | Path, others: Sequence[str | Path], out_dir: str | Path,
                     options: SweepOptions, *, variants: Sequence[Mapping[str, Any]] = (),
                     overrides: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
-                    mismatches: Sequence[str] = (),
+                    mismatches: Sequence[str] = (), notes: Sequence[str] = (), launched: Any = None,
                     on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Sweep CONFIG (with `overrides`) and every comparison config (each also with every override
     set of `variants`).
@@ -393,6 +434,9 @@ def compare_configs(config_a: str | Path, others: Sequence[str | Path], out_dir:
     Args:
         extra: stored in each result (vLLM's --metadata).
         mismatches: how the deployments differ (allowed by the caller), noted in the summaries.
+        notes: lines for the head of summary.md and the summaries' "notes" (e.g. why the figures
+            do not compare deployments).
+        launched: CONFIG's fleet, already launched (`bench_config`'s ``launched``).
 
     Returns:
         the summary of the one workload, or {"datasets": {name: summary}} for several.
@@ -412,13 +456,13 @@ def compare_configs(config_a: str | Path, others: Sequence[str | Path], out_dir:
         if on_result is not None:
             on_result(result)
 
-    for path, overrides in deployments:
+    for index, (path, overrides) in enumerate(deployments):
         for runs in bench_config(path, options, overrides=overrides, slos_by_dataset=slos, extra=extra,
-                                 on_result=save):
+                                 on_result=save, launched=launched if index == 0 else None):
             slos.setdefault(runs.dataset, runs.slos_ms)
             runs.info["result_files"] = files.get((runs.info["label"], runs.dataset), [])
             collected[runs.dataset].append(runs)
-    summaries = {name: summarize_comparison(collected[name], options, folders[name], mismatches)
+    summaries = {name: summarize_comparison(collected[name], options, folders[name], mismatches, notes)
                  for name in names}
     write_markdown(out_dir / "summary.md", comparison_summary(summaries))
     if len(names) == 1:
@@ -429,7 +473,7 @@ def compare_configs(config_a: str | Path, others: Sequence[str | Path], out_dir:
 
 
 def summarize_comparison(sides_runs: Sequence[DatasetRuns], options: SweepOptions, folder: Path,
-                         mismatches: Sequence[str] = ()) -> dict[str, Any]:
+                         mismatches: Sequence[str] = (), notes: Sequence[str] = ()) -> dict[str, Any]:
     """compare.json and the plots of one workload's sweeps on every deployment (or one alone)."""
     from disagg.cluster.bench import plots
 
@@ -442,7 +486,7 @@ def summarize_comparison(sides_runs: Sequence[DatasetRuns], options: SweepOption
                "runs": [runs.info for runs in sides_runs], "slos_ms": slos, "slo_scales": list(options.slo_scales),
                "options": vars(replace(options, rates=[rate_to_json(r) for r in options.rates])),
                "context": run_context([r for runs in sides_runs for r in runs.results]),
-               "mismatches": list(mismatches)}
+               "mismatches": list(mismatches), "notes": list(notes)}
     summary["plots"] = plots.write_all({runs.info["label"]: runs.results for runs in sides_runs}, summary, folder)
     save_json(summary, folder / "compare.json")
     return summary

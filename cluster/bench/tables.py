@@ -19,6 +19,22 @@ from disagg.cluster.bench.metrics import LATENCY_METRICS
 MARKS = {"at_least": "+", "below_range": " (<min)"}
 MARKS_EXPLAINED = ("'+': every rate swept held the target, so the goodput is at least this (sweep higher "
                    "rates to find it); '(<min)': even the lowest rate swept missed it (sweep lower)")
+RATIO_MARKS = {"at_least": ">=", "at_most": "<="}
+RATIO_EXPLAINED = ("'>=' / '<=': a goodput is a bound, so the ratio is too; '-': the sweep cannot order them "
+                   "(both held every rate, or both missed the lowest)")
+GOODPUT_PER_GPU = ("the highest offered rate per {unit} at which >= {target:.0%} of the requests meet every "
+                   "SLO, interpolated between the last rate run that held and the first that missed")
+REQUEST_GOODPUT = "the requests of one run that met every SLO, per second of that run, at its offered rate"
+COMMON_RATE_HELD = "the highest rate every deployment ran at while each held >= 50% SLO attainment"
+COMMON_RATE_LOWEST = ("the lowest rate every deployment ran (at no rate they all ran did each hold >= 50% SLO "
+                      "attainment)")
+
+
+def fmt_ratio(row: Mapping[str, Any]) -> str:
+    """A comparison row's ratio with its bound: "1.500", ">=2.000", "<=0.500", "-"."""
+    if row.get("ratio") is None:
+        return "-"
+    return RATIO_MARKS.get(row.get("ratio_bound") or "exact", "") + fmt(row["ratio"])
 
 
 def fmt(value: Any) -> str:
@@ -93,12 +109,19 @@ def _column(table, header: str, justify: str = "right") -> None:
 
 def run_table(result: Mapping[str, Any], metrics: Sequence[str] = LATENCY_METRICS):
     """One run, in the order `vllm bench serve` prints its summary; latencies of `metrics` only."""
+    from disagg.cluster.bench.compare import TARGET_ATTAINMENT
+
     workload = (result.get("workload") or {}).get("dataset_name", "?")
+    judged = bool(result.get("goodput"))
+    unit = result.get("device_unit") or "GPU"
+    # the legend names this goodput apart from a comparison's goodput per GPU, another figure
+    caption = None if not judged else (
+        f"Request goodput (vLLM's): {REQUEST_GOODPUT}. A comparison's goodput per {unit} is another figure: "
+        f"{GOODPUT_PER_GPU.format(unit=unit, target=TARGET_ATTAINMENT)}.")
     table = _table(f"{result.get('label') or 'server'}: workload {workload}, {fmt_rate(result['request_rate'])} "
-                   f"req/s offered, {result['num_prompts']} requests", show_header=False)
+                   f"req/s offered, {result['num_prompts']} requests", caption=caption, show_header=False)
     _column(table, "metric", "left")
     _column(table, "value")
-    judged = bool(result.get("goodput"))
     rows = [("Successful requests", result["completed"]), ("Failed requests", result["failed"]),
             ("Benchmark duration (s)", result["duration"]), ("Total input tokens", result["total_input_tokens"]),
             ("Total generated tokens", result["total_output_tokens"]),
@@ -112,6 +135,10 @@ def run_table(result: Mapping[str, Any], metrics: Sequence[str] = LATENCY_METRIC
     if cache:
         per = ", ".join(f"{name} {_percent(one['hit_rate'])}" for name, one in cache["instances"].items())
         rows.append(("Prefix cache hit rate", f"{_percent(cache['hit_rate'])} ({per})"))
+        again = cache.get("preempted") or {}
+        if again.get("query_tokens"):  # as vLLM, apart: a preempted request finding its own KV again
+            rows.append(("Recompute hits after preemption", f"{again['hit_tokens']} of {again['query_tokens']} "
+                         "tokens (their own KV; not in the hit rate)"))
     percentiles = [p for p in result.get("percentiles") or (99,) if p != 50]
     if not result["completed"]:
         rows.append(("Latencies (ms)", "- (no request succeeded)"))
@@ -161,9 +188,10 @@ def comparison_table(summary: Mapping[str, Any]):
     target = summary["comparison"]["target_attainment"]
     table = _table(f"Goodput per {unit} (req/s per {unit} at >= {target:.0%} SLO attainment), "
                    f"workload {summary.get('dataset', '?')}",
-                   caption=f"{legend(summary)}. Base SLOs: {fmt_slos(summary['slos_ms'])}; SLO scale k "
-                           f"multiplies each. {MARKS_EXPLAINED}. ratio: the best of A's family over the best "
-                           "other, the two named.")
+                   caption=f"{legend(summary)}. Goodput here: {GOODPUT_PER_GPU.format(unit=unit, target=target)} "
+                           f"(not a run's request goodput: {REQUEST_GOODPUT}). Base SLOs: "
+                           f"{fmt_slos(summary['slos_ms'])}; SLO scale k multiplies each. {MARKS_EXPLAINED}. "
+                           f"ratio: the best of A's family over the best other, the two named; {RATIO_EXPLAINED}.")
     _column(table, "SLO scale")
     for label in sides:
         _column(table, marks[label])
@@ -173,9 +201,21 @@ def comparison_table(summary: Mapping[str, Any]):
         for label in sides:
             cells.append(fmt(row["per_gpu_goodput"][label]) + MARKS.get(row["bound"][label], ""))
         own, other = row.get("best_own", sides[0]), row["best_other"]
-        cells.append(fmt(row["ratio"]) + (f" {marks[own]}/{marks[other]}" if other else ""))
+        cells.append(fmt_ratio(row) + (f" {marks[own]}/{marks[other]}" if other else ""))
         table.add_row(*cells)
     return table
+
+
+
+def common_rate_held(summary: Mapping[str, Any]) -> bool | None:
+    """Which rate `plots.common_rate` chose: True for the highest rate every side ran at while
+    each held >= 50% attainment, False for its fallback, the lowest rate they all ran (where no
+    rate they all ran had each side holding 50%); None without a common rate."""
+    common = summary.get("at_common_rate") or {}
+    if common.get("rate") is None:
+        return None
+    attained = [(common.get(side["label"]) or {}).get("attainment") for side in summary["sides"]]
+    return all(value is not None and value >= 0.5 for value in attained)
 
 
 def common_rate_table(summary: Mapping[str, Any]):
@@ -187,10 +227,12 @@ def common_rate_table(summary: Mapping[str, Any]):
     marks = letters(sides)
     rate = common.get("rate")
     where = f"{fmt_rate(rate)} req/s offered to each" if rate is not None else "no rate every deployment ran"
+    held = common_rate_held(summary)
+    why = "" if held is None else f"The rate: {COMMON_RATE_HELD if held else COMMON_RATE_LOWEST}. "
     table = _table(f"At a common rate: {where}",
-                   caption=f"{legend(summary)}. busy: fraction of the run each instance spent in engine steps. "
-                           "prefix hits: prompt tokens found in the instances' prefix caches, of those "
-                           "looked up. GPU util: nvidia-smi's mean ('-' on the CPU). host CPU: the CPU the launching "
+                   caption=f"{why}{legend(summary)}. busy: fraction of the run each instance spent in engine steps. "
+                           "prefix hits: new requests' prompt tokens found in the instances' prefix caches, of "
+                           "those looked up (preempted requests recomputing are not counted). GPU util: nvidia-smi's mean ('-' on the CPU). host CPU: the CPU the launching "
                            "process spent, as a fraction of the run (its router thread; the whole process).")
     _column(table, "", "left")
     for label in sides:

@@ -94,7 +94,8 @@ class LogLevel(str, Enum):
 def serve_command(
     config: Annotated[Path, typer.Argument(help="deployment YAML (see configs/)", show_default=False)],
     set_: Annotated[Optional[list[str]], typer.Option(
-        "--set", help="override a field: section.key=value (value read as YAML), repeatable")] = None,
+        "--set", metavar="KEY=VALUE",
+        help="override a field: section.key=value (value read as YAML), repeatable")] = None,
     log_level: Annotated[Optional[LogLevel], typer.Option(
         help="level of disagg's logs (here and in the actors), Ray's driver logs and uvicorn's; "
              "default $DISAGG_LOG, else info", show_default=False)] = None,

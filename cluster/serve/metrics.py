@@ -57,8 +57,9 @@ INSTANCE_COUNTERS = {
     "doorbell_wait_s": ("disagg:doorbell_wait_seconds", "Time decode reservations waited for their KV "
                         "(reserve to doorbell ring), summed, seconds."),
     "num_doorbells_rung": ("disagg:kv_doorbells_rung", "Decode reservations whose KV landed (doorbell rang)."),
-    "prefix_query_tokens": ("disagg:prefix_cache_queries", "Prompt tokens looked up in the instance's prefix "
-                            "cache (vLLM's prefix_cache_queries)."),
+    "prefix_query_tokens": ("disagg:prefix_cache_queries", "Prompt tokens of new requests looked up in the "
+                            "instance's prefix cache (vLLM's prefix_cache_queries; a preempted request "
+                            "re-entering is not counted)."),
     "prefix_hit_tokens": ("disagg:prefix_cache_hits", "Prompt tokens found in the instance's prefix cache, "
                           "so not computed (prefill) or not received (decode)."),
 }

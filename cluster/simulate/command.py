@@ -310,8 +310,12 @@ def plan_command(
     if cut:
         console.print(f"judged on fewer than {run_seconds:g} s of arrivals (--max-prompts {run_length.max_prompts}), "
                       f"optimistic: {', '.join(cut)}", markup=False)
-    text = planner.best_yaml(ranked[0], planner.base_sections(prof, slos), dataset_name=dataset_name,
-                             link_gbps=link_gbps, ranked=ranked, hops=hops)
+    base = planner.base_sections(prof, slos)
+    extrapolated = planner.extrapolations(prof, base, ranked)
+    for line in planner.extrapolation_lines(extrapolated, len(ranked)):
+        typer.echo(line)
+    text = planner.best_yaml(ranked[0], base, dataset_name=dataset_name, link_gbps=link_gbps, ranked=ranked,
+                             hops=hops, extrapolated=extrapolated.get(ranked[0].label, ()))
     typer.echo(f"best: {ranked[0].label}")
     typer.echo(text)
     if out is not None:

@@ -20,18 +20,20 @@ TARGET_ATTAINMENT`), found by simulating (`run.simulate_run`, the same workload 
 for every candidate and rate; `RunLength`: about 30 s of arrivals) at doubling rates, then bisecting between the last rate that held
 and the first that missed. With ``seeds`` > 1 a rate's attainment pools the requests of that many
 runs (prompts and arrivals drawn from seeds ``seed .. seed + seeds - 1``): one draw of 30 s
-decides a knee by a few requests, and small policy changes then flip rows (issue 25). The table ranks them by goodput per GPU; the best one's YAML is what
+decides a knee by a few requests, and small policy changes then flip rows. The table ranks them by goodput per GPU; the best one's YAML is what
 `disagg launch` / `disagg bench` run. Pure Python; no GPU.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Mapping, Sequence
 
 from disagg.cluster.bench.compare import TARGET_ATTAINMENT
 from disagg.cluster.bench.metrics import RequestOutput, meets_slos
+from disagg.cluster.placement import ADAPTIVE, DEFAULT_PLACEMENT, policy_of
 from disagg.cluster.simulate.fleet import SimFleet, check_hops
 from disagg.cluster.simulate.run import simulate_run, workload_spec
 from disagg.config import Config, RouterSection
@@ -69,16 +71,88 @@ class Candidate:
 
 
 def base_sections(profile: dict, slos_ms: Mapping[str, float]) -> dict[str, Any]:
-    """The YAML of the profiled instance: model, cache page size, scheduler budgets, the SLOs."""
+    """The YAML of the profiled instance: model (its context as simulated, its layers and KV dtype
+    where the profile names them), cache pages and page size, scheduler budgets (and CUDA graphs),
+    the SLOs. Every value the simulation takes from the profile is written, so that the fleet
+    `disagg launch` starts from it is the one simulated (without ``cache.num_pages`` a launch sizes
+    its pages from GPU memory instead of the profile's, which `SimFleet` gives each instance)."""
     engine = profile["engine"]
     on_cpu = str((profile.get("device") or {}).get("torch_device", "cuda")).startswith("cpu")
     dtype = profile.get("dtype") if profile.get("dtype") in ("float32", "bfloat16", "float16") else "auto"
-    return {"model": {"source": profile["model"], "dtype": dtype},
-            "cache": {"page_size": engine["page_size"]},
-            "instances": {"device": "cpu" if on_cpu else "cuda"},
-            "scheduler": {"max_num_seqs": engine["max_num_seqs"],
-                          "max_num_batched_tokens": engine["max_num_batched_tokens"]},
-            "bench": {"goodput": dict(slos_ms)}}
+    model = {"source": profile["model"], "dtype": dtype, "max_model_len": engine["max_model_len"]}
+    if engine.get("num_layers"):
+        model["num_layers"] = engine["num_layers"]
+    cache = {"page_size": engine["page_size"], "num_pages": engine["num_pages"]}  # SimFleet's, one GPU each
+    if "float8" in str(profile.get("kv_dtype")):
+        cache["kv_dtype"] = "fp8_e4m3"
+    scheduler = {"max_num_seqs": engine["max_num_seqs"], "max_num_batched_tokens": engine["max_num_batched_tokens"]}
+    if engine.get("cuda_graphs") and not on_cpu:
+        scheduler["cuda_graphs"] = engine["cuda_graphs"]
+    return {"model": model, "cache": cache, "instances": {"device": "cpu" if on_cpu else "cuda"},
+            "scheduler": scheduler, "bench": {"goodput": dict(slos_ms)}}
+
+
+# `extrapolations`: a chunk or batch this fraction beyond the range of the steps timed still counts as timed.
+SAMPLED_MARGIN = 0.1
+
+
+def sampled_ranges(profile: dict) -> dict[str, tuple[int, int]]:
+    """The step shapes ``profile`` timed (its samples, served ones too): ``prompt_tokens``, the
+    fewest and most prompt tokens of a step with any, and ``decode_seqs``, of decoding sequences;
+    a kind with no sample is absent."""
+    ranges = {}
+    for name, index in (("prompt_tokens", 0), ("decode_seqs", 1)):
+        values = [int(s[index]) for s in profile.get("samples") or () if s[index] > 0]
+        if values:
+            ranges[name] = (min(values), max(values))
+    return ranges
+
+
+def extrapolations(profile: dict, base: dict[str, Any], search: Sequence[Candidate]
+                   ) -> dict[str, list[str]]:
+    """Per candidate of ``search`` whose steps go outside what ``profile`` timed (`sampled_ranges`),
+    what does, e.g. ``chunk 8192 prompt tokens (the profile timed 8-32)``: its chunk budget
+    (scheduler.max_num_batched_tokens) outside the prompt tokens of the steps timed, or its batch
+    (scheduler.max_num_seqs) above the decoding sequences timed, by more than `SAMPLED_MARGIN`
+    (a profile at max_model_len 8192 times prompt steps of 8190 tokens, not 8192). Its step times
+    there are the fit's extrapolation. A profile without samples gives none."""
+    ranges = sampled_ranges(profile)
+    out: dict[str, list[str]] = {}
+    for cand in search:
+        scheduler = config_of(base, cand)["scheduler"]
+        notes = []
+        low, high = ranges.get("prompt_tokens", (0, math.inf))
+        chunk = scheduler["max_num_batched_tokens"]
+        if not low / (1 + SAMPLED_MARGIN) <= chunk <= high * (1 + SAMPLED_MARGIN):
+            notes.append(f"chunk {chunk} prompt tokens (the profile timed {low}-{high})")
+        low, high = ranges.get("decode_seqs", (0, math.inf))
+        if scheduler["max_num_seqs"] > high * (1 + SAMPLED_MARGIN):
+            notes.append(f"batches up to {scheduler['max_num_seqs']} sequences (the profile timed {low}-{high})")
+        if notes:
+            out[cand.label] = notes
+    return out
+
+
+def extrapolation_lines(notes: Mapping[str, list[str]], num_candidates: int) -> list[str]:
+    """What `disagg plan` prints of `extrapolations`: a heading, then per note (chunks first, by
+    size, then batches) the candidates it applies to (``every candidate`` when all of them)."""
+    by_note: dict[str, list[str]] = {}
+    for label, items in notes.items():
+        for note in items:
+            by_note.setdefault(note, []).append(label)
+    if not by_note:
+        return []
+
+    def order(note: str) -> tuple[bool, int]:
+        return not note.startswith("chunk"), int(re.search(r"\d+", note).group())
+
+    lines = ["extrapolated: outside the steps the profile timed, so their step times are the fit's guess "
+             "(keep --chunk-sizes within what it timed, or profile a config whose scheduler budgets "
+             "(max_num_batched_tokens, max_num_seqs) cover them, without --small-grid):"]
+    for note in sorted(by_note, key=order):
+        labels = by_note[note]
+        lines.append(f"  {note}: {'every candidate' if len(labels) == num_candidates > 1 else ', '.join(labels)}")
+    return lines
 
 
 def prefill_counts(num_gpus: int) -> list[int]:
@@ -117,7 +191,8 @@ def candidates(num_gpus: int, chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, 
                 for prefer in adaptive_prefers:
                     suffix = (f"[chunk={chunk}]" if len(chunks) > 1 else "") + \
                         (f"[prefer={prefer}]" if len(adaptive_prefers) > 1 else "")
-                    router = {"placement": "adaptive", **({"adaptive_prefer": prefer} if prefer != default_prefer else {})}
+                    router = {"placement": ADAPTIVE.name,
+                              **({"adaptive_prefer": prefer} if prefer != default_prefer else {})}
                     out.append(Candidate(f"{x}P{num_gpus - x}D-adaptive{suffix}", {
                         "instances": instances, "router": router, "scheduler": {"max_num_batched_tokens": chunk}}))
     return out
@@ -256,8 +331,7 @@ class RunLength:
     def seconds_at(self, rate: float) -> float:
         """The virtual seconds of arrivals a run at ``rate`` sends: ``seconds``, less where
         ``max_prompts`` cuts it short. A short run is judged before the fleet fills (its decode
-        seats, its queues) and reads too well: chat at 2x on 8 H200s, colocated held 16.5 req/s
-        per GPU over 23 s of arrivals and 22.5 over 2.2 s (benchmarks/records/plan-h200-2026-11-28/)."""
+        seats, its queues) and reads too well (benchmarks/records/plan-h200-2026-11-28/)."""
         return self.prompts_at(rate) / rate if rate > 0 else self.seconds
 
     @classmethod
@@ -310,7 +384,8 @@ def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_
     its ``attainment_at`` is then a bound below the target (the requests not ended count as
     misses) and the rate is in ``cut_at``. An overloaded run is the slowest to simulate (its
     queue drains long after the arrivals end), and the search runs about half its rates past the
-    knee: chat's colocated-2 was judged in 10.1 s instead of 30.4, the same goodput (ARCHITECTURE §11)."""
+    knee: stopping early judges chat's colocated-2 in a third of the time, to the same goodput
+    (ARCHITECTURE §11)."""
     if seeds < 1:
         raise ValueError(f"--seeds: expected at least 1 draw per rate, got {seeds}")
     config = Config.from_dict(config_of(base, candidate), origin=candidate.label)
@@ -360,7 +435,7 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
                                                            adaptive_prefers=adaptive_prefers)
     for cand in search:
         router = cand.sections.get("router") or {}
-        if router.get("placement") == "adaptive":  # it predicts against the SLOs it is judged by
+        if policy_of(router.get("placement", DEFAULT_PLACEMENT)).predicts:  # against the SLOs it is judged by
             router.setdefault("slo_ttft_ms", slos_ms.get("ttft"))
             router.setdefault("slo_tpot_ms", slos_ms.get("tpot"))
     kwargs = dict(dataset_name=dataset_name, slos_ms=slos_ms, run_length=run_length, seed=seed, seeds=seeds,
@@ -446,8 +521,10 @@ def _judge_rates_in_workers(search: list[Candidate], base: dict[str, Any], profi
 
 
 def best_yaml(best: Candidate, base: dict[str, Any], *, dataset_name: str, link_gbps: float,
-              ranked: Sequence[Candidate], hops: Mapping[str, float] | None = None) -> str:
-    """The YAML of ``best`` with a header saying how it was chosen (the hops given, if any)."""
+              ranked: Sequence[Candidate], hops: Mapping[str, float] | None = None,
+              extrapolated: Sequence[str] = ()) -> str:
+    """The YAML of ``best`` with a header saying how it was chosen (the hops given, if any) and
+    where its simulation extrapolated the profile (``extrapolated``: its `extrapolations`)."""
     import yaml
 
     colocated = [c for c in ranked if c.label.startswith("colocated")]
@@ -457,6 +534,8 @@ def best_yaml(best: Candidate, base: dict[str, Any], *, dataset_name: str, link_
     header = (f"# `disagg plan`: the best of {len(ranked)} deployments of {best.num_gpus} GPU(s) for workload "
               f"{dataset_name!r},\n# simulated goodput {best.goodput_per_gpu:.3f} req/s per GPU{versus}; "
               f"pushes at {link_gbps:g} GB/s{given}.\n")
+    if extrapolated:
+        header += f"# extrapolated beyond the profile's samples: {'; '.join(extrapolated)}.\n"
     return header + yaml.safe_dump(config_of(base, best), sort_keys=False)
 
 

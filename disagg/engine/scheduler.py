@@ -224,7 +224,8 @@ class Scheduler:
                 if free <= 0:
                     return None  # not even one token would fit
             taken = match.num_pages
-        self.cache.add_sequence(req.seq_id, prefix=match)
+        # a preempted request finds its own KV again: counted apart from prompt reuse, as vLLM does
+        self.cache.add_sequence(req.seq_id, prefix=match, preempted=req.num_preemptions > 0)
         req.in_cache, req.num_computed, req.num_cached_tokens = True, hit, hit
         if req.committed_pages:
             self.commit(req)
@@ -238,6 +239,7 @@ class Scheduler:
             if req.in_cache and req.preemptible:
                 self._release(req)
                 self.num_preemptions += 1
+                req.num_preemptions += 1
                 freed = True
         return freed
 
@@ -258,6 +260,7 @@ class Scheduler:
             self.cache.cache_tokens(req.seq_id, req.token_ids[:req.num_computed])
         self._release(req)
         self.num_preemptions += 1
+        req.num_preemptions += 1
         req.decoding = False
         self.waiting.appendleft(req)
         logger.debug("preempted request %s (%d tokens to recompute)", req.request_id, len(req.token_ids))

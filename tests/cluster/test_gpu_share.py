@@ -44,7 +44,8 @@ def test_too_few_gpus_for_cuda_says_how_to_share():
     with pytest.raises(PreflightError, match=r"2 instances need 2 GPUs, the Ray cluster has 1; set "
                                              r"instances.gpus_per_instance: 0.5"):
         resolve_device(instances(device="cuda"), num_gpus=1)
-    with pytest.raises(PreflightError, match=r"at 0.5 GPU each need 1 GPUs, the Ray cluster has 0$"):
+    with pytest.raises(PreflightError, match=r"at 0.5 GPU each need 1 GPUs, the Ray cluster has 0; with no GPU, "
+                                             r"run a CPU config \(configs/tiny-1p1d.yaml, .*--set instances.device=cpu"):
         resolve_device(instances(device="cuda", gpus_per_instance=0.5), num_gpus=0)
 
 

@@ -294,3 +294,67 @@ def test_jobs_judge_in_worker_processes_with_the_same_result():
     assert sorted(seen) == sorted(c.label for c in alone)
     with pytest.raises(ValueError, match="--jobs"):
         planner.plan(PROFILE, jobs=0, **kwargs)
+
+
+# The samples of `disagg profile --small-grid` on the tiny instance (version 1 layout: prompt
+# tokens, decoding sequences, context tokens, seconds, scenario): chunks of 16 and 32 tokens, a
+# side prompt of 8, batches of 1 and 2.
+SMALL_GRID_SAMPLES = [[16, 0, 0, 0.05, "prefill"], [16, 0, 16, 0.05, "prefill"], [32, 0, 0, 0.09, "prefill"],
+                      [16, 0, 0, 0.05, "mixed"], [0, 1, 16, 0.04, "decode"], [8, 1, 17, 0.05, "mixed"],
+                      [16, 1, 17, 0.06, "mixed"], [0, 2, 34, 0.04, "decode"], [8, 2, 36, 0.05, "mixed"]]
+
+
+def test_candidates_outside_the_profiled_steps_are_named_with_the_values_and_the_ranges():
+    """Chunks of 8192 tokens judged from a profile that timed 16- and 32-token chunks are the
+    fit's extrapolation; a chunk within a tenth of the largest step timed is not."""
+    profile = dict(PROFILE, samples=SMALL_GRID_SAMPLES)
+    assert planner.sampled_ranges(profile) == {"prompt_tokens": (8, 32), "decode_seqs": (1, 2)}
+    base = planner.base_sections(profile, {"ttft": 300, "tpot": 20})
+    search = planner.candidates(2, chunk_sizes=(32, 8192), adaptive=False)
+    notes = planner.extrapolations(profile, base, search)
+    batches = "batches up to 16 sequences (the profile timed 1-2)"
+    assert notes == {"colocated-2[chunk=32]": [batches],
+                     "colocated-2[chunk=8192]": ["chunk 8192 prompt tokens (the profile timed 8-32)", batches],
+                     "1P1D": ["chunk 256 prompt tokens (the profile timed 8-32)", batches]}  # the profile's budget
+    lines = planner.extrapolation_lines(notes, len(search))
+    assert lines[1:] == ["  chunk 256 prompt tokens (the profile timed 8-32): 1P1D",
+                         "  chunk 8192 prompt tokens (the profile timed 8-32): colocated-2[chunk=8192]",
+                         f"  {batches}: every candidate"]
+    covered = dict(PROFILE, samples=[[2, 0, 0, 0.01, "prefill"], [8190, 0, 0, 0.2, "prefill"],
+                                     [0, 16, 4096, 0.03, "decode"]])
+    assert planner.extrapolations(covered, base, search) == {}
+    assert planner.extrapolations(PROFILE, base, search) == {}  # no samples: no range to judge by
+
+
+def test_plan_says_where_it_extrapolated_and_writes_the_fleet_it_simulated(tmp_path: Path):
+    """`disagg plan` on a --small-grid profile recommended chunk 8192 without a word, and its YAML
+    left cache.num_pages out: the launched fleet sized its pages from memory (32768 per instance
+    on a GPU), not the profile's 256 that were simulated."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(dict(PROFILE, samples=SMALL_GRID_SAMPLES)))
+    out = tmp_path / "best.yaml"
+    result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--dataset-name", "random",
+                                      "--random-input-len", "64", "--random-output-len", "16", "--goodput",
+                                      "ttft:300", "tpot:20", "--gpus", "1", "--chunk-sizes", "8192",
+                                      *TINY_RUN_ARGS, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    config = Config.from_yaml(out)
+    assert config.cache.num_pages == PROFILE["engine"]["num_pages"] == 256
+    assert config.model.max_model_len == PROFILE["engine"]["max_model_len"]
+    assert planner.SimFleet(config, PROFILE).num_pages == 256  # what the plan simulated: the same pages
+    assert "\n  chunk 8192 prompt tokens (the profile timed 8-32): colocated-1[chunk=8192]\n" in result.output
+    assert "\n  batches up to 16 sequences (the profile timed 1-2): colocated-1[chunk=8192]\n" in result.output
+    assert ("# extrapolated beyond the profile's samples: chunk 8192 prompt tokens (the profile timed 8-32); "
+            "batches up to 16 sequences (the profile timed 1-2).\n") in out.read_text()
+
+
+def test_the_written_yaml_carries_what_the_profiled_instance_ran():
+    """KV dtype, CUDA graphs and a dummy's layer count of the profiled instance: the YAML's fleet
+    is the one whose step times were simulated."""
+    profile = dict(PROFILE, kv_dtype="torch.float8_e4m3fn", device={"torch_device": "cuda:0"},
+                   engine=dict(PROFILE["engine"], cuda_graphs="full_decode_only", num_layers=2))
+    base = planner.base_sections(profile, {"ttft": 300, "tpot": 20})
+    config = Config.from_dict(planner.config_of(base, planner.candidates(2, adaptive=False, colocated=False)[0]))
+    assert (config.cache.kv_dtype, config.scheduler.cuda_graphs, config.model.num_layers) == (
+        "fp8_e4m3", "full_decode_only", 2)
+    assert config.cache.num_pages == 256 and config.instances.device == "cuda"

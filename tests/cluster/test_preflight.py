@@ -67,6 +67,64 @@ def test_transfer_paths_choose_segment_puts_for_unreachable_pairs():
     assert forced == {(0, 2): "segment puts"}
 
 
+def _ray_must_not_start(monkeypatch) -> None:
+    """The launch fails if it reaches Ray (`connect`) at all: what is asserted is that it stops before."""
+    from disagg.cluster import bootstrap
+
+    def connect(config):
+        raise AssertionError("the launch connected to Ray before its checks of this host failed")
+    monkeypatch.setattr(bootstrap, "connect", connect)
+
+
+def test_a_missing_model_directory_fails_the_launch_before_ray_starts(tmp_path, monkeypatch):
+    from disagg.cluster import Cluster
+
+    _ray_must_not_start(monkeypatch)
+    missing = tmp_path / "no-such-model"
+    config = Config.from_yaml(TINY).override({"model.source": str(missing)})
+    with pytest.raises(PreflightError, match=rf"model.source '{missing}': no such directory; expected an HF "
+                                             r"model directory \(config.json \+ \*.safetensors\)"):
+        Cluster.launch(config)
+    with pytest.raises(PreflightError, match=r"model.source 'dummy:tinyy': unknown preset; expected one of "
+                                             r".*dummy:tiny"):
+        Cluster.launch(Config.from_yaml(TINY).override({"model.source": "dummy:tinyy"}))
+
+
+def test_a_model_directory_without_config_or_weights_is_named_before_ray_starts(tmp_path, caplog):
+    from disagg.cluster.preflight import check_model_source
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = Config.from_yaml(TINY).override({"model.source": str(folder)})
+    with pytest.raises(PreflightError, match=rf"{folder}/config.json: no such file"):
+        check_model_source(config)
+    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, '
+                                        '"num_attention_heads": 4, "num_hidden_layers": 2, '
+                                        '"intermediate_size": 128, "vocab_size": 256}')
+    with pytest.raises(PreflightError, match=rf"{folder} has no \*.safetensors files"):
+        check_model_source(config)
+    check_model_source(Config.from_yaml(TINY))  # dummy:tiny
+    joined = config.override({"model.source": str(tmp_path / "on-the-nodes"), "cluster.address": "auto"})
+    check_model_source(joined)  # the nodes of a joined cluster may hold it: said, not refused
+    assert "on-the-nodes': no such directory on this host" in caplog.text
+
+
+def test_cuda_on_a_host_without_gpus_says_what_runs_on_the_cpu_before_ray_starts(monkeypatch):
+    from disagg.cluster import Cluster, bootstrap
+
+    _ray_must_not_start(monkeypatch)
+    monkeypatch.setattr(bootstrap, "count_local_gpus", lambda: 0)
+    config = Config.from_yaml(TINY.parent / "llama3-8b-1p1d.yaml")
+    with pytest.raises(PreflightError) as caught:
+        Cluster.launch(config)
+    message = str(caught.value)
+    assert message.startswith("instances.device is cuda: 2 instances need 2 GPUs, this host")
+    assert "configs/tiny-1p1d.yaml" in message and "--set instances.device=cpu --set transfer.backend=auto" in message
+    joined = config.override({"cluster.address": "auto"})  # the cluster's GPUs are counted once joined
+    with pytest.raises(AssertionError, match="connected to Ray"):
+        Cluster.launch(joined)
+
+
 def test_project_errors_cross_processes_with_their_fields():
     err = pickle.loads(pickle.dumps(OutOfPages("full", num_needed=7, num_free=2)))
     assert isinstance(err, OutOfPages) and (err.num_needed, err.num_free, str(err)) == (7, 2, "full")

@@ -101,8 +101,9 @@ def test_an_older_fit_loads_and_predicts_what_it_did():
 
 
 def test_refit_of_a_committed_version_1_profile_derives_its_pairs_and_fits_better(tmp_path: Path):
-    """The H100 profile of 2026-11-27 (version 1: no pairs in its samples) refits on the CPU: the
-    replayed grid gives every prompt step its pairs, and prompt and mixed steps fit closer."""
+    """The H100 profile in benchmarks/records/simulator-2026-11-27 (version 1: no pairs in its
+    samples) refits on the CPU: the replayed grid gives every prompt step its pairs, and prompt
+    and mixed steps fit closer."""
     path = RECORDS / "simulator-2026-11-27" / "profile-h100.json"
     out = tmp_path / "refit.json"
     result = CliRunner().invoke(app, ["profile", "--refit", str(path), "--out", str(out)])
@@ -135,6 +136,8 @@ def test_profile_of_the_tiny_instance(tmp_path: Path, monkeypatch):
     profile = load_profile(out)
     assert profile["model"] == "dummy:tiny" and profile["dtype"] == "float32"
     assert profile["engine"]["num_pages"] == 256 and profile["engine"]["kv_bytes_per_token"] > 0
+    # What `disagg plan` writes into its YAML besides the sizes: the instance's graphs and layers.
+    assert profile["engine"]["cuda_graphs"] == "full" and profile["engine"]["num_layers"] is None
     scenarios = {s[5] for s in profile["samples"]}
     assert scenarios == {"prefill", "decode", "mixed"}
     shapes = {(s[0] > 0, s[1] > 0) for s in profile["samples"]}

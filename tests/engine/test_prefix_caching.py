@@ -118,3 +118,20 @@ def test_concurrent_requests_under_page_pressure(tiny_model, torch_reference):
     assert stats["prefix_hit_tokens"] > 0 and stats["prefix_evicted_pages"] > 0 and stats["num_preemptions"] > 0
     assert_all_free(eng)
     assert eng.cache.num_cached_pages == stats["prefix_cached_pages"] > 0
+
+
+def test_a_preempted_request_finding_its_own_kv_again_is_counted_apart(tiny_model, torch_reference):
+    """Prompts that share nothing (a random workload's) hit nothing: what a preempted request finds
+    again when it re-enters, its own prompt and output, is counted apart (vLLM's preempted_hits)."""
+    prompts = {f"r{i}": [100 + 12 * i + j for j in range(12)] for i in range(6)}
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    eng = engine(tiny_model, True, num_pages=12, max_num_seqs=4, budget=8)
+    for rid, prompt in prompts.items():
+        eng.add(rid, prompt, params)
+    results = {rid: r["tokens"] for rid, r in drain(eng).items()}
+    assert results == uncached(tiny_model, prompts, params)
+    stats = eng.stats()
+    assert stats["num_preemptions"] > 0
+    assert (stats["prefix_query_tokens"], stats["prefix_hit_tokens"]) == (6 * 12, 0)  # each prompt once
+    assert 0 < stats["prefix_preempted_hit_tokens"] < stats["prefix_preempted_query_tokens"]
+    assert_all_free(eng)

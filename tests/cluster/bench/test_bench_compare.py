@@ -86,9 +86,11 @@ def test_side_summary_and_comparison():
     assert sides[1]["bound"] == "below_range"
     summary = cmp.compare_sides(sides, slos)
     strict, loose = summary["rows"]
-    assert strict["best_other"] == "colocated" and strict["ratio"] is None    # colocated below range: 0
+    # colocated below its lowest rate (1 req/s on 2 GPUs: < 0.5 per GPU): the ratio is a lower bound
+    assert strict["best_other"] == "colocated" and strict["ratio_bound"] == "at_least"
+    assert strict["ratio"] == pytest.approx(1.0 / 0.5)
     assert loose["per_gpu_goodput"]["colocated"] == pytest.approx(2.0)        # 10x SLOs: every rate holds
-    assert loose["ratio"] == pytest.approx(1.0)
+    assert loose["ratio"] is None and loose["ratio_bound"] is None             # both at least 2: no order
     curve = cmp.slo_scale_curve(good[2], slos, (1.0, 10.0))
     assert curve == [(1.0, pytest.approx(0.8)), (10.0, pytest.approx(1.0))]
     with pytest.raises(ValueError, match="--slo-scales"):
@@ -108,10 +110,11 @@ def test_each_side_is_judged_at_its_best_variant():
     assert row["best_other"] == "colocated[max_num_batched_tokens=2048]"
     assert goodput[row["best_own"]] > goodput["1p1d[max_num_batched_tokens=8192]"]
     assert row["ratio"] == pytest.approx(goodput[row["best_own"]] / goodput[row["best_other"]])
-    assert row["ratio"] > 1.0
-    # One variant under test: the side under test itself, as before.
+    assert row["ratio"] > 1.0 and row["ratio_bound"] == "at_least"   # 2048 held every rate: >= 2.0 per GPU
+    # One variant under test: the side under test itself.
     (row,) = cmp.compare_sides(sides[:1] + sides[2:], slos)["rows"]
-    assert row["best_own"] == "1p1d[max_num_batched_tokens=8192]" and row["ratio"] == 0.0  # below range
+    assert row["best_own"] == "1p1d[max_num_batched_tokens=8192]"  # below range: < 0.5 per GPU
+    assert row["ratio_bound"] == "at_most" and row["ratio"] == pytest.approx(0.5 / goodput[row["best_other"]])
     assert cmp.family("llama3-8b-colocated[max_num_batched_tokens=2048]") == "llama3-8b-colocated"
 
 
@@ -142,3 +145,66 @@ def test_gpu_utilization_parsing_and_cpu_host(monkeypatch):
     with utilization.sample_gpus() as holder:
         pass
     assert holder["gpu_utilization"] is None
+
+
+def test_ratio_is_a_bound_when_a_goodput_is_and_none_when_the_sweep_cannot_order_them():
+    """A side that held every rate is at least its top rate, one that missed the lowest is below
+    it: the ratio is then a bound, and two sides open the same way have no ratio (not 1.0)."""
+    exact, at_least, below = "interpolated", "at_least", "below_range"
+    assert cmp.bounded_ratio((2.0, exact, 1.0), (1.0, exact, 0.5)) == (2.0, "exact")
+    assert cmp.bounded_ratio((4.0, at_least, 1.0), (2.0, exact, 1.0)) == (2.0, "at_least")
+    assert cmp.bounded_ratio((2.0, exact, 1.0), (4.0, at_least, 1.0)) == (0.5, "at_most")
+    assert cmp.bounded_ratio((4.0, at_least, 1.0), (0.0, below, 1.0)) == (4.0, "at_least")   # other < 1
+    assert cmp.bounded_ratio((0.0, below, 1.0), (2.0, exact, 0.5)) == (0.5, "at_most")       # mine < 1
+    assert cmp.bounded_ratio((4.0, at_least, 1.0), (4.0, at_least, 1.0)) == (None, None)
+    assert cmp.bounded_ratio((0.0, below, 1.0), (0.0, below, 2.0)) == (None, None)
+    assert cmp.bounded_ratio((None, "no_data", None), (1.0, exact, 1.0)) == (None, None)
+    # one GPU's time-sliced pair held the one rate run: "4.000+" both, and no ratio rather than 1.000
+    slos = {"ttft": 100, "tpot": 30}
+    held = [build_result(_run(4.0, [0.05] * 10, 0.02), goodput_slos_ms=slos, label=label) for label in "ab"]
+    sides = [cmp.side_summary(label, [result], 1, slos, (1.0,)) for label, result in zip("ab", held)]
+    (row,) = cmp.compare_sides(sides, slos)["rows"]
+    assert row["bound"] == {"a": "at_least", "b": "at_least"} and row["ratio"] is None
+
+
+def _summary(degrade: float, folder) -> dict:
+    """A comparison of `_sweep`s (colocated degrading twice as fast), its common rate filled in."""
+    slos = {"ttft": 100, "tpot": 30}
+    by_label = {"disagg": _sweep("disagg", degrade), "colocated": _sweep("colocated", 2 * degrade)}
+    sides = [cmp.side_summary(label, results, 2, slos, (1.0,)) for label, results in by_label.items()]
+    summary = {"dataset": "random", "sides": sides, "comparison": cmp.compare_sides(sides, slos),
+               "slos_ms": slos, "slo_scales": [1.0], "context": {}}
+    plots.write_all(by_label, summary, folder)
+    return summary
+
+
+def test_summary_md_common_rate_heading_says_what_its_rows_are(tmp_path):
+    """The common-rate section's heading claims ">= 50% attainment" only where its rows held it;
+    a rate no deployment held 50% at is named as the fallback it is (the lowest rate run)."""
+    from disagg.cluster.bench.markdown import comparison_summary
+
+    collapsed = _summary(degrade=20.0, folder=tmp_path / "a")      # every request misses at every rate
+    assert collapsed["at_common_rate"]["rate"] == 1.0 and collapsed["at_common_rate"]["disagg"]["attainment"] == 0
+    text = comparison_summary({"random": collapsed})
+    heading = next(line for line in text.splitlines() if line.startswith("At a common rate"))
+    assert "the lowest rate every deployment ran" in heading and "did each hold >= 50%" in heading, heading
+    assert "highest rate" not in heading, heading
+    held = _summary(degrade=0.5, folder=tmp_path / "b")            # 80% and 60% at 4: held
+    heading = next(line for line in comparison_summary({"random": held}).splitlines()
+                   if line.startswith("At a common rate"))
+    assert "the highest rate every deployment ran at while each held >= 50%" in heading, heading
+    both = comparison_summary({"random": held, "chat": collapsed})   # one of each: the fallback starred
+    assert "where none did (rate marked '*'), the lowest rate they all ran" in both
+    assert "| chat | disagg | 1* |" in both and "| random | disagg | 4 |" in both
+
+
+def test_summary_md_names_each_goodput(tmp_path):
+    """summary.md tells the comparison's goodput (per GPU at 90% attainment, interpolated) from a
+    run's request goodput (requests meeting the SLOs per second of that run)."""
+    from disagg.cluster.bench.markdown import comparison_summary
+
+    text = comparison_summary({"random": _summary(degrade=0.5, folder=tmp_path)})
+    assert "Goodput: the highest offered rate per GPU at which >= 90% of the requests meet every SLO, " \
+           "interpolated between the last rate run that held and the first that missed" in text
+    assert "not a run's request goodput: the requests of one run that met every SLO, per second of that " \
+           "run, at its offered rate" in text

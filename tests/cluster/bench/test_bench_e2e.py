@@ -100,6 +100,27 @@ def test_shared_prefix_and_multi_turn_report_hit_rates(monkeypatch):
         assert "Prefix cache hit rate" in rows
 
 
+def test_a_random_workload_reuses_no_prompt_and_reports_recompute_hits_apart(monkeypatch):
+    """Random prompts share nothing: the hit rate is 0. Under page pressure requests are preempted
+    and, re-entering, find their own KV again: reported apart, as vLLM's preempted_hits are."""
+    from disagg.cluster.bench.sweep import SweepOptions, bench_config
+    from disagg.cluster.bench.tables import run_table
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    options = SweepOptions(num_prompts=24, dataset_name="random", input_len=256, output_len=64, rates=[math.inf],
+                           show_progress=False, save_results=False, num_warmups=1)
+    # 12 requests of 320 tokens at once on each instance of 1024 tokens, their prompts in chunks of 128
+    overrides = {"cache.num_pages": 64, "scheduler.max_num_batched_tokens": 128}
+    (runs,) = bench_config(str(CONFIGS / "tiny-colocated.yaml"), options, label="tiny", overrides=overrides)
+    (result,) = runs.results
+    assert result["completed"] == 24, result["errors"]
+    cache = result["prefix_cache"]
+    assert (cache["hit_rate"], cache["hit_tokens"], cache["query_tokens"]) == (0.0, 0, result["total_input_tokens"])
+    assert sum(inst["num_preemptions"] for inst in result["cluster_stats"]["instances"]) > 0
+    assert cache["preempted"]["hit_tokens"] > 0
+    assert "Recompute hits after preemption" in run_table(result).columns[0].cells
+
+
 @pytest.mark.parametrize("reset", [True, False])
 def test_each_run_of_a_sweep_starts_with_no_cached_prefix(monkeypatch, reset):
     """Every run of a sweep sends the same prompts: without the reset before each run, the second

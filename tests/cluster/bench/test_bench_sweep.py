@@ -32,7 +32,7 @@ def test_quick_compare_writes_results_and_plots(stand_in, tmp_path):
             assert result["workload"]["vocab_size"] == 64 and result["config"]["instances"]
             assert set(result["busy_fraction"]) == {f"{result['config']['instances']['colocated'] and 'colocated' or 'disaggregated'}-{i}" for i in range(2)}
     assert summary["sides"][0]["attainment"] == [1.0, 1.0]
-    assert summary["comparison"]["rows"][0]["ratio"] == pytest.approx(1.0)   # both hold every rate
+    assert summary["comparison"]["rows"][0]["ratio"] is None   # both hold every rate: no order, not 1.0
     assert {p.split("/")[-1] for p in summary["plots"]} >= {"attainment_vs_rate.png", "ttft_cdf.png"}
     assert json.loads((tmp_path / "compare.json").read_text())["slos_ms"] == {"ttft": 1000, "tpot": 1000}
 
@@ -152,7 +152,7 @@ def test_cli_takes_compare_with_and_defaults_from_the_config(stand_in, tmp_path)
 
 
 def test_split_sweeps_compared_from_stored_results(stand_in, tmp_path):
-    """Each deployment swept alone (as a 10-minute GPU sitting allows), compared afterwards."""
+    """Each deployment swept alone (as a 10-minute GPU run allows), compared afterwards."""
     common = ["--no-compare", "--num-prompts", "3", "--request-rate", "150,300", "--random-input-len", "5",
               "--random-output-len", "2", "--save-result", "--disable-tqdm"]
     first = CliRunner().invoke(_app(), ["bench", TINY_1P1D, *common, "--slo-calibrate", "--result-dir",
@@ -215,7 +215,7 @@ def test_summary_markdown_names_the_winner(stand_in, tmp_path):
         assert fact in text, fact
     head = lines.index("| workload | SLO scale | SLOs | under test | goodput | best other | goodput | ratio |")
     assert lines[head + 2] == ("| random | 1x | TTFT 1000 ms, TPOT 1000 ms | tiny-1p1d | 100.0+ | tiny-colocated "
-                               "| 100.0+ | 1.000 |")
+                               "| 100.0+ | - |")   # both held every rate: the sweep cannot order them
     tails = lines.index("| workload | deployment | rate (req/s) | p99 TTFT (ms) | p99 TPOT (ms) | SLO attainment |")
     assert [line.split(" | ")[1:3] for line in lines[tails + 2:tails + 6]] == [
         ["tiny-1p1d", "200"], ["tiny-colocated", "200"], ["tiny-1p1d", "200"], ["tiny-colocated", "200"]]
@@ -239,6 +239,19 @@ def test_prefix_cache_of_one_run():
     assert idle["hit_rate"] is None and idle["instances"]["decode-0"]["hit_rate"] is None
 
 
+def test_prefix_cache_of_counts_a_preempted_requests_lookups_apart():
+    from disagg.cluster.bench.sweep import prefix_cache_of
+
+    def stats(q, h, pq, ph):
+        return {"instances": [{"name": f"colocated-{i}", "prefix_query_tokens": q, "prefix_hit_tokens": h,
+                               "prefix_preempted_query_tokens": pq, "prefix_preempted_hit_tokens": ph}
+                              for i in range(2)]}
+
+    got = prefix_cache_of(stats(100, 0, 50, 10), stats(300, 0, 550, 110))
+    assert (got["hit_rate"], got["query_tokens"], got["hit_tokens"]) == (0.0, 400, 0)
+    assert got["preempted"] == {"query_tokens": 1000, "hit_tokens": 200}
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_each_run_resets_the_prefix_cache_unless_kept(stand_in, tmp_path, keep):
     result = CliRunner().invoke(_app(), [
@@ -249,3 +262,50 @@ def test_each_run_resets_the_prefix_cache_unless_kept(stand_in, tmp_path, keep):
     assert stand_in.num_resets == (0 if keep else 2)
     results = [load_json(str(path)) for path in sorted(tmp_path.glob("**/*qps*.json"))]
     assert [r["prefix_cache_reset"] for r in results] == [not keep] * 2
+
+
+def test_sweep_extends_to_a_limit_outside_the_rates_run(stand_in, tmp_path):
+    """With extend_to_limit, a side that held every rate runs one more at twice the highest: its
+    limit lands inside its own rates (upward only: the shorter run)."""
+    from disagg.cluster.bench.report import build_result
+    from disagg.cluster.bench.runner import RunResult
+    from disagg.cluster.bench.metrics import RequestOutput
+    from disagg.cluster.bench.sweep import limit_rate
+
+    def at(rate, ttft):
+        out = RequestOutput(True, 4, 3, ttft=ttft, itl=[0.01, 0.01], latency=ttft + 0.02, start_time=0.0,
+                            expected_output_len=3)
+        return build_result(RunResult([out], 1.0, rate, 1.0, None))
+    slos = {"ttft": 100}
+    assert limit_rate([at(1.0, 0.01), at(2.0, 0.01)], slos) == 4.0           # held both: above them
+    assert limit_rate([at(2.0, 0.5), at(1.0, 0.5)], slos) is None            # missed both: not lower
+    assert limit_rate([at(1.0, 0.01), at(2.0, 0.5)], slos) is None           # bracketed
+    assert limit_rate([at(math.inf, 0.01)], slos) is None
+    summary = cmp.quick_compare(TINY_1P1D, TINY_COLOCATED, str(tmp_path), num_prompts=4, rates=(100.0, 50.0),
+                                goodput={"ttft": 5000, "tpot": 5000}, input_len=8, output_len=3,
+                                extend_to_limit=1)
+    for side, run in zip(summary["sides"], summary["runs"]):
+        assert side["rates"] == [50.0, 100.0, 200.0] and len(run["result_files"]) == 3   # ascending
+    again = cmp.quick_compare(TINY_1P1D, TINY_COLOCATED, str(tmp_path / "b"), num_prompts=4, rates=(100.0,),
+                              goodput={"ttft": 5000, "tpot": 5000}, input_len=8, output_len=3)
+    assert [side["rates"] for side in again["sides"]] == [[100.0], [100.0]]   # off by default
+
+
+def test_a_launched_fleet_is_swept_and_the_caveat_replaces_the_goodput_table(stand_in, tmp_path, capsys):
+    """`make demo`'s path: the fleet it streamed on is the first side (one launch fewer), and on
+    one shared GPU a caveat stands in for the goodput table (printed, and in summary.md)."""
+    from disagg.config import Config
+
+    fleet = StandInCluster(Config.from_yaml(TINY_1P1D))
+    caveat = "one GPU: both sides time-slice it, so their goodput cannot compare deployments"
+    summary = cmp.quick_compare(TINY_1P1D, TINY_COLOCATED, str(tmp_path), num_prompts=3, rates=(100.0,),
+                                goodput={"ttft": 5000, "tpot": 5000}, input_len=8, output_len=3,
+                                launched=fleet, caveat=caveat)
+    assert [c.mode for c in stand_in.launched] == ["colocated"]               # the 1P1D side was handed in
+    assert summary["notes"] == [caveat]
+    out = " ".join(capsys.readouterr().out.split())
+    assert caveat in out and "Goodput per" not in out and "At a common rate: 100 req/s" in out
+    assert f"- NOTE: {caveat}" in (tmp_path / "summary.md").read_text()
+    with pytest.raises(ValueError, match="launched"):
+        bench_config(TINY_1P1D, SweepOptions(num_prompts=1), overrides={"scheduler.max_num_seqs": 2},
+                     launched=fleet)
