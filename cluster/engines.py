@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from disagg.cluster.placement import policy_of
 from disagg.config import Config
 
 logger = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ def make_engine(role: str, model: Any, heap: Any, num_pages: int, config: Config
     if role == "prefill":
         # Decode graphs where the router may keep a request on it to decode (adaptive placement):
         # an eager decode step of an 8B model takes about twice the graph's.
-        keeps = config.router.placement == "adaptive" and mode != "none"
+        keeps = policy_of(config.router.placement).keeps and mode != "none"
         return PrefillEngine(model, heap, max_num_batched_tokens=budget, use_cuda_graphs=None if keeps else False,
                              force_segment_puts=config.transfer.force_segment_puts,
                              push_after=config.transfer.push_after, **steps, **common)
@@ -190,7 +191,7 @@ def warm_up(engine: Any, role: str, config: Config) -> dict:
     budget = config.scheduler.max_num_batched_tokens
     prompt_len = budget if gpu else min(budget, 16)
     max_kv_len = max_len if gpu else min(max_len, 64)
-    both = config.router.placement != "disaggregated"  # local / kept requests: both phases everywhere
+    both = policy_of(config.router.placement).mixes_phases  # local / kept requests: both phases everywhere
     if role == "prefill":
         return engine.warmup(prompt_len=prompt_len, max_kv_len=max_kv_len if both else None)
     if role == "decode":

@@ -75,10 +75,10 @@ def test_a_prompt_is_not_computed_on_a_prefill_instance_whose_kept_requests_it_b
     # P keeps 8 requests decoding; one is 50 of 100 tokens in after 1.8 s: 115 ms of slack at
     # 25 ms, and a 2000-token prompt computed on P stalls them 200 ms, whether it is then pushed
     # (remote) or kept. D decodes 64 (20-ms steps) with room. A 1-ms TTFT target: no path is
-    # admissible, and the fastest first token is the push through P. Two H200s at f47ab54
-    # collapsed one rate past the knee as their remote prompts rose (decode-heavy 7 -> 147,
-    # 98.5% -> 62.7% from 27 to 28 req/s, colocated 93.4%; records 28e): there a push spends P's
-    # kept requests' slack, so it gives way to a path that spares them.
+    # admissible, and the fastest first token is the push through P. Such a push spends P's kept
+    # requests' slack (two H200s that take it collapse one rate past the knee as their remote
+    # prompts rise: decode-heavy 98.5% -> 62.7% attainment from 27 to 28 req/s, colocated 93.4%;
+    # benchmarks/records/headline-h200x2-2026-11-28e/), so it gives way to a path that spares them.
     progress = tuple((e, 50, 100) for e in (1.0,) * 7 + (1.8,))
     p = InstanceView("P", model(), 4096, 0, 8, 8000, None, 16, remaining_tokens=8 * 400, output_tokens=400,
                      decode_progress=progress)
@@ -117,9 +117,9 @@ def test_a_local_prompt_may_not_stall_the_pushes_on_their_way_past_their_tpot():
     # decode on D within a prompt's time, beside this local prompt's chunks. 400 tokens each at
     # 25 ms with D's ~10-ms steps leave ~6 s of slack; a 2000-token chunk stalls them 0.2 s, fine;
     # with 40-token answers the slack is ~0.6 s, and a 20,000-token local prompt (2 s of chunks)
-    # breaks it. Simulated 8 GPUs long-prompt 7P1D-adaptive: local prompts on the one decode
-    # instance while pushes were on their way, every later push refused, 0.422 req/s per GPU
-    # against 0.938 for 7P1D fixed; counting them, 0.516 (benchmarks/records/plan-h200-2026-11-28/).
+    # breaks it. Simulated 8 GPUs long-prompt 7P1D-adaptive without the rule: local prompts on the
+    # one decode instance while pushes are on their way, every later push refused, 0.422 req/s per
+    # GPU against 0.938 for 7P1D fixed; with it, 0.516 (benchmarks/records/plan-h200-2026-11-28/).
     # Past the knee they do not make D saturated: its local path stays the fallback's to take.
     def d(incoming, output_tokens):
         return InstanceView("D", model(), 4096, 0, 0, 0, None, 16, output_tokens=output_tokens, incoming=incoming)
@@ -248,10 +248,10 @@ def test_balanced_sends_a_tie_of_remote_and_kept_to_decode_on_the_prefill_side_p
 
 def test_balanced_lets_a_faster_local_path_give_way_to_keeping_the_decode_on_an_idle_prefill_side():
     # Local answers sooner (P has a queue, D none) but decodes beside D's 64; P decodes nothing.
-    # A remote/kept tie was all `balanced` weighed: with local the fastest, every decode went to D
-    # while P idled (two H200s, decode-heavy: 130 of the first 145 prompts; 41% attainment against
-    # colocated's 99%, benchmarks/records/headline-h200x2-2026-11-28/). Kept needs no tie with
-    # local for TTFT, only the room `_decode_on_prefill` asks of it.
+    # Weighing only a remote/kept tie, `balanced` would send every decode to D while P idles when
+    # local is the fastest (two H200s, decode-heavy: 130 of the first 145 prompts; 41% attainment
+    # against colocated's 99%, benchmarks/records/headline-h200x2-2026-11-28/). Kept needs no tie
+    # with local for TTFT, only the room `decode_on_prefill` asks of it.
     from dataclasses import replace
 
     prefills = [replace(view("P", queued=1000), output_tokens=500)]
@@ -364,12 +364,12 @@ def test_a_prompt_is_priced_at_what_follows_the_prefix_cached_on_each_instance()
 
 
 def test_a_wide_margin_does_not_let_a_slower_path_pass_a_faster_surer_one():
-    """Found by the property test below (CI, 2026-11-27): remote (its decode model's error 0.5)
-    was near the best, kept, within its own margin; local (error 0), faster than remote, was not
-    within its own; and remote won. Whatever is faster than a near-tie is one too: local, first
-    in `PREFERENCE`. (D0's context 105,739 found then; 250,000 keeps the order since a prompt
-    waits for half the step in flight, `InstanceView.prompt_wait_s`; D1's reservations measured 130
-    ms beyond its step keep remote the slowest since P's queue hides a shorter one, `predict`.)"""
+    """A case the property test below found: remote (its decode model's error 0.5) is near the
+    best, kept, within its own margin; local (error 0), faster than remote, is not within its own;
+    remote must not win. Whatever is faster than a near-tie is one too: local, first in
+    `PREFERENCE`. (D0's context of 250,000 keeps the order since a prompt waits for half the step
+    in flight, `InstanceView.prompt_wait_s`; D1's reservations measured 130 ms beyond its step keep
+    remote the slowest since P's queue hides a shorter one, `predict`.)"""
     p_coef, d_coef = (0.03125, 5.21e-4, 2.03e-4, 0.0), (0.03125, 7.58e-4, 1.668e-5, 1.2725e-7)
     prefills = [view(f"P{i}", queued=128, context=49, chunk=64, coef=p_coef, error=0.0) for i in range(2)]
     decodes = [view("D0", queued=96, decoding=2, context=250_000, chunk=2048, coef=d_coef, error=0.0),
@@ -644,9 +644,9 @@ def test_a_local_prompt_behind_a_queued_one_stalls_that_ones_first_tokens():
 
 
 def test_a_sure_instance_beats_an_unsure_slower_one_of_the_same_path():
-    """Hypothesis's counterexample of 2026-11-27: local on D1 (model error 0.5) was within its own
-    margin of the best path, local on D0 (error 0) was faster but not within its zero margin, so
-    the unsure D1 won; the fastest instance of the chosen path wins now."""
+    """A counterexample Hypothesis found: local on D1 (model error 0.5) is within its own margin
+    of the best path, local on D0 (error 0) faster but not within its zero margin; the fastest
+    instance of the chosen path wins, not the unsure D1."""
     prefills = [view("P0", coef=(0.03125, 1.192092896e-07, 0.00041782170266259263, 0.0), queued=64, decoding=0,
                      chunk=64, error=0.0, context=19),
                 view("P1", coef=(0.03125, 1.192092896e-07, 0.00041782170266259263, 0.0), queued=67, decoding=2,
@@ -731,8 +731,8 @@ def test_a_kept_request_is_judged_by_the_local_rule_on_its_prefill_instance():
     d = InstanceView("D", model(), 4096, 0, 60, 120_000, None, 16, remaining_tokens=60 * 400, output_tokens=400)
     dec = decide(100, [p], [d], Targets.from_ms(None, 25, "fastest"))
     kept = next(c for c in dec.predictions if c.path == "kept")
-    from disagg.cluster.placement import _local_tpot
-    assert kept.admissible and kept.tpot_s == pytest.approx(_local_tpot(p, 100))
+    from disagg.cluster.placement import local_tpot
+    assert kept.admissible and kept.tpot_s == pytest.approx(local_tpot(p, 100))
     assert kept.tpot_s < 0.025 < p.decode_step_s(1, 100, 2000)
 
 
@@ -784,14 +784,14 @@ def test_a_pushed_request_waiting_for_a_decode_seat_counts_it_in_its_tpot_not_in
     assert remote.tpot_s == pytest.approx(base.tpot_s + remote.seat_tpot_s) and remote.seat_tpot_s > 0
     # `balanced` keeps a decode on P for D's decode speed, not for the seat wait: a remote TPOT of
     # 8 ms of decoding + 4 ms of waiting (under half the 20-ms target without the wait) keeps nothing.
-    from disagg.cluster.placement import Prediction, _decode_on_prefill
+    from disagg.cluster.placement import Prediction, decode_on_prefill
     views = {"P": _seated("P", decoding=0), "D": d}
     pushed = Prediction("remote", "P", "D", 0.05, 0.012, 0.05, seat_tpot_s=0.004)
     kept = Prediction("kept", "P", "P", 0.05, 0.005, 0.05)
     targets = Targets.from_ms(1000, 20, "balanced")
-    assert _decode_on_prefill(32, pushed, [pushed, kept], views, targets) is None
+    assert decode_on_prefill(32, pushed, [pushed, kept], views, targets) is None
     pushed = Prediction("remote", "P", "D", 0.05, 0.016, 0.05, seat_tpot_s=0.004)
-    assert _decode_on_prefill(32, pushed, [pushed, kept], views, targets) is kept
+    assert decode_on_prefill(32, pushed, [pushed, kept], views, targets) is kept
 
 
 def test_the_fleet_view_counts_seats_of_decodes_queued_prompts_and_pushes_on_their_way():

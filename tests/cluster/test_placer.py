@@ -1,5 +1,5 @@
-"""`Placer` (cluster/placer.py): the one placement of the router and the simulator, on constructed
-instances and requests (no Ray, no engine): which plan for which fleet state, in which order the
+"""`Placer` (cluster/placement/placer.py): the one placement of the router and the simulator, on
+constructed instances and requests (no Ray, no engine): which plan for which fleet state, in which order the
 decode instances are tried, the prefill-queue bound, counts and prefix affinity."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from disagg.cluster.affinity import PrefixAffinity
 from disagg.cluster.bootstrap import Instance
 from disagg.cluster.outputs import RequestMetrics
 from disagg.cluster.placement import Decision, Prediction
-from disagg.cluster.placer import WAIT_PAGES, WAIT_PREFILL_QUEUE, Alone, Fail, Placer, Remote, Wait
+from disagg.cluster.placement.placer import WAIT_PAGES, WAIT_PREFILL_QUEUE, Alone, Fail, Placer, Remote, Wait
 from disagg.cluster.requests import Picker, Request
 from disagg.config import Config
 from disagg.errors import NoLiveInstance

@@ -15,12 +15,14 @@ with it now (docs/ARCHITECTURE.md §7, step 2):
                          predicted, while it lives); one that refuses (out of pages, dead) passes
                          to the next; when every one refused, it waits (`WAIT_PAGES`)
 
-The order of instances (the `Picker`, its prefix credit), `router.placement` (disaggregated,
-local, adaptive: `placement.decide`), the prefill-queue bound, the placement counts and the
-prefix affinity live here; the calls that touch an instance stay with each caller: the router's
-(`disagg.cluster.router`) are Ray calls on its event loop, with their failures (dead actors,
-aborts while reserving), the simulator's (`disagg.cluster.simulate.fleet`) calls on its virtual
-engines. Synchronous and without I/O; it runs on the caller's thread.
+The order of instances (the `Picker`, its prefix credit), the `router.placement` policy
+(`PlacementPolicy`: disaggregated, local, or adaptive's `decide`), the prefill-queue bound, the
+placement counts and the prefix affinity live here. Its caller is the request flow
+(`disagg.cluster.flow`), which moves each request as the plan says; the calls that touch an instance
+stay with the flow's drivers: the router's (`disagg.cluster.router`) are Ray calls on its event
+loop, with their failures (dead actors, aborts while reserving), the simulator's
+(`disagg.cluster.simulate.fleet`) calls on its virtual engines. Synchronous and without I/O; it runs
+on the caller's thread.
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ from dataclasses import dataclass
 
 from disagg import trace
 from disagg.cluster.affinity import PrefixAffinity
-from disagg.cluster.bootstrap import Instance
+from disagg.cluster.instance import Instance
 from disagg.cluster.ledger import Ledger
-from disagg.cluster.placement import PATHS, Decision, FleetModel, Targets, decide
+from disagg.cluster.placement.decision import Decision, decide
+from disagg.cluster.placement.fleet_model import FleetModel
+from disagg.cluster.placement.policy import policy_of
+from disagg.cluster.placement.prediction import PATHS, Targets
 from disagg.cluster.requests import Picker, Request
 from disagg.config import Config
 from disagg.errors import NoLiveInstance
@@ -96,12 +101,14 @@ class Placer:
         affinity: the prefix affinity credited to instances that hold a prompt's prefix, or None.
         clock: seconds now (the router's ``time.monotonic``, the simulator's virtual clock):
             an adaptive decision's time, against which `first_token` measures its TTFT.
-        tracked: the caller reports every move of its requests to ``ledger`` (`Ledger.touch`,
-            `advance`, `drop`): the picker's loads and the adaptive views are read from it,
+        tracked: every move of a request is made in ``ledger`` (`Ledger.touch`, `advance`,
+            `drop`; by the request flow, `disagg.cluster.flow`): the picker's loads and the adaptive views are read from it,
             O(instances) a placement, and the live requests passed in are not summed. False:
             summed over them at each placement (the tests of constructed states).
 
     Attributes:
+        policy: the `PlacementPolicy` of `router.placement` (a colocated fleet: disaggregated,
+            unused).
         placements: requests placed per path (`PATHS`); colocated ones are not counted.
         decisions: the latest adaptive decisions, newest last.
         affinity_hits: placements on an instance believed to hold part of the prompt.
@@ -114,7 +121,7 @@ class Placer:
                  tracked: bool = False) -> None:
         self.instances = instances
         self.colocated = config.mode == "colocated"
-        self.placement = config.router.placement
+        self.policy = policy_of(config.router.placement)
         self.picker = picker
         self.affinity = affinity
         sched = config.scheduler
@@ -169,10 +176,10 @@ class Placer:
         decodes = self._order(req, "decode", live)
         prefills = self.of_role("prefill")
         alive_prefills = [inst for inst in prefills if inst.alive]
-        if self.placement == "local" and decodes:
+        if self.policy.always_local and decodes:
             return self._alone(req, decodes[0], "local")
         pushed = None
-        if self.placement == "adaptive" and decodes and alive_prefills:
+        if self.policy.predicts and decodes and alive_prefills:
             decision = (decide or self.decide)(req, alive_prefills, decodes, live)
             if decision.chosen is None:
                 return Wait(WAIT_PAGES)
@@ -196,7 +203,7 @@ class Placer:
 
     def decide(self, req: Request, prefills: list[Instance], decodes: list[Instance],
                live: Collection[Request]) -> Decision:
-        """The adaptive choice for ``req`` (`disagg.cluster.placement.decide` over
+        """The adaptive choice for ``req`` (`disagg.cluster.placement.decision.decide` over
         `FleetModel.views`, one pass over ``live``), kept in ``decisions``."""
         now = self.clock()
         planned = self._remote_prefill  # the reservations on their way: `FleetModel.views`
