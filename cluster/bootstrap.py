@@ -1,22 +1,23 @@
 """From a validated config to a running, checked fleet of instance actors.
 
-`start_fleet(config)` connects to Ray (`disagg.cluster.connect`: joins ``cluster.address`` or
-starts an embedded head on loopback, token authentication on), reserves one placement group
-bundle per instance (one GPU each, a share 1/k of one with ``instances.gpus_per_instance``, or
-CPU), starts one actor of `ACTOR_CLASS` per instance (its config without secrets:
-`SECRET_FIELDS`; its environment: `NO_MULTICAST_ENV` and the launcher's `PASSED_ENV`),
-loads the weights everywhere at once, runs the preflight (`disagg.cluster.preflight`),
-bootstraps one symmetric heap over every prefill and decode actor (rank 0's unique id travels
-through Ray; every rank opens concurrently) and builds the engines. Every step is one `ray.get`
-over all actors. Runs in the launching process; on any failure everything started so far is
-torn down.
+`start_fleet(config)` first checks what needs no Ray (the model source, and the GPUs of this
+host when Ray is to start here: `check_model_source`, `check_local_gpus`), then connects to Ray
+(`disagg.cluster.connect`: joins ``cluster.address`` or starts an embedded head on loopback,
+token authentication on), reserves one placement group bundle per instance (one GPU each, a
+share 1/k of one with ``instances.gpus_per_instance``, or CPU), starts one actor of
+`ACTOR_CLASS` per instance (its config without secrets: `SECRET_FIELDS`; its environment:
+`NO_MULTICAST_ENV` and the launcher's `PASSED_ENV`), loads the weights everywhere at once,
+runs the preflight (`disagg.cluster.preflight`), bootstraps one symmetric heap over every
+prefill and decode actor (rank 0's unique id travels through Ray; every rank opens
+concurrently) and builds the engines. Every step is one `ray.get` over all actors. Runs in the
+launching process; on any failure everything started so far is torn down.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -25,8 +26,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from disagg.cluster.actors import InstanceActor
 from disagg.cluster.connect import connect
-from disagg.cluster.preflight import CacheSizing, check_same_model, size_cache, transfer_paths
-from disagg.config import SMOLLM2_SOURCE, Config, InstancesSection
+from disagg.cluster.instance import Instance  # the router's view of an actor; importable from here too
+from disagg.cluster.preflight import CacheSizing, check_model_source, check_same_model, size_cache, transfer_paths
+from disagg.config import SECRET_FIELDS, SMOLLM2_SOURCE, Config, InstancesSection
 from disagg.errors import ClusterError, PreflightError
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,10 @@ NO_MULTICAST_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH
 SHARED_GPU_NOTE = ("%d instances share each GPU (instances.gpus_per_instance): NVSHMEM runs their PEs in its "
                    "limited multi-process mode and the GPU time-slices between them, so this fleet proves "
                    "correctness; its timings are not a comparison of deployments")
+# Appended to "too few GPUs" when there are none at all: what runs without one.
+NO_GPU_HINT = ("; with no GPU, run a CPU config (configs/tiny-1p1d.yaml, configs/tiny-colocated.yaml; "
+               "configs/smollm2-*.yaml take the CPU when they see no GPU), or this one on the CPU (small "
+               "models run there): --set instances.device=cpu --set transfer.backend=auto")
 # Variables of the launching process that the actors inherit when set.
 PASSED_ENV = ("TRITON_INTERPRET", "DISAGG_LOG", "DISAGG_TRACE_DIR", "NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_DEBUG",
               "HF_HOME")
@@ -44,31 +50,6 @@ PASSED_ENV = ("TRITON_INTERPRET", "DISAGG_LOG", "DISAGG_TRACE_DIR", "NVSHMEM_REM
 # `engine_module` or `step_loop_class`, more methods) may stand in for it: set this before the
 # launch; the class travels to the actors pickled, so it must be importable there or pickled by value.
 ACTOR_CLASS: type[InstanceActor] = InstanceActor
-# Fields the actors never need, kept out of the config dict Ray pickles to them (and to their logs).
-SECRET_FIELDS = {"serve": {"api_key"}}
-
-
-@dataclass
-class Instance:
-    """One actor of the fleet, as the router sees it.
-
-    Attributes:
-        name: "prefill-0", "decode-1", "colocated-0", ...
-        role: "prefill", "decode" or "colocated".
-        actor: the Ray actor handle.
-        pe: its PE in the symmetric heap (None for colocated instances).
-        info: what it reported at load (`engines.describe`).
-        alive: False once it died or its engine failed; never routed to again.
-        error: why it is not alive.
-    """
-
-    name: str
-    role: str
-    actor: Any
-    pe: int | None = None
-    info: dict = field(default_factory=dict)
-    alive: bool = True
-    error: str | None = None
 
 
 @dataclass
@@ -114,29 +95,52 @@ def choose_device(config: Config) -> str:
     return device
 
 
-def resolve_device(inst: InstancesSection, num_gpus: float) -> str:
+def resolve_device(inst: InstancesSection, num_gpus: float, where: str = "the Ray cluster") -> str:
     """"cuda" or "cpu" for ``inst`` on a cluster of ``num_gpus`` GPUs.
 
     Instances need ``num_instances * gpus_per_instance`` GPUs: one each, or 1/k each when k
     share a GPU. auto takes the GPUs when there are enough, else the CPU.
 
+    Args:
+        where: what has the ``num_gpus``, as the error names it.
+
     Raises:
-        PreflightError: ``device: cuda`` and too few GPUs (the message says how to share one).
+        PreflightError: ``device: cuda`` and too few GPUs (the message says how to share one, or,
+            with none, what runs on the CPU).
     """
     needed = inst.num_instances * inst.gpus_per_instance
     enough = num_gpus + 1e-9 >= needed
     if inst.device == "cuda" and not enough:
         share = "" if inst.instances_per_gpu == 1 else f" at {inst.gpus_per_instance:g} GPU each"
         hint = f"; set instances.gpus_per_instance: {1 / inst.num_instances:g} to share one GPU" \
-            if num_gpus >= 1 and inst.num_instances > 1 else ""
+            if num_gpus >= 1 and inst.num_instances > 1 else NO_GPU_HINT if num_gpus < 1 else ""
         raise PreflightError(f"instances.device is cuda: {inst.num_instances} instances{share} need {needed:g} "
-                             f"GPUs, the Ray cluster has {num_gpus:g}{hint}")
+                             f"GPUs, {where} has {num_gpus:g}{hint}")
     if inst.device == "auto":
         device = "cuda" if enough and num_gpus > 0 else "cpu"
         logger.info("instances.device auto -> %s (%g GPUs for %d instances at %g GPU each)", device, num_gpus,
                     inst.num_instances, inst.gpus_per_instance)
         return device
     return inst.device
+
+
+def check_local_gpus(config: Config) -> None:
+    """Before Ray starts: an embedded head (``cluster.address: null``) has this host's GPUs alone,
+    so ``instances.device: cuda`` with too few of them fails here rather than after Ray's start-up.
+
+    Raises:
+        PreflightError: as `resolve_device`.
+    """
+    if config.instances.device == "cuda" and config.cluster.address is None:
+        resolve_device(config.instances, count_local_gpus(),
+                       where="this host (cluster.address: null starts Ray here)")
+
+
+def count_local_gpus() -> int:
+    """The GPUs this process sees (after CUDA_VISIBLE_DEVICES), as an embedded Ray head counts them."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def start_fleet(config: Config) -> Fleet:
@@ -150,6 +154,8 @@ def start_fleet(config: Config) -> Fleet:
         ClusterError: placement, loading or the heap bootstrap failed or timed out.
     """
     config = resolve_source(config).with_environment()  # DISAGG_* switches, read once, travel with it
+    check_model_source(config)  # what this host can check fails in a moment, not after Ray's start-up
+    check_local_gpus(config)
     started_ray = connect(config)
     instances, group = [], None
     try:

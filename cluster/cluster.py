@@ -26,7 +26,7 @@ import ray
 
 from disagg.cluster.bootstrap import Fleet, Instance, start_fleet
 from disagg.cluster.outputs import Completion, RequestMetrics, StreamDelta
-from disagg.cluster.placer import seed_fit
+from disagg.cluster.placement.placer import seed_fit
 from disagg.cluster.router import Router
 from disagg.config import Config
 from disagg.errors import ClusterError, NoLiveInstance, PreflightError
@@ -365,9 +365,8 @@ class Handoff:
     and both loops share one interpreter lock. `put` (on the router's loop) queues the item and,
     for the first of a turn, schedules `_flush` after the callback running now (a whole batch's
     `_on_rows`), which hands every queued item over in one call; the caller's loop puts them
-    into their queues in order. Two H100s, decode-heavy 26 req/s: an engine's token took 4 -> 19
-    ms to reach the router as the streams grew (benchmarks/records/headline-h100x2-2026-11-27i/);
-    `benchmarks/bench_handoff.py` measures the two ways.
+    into their queues in order: woken per item, the caller's loop would slow the router's as
+    the streams grow. `benchmarks/bench_handoff.py` measures the two ways.
     """
 
     def __init__(self, router_loop: asyncio.AbstractEventLoop, caller_loop: asyncio.AbstractEventLoop) -> None:

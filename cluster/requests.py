@@ -1,28 +1,55 @@
 """A request's state in the router, and which instance gets the next one.
 
-`Request` records where a request is (queued -> reserving -> prefilling -> decoding -> done in
-disaggregated mode; queued -> running -> done colocated), which instances hold it, its deadlines,
-and what it has produced. `Picker` chooses an instance per role: least-loaded (prefill: queued
-prompt tokens; decode and colocated: reserved + running tokens) or round-robin. `RecentIds`
+`Request` records where a request is (its `Stage`: queued -> reserving -> prefilling -> decoding
+-> done in disaggregated mode; queued -> running -> done colocated; `disagg.cluster.flow` moves
+it), which instances hold it, its deadlines, and what it has produced. `Picker` chooses an
+instance per role: least-loaded (prefill: queued prompt tokens; decode and colocated: reserved +
+running tokens) or round-robin. `RecentIds`
 remembers request ids for a bounded count and time (aborts that came before their submit, ids
-that ended). Used only by `disagg.cluster.router`, on the router's event loop.
+that ended). Used by the router (`disagg.cluster.router`, on its event loop) and the simulator.
 """
 
 from __future__ import annotations
 
 import collections
+import enum
 import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from disagg.cluster.bootstrap import Instance
+from disagg.cluster.instance import Instance
 from disagg.cluster.outputs import RequestMetrics, StreamDelta
 
 # sink(delta, metrics): called on the router's loop for every delta; metrics only with the last.
 Sink = Callable[[StreamDelta, "RequestMetrics | None"], None]
 
-STAGES = ("queued", "reserving", "prefilling", "decoding", "running", "done")
+
+class Stage(str, enum.Enum):
+    """Where a request is in its life (`disagg.cluster.flow` moves it; a plain string compares
+    equal to its member, so records and tests may say ``"decoding"``).
+
+        QUEUED      at the router, waiting to be placed (or back at the queue head)
+        RESERVING   a decode instance is reserving its pages (or has, and its answer is on its
+                    way); its prompt has not reached a prefill instance
+        PREFILLING  its prompt is with the prefill instance, its KV pushed into the reservation
+        DECODING    its first token came: the decode instance decodes it
+        RUNNING     one instance computes and decodes it (colocated, or placed local or kept)
+        DONE        ended
+    """
+
+    QUEUED = "queued"
+    RESERVING = "reserving"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    RUNNING = "running"
+    DONE = "done"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+STAGES = tuple(stage.value for stage in Stage)
 
 
 @dataclass
@@ -35,7 +62,7 @@ class Request:
         params: the `SamplingParams`, passed to the engines as is.
         sink: where deltas go (see `Sink`).
         metrics: timings, filled as the request moves.
-        stage: one of `STAGES`.
+        stage: its `Stage`.
         prefill, decode, colocated: the instances it was placed on (None until placed);
             `holders` says which of them it still depends on.
         dest: the decode reservation (`RecvDest`) handed to the prefill instance, or None.
@@ -57,7 +84,7 @@ class Request:
     params: Any
     sink: Sink
     metrics: RequestMetrics
-    stage: str = "queued"
+    stage: Stage = Stage.QUEUED
     prefill: Instance | None = None
     decode: Instance | None = None
     colocated: Instance | None = None
@@ -71,7 +98,7 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return self.stage == "done"
+        return self.stage == Stage.DONE
 
     @property
     def prompt_len(self) -> int:
@@ -145,9 +172,7 @@ class Picker:
         max_seqs: least_loaded: the sequences an engine runs at once (scheduler.max_num_seqs;
             None: no limit); an instance whose seats are all held (`seat_holders`) goes after
             those with a free one, whatever its load: a request placed there waits for one of
-            its decodes to end (two H100s, colocated decode-heavy at 22 req/s: 19 of 440 TTFTs
-            over 0.5 s, with 226-244 of 256 seats held; simulated, 94.2% -> 97.6% attainment;
-            benchmarks/records/headline-h100x2-2026-11-27e/).
+            its decodes to end.
         ledger: a `disagg.cluster.ledger.Ledger` its owner keeps up to date: the loads, seats and
             prompt queues come from it, O(instances), and the ``requests`` passed are not read;
             None: summed over them.
@@ -211,8 +236,7 @@ class Picker:
         reservations still on their way to a prefill instance (none named yet). Not `loads`,
         which also weighs the tokens a request decodes there: a prefill instance keeping a few
         requests would otherwise hold every remote prompt back behind decodes that queue no prompt,
-        and every request queued behind that one (two H100s, decode-heavy 22 req/s with 140 kept:
-        submit -> placed p50 5.6 s, p99 TTFT 10.4 s; benchmarks/records/headline-h100x2-2026-11-27c/)."""
+        and every request queued behind that one."""
         if self.ledger is not None:
             return {inst.name: self.ledger.queued[inst.name] for inst in instances}, self.ledger.unnamed
         queued, unnamed = {inst.name: 0 for inst in instances}, 0

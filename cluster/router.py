@@ -9,9 +9,11 @@ straight to the least-loaded colocated instance. `router.placement` local sends 
 the least-loaded decode instance to prefill and decode itself; adaptive decides per request
 (`disagg.cluster.placement`): remote (the path above), local, or kept (a prefill instance
 prefills and decodes it); local and kept requests are, from here on, colocated requests on that
-instance. Which instances, in which order, and when to wait are the `Placer`'s plan
-(`disagg.cluster.placer`, which the simulator shares); the router carries it out with actor
-calls and handles their failures. One poller per instance keeps one `next_outputs` call
+instance. Each request's life (planned, reserved, refused, handed, first token, tokens, ended,
+an instance's death, a deadline) is the `RequestFlow`'s (`disagg.cluster.flow`, which the
+simulator drives too; it asks the `Placer` which instances, in which order, and when to wait,
+and keeps the `Ledger`): the router maps its actions to actor calls (`_act`) and the answers and
+failures of those calls back to its events. One poller per instance keeps one `next_outputs` call
 outstanding and fans each batch out per request; a watchdog enforces `lease_s` (first token
 never came: fail, release D's pages) and `request_timeout_s`. Aborts release pages on both
 sides. D's reservation is freed at once (`cancel_reservation`) whenever no push can land in it:
@@ -41,21 +43,23 @@ import ray
 from disagg import trace
 from disagg.cluster.affinity import prefix_affinity
 from disagg.cluster.bootstrap import Fleet, Instance
+from disagg.cluster.flow import Abort, Action, Add, Cancel, End, Hand, RequestFlow, Requeue, Reserve, Start
 from disagg.cluster.outputs import RequestMetrics, StreamDelta
 from disagg.cluster.placement import Decision
-from disagg.cluster.placer import Alone, Fail, Placer, Wait
-from disagg.cluster.requests import Picker, RecentIds, Request, Sink
+from disagg.cluster.placement.placer import Placer, Wait
+from disagg.cluster.requests import Picker, RecentIds, Request, Sink, Stage
+from disagg.config import RouterSection
 from disagg.engine.request import PushState
-from disagg.errors import (ClusterError, DisaggError, InstanceDied, NoLiveInstance, OutOfPages, QueueFull,
-                           RequestRefused, RequestTimedOut, SignalTimeout)
+from disagg.errors import (ClusterError, DisaggError, NoLiveInstance, OutOfPages, QueueFull, RequestRefused,
+                           SignalTimeout)
 
 logger = logging.getLogger(__name__)
 
 WATCHDOG_PERIOD_S = 0.05   # how often deadlines and leases are checked
 PAGES_RETRY_S = 0.2        # out of pages everywhere: retry the queue head at least this often
-# How often the watchdog audits the ledger against the live requests (`Ledger.audit`: O(live),
-# ~4 ms at 1,000 live requests, `benchmarks/bench_placement.py`); a move the router failed to
-# report is logged and the ledger rebuilt.
+# How often the watchdog audits the ledger against the placed requests (`Ledger.audit`: O(live),
+# ~4 ms at 1,000 live requests, `benchmarks/bench_placement.py`); a move the flow failed to make
+# is logged and the ledger rebuilt.
 LEDGER_AUDIT_S = 10.0
 # An abort for an id the router has not seen waits this long for that id's submit (the caller's
 # abort may overtake it on the way to the router's loop); the first submit with the id consumes it.
@@ -72,27 +76,36 @@ class Router:
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
-        self.settings = fleet.config.router
-        self.requests: dict[str, Request] = {}
+        config = fleet.config
         self.queue: collections.deque[Request] = collections.deque()
-        self.picker = Picker(self.settings.policy, fleet.config.scheduler.max_num_seqs)
+        self.picker = Picker(config.router.policy, config.scheduler.max_num_seqs)
         self.counts: collections.Counter[str] = collections.Counter()
         self.aborts: collections.Counter[str] = collections.Counter()    # by `failure_reason`
         self.failures: collections.Counter[str] = collections.Counter()  # by `failure_reason`
         self.early_aborts = RecentIds(MAX_REMEMBERED_IDS, EARLY_ABORT_TTL_S)
         # An abort of one of these came after its request ended: it must not wait for a submit.
         self.ended_ids = RecentIds(4 * MAX_REMEMBERED_IDS)
-        config = fleet.config
         self.placer = Placer(config, fleet.instances, self.picker, prefix_affinity(config, _cache_pages(fleet)),
                              tracked=True)
-        # the live requests' sums the placement reads (loads, seats, prompt queues, adaptive views):
-        # every move of a request below is reported to it (`Ledger.touch`, `advance`, `drop`)
+        # each request's life (`disagg.cluster.flow`), which keeps the placement's sums (`Ledger`):
+        # this module maps its actions to actor calls
+        self.flow = RequestFlow(self.placer, config.router)
+        self.requests: dict[str, Request] = self.flow.live  # the live requests, by id
         self.ledger = self.placer.ledger
         self.ledger_rebuilds = 0  # audits that found the ledger out of step (`_audit_ledger`)
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self._refused: Request | None = None  # back at the queue head: every decode instance refused it
         self._stopping = False
+
+    @property
+    def settings(self) -> RouterSection:
+        """The router section in force (the flow's: its timeouts and leases read it)."""
+        return self.flow.settings
+
+    @settings.setter
+    def settings(self, settings: RouterSection) -> None:
+        self.flow.settings = settings
 
     # ------------------------------------------------------------------ lifetime
     async def start(self) -> None:
@@ -142,11 +155,8 @@ class Router:
         if len(self.queue) >= self.settings.max_queue:
             raise QueueFull(f"the router's queue is full ({self.settings.max_queue} requests waiting for a "
                                "prefill slot or decode pages, router.max_queue); retry later")
-        timeout = self.settings.request_timeout_s
-        req = Request(request_id, list(prompt_token_ids), params, sink, RequestMetrics(arrival_time=time.time()),
-                      deadline=None if timeout is None else time.monotonic() + timeout)
-        self.requests[request_id] = req
-        self.ledger.touch(req)
+        req = Request(request_id, list(prompt_token_ids), params, sink, RequestMetrics(arrival_time=time.time()))
+        self.flow.arrived(req)
         trace.event("submit", request_id)
         self.counts["submitted"] += 1
         self.ended_ids.pop(request_id)  # a new life of the id: its aborts are this request's
@@ -178,17 +188,13 @@ class Router:
     def _abort_at_submit(self, request_id: str, prompt_token_ids: list[int], params: Any, sink: Sink) -> None:
         """End a request whose abort came before its submit: one aborted delta, no engine call."""
         req = Request(request_id, list(prompt_token_ids), params, sink, RequestMetrics(arrival_time=time.time()))
-        self.requests[request_id] = req
+        self.flow.arrived(req)
         self.counts["submitted"] += 1
         self._end(req, "abort")
 
     # ------------------------------------------------------------------ placement
     def _place_colocated(self, req: Request) -> None:
-        plan = self.placer.plan(req, self.requests.values())
-        if isinstance(plan, Fail):
-            self._end(req, "error", plan.error())
-            return
-        self._run_alone(req, plan)
+        self._act(req, self.flow.plan(req))
 
     async def _dispatch_loop(self) -> None:
         """Place queued requests in order; when the head cannot go yet, wait for a change (or retry)."""
@@ -210,7 +216,7 @@ class Router:
                 pass
 
     async def _place(self, req: Request) -> bool:
-        """Carry out the `Placer`'s plan for the queue head (`disagg.cluster.placer`).
+        """Carry out the flow's plan for the queue head (`RequestFlow.plan`).
 
         Returns False (the request stays at the queue head) when it says wait: every prefill
         instance already has ``prefill_queue_tokens`` queued, or no decode instance has the
@@ -218,94 +224,80 @@ class Router:
         soon, so a lease measures the push, not the queue). A remote request leaves the queue
         while it reserves (`_reserve`); refused everywhere, it comes back to the head.
         """
-        plan = self.placer.plan(req, self.requests.values(), self._decide)
-        if isinstance(plan, Wait):
+        actions = self.flow.plan(req, self._decide)
+        if isinstance(actions[0], Wait):
             return False
-        if isinstance(plan, Fail):
-            self._end(req, "error", plan.error())
-            return True
-        if isinstance(plan, Alone):
-            self._run_alone(req, plan)
-            return True
-        # The reservation's round trip (D answers between its steps) runs beside the dispatch:
-        # the requests behind it are placed meanwhile, as the simulator places them. Awaited
-        # here, it held every later request (local and kept too) at the queue (two H100s,
-        # decode-heavy 26 req/s: TTFTs of those placed behind one 13 ms longer at p50, 55 at p90;
-        # benchmarks/records/headline-h100x2-2026-11-27i/).
-        req.stage = "reserving"
-        self.ledger.touch(req)
-        self._spawn(self._reserve(req, plan.decodes))
+        self._act(req, actions)
         return True
 
-    async def _reserve(self, req: Request, decodes: tuple[Instance, ...]) -> None:
-        """Reserve ``req``'s pages on the first of ``decodes`` that has them, then hand its prompt
-        to a prefill instance; every one refusing puts it back at the queue head, which then
-        waits for a change (pages freed, a request ended) before it is planned again."""
-        for inst in decodes:
-            if req.done:  # aborted or timed out while an earlier instance refused
-                return
-            try:
-                dest = await inst.actor.reserve.remote(req.request_id, req.prompt_len, req.params,
-                                                       req.prompt_token_ids)
-            except ray.exceptions.RayActorError as err:
-                self._instance_died(inst, _died(err))
-                continue
-            except ray.exceptions.RayTaskError as err:
-                if isinstance(_cause(err), OutOfPages):
-                    continue
-                cause = _cause(err)
-                self._end(req, "error", _refusal(inst, f"{inst.name} refused the request: {cause}", cause),
-                          release=False)
-                return
-            if req.done:  # aborted or timed out while reserving: dest never left the router
-                self._cancel_on(inst, dest)
-                return
-            req.decode = inst
-            self.ledger.touch(req)
-            self.placer.reserved(req)
-            trace.event("reserved", req.request_id, instance=inst.name)
-            break
-        else:
-            if req.done:
-                return
-            req.stage = "queued"  # every decode instance refused (WAIT_PAGES)
-            self.ledger.touch(req)
-            self.queue.appendleft(req)
-            self._refused = req
-            self._wake.set()
+    async def _reserve(self, req: Request, inst: Instance) -> None:
+        """Reserve ``req``'s pages on ``inst`` (the flow's `Reserve`) and act on the answer: the
+        prompt goes to a prefill instance, or the next decode instance is asked, or, every one
+        refusing, it goes back to the queue head, which then waits for a change (pages freed, a
+        request ended) before it is planned again."""
+        if req.done:  # aborted or timed out before this call went out
             return
-        self._hand_to_prefill(req, dest)
+        try:
+            dest = await inst.actor.reserve.remote(req.request_id, req.prompt_len, req.params, req.prompt_token_ids)
+        except ray.exceptions.RayActorError as err:
+            self._instance_died(inst, _died(err))
+            actions = self.flow.refused(req, inst)
+        except ray.exceptions.RayTaskError as err:
+            cause = _cause(err)
+            refusal = None if isinstance(cause, OutOfPages) else _refusal(
+                inst, f"{inst.name} refused the request: {cause}", cause)
+            actions = self.flow.refused(req, inst, refusal)
+        else:
+            if not req.done:
+                trace.event("reserved", req.request_id, instance=inst.name)
+            actions = self.flow.reserved(req, inst, dest)
+        self._act(req, actions)
 
     def _decide(self, req: Request, prefills: list[Instance], decodes: list[Instance],
                 live: list[Request]) -> Decision:
         """The adaptive placement's choice for ``req`` (`Placer.decide`; tests replace this hook)."""
         return self.placer.decide(req, prefills, decodes, live)
 
-    def _run_alone(self, req: Request, plan: Alone) -> None:
-        """``plan.instance`` prefills and decodes ``req`` (colocated, or placed local / kept):
-        from the router's side, a colocated request on that instance."""
-        inst = plan.instance
-        req.colocated, req.stage = inst, "running"
-        self.ledger.touch(req)
-        req.metrics.dispatch_time = time.time()
-        req.metrics.decode_instance = req.metrics.prefill_instance = inst.name
-        trace.event("placed", req.request_id, path=plan.path, instance=inst.name)
-        ref = inst.actor.add.remote(req.request_id, req.prompt_token_ids, req.params)
-        self._spawn(self._await(inst, ref, "add", req))
+    def _act(self, req: Request, actions: tuple[Action, ...], tokens: list[int] = (), times: list[float] = ()) -> None:
+        """Carry out the flow's ``actions`` for ``req`` as actor calls, in order; ``tokens`` and
+        ``times`` are the event's (a `Start` sends the first of them, an `End` emits them)."""
+        for action in actions:
+            if isinstance(action, Add):
+                self._add(req, action)
+            elif isinstance(action, Reserve):
+                # The reservation's round trip (D answers between its steps) runs beside the
+                # dispatch: the requests behind it are placed meanwhile, as the simulator places
+                # them. Awaited here, it would hold every later request (local and kept too) at
+                # the queue.
+                self._spawn(self._reserve(req, action.instance))
+            elif isinstance(action, Hand):  # the reservation's answer is this event
+                self._act(req, self.flow.handed(req))
+            elif isinstance(action, Start):
+                ref = action.instance.actor.start.remote(req.request_id, tokens[0])
+                self._spawn(self._await(action.instance, ref, "start", req))
+            elif isinstance(action, Cancel):
+                self._cancel_on(action.instance, action.dest)
+            elif isinstance(action, Abort):
+                self._abort_on(req, action)
+            elif isinstance(action, Requeue):
+                self.queue.appendleft(req)
+                self._refused = req
+                self._wake.set()
+            elif isinstance(action, End):
+                self._end(req, action.reason, action.error, tokens=tokens, times=times, release=action.release)
+            else:
+                raise AssertionError(f"request {req.request_id}: the router has no call for {action}")
 
-    def _hand_to_prefill(self, req: Request, dest: Any) -> None:
-        inst = self.placer.hand(req, req.decode, self.requests.values())
-        if inst is None:
-            self._cancel_on(req.decode, dest)
-            self._end(req, "error", Fail("prefill").error(), release=False)
-            return
-        req.prefill, req.stage, req.dest = inst, "prefilling", dest
-        self.ledger.touch(req)
-        req.lease_deadline = time.monotonic() + self.settings.lease_s
+    def _add(self, req: Request, add: Add) -> None:
+        """Give ``req``'s prompt to ``add.instance``: with the decode reservation (remote), or
+        to compute and decode it (colocated, local, kept: from here a colocated request there)."""
+        inst = add.instance
         req.metrics.dispatch_time = time.time()
-        req.metrics.prefill_instance, req.metrics.decode_instance = inst.name, req.decode.name
-        trace.event("placed", req.request_id, path="remote", instance=inst.name)
-        ref = inst.actor.add.remote(req.request_id, req.prompt_token_ids, req.params, dest)
+        req.metrics.prefill_instance = inst.name
+        req.metrics.decode_instance = inst.name if add.dest is None else req.decode.name
+        trace.event("placed", req.request_id, path=add.path, instance=inst.name)
+        dest = () if add.dest is None else (add.dest,)
+        ref = inst.actor.add.remote(req.request_id, req.prompt_token_ids, req.params, *dest)
         self._spawn(self._await(inst, ref, "add", req))
 
     async def _await(self, inst: Instance, ref: Any, what: str, req: Request | None) -> None:
@@ -318,12 +310,8 @@ class Router:
             if req is not None and not req.done:
                 if what == "add":  # the engine checks the prompt there
                     cause = _cause(err)
-                    refusal = _refusal(inst, f"{inst.name}.add failed: {cause}", cause)
-                    if req.dest is not None:  # P never took it: no push will land in D's pages
-                        self._end(req, "error", refusal, release=False)
-                        self._cancel_on(req.decode, req.dest)
-                    else:
-                        self._end(req, "error", refusal)
+                    self._act(req, self.flow.refused(req, inst, _refusal(inst, f"{inst.name}.add failed: {cause}",
+                                                                          cause)))
                 else:
                     self._end(req, "error", ClusterError(f"{inst.name}.{what} failed: {_cause(err)}"))
             else:
@@ -365,50 +353,39 @@ class Router:
 
     def _on_first_token(self, req: Request, inst: Instance, row: tuple) -> None:
         _, token_id, finished, reason, error, emit_time = row
-        if req.stage != "prefilling" or inst is not req.prefill:
+        if req.stage != Stage.PREFILLING or inst is not req.prefill:
             return
         if token_id is None:  # the prefill engine ended it (abort, error)
             self._end(req, "error", ClusterError(error or f"{inst.name} ended the prefill (finish_reason {reason})"))
             return
         trace.event("first_token", req.request_id)
-        self.placer.first_token(req, time.time() - emit_time)
-        req.lease_deadline = None
-        req.stage = "decoding"  # from here a release only concerns the decode side
+        # The decode side learns the first token even when it ends the request (`Start`): it then
+        # frees the reservation once its KV has landed (or its lease closes).
+        actions = self.flow.first_token(req, inst, (reason or "stop") if finished else None, time.time() - emit_time)
         self._wake.set()  # the prefill queue shrank: the queue head may go now
-        # The decode side learns the first token even when it ends the request: it then frees
-        # the reservation once its KV has landed (or its lease closes).
-        ref = req.decode.actor.start.remote(req.request_id, token_id)
-        self._spawn(self._await(req.decode, ref, "start", req))
-        if finished:
-            self._end(req, reason or "stop", tokens=[token_id], times=[emit_time], release=False)
-            return
-        req.num_output += 1
-        self.ledger.touch(req)
-        self._emit(req, StreamDelta(req.request_id, [token_id], [emit_time]))
+        self._act(req, actions, [token_id], [emit_time])
+        if not finished:
+            self._emit(req, StreamDelta(req.request_id, [token_id], [emit_time]))
 
     def _on_tokens(self, req: Request, inst: Instance, rows: list[tuple]) -> None:
-        tokens, times = [], []
-        first = req.num_output == 0
-        if first and rows and rows[0][1] is not None:
-            trace.event("first_token", req.request_id)
-            self.placer.first_token(req, time.time() - rows[0][5])  # since its emit_time
+        tokens, times, finish, ended = [], [], None, None
         for _, token_id, finished, reason, error, emit_time in rows:
             if token_id is None:  # the engine ended it without a token (abort, error, lease expiry)
-                self._end(req, "error", self._engine_ended(req, inst, reason, error),
-                          tokens=tokens, times=times, release=False)
-                return
+                ended = End("error", self._engine_ended(req, inst, reason, error), release=False)
+                break
             tokens.append(token_id)
             times.append(emit_time)
-            req.kv_landed = True  # a decode token: its doorbell rang, the prefill side let it go
             if finished:
-                self._end(req, reason or "stop", tokens=tokens, times=times, release=False)
-                return
-        req.num_output += len(tokens)
-        if first:  # its prompt computed: it decodes here from now on
-            self.ledger.touch(req)
+                finish = reason or "stop"
+                break
+        if tokens and req.num_output == 0:
+            trace.event("first_token", req.request_id)
+        relay_s = time.time() - times[0] if tokens else None  # since its emit_time
+        actions = self.flow.tokens(req, len(tokens), finish, relay_s) + ((ended,) if ended is not None else ())
+        if actions:
+            self._act(req, actions, tokens, times)
         else:
-            self.ledger.advance(req, len(tokens))
-        self._emit(req, StreamDelta(req.request_id, tokens, times))
+            self._emit(req, StreamDelta(req.request_id, tokens, times))
 
     @staticmethod
     def _engine_ended(req: Request, inst: Instance, reason: str | None, error: str | None) -> DisaggError:
@@ -416,32 +393,28 @@ class Router:
         request whose first token has not come (still "prefilling") only when its lease expires:
         the KV never landed."""
         message = error or f"{inst.name} ended the request (finish_reason {reason})"
-        if req.stage == "prefilling" and inst is req.decode and reason == "error":
+        if req.stage == Stage.PREFILLING and inst is req.decode and reason == "error":
             return SignalTimeout(message, request_id=req.request_id, src_pe=req.prefill.pe, dst_pe=inst.pe)
         return ClusterError(message)
 
     # ------------------------------------------------------------------ endings
     def _end(self, req: Request, reason: str, error: DisaggError | None = None, *, tokens: list[int] = (),
              times: list[float] = (), release: bool = True) -> None:
-        """Finish ``req`` once: release what it holds (unless its engine already did), tell the sink.
+        """Finish ``req`` once (`RequestFlow.end`): release what it holds (unless its engine
+        already did), tell the sink its last ``tokens``.
 
         ``error`` (None for a caller's abort or a normal finish) reaches the caller as the delta's
         ``error`` text and, typed, as its ``cause``; aborts and failures are counted by its type.
         """
         if req.done:
             return
-        stage, req.stage = req.stage, "done"
-        self.requests.pop(req.request_id, None)
-        self.ledger.drop(req)
+        queued = req.stage == Stage.QUEUED
+        releases = self.flow.end(req, reason, error, release)
         self.ended_ids.add(req.request_id)
-        if stage == "queued" and req in self.queue:
+        if queued and req in self.queue:
             self.queue.remove(req)
-        if release:
-            self._release(req, stage)
-        req.num_output += len(tokens)
+        self._act(req, releases)
         req.metrics.finished_time = time.time()
-        if error is None and reason != "abort":
-            self.placer.finished(req)
         self.counts[reason] += 1
         if reason == "abort":
             self.aborts[failure_reason(error)] += 1
@@ -454,33 +427,19 @@ class Router:
         if self._wake is not None:
             self._wake.set()  # pages may have been freed: retry the queue head
 
-    def _release(self, req: Request, stage: str) -> None:
-        """Free what ``req`` holds after leaving ``stage``: P's queue entry, D's or C's pages."""
-        if stage == "prefilling":
-            self._release_prefilling(req)
-            return
-        targets = {"decoding": [req.decode], "running": [req.colocated]}.get(stage, [])
-        for inst in targets:
-            if inst is not None and inst.alive:
-                self._release_on(inst, req.request_id)
+    def _abort_on(self, req: Request, abort: Abort) -> None:
+        """Release ``req`` on ``abort.instance`` (submitted now: after any earlier call for it). A
+        prefill instance's abort (``quiesced``) frees the decode reservation at once when it
+        answers that no push of the request can land anymore; else D's lease is the safety net."""
+        ref = abort.instance.actor.abort.remote(req.request_id)
+        if abort.quiesced is None:
+            self._spawn(self._await(abort.instance, ref, "abort", None))
+        else:
+            self._spawn(self._cancel_when_quiesced(abort.instance, ref, abort.quiesced))
 
-    def _release_on(self, inst: Instance, request_id: str) -> None:
-        ref = inst.actor.abort.remote(request_id)  # submitted now: after any earlier call for it
-        self._spawn(self._await(inst, ref, "abort", None))
-
-    def _release_prefilling(self, req: Request) -> None:
-        """Abort on D (its pages quarantined: the lease is the safety net) and on P; once P
-        answers that no push of the request can land anymore, D frees the pages at once."""
-        decode, prefill = req.decode, req.prefill
-        if decode.alive:
-            self._release_on(decode, req.request_id)
-        if prefill.alive:
-            ref = prefill.actor.abort.remote(req.request_id)
-            self._spawn(self._cancel_when_quiesced(prefill, ref, decode, req.dest))
-
-    async def _cancel_when_quiesced(self, prefill: Instance, ref: Any, decode: Instance, dest: Any) -> None:
-        """Await P's abort (one call per abort); QUIESCED -> free D's reservation now. None (P
-        does not have it: its ring or D's lease ends the quarantine) or a failure -> nothing."""
+    async def _cancel_when_quiesced(self, prefill: Instance, ref: Any, cancel: Cancel) -> None:
+        """Await P's abort (one call per abort); QUIESCED -> free D's reservation now (``cancel``).
+        None (P does not have it: its ring or D's lease ends the quarantine) or a failure -> nothing."""
         try:
             state = await ref
         except ray.exceptions.RayActorError as err:
@@ -489,8 +448,8 @@ class Router:
         except ray.exceptions.RayTaskError as err:
             logger.debug("%s.abort failed: %s", prefill.name, _cause(err))
             return
-        if state == PushState.QUIESCED and decode.alive:
-            self._cancel_on(decode, dest)
+        if state == PushState.QUIESCED:
+            self._cancel_on(cancel.instance, cancel.dest)
 
     def _cancel_on(self, decode: Instance, dest: Any) -> None:
         """Free D's reservation ``dest`` now: the caller knows that no push will land in it."""
@@ -511,21 +470,18 @@ class Router:
                 self._end(req, "abort", ClusterError("the caller's sink raised"))
 
     def _instance_died(self, inst: Instance, reason: str) -> None:
-        """Never route to ``inst`` again; fail the requests it holds (`Request.holders`) and
-        release their other side; the others go on."""
+        """Never route to ``inst`` again; fail the requests it holds (`RequestFlow.instance_died`)
+        and release their other side; the others go on."""
         if not inst.alive:
             return
-        inst.alive, inst.error = False, reason
-        where = f"{inst.role} instance {inst.name}" + (f" (PE {inst.pe})" if inst.pe is not None else "")
-        logger.error("%s is dead: %s", where, reason)
-        for req in list(self.requests.values()):
-            if any(holder is inst for holder in req.holders()):
-                self._end(req, "error", InstanceDied(f"{where} died: {reason}", instance=inst.name, reason=reason))
+        logger.error("%s is dead: %s", inst.label(), reason)
+        for req, end in self.flow.instance_died(inst, reason):
+            self._end(req, end.reason, end.error, release=end.release)
         self._wake.set()
 
     async def _watchdog(self) -> None:
-        """Abort requests past request_timeout_s; fail reservations past lease_s; audit the
-        ledger every `LEDGER_AUDIT_S`."""
+        """Abort requests past request_timeout_s; fail reservations past lease_s
+        (`RequestFlow.expired`); audit the ledger every `LEDGER_AUDIT_S`."""
         next_audit = time.monotonic() + LEDGER_AUDIT_S
         while not self._stopping:
             await asyncio.sleep(WATCHDOG_PERIOD_S)
@@ -533,28 +489,20 @@ class Router:
             if now >= next_audit:
                 self._audit_ledger()
                 next_audit = now + LEDGER_AUDIT_S
-            for req in list(self.requests.values()):
-                if req.deadline is not None and now > req.deadline:
-                    limit = self.settings.request_timeout_s
-                    self._end(req, "abort", RequestTimedOut(f"timed out after {limit} s (router.request_timeout_s) "
-                                                            f"while {req.stage}", timeout_s=limit, stage=req.stage))
-                elif req.lease_deadline is not None and now > req.lease_deadline and req.stage == "prefilling":
-                    self._end(req, "error", SignalTimeout(
-                        f"its KV did not land within router.lease_s = {self.settings.lease_s} s ({req.prefill.name} "
-                        f"-> {req.decode.name}); decode pages released", request_id=req.request_id,
-                        src_pe=req.prefill.pe, dst_pe=req.decode.pe))
+            for req, end in self.flow.expired(now):
+                self._end(req, end.reason, end.error, release=end.release)
 
     def _audit_ledger(self) -> None:
-        """Compare the ledger's sums with the live requests' (`Ledger.audit`); where one differs
-        (a move of a request that was not reported: a defect of this module), log it, count it
-        (``ledger_rebuilds`` in `snapshot`) and rebuild the ledger from the live requests, so one
-        missed move does not skew every later placement."""
-        problem = self.ledger.audit(self.requests.values(), self.placer.clock())
+        """Compare the ledger's sums with the placed requests' (`RequestFlow.audit`); where one
+        differs (a move of a request that was not made: a defect of the flow), log it, count it
+        (``ledger_rebuilds`` in `snapshot`) and rebuild the ledger from the placed requests, so
+        one missed move does not skew every later placement."""
+        problem = self.flow.audit()
         if problem is None:
             return
         self.ledger_rebuilds += 1
         logger.error("the router's ledger is out of step with its live requests (%s); rebuilt from them", problem)
-        self.ledger.rebuild(self.requests.values())
+        self.flow.rebuild()
 
     # ------------------------------------------------------------------ stats
     def snapshot(self) -> dict:
@@ -566,7 +514,7 @@ class Router:
         placer = self.placer
         return {"queued": len(self.queue), "live": len(live),
                 "cpu_s": {"router_thread": time.thread_time(), "process": time.process_time()},
-                "stages": dict(collections.Counter(req.stage for req in live)),
+                "stages": dict(collections.Counter(str(req.stage) for req in live)),
                 "counts": dict(self.counts), "aborts": dict(self.aborts), "failures": dict(self.failures),
                 "loads": self.picker.loads(self.fleet.instances, live), "placements": dict(placer.placements),
                 "affinity_hits": placer.affinity_hits, "ledger_rebuilds": self.ledger_rebuilds,

@@ -20,10 +20,8 @@ from types import ModuleType
 import pytest
 
 # One intra-op thread per process (before anything imports torch; Ray's actors and the tests'
-# subprocesses inherit it): on CI's two cores the test process and the fleets' actors each ran
-# torch with two threads and oversubscribed them. The in-process reference engine's 6 x 100 tiny
-# tokens took 30-39 s that way beside a busy fleet, 0.4 s with one thread; two placement-fault
-# test files 316 s -> 35 s (2026-11-28).
+# subprocesses inherit it): with more, the test process and the fleets' actors oversubscribe a
+# two-core CI machine, and a test beside a busy fleet runs tens of times slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -118,7 +116,7 @@ def ray_local():
 
     At the end of the module every CPU must be free again (its fleets shut down); where one is
     still held (a test failed before its fleet's teardown, say), Ray is stopped so that the next
-    module starts on an empty one. With GPUs it is stopped after every module, as before: a
+    module starts on an empty one. With GPUs it is stopped after every module: a
     killed actor's process may still hold its GPU memory when the next module's actors start.
     """
     global _ray_ours
@@ -151,7 +149,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 class LedgerChecks:
-    """What the routers of this session found checking their `Ledger` (`router_ledgers_checked`):
+    """What the routers of this test session found checking their `Ledger` (`router_ledgers_checked`):
     checks made and the first mismatch of each failed one."""
 
     def __init__(self) -> None:
@@ -165,8 +163,8 @@ LEDGER_CHECKS = LedgerChecks()
 @pytest.fixture(autouse=True, scope="session")
 def router_ledgers_checked():
     """Every router that runs in this process (the cluster, serve and reliability tests') checks
-    its ledger against the sums over its live requests before each placement and after each end
-    (`Ledger.check`): a move the router forgot to report fails the test that made it
+    its ledger against the sums over its placed requests before each placement and after each end
+    (`RequestFlow.check`): a move the request flow missed fails the test that made it
     (`ledger_clean`). A mismatch is recorded, not raised: raised, it would end the router's
     dispatcher, and the test would hang rather than fail."""
     from disagg.cluster.router import Router
@@ -176,7 +174,7 @@ def router_ledgers_checked():
     def check(router) -> None:
         LEDGER_CHECKS.count += 1
         try:
-            router.ledger.check(router.requests.values(), router.placer.clock())
+            router.flow.check()  # the ledger's sums against those over the placed requests
         except AssertionError as err:
             LEDGER_CHECKS.failures.append(str(err))
 

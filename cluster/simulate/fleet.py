@@ -10,22 +10,21 @@ Discrete events, in time order (ties in the order they were made, so a run is de
     hand       a decode instance's reservation of a remote request answered: its prompt goes to
                the prefill instance. An instance's actor runs calls between its steps, so a
                reservation made while the decode instance is mid-forward answers when that
-               forward ends (measured on two H100s: p50 22-33 ms at chat's knee,
-               benchmarks/records/headline-h100x2-2026-11-27/)
+               forward ends
 
 After each event every touched instance that is idle and has work launches its next forward
-(`SimEngine.begin_step`), which ends ``StepTimeModel.step_s(shape)`` later. Placement is the
-router's own: the same `Placer` (`disagg.cluster.placer`, docs/ARCHITECTURE.md §7) plans each
-request over the same `Request` records (the `Picker`'s order, the prefill queue bound,
-`router.placement` local or adaptive through `placement.decide` over `FleetModel.view`s whose
-models are the profile's fit), and `_place` carries the plan out on the simulated instances as
-the router's `_place` does with actor calls: decode reservations in the plan's order, then the
-prefill instance `Placer.hand` names. Prefix caching (``cache.prefix_caching``): requests carry
-their prompts' token ids, every `SimEngine` holds the engine's prefix cache (a prompt computes
-only what follows its longest cached prefix, a reservation forks the decode side's cached whole
-pages and its push carries only what follows them), and the `Placer` has the router's prefix
-affinity (`affinity.prefix_affinity`). Each fleet starts cold, as `disagg bench` resets the
-prefix cache before each run.
+(`SimEngine.begin_step`), which ends ``StepTimeModel.step_s(shape)`` later. A request's life is the
+router's own: the same `RequestFlow` (`disagg.cluster.flow`) moves the same `Request` records
+through the same `Placer` (the `Picker`'s order, the prefill queue bound, `router.placement` local
+or adaptive through `placement.decide` over `FleetModel.view`s whose models are the profile's fit)
+and keeps the same `Ledger`; `_act` carries its actions out as calls on the simulated instances
+where the router makes Ray calls: decode reservations in the plan's order, then the prompt to the
+prefill instance the `Placer` names. Prefix caching (``cache.prefix_caching``): requests carry their
+prompts' token ids, every `SimEngine` holds the engine's prefix cache (a prompt computes only what
+follows its longest cached prefix, a reservation forks the decode side's cached whole pages and its
+push carries only what follows them), and the `Placer` has the router's prefix affinity
+(`affinity.prefix_affinity`). Each fleet starts cold, as `disagg bench` resets the prefix cache
+before each run.
 Pushes: layer by layer beside the forward that computes the tokens; a prefill instance's link
 carries one forward's tokens after the other at ``link_gbps``, and a push ends no earlier than
 its forward. Not modelled: router and network hops (beyond ``--hop-ms`` before placement and
@@ -42,12 +41,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg.cluster.affinity import prefix_affinity
-from disagg.cluster.bootstrap import Instance
+from disagg.cluster.flow import Add, End, Hand, RequestFlow, Requeue, Reserve, Start
+from disagg.cluster.instance import Instance
 from disagg.cluster.outputs import RequestMetrics
-from disagg.cluster.step_model import StepTimeModel
-from disagg.cluster.placer import Alone, Fail, Placer, Wait
+from disagg.cluster.placement.placer import Placer, Wait
 from disagg.cluster.requests import Picker, Request
 from disagg.cluster.simulate.instance import SimEngine
+from disagg.cluster.step_model import StepTimeModel
 from disagg.config import Config
 from disagg.engine.request import pages_for
 from disagg.sampling import SamplingParams
@@ -120,12 +120,12 @@ class SimFleet:
         self.placer = Placer(config, self.instances, self.picker, prefix_affinity(config, self.num_pages),
                              clock=lambda: self.now, tracked=True)
         self.placer.fleet_model.models = {inst.name: self.model for inst in self.instances}
-        self.ledger = self.placer.ledger  # every move of a placed request is reported to it
+        self.ledger = self.placer.ledger
+        self.flow = RequestFlow(self.placer, config.router)  # each request's life, the router's; it keeps the ledger
         self.now = 0.0
         self._events: list[tuple] = []
         self._order = itertools.count()
         self._queue: collections.deque[Request] = collections.deque()
-        self.placed: dict[str, Request] = {}  # live requests placed on instances (the picker's view)
         self.timelines: dict[str, Timeline] = {}
         self._link_free = {inst.name: 0.0 for inst in self.instances}
         self.num_events = 0
@@ -203,9 +203,9 @@ class SimFleet:
         req, prefill, engine_req = payload
         prefill.actor.release_pushed(engine_req)
         # The decode side learns the first token even when it ended the request (it frees the
-        # reservation then), as the router's `_on_first_token` tells it.
+        # reservation then), as the flow's `Start` tells it.
         if req.decode.actor.start(req.request_id):
-            self._end(req)
+            self._end(req, "length")
         return {prefill.name, req.decode.name}
 
     def _launch(self, instances: list[Instance]) -> None:
@@ -224,7 +224,7 @@ class SimFleet:
             step = inst.actor.current
             step.end_times = self._end_times(step)
             self._push(step.end_times[-1], STEP_END, inst)
-            if self.placer.placement == "adaptive":  # the router's view of the steps, as `_poll` feeds it
+            if self.placer.policy.predicts:  # the router's view of the steps, as `_poll` feeds it
                 self._note_steps(inst.name, step)
             if self.step_records is not None:
                 self._record_steps(inst.name, step)
@@ -283,10 +283,11 @@ class SimFleet:
         self.timelines[request_id] = Timeline(prompt_len, max_tokens, sent)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         req = Request(request_id, ids, params, _sink, RequestMetrics(arrival_time=self.now))
+        self.flow.arrived(req)
         longest = pages_for(min(prompt_len + max_tokens, self.max_model_len), self.page_size)
         if prompt_len + max_tokens > self.max_model_len or longest > self.num_pages:
-            self._end(req, f"RequestRefused: prompt {prompt_len} + max_tokens {max_tokens} does not fit "
-                           f"max_model_len {self.max_model_len} / {self.num_pages} pages of {self.page_size}")
+            self._end(req, "error", f"RequestRefused: prompt {prompt_len} + max_tokens {max_tokens} does not fit "
+                                    f"max_model_len {self.max_model_len} / {self.num_pages} pages of {self.page_size}")
             return set()
         if self.config.mode == "colocated":
             return self._place(req) or set()
@@ -303,37 +304,48 @@ class SimFleet:
             touched.update(placed)
 
     def _place(self, req: Request) -> set[str] | None:
-        """Carry out the `Placer`'s plan for ``req`` as the router's `_place` does (module
-        docstring): the instances it touched, None to wait."""
-        live = self.placed.values()  # read from the ledger, not walked
-        if self.placer.placement == "adaptive":
+        """Plan ``req`` (`RequestFlow.plan`, the router's) and carry the plan out on the simulated
+        instances: the instances it touched, None to wait at the queue head."""
+        if self.placer.policy.predicts:  # the loads its views read
             for inst in self.instances:
                 self.placer.fleet_model.loads[inst.name] = inst.actor.load()
-        plan = self.placer.plan(req, live)
-        if isinstance(plan, Wait):
-            return None
-        if isinstance(plan, Fail):
-            self._end(req, f"NoLiveInstance: {plan.error()}")
-            return set()
-        if isinstance(plan, Alone):
-            return {self._place_alone(req, plan.instance)}
-        for inst in plan.decodes:
-            dest = inst.actor.reserve(req.request_id, req.prompt_token_ids, req.params.max_tokens)
-            if dest is not None:
-                req.decode, req.dest = inst, dest
-                break
-        else:
-            return None  # every decode instance is out of pages
-        prefill = self.placer.hand(req, req.decode, live)
-        assert prefill is not None, "a simulated instance never dies"
-        req.prefill, req.stage = prefill, "reserving"
-        self.ledger.touch(req)
-        self.placed[req.request_id] = req
-        answered = self._call_done(req.decode) + self.reserve_s
-        if answered > self.now:
-            self._push(answered, HAND, req)
-            return {req.decode.name}
-        return self._hand(req)
+        return self._act(req, self.flow.plan(req))
+
+    def _act(self, req: Request, actions: tuple) -> set[str] | None:
+        """Carry out the flow's ``actions`` for ``req`` as virtual calls: a reservation runs at once
+        on the decode instance's engine (its answer reaches the router when that instance's step in
+        flight ends, plus ``reserve_ms``: `HAND`); the instances touched, None when ``req`` waits
+        at the queue head (`Wait`, `Requeue`)."""
+        touched: set[str] = set()
+        for action in actions:
+            if isinstance(action, (Wait, Requeue)):
+                return None
+            if isinstance(action, Reserve):
+                inst = action.instance
+                dest = inst.actor.reserve(req.request_id, req.prompt_token_ids, req.params.max_tokens)
+                answer = self.flow.refused(req, inst) if dest is None else self.flow.reserved(req, inst, dest)
+                more = self._act(req, answer)
+                if more is None:
+                    return None
+                touched |= more
+            elif isinstance(action, Hand):
+                answered = self._call_done(req.decode) + self.reserve_s
+                if answered > self.now:
+                    self._push(answered, HAND, req)
+                    touched.add(req.decode.name)
+                else:
+                    touched |= self._hand(req)
+            elif isinstance(action, Add):
+                action.instance.actor.add(req.request_id, req.prompt_token_ids, req.params.max_tokens,
+                                          dest=action.dest)
+                touched.update({action.instance.name} if action.dest is None else {action.instance.name,
+                                                                                    req.decode.name})
+            elif isinstance(action, End):
+                self._end(req, action.reason, "" if action.error is None
+                          else f"{type(action.error).__name__}: {action.error}")
+            else:
+                raise AssertionError(f"the simulator's instances never die nor abort: no {action} for it")
+        return touched
 
     def _call_done(self, inst: Instance) -> float:
         """When a reservation made now on ``inst`` has run: at the end of its forward in flight,
@@ -344,21 +356,8 @@ class SimFleet:
         return next((t for t in step.end_times if t > self.now), self.now)
 
     def _hand(self, req: Request) -> set[str]:
-        """The reservation answered: ``req``'s prompt goes to its prefill instance."""
-        if req.done:
-            return set()
-        self.placer.reserved(req)
-        req.stage = "prefilling"
-        self.ledger.touch(req)
-        req.prefill.actor.add(req.request_id, req.prompt_token_ids, req.params.max_tokens, dest=req.dest)
-        return {req.prefill.name, req.decode.name}
-
-    def _place_alone(self, req: Request, inst: Instance) -> str:
-        req.colocated, req.stage = inst, "running"
-        self.ledger.touch(req)
-        inst.actor.add(req.request_id, req.prompt_token_ids, req.params.max_tokens)
-        self.placed[req.request_id] = req
-        return inst.name
+        """The reservation's answer reached the router: ``req``'s prompt goes to its prefill instance."""
+        return self._act(req, self.flow.handed(req))
 
     # ------------------------------------------------------------------ outputs
     def _step_end(self, inst: Instance) -> set[str]:
@@ -368,50 +367,42 @@ class SimFleet:
         push_start = max(self.now - step.seconds, self._link_free[inst.name])
         if step.num_pushed_tokens:
             self._link_free[inst.name] = push_start + step.num_pushed_tokens * self.token_bytes / self.link_bytes_per_s
-        touched = {inst.name}
         for engine_req, finished, num_tokens in engine.finish_step():
-            req = self.placed[engine_req.request_id]
-            first = req.num_output == 0
-            self._tokens(req, times[-num_tokens:])
-            if engine_req.dest is not None:  # pushed: the first token; decoding waits for the push
-                req.stage = "decoding"
-                self._push(max(self.now, self._link_free[inst.name]), PUSH_END, (req, inst, engine_req))
-                if finished:
-                    self._end(req)
-            elif finished:
-                self._end(req)
-            if first and not req.done:  # its prompt computed: it decodes here
-                self.ledger.touch(req)
-        return touched
+            req = self.flow.placed[engine_req.request_id]
+            self.timelines[req.request_id].token_times.extend(times[-num_tokens:])
+            reason = "length" if finished else None  # requests run to max_tokens: EOS is ignored
+            if engine_req.dest is None:
+                actions = self.flow.tokens(req, num_tokens, reason)
+            else:  # pushed: the first token; decoding waits for the push
+                assert num_tokens == 1, "a forward computing a prompt is never fused"
+                actions = self.flow.first_token(req, inst, reason)
+            for action in actions:
+                if isinstance(action, Start):
+                    self._push(max(self.now, self._link_free[inst.name]), PUSH_END, (req, inst, engine_req))
+                else:
+                    self._end(req, action.reason)
+        return {inst.name}
 
-    def _tokens(self, req: Request, times: list[float]) -> None:
-        """``req``'s tokens, ending at ``times``, reached the router (its stage unchanged yet)."""
-        first = req.num_output == 0
-        if first and times:
-            self.placer.first_token(req)
-        self.timelines[req.request_id].token_times.extend(times)
-        req.num_output += len(times)
-        if not first:
-            self.ledger.advance(req, len(times))
-
-    def _end(self, req: Request, error: str = "") -> None:
+    def _end(self, req: Request, reason: str, error: str = "") -> None:
+        """``req`` ended (`RequestFlow.end`; its engines ended it, nothing to release): ``error``
+        the client's, empty for a finish."""
         if req.done:
             return
-        if self.placed.pop(req.request_id, None) is not None:
-            self.ledger.drop(req)
-        req.stage = "done"
-        if not error:
-            self.placer.finished(req)
+        self.flow.end(req, reason, release=False)
         timeline = self.timelines[req.request_id]
         assert not timeline.ended, f"request {req.request_id} ended twice"
         timeline.ended, timeline.error = True, error
         if self._on_end is not None:
             self._on_end(req.request_id, self.now)
 
+    @property
+    def placed(self) -> dict[str, Request]:
+        """The live requests placed on instances (`RequestFlow.placed`: those the ledger counts)."""
+        return self.flow.placed
 
     def check_ledger(self) -> None:
-        """Assert that the ledger's sums are those over the placed requests (`Ledger.check`)."""
-        self.ledger.check(self.placed.values(), self.now)
+        """Assert that the ledger's sums are those over the placed requests (`RequestFlow.check`)."""
+        self.flow.check()
 
 
 def _pages_of(profile: dict, config: Config) -> int:

@@ -27,7 +27,7 @@ from disagg.cluster.bench.runner import RunResult
 from disagg.cluster.bench.sweep import prefix_cache_of
 from disagg.cluster.bench.workloads import WorkloadSpec, sample_lengths, sample_prompts
 from disagg.cluster.simulate.fleet import SimFleet, Timeline
-from disagg.config import Config
+from disagg.config import SECRET_FIELDS, Config
 
 
 @dataclass
@@ -131,8 +131,6 @@ def simulated_result(sim: Simulation, config: Config, profile: dict, *, label: s
                      extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`disagg bench`'s result object of a simulated run (vLLM's names, per-request lists), with
     ``"simulated": true``, the profile's device as the device, and the simulation's assumptions."""
-    from disagg.cluster.bootstrap import SECRET_FIELDS
-
     fleet = sim.fleet
     duration = sim.run.duration_s
     busy = {inst.name: inst.actor.busy_s / duration for inst in fleet.instances} if duration > 0 else None

@@ -167,7 +167,7 @@ def test_the_watchdogs_audit_rebuilds_a_ledger_out_of_step(cluster, caplog):
         router.ledger.loads["decode-0"] += 7  # tokens no live request holds
         router.ledger.seats["prefill-0"] += 1
         router._audit_ledger()
-        return router.ledger.audit(router.requests.values(), router.placer.clock())
+        return router.flow.audit()
 
     with caplog.at_level("ERROR", logger="disagg.cluster.router"):
         assert on_loop(corrupt_and_audit) is None  # rebuilt: in step again

@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -470,3 +472,25 @@ def test_the_simulated_router_counts_the_host_gap_in_its_decodes_token_gaps():
         simulate_run(config, PROFILE, spec, request_rate=40.0, seed=0, fleet=fleet)
         factors[gap_ms] = max(m.factor for m in fleet.placer.fleet_model.stalls.values())
     assert factors[3.0] > factors[0.0] + 0.1
+
+
+def test_the_simulator_and_the_placement_import_no_ray():
+    """`disagg simulate` and `disagg plan` run where no Ray is installed: importing the simulator
+    (and with it the request flow, the placement and the ledger) and running a fleet through it
+    to its result object import no ray (a fresh interpreter: this one has imported it)."""
+    script = f"""
+import copy, json, sys
+import disagg.cluster.simulate
+from disagg.cluster.simulate import command, fleet, plan, run
+from disagg.cluster import flow, ledger, placement, requests
+from disagg.config import Config
+profile = json.loads({json.dumps(json.dumps(PROFILE))})
+config = Config.from_yaml({str(CONFIGS / "tiny-2p2d.yaml")!r}).override({{"router.placement": "adaptive"}})
+spec = run.workload_spec(profile, 512, dataset_name="chat", num_prompts=20, seed=0)
+sim = run.simulate_run(config, profile, spec, request_rate=40.0, fleet=fleet.SimFleet(config, copy.deepcopy(profile)))
+run.simulated_result(sim, config, profile, label="x", config_path=None)
+print(sorted(name for name in sys.modules if name == "ray" or name.startswith("ray.")))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
