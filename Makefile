@@ -28,8 +28,12 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(PY) -m disagg.cluster.demo
 
+# Two pytest workers (pytest-xdist), each test module whole on one worker so that its Ray and
+# its fleets start once: the suite's fleets wait on their actors much of the time, so two
+# workers keep CI's two cores busy. TEST_WORKERS=0 runs in this process (easier to debug).
+TEST_WORKERS ?= 2
 test: venv
-	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q
+	TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # On a GPU host (after `source .whl/gpu-env.sh`), with the system python:
 test-gpu:
