@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from disagg.cache import PagedKVCache
-from disagg.engine import ColocatedEngine, DecodeEngine
+from disagg.engine import ColocatedEngine, DecodeEngine, EngineOptions
 from disagg.engine.request import RequestFactory
 from disagg.engine.runner import ModelRunner
 from disagg.kernels.linear import linear as skinny_linear
@@ -314,7 +314,7 @@ def decode_idle_row(model, batch: int, ctx: int, steps: int, async_scheduling: b
     heap = LocalHeap(device)
     num_pages = batch * -(-(ctx + steps + 16) // PAGE_SIZE)
     engine = DecodeEngine(model, heap, num_pages=num_pages, page_size=PAGE_SIZE, max_num_seqs=batch,
-                          async_scheduling=async_scheduling)
+                          options=EngineOptions(async_scheduling=async_scheduling))
     params = SamplingParams(max_tokens=steps + 16, ignore_eos=True)
     for i in range(batch):
         dest = engine.reserve(i, ctx, params)
@@ -355,7 +355,8 @@ def colocated_idle_row(model, batch: int, ctx: int, steps: int, async_scheduling
     device = model.device
     num_pages = batch * -(-(ctx + steps + 32) // PAGE_SIZE)
     engine = ColocatedEngine(model, num_pages=num_pages, page_size=PAGE_SIZE, max_num_seqs=batch,
-                             max_num_batched_tokens=8192, async_scheduling=async_scheduling)
+                             max_num_batched_tokens=8192,
+                             options=EngineOptions(async_scheduling=async_scheduling))
     params = SamplingParams(max_tokens=steps + 16, ignore_eos=True)
     for i in range(batch):
         engine.add(i, [1] * (ctx - 1), params)

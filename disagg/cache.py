@@ -5,7 +5,8 @@ own process; the router may keep one to plan. It decides which page and slot eac
 occupies and returns `ForwardPlan`s; it never touches KV memory, so every copy it needs is
 *reported* (in the next plan) and never assumed done. Prefix tree, page pool and windows live in
 `disagg.blocks` / `disagg.prefix`, `disagg.pages` and `disagg.sliding`; reservation in
-`disagg.reserve`, plan arrays in `disagg.forward`, pending copies in `disagg.copies`.
+`disagg.reserve`, plan arrays in `disagg.forward`, pending copies in `disagg.copies`, the
+disaggregated receive and send (`disagg_prepare_recv`, `disagg_mark_send`) in `disagg.cache_sends`.
 
 Decisions where TVM is silent (the bookkeeping as a whole: docs/ARCHITECTURE.md §3):
 - Every call that changes state needs the forward closed (ForwardStateError otherwise), so pages
@@ -51,15 +52,15 @@ from collections.abc import Sequence as SequenceLike
 
 import numpy as np
 
-from disagg import forward, integrity, posmap, prefix, sliding
-from disagg.blocks import BlockPool, Sequence, SendState
+from disagg import forward, integrity, prefix, sliding
+from disagg.blocks import BlockPool, Sequence
+from disagg.cache_sends import DisaggSends, as_int as _as_int
 from disagg.copies import PendingCopies
 from disagg.errors import (
     CacheError,
     CacheIntegrityError,
     ForwardStateError,
     OutOfPages,
-    PositionMapError,
     SequenceExists,
     SequenceNotFound,
 )
@@ -72,13 +73,7 @@ from disagg.reserve import reserve_batch
 logger = logging.getLogger(__name__)
 
 
-def _as_int(value: object, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise CacheError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    return int(value)
-
-
-class PagedKVCache:
+class PagedKVCache(DisaggSends):
     """Pages, prefix sharing, sliding windows and disaggregated sends for many sequences.
 
     Args:
@@ -458,74 +453,6 @@ class PagedKVCache:
         self._epoch += 1
         self._pool.release_deferred()
 
-    def disagg_prepare_recv(self, seq_id: int, append_length: int) -> list[int]:
-        """Receiver: reserve `append_length` slots at the end of `seq_id` and return their map.
-
-        A one-sequence `begin_forward` whose plan is not returned: close it with `end_forward`.
-        Pending fork copies stay pending for the next `begin_forward`.
-
-        Returns:
-            The compressed map of the reserved slots (`disagg.posmap` format).
-
-        Raises:
-            ForwardStateError, SequenceNotFound, CacheError (bad length, the sequence is marked for
-            sending, or a reserved slot is still read or written by a pending copy), OutOfPages.
-        """
-        self._require_closed("disagg_prepare_recv")
-        seq = self._get(seq_id, "disagg_prepare_recv")
-        length = _as_int(append_length, "append_length")
-        if length < 1:
-            raise CacheError(
-                f"disagg_prepare_recv: sequence {seq.seq_id}: expected append_length >= 1, got {length}"
-            )
-        if seq.send is not None:
-            raise CacheError(
-                f"disagg_prepare_recv: sequence {seq.seq_id} is marked for sending; it cannot receive"
-            )
-        self._check_no_copy_overlap(seq)
-        lens = np.array([length], dtype=np.int64)
-        len_before, windowed = reserve_batch(
-            self._blocks, self._pool, [seq], lens, self.page_size, "disagg_prepare_recv", self._room()
-        )
-        plan = forward.build_plan([seq.seq_id], [seq], lens, len_before, windowed, self.page_size, {}, None)
-        self._open = "disagg_prepare_recv"
-        return posmap.compress(plan.append_slots)
-
-    def disagg_mark_send(self, seq_id: int, begin: int, cmap: SequenceLike[int], recver_pe: int) -> None:
-        """Sender: positions >= `begin` of `seq_id` go to the slots of `cmap` on PE `recver_pe`.
-
-        Tokens that exist now (``begin .. seq_length - 1``) are copied page to page by the next
-        plan (whether or not the sequence is in its batch); later tokens are pushed as appended.
-
-        Raises:
-            ForwardStateError, SequenceNotFound, CacheError (bad begin or PE, windowed sequence),
-            PositionMapError (malformed or empty map, or shorter than the existing tokens).
-        """
-        self._require_closed("disagg_mark_send")
-        seq = self._get(seq_id, "disagg_mark_send")
-        begin = _as_int(begin, "begin")
-        recver_pe = _as_int(recver_pe, "recver_pe")
-        if begin < 0 or recver_pe < 0:
-            raise CacheError(
-                f"disagg_mark_send: sequence {seq.seq_id}: expected begin >= 0 and recver_pe >= 0, "
-                f"got begin={begin}, recver_pe={recver_pe}"
-            )
-        if seq.windowed:
-            raise CacheError(f"disagg_mark_send: sequence {seq.seq_id} has a sliding window; it cannot send")
-        remote = posmap.decompress(cmap)
-        existing = max(seq.seq_length - begin, 0)
-        if remote.size == 0 or remote.size < existing:
-            raise PositionMapError(
-                f"disagg_mark_send: sequence {seq.seq_id} holds {seq.seq_length} tokens, {existing} "
-                f"of them from begin={begin}; the map must cover at least max(that, 1) tokens, "
-                f"got {remote.size}"
-            )
-        local = self._position_slots(seq, np.arange(begin, begin + existing, dtype=np.int64))
-        self._senders.pop(seq.seq_id, None)
-        seq.send = SendState(begin, remote, recver_pe, local)
-        self._senders[seq.seq_id] = seq
-        self._copies.refresh(self._senders)
-
     # ------------------------------------------------------------ internals
 
     def _require_closed(self, op: str) -> None:
@@ -599,23 +526,3 @@ class PagedKVCache:
             seq.table[offsets // self.page_size].astype(np.int64) * self.page_size + offsets % self.page_size
         )
         return slots.astype(np.int32)
-
-    def _check_no_copy_overlap(self, seq: Sequence) -> None:
-        """Refuse to let a receiver write a slot that a pending copy still reads or writes."""
-        if not self._pool.touched or not len(seq.table):
-            return
-        block = self._blocks.blocks[seq.last_block_idx]
-        used = (len(seq.table) - len(block.page_ids)) * self.page_size + block.num_used_slots
-        last_page = int(seq.table[-1])
-        if used % self.page_size == 0 or last_page not in self._pool.touched:
-            return
-        open_slots = set(
-            range(last_page * self.page_size + used % self.page_size, (last_page + 1) * self.page_size)
-        )
-        clash = sorted(open_slots & self._copies.busy_slots(self._senders))
-        if clash:
-            raise CacheError(
-                f"disagg_prepare_recv: sequence {seq.seq_id} would receive into slots {clash[:4]}"
-                f"{'...' if len(clash) > 4 else ''} that a pending copy still uses; run a "
-                "begin_forward first to drain it"
-            )

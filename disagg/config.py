@@ -14,7 +14,6 @@ CLI, the cluster and tests, never imports torch or ray.
 from __future__ import annotations
 
 import copy
-import difflib
 import ipaddress
 import logging
 from pathlib import Path
@@ -25,6 +24,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
                       model_validator)
 
+from disagg.config_yaml import DuplicateKey, format_errors, load_yaml, suggest, yaml_problem
 from disagg.errors import ConfigError
 from disagg.settings import Settings
 
@@ -495,7 +495,7 @@ class Config(Section):
         try:
             return cls.model_validate(raw)
         except ValidationError as err:
-            raise ConfigError(format_errors(err, origin)) from None
+            raise ConfigError(format_errors(err, origin, cls)) from None
 
     def override(self, updates: dict[str, Any]) -> Config:
         """A copy with dotted keys replaced, e.g. ``{"router.lease_s": 2, "instances.decode": 2}``.
@@ -513,7 +513,7 @@ class Config(Section):
                 parent, current = current, _child(current, key)
                 if not isinstance(current, (BaseModel, dict)):
                     known = type(parent).model_fields if isinstance(parent, BaseModel) else parent
-                    raise ConfigError(f"override {dotted!r}: {key!r} is not a section{_suggest(key, known)}")
+                    raise ConfigError(f"override {dotted!r}: {key!r} is not a section{suggest(key, known)}")
                 if not isinstance(node.get(key), dict):  # a section left unset: only this key is given
                     node[key] = {} if isinstance(current, BaseModel) else copy.deepcopy(current)
                 node = node[key]
@@ -575,111 +575,3 @@ def _resolve_paths(raw: dict[str, Any], folder: Path) -> dict[str, Any]:
                 if candidate.exists():
                     raw[section] = dict(part, **{key: str(candidate.resolve())})
     return raw
-
-
-class DuplicateKey(yaml.YAMLError):
-    """A YAML mapping names one key twice (safe_load would keep the last value silently)."""
-
-
-def load_yaml(text: str) -> Any:
-    """`yaml.safe_load`, except that a key repeated in one mapping (at any depth) raises.
-
-    Raises:
-        DuplicateKey: naming the key's path and both lines, e.g.
-            ``line 9: router.lease_s given twice (first at line 7); give each key once``.
-        yaml.YAMLError: the text is not YAML.
-    """
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _check_unique_keys(node, (), set())
-        return loader.construct_document(node)
-    finally:
-        loader.dispose()
-
-
-def yaml_problem(path: str | Path, err: yaml.MarkedYAMLError) -> str:
-    """A YAML syntax error as ``path:line:column: not valid YAML: problem (context)`` and the line marked.
-
-    PyYAML names the stream "<unicode string>" and puts problem and context on four lines; this
-    names the file, as compilers do, and quotes the offending line with a caret under the column
-    (the context's line when the problem is at the end of the file).
-    """
-    mark = err.problem_mark or err.context_mark
-    problem = err.problem or err.context or type(err).__name__
-    if mark is None:
-        return f"{path}: not valid YAML: {problem}"
-    text = f"{path}:{mark.line + 1}:{mark.column + 1}: not valid YAML: {problem}"
-    context_mark = err.context_mark
-    if err.problem and err.context:
-        where = (f" at line {context_mark.line + 1}, column {context_mark.column + 1}"
-                 if context_mark is not None and context_mark.line != mark.line else "")
-        text += f" ({err.context}{where})"
-    if "'\\t'" in problem:
-        text += "; YAML indents with spaces, never tabs"
-    lines = (mark.buffer or "").rstrip("\0").splitlines()
-    shown = mark if mark.line < len(lines) and lines[mark.line].strip() else context_mark
-    if shown is not None and shown.line < len(lines) and lines[shown.line].strip():
-        gutter = f"{shown.line + 1:>5} | "
-        text += f"\n{gutter}{lines[shown.line]}\n{' ' * (len(gutter) - 2)}| {' ' * shown.column}^"
-    return text
-
-
-def _check_unique_keys(node: yaml.Node, path: tuple[str, ...], seen: set[int]) -> None:
-    """Walk the composed YAML tree; raise `DuplicateKey` at the first mapping key given twice.
-    Merge keys (``<<: *anchor``) are left to YAML: keys written beside them override on purpose."""
-    if id(node) in seen:  # an alias of a node already walked (anchors may even be recursive)
-        return
-    seen.add(id(node))
-    if isinstance(node, yaml.MappingNode):
-        first_line: dict[tuple[str, str], int] = {}
-        for key_node, value_node in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = (key_node.tag, str(key_node.value))
-            name = ".".join(path + (str(key_node.value),))
-            if key in first_line:
-                raise DuplicateKey(f"line {key_node.start_mark.line + 1}: {name} given twice (first at line "
-                                   f"{first_line[key]}); give each key once")
-            first_line[key] = key_node.start_mark.line + 1
-            _check_unique_keys(value_node, path + (str(key_node.value),), seen)
-    elif isinstance(node, yaml.SequenceNode):
-        for index, item in enumerate(node.value):
-            _check_unique_keys(item, path + (str(index),), seen)
-
-
-def format_errors(err: ValidationError, origin: str) -> str:
-    """One line per pydantic error: ``origin: field.path: what was expected (got value)``."""
-    lines = [f"{origin}: invalid config ({err.error_count()} error{'s' * (err.error_count() > 1)})"]
-    for item in err.errors():
-        loc = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        if item["type"] == "extra_forbidden":
-            known = _fields_at(Config, item["loc"][:-1])
-            lines.append(f"  {loc}: unknown key{_suggest(str(item['loc'][-1]), known)}")
-            continue
-        msg = item["msg"].removeprefix("Value error, ")
-        got = item.get("input")
-        shown = "" if isinstance(got, (dict, list)) or item["type"] == "missing" else f" (got {got!r})"
-        lines.append(f"  {loc}: {msg}{shown}")
-    return "\n".join(lines)
-
-
-def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
-    """Field names of the section at ``loc`` (empty when it is not a section)."""
-    for part in loc:
-        field = model.model_fields.get(str(part))
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return []
-        model = annotation
-    return list(model.model_fields)
-
-
-def _suggest(key: str, known) -> str:
-    known = list(known)
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-    if close:
-        return f"; did you mean {close[0]!r}?"
-    return f"; expected one of {', '.join(sorted(known))}" if known else ""

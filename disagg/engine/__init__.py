@@ -9,11 +9,14 @@
                                       .start(request_id, first_token_id)
                                       .cancel_reservation(dest)  no sender will write: free now
                                       .add(request_id, prompt_token_ids, params)  prefilled here
-    every engine: .step() -> list[TokenOutput], .abort(request_id), .has_work(), .stats()
+    every engine: .step() -> list[TokenOutput], .abort(request_id), .has_work(), .stats();
+    every constructor also takes options=EngineOptions(...) (graphs, async scheduling, prefix
+    caching, leases, push timing; the sizes may go there too)
     (PrefillEngine.abort -> PushState | None: may a push of it still land in the decode pages?)
 
 Files: `core` (`EngineCore`: the one step pipeline and request life cycle every engine is a
-configuration of), `request` (request state, TokenOutput, RecvDest, add-time checks), `scheduler`
+configuration of), `options` (`EngineOptions`: sizes and switches, validated once), `request`
+(request state, TokenOutput, RecvDest, add-time checks), `scheduler`
 (batching, page commitments, preemption), `runner` (plan -> forward -> sample), `graphs` (decode
 CUDA graphs), `sampler` (on-device sampling), `colocated`, `prefill`, `decode` (the three roles).
 Sampling parameters live in `disagg.sampling`; KV transfer (senders, receivers, their leases) in
@@ -27,12 +30,13 @@ import importlib
 from disagg.engine.request import PushState, RecvDest, TokenOutput
 from disagg.sampling import SamplingParams
 
-__all__ = ["ColocatedEngine", "DecodeEngine", "PrefillEngine", "PushState", "RecvDest", "SamplingParams",
+__all__ = ["ColocatedEngine", "DecodeEngine", "EngineOptions", "PrefillEngine", "PushState", "RecvDest", "SamplingParams",
            "TokenOutput"]
 
 # The engines pull in torch, the model and the kernels: imported on first use, so that a caller
 # that needs only RecvDest / TokenOutput (the router) stays light.
-_ENGINES = {"ColocatedEngine": "colocated", "DecodeEngine": "decode", "PrefillEngine": "prefill"}
+_ENGINES = {"ColocatedEngine": "colocated", "DecodeEngine": "decode", "EngineOptions": "options",
+            "PrefillEngine": "prefill"}
 
 
 def __getattr__(name: str):

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Hashable
 
-import torch
-
 from disagg.engine.core import EngineCore
+from disagg.engine.options import EngineOptions
 from disagg.sampling import SamplingParams
 
 
@@ -27,28 +26,17 @@ class ColocatedEngine(EngineCore):
         page_size: tokens per page.
         max_num_seqs: sequences per forward.
         max_num_batched_tokens: tokens per forward (the prefill chunk budget).
-        kv_dtype: KV dtype (default: the model's).
-        use_cuda_graphs: None = on CUDA; False = eager always.
-        prompt_graphs: piecewise graphs of prompt and mixed forwards; None = as ``use_cuda_graphs``.
-        mixed_graphs: whole-forward CUDA graphs of short prompt and mixed steps (pushes after them)
-            (`disagg.engine.mixed_graphs`; needs the decode graphs); None = as the decode graphs.
-        async_scheduling: launch a reserved decode-only step before reading the tokens of the
-            one before it (see `EngineCore`).
-        async_prompts: launch the step that starts waiting prompts before the tokens of the step in
-            flight are read, as a decode-only step is (see `EngineCore`).
-        prefix_caching: prompts fork from the longest cached prefix and compute only the rest.
+        options: everything else (`EngineOptions`: graphs, async scheduling, prefix caching, KV
+            dtype); the sizes may be given there instead of as keywords. None: the defaults.
     """
 
-    def __init__(self, model, *, num_pages: int, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, kv_dtype: torch.dtype | None = None,
-                 use_cuda_graphs: bool | None = None, async_scheduling: bool = True,
-                 prefix_caching: bool = True, prompt_graphs: bool | None = None,
-                 mixed_graphs: bool | None = None, async_prompts: bool = True) -> None:
-        super().__init__(model, num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype,
-                         use_cuda_graphs=use_cuda_graphs, prompt_graphs=prompt_graphs, mixed_graphs=mixed_graphs,
-                         async_scheduling=async_scheduling, async_prompts=async_prompts,
-                         prefix_caching=prefix_caching)
+    def __init__(self, model, *, num_pages: int | None = None, page_size: int | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 options: EngineOptions | None = None) -> None:
+        options = (EngineOptions() if options is None else options).with_sizes(
+            num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens)
+        super().__init__(model, options)
 
     def add(self, request_id: Hashable, prompt_token_ids: list[int],
             params: SamplingParams | None = None) -> None:

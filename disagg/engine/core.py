@@ -45,8 +45,9 @@ import torch
 
 from disagg import trace
 from disagg.cache import PagedKVCache
-from disagg.engine.request import (PushState, RecvDest, Request, RequestFactory, TokenOutput, check_dest,
-                                   check_engine_sizes, check_fits, check_new_request, check_reserve, pages_for)
+from disagg.engine.options import EngineOptions
+from disagg.engine.request import (PushState, RecvDest, Request, RequestFactory, TokenOutput, check_dest, check_fits,
+                                   check_new_request, check_reserve, pages_for)
 from disagg.engine.runner import ModelRunner, PendingTokens
 from disagg.engine.scheduler import ScheduledBatch, Scheduler
 from disagg.engine.steps import ForwardTimer, InstanceLoad, Launched, NextStep, StepShape, TimedForward, same_requests
@@ -63,64 +64,45 @@ class EngineCore:
 
     Args:
         model: a `disagg.model` Model.
-        num_pages, page_size: this engine's KV cache.
-        max_num_seqs: sequences per forward (and decoding at once).
-        max_num_batched_tokens: tokens per forward (the prefill chunk budget).
+        options: the cache, budgets and step-pipeline switches (`EngineOptions`; every size set).
         heap: this PE's symmetric heap (what `open_heap` returned), or None. With a heap the
             engine's KV connector (`disagg.transfer.registry.open_connector`, by the heap's
             backend) allocates the KV tensor (collective), pushes prompts' KV through its sender
             and holds reservations in its receiver.
-        kv_dtype: KV dtype (default: the model's).
-        use_cuda_graphs: decode graphs; None = on CUDA; False = eager always.
-        prompt_graphs: piecewise graphs of prompt and mixed forwards (`disagg.engine.prompt_graphs`);
-            None = as ``use_cuda_graphs``.
-        mixed_graphs: whole-forward CUDA graphs of short prompt and mixed steps (pushes after them)
-            (`disagg.engine.mixed_graphs`; needs the decode graphs); None = as the decode graphs.
-        async_scheduling: launch a reserved decode-only step before reading the tokens of the one
-            before it (module docstring).
-        async_prompts: with ``async_scheduling``, launch the step that starts waiting local
-            prompts that way too (module docstring); False: it waits for the tokens.
-        lease_s: seconds a reservation waits for its doorbell before its pages are released.
-        clock: monotonic clock for leases (tests pass a fake one).
-        force_segment_puts: push with segment puts even to load/store-reachable peers.
-        push_after: when its pushes run: after a forward's graph, or layer by layer
-            (`ModelRunner`'s ``push_after``; `transfer.push_after`).
-        prefix_caching: automatic prefix caching (`disagg.cache`): prompts fork from the longest
-            cached prefix and compute only the rest; a decode reservation made with the prompt's
-            ids receives only the rest.
     """
 
-    def __init__(self, model, *, num_pages: int, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, heap=None, kv_dtype: torch.dtype | None = None,
-                 use_cuda_graphs: bool | None = None, prompt_graphs: bool | None = None,
-                 mixed_graphs: bool | None = None, async_scheduling: bool = True, async_prompts: bool = True, lease_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic, force_segment_puts: bool = False,
-                 prefix_caching: bool = True, push_after: str = "graphs") -> None:
-        check_engine_sizes(num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens)
+    def __init__(self, model, options: EngineOptions, *, heap=None) -> None:
+        if not isinstance(options, EngineOptions):
+            raise InvalidArgumentType(f"options: expected EngineOptions, got {type(options).__name__}",
+                                      argument="options")
+        options.check_sizes()
+        self.options = options
+        num_pages, page_size = options.num_pages, options.page_size
+        max_num_seqs, max_num_batched_tokens = options.max_num_seqs, options.max_num_batched_tokens
         self.model = model
         self.max_model_len = int(model.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.cache = PagedKVCache(num_pages, page_size, prefix_caching=prefix_caching)
-        shape, dtype = model.kv_shape(num_pages, page_size), kv_dtype or model.dtype
+        self.cache = PagedKVCache(num_pages, page_size, prefix_caching=options.prefix_caching)
+        shape, dtype = model.kv_shape(num_pages, page_size), options.kv_dtype or model.dtype
         # The KV transport (None: local requests only): its receiver is built now, its sender on the
         # first pushed prompt (a receive-only instance never needs one).
         self.connector = None if heap is None else open_connector(
-            heap, lease_s=lease_s, clock=clock, force_segment_puts=force_segment_puts)
+            heap, lease_s=options.lease_s, clock=options.clock, force_segment_puts=options.force_segment_puts)
         self.kv = (self.connector.alloc_kv(shape, dtype) if self.connector is not None
                    else torch.zeros(shape, dtype=dtype, device=model.device))
         self.receiver = None if self.connector is None else self.connector.receiver
         self._sender: KVSender | None = None
         self.runner = ModelRunner(model, self.kv, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens, use_cuda_graphs=use_cuda_graphs,
-                                  prompt_graphs=prompt_graphs, mixed_graphs=mixed_graphs, push_after=push_after)
+                                  max_num_batched_tokens=max_num_batched_tokens, use_cuda_graphs=options.use_cuda_graphs,
+                                  prompt_graphs=options.prompt_graphs, mixed_graphs=options.mixed_graphs,
+                                  push_after=options.push_after)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.requests: dict[Hashable, Request] = {}
         self._factory = RequestFactory(tuple(model.config.eos_token_ids))
         self._outputs: list[TokenOutput] = []  # abort notices and the like, returned by the next step
-        self.async_scheduling = bool(async_scheduling)
-        self.async_prompts = bool(async_prompts)
+        self.async_scheduling = options.async_scheduling
+        self.async_prompts = options.async_prompts
         # Called inside `step` with a readiness poll while a launched forward's ids are on their
         # way (the step loop runs the calls that may run mid-step: `StepLoop.while_gpu_runs`).
         self.on_gpu_wait: Callable[[Callable[[], bool]], None] | None = None
@@ -221,8 +203,7 @@ class EngineCore:
         except BaseException:
             self.cache.remove_sequence(req.seq_id)
             raise
-        req.num_computed, req.in_cache, req.num_cached_tokens = prompt_len, True, hit
-        req.received, req.committed_pages, req.prompt_known = True, total, prompt is not None
+        req.receive(prompt_len, hit, committed_pages=total, prompt_known=prompt is not None)
         self.scheduler.commit(req)
         self.requests[request_id] = req
         return dest
@@ -290,7 +271,7 @@ class EngineCore:
         """Rung and started requests join the running batch while there is room."""
         while self.ready and len(self.running) < self.max_num_seqs:
             req = self.ready.pop(0)
-            req.decoding = True
+            req.start_decoding()
             self.running.append(req)
 
     def _joining(self) -> bool:
@@ -318,10 +299,11 @@ class EngineCore:
 
     def _abort_pushed(self, req: Request) -> PushState:
         del self.requests[req.request_id]
-        pushed = req.sending and req.num_computed > req.num_cached_tokens  # some forward pushed part of it
+        sending = req.sending  # (read before its pages go: that leaves the state)
+        pushed = sending and req.num_computed > req.num_cached_tokens  # some forward pushed part of it
         self.scheduler.remove(req, release=False)
         self._release_when_safe(req)
-        state = self.sender.abort(req.request_id, req.seq_id, pushed=pushed) if req.sending else PushState.QUIESCED
+        state = self.sender.abort(req.request_id, req.seq_id, pushed=pushed) if sending else PushState.QUIESCED
         if state is PushState.QUIESCED:
             self._outputs.append(TokenOutput(req.request_id, None, True, "abort"))
         return state
@@ -488,7 +470,7 @@ class EngineCore:
             if req.dest is not None and not req.sending:  # entered the cache for this forward
                 self.cache.disagg_mark_send(req.seq_id, req.dest.num_cached_tokens, req.dest.cmap, req.dest.pe)
                 self.sender.attach(req.seq_id, req.dest)
-                req.sending = True
+                req.start_sending()
         ids = np.concatenate([np.asarray(r.token_ids[r.num_computed: r.num_computed + n], dtype=np.int64)
                               for r, n in zip(reqs[k:], counts[k:])])
         # (the first k decode rows compute the token the step in flight samples: not appended yet)

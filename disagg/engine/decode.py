@@ -44,12 +44,10 @@ benchmarks/records/tuning-notes.md).
 
 from __future__ import annotations
 
-import time
-from typing import Callable, Hashable
-
-import torch
+from typing import Hashable
 
 from disagg.engine.core import EngineCore
+from disagg.engine.options import EngineOptions
 from disagg.engine.request import RecvDest
 from disagg.sampling import SamplingParams
 
@@ -62,34 +60,22 @@ class DecodeEngine(EngineCore):
         heap: this PE's symmetric heap (the KV tensor is allocated from it: collective).
         num_pages, page_size: this worker's KV cache (same geometry as the prefill workers').
         max_num_seqs: sequences per decode step.
-        kv_dtype: KV dtype (default: the model's).
-        lease_s: seconds a reservation waits for its doorbell before its pages are released.
-        use_cuda_graphs: None = on CUDA; False = eager always.
-        prompt_graphs: piecewise graphs of local prompts' forwards; None = as ``use_cuda_graphs``.
-        mixed_graphs: whole-forward CUDA graphs of short prompt and mixed steps (pushes after them)
-            (`disagg.engine.mixed_graphs`; needs the decode graphs); None = as the decode graphs.
-        clock: monotonic clock for leases (tests pass a fake one).
-        async_scheduling: launch the next step before reading this one's tokens (see the module
-            docstring); False reads every step's tokens before the next launch.
         max_num_batched_tokens: tokens per forward when it prefills local requests (default:
             ``max(max_num_seqs, 2048)``).
-        async_prompts: launch the step that starts waiting prompts before the tokens of the step in
-            flight are read, as a decode-only step is (see `EngineCore`).
-        prefix_caching: keep finished requests' KV to fork later prompts from (`EngineCore`).
+        options: everything else (`EngineOptions`: ``lease_s`` and ``clock`` of the reservations,
+            graphs, ``async_scheduling`` (module docstring), prefix caching, KV dtype); the sizes
+            may be given there instead of as keywords. None: the defaults.
     """
 
-    def __init__(self, model, heap, *, num_pages: int, page_size: int, max_num_seqs: int,
-                 kv_dtype: torch.dtype | None = None, lease_s: float = 60.0,
-                 use_cuda_graphs: bool | None = None, clock: Callable[[], float] = time.monotonic,
-                 async_scheduling: bool = True, max_num_batched_tokens: int | None = None,
-                 prefix_caching: bool = True, prompt_graphs: bool | None = None,
-                 mixed_graphs: bool | None = None, async_prompts: bool = True) -> None:
-        budget = max(max_num_seqs, 2048) if max_num_batched_tokens is None else max_num_batched_tokens
-        super().__init__(model, heap=heap, num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=budget, kv_dtype=kv_dtype, use_cuda_graphs=use_cuda_graphs,
-                         prompt_graphs=prompt_graphs, mixed_graphs=mixed_graphs,
-                         async_scheduling=async_scheduling, async_prompts=async_prompts, lease_s=lease_s, clock=clock,
-                         prefix_caching=prefix_caching)
+    def __init__(self, model, heap, *, num_pages: int | None = None, page_size: int | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 options: EngineOptions | None = None) -> None:
+        options = (EngineOptions() if options is None else options).with_sizes(
+            num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens)
+        if options.max_num_batched_tokens is None and options.max_num_seqs is not None:
+            options = options.replace(max_num_batched_tokens=max(options.max_num_seqs, 2048))
+        super().__init__(model, options, heap=heap)
 
     def reserve(self, request_id: Hashable, prompt_len: int, params: SamplingParams | None = None, *,
                 prompt_token_ids: list[int] | None = None) -> RecvDest:

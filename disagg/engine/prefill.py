@@ -33,11 +33,14 @@ from __future__ import annotations
 
 from typing import Hashable
 
-import torch
-
 from disagg.engine.core import EngineCore
+from disagg.engine.options import EngineOptions
 from disagg.engine.request import PushState, RecvDest
 from disagg.sampling import SamplingParams
+
+# A prefill engine's options when none are given: no decode graphs (it decodes only the requests
+# the router keeps on it, which a fixed disaggregated fleet never does).
+PREFILL_DEFAULTS = EngineOptions(use_cuda_graphs=False)
 
 
 class PrefillEngine(EngineCore):
@@ -49,36 +52,21 @@ class PrefillEngine(EngineCore):
         num_pages, page_size: this worker's KV cache.
         max_num_seqs: prompts per forward.
         max_num_batched_tokens: tokens per forward.
-        kv_dtype: KV dtype (default: the model's).
-        force_segment_puts: push with segment puts even to load/store-reachable peers.
-        prefix_caching: prompts fork from the longest cached prefix and compute only the rest
-            (`EngineCore`); pushes still start at the decode side's ``dest.num_cached_tokens``.
-        prompt_graphs: piecewise CUDA graphs between the attentions of its forwards (on CUDA;
-            False: eager).
-        use_cuda_graphs: decode graphs, for the requests it keeps and decodes itself (None: on
-            CUDA); off by default: a prefill engine of a fixed disaggregated fleet never decodes.
-        mixed_graphs: whole-forward CUDA graphs of short prompt and mixed steps (their pushes run
-            after the graph: ``push_after``; `disagg.engine.mixed_graphs`; needs the decode
-            graphs); None = as the decode graphs.
-        async_scheduling, async_prompts: as `EngineCore`'s, for the requests it keeps and decodes
-            (`scheduler.async_scheduling`, `scheduler.async_prompts`).
-        push_after: when pushes run: "graphs" (after a whole-forward graph, else layer by
-            layer), "never", "always" (`ModelRunner`; `transfer.push_after`).
+        options: everything else (`EngineOptions`: ``force_segment_puts``, ``push_after``, graphs,
+            prefix caching (pushes still start at the decode side's ``dest.num_cached_tokens``),
+            async scheduling of the requests it keeps and decodes); the sizes may be given there
+            instead of as keywords. None: `PREFILL_DEFAULTS` (decode graphs off: a prefill engine
+            of a fixed disaggregated fleet never decodes). Its ``prompt_graphs`` None means on
+            (on CUDA), whatever ``use_cuda_graphs`` says.
     """
 
-    def __init__(self, model, heap, *, num_pages: int, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, kv_dtype: torch.dtype | None = None,
-                 force_segment_puts: bool = False, prefix_caching: bool = True,
-                 prompt_graphs: bool | None = None, use_cuda_graphs: bool | None = False,
-                 mixed_graphs: bool | None = None, async_scheduling: bool = True,
-                 async_prompts: bool = True, push_after: str = "graphs") -> None:
-        super().__init__(model, heap=heap, num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
-                         max_num_batched_tokens=max_num_batched_tokens, kv_dtype=kv_dtype,
-                         use_cuda_graphs=use_cuda_graphs, prompt_graphs=prompt_graphs is not False,
-                         mixed_graphs=mixed_graphs,
-                         force_segment_puts=force_segment_puts, push_after=push_after,
-                         prefix_caching=prefix_caching, async_scheduling=async_scheduling,
-                         async_prompts=async_prompts)
+    def __init__(self, model, heap, *, num_pages: int | None = None, page_size: int | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 options: EngineOptions | None = None) -> None:
+        options = (PREFILL_DEFAULTS if options is None else options).with_sizes(
+            num_pages=num_pages, page_size=page_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens)
+        super().__init__(model, options.replace(prompt_graphs=options.prompt_graphs is not False), heap=heap)
 
     def add(self, request_id: Hashable, prompt_token_ids: list[int], params: SamplingParams | None,
             dest: RecvDest | None) -> None:

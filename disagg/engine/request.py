@@ -1,7 +1,8 @@
 """A request inside an engine, what a step hands back, and what a decode reservation returns.
 
 `Request` is the engine-side state of one generation (tokens, how many of them have KV in the
-cache, sampling and stopping rules). `TokenOutput` is one token of one request in a step's
+cache, sampling and stopping rules, its `RequestState` in the pipeline and the transitions
+between them). `TokenOutput` is one token of one request in a step's
 output list. `check_new_request` is the `add`-time validation every engine runs before touching a
 page (`check_dest`, `check_reserve`: a pushed request's destination, a decode reservation).
 `RecvDest` (what `DecodeEngine.reserve` returns and `PrefillEngine.add` takes: where the prompt's
@@ -21,6 +22,7 @@ token to compute". Preemption resets ``num_computed`` to 0 (recompute prompt + o
 
 from __future__ import annotations
 
+import enum
 import itertools
 import random
 from dataclasses import dataclass
@@ -31,8 +33,8 @@ from disagg.errors import InvalidArgument, InvalidArgumentType
 from disagg.sampling import SamplingParams
 from disagg.transfer.connector import PushState, RecvDest  # the connector's; re-exported here
 
-__all__ = ["FINISH_REASONS", "PushState", "RecvDest", "Request", "RequestFactory", "TokenOutput", "check_dest",
-           "check_engine_sizes", "check_fits", "check_new_id", "check_new_request", "check_reserve", "pages_for"]
+__all__ = ["FINISH_REASONS", "PushState", "RecvDest", "Request", "RequestFactory", "RequestState", "TokenOutput", "check_dest",
+           "check_fits", "check_new_id", "check_new_request", "check_reserve", "pages_for"]
 
 FINISH_REASONS = (None, "stop", "length", "abort", "error")
 
@@ -55,9 +57,44 @@ class TokenOutput(NamedTuple):
     error: str | None = None
 
 
+class RequestState(enum.Enum):
+    """Where a request is in its engine's pipeline; `Request`'s transitions move it.
+
+        WAITING --enter_cache--> PREFILLING --start_decoding--> DECODING
+                                      |                            |
+                                start_sending                leave_cache (preempted or ended)
+                                      v                            v
+                                   PUSHING                      WAITING
+        (new, reserve) --receive--> RECEIVING --start_decoding--> DECODING
+
+    WAITING: queued with no pages (new, or preempted: recomputed once it enters again).
+    PREFILLING: in the cache, its prompt (or, after a preemption, prompt and output) computed in
+    chunks. PUSHING: a pushed request in the cache whose send map is marked: its chunks' KV go
+    to its ``dest``; it leaves after its first token. RECEIVING: a received request, pages
+    reserved for a sender's push; it decodes once its KV landed, its first token came and a
+    batch slot is free. DECODING: in the running batch, one token per step. Any state in the
+    cache returns to WAITING when its pages are freed (`leave_cache`: preempted, or ended).
+    """
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    PUSHING = "pushing"
+    RECEIVING = "receiving"
+    DECODING = "decoding"
+
+
+_IN_CACHE = frozenset({RequestState.PREFILLING, RequestState.PUSHING, RequestState.RECEIVING,
+                       RequestState.DECODING})
+
+
 @dataclass
 class Request:
-    """Engine-side state of one request; see the module docstring for the token layout."""
+    """Engine-side state of one request; see the module docstring for the token layout.
+
+    ``state`` (`RequestState`) changes only through the transitions below; ``in_cache``,
+    ``decoding`` and ``sending`` are read from it. ``dest`` (pushed) and ``received`` say what
+    kind of request it is, fixed when it is made (``received`` by `receive`).
+    """
 
     request_id: Hashable
     seq_id: int
@@ -68,15 +105,60 @@ class Request:
     stop_ids: frozenset[int]
     num_computed: int = 0
     finish_reason: str | None = None
-    in_cache: bool = False
-    decoding: bool = False
+    state: RequestState = RequestState.WAITING
     dest: RecvDest | None = None  # pushed: its prompt's KV goes to this reservation, then it leaves
     received: bool = False  # its prompt's KV arrives from a sender into pages reserved here
     committed_pages: int = 0  # pages promised for its whole stay here (pushed, received); 0: none
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it entered the cache
     num_preemptions: int = 0  # times its pages were freed for it to recompute (vLLM's Request.num_preemptions)
     prompt_known: bool = True  # False: a reservation made without the prompt's ids (placeholders)
-    sending: bool = False  # pushed: its send map is marked in the cache
+
+    # ------------------------------------------------------------------ read from the state
+    @property
+    def in_cache(self) -> bool:
+        """Its sequence is in the cache (pages held)."""
+        return self.state in _IN_CACHE
+
+    @property
+    def decoding(self) -> bool:
+        """In the running batch."""
+        return self.state is RequestState.DECODING
+
+    @property
+    def sending(self) -> bool:
+        """Pushed, and its send map is marked in the cache."""
+        return self.state is RequestState.PUSHING
+
+    # ------------------------------------------------------------------ transitions
+    def _move(self, allowed: frozenset[RequestState], to: RequestState) -> None:
+        assert self.state in allowed, f"request {self.request_id!r}: {self.state.name} -> {to.name} is no transition"
+        self.state = to
+
+    def enter_cache(self, num_cached_tokens: int) -> None:
+        """WAITING -> PREFILLING: its sequence entered the cache, its first ``num_cached_tokens``
+        found there (they count as computed)."""
+        self._move(_FROM_WAITING, RequestState.PREFILLING)
+        self.num_computed = self.num_cached_tokens = num_cached_tokens
+
+    def start_sending(self) -> None:
+        """PREFILLING -> PUSHING: a pushed request's send map is marked (its first forward)."""
+        assert self.dest is not None, f"request {self.request_id!r}: only a pushed request sends"
+        self._move(_FROM_PREFILLING, RequestState.PUSHING)
+
+    def receive(self, num_computed: int, num_cached_tokens: int, committed_pages: int, prompt_known: bool) -> None:
+        """WAITING -> RECEIVING: pages reserved here for a sender's push of its prompt."""
+        self._move(_FROM_WAITING, RequestState.RECEIVING)
+        self.received, self.committed_pages, self.prompt_known = True, committed_pages, prompt_known
+        self.num_computed, self.num_cached_tokens = num_computed, num_cached_tokens
+
+    def start_decoding(self) -> None:
+        """PREFILLING or RECEIVING -> DECODING: it joins the running batch."""
+        self._move(_TO_DECODING, RequestState.DECODING)
+
+    def leave_cache(self) -> None:
+        """Any state -> WAITING: its pages are freed (preempted: it recomputes from token 0; or ended)."""
+        self.state = RequestState.WAITING
+        self.num_computed = 0
 
     @property
     def preemptible(self) -> bool:
@@ -104,6 +186,11 @@ class Request:
         elif self.num_output_tokens >= self.params.max_tokens or len(self.token_ids) >= max_model_len:
             self.finish_reason = "length"
         return TokenOutput(self.request_id, token_id, self.finish_reason is not None, self.finish_reason)
+
+
+_FROM_WAITING = frozenset({RequestState.WAITING})
+_FROM_PREFILLING = frozenset({RequestState.PREFILLING})
+_TO_DECODING = frozenset({RequestState.PREFILLING, RequestState.RECEIVING})
 
 
 class RequestFactory:
@@ -188,20 +275,6 @@ def check_fits(request_id: Hashable, num_prompt_tokens: int, params: SamplingPar
         raise InvalidArgument(f"max_tokens: request {request_id!r} ({num_prompt_tokens} prompt tokens + "
                               f"max_tokens={params.max_tokens}) needs {need} pages of {page_size} tokens; "
                               f"expected at most the cache's {num_pages}", argument="max_tokens")
-
-
-def check_engine_sizes(**sizes: int) -> None:
-    """Engine constructor sizes: each a positive int.
-
-    Raises:
-        ValueError / TypeError: naming the argument, expected and got.
-    """
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidArgumentType(f"{name}: expected an int >= 1, got {type(value).__name__} {value!r}",
-                                      argument=name)
-        if value < 1:
-            raise InvalidArgument(f"{name}: expected an int >= 1, got {value}", argument=name)
 
 
 def check_dest(request_id: Hashable, prompt_len: int, dest: object, connector) -> None:

@@ -27,6 +27,7 @@ from disagg.engine.graphs import DecodeGraphs
 from disagg.engine.mixed_graphs import MixedGraphs
 from disagg.engine.prompt_graphs import PromptGraphs
 from disagg.cache import PagedKVCache
+from disagg.engine.options import PUSH_AFTER
 from disagg.engine.request import Request, RequestFactory
 from disagg.engine.sampler import SamplingBatch, sample
 from disagg.model.batch import AttentionBatch
@@ -35,8 +36,6 @@ from disagg.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# When a forward with receivers pushes its K/V (`ModelRunner._pushes_after`, `transfer.push_after`).
-PUSH_AFTER = ("graphs", "never", "always")
 
 
 @dataclass

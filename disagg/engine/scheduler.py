@@ -157,7 +157,7 @@ class Scheduler:
         """``req`` sampled its first token after (re)computing its prompt: it decodes from now on."""
         self.waiting.remove(req)
         self.running.append(req)
-        req.decoding = True
+        req.start_decoding()
 
     # ------------------------------------------------------------------ internals
     def _schedule_decodes(self, batch: ScheduledBatch, free: int) -> int:
@@ -226,7 +226,7 @@ class Scheduler:
             taken = match.num_pages
         # a preempted request finds its own KV again: counted apart from prompt reuse, as vLLM does
         self.cache.add_sequence(req.seq_id, prefix=match, preempted=req.num_preemptions > 0)
-        req.in_cache, req.num_computed, req.num_cached_tokens = True, hit, hit
+        req.enter_cache(hit)
         if req.committed_pages:
             self.commit(req)
         return taken
@@ -260,8 +260,7 @@ class Scheduler:
             self.cache.cache_tokens(req.seq_id, req.token_ids[:req.num_computed])
         self._release(req)
         self.num_preemptions += 1
-        req.num_preemptions += 1
-        req.decoding = False
+        req.num_preemptions += 1  # (released: WAITING again)
         self.waiting.appendleft(req)
         logger.debug("preempted request %s (%d tokens to recompute)", req.request_id, len(req.token_ids))
         return self.cache.num_free_pages - before
@@ -269,6 +268,5 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         if req.in_cache:
             self.cache.remove_sequence(req.seq_id)
-            req.in_cache = False
         self.committed.pop(req.seq_id, None)
-        req.num_computed = 0
+        req.leave_cache()

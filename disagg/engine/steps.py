@@ -1,7 +1,7 @@
 """The records of one forward: its shape (what it computed) and the launched / reserved steps.
 
 `EngineCore` (core.py) creates them on its step pipeline; `StepShape` also leaves the engine, as
-the input of the router's step-time model (`disagg.cluster.placement`, docs/ARCHITECTURE.md §6).
+the input of the router's step-time model (`disagg.cluster.routing.placement`, docs/ARCHITECTURE.md §6).
 """
 
 from __future__ import annotations

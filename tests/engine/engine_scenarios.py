@@ -46,7 +46,7 @@ def setup(backend: str, uid: bytes, rank: int, role: str, source: str, dtype: st
     os.environ.update(env or {})
     import torch
 
-    from disagg.engine import DecodeEngine, PrefillEngine
+    from disagg.engine import DecodeEngine, EngineOptions, PrefillEngine
     from disagg.model import load_model
     from disagg.transfer import open_heap
 
@@ -60,7 +60,8 @@ def setup(backend: str, uid: bytes, rank: int, role: str, source: str, dtype: st
         engine = PrefillEngine(model, heap, **sizes)
     else:
         sizes.pop("max_num_batched_tokens", None)
-        engine = DecodeEngine(model, heap, **sizes)
+        lease = {"lease_s": sizes.pop("lease_s")} if "lease_s" in sizes else {}
+        engine = DecodeEngine(model, heap, **sizes, options=EngineOptions(**lease))
     STATE.update(heap=heap, engine=engine, model=model)
     return {"rank": heap.rank, "kv_shape": tuple(engine.kv.shape)}
 

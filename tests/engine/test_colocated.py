@@ -9,7 +9,7 @@ import os
 import pytest
 from engine_helpers import assert_all_free, drain, reference_tokens
 
-from disagg.engine import ColocatedEngine
+from disagg.engine import ColocatedEngine, EngineOptions
 from disagg.sampling import SamplingParams
 
 PROMPTS = [[5, 9, 17, 3, 88, 41, 7, 200, 13, 66, 21],  # 11 tokens: split by an 8-token budget
@@ -31,10 +31,11 @@ def both_schedulings(request):
 
 
 def _engine(model, **kw) -> ColocatedEngine:
-    sizes = dict(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=8,
-                 async_scheduling=ASYNC["on"])
-    sizes.update(kw)
-    return ColocatedEngine(model, **sizes)
+    sizes = dict(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    switches = dict(async_scheduling=ASYNC["on"])
+    for name, value in kw.items():
+        (sizes if name in sizes else switches)[name] = value
+    return ColocatedEngine(model, **sizes, options=EngineOptions(**switches))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import random
 import pytest
 from engine_helpers import assert_all_free, reference_greedy
 
-from disagg.engine import ColocatedEngine
+from disagg.engine import ColocatedEngine, EngineOptions
 from disagg.sampling import SamplingParams
 
 
@@ -18,7 +18,8 @@ from disagg.sampling import SamplingParams
 def test_random_traffic(tiny_model, torch_reference, seed, async_scheduling):
     rng = random.Random(seed)
     engine = ColocatedEngine(tiny_model, num_pages=10, page_size=4, max_num_seqs=rng.choice([2, 3, 5]),
-                             max_num_batched_tokens=rng.choice([4, 7, 16]), async_scheduling=async_scheduling)
+                             max_num_batched_tokens=rng.choice([4, 7, 16]),
+                             options=EngineOptions(async_scheduling=async_scheduling))
     prompts, params, tokens, ended = {}, {}, {}, {}
     for step in range(80):
         action = rng.random()

@@ -14,7 +14,7 @@ import pytest
 from engine_helpers import assert_all_free, close_heaps, collective, reference_tokens
 from test_disagg import FakeClock
 
-from disagg.engine import DecodeEngine, PrefillEngine
+from disagg.engine import DecodeEngine, EngineOptions, PrefillEngine
 from disagg.engine.request import PushState
 from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id, open_heap
@@ -34,8 +34,8 @@ def make_engines(tiny_model, num_pages: int, async_scheduling: bool):
     sizes = dict(num_pages=num_pages, page_size=PAGE_SIZE, max_num_seqs=4)
     prefill, decode = collective([
         lambda: PrefillEngine(tiny_model, heaps[0], max_num_batched_tokens=6, **sizes),
-        lambda: DecodeEngine(tiny_model, heaps[1], lease_s=5.0, clock=FakeClock(), max_num_batched_tokens=6,
-                             async_scheduling=async_scheduling, **sizes)])
+        lambda: DecodeEngine(tiny_model, heaps[1], max_num_batched_tokens=6, **sizes, options=EngineOptions(
+            lease_s=5.0, clock=FakeClock(), async_scheduling=async_scheduling))])
     return uid, heaps, prefill, decode
 
 
@@ -148,7 +148,7 @@ def test_the_scheduler_settings_reach_a_prefill_engine_that_keeps_requests(tiny_
     """`scheduler.async_scheduling` (and `async_prompts`) reach every role `make_engine` builds: a
     prefill instance decodes the requests the adaptive router keeps there, and launched its
     decode steps ahead whatever the setting said."""
-    from disagg.cluster.engines import make_engine
+    from disagg.cluster.launch.engines import make_engine
     from disagg.config import Config
 
     config = Config.from_yaml(CONFIGS / "tiny-1p1d.yaml").override({

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from engine_helpers import assert_all_free, collective, reference_greedy
 
-from disagg.engine import DecodeEngine, PrefillEngine
+from disagg.engine import DecodeEngine, EngineOptions, PrefillEngine
 from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id, open_heap
 from disagg.transfer.shm_heap import shm_leftovers
@@ -30,7 +30,8 @@ def pair(tiny_model, torch_reference):
         sizes = dict(num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_num_seqs=4)
         return collective([
             lambda: PrefillEngine(tiny_model, heaps[0], max_num_batched_tokens=32, **sizes),
-            lambda: DecodeEngine(tiny_model, heaps[1], async_scheduling=async_scheduling, **sizes)])
+            lambda: DecodeEngine(tiny_model, heaps[1], **sizes,
+                                      options=EngineOptions(async_scheduling=async_scheduling))])
 
     yield make
     for uid, heaps in opened:

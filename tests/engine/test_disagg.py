@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from engine_helpers import FakeClock, assert_all_free, close_heaps, collective, reference_tokens
 
-from disagg.engine import DecodeEngine, PrefillEngine
+from disagg.engine import DecodeEngine, EngineOptions, PrefillEngine
 from disagg.errors import OutOfPages
 from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id, open_heap
@@ -31,9 +31,10 @@ def engines(tiny_model, torch_reference, request):
     clock = FakeClock()
     sizes = dict(num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_num_seqs=4)
     prefill, decode = collective([
-        lambda: PrefillEngine(tiny_model, heaps[0], max_num_batched_tokens=5, push_after=push_after, **sizes),
-        lambda: DecodeEngine(tiny_model, heaps[1], lease_s=5.0, clock=clock, async_scheduling=async_scheduling,
-                             **sizes)])
+        lambda: PrefillEngine(tiny_model, heaps[0], max_num_batched_tokens=5, **sizes,
+                              options=EngineOptions(use_cuda_graphs=False, push_after=push_after)),
+        lambda: DecodeEngine(tiny_model, heaps[1], **sizes, options=EngineOptions(
+            lease_s=5.0, clock=clock, async_scheduling=async_scheduling))])
     yield prefill, decode, clock
     close_heaps(uid, heaps)
 

@@ -10,7 +10,7 @@ import random
 import pytest
 from engine_helpers import assert_all_free, collective, reference_greedy
 
-from disagg.engine import DecodeEngine, PrefillEngine
+from disagg.engine import DecodeEngine, EngineOptions, PrefillEngine
 from disagg.errors import OutOfPages
 from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id, open_heap
@@ -48,8 +48,8 @@ def test_random_traffic(tiny_model, torch_reference, seed, async_scheduling):
     sizes = dict(num_pages=16, page_size=4, max_num_seqs=3)
     prefill, decode = collective([
         lambda: PrefillEngine(tiny_model, heaps[0], max_num_batched_tokens=6, **sizes),
-        lambda: DecodeEngine(tiny_model, heaps[1], lease_s=3.0, clock=clock,
-                             async_scheduling=async_scheduling, **sizes)])
+        lambda: DecodeEngine(tiny_model, heaps[1], **sizes, options=EngineOptions(
+            lease_s=3.0, clock=clock, async_scheduling=async_scheduling))])
     prompts, params, tokens, ended, cut = {}, {}, {}, {}, set()
     try:
         for step in range(120):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from engine_helpers import assert_all_free, close_heaps, collective, reference_greedy
 
-from disagg.engine import DecodeEngine, PrefillEngine, PushState
+from disagg.engine import DecodeEngine, EngineOptions, PrefillEngine, PushState
 from disagg.errors import OutOfPages
 from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id, open_heap
@@ -48,7 +48,8 @@ def engines(tiny_model, torch_reference):
     sizes = dict(num_pages=NUM_PAGES, page_size=PAGE_SIZE, max_num_seqs=4)
     prefill, decode = collective([
         lambda: PrefillEngine(tiny_model, heaps[0], max_num_batched_tokens=5, **sizes),
-        lambda: DecodeEngine(tiny_model, heaps[1], lease_s=60.0, clock=FrozenClock(), **sizes)])
+        lambda: DecodeEngine(tiny_model, heaps[1], **sizes,
+                             options=EngineOptions(lease_s=60.0, clock=FrozenClock()))])
     yield prefill, decode
     close_heaps(uid, heaps)
 

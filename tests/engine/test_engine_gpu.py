@@ -27,11 +27,12 @@ GPU_ENV = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM
 
 def _colocated_tokens(model, use_cuda_graphs: bool, max_num_seqs: int = 8,
                       async_scheduling: bool = False, mixed_graphs: bool | None = False) -> tuple[dict, dict]:
-    from disagg.engine import ColocatedEngine
+    from disagg.engine import ColocatedEngine, EngineOptions
 
     engine = ColocatedEngine(model, num_pages=256, page_size=16, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=128, use_cuda_graphs=use_cuda_graphs,
-                             async_scheduling=async_scheduling, mixed_graphs=mixed_graphs)
+                             max_num_batched_tokens=128, options=EngineOptions(
+                                 use_cuda_graphs=use_cuda_graphs, async_scheduling=async_scheduling,
+                                 mixed_graphs=mixed_graphs))
     if use_cuda_graphs:
         seconds = engine.warmup(max_kv_len=512)
         assert seconds["graphs"] > 0 and engine.runner.graphs.capture_seconds > 0
@@ -85,15 +86,15 @@ def _prefix_waves(model, prefix_caching: bool, use_cuda_graphs: bool,
                   mixed_graphs: bool | None = False) -> tuple[list[dict], dict]:
     """Two waves of prompts sharing a 40-token system prompt (hits on a page boundary, mid page, the
     whole prompt), on 24 pages of 16 so that the second wave evicts part of the first's cache."""
-    from disagg.engine import ColocatedEngine
+    from disagg.engine import ColocatedEngine, EngineOptions
 
     system = [(13 * j) % 200 + 7 for j in range(40)]
     waves = [{f"w{w}q{i}": system[: 16 * (1 + i % 3) + (i % 2) * 5] + [100 * w + i + 1] * (2 + i) for i in range(6)}
              for w in range(2)]
     waves[1]["again"] = waves[0]["w0q1"]
     engine = ColocatedEngine(model, num_pages=24, page_size=16, max_num_seqs=4, max_num_batched_tokens=64,
-                             use_cuda_graphs=use_cuda_graphs, async_scheduling=True, prefix_caching=prefix_caching,
-                             mixed_graphs=mixed_graphs)
+                             options=EngineOptions(use_cuda_graphs=use_cuda_graphs, async_scheduling=True,
+                                                   prefix_caching=prefix_caching, mixed_graphs=mixed_graphs))
     if use_cuda_graphs:
         engine.warmup(max_kv_len=256)
     out = []
@@ -169,7 +170,7 @@ def test_no_kernel_compiles_after_warmup(shape):
 
     import torch
 
-    from disagg.engine import ColocatedEngine
+    from disagg.engine import ColocatedEngine, EngineOptions
     from disagg.kernels import append, copy, decode, fused, linear, prefill, rope_append
     from disagg.kernels.dispatch import compiled_variants
     from disagg.model import load_model
@@ -186,7 +187,8 @@ def test_no_kernel_compiles_after_warmup(shape):
                       device=cuda)
         max_num_seqs, waves = 64, [[3] * 40, [5] * 21]
     engine = ColocatedEngine(model, num_pages=1024, page_size=16, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=512, use_cuda_graphs=True)  # whole mixed graphs too
+                             max_num_batched_tokens=512,
+                             options=EngineOptions(use_cuda_graphs=True))  # whole mixed graphs too
     engine.warmup(max_kv_len=1024)
     used = [prefill.paged_prefill_kernel, decode.paged_decode_kernel, rope_append.rope_append_kernel,
             fused.add_rms_norm_kernel, fused.silu_mul_kernel]
@@ -235,7 +237,7 @@ def test_async_scheduling_equals_sync_with_cuda_graphs():
     give the tokens of the synchronous engine, and every page comes back."""
     import torch
 
-    from disagg.engine import DecodeEngine
+    from disagg.engine import DecodeEngine, EngineOptions
     from disagg.model import load_model
 
     model = load_model(SOURCE, dtype=torch.float32, device="cuda")
@@ -246,7 +248,7 @@ def test_async_scheduling_equals_sync_with_cuda_graphs():
     def tokens(async_scheduling: bool) -> tuple[dict, dict]:
         heap = _OnePEHeap(model.device)
         engine = DecodeEngine(model, heap, num_pages=256, page_size=16, max_num_seqs=8,
-                              async_scheduling=async_scheduling)
+                              options=EngineOptions(async_scheduling=async_scheduling))
         engine.warmup(max_kv_len=512)
         out = {}
         for i, (rid, p) in enumerate(params.items()):
@@ -312,12 +314,12 @@ def test_async_chunked_prompts_report_each_forwards_own_gpu_span():
 
     import torch
 
-    from disagg.engine import ColocatedEngine
+    from disagg.engine import ColocatedEngine, EngineOptions
     from disagg.model import load_model
 
     model = load_model(SOURCE, dtype=torch.float32, device="cuda")
     engine = ColocatedEngine(model, num_pages=1024, page_size=16, max_num_seqs=4, max_num_batched_tokens=1024,
-                             async_scheduling=True)
+                             options=EngineOptions(async_scheduling=True))
     engine.warmup(prompt_len=1024, max_kv_len=8192)
     assert engine.timer.enabled
     launched = engine.runner.num_forwards

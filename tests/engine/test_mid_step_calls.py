@@ -11,8 +11,8 @@ import pytest
 from engine_helpers import assert_all_free, close_heaps, collective
 from test_disagg import FakeClock
 
-from disagg.cluster.step_loop import StepLoop
-from disagg.engine import DecodeEngine, PrefillEngine
+from disagg.cluster.launch.step_loop import StepLoop
+from disagg.engine import DecodeEngine, EngineOptions, PrefillEngine
 from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id, open_heap
 
@@ -26,8 +26,8 @@ def decode_loop(tiny_model, torch_reference):
                                               num_signals=16, timeout_s=10.0) for r in range(2)])
     sizes = dict(num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
     prefill, decode = collective([lambda: PrefillEngine(tiny_model, heaps[0], **sizes),
-                                  lambda: DecodeEngine(tiny_model, heaps[1], lease_s=30.0, clock=FakeClock(),
-                                                       **sizes)])
+                                  lambda: DecodeEngine(tiny_model, heaps[1], **sizes, options=EngineOptions(
+                                      lease_s=30.0, clock=FakeClock()))])
     loop = StepLoop("decode-0")
     yield loop, decode
     loop.stop()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from engine_helpers import assert_all_free, drain, torch_kernels
 
-from disagg.engine import ColocatedEngine
+from disagg.engine import ColocatedEngine, EngineOptions
 from disagg.sampling import SamplingParams
 
 P = 4
@@ -20,7 +20,8 @@ A = [5, 9, 17, 3, 88, 41, 7, 200, 13, 66, 21, 8, 30, 31]  # 14 tokens: 3 full pa
 def engine(tiny_model, prefix_caching: bool, num_pages: int = 32, max_num_seqs: int = 4,
            budget: int = 64) -> ColocatedEngine:
     return ColocatedEngine(tiny_model, num_pages=num_pages, page_size=P, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=budget, use_cuda_graphs=False, prefix_caching=prefix_caching)
+                           max_num_batched_tokens=budget,
+                           options=EngineOptions(use_cuda_graphs=False, prefix_caching=prefix_caching))
 
 
 def uncached(tiny_model, prompts: dict, params=GREEDY) -> dict:

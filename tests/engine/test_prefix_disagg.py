@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from engine_helpers import FakeClock, assert_all_free, close_heaps, collective, reference_tokens
 
-from disagg.engine import DecodeEngine, PrefillEngine
+from disagg.engine import DecodeEngine, EngineOptions, PrefillEngine
 from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id, open_heap
 
@@ -33,9 +33,9 @@ def engines(tiny_model, torch_reference, request):
     clock = FakeClock()
     sizes = dict(num_pages=24, page_size=P, max_num_seqs=4)
     prefill, decode = collective([
-        lambda: PrefillEngine(tiny_model, heaps[0], max_num_batched_tokens=6, prefix_caching=prefix_caching,
-                              push_after=push_after, **sizes),
-        lambda: DecodeEngine(tiny_model, heaps[1], lease_s=5.0, clock=clock, **sizes)])
+        lambda: PrefillEngine(tiny_model, heaps[0], max_num_batched_tokens=6, **sizes, options=EngineOptions(
+            use_cuda_graphs=False, prefix_caching=prefix_caching, push_after=push_after)),
+        lambda: DecodeEngine(tiny_model, heaps[1], **sizes, options=EngineOptions(lease_s=5.0, clock=clock))])
     yield prefill, decode, clock
     close_heaps(uid, heaps)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from engine_helpers import assert_all_free, collective, drain
 
-from disagg.engine import ColocatedEngine, DecodeEngine, PrefillEngine
+from disagg.engine import ColocatedEngine, DecodeEngine, EngineOptions, PrefillEngine
 from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id, open_heap
 from disagg.transfer.shm_heap import shm_leftovers
@@ -107,7 +107,8 @@ def test_prefix_cache_hits_give_the_uncached_tokens(smollm2, torch_reference):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
 
     def serve(prefix_caching: bool, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
-        engine = ColocatedEngine(model, max_num_batched_tokens=64, prefix_caching=prefix_caching, **SIZES)
+        engine = ColocatedEngine(model, max_num_batched_tokens=64, **SIZES,
+                                 options=EngineOptions(prefix_caching=prefix_caching))
         out = []
         for i, prompt in enumerate(prompts):
             engine.add(i, prompt, params)

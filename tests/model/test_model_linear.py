@@ -172,7 +172,7 @@ def test_small_batch_graphs_take_skinny_gemms_and_pdl(monkeypatch):
     """Capturing the decode graphs (bf16, llama3-8b shape, 1 layer): buckets of <= 16 sequences run
     every projection through the skinny kernel and the layer kernels under PDL; larger buckets
     keep cuBLAS(Lt) for the layer weights and plain launches."""
-    from disagg.engine import ColocatedEngine
+    from disagg.engine import ColocatedEngine, EngineOptions
     from disagg.engine.graphs import SMALL_BATCH_MAX_ROWS
     from disagg.kernels import dispatch
 
@@ -197,7 +197,7 @@ def test_small_batch_graphs_take_skinny_gemms_and_pdl(monkeypatch):
     monkeypatch.setattr(skinny, "linear", counted_linear)
     monkeypatch.setattr(dispatch, "layer_pdl", counted_pdl)
     engine = ColocatedEngine(model, num_pages=256, page_size=16, max_num_seqs=64,
-                             max_num_batched_tokens=256, use_cuda_graphs=True)
+                             max_num_batched_tokens=256, options=EngineOptions(use_cuda_graphs=True))
     engine.runner.capture_graphs(None, 256)
     assert seen["skinny"] == {b for b in (1, 2, 4, 8, 16) if b <= SMALL_BATCH_MAX_ROWS}
     assert seen["pdl"] == {True}
