@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: venv
-	$(PY) -m disagg.cluster.demo
+	$(PY) -m disagg.cluster.cli.demo
 
 # Two pytest workers (pytest-xdist), each test module whole on one worker so that its Ray and
 # its fleets start once: the suite's fleets wait on their actors much of the time, so two

@@ -18,11 +18,11 @@ import json
 import random
 import time
 
-from disagg.cluster.bootstrap import Instance
-from disagg.cluster.ledger import Ledger
+from disagg.cluster.launch.bootstrap import Instance
 from disagg.cluster.outputs import RequestMetrics
-from disagg.cluster.placement import FleetModel
-from disagg.cluster.requests import Picker, Request
+from disagg.cluster.routing.ledger import Ledger
+from disagg.cluster.routing.placement import FleetModel
+from disagg.cluster.routing.requests import Picker, Request
 from disagg.sampling import SamplingParams
 
 

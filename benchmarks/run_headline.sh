@@ -42,7 +42,7 @@ else
 fi
 nvidia-smi -L || true
 status=0
-timeout 560 python3 -m disagg.cluster.cli bench "$CONFIG" "${args[@]}" \
+timeout 560 python3 -m disagg.cluster.cli.app bench "$CONFIG" "${args[@]}" \
   --result-dir "results/$W/$label" 2>&1 | tee "$OUT/$W-$label.log" | grep -v '^\s*$' | tail -60 || status=$?
 tar czf "$OUT/$W-$label.tgz" "results/$W/$label" "$OUT/$W-$label.log"
 echo "headline $W $label: rc $status; $OUT/$W-$label.tgz"

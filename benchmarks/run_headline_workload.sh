@@ -62,7 +62,7 @@ else
 fi
 run() {  # LABEL CONFIG [bench flags]
   local label=$1; shift
-  timeout "${PER_RUN_TIMEOUT:-170}" "$PY" -m disagg.cluster.cli "${tool[@]}" "$@" "${common[@]}" --label "$label" \
+  timeout "${PER_RUN_TIMEOUT:-170}" "$PY" -m disagg.cluster.cli.app "${tool[@]}" "$@" "${common[@]}" --label "$label" \
     --result-dir "results/$W/$label" > "$OUT/$W-$label.log" 2>&1 || echo "$label: rc $?"
   grep -E "SLOs|Request goodput|Median TTFT|Mean TPOT" "$OUT/$W-$label.log" | head -8 || true
   # each deployment's results reach $OUT as soon as it ends (a command stopped by a time limit
@@ -105,7 +105,7 @@ elif [ -n "${STEP_PROFILE:-}" ]; then
   pconf="configs/$MODEL-1gpu-colocated.yaml"
   [ -f "$pconf" ] || pconf="configs/$MODEL-colocated.yaml"
   grid=(); [ "$MODEL" = tiny ] && grid=(--small-grid)
-  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout "${PER_RUN_TIMEOUT:-170}" "$PY" -m disagg.cluster.cli \
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout "${PER_RUN_TIMEOUT:-170}" "$PY" -m disagg.cluster.cli.app \
     profile "$pconf" "${grid[@]}" --out "$OUT/$W-profile.json" > "$OUT/$W-profile.log" 2>&1 \
     && adaptive+=(--set "router.step_profile=$OUT/$W-profile.json") || echo "profile: rc $? (the prior seeds the routers)"
   tail -5 "$OUT/$W-profile.log"
@@ -125,7 +125,7 @@ for chunk in ${CHUNK//,/ }; do  # CHUNK=8192,512: colocated at each chunk size (
     --set "scheduler.max_num_batched_tokens=$chunk" "${all_set[@]}" "${judge[@]}"
   merged+=(--from-results "results/$W/colocated-$chunk")
 done
-"$PY" -m disagg.cluster.cli bench "${merged[@]}" --slo-scales 1,2 \
+"$PY" -m disagg.cluster.cli.app bench "${merged[@]}" --slo-scales 1,2 \
   --result-dir "results/$W/merged" > "$OUT/$W-merged.log" 2>&1 || echo "merge: rc $?"
 grep -v '^\s*$' "$OUT/$W-merged.log" | tail -40
 # Small enough to copy back from a remote GPU host: every run's summary and the logs; the raw

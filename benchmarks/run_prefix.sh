@@ -11,7 +11,7 @@ NUM=${NUM:-128}
 NUM_1P1D=${NUM_1P1D:-48}
 RATE_1P1D=${RATE_1P1D:-4}
 T=${PER_RUN_TIMEOUT:-240}
-bench() { timeout "$T" python3 -m disagg.cluster.cli bench "$@"; }
+bench() { timeout "$T" python3 -m disagg.cluster.cli.app bench "$@"; }
 for on in true false; do
   bench configs/llama3-8b-1gpu-colocated.yaml --no-compare --dataset-name shared-prefix \
     --num-prompts "$NUM" --request-rate "$RATES" --set cache.prefix_caching=$on \

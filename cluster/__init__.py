@@ -5,13 +5,14 @@
     cluster.generate(prompts, params)       blocking, -> list[`Completion`]
     cluster.abort(id); cluster.stats(); cluster.shutdown()
 
-Where things happen: `bootstrap` (placement, weights, heap, preflight: `preflight`), `actors` (one
-per instance; its engine runs on a `step_loop` thread; engines built by `engines`), `router`
-(request entry, page reservation, streaming, leases, failures; each request's life in `flow`, its
-state in `requests`; where each request goes: `placement`, its policies, rules and `Placer`, with
-`affinity`), `cluster` (the caller's handle), `cli` (the `disagg` command), `demo` (`make demo`).
-Only this package imports ray, and only where it launches or routes: `Cluster` is imported on first
-use, so the placement and the simulator (`simulate`) run without it.
+Where things happen, by folder: `launch/` starts a fleet (`connect`, `preflight`, `bootstrap`,
+`actors` with their engines (`engines`) on a `step_loop` thread, `instance`); `routing/` takes
+each request (`router`; its life in `flow`, its state in `requests`, loads in `ledger`; where it
+goes: `placement`, its policies, rules and `Placer`, with `affinity`); `cli/` is the `disagg`
+command and `make demo` (`cli.demo`); `serve/`, `bench/` and `simulate/` (the simulator, `profile`,
+the step-time model, `plan`) have their verbs. Here: `cluster` (the caller's handle), `outputs`
+and `messages`. Only this package imports ray, and only where it launches or routes: `Cluster` is
+imported on first use, so the placement and the simulator run without it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`Cluster`: the handle a caller (CLI, HTTP server, benchmark, test) holds on a running fleet.
 
-`Cluster.launch(config)` starts the fleet (`disagg.cluster.bootstrap`) and the router on its own
+`Cluster.launch(config)` starts the fleet (`disagg.cluster.launch.bootstrap`) and the router on its own
 thread and event loop. `stream` is an async generator usable from any event loop or thread: the
 request is submitted to the router's loop with `call_soon_threadsafe`, as aborts are, so an
 abort sent after a submit reaches the router after it; its deltas come back to the caller's
@@ -24,10 +24,10 @@ from typing import Any, AsyncIterator, Sequence, Union
 
 import ray
 
-from disagg.cluster.bootstrap import Fleet, Instance, start_fleet
+from disagg.cluster.launch.bootstrap import Fleet, Instance, start_fleet
 from disagg.cluster.outputs import Completion, RequestMetrics, StreamDelta
-from disagg.cluster.placement.placer import seed_fit
-from disagg.cluster.router import Router
+from disagg.cluster.routing.placement.placer import seed_fit
+from disagg.cluster.routing.router import Router
 from disagg.config import Config
 from disagg.errors import ClusterError, NoLiveInstance, PreflightError
 
@@ -298,7 +298,7 @@ class Cluster:
             raise TimeoutError(f"reset_prefix_cache: no answer within {timeout_s:g} s from {', '.join(late)}")
         freed = {inst.name: int(n) for inst, n in zip(live, ray.get(refs))}
 
-        def forget() -> None:  # the router's belief of what each instance holds (cluster/affinity.py)
+        def forget() -> None:  # the router's belief of what each instance holds (cluster/routing/affinity.py)
             affinity = self._router.placer.affinity
             for name in freed if affinity is not None else ():
                 affinity.forget(name)

@@ -3,7 +3,7 @@
 Engine -> router, once per `next_outputs` call (`InstanceActor.next_outputs`): an `OutputBatch` of
 `OutputRow`s (one per token or ending), the engine's fatal error if it failed, the `StepSample`s
 of the steps run since the last batch (the router's step-time model learns from them,
-`disagg.cluster.placement`) and the instance's `InstanceLoad` after its last step. Router ->
+`disagg.cluster.routing.placement`) and the instance's `InstanceLoad` after its last step. Router ->
 decode engine: `RecvDest` (where a prompt's KV goes) and `PushState` (a prefill abort's answer)
 and `InstanceLoad` are the engine's own types, re-exported here. Rows and samples are tuples on the wire (they
 pickle far smaller than objects); the names make them readable at both ends.

@@ -167,7 +167,7 @@ def router_ledgers_checked():
     (`RequestFlow.check`): a move the request flow missed fails the test that made it
     (`ledger_clean`). A mismatch is recorded, not raised: raised, it would end the router's
     dispatcher, and the test would hang rather than fail."""
-    from disagg.cluster.router import Router
+    from disagg.cluster.routing.router import Router
 
     place, place_colocated, end = Router._place, Router._place_colocated, Router._end
 

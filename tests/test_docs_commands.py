@@ -165,7 +165,7 @@ def _first_word(text: str) -> str:
 def _cli():
     import typer
 
-    from disagg.cluster.cli import app
+    from disagg.cluster.cli.app import app
     return typer.main.get_command(app)
 
 
@@ -329,7 +329,7 @@ def test_python_snippets_compile(doc):
 def test_every_verb_named_answers_help():
     from typer.testing import CliRunner
 
-    from disagg.cluster.cli import app
+    from disagg.cluster.cli.app import app
     texts = [doc.read_text() for doc in DOCS]
     named = {words[1] for text in texts for _, line in doc_commands(text) + inline_commands(text)
              for words in _safe_split(line) if Path(words[0]).name == "disagg" and len(words) > 1}
@@ -348,7 +348,7 @@ def test_extraction_and_checks():
         ```bash
         DISAGG_TRACE_DIR=x disagg bench configs/tiny-1p1d.yaml --num-prompts 4 \\
           --no-compare   # CPU
-        make test && python -m disagg.cluster.demo
+        make test && python -m disagg.cluster.cli.demo
         ```
 
         ```console
@@ -368,7 +368,7 @@ def test_extraction_and_checks():
         """)
     assert doc_commands(markdown) == [
         (4, "DISAGG_TRACE_DIR=x disagg bench configs/tiny-1p1d.yaml --num-prompts 4  --no-compare   # CPU"),
-        (6, "make test && python -m disagg.cluster.demo"),
+        (6, "make test && python -m disagg.cluster.cli.demo"),
         (10, "disagg check configs/tiny-1p1d.yaml"),
         (18, "disagg plan --profile p.json --gpus 8 --out best.yaml")]
     assert all(not check_command(text) for _, text in doc_commands(markdown))

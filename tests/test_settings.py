@@ -69,10 +69,10 @@ def test_a_bad_variable_is_refused_naming_it_the_values_and_the_switch(variable,
 
 
 def test_yaml_section_reaches_the_model_an_actor_builds(tmp_path: Path):
-    """`disagg.cluster.engines.load` (what every instance actor runs) builds the model with the
+    """`disagg.cluster.launch.engines.load` (what every instance actor runs) builds the model with the
     config's section as given, dummy presets cut to fewer layers included; the section survives
     the dict the actors receive."""
-    from disagg.cluster.engines import load
+    from disagg.cluster.launch.engines import load
 
     config = Config.from_yaml(with_kernels(tmp_path, "  linear: cublas\n  layer_pdl: true\n"
                                                      "  rope_append: false\n"))

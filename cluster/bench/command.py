@@ -1,4 +1,4 @@
-"""`disagg bench`: the typer command (registered by disagg.cluster.cli as `bench`, class `BenchCommand`).
+"""`disagg bench`: the typer command (registered by disagg.cluster.cli.app as `bench`, class `BenchCommand`).
 
 `vllm bench serve`'s options are taken under their names and in their form (`--goodput ttft:500
 tpot:50`, `--metadata k=v k2=v2`, `--host`/`--port`, OPENAI_API_KEY); those with no meaning here
@@ -24,9 +24,10 @@ from typing import Annotated, Any, Optional
 import typer
 
 from disagg.cluster.bench import flags
-from disagg.cluster.cli_common import (BurstinessOpt, InputLenOpt, MaxConcurrencyOpt, MetricPercentilesOpt, MinPromptsOpt,
-                                       NumPromptsOpt, OutputLenOpt, RandomInputLenOpt, RandomOutputLenOpt, RangeRatioOpt,
-                                       RequestRateOpt, ResultFilenameOpt, RunSecondsOpt, SeedOpt)
+from disagg.cluster.cli.common import (BurstinessOpt, InputLenOpt, MaxConcurrencyOpt, MetricPercentilesOpt,
+                                       MinPromptsOpt, NumPromptsOpt, OutputLenOpt, RandomInputLenOpt,
+                                       RandomOutputLenOpt, RangeRatioOpt, RequestRateOpt, ResultFilenameOpt,
+                                       RunSecondsOpt, SeedOpt)
 from disagg.cluster.bench.workloads import DATASETS
 from disagg.cluster.serve.vllm_options import BENCH_IGNORED, BENCH_REFUSED, add_vllm_options, greedy_command
 

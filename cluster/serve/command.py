@@ -3,7 +3,7 @@
 `serve_config(config)` binds the HTTP port first (so /health answers 503 while the fleet
 launches and runs its preflight), launches the cluster, attaches it to the app (/health turns
 200), and serves until SIGINT/SIGTERM, then shuts the cluster down. `serve_command` is its typer
-front (registered in `disagg.cluster.cli`), taking `vllm serve`'s option names where they mean
+front (registered in `disagg.cluster.cli.app`), taking `vllm serve`'s option names where they mean
 something here (vllm_options.py); `disagg launch` calls `serve_config` when the YAML has a `serve`
 section. Runs in the launching process (the router's process).
 
@@ -116,7 +116,7 @@ def serve_command(
     --served-model-name, --max-model-len, ... override the YAML; its options with no counterpart
     here are refused with what to use instead. Exit status 1 when the port cannot be bound or the
     fleet fails to launch, 2 for an invalid YAML or option."""
-    from disagg.cluster.cli import load_config  # the CLI imports this module: import it late
+    from disagg.cluster.cli.app import load_config  # the CLI imports this module: import it late
 
     deployment = load_config(config, set_)
     try:

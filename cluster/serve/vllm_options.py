@@ -27,7 +27,7 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 from typer.core import TyperCommand
 
-from disagg.cluster.cli_common import ReadableCommand
+from disagg.cluster.cli.common import ReadableCommand
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The typer commands `disagg profile`, `disagg simulate` and `disagg plan` (registered by
-`disagg.cluster.cli`).
+`disagg.cluster.cli.app`).
 
     disagg profile CONFIG --out profile.json [--small-grid]
     disagg profile --refit old.json --out profile.json      (the current model fitted to its samples)
@@ -20,7 +20,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from disagg.cluster.cli_common import (EXIT_RUNTIME, EXIT_USAGE, BurstinessOpt, ConfigArg, InputLenOpt, LogLevelOpt,
+from disagg.cluster.cli.common import (EXIT_RUNTIME, EXIT_USAGE, BurstinessOpt, ConfigArg, InputLenOpt, LogLevelOpt,
                                        MaxConcurrencyOpt, MetricPercentilesOpt, MinPromptsOpt, NumPromptsOpt,
                                        OutputLenOpt, RandomInputLenOpt, RandomOutputLenOpt, RangeRatioOpt,
                                        RequestRateOpt, ResultFilenameOpt, RunSecondsOpt, SeedOpt, SetOpt, VerboseOpt,
@@ -64,8 +64,8 @@ def profile_command(
     mixed steps; fit the router's step-time model; write the samples, the fit and its error per
     region to --out. With --refit PROFILE: refit that profile's samples instead, with
     --served-steps TRACE_DIR also the steps a serving fleet ran."""
-    from disagg.cluster.profile import (SMALL_GRID, Grid, refit_profile, run_profile, save_profile, served_samples,
-                                        summary_lines)
+    from disagg.cluster.simulate.profile import (SMALL_GRID, Grid, refit_profile, run_profile, save_profile,
+                                                 served_samples, summary_lines)
     from disagg.errors import DisaggError
 
     setup_logging(log_level, verbose)
@@ -99,7 +99,7 @@ def profile_command(
 
 def read_profile(path: Path, warn_older: bool = True) -> dict:
     """The profile at ``path``; exit 2 naming the problem when it is not one."""
-    from disagg.cluster.profile import load_profile
+    from disagg.cluster.simulate.profile import load_profile
 
     try:
         return load_profile(path, warn_older)

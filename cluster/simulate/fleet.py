@@ -14,7 +14,7 @@ Discrete events, in time order (ties in the order they were made, so a run is de
 
 After each event every touched instance that is idle and has work launches its next forward
 (`SimEngine.begin_step`), which ends ``StepTimeModel.step_s(shape)`` later. A request's life is the
-router's own: the same `RequestFlow` (`disagg.cluster.flow`) moves the same `Request` records
+router's own: the same `RequestFlow` (`disagg.cluster.routing.flow`) moves the same `Request` records
 through the same `Placer` (the `Picker`'s order, the prefill queue bound, `router.placement` local
 or adaptive through `placement.decide` over `FleetModel.view`s whose models are the profile's fit)
 and keeps the same `Ledger`; `_act` carries its actions out as calls on the simulated instances
@@ -40,14 +40,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.cluster.affinity import prefix_affinity
-from disagg.cluster.flow import Add, End, Hand, RequestFlow, Requeue, Reserve, Start
-from disagg.cluster.instance import Instance
+from disagg.cluster.launch.instance import Instance
 from disagg.cluster.outputs import RequestMetrics
-from disagg.cluster.placement.placer import Placer, Wait
-from disagg.cluster.requests import Picker, Request
+from disagg.cluster.routing.affinity import prefix_affinity
+from disagg.cluster.routing.flow import Add, End, Hand, RequestFlow, Requeue, Reserve, Start
+from disagg.cluster.routing.placement.placer import Placer, Wait
+from disagg.cluster.routing.requests import Picker, Request
 from disagg.cluster.simulate.instance import SimEngine
-from disagg.cluster.step_model import StepTimeModel
+from disagg.cluster.simulate.step_model import StepTimeModel
 from disagg.config import Config
 from disagg.engine.request import pages_for
 from disagg.sampling import SamplingParams

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 from disagg.cache import PagedKVCache
-from disagg.cluster.step_model import StepTimeModel
+from disagg.cluster.simulate.step_model import StepTimeModel
 from disagg.engine.request import Request, RequestFactory, pages_for
 from disagg.engine.scheduler import ScheduledBatch, Scheduler
 from disagg.engine.steps import InstanceLoad, StepShape
@@ -129,8 +129,7 @@ class SimEngine:
         self.cache.add_sequence(req.seq_id, prefix=match)
         self.cache.disagg_prepare_recv(req.seq_id, prompt_len - hit)
         self.cache.end_forward()
-        req.num_computed, req.in_cache, req.num_cached_tokens = prompt_len, True, hit
-        req.received, req.committed_pages = True, total
+        req.receive(prompt_len, hit, committed_pages=total, prompt_known=True)
         self.scheduler.commit(req)
         return SimDest(hit)
 
@@ -171,7 +170,7 @@ class SimEngine:
         if batch is None:
             while self.ready and len(self.scheduler.running) < self.max_num_seqs:  # the engine's _admit_ready
                 req = self.ready.pop(0)
-                req.decoding = True
+                req.start_decoding()
                 self.scheduler.running.append(req)
             batch = self.scheduler.schedule()
         if not batch:
@@ -312,5 +311,6 @@ def _pushed_tokens(req: Request, num_tokens: int) -> int:
     """
     begin = req.dest.num_cached_tokens
     start = begin if not req.sending else max(req.num_computed, begin)
-    req.sending = True
+    if not req.sending:
+        req.start_sending()
     return max(0, req.num_computed + num_tokens - start)

@@ -33,7 +33,7 @@ from typing import Any, Callable, Generator, Mapping, Sequence
 
 from disagg.cluster.bench.compare import TARGET_ATTAINMENT
 from disagg.cluster.bench.metrics import RequestOutput, meets_slos
-from disagg.cluster.placement import ADAPTIVE, DEFAULT_PLACEMENT, policy_of
+from disagg.cluster.routing.placement import ADAPTIVE, DEFAULT_PLACEMENT, policy_of
 from disagg.cluster.simulate.fleet import SimFleet, check_hops
 from disagg.cluster.simulate.run import simulate_run, workload_spec
 from disagg.config import Config, RouterSection

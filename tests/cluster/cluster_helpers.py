@@ -11,9 +11,10 @@ import threading
 import time
 from pathlib import Path
 
-from disagg.cluster import Cluster, bootstrap
-from disagg.cluster.actors import InstanceActor
-from disagg.cluster.placement import Decision, Prediction
+from disagg.cluster import Cluster
+from disagg.cluster.launch import bootstrap
+from disagg.cluster.launch.actors import InstanceActor
+from disagg.cluster.routing.placement import Decision, Prediction
 from disagg.config import Config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -5,7 +5,7 @@ them), `stall`/`unstall` (the step loop holds: no step, no call, as a slow insta
 `pause_steps`/`resume_steps` (calls run, steps do not, as an engine whose forward is still
 going); `PausableStepLoop` is its step loop. `with_own_environment` makes a subclass whose
 actors set variables in their own process environment first. The launcher starts the class that
-`disagg.cluster.bootstrap.ACTOR_CLASS` names (`cluster_helpers.launch_config` swaps it in). This
+`disagg.cluster.launch.bootstrap.ACTOR_CLASS` names (`cluster_helpers.launch_config` swaps it in). This
 folder is no installed package, so this module is pickled by value: the classes travel to the
 actors' processes with their code.
 """
@@ -20,8 +20,8 @@ from typing import Any
 
 from ray import cloudpickle
 
-from disagg.cluster.actors import InstanceActor
-from disagg.cluster.step_loop import StepLoop
+from disagg.cluster.launch.actors import InstanceActor
+from disagg.cluster.launch.step_loop import StepLoop
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

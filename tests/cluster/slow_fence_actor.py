@@ -2,7 +2,7 @@
 a prefill engine's pushes look in flight for ``FENCE_S`` seconds after an abort that finds some
 pushed (what a GPU's transfer streams may do; on the CPU every push completes inline).
 
-The engine is the production one (`disagg.cluster.engines`); once it is built (and warmed up),
+The engine is the production one (`disagg.cluster.launch.engines`); once it is built (and warmed up),
 its fence is swapped for a timed one. Pickled by value, as `hooked_actor` is.
 """
 

@@ -1,12 +1,12 @@
-"""The router's prefix affinity (cluster/affinity.py) and its use by the least-loaded picker."""
+"""The router's prefix affinity (cluster/routing/affinity.py) and its use by the least-loaded picker."""
 
 from __future__ import annotations
 
 import pytest
 
-from disagg.cluster.affinity import PrefixAffinity
-from disagg.cluster.bootstrap import Instance
-from disagg.cluster.requests import Picker
+from disagg.cluster.launch.bootstrap import Instance
+from disagg.cluster.routing.affinity import PrefixAffinity
+from disagg.cluster.routing.requests import Picker
 from disagg.prefix_index import page_keys
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from disagg.cluster.cli import app
+from disagg.cluster.cli.app import app
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 runner = CliRunner()
@@ -47,7 +47,7 @@ def test_top_level_help_gives_each_verb_one_whole_line(columns: str):
     start = next(i for i, line in enumerate(lines) if line.strip().rstrip(":") == "Commands") + 1
     listed = list(itertools.takewhile(str.strip, lines[start:]))
     assert [line.split()[0] for line in listed] == list(_verbs()), result.output
-    from disagg.cluster.cli import VERBS
+    from disagg.cluster.cli.app import VERBS
 
     assert list(VERBS) == list(_verbs())
     for line, (name, (summary, _)) in zip(listed, VERBS.items()):
@@ -68,7 +68,7 @@ def test_help_cuts_no_word_and_prints_every_example_whole(columns: str):
             missing = [w for w in (getattr(param, "help", None) or "").split() if w not in output.split()]
             assert not missing, (name, param.name, missing, output)
     assert any("--set scheduler.max_num_batched_tokens=2048" in line for line in helps["bench"].output.splitlines())
-    from disagg.cluster.cli import VERBS
+    from disagg.cluster.cli.app import VERBS
 
     for name, (_, examples) in VERBS.items():
         output = helps[name].output
@@ -80,7 +80,7 @@ def test_help_cuts_no_word_and_prints_every_example_whole(columns: str):
 def test_every_help_example_parses_with_its_verb():
     """The examples are commands a user copies: each one's verb takes its flags and values, and
     the configs it names exist."""
-    from disagg.cluster.cli import VERBS
+    from disagg.cluster.cli.app import VERBS
 
     verbs = _verbs()
     for name, (_, examples) in VERBS.items():
@@ -106,7 +106,7 @@ def test_bad_override_exits_2(tmp_path: Path):
 
 
 def test_check_names_a_missing_model_directory_without_starting_ray(tmp_path: Path, monkeypatch):
-    from disagg.cluster import bootstrap
+    from disagg.cluster.launch import bootstrap
 
     def connect(config):
         raise AssertionError("check connected to Ray before it looked at model.source")
@@ -136,7 +136,7 @@ def test_launch_prints_status_until_ctrl_c(tmp_path: Path):
     import time
 
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-c", "from disagg.cluster.cli import app; app()", "launch",
+    command = [sys.executable, "-c", "from disagg.cluster.cli.app import app; app()", "launch",
                str(CONFIGS / "tiny-colocated.yaml"), "--status-every-s", "0.5"]
     # SIG_DFL in the child: under a suite started in the background SIGINT arrives ignored.
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

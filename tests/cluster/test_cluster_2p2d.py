@@ -43,7 +43,7 @@ def test_xpyd_parity_and_both_sides_used(cluster):
 
 def test_a_shared_prefix_follows_its_instances(cluster):
     """The router sends requests sharing a 64-token system prompt to the prefill and decode
-    instances it sent the first one to (cluster/affinity.py), where their pages are cached: each
+    instances it sent the first one to (cluster/routing/affinity.py), where their pages are cached: each
     later one finds the four whole pages on both sides. Without the affinity the idle fleet's
     instances take turns and half the hits are lost."""
     import random

@@ -9,7 +9,7 @@ import pytest
 from cluster_helpers import CONFIGS, launch_config, wait_all_free
 from hooked_actor import with_own_environment
 
-from disagg.cluster.actors import InstanceActor
+from disagg.cluster.launch.actors import InstanceActor
 from disagg.config import Config
 from disagg.sampling import SamplingParams
 from disagg.settings import ENV_VARS

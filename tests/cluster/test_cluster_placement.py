@@ -134,7 +134,7 @@ def test_the_router_ledger_is_checked_and_a_missed_move_is_caught(cluster, monke
     """The router's `Ledger` is checked against the sums over its live requests at every
     placement and end (tests/conftest.py): the checks run, and a ledger that misses the tokens
     of the requests decoding fails them."""
-    from disagg.cluster.ledger import Ledger
+    from disagg.cluster.routing.ledger import Ledger
 
     checks = router_ledgers_checked
     before = checks.count
@@ -169,7 +169,7 @@ def test_the_watchdogs_audit_rebuilds_a_ledger_out_of_step(cluster, caplog):
         router._audit_ledger()
         return router.flow.audit()
 
-    with caplog.at_level("ERROR", logger="disagg.cluster.router"):
+    with caplog.at_level("ERROR", logger="disagg.cluster.routing.router"):
         assert on_loop(corrupt_and_audit) is None  # rebuilt: in step again
     assert cluster.router_stats()["ledger_rebuilds"] == before + 1
     assert "out of step with its live requests" in caplog.text and "tracked loads" in caplog.text

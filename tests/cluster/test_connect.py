@@ -1,4 +1,4 @@
-"""How the launching process reaches Ray (`disagg.cluster.connect`), on CPU.
+"""How the launching process reaches Ray (`disagg.cluster.launch.connect`), on CPU.
 
 An unreachable ``cluster.address`` fails within ``cluster.connect_timeout_s`` with one line naming
 it, in process and through `disagg check`; ``address: null`` starts an embedded head whatever
@@ -24,9 +24,10 @@ ray = pytest.importorskip("ray")
 
 from typer.testing import CliRunner  # noqa: E402
 
-from disagg.cluster import bootstrap, cli  # noqa: E402
-from disagg.cluster.cli_common import EXIT_RUNTIME  # noqa: E402
-from disagg.cluster.connect import MIN_RAY_VERSION, check_ray_version, connect, enable_token_auth  # noqa: E402
+from disagg.cluster.cli import app as cli  # noqa: E402
+from disagg.cluster.cli.common import EXIT_RUNTIME  # noqa: E402
+from disagg.cluster.launch import bootstrap  # noqa: E402
+from disagg.cluster.launch.connect import MIN_RAY_VERSION, check_ray_version, connect, enable_token_auth  # noqa: E402
 from disagg.config import Config  # noqa: E402
 from disagg.errors import ClusterError  # noqa: E402
 
@@ -119,7 +120,7 @@ def test_disagg_check_on_a_non_routable_address_exits_1_without_traceback():
     address = "10.255.255.1:6379"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run(
-        [sys.executable, "-m", "disagg.cluster.cli", "check", str(TINY), "--set", f"cluster.address={address}",
+        [sys.executable, "-m", "disagg.cluster.cli.app", "check", str(TINY), "--set", f"cluster.address={address}",
          "--set", "cluster.connect_timeout_s=1"], capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 1, done.stderr
     # Ray's C++ client may still log its retries ("[2026-... W ...] gcs_client.cc: ...") while the
@@ -134,7 +135,7 @@ def test_disagg_check_on_a_non_routable_address_exits_1_without_traceback():
 # ------------------------------------------------------------------ the embedded head
 def test_null_address_ignores_ray_address_and_binds_loopback(no_ray, caplog):
     no_ray.setenv("RAY_ADDRESS", "garbage-host:not-a-port")
-    with caplog.at_level(logging.WARNING, logger="disagg.cluster.connect"):
+    with caplog.at_level(logging.WARNING, logger="disagg.cluster.launch.connect"):
         # In this thread: Ray's head processes die with the thread that started them (PR_SET_PDEATHSIG).
         assert connect(tiny()) is True
     ignored = [r.getMessage() for r in caplog.records if "RAY_ADDRESS=garbage-host:not-a-port" in r.getMessage()]
@@ -170,7 +171,7 @@ def _listeners_of_this_head() -> list[tuple[str, int]]:
 def test_a_loopback_head_is_joined_by_its_address(no_ray, tmp_path: Path):
     """Another process's embedded head on 127.0.0.1: joined through the probe and the bounded ray.init."""
     script = ("import sys, ray\n"
-              "from disagg.cluster.connect import enable_token_auth, start_embedded_head\n"
+              "from disagg.cluster.launch.connect import enable_token_auth, start_embedded_head\n"
               "enable_token_auth()\n"
               "start_embedded_head('127.0.0.1', num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
               "print(ray.get_runtime_context().gcs_address, flush=True)\n"
@@ -204,7 +205,7 @@ def test_token_auth_is_turned_on_when_the_environment_names_no_mode(no_ray):
 
 def test_an_explicit_opt_out_is_kept_and_said(no_ray, caplog):
     no_ray.setenv("RAY_AUTH_MODE", "disabled")
-    with caplog.at_level(logging.WARNING, logger="disagg.cluster.connect"):
+    with caplog.at_level(logging.WARNING, logger="disagg.cluster.launch.connect"):
         enable_token_auth()
     assert os.environ["RAY_AUTH_MODE"] == "disabled"
     assert any("token authentication is off" in r.getMessage() for r in caplog.records)

@@ -14,7 +14,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 def test_demo_streams_compares_and_says_where_results_went(tmp_path: Path):
     out = tmp_path / "results"
     env = dict(os.environ, TRITON_INTERPRET="0")
-    result = subprocess.run([sys.executable, "-m", "disagg.cluster.demo", "--config",
+    result = subprocess.run([sys.executable, "-m", "disagg.cluster.cli.demo", "--config",
                              str(CONFIGS / "tiny-1p1d.yaml"), "--out", str(out)],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -42,7 +42,7 @@ def test_cpu_sweep_comes_from_the_machine():
     """SLOs by `--slo-calibrate`'s rule and rates 0.5, 1, 2 x what one request at a time sustains,
     from requests measured one at a time (so each side's limit falls inside the rates run), each
     run as long as the requests take one at a time (fewer of them at the lowest rate)."""
-    from disagg.cluster import demo
+    from disagg.cluster.cli import demo
 
     calibration = {"isolated_ttft_ms": 200.0, "isolated_tpot_ms": 80.0, "num_requests": 4,
                    "slos_ms": {"ttft": 600.0001, "tpot": 200.0002}, "rule": "ttft = 3.0 x ..."}
@@ -64,7 +64,7 @@ def test_each_kind_compares_as_it_can(monkeypatch):
     """On one GPU (both sides time-slicing it) the comparison gets the one-line reason its figures
     cannot compare deployments, and shows what they do; on the CPU it runs at the measured rates
     and SLOs, one rate more for a side whose limit lies outside them."""
-    from disagg.cluster import demo
+    from disagg.cluster.cli import demo
     from disagg.cluster.bench import compare
 
     calls = []

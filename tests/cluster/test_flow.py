@@ -1,4 +1,4 @@
-"""`RequestFlow` (cluster/flow.py): a request's life as events in, actions out, on constructed
+"""`RequestFlow` (cluster/routing/flow.py): a request's life as events in, actions out, on constructed
 instances (no Ray, no engine). Each transition's stage, actions and the ledger's exact sums after
 it; every state is also checked against the sums over the placed requests (`RequestFlow.check`)."""
 
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from disagg.cluster.flow import Abort, Add, Cancel, End, Hand, RequestFlow, Requeue, Reserve, Start
-from disagg.cluster.instance import Instance
-from disagg.cluster.ledger import Ledger
+from disagg.cluster.launch.instance import Instance
 from disagg.cluster.outputs import RequestMetrics
-from disagg.cluster.placement.placer import WAIT_PREFILL_QUEUE, Placer, Wait
-from disagg.cluster.requests import Picker, Request, Stage
+from disagg.cluster.routing.flow import Abort, Add, Cancel, End, Hand, RequestFlow, Requeue, Reserve, Start
+from disagg.cluster.routing.ledger import Ledger
+from disagg.cluster.routing.placement.placer import WAIT_PREFILL_QUEUE, Placer, Wait
+from disagg.cluster.routing.requests import Picker, Request, Stage
 from disagg.config import Config
 from disagg.errors import InstanceDied, NoLiveInstance, RequestRefused, RequestTimedOut, SignalTimeout
 from disagg.sampling import SamplingParams

@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from disagg.cluster import generate_command as gen
-from disagg.cluster.cli import app
+from disagg.cluster.cli import generate as gen
+from disagg.cluster.cli.app import app
 from disagg.cluster.outputs import StreamDelta
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SMOLLM2 = str(CONFIGS / "smollm2-1p1d.yaml")
 TINY = str(CONFIGS / "tiny-1p1d.yaml")
-CLI = [sys.executable, "-c", "from disagg.cluster.cli import app; app()"]
+CLI = [sys.executable, "-c", "from disagg.cluster.cli.app import app; app()"]
 
 
 @pytest.fixture(scope="module")

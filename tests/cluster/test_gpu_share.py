@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.cluster.bootstrap import resolve_device
+from disagg.cluster.launch.bootstrap import resolve_device
 from disagg.config import Config
 from disagg.errors import ConfigError, PreflightError
 
@@ -50,7 +50,7 @@ def test_too_few_gpus_for_cuda_says_how_to_share():
 
 
 def test_demo_on_one_gpu_shares_it_and_compares_with_one_colocated_instance():
-    from disagg.cluster.demo import choose
+    from disagg.cluster.cli.demo import choose
 
     kind, disagg_path, colocated_path = choose(1)
     disagg, colocated = Config.from_yaml(disagg_path), Config.from_yaml(colocated_path)

@@ -1,4 +1,4 @@
-"""The adaptive placement's decision and step-time model (`disagg.cluster.placement`), on
+"""The adaptive placement's decision and step-time model (`disagg.cluster.routing.placement`), on
 constructed loads and models: no fleet, no Ray."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from disagg.cluster.bootstrap import Instance
-from disagg.cluster.placement import PREFERENCE, FleetModel, InstanceView, StallMeter, Targets, decide, predict
-from disagg.cluster.step_model import StepTimeModel
+from disagg.cluster.launch.bootstrap import Instance
+from disagg.cluster.routing.placement import PREFERENCE, FleetModel, InstanceView, StallMeter, Targets, decide, predict
+from disagg.cluster.simulate.step_model import StepTimeModel
 from disagg.engine.steps import prompt_pairs
 
 # 10 ms a step, 0.1 ms per prompt token, 0.05 ms per decoding sequence, 1 ms per 10k context tokens.
@@ -177,7 +177,7 @@ def test_the_pushes_expected_count_only_where_no_other_decode_instance_can_take_
 
 
 def test_the_rate_meter_counts_recent_events_per_second():
-    from disagg.cluster.placement import RateMeter
+    from disagg.cluster.routing.placement import RateMeter
 
     meter = RateMeter(window_s=2.0)
     assert meter.rate(0.0) == 0.0
@@ -592,10 +592,10 @@ def test_a_local_prompt_waits_for_the_decode_step_in_flight():
 
 
 def test_the_fleet_view_counts_remaining_and_expected_output_tokens():
-    from disagg.cluster.bootstrap import Instance
+    from disagg.cluster.launch.bootstrap import Instance
     from disagg.cluster.outputs import RequestMetrics
-    from disagg.cluster.placement import FleetModel
-    from disagg.cluster.requests import Request
+    from disagg.cluster.routing.placement import FleetModel
+    from disagg.cluster.routing.requests import Request
     from disagg.sampling import SamplingParams
 
     dec, pre = Instance(name="decode-0", role="decode", actor=None), Instance(name="prefill-0", role="prefill", actor=None)
@@ -709,7 +709,7 @@ def test_a_prompt_also_waits_for_the_decode_step_launched_ahead(role):
 
 
 def _instance(name):
-    from disagg.cluster.bootstrap import Instance
+    from disagg.cluster.launch.bootstrap import Instance
     return Instance(name, "decode", actor=None)
 
 
@@ -731,7 +731,7 @@ def test_a_kept_request_is_judged_by_the_local_rule_on_its_prefill_instance():
     d = InstanceView("D", model(), 4096, 0, 60, 120_000, None, 16, remaining_tokens=60 * 400, output_tokens=400)
     dec = decide(100, [p], [d], Targets.from_ms(None, 25, "fastest"))
     kept = next(c for c in dec.predictions if c.path == "kept")
-    from disagg.cluster.placement import local_tpot
+    from disagg.cluster.routing.placement import local_tpot
     assert kept.admissible and kept.tpot_s == pytest.approx(local_tpot(p, 100))
     assert kept.tpot_s < 0.025 < p.decode_step_s(1, 100, 2000)
 
@@ -784,7 +784,7 @@ def test_a_pushed_request_waiting_for_a_decode_seat_counts_it_in_its_tpot_not_in
     assert remote.tpot_s == pytest.approx(base.tpot_s + remote.seat_tpot_s) and remote.seat_tpot_s > 0
     # `balanced` keeps a decode on P for D's decode speed, not for the seat wait: a remote TPOT of
     # 8 ms of decoding + 4 ms of waiting (under half the 20-ms target without the wait) keeps nothing.
-    from disagg.cluster.placement import Prediction, decode_on_prefill
+    from disagg.cluster.routing.placement import Prediction, decode_on_prefill
     views = {"P": _seated("P", decoding=0), "D": d}
     pushed = Prediction("remote", "P", "D", 0.05, 0.012, 0.05, seat_tpot_s=0.004)
     kept = Prediction("kept", "P", "P", 0.05, 0.005, 0.05)
@@ -795,9 +795,9 @@ def test_a_pushed_request_waiting_for_a_decode_seat_counts_it_in_its_tpot_not_in
 
 
 def test_the_fleet_view_counts_seats_of_decodes_queued_prompts_and_pushes_on_their_way():
-    from disagg.cluster.bootstrap import Instance
+    from disagg.cluster.launch.bootstrap import Instance
     from disagg.cluster.outputs import RequestMetrics
-    from disagg.cluster.requests import Request
+    from disagg.cluster.routing.requests import Request
     from disagg.sampling import SamplingParams
 
     dec, pre = Instance(name="decode-0", role="decode", actor=None), Instance(name="prefill-0", role="prefill", actor=None)
@@ -882,7 +882,7 @@ def _reference_work(inst, requests, now, planned) -> tuple:
     """The live requests' work on ``inst`` as `FleetModel.view` summed it one instance at a time,
     before `FleetModel.views` summed every instance's in one pass: (queued, pairs, decoding,
     context, remaining, progress, seated, output_tokens)."""
-    from disagg.cluster.requests import seat_holders
+    from disagg.cluster.routing.requests import seat_holders
 
     queued = decoding = context = pairs = remaining = seated = 0
     progress = []
@@ -918,7 +918,7 @@ def fleet_states(draw):
     ones the router never makes: a prefill instance that is also its colocated one), with
     remote decisions planned on names in the fleet and out of it."""
     from disagg.cluster.outputs import RequestMetrics
-    from disagg.cluster.requests import STAGES, Request
+    from disagg.cluster.routing.requests import STAGES, Request
     from disagg.sampling import SamplingParams
 
     instances = [Instance(f"{role}-{i}", role, actor=None) for role in ("prefill", "decode", "colocated")

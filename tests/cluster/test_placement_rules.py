@@ -1,4 +1,4 @@
-"""Each named rule of the placement (`disagg.cluster.placement`) on its own: the policies, the
+"""Each named rule of the placement (`disagg.cluster.routing.placement`) on its own: the policies, the
 admission rules, the choosers and the fallbacks, on constructed predictions and views with exact
 inputs and outputs. `test_placement.py` tests `decide`, the fold of them, on whole fleets."""
 
@@ -8,14 +8,15 @@ import typing
 
 import pytest
 
-from disagg.cluster.placement import (ADAPTIVE, ADMISSION_RULES, CHOOSERS, DISAGGREGATED, FALLBACKS, KEEP_SHARE, LOCAL,
-                                      PATHS, POLICIES, TPOT_SLACK, InstanceView, Judging, Prediction, Targets, admit,
-                                      avoid_breaking, decide, decode_on_prefill, fastest, fits, least_violation,
-                                      no_push, pages_fit, policy_of, prefer_balanced, prefer_fastest, prefer_remote,
-                                      remote_within_targets, saturated_decodes, slack_breaks, spares_expected_pushes,
-                                      spares_slack, sparing_prefills, stall_past_slack, tpot_bound, tpot_within_bound,
-                                      ttft_within_target, violation, violation_cost, without_pushes)
-from disagg.cluster.step_model import StepTimeModel
+from disagg.cluster.routing.placement import (ADAPTIVE, ADMISSION_RULES, CHOOSERS, DISAGGREGATED, FALLBACKS, KEEP_SHARE,
+                                              LOCAL, PATHS, POLICIES, TPOT_SLACK, InstanceView, Judging, Prediction,
+                                              Targets, admit, avoid_breaking, decide, decode_on_prefill, fastest, fits,
+                                              least_violation, no_push, pages_fit, policy_of, prefer_balanced,
+                                              prefer_fastest, prefer_remote, remote_within_targets, saturated_decodes,
+                                              slack_breaks, spares_expected_pushes, spares_slack, sparing_prefills,
+                                              stall_past_slack, tpot_bound, tpot_within_bound, ttft_within_target,
+                                              violation, violation_cost, without_pushes)
+from disagg.cluster.simulate.step_model import StepTimeModel
 from disagg.config import RouterSection
 
 # A step: 10 ms, + 0.1 ms per prompt token, + 0.05 ms per decoding sequence, + 0.1 ms per 1k

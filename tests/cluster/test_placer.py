@@ -1,4 +1,4 @@
-"""`Placer` (cluster/placement/placer.py): the one placement of the router and the simulator, on
+"""`Placer` (cluster/routing/placement/placer.py): the one placement of the router and the simulator, on
 constructed instances and requests (no Ray, no engine): which plan for which fleet state, in which order the
 decode instances are tried, the prefill-queue bound, counts and prefix affinity."""
 
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from disagg.cluster.affinity import PrefixAffinity
-from disagg.cluster.bootstrap import Instance
+from disagg.cluster.launch.bootstrap import Instance
 from disagg.cluster.outputs import RequestMetrics
-from disagg.cluster.placement import Decision, Prediction
-from disagg.cluster.placement.placer import WAIT_PAGES, WAIT_PREFILL_QUEUE, Alone, Fail, Placer, Remote, Wait
-from disagg.cluster.requests import Picker, Request
+from disagg.cluster.routing.affinity import PrefixAffinity
+from disagg.cluster.routing.placement import Decision, Prediction
+from disagg.cluster.routing.placement.placer import WAIT_PAGES, WAIT_PREFILL_QUEUE, Alone, Fail, Placer, Remote, Wait
+from disagg.cluster.routing.requests import Picker, Request
 from disagg.config import Config
 from disagg.errors import NoLiveInstance
 from disagg.sampling import SamplingParams
@@ -199,8 +199,8 @@ def test_a_step_profile_seeds_every_instance_model_and_a_bad_one_is_refused(tmp_
 
     import pytest
 
-    from disagg.cluster.step_model import StepTimeModel
-    from disagg.cluster.profile import PROFILE_KIND, PROFILE_VERSION
+    from disagg.cluster.simulate.step_model import StepTimeModel
+    from disagg.cluster.simulate.profile import PROFILE_KIND, PROFILE_VERSION
     from disagg.errors import ConfigError
 
     fit = StepTimeModel(prior=(4e-3, 2e-5, 1e-5, 4e-8, 5e-3, 1e-9, 2e-3, 1e-8, 1e-5)).to_dict()

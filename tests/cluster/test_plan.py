@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from disagg.cluster.cli import app
+from disagg.cluster.cli.app import app
 from disagg.cluster.simulate import plan as planner
 from disagg.config import Config
 

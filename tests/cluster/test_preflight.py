@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from disagg.cluster.preflight import check_same_model, size_cache, transfer_paths
-from disagg.cluster.step_loop import StepLoop
+from disagg.cluster.launch.preflight import check_same_model, size_cache, transfer_paths
+from disagg.cluster.launch.step_loop import StepLoop
 from disagg.config import Config
 from disagg.engine import TokenOutput
 from disagg.errors import OutOfPages, PreflightError, SignalTimeout
@@ -69,7 +69,7 @@ def test_transfer_paths_choose_segment_puts_for_unreachable_pairs():
 
 def _ray_must_not_start(monkeypatch) -> None:
     """The launch fails if it reaches Ray (`connect`) at all: what is asserted is that it stops before."""
-    from disagg.cluster import bootstrap
+    from disagg.cluster.launch import bootstrap
 
     def connect(config):
         raise AssertionError("the launch connected to Ray before its checks of this host failed")
@@ -91,7 +91,7 @@ def test_a_missing_model_directory_fails_the_launch_before_ray_starts(tmp_path, 
 
 
 def test_a_model_directory_without_config_or_weights_is_named_before_ray_starts(tmp_path, caplog):
-    from disagg.cluster.preflight import check_model_source
+    from disagg.cluster.launch.preflight import check_model_source
 
     folder = tmp_path / "model"
     folder.mkdir()
@@ -110,8 +110,9 @@ def test_a_model_directory_without_config_or_weights_is_named_before_ray_starts(
 
 
 def test_cuda_on_a_host_without_gpus_says_what_runs_on_the_cpu_before_ray_starts(monkeypatch):
-    from disagg.cluster import Cluster, bootstrap
+    from disagg.cluster import Cluster
 
+    from disagg.cluster.launch import bootstrap
     _ray_must_not_start(monkeypatch)
     monkeypatch.setattr(bootstrap, "count_local_gpus", lambda: 0)
     config = Config.from_yaml(TINY.parent / "llama3-8b-1p1d.yaml")
@@ -220,9 +221,9 @@ def _wait_until(condition, timeout_s: float = 5.0) -> None:
 
 
 def test_picker_least_loaded_and_round_robin():
-    from disagg.cluster.bootstrap import Instance
+    from disagg.cluster.launch.bootstrap import Instance
     from disagg.cluster.outputs import RequestMetrics
-    from disagg.cluster.requests import Picker, Request
+    from disagg.cluster.routing.requests import Picker, Request
 
     p0, p1 = Instance("prefill-0", "prefill", None), Instance("prefill-1", "prefill", None)
     d0, d1 = Instance("decode-0", "decode", None), Instance("decode-1", "decode", None)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from disagg.cluster.cli import app
-from disagg.cluster.step_model import StepTimeModel, _nonnegative_ridge, features
-from disagg.cluster.profile import PROFILE_VERSION, load_profile, replayed_prompt_pairs
+from disagg.cluster.cli.app import app
+from disagg.cluster.simulate.profile import PROFILE_VERSION, load_profile, replayed_prompt_pairs
+from disagg.cluster.simulate.step_model import StepTimeModel, _nonnegative_ridge, features
 from disagg.engine.steps import prompt_pairs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -58,7 +58,7 @@ def test_fit_under_noise_stays_close_and_reports_the_error():
 def test_fit_leaves_out_outlying_steps_and_counts_them(factor):
     # Ten times its time: a first use of a shape. A tenth: a served step timed under async
     # scheduling, which the GPU ran while the host was busy between two engine.step() calls, so
-    # the call timed only its tail (cluster/step_model.py `_inliers`); weighted by 1 / seconds,
+    # the call timed only its tail (cluster/simulate/step_model.py `_inliers`); weighted by 1 / seconds,
     # three such steps would pull the whole fit towards them.
     samples = synthetic_samples(TRUE_COEF)
     for i in (3, 50, 77):

@@ -1,10 +1,10 @@
-"""`RecentIds` (cluster/requests.py): the router's bounded memory of request ids, on a fake clock."""
+"""`RecentIds` (cluster/routing/requests.py): the router's bounded memory of request ids, on a fake clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from disagg.cluster.requests import RecentIds
+from disagg.cluster.routing.requests import RecentIds
 
 
 def test_recent_ids_are_bounded_by_count_and_age():
@@ -38,8 +38,8 @@ def test_recent_ids_need_room_for_one():
 
 
 def test_least_loaded_takes_turns_among_equal_loads_and_still_prefers_the_least_loaded():
-    from disagg.cluster.bootstrap import Instance
-    from disagg.cluster.requests import Picker
+    from disagg.cluster.launch.bootstrap import Instance
+    from disagg.cluster.routing.requests import Picker
 
     fleet = [Instance(f"prefill-{i}", "prefill", actor=None) for i in range(3)]
     picker = Picker("least_loaded")
@@ -59,9 +59,9 @@ def test_least_loaded_puts_an_instance_with_every_seat_held_last():
     """colocated-0 holds fewer tokens but all its 2 seats; colocated-1 has one free: with
     ``max_seqs`` it goes first, without it the lighter one does. Seats count what `seat_holders`
     names: a request's colocated or decode instance, and its prefill instance while prefilling."""
-    from disagg.cluster.bootstrap import Instance
+    from disagg.cluster.launch.bootstrap import Instance
     from disagg.cluster.outputs import RequestMetrics
-    from disagg.cluster.requests import Picker, Request, seat_holders
+    from disagg.cluster.routing.requests import Picker, Request, seat_holders
     from disagg.sampling import SamplingParams
 
     c0, c1 = Instance("colocated-0", "colocated", actor=None), Instance("colocated-1", "colocated", actor=None)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from disagg.cluster.cli import app
-from disagg.cluster.ledger import Ledger
+from disagg.cluster.cli.app import app
+from disagg.cluster.routing.ledger import Ledger
 from disagg.cluster.simulate.fleet import SimFleet
 from disagg.cluster.simulate.instance import SimEngine
 from disagg.cluster.simulate.run import simulate_run, simulated_result, workload_spec
@@ -162,8 +162,8 @@ def test_simulated_engine_schedules_the_real_engines_steps(async_scheduling: boo
     """Given the same arrivals per step, the real colocated engine and the simulated one run the
     same forwards (prompt tokens, decodes, context, prompt attention pairs), preemption and steps
     launched ahead included."""
-    from disagg.cluster import engines
-    from disagg.engine import ColocatedEngine
+    from disagg.cluster.launch import engines
+    from disagg.engine import ColocatedEngine, EngineOptions
     from disagg.sampling import SamplingParams
 
     # The kernels' torch references: the steps' shapes are the scheduler's (the Triton interpreter
@@ -173,9 +173,9 @@ def test_simulated_engine_schedules_the_real_engines_steps(async_scheduling: boo
     config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml").override({"model.num_layers": 1})
     # Without the prefix cache (these prompts share ids; tests/cluster/test_simulate_prefix.py
     # runs both with it).
-    real = ColocatedEngine(engines.load(config, "cpu"), async_scheduling=async_scheduling, prefix_caching=False,
-                           **sizes)
-    from disagg.cluster.step_model import StepTimeModel
+    real = ColocatedEngine(engines.load(config, "cpu"), **sizes, options=EngineOptions(
+        async_scheduling=async_scheduling, prefix_caching=False))
+    from disagg.cluster.simulate.step_model import StepTimeModel
     sim = SimEngine(StepTimeModel(), max_model_len=real.max_model_len, async_scheduling=async_scheduling, **sizes)
     sim.step_log = []
     arrivals = {0: [(20, 8)], 1: [(35, 6)], 3: [(40, 10), (18, 7)], 9: [(30, 5)], 16: [(10, 9)], 21: [(12, 4)]}
@@ -481,8 +481,8 @@ def test_the_simulator_and_the_placement_import_no_ray():
     script = f"""
 import copy, json, sys
 import disagg.cluster.simulate
+from disagg.cluster.routing import flow, ledger, placement, requests
 from disagg.cluster.simulate import command, fleet, plan, run
-from disagg.cluster import flow, ledger, placement, requests
 from disagg.config import Config
 profile = json.loads({json.dumps(json.dumps(PROFILE))})
 config = Config.from_yaml({str(CONFIGS / "tiny-2p2d.yaml")!r}).override({{"router.placement": "adaptive"}})

@@ -16,11 +16,11 @@ import pytest
 from typer.testing import CliRunner
 
 from disagg.cluster.bench.workloads import sample_requests
-from disagg.cluster.cli import app
+from disagg.cluster.cli.app import app
 from disagg.cluster.simulate.fleet import SimFleet
 from disagg.cluster.simulate.instance import SimDest, SimEngine
 from disagg.cluster.simulate.run import simulate_run, simulated_result, workload_spec
-from disagg.cluster.step_model import StepTimeModel
+from disagg.cluster.simulate.step_model import StepTimeModel
 from disagg.config import Config
 from disagg.engine.steps import prompt_pairs
 
@@ -254,15 +254,15 @@ def test_simulated_engine_hits_evicts_and_preempts_as_the_real_engine(first_max_
     that share a prefix (mid page too), pages short enough to evict, and (the first two answers
     long) to preempt. With short ones, the mid-page hit of step 9 pins the last free page
     (tests/disagg/test_prefix_cache_fork_cost.py: both engines raised OutOfPages there)."""
-    from disagg.cluster import engines
-    from disagg.engine import ColocatedEngine
+    from disagg.cluster.launch import engines
+    from disagg.engine import ColocatedEngine, EngineOptions
     from disagg.sampling import SamplingParams
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels' torch references: the shapes are the scheduler's
     sizes = dict(num_pages=8, page_size=PAGE, max_num_seqs=3, max_num_batched_tokens=32)
     config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml").override({"model.num_layers": 1})
-    real = ColocatedEngine(engines.load(config, "cpu"), async_scheduling=async_scheduling, prefix_caching=True,
-                           **sizes)
+    real = ColocatedEngine(engines.load(config, "cpu"), **sizes, options=EngineOptions(
+        async_scheduling=async_scheduling, prefix_caching=True))
     sim = SimEngine(StepTimeModel(), max_model_len=real.max_model_len, async_scheduling=async_scheduling,
                     prefix_caching=True, **sizes)
     sim.step_log = []

@@ -14,7 +14,7 @@ import pytest
 from cluster_helpers import environment, launch, launcher_environment
 
 from disagg import trace
-from disagg.cluster.step_loop import StepLoop
+from disagg.cluster.launch.step_loop import StepLoop
 from disagg.sampling import SamplingParams
 
 
@@ -174,14 +174,14 @@ def test_a_step_loop_records_every_step_and_call_of_a_real_engine(tmp_path, monk
     by the steps that computed it, and every call was queued before it ran."""
     import torch
 
-    from disagg.engine import ColocatedEngine
+    from disagg.engine import ColocatedEngine, EngineOptions
     from disagg.model import load_model
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels' torch references
     monkeypatch.setenv(trace.ENV, str(tmp_path))
     engine = ColocatedEngine(load_model("dummy:tiny", dtype=torch.float32, device="cpu"), num_pages=64,
                              page_size=4, max_num_seqs=4, max_num_batched_tokens=8,
-                             async_scheduling=async_scheduling)
+                             options=EngineOptions(async_scheduling=async_scheduling))
     prompts = {"a": [5, 9, 17, 3, 88, 41, 7, 200, 13, 66, 21], "b": [5, 9, 17, 3, 88, 41, 7, 200, 1, 2],
                "c": [42, 43, 44]}
     params = SamplingParams(max_tokens=4, ignore_eos=True)

@@ -1,11 +1,12 @@
 """Replay of broken deployment files through `disagg check`, in process (typer's CliRunner).
 
 Every case is a real YAML file that must be refused before anything starts: exit status 2, one
-`ConfigError` message naming the file and the field path at fault (and the key and line for a
-key given twice), and no Python traceback. The classes: wrong types (strings for ints, floats,
-bools; numbers for bools; floats for ints), keys given twice (top level, nested, flow style),
-empty or blank paths, unknown keys and sections, bad enum values (kernels switches included),
-negative or zero counts, a share of a GPU that is not 1/k or above 1, and the cross-field rules.
+`ConfigError` message naming the file and the field path at fault (the key and line for a key
+given twice; file:line:col for YAML that does not parse), and no Python traceback. The classes:
+wrong types (strings for ints, floats, bools; numbers for bools; floats for ints), keys given
+twice (top level, nested, flow style), empty or blank paths, unknown keys and sections, bad enum
+values (kernels switches included), negative or zero counts, a share of a GPU that is not 1/k or
+above 1, the cross-field rules, and YAML that does not parse (an unclosed list, a tab indent).
 The launcher is replaced by a recorder: a case that got past validation counts as "launched".
 """
 
@@ -17,7 +18,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from disagg.cluster import cli
+from disagg.cluster.cli import app as cli
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 BASE = CONFIGS / "tiny-1p1d.yaml"
@@ -89,6 +90,9 @@ CASES = {
     "no decode": (_set("instances.decode", 0), "instances: a disaggregated fleet needs prefill >= 1 and decode >= 1"),
     "fp8 on cpu": (_set("cache.kv_dtype", "fp8_e4m3"), "cache.kv_dtype fp8_e4m3 needs GPUs"),
     "missing model": ({"drop": "model"}, "model: Field required"),
+    # YAML that does not parse: the file, line and column, never "<unicode string>"
+    "unclosed flow list": (_text("extra: [1\n"), "not valid YAML: expected ',' or ']'"),
+    "tab indent": (_text("router:\n\tlease_s: 5\n"), "YAML indents with spaces, never tabs"),
 }
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from disagg.cluster import generate_command as gen
-from disagg.cluster.cli import app
+from disagg.cluster.cli import generate as gen
+from disagg.cluster.cli.app import app
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-1p1d.yaml")
 LONG = ",".join(["5"] * 40)

@@ -26,7 +26,8 @@ ray = pytest.importorskip("ray")
 
 from typer.testing import CliRunner  # noqa: E402
 
-from disagg.cluster import cli, connect as connect_module  # noqa: E402
+from disagg.cluster.cli import app as cli  # noqa: E402
+from disagg.cluster.launch import connect as connect_module  # noqa: E402
 from disagg.config import Config  # noqa: E402
 from disagg.errors import ClusterError  # noqa: E402
 
@@ -176,7 +177,7 @@ def test_null_address_starts_an_embedded_head_whatever_ray_address_says(monkeypa
         init = RayInit()
         monkeypatch.setattr(connect_module.ray, "init", init)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="disagg.cluster.connect"):
+        with caplog.at_level(logging.WARNING, logger="disagg.cluster.launch.connect"):
             started = connect_module.connect(Config.from_yaml(TINY))
         counts["tried"] += 1
         (kwargs,) = init.calls

@@ -18,7 +18,7 @@ TINY_COLOCATED = str(CONFIGS / "tiny-colocated.yaml")
 
 
 def bench_app() -> typer.Typer:
-    """`bench` registered as disagg.cluster.cli registers it (a subcommand, BenchCommand's parsing)."""
+    """`bench` registered as disagg.cluster.cli.app registers it (a subcommand, BenchCommand's parsing)."""
     app = typer.Typer()
     app.callback()(lambda: None)
     app.command("bench", cls=BenchCommand)(bench_command)

@@ -16,7 +16,7 @@ CONFIG = str(Path(__file__).resolve().parents[3] / "configs" / "tiny-1p1d.yaml")
 
 def _app() -> typer.Typer:
     app = typer.Typer()
-    app.callback()(lambda: None)          # keep `bench` a subcommand, as in disagg.cluster.cli
+    app.callback()(lambda: None)          # keep `bench` a subcommand, as in disagg.cluster.cli.app
     app.command("bench", cls=BenchCommand)(bench_command)
     return app
 
@@ -65,7 +65,7 @@ def test_base_url_needs_a_vocab_size():
 
 
 def test_registered_on_the_disagg_cli():
-    from disagg.cluster.cli import app
+    from disagg.cluster.cli.app import app
 
     result = CliRunner().invoke(app, ["bench", CONFIG, "--request-rate", "0"], env={"COLUMNS": "250"})
     assert result.exit_code == 2 and "--request-rate" in result.output

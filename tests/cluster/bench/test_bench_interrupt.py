@@ -27,7 +27,7 @@ def ctrl_c_enabled() -> None:
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     # A fast first rate (its table marks the moment), then a slow one to interrupt.
-    command = [sys.executable, "-m", "disagg.cluster.cli", "bench", str(CONFIG), "--no-compare",
+    command = [sys.executable, "-m", "disagg.cluster.cli.app", "bench", str(CONFIG), "--no-compare",
                "--num-prompts", "6", "--input-len", "8", "--output-len", "2", "--request-rate", "100,0.05",
                "--goodput", "ttft:60000", "tpot:60000", "--save-result", "--result-dir", str(tmp_path),
                "--disable-tqdm"]

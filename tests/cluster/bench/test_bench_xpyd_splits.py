@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from disagg.cluster.cli import app
+from disagg.cluster.cli.app import app
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 WORKLOADS = ("prefill-heavy", "chat")

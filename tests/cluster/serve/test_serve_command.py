@@ -22,8 +22,10 @@ import pytest
 from fake_cluster import CharTokenizer, FakeCluster
 from typer.testing import CliRunner
 
-from disagg.cluster import Cluster, cli
+from disagg.cluster import Cluster
 
+
+from disagg.cluster.cli import app as cli
 pytestmark = pytest.mark.timeout(120)
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tiny-1p1d.yaml"
 
@@ -47,7 +49,7 @@ def test_bind_errors_are_one_line_and_exit_1():
         runs = {f"127.0.0.1:{port}": ["serve", str(CONFIG), "--port", str(port)],
                 "no-such-host.invalid:8000": ["serve", str(CONFIG), "--host", "no-such-host.invalid", "--port", "8000"],
                 f"127.0.0.1:{port} ": ["launch", str(CONFIG), "--set", f"serve.port={port}"]}
-        command = [sys.executable, "-c", "from disagg.cluster.cli import app; app()"]
+        command = [sys.executable, "-c", "from disagg.cluster.cli.app import app; app()"]
         procs = {where: subprocess.Popen(command + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                          env=dict(os.environ, TRITON_INTERPRET="0"))
                  for where, args in runs.items()}

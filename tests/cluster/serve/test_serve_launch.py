@@ -20,8 +20,10 @@ import yaml
 from fake_cluster import CharTokenizer, FakeCluster
 from typer.testing import CliRunner
 
-from disagg.cluster import Cluster, cli
+from disagg.cluster import Cluster
 
+
+from disagg.cluster.cli import app as cli
 pytestmark = pytest.mark.timeout(240)
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "tiny-1p1d.yaml"
 
@@ -82,7 +84,7 @@ def test_launch_serves_when_the_config_names_serve(tmp_path, monkeypatch, how):
 def test_launch_with_a_serve_section_serves_the_real_cluster(tmp_path):
     path = _write_config(tmp_path, {"port": 0})  # an ephemeral port, printed once serving
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-c", "from disagg.cluster.cli import app; app()", "launch", str(path)]
+    command = [sys.executable, "-c", "from disagg.cluster.cli.app import app; app()", "launch", str(path)]
     proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     lines, url, deadline = [], None, time.monotonic() + 180
