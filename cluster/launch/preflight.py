@@ -50,7 +50,7 @@ def check_model_source(config: Config) -> None:
     from disagg.model.config import ModelConfig
     from disagg.model.errors import ModelError
     from disagg.model.presets import PRESETS
-    from disagg.model.weights import INDEX_FILE
+    from disagg.model.weights import check_checkpoint_present
 
     source = config.model.source
     if source == SMOLLM2_SOURCE:  # a conversion built by the launch itself (bootstrap.resolve_source)
@@ -66,11 +66,9 @@ def check_model_source(config: Config) -> None:
             _missing_source(config, model_dir)
             return
         ModelConfig.from_dir(model_dir)
+        check_checkpoint_present(model_dir)
     except ModelError as err:
         raise PreflightError(f"model.source {source!r}: {err}") from None
-    if not (model_dir / INDEX_FILE).is_file() and not any(model_dir.glob("*.safetensors")):
-        raise PreflightError(f"model.source {source!r}: {model_dir} has no *.safetensors files (nor "
-                             f"{INDEX_FILE}); an HF model directory holds config.json and its weights")
 
 
 def _missing_source(config: Config, model_dir: Path) -> None:

@@ -121,6 +121,14 @@ def _open(path: Path, device: str):
         raise WeightsError(f"{path}: cannot read safetensors file: {exc}") from exc
 
 
+def check_checkpoint_present(model_dir: Path) -> None:
+    """Raises WeightsError when ``model_dir`` holds neither the shard index nor a *.safetensors file
+    (checked before Ray starts by the cluster's preflight, and again when the weights load)."""
+    if not (model_dir / INDEX_FILE).is_file() and not any(model_dir.glob("*.safetensors")):
+        raise WeightsError(f"{model_dir} has no *.safetensors files (nor {INDEX_FILE}); an HF model "
+                           "directory holds config.json and its weights")
+
+
 def _tensor_locations(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> file holding it, from the shard index or by listing every file."""
     if not model_dir.is_dir():
@@ -136,9 +144,8 @@ def _tensor_locations(model_dir: Path) -> dict[str, Path]:
             if not path.is_file():
                 raise WeightsError(f"{index}: tensor {name!r} is in {path.name}, which does not exist")
         return locations
+    check_checkpoint_present(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise WeightsError(f"{model_dir}: no *.safetensors files (and no {INDEX_FILE})")
     locations = {}
     for path in files:
         with _open(path, "cpu") as f:
