@@ -3,7 +3,9 @@
     python3 benchmarks/bench_kernels.py --out results/bench_kernels.json [--only decode]
 
 Anchors: the GPU's own device-to-device copy bandwidth (bytes read + written), and torch's
-`scaled_dot_product_attention` on the same shapes stored densely. Each timing captures the calls
+`scaled_dot_product_attention` on the same shapes stored densely. The prefill rows time our
+`paged_prefill` and `split_prefill` (own tokens in cuDNN, prefix in pages) on chunks after a cached
+prefix of 0 and of half the prompt against cuDNN's SDPA over the whole prompt, dense, no prefix. Each timing captures the calls
 in a CUDA graph (as the decode engine runs them) and takes the median of replays timed with CUDA
 events; inputs rotate over enough copies that their total exceeds L2, so small cases are not
 measured out of cache. Launch options are tuned with `benchmarks/sweep_kernels.py`.
@@ -26,8 +28,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from disagg.kernels import append as append_mod
 from disagg.kernels import copy as copy_mod
 from disagg.kernels import decode as decode_mod
+from disagg.kernels import split_prefill as split_mod
 from disagg.kernels import (append_kv, copy_slots, decode_workspace, paged_decode,
                             paged_prefill)
+from disagg.kernels.split_prefill import split_prefill
 
 CUDA = torch.device("cuda")
 L2_ROTATION_BYTES = 512 << 20  # rotate inputs until this much data is touched per graph
@@ -363,7 +367,97 @@ def run_prefill():
         sdpa = bench_sdpa_prefill(backend)
         figs.append(figure(f"prefill causal 8x2048 vs {label}", ours["flops_per_s"] / 1e12,
                            sdpa["flops_per_s"] / 1e12, "TFLOP/s", target, f"{label} (dense, MHA-expanded)"))
+    for num_seqs, seq_len in PREFILL_SHAPES:
+        dense = bench_cudnn_dense(num_seqs, seq_len)
+        for prefix_len in (0, seq_len // 2):
+            figs += prefill_path_rows(num_seqs, seq_len, prefix_len, dense)
+    figs.append(split_first_call_row())
     return figs
+
+
+PREFILL_SHAPES = ((8, 2048), (4, 8192), (1, 32768))
+
+
+def prefill_chunk(num_seqs, seq_len, prefix_len, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                  page_size=16, dtype=torch.bfloat16):
+    """`num_seqs` prompts of `seq_len` tokens in shuffled pages, of which the last `seq_len -
+    prefix_len` are this chunk's (q, and k/v as the layer appended them, strided views of one
+    fused row as the model's are): (q, k, v, kv, qo_indptr, table)."""
+    kv, (table,) = paged_batch(num_seqs, seq_len, num_kv_heads, head_dim, page_size, dtype, 1)
+    chunk = seq_len - prefix_len
+    q = torch.randn(num_seqs * chunk, num_qo_heads, head_dim, device=CUDA, dtype=dtype)
+    rows = torch.randn(num_seqs * chunk, 3 * num_kv_heads, head_dim, device=CUDA, dtype=dtype)
+    k, v = rows[:, :num_kv_heads], rows[:, 2 * num_kv_heads:]
+    qo_indptr = torch.arange(0, num_seqs + 1, device=CUDA, dtype=torch.int32) * chunk
+    return q, k, v, kv, qo_indptr, table
+
+
+def prefill_flops(num_seqs, seq_len, prefix_len, num_qo_heads=32, head_dim=128):
+    """FLOPs of causal attention of a chunk after `prefix_len` cached tokens (4 D per visible pair)."""
+    chunk = seq_len - prefix_len
+    pairs = chunk * prefix_len + chunk * (chunk + 1) / 2
+    return 4 * head_dim * num_qo_heads * num_seqs * pairs
+
+
+def bench_cudnn_dense(num_seqs, seq_len, num_qo_heads=32, num_kv_heads=8, head_dim=128):
+    """cuDNN's SDPA (causal, dense [B, H, S, D], no prefix): the figure to beat. K/V keep their 8
+    heads (enable_gqa) when the cuDNN backend takes them, else are expanded to 32."""
+    def run(kv_heads, gqa):
+        q = torch.randn(num_seqs, num_qo_heads, seq_len, head_dim, device=CUDA, dtype=torch.bfloat16)
+        k, v = (torch.randn(num_seqs, kv_heads, seq_len, head_dim, device=CUDA, dtype=torch.bfloat16)
+                for _ in range(2))
+
+        def call():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return graph_seconds([call], reps=10)
+
+    try:
+        return dict(seconds=run(num_kv_heads, True), kv_heads=num_kv_heads)
+    except RuntimeError:
+        return dict(seconds=run(num_qo_heads, False), kv_heads=num_qo_heads)
+
+
+def prefill_path_rows(num_seqs, seq_len, prefix_len, dense) -> list[dict]:
+    """Our paged and split prefill of one chunk shape against cuDNN dense over the whole prompt."""
+    q, k, v, kv, qo_indptr, table = prefill_chunk(num_seqs, seq_len, prefix_len)
+    out = torch.empty_like(q)
+    q_lens = [seq_len - prefix_len] * num_seqs
+    scale = q.shape[-1] ** -0.5
+    paged = graph_seconds([lambda: paged_prefill(q, kv, qo_indptr, *table, scale, out=out,
+                                                 check_indices=False)], reps=10)
+    split = graph_seconds([lambda: split_prefill(q, k, v, kv, qo_indptr, *table, scale, q_lens,
+                                                 out=out, check_indices=False)], reps=10)
+    flops = prefill_flops(num_seqs, seq_len, prefix_len)
+    extra = dict(paged_ms=paged * 1e3, split_ms=split * 1e3, cudnn_dense_ms=dense["seconds"] * 1e3,
+                 cudnn_kv_heads=dense["kv_heads"], paged_tflops=flops / paged / 1e12,
+                 split_tflops=flops / split / 1e12, cudnn_failed=split_mod._CudnnState.failed,
+                 cudnn_native_gqa=split_mod._CudnnState.native_gqa)
+    anchor = f"cuDNN SDPA dense causal {num_seqs}x{seq_len}, no prefix"
+    shape = f"prefill {num_seqs}x{seq_len} prefix {prefix_len}"
+    del q, k, v, kv, out
+    return [figure(f"{shape} split vs cuDNN dense", 1 / split, 1 / dense["seconds"], "calls/s", 1.0,
+                   anchor, **extra),
+            figure(f"{shape} paged vs cuDNN dense", 1 / paged, 1 / dense["seconds"], "calls/s", None,
+                   anchor, **extra)]
+
+
+def split_first_call_row(seq_len=8191) -> dict:
+    """A split prefill at a length not seen before (cuDNN builds an execution plan per shape)
+    against the same call warm: what a new prompt length costs once in serving."""
+    import time
+
+    q, k, v, kv, qo_indptr, table = prefill_chunk(1, seq_len, 0)
+    call = lambda: split_prefill(q, k, v, kv, qo_indptr, *table, q.shape[-1] ** -0.5, [seq_len],
+                                 check_indices=False)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    call()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    warm = graph_seconds([call], reps=10)
+    return figure(f"split prefill 1x{seq_len} first call (new shape) vs warm", 1 / first, 1 / warm,
+                  "calls/s", None, "the same call warm", first_ms=first * 1e3, warm_ms=warm * 1e3)
 
 
 def run_copies(copy_bw):

@@ -71,6 +71,13 @@ class Settings(BaseModel):
         "on CUDA, norms, RoPE and the SwiGLU activation as fused Triton kernels (fewer launches "
         "and memory passes than torch's ops); false: torch's ops, for comparison (Triton's "
         "interpreter always runs them)")
+    prefill_attention: Literal["auto", "paged", "split"] = _switch(
+        "auto", "DISAGG_PREFILL_ATTENTION",
+        "the attention of prompt chunks: paged: paged_prefill over the whole sequence in the "
+        "pages; split: the chunk's own tokens through cuDNN's dense causal attention and the "
+        "cached prefix through paged_prefill, merged by log-sum-exp (disagg.kernels.split_prefill; "
+        "eager forwards and piecewise prompt graphs, one prompt per forward); auto: split on CUDA "
+        "for 16-bit caches and chunks averaging >= 8192 tokens, paged otherwise")
 
     @field_validator("layer_pdl", mode="before")
     @classmethod

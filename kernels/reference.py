@@ -126,3 +126,74 @@ def paged_prefill(q: torch.Tensor, kv_layer: torch.Tensor, qo_indptr: torch.Tens
         offset = kv_len - (end - start) if causal else None
         out[start:end] = _attend(q[start:end], k, v, sm_scale, offset).to(q.dtype)
     return out
+
+
+def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+                causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_attend` that also returns each query's natural-log log-sum-exp `[H_q, M]` (-inf, and
+    an output of 0, for a query that sees no key)."""
+    group = q.shape[1] // k.shape[0]
+    k = k.repeat_interleave(group, dim=0)
+    v = v.repeat_interleave(group, dim=0)
+    scores = torch.einsum("mhd,hld->hml", q.to(torch.float32), k) * sm_scale
+    if causal_offset is not None:
+        rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + causal_offset
+        keys = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
+        scores = scores.masked_fill(keys > rows, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    seen = torch.isfinite(lse)
+    weights = torch.where(seen[..., None], torch.exp(scores - torch.where(seen, lse, 0.0)[..., None]), 0.0)
+    return torch.einsum("hml,hld->mhd", weights, v), lse
+
+
+def paged_prefill_lse(q: torch.Tensor, kv_layer: torch.Tensor, qo_indptr: torch.Tensor,
+                      page_indptr: torch.Tensor, page_indices: torch.Tensor,
+                      last_page_len: torch.Tensor, sm_scale: float, causal: bool = True,
+                      k_scale: float = 1.0, v_scale: float = 1.0, *, prefix_only: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`paged_prefill` in float32 with each query's log-sum-exp: (o `[T, H_q, D]` float32,
+    lse `[H_q, T]` float32). With `prefix_only`, each sequence's queries see the keys before
+    them, 0 .. kv_len - q_len - 1, all of them."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
+    kv_lens = _kv_lens(page_indptr, last_page_len, kv_layer.shape[-2])
+    for b, kv_len in enumerate(kv_lens):
+        start, end = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        if end == start:
+            continue
+        pages = page_indices[int(page_indptr[b]):int(page_indptr[b + 1])]
+        num_keys = kv_len - (end - start) if prefix_only else kv_len
+        k, v = gather_kv(kv_layer, pages, num_keys, k_scale, v_scale)
+        offset = kv_len - (end - start) if causal and not prefix_only else None
+        out[start:end], lse[:, start:end] = _attend_lse(q[start:end], k, v, sm_scale, offset)
+    return out, lse
+
+
+def causal_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: torch.Tensor,
+                         sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's queries over its own keys, causal (query i sees keys 0 .. i of its run):
+    q `[T, H_q, D]`, k/v `[T, H_kv, D]` -> (o `[T, H_q, D]` float32, lse `[H_q, T]` float32)."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
+    bounds = qo_indptr.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        keys = k[start:end].transpose(0, 1).to(torch.float32)
+        values = v[start:end].transpose(0, 1).to(torch.float32)
+        out[start:end], lse[:, start:end] = _attend_lse(q[start:end], keys, values, sm_scale, 0)
+    return out, lse
+
+
+def merge_state(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+                lse_b: torch.Tensor) -> torch.Tensor:
+    """Two attention outputs `[T, H, D]` of the same queries over disjoint key sets, merged by
+    their natural-log LSE `[H, T]` (-inf: no key, weight 0) -> float32 `[T, H, D]`: the attention
+    over the union of the keys (FlashInfer's merge_state)."""
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    total = w_a + w_b
+    total = torch.where(total > 0, total, 1.0)
+    w_a, w_b = (w_a / total).t()[..., None], (w_b / total).t()[..., None]
+    return o_a.to(torch.float32) * w_a + o_b.to(torch.float32) * w_b

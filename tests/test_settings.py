@@ -35,7 +35,7 @@ def with_kernels(tmp_path: Path, section: str) -> Path:
 def test_each_switch_is_listed_once_with_its_variable_values_and_meaning():
     """The defaults are what the code did before the switches had a home (all "auto" or on)."""
     assert Settings().model_dump() == {"linear": "auto", "blas": "auto", "layer_pdl": "auto",
-                                       "rope_append": True, "fused_layers": True}
+                                       "rope_append": True, "fused_layers": True, "prefill_attention": "auto"}
     assert ENV_VARS == {name: f"DISAGG_{name.upper()}" for name in Settings.model_fields}
     for name, field in Settings.model_fields.items():
         assert len(field.description) > 40, name

@@ -39,7 +39,7 @@ def cluster(ray_local):
 
 def test_every_actor_builds_its_model_with_the_config_s_switches(cluster):
     expected = {"linear": "triton", "blas": "auto", "layer_pdl": True, "rope_append": False,
-                "fused_layers": True}
+                "fused_layers": True, "prefill_attention": "auto"}
     assert [(inst.role, inst.info["kernels"]) for inst in cluster.fleet.instances] == \
         [("prefill", expected), ("decode", expected)]
     assert cluster.config.kernels.model_dump() == expected  # the folded config the actors received
