@@ -21,10 +21,11 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+from pydantic import (BaseModel, Field, PrivateAttr, ValidationError, field_validator,
                       model_validator)
 
-from disagg.config_yaml import DuplicateKey, format_errors, load_yaml, suggest, yaml_problem
+from disagg.config_instances import InstancesSection
+from disagg.config_yaml import DuplicateKey, Section, format_errors, load_yaml, suggest, yaml_problem
 from disagg.errors import ConfigError
 from disagg.settings import Settings
 
@@ -38,19 +39,12 @@ RAY_GCS_PORT, RAY_CLIENT_PORT = 6379, 10001  # `ray start --head` defaults
 SECRET_FIELDS = {"serve": {"api_key"}}
 
 
-class Section(BaseModel):
-    """Base of every section: unknown keys are errors, values are immutable once validated, and
-    types are strict (no "1" for an int or a bool, no 2.0 for an int; an int for a float is fine)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, protected_namespaces=())
-
-
 class ModelSection(Section):
     """Which weights every instance loads."""
 
     source: str = Field(
         description=f"an HF directory (config.json + *.safetensors), '{DUMMY_PREFIX}<preset>' (random "
-                    f"weights: tiny, smollm2-135m, llama3-8b, llama3.1-8b), or '{SMOLLM2_SOURCE}' (the cached "
+                    f"weights: tiny, smollm2-135m, llama3-8b, llama3.1-8b, qwen2.5-32b, llama3-70b), or '{SMOLLM2_SOURCE}' (the cached "
                     "conversion of the SmolLM2-135M-Instruct GGUF, built on first use)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="weight and activation dtype; auto: the checkpoint's (dummy: bfloat16 on "
@@ -114,64 +108,6 @@ class CacheSection(Section):
         return self
 
 
-class InstancesSection(Section):
-    """How many engine instances run, and where (one GPU each, or the CPU)."""
-
-    prefill: int = Field(0, ge=0, description="prefill instances (disaggregated mode), count")
-    decode: int = Field(0, ge=0, description="decode instances (disaggregated mode), count")
-    colocated: int = Field(0, ge=0, description="colocated instances (prefill and decode in one "
-                                                "engine: the baseline), count")
-    device: Literal["auto", "cuda", "cpu"] = Field(
-        "auto", description="auto: one GPU per instance when the cluster has enough, else the CPU")
-    cpus_per_instance: float = Field(1.0, gt=0.0, description="Ray CPU resources per instance actor, cores")
-    gpus_per_instance: float = Field(
-        1.0, gt=0.0,
-        description="GPUs per instance, a fraction 1/k puts k instances on one GPU (Ray fractional GPUs; "
-                    "NVSHMEM runs them as PEs of one GPU in its limited multi-process mode); each sizes "
-                    "its pages from its share of the GPU's memory; above 1 (tensor parallelism) is not "
-                    "supported. Timings of instances sharing a GPU are time-sliced: never a comparison "
-                    "of deployments")
-
-    @model_validator(mode="after")
-    def _whole_share(self) -> InstancesSection:
-        if self.gpus_per_instance > 1.0:
-            raise ValueError(f"gpus_per_instance above 1 needs tensor parallelism, which disagg does not "
-                             f"have yet; got {self.gpus_per_instance} (use 1.0, or 1/k to share a GPU)")
-        share = 1.0 / self.gpus_per_instance
-        if abs(share - round(share)) > 1e-6:
-            raise ValueError(f"gpus_per_instance must be 1/k for a whole k (1.0, 0.5, 0.25, ...), got "
-                             f"{self.gpus_per_instance}")
-        return self
-
-    @model_validator(mode="after")
-    def _one_mode(self) -> InstancesSection:
-        if self.colocated and (self.prefill or self.decode):
-            raise ValueError(f"colocated ({self.colocated}) excludes prefill ({self.prefill}) and decode "
-                             f"({self.decode}): give either colocated >= 1, or prefill >= 1 and decode >= 1")
-        if not self.colocated and (self.prefill < 1 or self.decode < 1):
-            raise ValueError(f"a disaggregated fleet needs prefill >= 1 and decode >= 1, got prefill="
-                             f"{self.prefill}, decode={self.decode} (or set colocated >= 1)")
-        return self
-
-    @property
-    def mode(self) -> Literal["disaggregated", "colocated"]:
-        return "colocated" if self.colocated else "disaggregated"
-
-    @property
-    def num_instances(self) -> int:
-        return self.colocated or self.prefill + self.decode
-
-    @property
-    def instances_per_gpu(self) -> int:
-        """k of ``gpus_per_instance = 1/k``: how many instances share one GPU."""
-        return round(1.0 / self.gpus_per_instance)
-
-    @property
-    def num_gpus(self) -> int:
-        """GPUs the fleet occupies when it runs on GPUs (instances rounded up to whole GPUs)."""
-        return -(-self.num_instances // self.instances_per_gpu)
-
-
 class TransferSection(Section):
     """The symmetric heap shared by every prefill and decode instance."""
 
@@ -189,6 +125,11 @@ class TransferSection(Section):
                               "at once, where a whole-forward CUDA graph runs it (short prompts, mixed steps), "
                               "layer by layer in the others; never = always layer by layer (eager); always = "
                               "after every forward")
+    verify: bool = Field(
+        False, description="debug: the sender writes a digest of each request's pushed KV (per layer) beside "
+                           "its doorbell and the receiver checks it before admitting the request, failing it "
+                           "with a TransferError naming both PEs on a mismatch; costs a read of the pushed KV "
+                           "on both sides")
 
 
 class SchedulerSection(Section):
@@ -328,6 +269,19 @@ class ClusterSection(Section):
                                                                 "cluster.address: connect_timeout_s)")
     warmup: bool = Field(True, description="before accepting requests, run a short request through every "
                                            "instance (compiles the kernels, proves each KV path end to end)")
+    restart: bool = Field(True, description="replace a dead instance: the survivors serve at once (degraded), "
+                                            "and a new actor in its GPU share loads, warms up and serves "
+                                            "beside them. It is no PE of the symmetric heap (its members are "
+                                            "fixed when it is made): it computes and decodes its own "
+                                            "requests, like a colocated instance, so its compute is back "
+                                            "but the fleet's KV transfer to or from it is not until a full "
+                                            "restart of the fleet; false: the fleet stays degraded")
+    restart_backoff_s: float = Field(1.0, ge=0.0, description="seconds from a death to its replacement's "
+                                                              "start, doubled for each next replacement "
+                                                              "of the same instance")
+    restart_limit: int = Field(3, ge=0, description="replacements of one instance over the fleet's life "
+                                                    "(a start that failed counts); past it that instance "
+                                                    "stays dead")
 
     @field_validator("address")
     @classmethod

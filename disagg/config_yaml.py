@@ -3,8 +3,9 @@
 `load_yaml` is `yaml.safe_load` that refuses a key given twice in one mapping (`DuplicateKey`);
 `yaml_problem` words a syntax error as ``file:line:column`` with the line marked;
 `format_errors` turns a pydantic `ValidationError` into one line per field path, suggesting the
-closest key for an unknown one (`suggest`). Pure Python (yaml, pydantic); imported by
-`disagg.config`, which re-exports these names.
+closest key for an unknown one (`suggest`); `Section` is the strict base of every section of the
+schema. Pure Python (yaml, pydantic); imported by `disagg.config` and `disagg.config_instances`;
+`disagg.config` re-exports these names.
 """
 
 from __future__ import annotations
@@ -14,9 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-__all__ = ["DuplicateKey", "format_errors", "load_yaml", "suggest", "yaml_problem"]
+__all__ = ["DuplicateKey", "Section", "format_errors", "load_yaml", "suggest", "yaml_problem"]
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, values are immutable once validated, and
+    types are strict (no "1" for an int or a bool, no 2.0 for an int; an int for a float is fine)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, protected_namespaces=())
 
 
 class DuplicateKey(yaml.YAMLError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -308,3 +309,27 @@ def test_phase_split_off_is_accepted_as_yaml_writes_it_and_sm_is_refused_with_th
         with pytest.raises(ConfigError, match=r"scheduler\.phase_split: expected 'off', got '" + value
                            + r"': SM partitions of one GPU are not built .*benchmarks/records/phase-split-2026-11-27"):
             Config.from_yaml(path)
+
+
+def _documented_fields(section: str) -> set[str]:
+    """The backticked first cells of the table under ``### section`` of docs/deployment.md."""
+    text = (CONFIGS.parent / "docs" / "deployment.md").read_text()
+    body = text.split(f"\n### {section}", 1)[1].split("\n#", 1)[0]
+    return set(re.findall(r"^\| `([a-z_0-9]+)` \|", body, re.M))
+
+
+@pytest.mark.parametrize("section", sorted(Config.model_fields))
+def test_every_schema_field_is_documented_in_deployment_md(section: str):
+    fields = set(Config.model_fields[section].annotation.model_fields)
+    assert fields == _documented_fields(section), (
+        f"docs/deployment.md's {section} table: missing {sorted(fields - _documented_fields(section))}, "
+        f"not in the schema {sorted(_documented_fields(section) - fields)}")
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/deployment.md"])
+def test_every_shipped_config_is_in_the_configs_tables(doc: str):
+    text = (CONFIGS.parent / doc).read_text()
+    listed = set(re.findall(r"`([a-z0-9.-]+)`", "\n".join(line for line in text.splitlines()
+                                                          if line.startswith("| `"))))
+    missing = sorted(path.stem for path in CONFIGS.glob("*.yaml") if path.stem not in listed)
+    assert not missing, f"{doc}: configs/ holds {missing}, which its configs table does not list"

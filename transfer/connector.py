@@ -21,22 +21,30 @@ engine knows these names only, never a backend's heap, doorbells, leases or fenc
     once nothing of it can land                     request's pages wait for LANDED or EXPIRED
 
 Page ids stay the engine's (`disagg.cache`): a connector moves the KV of the slots a plan names
-and says when pages are safe to hand out again. A destination names its receiver PEs (`RecvDest.
-pes`: one today; a tensor-parallel decode instance will name one per rank).
+and says when pages are safe to hand out again. A destination names its receiver PEs, one per rank
+of the decode instance (`RecvDest.pes`); rank i of a tensor-parallel prefill instance sends its
+heads to rank i's PE when both sides have the same tensor parallelism, else to every decode rank
+whose heads it holds, at their place in that rank's pages (`KVConnector.local_dest`,
+`disagg.transfer.heads`); the ranks of one instance agree on every poll
+(`disagg.transfer.group.GroupConnector`).
 Pure Python; torch is imported by the backends' implementations, not here.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Protocol, Sequence
+
+from disagg.errors import InvalidArgument
 
 if TYPE_CHECKING:
     import torch
 
     from disagg.plan import ForwardPlan
+    from disagg.transfer.heads import HeadLayout
 
 
 class KVPoll(str, enum.Enum):
@@ -80,6 +88,16 @@ class RecvDest:
             `disagg.transfer.doorbell.DoorbellTicket` for the symmetric heaps).
         num_cached_tokens: prompt tokens whose KV the decode worker already holds (its prefix
             cache; whole pages): the prefill side pushes only the positions after them.
+        peers: a tensor-parallel decode instance's other ranks, ``(pe, ticket)`` each, rank 1
+            first (``pe`` and ``ticket`` are rank 0's); empty for one rank. Every rank reserved
+            the same slots (the ranks' caches are replicas), so ``cmap`` is every rank's. A
+            decode rank written by several sender ranks (the two sides' tensor parallelism
+            differs) has a tuple of tickets, one per sender (`disagg.transfer.heads.senders_of`).
+        routes: a sender rank's part when the two sides' tensor parallelism differs
+            (`KVConnector.local_dest`): the decode ranks it writes, with the heads (`disagg.
+            transfer.heads.PushRoute`); ``pe`` and ``ticket`` are then the first route's (or decode
+            rank 0's PE and None when the other ranks write all of this rank's heads). None: one
+            receiver at ``pe``, every head.
     """
 
     request_id: Hashable
@@ -87,11 +105,27 @@ class RecvDest:
     pe: int
     ticket: Any
     num_cached_tokens: int = 0
+    peers: tuple[tuple[int, Any], ...] = ()
+    routes: tuple[Any, ...] | None = None
 
     @property
     def pes(self) -> tuple[int, ...]:
-        """Every receiver PE of this destination (one per decode rank; one today)."""
-        return (self.pe,)
+        """Every receiver PE of this destination, rank 0 first (one per decode rank)."""
+        return (self.pe,) + tuple(pe for pe, _ in self.peers)
+
+    def for_rank(self, rank: int) -> RecvDest:
+        """The destination of decode rank ``rank`` alone (its PE and ticket, no peers).
+
+        Raises:
+            InvalidArgument: ``rank`` is not one of this destination's ranks.
+        """
+        if not 0 <= rank < len(self.pes):
+            raise InvalidArgument(f"dest: request {self.request_id!r} names {len(self.pes)} receiver rank(s); "
+                                  f"expected a rank in [0, {len(self.pes)}), got {rank}", argument="dest")
+        if rank == 0:
+            return dataclasses.replace(self, peers=()) if self.peers else self
+        pe, ticket = self.peers[rank - 1]
+        return dataclasses.replace(self, pe=pe, ticket=ticket, peers=())
 
 
 @dataclass(frozen=True)
@@ -319,10 +353,51 @@ class KVConnector(abc.ABC):
     Attributes:
         backend: the registry name (``transfer.backend``).
         pe: this engine's PE.
+        rank, num_ranks: this engine's rank in its tensor-parallel instance, and the instance's
+            ranks (0 and 1 for a connector of its own; `disagg.transfer.group.GroupConnector`
+            sets them for the ranks of one instance).
+        layout: the fleet's head split (`disagg.transfer.heads.HeadLayout`), set by
+            `disagg.transfer.registry.open_connector`; None: both sides at this instance's
+            tensor parallelism.
     """
 
     backend: str
     pe: int
+    rank: int = 0
+    num_ranks: int = 1
+    layout: HeadLayout | None = None
+
+    def local_dest(self, dest: RecvDest) -> RecvDest:
+        """The part of ``dest`` this rank sends to. The same tensor parallelism on both sides:
+        decode rank ``rank``'s PE and ticket (rank i's heads go to rank i). With a `layout` whose
+        sides differ: the routes into every decode rank this rank writes (`disagg.transfer.heads`).
+
+        Raises:
+            InvalidArgument: ``dest`` names another number of receiver ranks than this instance has
+                (same tensor parallelism), or than the layout's decode side.
+        """
+        layout = self.layout
+        if layout is not None and layout.is_split:
+            return self._split_dest(dest, layout)
+        if len(dest.pes) != self.num_ranks:
+            raise InvalidArgument(f"dest.pes: request {dest.request_id!r}: this instance has {self.num_ranks} "
+                                  f"tensor-parallel rank(s) and sends rank i's heads to receiver rank i; expected "
+                                  f"{self.num_ranks} receiver PE(s), got {len(dest.pes)} {list(dest.pes)}",
+                                  argument="dest.pes")
+        return dest.for_rank(self.rank)
+
+    def _split_dest(self, dest: RecvDest, layout: HeadLayout) -> RecvDest:
+        from disagg.transfer.heads import routes_of
+
+        if len(dest.pes) != layout.peer_ranks:
+            raise InvalidArgument(f"dest.pes: request {dest.request_id!r}: the decode side has {layout.peer_ranks} "
+                                  f"tensor-parallel rank(s); expected {layout.peer_ranks} receiver PE(s), got "
+                                  f"{len(dest.pes)} {list(dest.pes)}", argument="dest.pes")
+        tickets = (dest.ticket,) + tuple(ticket for _, ticket in dest.peers)
+        routes = routes_of(layout.num_kv_heads, layout.num_ranks, layout.rank, dest.pes, tickets)
+        first = routes[0] if routes else None
+        return dataclasses.replace(dest, pe=first.pe if first else dest.pe, ticket=first.ticket if first else None,
+                                   peers=(), routes=routes)
 
     @abc.abstractmethod
     def alloc_kv(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

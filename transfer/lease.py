@@ -27,14 +27,15 @@ class Lease:
 
     Attributes:
         request_id: the request.
-        ticket: its doorbell.
+        ticket: its doorbell; a tuple of them, one per sender, when several sender ranks write
+            its pages (it rang once every one of them rang).
         deadline: clock time after which its pages are released.
         quarantined: the request was aborted; only the pages wait for the ring or the deadline.
         handle: what the quarantine was given (handed back when the lease closes).
     """
 
     request_id: Hashable
-    ticket: DoorbellTicket
+    ticket: DoorbellTicket | tuple[DoorbellTicket, ...]
     deadline: float
     quarantined: bool = False
     handle: Any = None
@@ -75,7 +76,7 @@ class LeaseBook:
         """The open lease of ``request_id``, or None."""
         return self._leases.get(request_id)
 
-    def open(self, request_id: Hashable, ticket: DoorbellTicket) -> Lease:
+    def open(self, request_id: Hashable, ticket: DoorbellTicket | tuple[DoorbellTicket, ...]) -> Lease:
         lease = Lease(request_id, ticket, self.clock() + self.lease_s)
         self._leases[request_id] = lease
         return lease
@@ -97,19 +98,28 @@ class LeaseBook:
         now = self.clock()
         rung, expired = [], []
         for lease in list(self._leases.values()):
-            if lease.ticket.index in rung_tickets:
+            if all(t.index in rung_tickets for t in tickets_of(lease.ticket)):
                 rung.append(lease)
             elif now >= lease.deadline:
                 expired.append(lease)
             else:
                 continue
             del self._leases[lease.request_id]
-            self.doorbells.release(lease.ticket)
+            self._release(lease)
         return rung, expired
+
+    def _release(self, lease: Lease) -> None:
+        for ticket in tickets_of(lease.ticket):
+            self.doorbells.release(ticket)
 
     def cancel(self, request_id: Hashable) -> Lease:
         """Close a lease that no sender will ring: its reservation was undone before its ticket
         left this process, or the caller vouches that the sender stopped (see the module)."""
         lease = self._leases.pop(request_id)
-        self.doorbells.release(lease.ticket)
+        self._release(lease)
         return lease
+
+
+def tickets_of(ticket: DoorbellTicket | tuple[DoorbellTicket, ...]) -> tuple[DoorbellTicket, ...]:
+    """The doorbell words of a reservation: one, or one per sender rank."""
+    return ticket if isinstance(ticket, tuple) else (ticket,)

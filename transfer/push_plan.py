@@ -7,6 +7,8 @@ raises and leaves every cache untouched. Splits the plan's transfers by path:
                                        copy_slots for KV that existed at mark_send
     receiver not reachable / forced -> coalesced segment puts from the local pages, per layer,
                                        and for the existing KV, every layer
+    head routes (the two sides'     -> segment puts of each route's head range from the local
+    tensor parallelism differs)        pages, per layer (`build_routed_work`)
 
 Pure numpy (the pusher moves the arrays to the device).
 """
@@ -22,7 +24,8 @@ from disagg.errors import TransferError
 from disagg.kernels.checks import check_disjoint_copy_host
 from disagg.plan import ForwardPlan
 from disagg.transfer.doorbell import DoorbellTicket
-from disagg.transfer.segments import KVGeometry, LayerSegments, coalesce
+from disagg.transfer.heads import PushRoute
+from disagg.transfer.segments import HeadSegments, KVGeometry, LayerSegments, coalesce, coalesce_heads
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,14 @@ def _fail(message: str, request: int | None, rank: int, pe: int) -> TransferErro
 
 
 def check_plan(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int,
-               doorbells: Mapping[int, DoorbellTicket]) -> None:
+               doorbells: Mapping[int, DoorbellTicket], routed: Mapping[int, tuple] | None = None) -> None:
     """Raise TransferError/ValueError when ``plan`` cannot run on this heap and KV tensor.
 
     Checks lengths, slot ranges against the KV geometry (both sides share it), that the fork
     copies can run as one parallel batch (distinct destinations, none also a source), PE range,
     push map vs tokens (slot and PE both set or both -1, each token's PE is its sequence's
-    receiver), and that every completed send has a doorbell ticket for its receiver.
+    receiver), and that every completed send has a doorbell ticket for its receiver (a sequence
+    in ``routed`` has one per route instead: `build_routed_work`).
     """
     num_tokens = plan.num_tokens
     for name in ("append_slots", "push_slots", "push_pes"):
@@ -99,7 +103,7 @@ def check_plan(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int,
         check_disjoint_copy_host(fork_src[keep], fork_dst[keep], "plan.fork_src_slots/fork_dst_slots")
     _check_pushes(plan, geo, rank, world_size)
     _check_copies(plan, geo, rank, world_size)
-    _check_sends(plan, rank, world_size, doorbells)
+    _check_sends(plan, rank, world_size, doorbells, routed or {})
 
 
 def _check_pe(pe: int, rank: int, world_size: int, request: int | None) -> None:
@@ -161,10 +165,15 @@ def _check_copies(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int
 
 
 def _check_sends(plan: ForwardPlan, rank: int, world_size: int,
-                 doorbells: Mapping[int, DoorbellTicket]) -> None:
+                 doorbells: Mapping[int, DoorbellTicket], routed: Mapping[int, tuple]) -> None:
     for seq, pe, complete in zip(plan.send_seq_ids.tolist(), plan.send_pes.tolist(),
                                  plan.send_complete.tolist()):
         _check_pe(pe, rank, world_size, seq)
+        if seq in routed:
+            if complete and routed[seq] and routed[seq][0].pe != pe:
+                raise _fail(f"the send record names PE {pe}, not the first route's PE {routed[seq][0].pe}",
+                            seq, rank, pe)
+            continue
         if not complete:
             continue
         ticket = doorbells.get(seq)
@@ -221,3 +230,59 @@ def build_push_work(plan: ForwardPlan, geo: KVGeometry, rank: int,
     return PushWork(append_slots=plan.append_slots.astype(np.int32), peer_pes=peer_pes,
                     dst_index=dst_index, dst_slots=dst_slots, segment_pushes=segment_pushes,
                     peer_copies=peer_copies, segment_copies=segment_copies, rings=rings)
+
+
+def build_routed_work(plan: ForwardPlan, geo: KVGeometry, rank: int,
+                      routed: Mapping[int, tuple[PushRoute, ...]]) -> PushWork:
+    """The transfers of a checked plan whose sequences all go by head routes (the two sides'
+    tensor parallelism differs: `disagg.transfer.heads`): every route takes segment runs of its
+    head range from the local pages (`segments.coalesce_heads`), the new tokens per layer and the
+    KV present at mark_send every layer; each completed sequence rings every route's ticket.
+
+    The plan names one PE per sequence (its first route's; `KVConnector.local_dest`); all the
+    sequences sent to one PE share their routes' heads and PEs (they go to one decode instance),
+    so the copies of existing KV, which the plan keys by PE, take any such sequence's routes.
+
+    Raises:
+        TransferError: a pushed sequence has no routes attached, or a pushed token has no local
+            slot to read from.
+    """
+    by_pe: dict[int, tuple[PushRoute, ...]] = {}
+    for seq, pe in zip(plan.send_seq_ids.tolist(), plan.send_pes.tolist()):
+        if seq not in routed:
+            raise _fail("the sequence is pushed but has no head routes attached (KVPusher.attach_routes): a "
+                        "pusher sends either every sequence by routes or none", seq, rank, pe)
+        by_pe.setdefault(pe, routed[seq])
+    pes = plan.push_pes
+    segment_pushes: dict[int, list] = {}
+    for pe in distinct(pes[pes >= 0]):
+        mine = np.flatnonzero(pes == pe)
+        unstored = mine[plan.append_slots[mine] < 0]
+        if len(unstored):
+            raise _fail(f"token {int(unstored[0])} has no local slot, so a segment put cannot read it",
+                        request_of_token(plan, int(unstored[0])), rank, pe)
+        for route in by_pe.get(pe, ()):
+            segment_pushes.setdefault(route.pe, []).append(_route_runs(
+                plan.append_slots[mine], plan.push_slots[mine], geo, route))
+    segment_copies: dict[int, list] = {}
+    for pe in distinct(plan.copy_pes):
+        mine = plan.copy_pes == pe
+        for route in by_pe.get(pe, ()):
+            segment_copies.setdefault(route.pe, []).append(_route_runs(
+                plan.copy_local_slots[mine], plan.copy_remote_slots[mine], geo, route))
+    rings = tuple(route.ticket for seq, complete in zip(plan.send_seq_ids.tolist(), plan.send_complete.tolist())
+                  if complete for route in routed[seq])
+    return PushWork(append_slots=plan.append_slots.astype(np.int32),
+                    segment_pushes={pe: _joined(runs) for pe, runs in segment_pushes.items()},
+                    segment_copies={pe: _joined(runs) for pe, runs in segment_copies.items()}, rings=rings)
+
+
+def _route_runs(src: np.ndarray, dst: np.ndarray, geo: KVGeometry, route: PushRoute) -> HeadSegments:
+    return coalesce_heads(src, dst, geo, route.dst_num_kv_heads, route.src_head, route.dst_head, route.num_heads)
+
+
+def _joined(runs: list[HeadSegments]) -> HeadSegments:
+    """One receiver's runs of several routes (a sender writes one head range per receiver: one)."""
+    if len(runs) == 1:
+        return runs[0]
+    return HeadSegments(np.concatenate([r.runs for r in runs]), runs[0].src_layer_bytes, runs[0].dst_layer_bytes)

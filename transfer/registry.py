@@ -34,7 +34,7 @@ class TransferBackend:
         new_unique_id: ``(size_bytes: int | None) -> bytes``: rank 0's bootstrap id.
         open: ``(uid, *, rank, world_size, size_bytes, device, num_signals, timeout_s)`` -> this
             rank's transport (a `SymmetricHeap` for the heap backends); collective.
-        connector: ``(transport, *, lease_s, clock, force_segment_puts) -> KVConnector``.
+        connector: ``(transport, *, lease_s, clock, force_segment_puts[, verify][, layout]) -> KVConnector``.
     """
 
     name: str
@@ -65,7 +65,8 @@ def get_backend(name: str) -> TransferBackend:
 
 
 def open_connector(transport: Any, *, lease_s: float = 60.0, clock: Callable[[], float] | None = None,
-                   force_segment_puts: bool = False) -> KVConnector:
+                   force_segment_puts: bool = False, verify: bool = False, group: Any = None,
+                   layout: Any = None) -> KVConnector:
     """The `KVConnector` of an engine over ``transport`` (what `open_heap` returned), chosen by
     its ``backend`` name.
 
@@ -74,6 +75,13 @@ def open_connector(transport: Any, *, lease_s: float = 60.0, clock: Callable[[],
         lease_s: seconds a reservation waits for its KV (receiving side).
         clock: monotonic clock of the leases (None: `time.monotonic`).
         force_segment_puts: send with the host-initiated path even to load/store-reachable peers.
+        verify: digest every push and check it before a reservation closes as landed
+            (``transfer.verify``).
+        group: the engine's tensor-parallel group (`disagg.parallel.TPGroup`); with more than one
+            rank the connector is wrapped so that the ranks agree on every poll
+            (`disagg.transfer.group.GroupConnector`).
+        layout: the fleet's head split (`disagg.transfer.heads.HeadLayout`) when the prefill and
+            decode sides differ in tensor parallelism; None: both sides at this instance's.
 
     Raises:
         ValueError: the transport's backend is not registered, or a bad ``lease_s``.
@@ -81,5 +89,13 @@ def open_connector(transport: Any, *, lease_s: float = 60.0, clock: Callable[[],
     import time
 
     backend = get_backend(getattr(transport, "backend", None))
-    return backend.connector(transport, lease_s=lease_s, clock=clock or time.monotonic,
-                             force_segment_puts=force_segment_puts)
+    options = {"verify": True} if verify else {}  # (a backend without digests needs no such keyword)
+    if layout is not None:
+        options["layout"] = layout
+    connector = backend.connector(transport, lease_s=lease_s, clock=clock or time.monotonic,
+                                  force_segment_puts=force_segment_puts, **options)
+    if group is None or group.size == 1:
+        return connector
+    from disagg.transfer.group import GroupConnector
+
+    return GroupConnector(connector, group)

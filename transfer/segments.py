@@ -10,6 +10,8 @@ Within one layer a page is ``2*H*P*D`` contiguous elements, so
     part of one page (o .. o+n tokens)      -> 2*H runs of n*D elements (one per K/V and head)
 
 A run never crosses a layer: layer ``l``'s runs are layer 0's shifted by ``l`` layer strides.
+`coalesce_heads` is the same for a head range into a receiver whose pages hold another number of
+heads (prefill and decode at different tensor parallelism): two runs per whole page (K, V).
 """
 
 from __future__ import annotations
@@ -164,3 +166,101 @@ def _partial_page_runs(src0: np.ndarray, dst0: np.ndarray, length: np.ndarray,
 
     size = np.repeat(length * g.head_dim, 2 * g.num_kv_heads)
     return np.stack([start(src0), start(dst0), size], axis=1)
+
+
+@dataclass(frozen=True)
+class HeadSegments:
+    """Byte runs of one layer from a sender's head range into a receiver of another page layout.
+
+    The sender's pages hold ``H_src`` heads, the receiver's ``H_dst`` (the two sides' tensor
+    parallelism differs: `disagg.transfer.heads`), so the layers of the two sides are
+    ``src_layer_bytes`` and ``dst_layer_bytes`` apart; `for_layer` shifts each side by its own.
+
+    Attributes:
+        runs: int64 ``[num_runs, 3]`` rows ``(src_byte, dst_byte, num_bytes)``, layer 0, from the
+            start of the symmetric allocation both sides' pages begin at.
+        src_layer_bytes, dst_layer_bytes: one layer of each side.
+    """
+
+    runs: np.ndarray
+    src_layer_bytes: int
+    dst_layer_bytes: int
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.runs[:, 2].sum()) if len(self.runs) else 0
+
+    def for_layer(self, layer: int) -> np.ndarray:
+        """int64 ``[num_runs, 3]`` for ``layer``."""
+        shifted = self.runs.copy()
+        shifted[:, 0] += layer * self.src_layer_bytes
+        shifted[:, 1] += layer * self.dst_layer_bytes
+        return shifted
+
+    def for_layers(self, num_layers: int) -> np.ndarray:
+        """int64 ``[num_layers * num_runs, 3]``: every layer's runs, layer-major."""
+        if not len(self.runs):
+            return self.runs.copy()
+        return np.concatenate([self.for_layer(layer) for layer in range(num_layers)])
+
+
+def coalesce_heads(src_slots: np.ndarray, dst_slots: np.ndarray, src: KVGeometry, dst_num_kv_heads: int,
+                   src_head: int, dst_head: int, num_heads: int) -> HeadSegments:
+    """Byte runs that move heads ``[src_head, src_head + num_heads)`` of ``src_slots`` into heads
+    ``[dst_head, ..)`` of ``dst_slots`` of a receiver whose pages hold ``dst_num_kv_heads`` heads.
+
+    A whole page is two runs (its head range of K, and of V: contiguous in the head-major page);
+    part of a page (o .. o+n tokens) is one run of ``n * head_dim`` elements per K/V and head.
+
+    Args:
+        src_slots, dst_slots: int ``[n]`` slots, pair i is ``src_slots[i] -> dst_slots[i]``; the
+            two sides have the same number of pages and page size.
+        src: the sender's KV geometry.
+        dst_num_kv_heads: the receiver's local KV heads.
+        src_head, dst_head, num_heads: the head range on each side (`disagg.transfer.heads.PushRoute`).
+
+    Raises:
+        ValueError: lengths differ, a slot or a head range is out of range.
+    """
+    g = src
+    src_slots = np.asarray(src_slots, dtype=np.int64)
+    dst_slots = np.asarray(dst_slots, dtype=np.int64)
+    if src_slots.shape != dst_slots.shape or src_slots.ndim != 1:
+        raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got {src_slots.shape} and "
+                         f"{dst_slots.shape}")
+    for name, slots in (("src_slots", src_slots), ("dst_slots", dst_slots)):
+        if len(slots) and (slots.min() < 0 or slots.max() >= g.num_slots):
+            raise ValueError(f"{name} must be in [0, {g.num_slots}), got range [{slots.min()}, {slots.max()}]")
+    if num_heads < 1 or src_head < 0 or src_head + num_heads > g.num_kv_heads or dst_head < 0 \
+            or dst_head + num_heads > dst_num_kv_heads:
+        raise ValueError(f"heads: expected {num_heads} head(s) from {src_head} inside the sender's {g.num_kv_heads} "
+                         f"and from {dst_head} inside the receiver's {dst_num_kv_heads}")
+    head_elems = g.page_size * g.head_dim
+    src_page, dst_page = 2 * g.num_kv_heads * head_elems, 2 * dst_num_kv_heads * head_elems
+    src0, dst0, length = slot_runs(src_slots, dst_slots, g.page_size)
+    full = length == g.page_size
+    # Whole pages: [K heads, V heads] of each, one run each.
+    kv_src = np.array([src_head, g.num_kv_heads + src_head], dtype=np.int64) * head_elems
+    kv_dst = np.array([dst_head, dst_num_kv_heads + dst_head], dtype=np.int64) * head_elems
+    pages_src, pages_dst = src0[full] // g.page_size, dst0[full] // g.page_size
+    whole = np.stack([(pages_src[:, None] * src_page + kv_src[None, :]).reshape(-1),
+                      (pages_dst[:, None] * dst_page + kv_dst[None, :]).reshape(-1),
+                      np.full(2 * len(pages_src), num_heads * head_elems, dtype=np.int64)], axis=1)
+    # Parts of pages: one row per (run, K/V, head).
+    rows_src = np.concatenate([np.arange(num_heads) + src_head, np.arange(num_heads) + g.num_kv_heads + src_head])
+    rows_dst = np.concatenate([np.arange(num_heads) + dst_head, np.arange(num_heads) + dst_num_kv_heads + dst_head])
+    s0, d0, n = src0[~full], dst0[~full], length[~full]
+
+    def start(slots: np.ndarray, page: int, rows: np.ndarray) -> np.ndarray:
+        base = (slots // g.page_size) * page + (slots % g.page_size) * g.head_dim
+        return (base[:, None] + rows[None, :].astype(np.int64) * head_elems).reshape(-1)
+
+    part = np.stack([start(s0, src_page, rows_src), start(d0, dst_page, rows_dst),
+                     np.repeat(n * g.head_dim, 2 * num_heads)], axis=1)
+    runs = np.concatenate([whole.reshape(-1, 3), part.reshape(-1, 3)]) * g.itemsize
+    layers = g.num_pages * g.itemsize
+    return HeadSegments(runs=runs.astype(np.int64), src_layer_bytes=layers * src_page,
+                        dst_layer_bytes=layers * dst_page)

@@ -51,7 +51,8 @@ VERBS: dict[str, tuple[str, tuple[str, ...]]] = {
         "disagg serve configs/smollm2-1p1d.yaml --port 8000",)),
     "profile": ("Time an instance's steps into a profile JSON", (
         "disagg profile configs/llama3-8b-1gpu-colocated.yaml --out profile.json",
-        "disagg profile configs/tiny-colocated.yaml --small-grid --out tiny.json")),
+        "disagg profile configs/tiny-colocated.yaml --small-grid --out tiny.json",
+        "disagg profile configs/llama3-8b-tp2-colocated.yaml --out tp2.json")),
     "simulate": ("Simulate CONFIG's fleet from a profile", (
         "disagg simulate configs/llama3-8b-2p2d.yaml --profile profile.json \\\n"
         "    --dataset-name chat --request-rate 8,16",)),
@@ -60,7 +61,9 @@ VERBS: dict[str, tuple[str, tuple[str, ...]]] = {
         "    --goodput ttft:2000 tpot:100 --gpus 8 --out best.yaml",
         "disagg plan --profile profile.json --dataset-name chat \\\n"
         "    --goodput ttft:2000 tpot:100 --gpus 64 --jobs 8 \\\n"
-        "    --only 56P8D,56P8D-adaptive")),
+        "    --only 56P8D,56P8D-adaptive",
+        "disagg plan --profile profile.json --profile tp2.json \\\n"
+        "    --dataset-name chat --goodput ttft:2000 tpot:100 --gpus 8")),
 }
 
 
@@ -114,6 +117,11 @@ def describe(cluster) -> str:
              + f", model {cluster.model_name}, max_model_len {stats['max_model_len']}"]
     for inst in stats["instances"]:
         pe = f" PE {inst['pe']}" if inst.get("pe") is not None else ""
+        ranks = inst.get("ranks") or []
+        if len(ranks) > 1:  # a tensor-parallel instance: every rank's PE and device
+            pe = f" TP {len(ranks)}: " + ", ".join(
+                f"rank {r['rank']}" + (f" PE {r['pe']}" if r.get("pe") is not None else "") + f" on {r.get('device')}"
+                for r in ranks) + ";"
         lines.append(f"  {inst['name']}{pe}: {inst.get('free_pages')}/{inst.get('total_pages')} pages free")
     if stats["paths"]:
         lines.append("  KV paths: " + ", ".join(f"PE {k}: {v}" for k, v in stats["paths"].items()))

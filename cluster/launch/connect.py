@@ -53,7 +53,7 @@ def connect(config: Config) -> bool:
     section = config.cluster
     if section.address is None:
         num_cpus = section.num_cpus or max(os.cpu_count() or 1, int(
-            config.instances.num_instances * config.instances.cpus_per_instance + 1))
+            config.instances.num_ranks * config.instances.cpus_per_instance + 1))
         start_embedded_head(section.bind_host, num_cpus=num_cpus, include_dashboard=section.dashboard,
                             log_to_driver=section.log_to_driver)
     else:

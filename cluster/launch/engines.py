@@ -33,9 +33,10 @@ def torch_dtype(name: str):
     return None if name == "auto" else getattr(torch, name)
 
 
-def load(config: Config, device: str) -> Any:
-    """Load the weights named by ``config.model`` on ``device`` ("cuda" or "cpu"); the model runs
-    with ``config.kernels`` as given (the launcher applied its environment: no actor reads its own)."""
+def load(config: Config, device: str, tp: Any = None) -> Any:
+    """Load the weights named by ``config.model`` on ``device`` ("cuda" or "cpu"): with ``tp`` (a
+    `disagg.parallel.TPGroup`) this rank's shard of them. The model runs with ``config.kernels``
+    as given (the launcher applied its environment: no actor reads its own)."""
     import torch
 
     from disagg.model import load_model
@@ -45,12 +46,12 @@ def load(config: Config, device: str) -> Any:
     target = "cuda:0" if device == "cuda" else "cpu"
     if config.model.num_layers is not None:
         return _dummy_with_layers(config.model.source, config.model.num_layers, config.model.dtype, target,
-                                  config.kernels)
+                                  config.kernels, tp)
     return load_model(config.model.source, dtype=torch_dtype(config.model.dtype), device=target,
-                      settings=config.kernels)
+                      settings=config.kernels, tp=tp)
 
 
-def _dummy_with_layers(source: str, num_layers: int, dtype: str, device: str, settings: Any) -> Any:
+def _dummy_with_layers(source: str, num_layers: int, dtype: str, device: str, settings: Any, tp: Any = None) -> Any:
     """A dummy preset cut (or grown) to ``num_layers`` decoder layers, other shapes unchanged."""
     import torch
 
@@ -63,9 +64,9 @@ def _dummy_with_layers(source: str, num_layers: int, dtype: str, device: str, se
     config = ModelConfig.from_hf_dict(dict(PRESETS[name], num_hidden_layers=num_layers),
                                       name=f"{source}-{num_layers}l", source=f"preset {name!r}")
     resolved = torch_dtype(dtype) or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    weights = random_weights(config, resolved, torch.device(device))
+    weights = random_weights(config, resolved, torch.device(device), tp=tp)
     return Model(config, weights, dtype=resolved, device=torch.device(device), tokenizer=None,
-                 settings=settings)
+                 settings=settings, tp=tp)
 
 
 def kv_torch_dtype(config: Config, model: Any):
@@ -82,7 +83,8 @@ def describe(model: Any, config: Config, device: str) -> dict:
         {"geometry": {num_layers, num_kv_heads, page_size, head_dim, kv_dtype}, "page_bytes",
          "kv_budget_bytes" (bytes this instance may give to KV pages), "model_name",
          "max_position_embeddings", "num_qo_heads", "vocab_size", "eos_token_ids", "has_tokenizer",
-         "device", "kernels" (the model's kernel switches)}
+         "device", "kernels" (the model's kernel switches), "tensor_parallel" (this instance's ranks),
+         "model_num_kv_heads" (the checkpoint's: ``geometry`` holds a rank's share)}
     """
     import torch
 
@@ -111,6 +113,8 @@ def describe(model: Any, config: Config, device: str) -> dict:
         "has_tokenizer": getattr(model, "tokenizer", None) is not None,
         "device": str(getattr(model, "device", device)),
         "kernels": model.settings.model_dump() if hasattr(model, "settings") else None,
+        "tensor_parallel": int(getattr(getattr(model, "tp", None), "size", 1)),
+        "model_num_kv_heads": int((getattr(model, "full_config", None) or cfg).num_kv_heads),
     }
 
 
@@ -128,7 +132,7 @@ def _gpu_kv_budget(config: Config) -> int:
 
     free, total = torch.cuda.mem_get_info()
     share = config.instances.gpus_per_instance
-    if config.instances.instances_per_gpu == 1:
+    if config.instances.ranks_per_gpu == 1:
         used = total - free
     else:
         used = torch.cuda.memory_reserved() + CUDA_CONTEXT_BYTES
@@ -148,6 +152,9 @@ def make_engine(role: str, model: Any, heap: Any, num_pages: int, config: Config
 
     kv_dtype = None if config.cache.kv_dtype == "auto" else kv_torch_dtype(config, model)
     mode = config.scheduler.cuda_graphs
+    tp = getattr(model, "tp", None)
+    if tp is not None and tp.size > 1 and tp.backend == "gloo":
+        mode = "none"  # gloo's collectives (ranks sharing a GPU) cannot be captured in a CUDA graph
     # every role decodes (a prefill instance the requests the adaptive router keeps on it)
     options = EngineOptions(
         num_pages=num_pages, page_size=config.cache.page_size, max_num_seqs=config.scheduler.max_num_seqs,
@@ -155,16 +162,18 @@ def make_engine(role: str, model: Any, heap: Any, num_pages: int, config: Config
         prefix_caching=config.cache.prefix_caching, use_cuda_graphs=False if mode == "none" else None,
         prompt_graphs=None if mode in ("full", "full_and_piecewise") else False,
         mixed_graphs=None if mode == "full" else False, async_scheduling=config.scheduler.async_scheduling,
-        async_prompts=config.scheduler.async_prompts)
+        async_prompts=config.scheduler.async_prompts, verify_transfers=config.transfer.verify)
     if role == "prefill":
         # Decode graphs where the router may keep a request on it to decode (adaptive placement):
         # an eager decode step of an 8B model takes about twice the graph's.
         keeps = policy_of(config.router.placement).keeps and mode != "none"
         return PrefillEngine(model, heap, options=options.replace(
             use_cuda_graphs=None if keeps else False, force_segment_puts=config.transfer.force_segment_puts,
-            push_after=config.transfer.push_after))
+            push_after=config.transfer.push_after,
+            peer_tensor_parallel=config.instances.tensor_parallel_of("decode")))
     if role == "decode":
-        return DecodeEngine(model, heap, options=options.replace(lease_s=config.router.lease_s))
+        return DecodeEngine(model, heap, options=options.replace(
+            lease_s=config.router.lease_s, peer_tensor_parallel=config.instances.tensor_parallel_of("prefill")))
     if role == "colocated":
         return ColocatedEngine(model, options=options)
     raise ValueError(f"role must be prefill, decode or colocated, got {role!r}")

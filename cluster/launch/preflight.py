@@ -4,18 +4,25 @@ Pure functions over the dicts `engines.describe` and the heap bootstrap return, 
 tested without Ray: every instance loaded the same model with the same KV geometry; the pages
 that fit in memory (or the configured number) hold at least one sequence of the context limit;
 every decode PE is load/store reachable from every prefill PE, or the pair takes the segment-put
-path (said once in the log). One check runs before Ray starts, over the config alone
-(`check_model_source`). Called by `disagg.cluster.launch.bootstrap` in the launching process.
+path (said once in the log). Two checks run before Ray starts, over the config and the model's
+config.json or preset: the source is there (`check_model_source`), and it shards over each role's
+``instances.tensor_parallel`` (`check_tensor_parallel`). Called by `disagg.cluster.launch.bootstrap`
+in the launching process.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from disagg.config import DUMMY_PREFIX, SMOLLM2_SOURCE, Config
+from disagg.config_instances import TP_ROLES
 from disagg.errors import PreflightError
+
+if TYPE_CHECKING:
+    from disagg.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,32 +50,86 @@ def check_model_source(config: Config) -> None:
     (``cluster.address`` set) may run on hosts whose copy this one lacks: there a directory
     missing here is said in the log and left to them.
 
+    The model's shapes read here (config.json, or the preset's) then go through
+    `check_tensor_parallel`.
+
     Raises:
         PreflightError: an unknown preset; a directory that is missing (Ray to start here), has no
-            readable config.json, holds an architecture the model cannot run, or no *.safetensors.
+            readable config.json, holds an architecture the model cannot run, or no *.safetensors;
+            a ``tensor_parallel`` the model does not shard over (`check_tensor_parallel`).
     """
     from disagg.model.config import ModelConfig
     from disagg.model.errors import ModelError
-    from disagg.model.presets import PRESETS
+    from disagg.model.presets import PRESETS, preset_config
     from disagg.model.weights import check_checkpoint_present
 
     source = config.model.source
-    if source == SMOLLM2_SOURCE:  # a conversion built by the launch itself (bootstrap.resolve_source)
+    if source == SMOLLM2_SOURCE:  # converted by the launch itself (bootstrap.resolve_source), to these shapes
+        check_tensor_parallel(config, replace(preset_config("smollm2-135m"), name=SMOLLM2_SOURCE))
         return
     if source.startswith(DUMMY_PREFIX):
         if source[len(DUMMY_PREFIX):] not in PRESETS:
             raise PreflightError(f"model.source {source!r}: unknown preset; expected one of "
                                  f"{', '.join(DUMMY_PREFIX + name for name in sorted(PRESETS))}")
+        check_tensor_parallel(config, preset_config(source[len(DUMMY_PREFIX):]))
         return
     try:
         model_dir = Path(source).expanduser()
         if not model_dir.is_dir():
             _missing_source(config, model_dir)
             return
-        ModelConfig.from_dir(model_dir)
+        model = ModelConfig.from_dir(model_dir)
         check_checkpoint_present(model_dir)
     except ModelError as err:
         raise PreflightError(f"model.source {source!r}: {err}") from None
+    check_tensor_parallel(config, model)
+
+
+def check_tensor_parallel(config: Config, model: ModelConfig) -> None:
+    """Every role's ``instances.tensor_parallel`` shards ``model`` evenly.
+
+    At k ranks each rank holds num_qo_heads / k query heads and intermediate_size / k of the MLP;
+    its KV heads are num_kv_heads / k of them, or, when k is a multiple of num_kv_heads, one
+    replicated on k / num_kv_heads ranks.
+
+    The prefill side (a ranks) and the decode side (b ranks) may differ: prefill rank i then
+    writes each of its KV heads into the decode ranks that hold it (`disagg.transfer.heads`),
+    which needs both a and b to shard the model; a pair is refused naming both numbers.
+
+    Raises:
+        PreflightError: naming the role, its tensor_parallel (with the other side's when the two
+            differ), every shape that does not divide (with the numbers) and the degrees that
+            would; ``transfer.verify`` with prefill and decode at different tensor parallelism.
+    """
+    inst = config.instances
+    prefill, decode = inst.tensor_parallel_of("prefill"), inst.tensor_parallel_of("decode")
+    pair = f"prefill {prefill} pushing into decode {decode}: " if inst.mode == "disaggregated" and \
+        prefill != decode else ""
+    for role in (role for role in TP_ROLES if getattr(inst, role)):
+        ranks = inst.tensor_parallel_of(role)
+        problems = _unsharded(model, ranks)
+        if problems:
+            fits = [str(k) for k in range(1, model.num_qo_heads + 1) if not _unsharded(model, k)]
+            raise PreflightError(
+                f"instances.tensor_parallel: {pair}{role} instances at tensor_parallel {ranks} cannot shard "
+                f"{model.name}: {'; '.join(problems)}; degrees that shard it: {', '.join(fits)}")
+    if pair and config.transfer.verify:
+        raise PreflightError(f"transfer.verify: {pair}a decode rank's pages are written by several prefill ranks, "
+                             "and the digest covers one sender's push of every head; turn transfer.verify off, "
+                             f"or give both sides the same tensor_parallel")
+
+
+def _unsharded(model: ModelConfig, ranks: int) -> list[str]:
+    """What of ``model`` does not split over ``ranks`` ranks (empty when everything does)."""
+    problems = []
+    if model.num_qo_heads % ranks:
+        problems.append(f"its {model.num_qo_heads} query heads (num_qo_heads) do not divide by {ranks}")
+    if model.intermediate_size % ranks:
+        problems.append(f"its MLP width (intermediate_size {model.intermediate_size}) does not divide by {ranks}")
+    if model.num_kv_heads % ranks and ranks % model.num_kv_heads:
+        problems.append(f"its {model.num_kv_heads} KV heads (num_kv_heads) do not divide by {ranks}, nor is "
+                        f"{ranks} a multiple of {model.num_kv_heads} (a multiple replicates each KV head)")
+    return problems
 
 
 def _missing_source(config: Config, model_dir: Path) -> None:
@@ -93,12 +154,20 @@ def check_same_model(names: list[str], infos: list[dict]) -> None:
     """
     first = infos[0]
     for name, info in zip(names[1:], infos[1:]):
-        for key in ("model_name", "geometry", "page_bytes"):
-            if info[key] != first[key]:
-                diff = _diff(first[key], info[key]) if isinstance(first[key], dict) else \
-                    f"{first[key]!r} vs {info[key]!r}"
+        # A rank of another tensor parallelism holds another share of the heads (and so of a page).
+        other_tp = info.get("tensor_parallel", 1) != first.get("tensor_parallel", 1)
+        for key in ("model_name", "geometry", "page_bytes", "model_num_kv_heads"):
+            mine, theirs = first.get(key), info.get(key)
+            if other_tp and key == "geometry":
+                mine, theirs = _without_heads(mine), _without_heads(theirs)
+            if mine != theirs and not (other_tp and key == "page_bytes"):
+                diff = _diff(mine, theirs) if isinstance(mine, dict) else f"{mine!r} vs {theirs!r}"
                 raise PreflightError(f"instances {names[0]} and {name} differ in {key}: {diff}; every "
                                      "instance must load the same model with the same cache geometry")
+
+
+def _without_heads(geometry: dict) -> dict:
+    return {k: v for k, v in geometry.items() if k != "num_kv_heads"}
 
 
 def _diff(a: dict, b: dict) -> str:
@@ -112,7 +181,9 @@ def size_cache(config: Config, names: list[str], infos: list[dict]) -> CacheSizi
         PreflightError: no page fits in some instance's memory; or ``model.max_model_len`` exceeds
             the model's limit or what the pages hold.
     """
-    page_bytes = infos[0]["page_bytes"]
+    # Every PE allocates the widest page of the fleet (the heap is symmetric; ranks of the side at
+    # the lower tensor parallelism hold more heads per page).
+    page_bytes = max(info["page_bytes"] for info in infos)
     fits = {name: info["kv_budget_bytes"] // page_bytes for name, info in zip(names, infos)}
     tightest = min(fits, key=fits.get)
     num_pages = config.cache.num_pages or fits[tightest]

@@ -5,7 +5,17 @@ engines need no locks: the actor's methods hand callables to `StepLoop.call` and
 returned future; between calls the thread runs `engine.step()` whenever the engine has work and
 appends the step's outputs to an outbox that the actor drains in batches (`drain`); a caller
 that must learn when one request ends (a prefill abort whose pushes are still in flight) gets a
-future from `watch_end`. Whether the thread steps is `_has_work`'s answer, asked again after
+future from `watch_end`.
+
+A tensor-parallel instance runs one engine replica per rank, each its own actor and loop. The
+leader's loop (rank 0, the one the router calls; ``group`` set) sends each pass's engine calls
+(`EngineCall`, queued with `call_engine`) to the other ranks before it runs them, one broadcast
+over the instance's control group; a follower's loop (`follow`) receives the pass, runs the same
+calls on its replica, and steps when its replica has work, which is when the leader's has: the
+replicas see the same calls in the same order and their KV connectors agree on every poll
+(`disagg.transfer.group`). No Ray call per step reaches a follower. Each pass carries the leader's
+step count, so a replica that parted from the leader's fails at once (its process exits, which
+fails the leader's next collective: the instance dies as a whole). Whether the thread steps is `_has_work`'s answer, asked again after
 every call and at least every ``IDLE_WAIT_S``: a subclass may narrow it (hold steps while calls
 still run). While tracing is on (`disagg.trace`, checked once per pass of the thread) it writes a
 "step" record per step that read a forward and a "call" record per call it ran. Runs inside each
@@ -16,8 +26,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 import traceback
@@ -33,6 +45,31 @@ EMPTY_STEP_WAIT_S = 0.001  # pause after a step that produced nothing (e.g. wait
 MID_STEP_POLL_S = 0.0001  # while a forward runs: how often `while_gpu_runs` asks whether it ended
 
 MAX_STEP_SAMPLES = 256  # step samples kept between two drains (the newest win)
+# A leader with nothing to send says so this often: the followers' receive never waits long
+# enough to time out (the control group's timeout), and a follower learns of a dead leader.
+KEEPALIVE_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCall:
+    """``engine.<method>(*args, **kwargs)``: a call every rank of an instance runs (picklable)."""
+
+    method: str
+    args: tuple = ()
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+    def __call__(self, engine: Any) -> Any:
+        return getattr(engine, self.method)(*self.args, **self.kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """What the leader sends its followers before a pass: the calls to run, then a step when the
+    replica has work. ``num_steps``: the leader's steps before this pass; ``stop``: leave `follow`."""
+
+    calls: tuple[EngineCall, ...] = ()
+    num_steps: int = 0
+    stop: bool = False
 
 
 class StepLoop:
@@ -50,9 +87,17 @@ class StepLoop:
         self.fatal: str | None = None
         self._on_output = on_output
         self._cond = threading.Condition()
-        # (the call, its future, when it was queued: time.time(), may it run mid-step)
-        self._calls: collections.deque[tuple[functools.partial, concurrent.futures.Future, float, bool]] = \
-            collections.deque()
+        # (the call, its future, when it was queued: time.time(), may it run mid-step, the
+        # EngineCall every rank runs or None)
+        self._calls: collections.deque[tuple[functools.partial, concurrent.futures.Future, float, bool,
+                                             EngineCall | None]] = collections.deque()
+        # A tensor-parallel leader's control group (`disagg.parallel.TPGroup`): each pass's engine
+        # calls go to the other ranks first. None: one rank.
+        self.group: Any = None
+        self._sent_t = 0.0  # when the leader last sent a pass
+        self._following = False
+        # Leader: names the ranks that are gone, if any (the actor asks them), for the fatal error.
+        self.diagnose: Callable[[], str | None] | None = None
         self.num_mid_step_calls = 0  # calls run while a step's forward was on the GPU
         self._outbox: list[OutputRow] = []
         self._samples: collections.deque[StepSample] = collections.deque(maxlen=MAX_STEP_SAMPLES)
@@ -66,8 +111,21 @@ class StepLoop:
         self._thread.start()
 
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-        """Queue ``fn(*args, **kwargs)`` to run on the loop thread, between steps; return its future."""
+        """Queue ``fn(*args, **kwargs)`` to run on the loop thread, between steps; return its future.
+        It runs on this rank only: a call that changes the engine goes through `call_engine`."""
         return self._queue(functools.partial(fn, *args, **kwargs), False)
+
+    def call_engine(self, call: EngineCall, *, then: Callable[[Any], Any] | None = None,
+                    mid_step: bool = False) -> concurrent.futures.Future:
+        """Queue ``call`` on the engine, on every rank of the instance; return this rank's result's
+        future. ``then(result)`` runs here right after it, in the same pass (this rank only: a
+        watch on the call's outcome); ``mid_step``: as `call_mid_step` (one rank only: a
+        tensor-parallel leader runs every call between steps)."""
+        def run() -> Any:
+            result = call(self.engine)
+            return result if then is None else then(result)
+        run.__qualname__ = call.method  # the trace names the call by its method
+        return self._queue(functools.partial(run), mid_step, call)
 
     def call_mid_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         """`call` for a call that may also run while a step's forward is on the GPU (`while_gpu_runs`):
@@ -75,15 +133,23 @@ class StepLoop:
         request). Queue order holds: it runs mid-step only when every call queued before it has run."""
         return self._queue(functools.partial(fn, *args, **kwargs), True)
 
-    def _queue(self, fn: functools.partial, mid_step: bool) -> concurrent.futures.Future:
+    def _queue(self, fn: functools.partial, mid_step: bool, record: EngineCall | None = None
+               ) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._stopping:
                 future.set_exception(RuntimeError("the step loop is stopped"))
                 return future
-            self._calls.append((fn, future, time.time(), mid_step))
+            self._calls.append((fn, future, time.time(), mid_step, record))
             self._cond.notify()
         return future
+
+    def follow(self, group: Any) -> None:
+        """Loop thread only (the last call a follower's set-up makes): from the next pass on, run
+        the passes rank 0 of ``group`` sends (`Pass`) until one says stop; calls queued here
+        meanwhile wait until then (the follower's teardown)."""
+        self.group = group
+        self._following = True
 
     def while_gpu_runs(self, is_ready: Callable[[], bool]) -> None:
         """The engine's `on_gpu_wait` (loop thread, inside a step, after its launches): until
@@ -101,7 +167,7 @@ class StepLoop:
                     self._cond.wait(MID_STEP_POLL_S)
                     continue
                 self._calls.popleft()
-            fn, future, queued_t, _ = head
+            fn, future, queued_t, _, _ = head
             self.num_mid_step_calls += 1
             self._run_call(fn, future, queued_t if tracing else None)
 
@@ -133,21 +199,83 @@ class StepLoop:
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         while True:
+            if self._following:
+                self._follow()
             with self._cond:
-                while not self._calls and not self._stopping and not self._has_work():
+                while not self._calls and not self._stopping and not self._has_work() and not self._keepalive_due():
                     self._cond.wait(IDLE_WAIT_S)
                 calls, self._calls = self._calls, collections.deque()
                 stopping = self._stopping
             tracing = trace.enabled()
-            for fn, future, queued_t, _ in calls:
+            records = tuple(record for *_, record in calls if record is not None)
+            if records:
+                self._send(Pass(records, self.num_steps))
+            for fn, future, queued_t, _, _ in calls:
                 self._run_call(fn, future, queued_t if tracing else None)
             if stopping:
+                self.release_followers()
                 self._fail_watches("the step loop stopped")
                 return
-            if self._has_work() and not self._step(tracing):
-                with self._cond:
-                    if not self._calls:
-                        self._cond.wait(EMPTY_STEP_WAIT_S)
+            if self._has_work():
+                if not records:
+                    self._send(Pass((), self.num_steps))
+                if not self._step(tracing):
+                    with self._cond:
+                        if not self._calls:
+                            self._cond.wait(EMPTY_STEP_WAIT_S)
+            elif self._keepalive_due():
+                self._send(Pass((), self.num_steps))
+
+    # ------------------------------------------------------------------ tensor-parallel ranks
+    def _keepalive_due(self) -> bool:
+        return (self.group is not None and not self._following and self.engine is not None
+                and time.monotonic() - self._sent_t > KEEPALIVE_S)
+
+    def _send(self, message: Pass) -> None:
+        """Leader: hand this pass to the other ranks (nothing without a group, or once failed)."""
+        if self.group is None or self._following or self.engine is None or self.fatal is not None:
+            return
+        try:
+            self.group.broadcast_object(message, src=0)
+        except Exception:
+            self._fail("broadcast of a pass to the other ranks")
+        self._sent_t = time.monotonic()
+
+    def release_followers(self) -> None:
+        """Leader, loop thread: tell the other ranks to leave `follow` (before the teardown's
+        collective calls, which they then run from their own queues). Once only."""
+        if self.group is not None and not self._following and self.engine is not None and self.fatal is None:
+            self._send(Pass(stop=True))
+            self.group = None
+
+    def _follow(self) -> None:
+        """Follower: run the leader's passes on this replica until one says stop. A replica that
+        fails or parts from the leader's ends this process: the leader's next collective fails,
+        and the instance with it (no rank serves on alone)."""
+        group = self.group
+        while True:
+            try:
+                message = group.broadcast_object(None, src=0)
+                if message.stop:
+                    break
+                if message.num_steps != self.num_steps:
+                    raise RuntimeError(f"rank {group.rank} parted from the leader: {self.num_steps} steps here, "
+                                       f"{message.num_steps} on rank 0")
+                for call in message.calls:
+                    try:
+                        call(self.engine)
+                    except Exception:  # the leader's call raised the same (its caller hears it)
+                        pass
+                if self.engine.has_work():
+                    self.engine.step()
+                    self.num_steps += 1
+            except BaseException:
+                logger.error("%s (rank %s) failed; ending the process so that its instance stops:\n%s",
+                             self.name, getattr(group, "rank", "?"), traceback.format_exc())
+                logging.shutdown()
+                os._exit(70)
+        self._following = False
+        self.group = None
 
     def _run_call(self, fn: functools.partial, future: concurrent.futures.Future, queued_t: float | None) -> None:
         """Run one queued call; with ``queued_t`` (tracing) write its "call" record."""
@@ -260,7 +388,15 @@ class StepLoop:
 
     def _fail(self, what: str) -> None:
         """The engine raised: it is unusable from now on; the router fails its requests."""
-        self.fatal = f"engine.{what}() raised:\n{traceback.format_exc()}"
+        fatal = f"engine.{what}() raised:\n{traceback.format_exc()}"
+        if self.group is not None and self.diagnose is not None:
+            try:
+                gone = self.diagnose()
+            except Exception as err:
+                gone = f"(the other ranks could not be asked: {err})"
+            if gone:
+                fatal = f"{fatal.rstrip()}\n{gone}"  # the router quotes the last line
+        self.fatal = fatal  # whole, at once: other threads read it (`next_outputs`)
         logger.error("%s", self.fatal)
         self._fail_watches(f"engine.{what}() raised")
         if self._on_output is not None:

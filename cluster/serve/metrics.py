@@ -7,8 +7,9 @@ latency) and are observed when a request ends; counters count tokens, successes 
 aborts and failures by reason (as the HTTP server saw them). `ClusterCollector` turns
 `cluster.stats()` into per-instance gauges (running, waiting, KV pages used/total, usage, push
 GB/s, prefix-cache pages) and counters (preemptions, pushed bytes, doorbell wait, prefix-cache
-queries and hits in prompt tokens), and the router's queue, outcomes,
-aborts and failures by reason, when /metrics is scraped.
+queries and hits in prompt tokens), the router's queue, outcomes,
+aborts and failures by reason, and the dead instances' count (`disagg:num_instances_degraded`),
+when /metrics is scraped.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # cluster.stats() per-instance key -> (metric name, help): gauges of the instance's current state.
 INSTANCE_GAUGES = {
     "running": ("disagg:num_requests_running", "Requests running on the instance."),
+    "tensor_parallel": ("disagg:instance_tensor_parallel", "Tensor-parallel ranks of the instance (GPUs, or "
+                                                           "shares of one)."),
     "waiting": ("disagg:num_requests_waiting", "Requests waiting on the instance."),
     "used_pages": ("disagg:kv_pages_used", "KV cache pages in use on the instance."),
     "total_pages": ("disagg:kv_pages_total", "KV cache pages of the instance."),
@@ -181,7 +184,27 @@ class ClusterCollector(Collector):
         families = _instance_families(instances)
         router = stats.get("router") if isinstance(stats.get("router"), dict) else {}
         families.extend(_router_families(router))
+        families.extend(_rank_families(instances))
+        if isinstance(stats.get("degraded"), list):
+            family = GaugeMetricFamily("disagg:num_instances_degraded", "Instances of the fleet that died "
+                                       "(or were replaced); above 0 the survivors serve their work (degraded).")
+            family.add_metric([], len(stats["degraded"]))
+            families.append(family)
         return families
+
+
+def _rank_families(instances: list[tuple[str, dict]]) -> list:
+    """``disagg:instance_rank_info{instance, role, rank, pe, device} 1``: where each rank runs."""
+    family = GaugeMetricFamily("disagg:instance_rank_info", "One per rank of each instance: its PE in the "
+                               "heap and its device.", labels=["instance", "role", "rank", "pe", "device"])
+    found = False
+    for name, inst in instances:
+        for rank in inst.get("ranks") or ():
+            if isinstance(rank, dict):
+                family.add_metric([name, str(inst.get("role", "")), str(rank.get("rank", "")),
+                                   "" if rank.get("pe") is None else str(rank["pe"]), str(rank.get("device") or "")], 1)
+                found = True
+    return [family] if found else []
 
 
 def _router_families(router: dict) -> list:

@@ -54,6 +54,7 @@ from disagg.engine.steps import ForwardTimer, InstanceLoad, Launched, NextStep, 
 from disagg.errors import InvalidArgument, InvalidArgumentType, OutOfPages
 from disagg.sampling import SamplingParams
 from disagg.transfer.connector import KVPoll, KVSender
+from disagg.transfer.heads import layout_for
 from disagg.transfer.registry import open_connector
 
 logger = logging.getLogger(__name__)
@@ -69,9 +70,14 @@ class EngineCore:
             engine's KV connector (`disagg.transfer.registry.open_connector`, by the heap's
             backend) allocates the KV tensor (collective), pushes prompts' KV through its sender
             and holds reservations in its receiver.
+        runner: what runs each forward, ``runner(model, kv, options)`` -> an object with
+            `ModelRunner`'s ``execute`` and counters (None: a `ModelRunner`; the simulator's
+            runs no model: `disagg.cluster.simulate.instance`).
+        connector: a `KVConnector` to use instead of opening one over ``heap`` (the simulator's
+            virtual one).
     """
 
-    def __init__(self, model, options: EngineOptions, *, heap=None) -> None:
+    def __init__(self, model, options: EngineOptions, *, heap=None, runner=None, connector=None) -> None:
         if not isinstance(options, EngineOptions):
             raise InvalidArgumentType(f"options: expected EngineOptions, got {type(options).__name__}",
                                       argument="options")
@@ -87,16 +93,18 @@ class EngineCore:
         shape, dtype = model.kv_shape(num_pages, page_size), options.kv_dtype or model.dtype
         # The KV transport (None: local requests only): its receiver is built now, its sender on the
         # first pushed prompt (a receive-only instance never needs one).
-        self.connector = None if heap is None else open_connector(
-            heap, lease_s=options.lease_s, clock=options.clock, force_segment_puts=options.force_segment_puts)
+        self.connector = connector if connector is not None or heap is None else open_connector(
+            heap, lease_s=options.lease_s, clock=options.clock, force_segment_puts=options.force_segment_puts,
+            verify=options.verify_transfers, group=getattr(model, "tp", None),
+            layout=layout_for(model, options.peer_tensor_parallel))
         self.kv = (self.connector.alloc_kv(shape, dtype) if self.connector is not None
                    else torch.zeros(shape, dtype=dtype, device=model.device))
         self.receiver = None if self.connector is None else self.connector.receiver
         self._sender: KVSender | None = None
-        self.runner = ModelRunner(model, self.kv, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens, use_cuda_graphs=options.use_cuda_graphs,
-                                  prompt_graphs=options.prompt_graphs, mixed_graphs=options.mixed_graphs,
-                                  push_after=options.push_after)
+        self.runner = runner(model, self.kv, options) if runner is not None else ModelRunner(
+            model, self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            use_cuda_graphs=options.use_cuda_graphs, prompt_graphs=options.prompt_graphs,
+            mixed_graphs=options.mixed_graphs, push_after=options.push_after)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.requests: dict[Hashable, Request] = {}
         self._factory = RequestFactory(tuple(model.config.eos_token_ids))
@@ -157,7 +165,8 @@ class EngineCore:
                        num_pages=self.cache.num_pages, page_size=size)
         req = self._factory.new(request_id, prompt, params)
         if dest is not None:
-            req.dest, req.committed_pages = dest, pages_for(len(prompt), size)
+            # this rank's receiver (rank i of a tensor-parallel instance sends its heads to rank i)
+            req.dest, req.committed_pages = self.connector.local_dest(dest), pages_for(len(prompt), size)
         self.requests[request_id] = req
         self.scheduler.add(req)
 

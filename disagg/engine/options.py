@@ -25,7 +25,7 @@ __all__ = ["EngineOptions", "PUSH_AFTER", "SIZE_FIELDS"]
 # When a forward with receivers pushes its K/V (`ModelRunner._pushes_after`, `transfer.push_after`).
 PUSH_AFTER = ("graphs", "never", "always")
 SIZE_FIELDS = ("num_pages", "page_size", "max_num_seqs", "max_num_batched_tokens")
-_FLAGS = ("async_scheduling", "async_prompts", "prefix_caching", "force_segment_puts")
+_FLAGS = ("async_scheduling", "async_prompts", "prefix_caching", "force_segment_puts", "verify_transfers")
 _TRISTATE = ("use_cuda_graphs", "prompt_graphs", "mixed_graphs")
 
 
@@ -56,6 +56,12 @@ class EngineOptions:
         force_segment_puts: push with segment puts even to load/store-reachable peers.
         push_after: when pushes run: "graphs" (after a whole-forward graph, else layer by layer),
             "never", "always" (`ModelRunner`; `transfer.push_after`).
+        verify_transfers: digest every push and check it before a received request is admitted
+            (`transfer.verify`, a debug mode of the KV connector).
+        peer_tensor_parallel: the tensor parallelism of the instances on the other side of this
+            engine's transfers (the decode instances' for a prefill engine, the prefill
+            instances' for a decode engine); None: this instance's own. When it differs, pushes
+            split each rank's heads over the other side's ranks (`disagg.transfer.heads`).
     """
 
     num_pages: int | None = None
@@ -73,6 +79,8 @@ class EngineOptions:
     clock: Callable[[], float] = field(default=time.monotonic, compare=False)
     force_segment_puts: bool = False
     push_after: str = "graphs"
+    verify_transfers: bool = False
+    peer_tensor_parallel: int | None = None
 
     def __post_init__(self) -> None:
         for name in SIZE_FIELDS:
@@ -95,6 +103,8 @@ class EngineOptions:
         if not callable(self.clock):
             raise InvalidArgumentType(f"clock: expected a callable returning seconds, got "
                                       f"{type(self.clock).__name__}", argument="clock")
+        if self.peer_tensor_parallel is not None:
+            _check_size("peer_tensor_parallel", self.peer_tensor_parallel)
         if self.push_after not in PUSH_AFTER:
             raise InvalidArgument(f"push_after: expected one of {PUSH_AFTER}, got {self.push_after!r}",
                                   argument="push_after")

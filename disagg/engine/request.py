@@ -282,7 +282,8 @@ def check_dest(request_id: Hashable, prompt_len: int, dest: object, connector) -
 
     Raises:
         ValueError / TypeError: no connector, not a RecvDest, another request's, a receiver the
-            connector cannot send to (`KVConnector.check_dest`), a cached length outside
+            connector cannot send to (`KVConnector.check_dest`; as many receiver ranks as this
+            instance has: `KVConnector.local_dest`), a cached length outside
             ``[0, prompt_len)``, or a map not of ``prompt_len - num_cached_tokens`` slots.
     """
     if connector is None:
@@ -294,7 +295,7 @@ def check_dest(request_id: Hashable, prompt_len: int, dest: object, connector) -
     if dest.request_id != request_id:
         raise InvalidArgument(f"dest: reserved for request {dest.request_id!r}, got request {request_id!r}",
                               argument="dest")
-    connector.check_dest(request_id, dest)
+    connector.check_dest(request_id, connector.local_dest(dest))
     cached = dest.num_cached_tokens
     if isinstance(cached, bool) or not isinstance(cached, int) or not 0 <= cached < prompt_len:
         raise InvalidArgument(f"dest.num_cached_tokens: request {request_id!r} has {prompt_len} prompt "

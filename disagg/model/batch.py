@@ -89,6 +89,9 @@ class AttentionBatch:
         input_ids: static batches only: `[B]` int64 token buffer filled by `copy_from_plan`.
         kv_writer: writes each layer's new K/V instead of the model's append (`LayerKVWriter`),
             or None.
+        prefill_q_lens: host ints, the new tokens of each prompt sequence (rows
+            ``num_decodes ..``), where the batch was built from a plan (the split prefill reads
+            them without a device sync); None for decode and static batches.
     """
 
     qo_indptr: torch.Tensor
@@ -113,6 +116,7 @@ class AttentionBatch:
     prefill_page_indices: torch.Tensor | None = None
     prefill_last_page_len: torch.Tensor | None = None
     kv_writer: LayerKVWriter | None = None
+    prefill_q_lens: tuple[int, ...] | None = None
     _static: "_StaticBuffers | None" = field(default=None, repr=False)
 
     @property
@@ -156,7 +160,8 @@ class AttentionBatch:
         max_kv_len = int(arrays["positions"][arrays["logits_indices"]].max()) + 1
         return cls(**views, is_decode=is_decode, num_decodes=num_decodes, max_kv_len=max_kv_len,
                    fork_src_slots=fork_src, fork_dst_slots=fork_dst, check_indices=check_indices,
-                   kv_writer=kv_writer)
+                   kv_writer=kv_writer,
+                   prefill_q_lens=None if is_decode else tuple(np.diff(qo_indptr)[num_decodes:].tolist()))
 
     @classmethod
     def static(cls, max_batch_size: int, max_pages: int, *, num_qo_heads: int, num_kv_heads: int,

@@ -1,4 +1,4 @@
-"""The Llama family's building blocks: RMSNorm, RoPE, SwiGLU.
+"""The Llama family's building blocks: RMSNorm, RoPE, SwiGLU, tensor-parallel projections.
 
 `disagg.model.llama` composes them per layer. Each op has a torch version (`*_torch`) that
 defines the numerics: they follow HF transformers' Llama/Qwen2 modules step for step (float32
@@ -33,6 +33,12 @@ A forward's cuBLAS GEMMs run through cuBLASLt or cuBLAS by its token count (`pre
 `blas`, `DISAGG_BLAS`): cuBLASLt reads the weights faster at 17-128 rows, slower at 8-16. RoPE and
 the K/V append run as one launch (`use_rope_append`) unless `rope_append` is false
 (`DISAGG_ROPE_APPEND=0`). The measurements behind each rule: benchmarks/records/tuning-notes.md.
+
+Tensor parallelism (`disagg.parallel.TPGroup`, shards of `disagg.model.shard`): a column-parallel
+projection is a plain `linear` over the rank's rows; `row_parallel_linear` sums the ranks'
+partial products (o_proj, down_proj); `vocab_parallel_embedding` and `vocab_parallel_logits`
+embed and score over the rank's vocabulary rows. With one rank each is the plain op and calls
+no collective. All of them are capturable in CUDA graphs over NCCL.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +54,9 @@ import torch.nn.functional as F
 from disagg.kernels import dispatch, fused
 from disagg.kernels import linear as skinny
 from disagg.settings import ENV_VARS, allowed_values, current
+
+if TYPE_CHECKING:
+    from disagg.parallel import TPGroup
 
 FUSED_ENV = ENV_VARS["fused_layers"]
 LINEAR_ENV = ENV_VARS["linear"]
@@ -266,3 +275,48 @@ def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.
         x: `[T, H]`. gate_up: `[2 I, H]` (gate rows first). down: `[H, I]`.
     """
     return linear(silu_mul(linear(x, gate_up)), down)
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, tp: "TPGroup") -> torch.Tensor:
+    """A row-parallel projection: each rank multiplies its input columns by its weight columns,
+    the all-reduce sums the partial products.
+
+    Args:
+        x: `[T, K / tp]`, this rank's part of the input (a column-parallel output).
+        weight: `[N, K / tp]`, this rank's columns of the full `[N, K]`.
+
+    Returns:
+        `[T, N]`, the full product, the same on every rank.
+    """
+    return tp.all_reduce(linear(x, weight))
+
+
+def vocab_parallel_embedding(input_ids: torch.Tensor, embed: torch.Tensor, vocab_start: int,
+                             tp: "TPGroup") -> torch.Tensor:
+    """Embed `[T]` token ids with this rank's rows `[V / tp, H]` of the embedding (token ids
+    `vocab_start` on): ids outside them embed as zeros, the all-reduce sums each token's one row
+    in. Returns `[T, H]`, the same on every rank."""
+    if tp.size == 1:
+        return F.embedding(input_ids, embed)
+    local = input_ids - vocab_start
+    outside = (local < 0) | (local >= embed.shape[0])
+    x = F.embedding(local.masked_fill(outside, 0), embed)
+    return tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+
+
+def vocab_parallel_logits(x: torch.Tensor, lm_head: torch.Tensor, vocab_size: int,
+                          tp: "TPGroup") -> torch.Tensor:
+    """The LM head over this rank's vocabulary rows, every rank's logits gathered.
+
+    Args:
+        x: `[B, H]` final hidden states. lm_head: `[ceil(V / tp), H]`, this rank's rows (a short
+            last shard padded with zero rows, whose logits the trim drops).
+        vocab_size: V, the full vocabulary.
+
+    Returns:
+        `[B, V]` logits in x's dtype, the same on every rank.
+    """
+    logits = linear(x, lm_head)
+    if tp.size == 1:
+        return logits
+    return tp.all_gather(logits, dim=-1)[:, :vocab_size]

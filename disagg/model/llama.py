@@ -9,14 +9,22 @@ batch of sequences go through
                    -> RMSNorm -> SwiGLU MLP (fused gate_up) -> + residual ]
           -> RMSNorm -> lm_head on each sequence's last new token
 
+Tensor parallel over `Model.tp` (Megatron; the slices are `disagg.model.shard`'s): each rank
+runs the diagram above on its own heads and MLP columns, so `Model.config` is the rank's local
+shape. The qkv and gate_up projections are column-parallel (no communication), attention is
+local to the rank's heads and its pages, o proj and the MLP's down projection are row-parallel
+(an all-reduce each), and the embedding and the LM head are vocabulary-parallel (an all-reduce,
+and a gather of the logits). The residual stream and the norms are whole on every rank.
+
 Each "+ residual" is folded into the next RMSNorm (`add_rms_norm`, which on GPU updates the
 residual stream in place); norms, RoPE and the SwiGLU activation are one fused Triton launch each
 on GPU (`disagg.kernels.fused`, chosen in `disagg.model.layers`).
 
 Attention reads the whole sequence from the pages: `paged_prefill` (causal, ragged) for prompt
 chunks and mixed batches, `paged_decode` (split-K, CUDA-graph capturable) when every sequence
-appends one token. A forward whose K/V also go elsewhere (a prefill worker pushing to decode
-workers) carries a writer in ``batch.kv_writer`` (`disagg.model.batch.LayerKVWriter`): each
+appends one token. Long prompt chunks may take `split_prefill` instead (the `prefill_attention`
+setting): the chunk's own tokens dense through cuDNN, the prefix from the pages, merged.
+A forward whose K/V also go elsewhere (a prefill worker pushing to decode workers) carries a writer in ``batch.kv_writer`` (`disagg.model.batch.LayerKVWriter`): each
 layer's K/V then goes to ``kv_writer.save_layer`` (local pages and the receivers' in one pass)
 instead of the model's own append, and attention reads the local pages once it returns.
 """
@@ -26,7 +34,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from disagg.kernels import append_kv, copy_slots, paged_decode, paged_prefill
 from disagg.kernels.fp8 import FP8_DTYPE
@@ -34,10 +41,14 @@ from disagg.kernels.linear import row_tiles
 from disagg.model.batch import AttentionBatch
 from disagg.model.config import ModelConfig
 from disagg.kernels.rope_append import rope_append
+from disagg.kernels.split_prefill import split_prefill, use_split
 from disagg.model.layers import (add_rms_norm, apply_rope, linear, preferred_blas, rope_cos_sin,
-                                 rope_inv_freq, swiglu, use_rope_append)
+                                 rope_inv_freq, row_parallel_linear, swiglu, use_rope_append,
+                                 vocab_parallel_embedding, vocab_parallel_logits)
+from disagg.model.shard import Shard
 from disagg.model.weights import LayerWeights, ModelWeights
-from disagg.settings import Settings, active
+from disagg.parallel import SINGLE, TPGroup
+from disagg.settings import Settings, active, current
 
 if TYPE_CHECKING:
     from disagg.model.tokenizer import Tokenizer
@@ -46,10 +57,16 @@ KVScales = tuple[Any, Any]  # (k_scale, v_scale): floats or 1-element float32 de
 
 
 class Model:
-    """A loaded model: config, weights on one device, optional tokenizer. Made by `load_model`.
+    """A loaded model (one tensor-parallel rank of it): config, weights on one device, optional
+    tokenizer. Made by `load_model`.
 
     Attributes:
-        config: the `ModelConfig`.
+        config: this rank's `ModelConfig`: its num_qo_heads, num_kv_heads and intermediate_size
+            (the full ones divided by `tp.size`; one KV head when there are more ranks than KV
+            heads), the full vocab_size; `full_config` itself at one rank.
+        full_config: the checkpoint's `ModelConfig`.
+        tp: the `disagg.parallel.TPGroup` the forward communicates over (`SINGLE`: one rank).
+        shard: the `disagg.model.shard.Shard` the weights hold.
         dtype: activations' and weights' dtype.
         device: where the weights live and the forward runs.
         tokenizer: a `disagg.model.tokenizer.Tokenizer`, or None (token ids only).
@@ -60,8 +77,12 @@ class Model:
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, *, dtype: torch.dtype,
                  device: torch.device, tokenizer: "Tokenizer | None" = None,
-                 settings: Settings | None = None) -> None:
-        self.config = config
+                 settings: Settings | None = None, tp: TPGroup | None = None) -> None:
+        """`config` is the checkpoint's; `weights` are rank `tp.rank`'s slices of it."""
+        self.tp = SINGLE if tp is None else tp
+        self.shard = Shard.of(config, self.tp.rank, self.tp.size)
+        self.full_config = config
+        self.config = self.shard.local_config() if self.tp.size > 1 else config
         self.weights = weights
         self.dtype = dtype
         self.device = torch.device(device)
@@ -70,10 +91,12 @@ class Model:
         self.tokenizer = tokenizer
         self.settings = Settings.from_env() if settings is None else settings
         self.sm_scale = config.head_dim ** -0.5
+        self.vocab_start = self.shard.vocab_range[0]
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, self.device)
 
     def __repr__(self) -> str:
-        return f"Model({self.config.name!r}, {self.config.num_layers} layers, {self.dtype}, {self.device})"
+        ranks = f", rank {self.tp.rank} of {self.tp.size}" if self.tp.size > 1 else ""
+        return f"Model({self.config.name!r}, {self.config.num_layers} layers, {self.dtype}, {self.device}{ranks})"
 
     def kv_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
         """Shape of this model's paged cache: `(L, num_pages, 2, H_kv, page_size, D)`."""
@@ -106,7 +129,8 @@ class Model:
                 prompt graphs pass a `disagg.engine.prompt_graphs.GraphPieces`).
 
         Returns:
-            `[B, vocab]` float32 logits of each sequence's last new token.
+            `[B, vocab]` float32 logits of each sequence's last new token (the full vocabulary
+            on every rank).
 
         Raises:
             ValueError, TypeError: input_ids or kv do not fit the model or the batch.
@@ -132,7 +156,7 @@ class Model:
         # Only each sequence's last token reaches the head: gather, then add and norm those rows.
         last = batch.logits_indices
         x, _ = add_rms_norm(hidden[last], residual[last], self.weights.norm, self.config.rms_norm_eps)
-        return linear(x, self.weights.lm_head).float()
+        return vocab_parallel_logits(x, self.weights.lm_head, self.config.vocab_size, self.tp).float()
 
     # The forward between two attentions, in pieces (`EagerPieces` runs them as they come; the
     # prompt graphs of `disagg.engine.prompt_graphs` capture them per token bucket).
@@ -140,8 +164,8 @@ class Model:
         """Embedding, layer 0's input norm and qkv projection: `[T]` ids -> (qkv `[T, (H_q + 2
         H_kv) * D]`, residual stream `[T, H]`)."""
         first = self.weights.layers[0]
-        x, residual = add_rms_norm(F.embedding(input_ids, self.weights.embed), None, first.input_norm,
-                                   self.config.rms_norm_eps)
+        embedded = vocab_parallel_embedding(input_ids, self.weights.embed, self.vocab_start, self.tp)
+        x, residual = add_rms_norm(embedded, None, first.input_norm, self.config.rms_norm_eps)
         return linear(x, first.qkv, first.qkv_bias), residual
 
     def piece_between(self, index: int, o: torch.Tensor, residual: torch.Tensor
@@ -151,8 +175,9 @@ class Model:
         residual), or for the last layer (its MLP output `[T, H]`, residual) for the final norm."""
         eps = self.config.rms_norm_eps
         layer = self.weights.layers[index]
-        x, residual = add_rms_norm(linear(o, layer.o_proj), residual, layer.post_norm, eps)
-        hidden = swiglu(x, layer.gate_up, layer.down)
+        x, residual = add_rms_norm(row_parallel_linear(o, layer.o_proj, self.tp), residual,
+                                   layer.post_norm, eps)
+        hidden = self.tp.all_reduce(swiglu(x, layer.gate_up, layer.down))  # down is row-parallel
         if index + 1 == self.config.num_layers:
             return hidden, residual
         nxt = self.weights.layers[index + 1]
@@ -179,7 +204,9 @@ class Model:
         # launchers check them for layer 0 only (~75 us of host time per layer otherwise).
         check_args = index == 0
         writer = batch.kv_writer
-        if writer is None and use_rope_append(qkv, kv_layer):
+        q_lens = self._split_q_lens(batch, qkv, kv_layer)
+        k = v = None  # post-RoPE k and v, where the split prefill needs them (not from rope_append)
+        if writer is None and q_lens is None and use_rope_append(qkv, kv_layer):
             q = rope_append(qkv, cos, sin, kv_layer, batch.append_slots, c.num_qo_heads,
                             check_indices=batch.check_indices, check_args=check_args)
         else:
@@ -194,14 +221,35 @@ class Model:
                 append_kv(k, v, kv_layer, batch.append_slots, k_scale=k_scale, v_scale=v_scale,
                           check_indices=batch.check_indices)
         self._paged_attention(q, kv_layer, batch, k_scale, v_scale, out.view(num_tokens, c.num_qo_heads, c.head_dim),
-                              check_args)
+                              check_args, k=k, v=v, q_lens=q_lens)
+
+    def _split_q_lens(self, batch: AttentionBatch, qkv: torch.Tensor, kv_layer: torch.Tensor
+                      ) -> tuple[int, ...] | None:
+        """The q_len of each prompt sequence (host ints) when the prompt rows take the split
+        prefill (`disagg.kernels.split_prefill.use_split`, the `prefill_attention` setting), else
+        None. The lengths are the batch's host copy (`AttentionBatch.prefill_q_lens`, set for
+        batches built from a plan; a static or captured batch has none and stays paged)."""
+        setting = current().prefill_attention
+        if batch.is_decode or setting == "paged":
+            return None
+        d = batch.num_decodes
+        num_seqs, num_tokens = batch.batch_size - d, qkv.shape[0] - d
+        q_lens = batch.prefill_q_lens
+        if use_split(setting, device=qkv.device, dtype=qkv.dtype,
+                     kv_dtype=kv_layer.dtype, num_tokens=num_tokens, num_seqs=num_seqs,
+                     q_lens_known=q_lens is not None):
+            return q_lens
+        return None
 
     def _paged_attention(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBatch,
-                         k_scale, v_scale, out: torch.Tensor, check_args: bool = True) -> None:
+                         k_scale, v_scale, out: torch.Tensor, check_args: bool = True, *,
+                         k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                         q_lens: tuple[int, ...] | None = None) -> None:
         """`[T, H_q, D]` attention output into ``out``: `paged_decode` for a decode batch,
         `paged_prefill` for prompts, and for a mixed batch both, each over its own rows (one query
         per sequence in the prefill kernel would read every KV page once per q head and waste its
-        query tile)."""
+        query tile). With ``q_lens`` (the prompts' lengths) the prompt rows take `split_prefill`
+        over their post-RoPE ``k``, ``v`` `[T, H_kv, D]` instead."""
         scales = dict(k_scale=k_scale, v_scale=v_scale, check_indices=batch.check_indices, check_args=check_args)
         if batch.is_decode:
             paged_decode(q, kv_layer, batch.page_indptr, batch.page_indices, batch.last_page_len,
@@ -209,13 +257,15 @@ class Model:
                          workspace=batch.workspace, **scales)
             return
         d = batch.num_decodes
+        tables = ((batch.prefill_qo_indptr, batch.prefill_page_indptr, batch.prefill_page_indices,
+                   batch.prefill_last_page_len) if d else
+                  (batch.qo_indptr, batch.page_indptr, batch.page_indices, batch.last_page_len))
+        if q_lens is None:
+            paged_prefill(q[d:], kv_layer, *tables, self.sm_scale, causal=True, out=out[d:], **scales)
+        else:
+            split_prefill(q[d:], k[d:], v[d:], kv_layer, *tables, self.sm_scale, q_lens, out=out[d:], **scales)
         if not d:
-            paged_prefill(q, kv_layer, batch.qo_indptr, batch.page_indptr, batch.page_indices,
-                          batch.last_page_len, self.sm_scale, causal=True, out=out, **scales)
             return
-        paged_prefill(q[d:], kv_layer, batch.prefill_qo_indptr, batch.prefill_page_indptr,
-                      batch.prefill_page_indices, batch.prefill_last_page_len, self.sm_scale,
-                      causal=True, out=out[d:], **scales)
         paged_decode(q[:d], kv_layer, batch.page_indptr[:d + 1], batch.page_indices,
                      batch.last_page_len[:d], self.sm_scale, out=out[:d], num_splits=batch.num_splits,
                      max_seq_len=batch.max_kv_len, workspace=batch.workspace, **scales)

@@ -1,8 +1,9 @@
-"""`load_model(source, *, dtype=None, device=None) -> Model`: the one entry point to a model.
+"""`load_model(source, *, dtype=None, device=None, tp=None) -> Model`: the one entry point to a model.
 
 `source` is an HF directory (config.json, *.safetensors, optional tokenizer files) or
 "dummy:<preset>" (see `disagg.model.presets`). Called once per worker process (engine actors,
-tests, benchmarks); weights are read straight to `device`.
+tests, benchmarks); weights are read straight to `device`. A tensor-parallel rank passes its
+`disagg.parallel.TPGroup` and gets its shard of the model (`disagg.model.shard`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from disagg.model.llama import Model
 from disagg.model.presets import preset_config
 from disagg.model.tokenizer import Tokenizer
 from disagg.model.weights import load_checkpoint, random_weights
+from disagg.parallel import SINGLE, TPGroup
 from disagg.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -29,7 +31,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None,
                device: torch.device | str | None = None, seed: int = 0,
-               settings: Settings | None = None) -> Model:
+               settings: Settings | None = None, tp: TPGroup | None = None) -> Model:
     """Load a model directory or build a dummy preset.
 
     Args:
@@ -40,19 +42,24 @@ def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None,
         seed: dummy presets only: the weights' seed.
         settings: the kernel switches (`disagg.settings.Settings`); default: the defaults
             overridden by the DISAGG_* environment variables, read now, once.
+        tp: this process's tensor-parallel group (`SINGLE` when None): the model is rank
+            `tp.rank`'s shard, its forwards communicate over `tp`. Every rank of a group loads
+            the same source with the same seed.
 
     Raises:
-        ModelConfigError, UnsupportedArchitecture: bad or unsupported config / preset / dtype.
+        ModelConfigError, UnsupportedArchitecture: bad or unsupported config / preset / dtype,
+            or a `tp.size` that does not split the model's heads or MLP width.
         WeightsError: missing or unreadable weights, missing/unexpected/misshaped tensors.
         ConfigError: a DISAGG_* kernel switch holds a value it does not have.
     """
     settings = Settings.from_env() if settings is None else settings  # before any weight is read
+    tp = SINGLE if tp is None else tp
     device = _resolve_device(device)
     source = str(source)
     if source.startswith(DUMMY_PREFIX):
         config = preset_config(source[len(DUMMY_PREFIX):])
         dtype = _resolve_dtype(dtype, config, device)
-        weights = random_weights(config, dtype, device, seed=seed)
+        weights = random_weights(config, dtype, device, seed=seed, tp=tp)
         tokenizer = None
     else:
         model_dir = Path(source).expanduser()
@@ -61,10 +68,12 @@ def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None,
                                    f"'{DUMMY_PREFIX}<preset>', got a path that is not a directory")
         config = ModelConfig.from_dir(model_dir)
         dtype = _resolve_dtype(dtype, config, device)
-        weights = load_checkpoint(model_dir, config, dtype, device)
+        weights = load_checkpoint(model_dir, config, dtype, device, tp=tp)
         tokenizer = Tokenizer.from_dir(model_dir, config) if (model_dir / "tokenizer.json").is_file() else None
-    logger.info("model %s: %d layers, %s on %s", config.name, config.num_layers, dtype, device)
-    return Model(config, weights, dtype=dtype, device=device, tokenizer=tokenizer, settings=settings)
+    logger.info("model %s: %d layers, %s on %s, tensor-parallel rank %d of %d", config.name,
+                config.num_layers, dtype, device, tp.rank, tp.size)
+    return Model(config, weights, dtype=dtype, device=device, tokenizer=tokenizer, settings=settings,
+                 tp=tp)
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:

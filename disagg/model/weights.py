@@ -5,6 +5,11 @@ Either way the result is a `ModelWeights` whose projections are already fused th
 runs them: q/k/v as one `[q + 2 kv, hidden]` matrix (one GEMM per layer), gate/up as one
 `[2 * intermediate, hidden]` matrix. Every HF tensor name is checked before anything is read:
 a missing, unexpected or misshaped tensor is a `WeightsError` naming the file and the tensor.
+
+A tensor-parallel rank holds only its slices (`disagg.model.shard`): `load_checkpoint` reads
+them alone from the files (safetensors `get_slice`), `random_weights` makes each full tensor of
+the one-rank model from the same seeded stream and keeps the rank's part, so every degree runs
+the same model and at most one full tensor is alive at a time.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from safetensors import SafetensorError, safe_open
 
 from disagg.model.config import ModelConfig
 from disagg.model.errors import WeightsError
+from disagg.model.shard import Shard, pad_vocab_rows, take
+from disagg.parallel import SINGLE, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +37,8 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 @dataclass
 class LayerWeights:
-    """One decoder layer, `H` = hidden, `I` = intermediate, `Q`/`KV` = q/kv projection widths.
+    """One decoder layer, `H` = hidden, `I` = intermediate, `Q`/`KV` = q/kv projection widths
+    (a tensor-parallel rank's own: its heads' and its MLP columns').
 
     Attributes:
         input_norm: `[H]` RMSNorm before attention.
@@ -54,7 +62,8 @@ class LayerWeights:
 @dataclass
 class ModelWeights:
     """Every tensor of the model: `embed` `[V, H]`, `layers`, final `norm` `[H]`, `lm_head`
-    `[V, H]` (the same tensor as `embed` when the embeddings are tied)."""
+    `[V, H]` (the same tensor as `embed` when the embeddings are tied). A tensor-parallel rank's
+    `embed` and `lm_head` are its `[Shard.vocab_rows, H]` rows."""
 
     embed: torch.Tensor
     layers: list[LayerWeights]
@@ -85,19 +94,24 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_checkpoint(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype,
-                    device: torch.device) -> ModelWeights:
-    """Read every tensor of an HF checkpoint (one file, several, or sharded with an index).
+                    device: torch.device, tp: TPGroup | None = None) -> ModelWeights:
+    """Read every tensor of an HF checkpoint (one file, several, or sharded with an index), or
+    only tensor-parallel rank `tp.rank`'s slices of them.
 
     Args:
         model_dir: directory with `*.safetensors` (and `model.safetensors.index.json` if sharded).
         config: the checkpoint's config (gives the expected names and shapes).
         dtype: the model's dtype; tensors are cast after loading on `device`.
         device: where the tensors are loaded (safetensors reads straight to it).
+        tp: the rank's group (`SINGLE`, the whole model, when None).
 
     Raises:
         WeightsError: no weights, a missing or unreadable file, a missing, unexpected or
             misshaped tensor (the message names the file and the tensor).
+        ModelConfigError: `tp.size` cannot split the model (`disagg.model.shard`).
     """
+    tp = SINGLE if tp is None else tp
+    shard = Shard.of(config, tp.rank, tp.size)
     locations = _tensor_locations(Path(model_dir))
     _check_names_and_shapes(locations, expected_shapes(config), config.tie_word_embeddings)
     by_file: dict[Path, list[str]] = {}
@@ -109,9 +123,20 @@ def load_checkpoint(model_dir: str | Path, config: ModelConfig, dtype: torch.dty
         with _open(path, target) as f:
             for name in names:
                 if not name.endswith(IGNORED_SUFFIXES):
-                    tensors[name] = f.get_tensor(name).to(dtype)
-    logger.info("loaded %d tensors from %d file(s) in %s", len(tensors), len(by_file), model_dir)
-    return _fuse(tensors, config)
+                    tensors[name] = _read(f, name, shard).to(dtype)
+    logger.info("loaded %d tensors from %d file(s) in %s (rank %d of %d)", len(tensors),
+                len(by_file), model_dir, tp.rank, tp.size)
+    return _fuse(tensors, config, shard)
+
+
+def _read(f, name: str, shard: Shard) -> torch.Tensor:
+    """Tensor `name` of open file `f`, or only the rows or columns of it that `shard` holds."""
+    part = shard.hf_slice(name)
+    if part is None:
+        return f.get_tensor(name)
+    dim, (start, stop) = part
+    rows = f.get_slice(name)
+    return rows[start:stop] if dim == 0 else rows[:, start:stop]
 
 
 def _open(path: Path, device: str):
@@ -179,8 +204,9 @@ def _check_names_and_shapes(locations: dict[str, Path], expected: dict[str, tupl
                                        f"{list(expected[name])}")
 
 
-def _fuse(t: dict[str, torch.Tensor], config: ModelConfig) -> ModelWeights:
-    """Stack q/k/v and gate/up per layer (the HF tensors are dropped as they are consumed)."""
+def _fuse(t: dict[str, torch.Tensor], config: ModelConfig, shard: Shard) -> ModelWeights:
+    """Stack q/k/v and gate/up per layer (the HF tensors are dropped as they are consumed); pad
+    a short vocabulary shard."""
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -193,22 +219,31 @@ def _fuse(t: dict[str, torch.Tensor], config: ModelConfig) -> ModelWeights:
             post_norm=t.pop(p + "post_attention_layernorm.weight"), gate_up=torch.cat(gate_up),
             down=t.pop(p + "mlp.down_proj.weight"),
         ))
-    embed = t.pop("model.embed_tokens.weight")
-    lm_head = embed if config.tie_word_embeddings else t.pop("lm_head.weight")
+    embed = pad_vocab_rows(t.pop("model.embed_tokens.weight"), shard)
+    lm_head = embed if config.tie_word_embeddings else pad_vocab_rows(t.pop("lm_head.weight"), shard)
     return ModelWeights(embed=embed, layers=layers, norm=t.pop("model.norm.weight"), lm_head=lm_head)
 
 
 def random_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                   seed: int = 0) -> ModelWeights:
-    """Seeded random weights of `config`'s shapes, made on `device` in `dtype`.
+                   seed: int = 0, tp: TPGroup | None = None) -> ModelWeights:
+    """Seeded random weights of `config`'s shapes, made on `device` in `dtype`; with `tp`, rank
+    `tp.rank`'s slices of the same weights (each full tensor made, sliced, dropped in turn).
 
     Scaled so activations keep unit size through any depth: projections ~ N(0, 1/fan_in), norms
     ~ 1 + N(0, 0.1^2), embeddings N(0, 1) (untied) or N(0, 1/hidden) (tied, so the head's logits
     have unit size too). Logits are then O(1) and differ from token to token, so greedy decoding
     does not collapse onto one token.
+
+    Raises:
+        ModelConfigError: `tp.size` cannot split the model (`disagg.model.shard`).
     """
+    tp = SINGLE if tp is None else tp
+    shard = Shard.of(config, tp.rank, tp.size)
     gen = torch.Generator(device=device).manual_seed(seed)
     c = config
+
+    def part(full: torch.Tensor, dim: int, spans: list[tuple[int, int]]) -> torch.Tensor:
+        return full if shard.size == 1 else take(full, dim, spans)
 
     def normal(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(std)
@@ -219,15 +254,20 @@ def random_weights(config: ModelConfig, dtype: torch.dtype, device: torch.device
     def norm() -> torch.Tensor:
         return normal(c.hidden_size, std=0.1).add_(1.0)
 
-    qkv_rows = c.q_size + 2 * c.kv_size
+    def vocab_rows(full: torch.Tensor) -> torch.Tensor:
+        return full if shard.size == 1 else pad_vocab_rows(take(full, 0, [shard.vocab_range]), shard)
+
+    # Drawn in the one-rank order (the stream decides the values): layer by layer, then the rest.
+    qkv_rows, qkv_spans = c.q_size + 2 * c.kv_size, shard.qkv_spans()
+    mlp_spans, q_cols, mlp_cols = shard.gate_up_spans(), [shard.q_span()], [shard.mlp_span()]
     layers = [LayerWeights(
-        input_norm=norm(), qkv=linear(qkv_rows, c.hidden_size),
-        qkv_bias=normal(qkv_rows, std=0.1) if c.attention_bias else None,
-        o_proj=linear(c.hidden_size, c.q_size), post_norm=norm(),
-        gate_up=linear(2 * c.intermediate_size, c.hidden_size),
-        down=linear(c.hidden_size, c.intermediate_size),
+        input_norm=norm(), qkv=part(linear(qkv_rows, c.hidden_size), 0, qkv_spans),
+        qkv_bias=part(normal(qkv_rows, std=0.1), 0, qkv_spans) if c.attention_bias else None,
+        o_proj=part(linear(c.hidden_size, c.q_size), 1, q_cols), post_norm=norm(),
+        gate_up=part(linear(2 * c.intermediate_size, c.hidden_size), 0, mlp_spans),
+        down=part(linear(c.hidden_size, c.intermediate_size), 1, mlp_cols),
     ) for _ in range(c.num_layers)]
     embed_std = 1.0 / math.sqrt(c.hidden_size) if c.tie_word_embeddings else 1.0
-    embed = normal(c.vocab_size, c.hidden_size, std=embed_std)
-    lm_head = embed if c.tie_word_embeddings else linear(c.vocab_size, c.hidden_size)
+    embed = vocab_rows(normal(c.vocab_size, c.hidden_size, std=embed_std))
+    lm_head = embed if c.tie_word_embeddings else vocab_rows(linear(c.vocab_size, c.hidden_size))
     return ModelWeights(embed=embed, layers=layers, norm=norm(), lm_head=lm_head)

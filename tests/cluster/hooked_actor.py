@@ -54,8 +54,8 @@ class HookedInstanceActor(InstanceActor):
 
     step_loop_class = PausableStepLoop
 
-    def __init__(self, role: str, name: str, config: dict) -> None:
-        super().__init__(role, name, config)
+    def __init__(self, role: str, name: str, config: dict, rank: int = 0) -> None:
+        super().__init__(role, name, config, rank)
         self._num_to_drop = 0
         self._dropped: set = set()
         self._unstall = threading.Event()
@@ -115,8 +115,8 @@ def with_own_environment(actor_class: type[InstanceActor], **variables: str) -> 
     environment before their set-up (as an actor on another host has its own environment).
     Variables read when a module is imported are out of its reach: the class's module imports
     `disagg` before its ``__init__`` runs."""
-    def __init__(self, role: str, name: str, config: dict) -> None:
+    def __init__(self, role: str, name: str, config: dict, rank: int = 0) -> None:
         os.environ.update(variables)
-        actor_class.__init__(self, role, name, config)
+        actor_class.__init__(self, role, name, config, rank)
     return type(f"{actor_class.__name__}WithOwnEnvironment", (actor_class,),
                 {"__init__": __init__, "__module__": __name__})

@@ -21,10 +21,10 @@ def instances(**fields):
 @pytest.mark.parametrize("share, per_gpu, gpus", [(1.0, 1, 2), (0.5, 2, 1), (0.25, 4, 1), (1 / 3, 3, 1)])
 def test_share_counts_whole_gpus(share, per_gpu, gpus):
     inst = instances(gpus_per_instance=share)
-    assert (inst.instances_per_gpu, inst.num_gpus) == (per_gpu, gpus)
+    assert (inst.ranks_per_gpu, inst.num_gpus) == (per_gpu, gpus)
 
 
-@pytest.mark.parametrize("share, words", [(0.4, "1/k for a whole k"), (2.0, "tensor parallelism"),
+@pytest.mark.parametrize("share, words", [(0.4, "1/k for a whole k"), (2.0, "instances.tensor_parallel"),
                                           (0, "greater than 0"), (-0.5, "greater than 0")])
 def test_share_refused_with_the_reason(share, words):
     with pytest.raises(ConfigError, match=words):
@@ -55,7 +55,7 @@ def test_demo_on_one_gpu_shares_it_and_compares_with_one_colocated_instance():
     kind, disagg_path, colocated_path = choose(1)
     disagg, colocated = Config.from_yaml(disagg_path), Config.from_yaml(colocated_path)
     assert kind == "gpu-shared"
-    assert (disagg.instances.num_gpus, disagg.instances.instances_per_gpu, disagg.transfer.backend) == (1, 2, "nvshmem")
+    assert (disagg.instances.num_gpus, disagg.instances.ranks_per_gpu, disagg.transfer.backend) == (1, 2, "nvshmem")
     assert (colocated.instances.colocated, colocated.instances.num_gpus) == (1, 1)
     assert disagg.model == colocated.model and disagg.cache == colocated.cache
     assert Config.from_yaml(disagg.bench.compare_with).instances == colocated.instances

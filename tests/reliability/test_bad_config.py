@@ -6,12 +6,17 @@ given twice; file:line:col for YAML that does not parse), and no Python tracebac
 wrong types (strings for ints, floats, bools; numbers for bools; floats for ints), keys given
 twice (top level, nested, flow style), empty or blank paths, unknown keys and sections, bad enum
 values (kernels switches included), negative or zero counts, a share of a GPU that is not 1/k or
-above 1, the cross-field rules, and YAML that does not parse (an unclosed list, a tab indent).
-The launcher is replaced by a recorder: a case that got past validation counts as "launched".
+above 1, tensor parallelism that is not an int >= 1 or a mapping of known roles, the cross-field
+rules, and YAML that does not parse (an unclosed list, a tab indent). The launcher is replaced by
+a recorder: a case that got past validation counts as "launched". A second replay: valid files
+whose model does not shard over their tensor_parallel (a role's, or one side of a prefill/decode
+pair), refused by the launch's preflight before Ray starts (exit 1; Ray's `connect` replaced by a
+recorder that counts the cases that reached it).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -84,7 +89,21 @@ CASES = {
     "zero gpus": (_set("instances.gpus_per_instance", 0), "instances.gpus_per_instance: Input should be greater"),
     # a GPU share that is not 1/k, or more than one GPU
     "gpu share 0.4": (_set("instances.gpus_per_instance", 0.4), "instances: gpus_per_instance must be 1/k"),
-    "gpu share 2": (_set("instances.gpus_per_instance", 2), "instances: gpus_per_instance above 1"),
+    "gpu share 2": (_set("instances.gpus_per_instance", 2),
+                    "instances: gpus_per_instance is per rank, at most one GPU; got 2.0: spread an instance over "
+                    "several GPUs with instances.tensor_parallel"),
+    # tensor parallelism: ranks per instance, an int >= 1 or a mapping of known roles to them
+    "tp zero": (_set("instances.tensor_parallel", 0), "instances.tensor_parallel: expected ranks per instance, an "
+                                                      "int >= 1, or a mapping of prefill, decode, colocated to them (got 0)"),
+    "tp as string": (_set("instances.tensor_parallel", "2"), "instances.tensor_parallel: expected ranks per instance"),
+    "tp as bool": (_set("instances.tensor_parallel", True), "instances.tensor_parallel: expected ranks per instance"),
+    "tp role zero": (_set("instances.tensor_parallel", {"prefill": 0, "decode": 0}),
+                     "instances.tensor_parallel: prefill: expected ranks per instance, an int >= 1, got 0"),
+    "tp unknown role": (_set("instances.tensor_parallel", {"prefil": 2, "decode": 2}),
+                        "instances.tensor_parallel: unknown role 'prefil' in {'prefil': 2, 'decode': 2}; did you mean "
+                        "'prefill'?"),
+    "tp role not in the fleet": (_set("instances.tensor_parallel", {"colocated": 2}),
+                                 "instances: tensor_parallel gives colocated, which this fleet has no instances of"),
     # cross-field rules
     "page size not a power of two": (_set("cache.page_size", 12), "cache: page_size must be a power of two"),
     "no decode": (_set("instances.decode", 0), "instances: a disaggregated fleet needs prefill >= 1 and decode >= 1"),
@@ -96,6 +115,42 @@ CASES = {
 }
 
 
+# Valid files whose model does not shard over their tensor_parallel: name -> (what to change, text the
+# message must hold). MODEL_DIR stands for an HF directory of 12 query heads and 3 KV heads.
+MODEL_DIR = "<model dir>"
+UNSHARDED = {
+    "tp 3, query heads": (_set("instances.tensor_parallel", 3),
+                          "instances.tensor_parallel: prefill instances at tensor_parallel 3 cannot shard dummy:tiny: "
+                          "its 4 query heads (num_qo_heads) do not divide by 3"),
+    "tp 8, more ranks than heads": (_set("instances.tensor_parallel", 8),
+                                    "its 4 query heads (num_qo_heads) do not divide by 8; degrees that shard it: 1, 2, 4"),
+    "tp 2, smollm2 heads": ({"set": [("model.source", "dummy:smollm2-135m"), ("instances.tensor_parallel", 2)]},
+                            "its 9 query heads (num_qo_heads) do not divide by 2; its 3 KV heads (num_kv_heads) do "
+                            "not divide by 2, nor is 2 a multiple of 3"),
+    "tp 9, MLP width": ({"set": [("model.source", "dummy:smollm2-135m"), ("instances.tensor_parallel", 9)]},
+                        "cannot shard dummy:smollm2-135m: its MLP width (intermediate_size 1536) does not divide by 9; "
+                        "degrees that shard it: 1, 3"),
+    "tp 4, KV heads": ({"set": [("model.source", MODEL_DIR), ("instances.tensor_parallel", 4)]},
+                       "cannot shard model: its 3 KV heads (num_kv_heads) do not divide by 4, nor is 4 a multiple of 3"),
+    "tp 3, colocated": (_set("instances", {"colocated": 1, "tensor_parallel": 3, "device": "cpu"}),
+                        "instances.tensor_parallel: colocated instances at tensor_parallel 3 cannot shard dummy:tiny"),
+    "tp 3 for prefill and decode, mapping": (_set("instances.tensor_parallel", {"prefill": 3, "decode": 3}),
+                                             "prefill instances at tensor_parallel 3 cannot shard dummy:tiny"),
+    "tp pair, decode side": (_set("instances.tensor_parallel", {"prefill": 2, "decode": 3}),
+                             "instances.tensor_parallel: prefill 2 pushing into decode 3: decode instances at "
+                             "tensor_parallel 3 cannot shard dummy:tiny: its 4 query heads (num_qo_heads) do not "
+                             "divide by 3"),
+    "tp pair, smollm2 prefill side": ({"set": [("model.source", "dummy:smollm2-135m"),
+                                               ("instances.tensor_parallel", {"prefill": 2, "decode": 3})]},
+                                      "instances.tensor_parallel: prefill 2 pushing into decode 3: prefill instances "
+                                      "at tensor_parallel 2 cannot shard dummy:smollm2-135m"),
+    "tp pair with verify": ({"set": [("instances.tensor_parallel", {"prefill": 1, "decode": 2}),
+                                     ("transfer.verify", True)]},
+                            "transfer.verify: prefill 1 pushing into decode 2: a decode rank's pages are written by "
+                            "several prefill ranks"),
+}
+
+
 def _write(tmp_path: Path, name: str, change: dict) -> Path:
     text = BASE.read_text()
     if "set" in change or "drop" in change:
@@ -103,12 +158,12 @@ def _write(tmp_path: Path, name: str, change: dict) -> Path:
         if "drop" in change:
             del raw[change["drop"]]
         else:
-            dotted, value = change["set"]
-            *sections, key = dotted.split(".")
-            node = raw
-            for section in sections:
-                node = node.setdefault(section, {})
-            node[key] = value
+            for dotted, value in change["set"] if isinstance(change["set"], list) else [change["set"]]:
+                *sections, key = dotted.split(".")
+                node = raw
+                for section in sections:
+                    node = node.setdefault(section, {})
+                node[key] = value
         text = yaml.safe_dump(raw, sort_keys=False)
     elif "replace" in change:
         old, new = change["replace"]
@@ -152,3 +207,48 @@ def test_every_broken_config_exits_2_naming_the_field(tmp_path: Path, monkeypatc
 def test_the_base_config_is_valid():
     """The replay breaks one thing at a time: the file it starts from passes."""
     assert cli.load_config(BASE).instances.num_instances == 2
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    """An HF directory of 12 query heads and 3 KV heads (and a weights file, for the presence check)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 192, "num_attention_heads": 12,
+        "num_key_value_heads": 3, "num_hidden_layers": 2, "intermediate_size": 384, "vocab_size": 256}))
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+def test_every_model_that_does_not_shard_exits_1_before_ray_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from disagg.cluster.launch import bootstrap
+
+    reached = []
+
+    def connect(config):
+        reached.append(config.path)
+        raise cli.typer.Exit(99)
+
+    monkeypatch.setattr(bootstrap, "connect", connect)  # no case may get this far
+    model_dir = str(_model_dir(tmp_path))
+    runner = CliRunner()
+    counts = {"tried": 0, "exit_1": 0, "named": 0, "tracebacks": 0, "reached_ray": 0}
+    wrong = []
+    for name, (change, expected) in UNSHARDED.items():
+        if "set" in change and isinstance(change["set"], list):
+            change = {"set": [(key, model_dir if value == MODEL_DIR else value) for key, value in change["set"]]}
+        path = _write(tmp_path, name, change)
+        result = runner.invoke(cli.app, ["check", str(path)])
+        counts["tried"] += 1
+        counts["exit_1"] += result.exit_code == 1
+        named = expected in result.output and f"{path}: PreflightError: " in result.output
+        counts["named"] += named
+        counts["tracebacks"] += "Traceback" in result.output or (
+            result.exception is not None and not isinstance(result.exception, SystemExit))
+        if result.exit_code != 1 or not named:
+            wrong.append(f"{name}: exit {result.exit_code}, output {result.output.strip()!r}")
+    counts["reached_ray"] = len(reached)
+    assert counts == {"tried": len(UNSHARDED), "exit_1": len(UNSHARDED), "named": len(UNSHARDED), "tracebacks": 0,
+                      "reached_ray": 0}, "\n".join(wrong)
+    result = runner.invoke(cli.app, ["check", str(_write(tmp_path, "tp 2 shards", _set("instances.tensor_parallel", 2)))])
+    assert (result.exit_code, len(reached)) == (99, 1), result.output  # a TP that shards goes on to Ray

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -22,3 +23,27 @@ def open_shm_heaps(world_size: int, size_bytes: int = 1 << 20, timeout_s: float 
                                              size_bytes=size_bytes, timeout_s=timeout_s,
                                              num_signals=num_signals)
                        for r in range(world_size)])
+
+
+class Shared:
+    """One gather's state for the ranks of a `ThreadGroup`."""
+
+    def __init__(self, size: int) -> None:
+        self.barrier = threading.Barrier(size, timeout=10)
+        self.slots: list = [None] * size
+
+
+class ThreadGroup:
+    """Rank ``rank`` of ``size`` threads: `all_gather_object` as `disagg.parallel.TPGroup`'s (the
+    control group of a tensor-parallel instance's ranks, here threads of one process)."""
+
+    def __init__(self, shared: Shared, rank: int, size: int) -> None:
+        self.shared, self.rank, self.size = shared, rank, size
+
+    def all_gather_object(self, obj):
+        self.shared.slots[self.rank] = obj
+        self.shared.barrier.wait()
+        out = list(self.shared.slots)
+        self.shared.barrier.wait()  # everyone read before the next gather writes
+        return out
+

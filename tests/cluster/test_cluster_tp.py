@@ -1,0 +1,141 @@
+"""Tensor-parallel instances on CPU actors (gloo): tiny-tp2-1p1d.yaml, each instance two ranks.
+
+Every rank is its own Ray actor and PE of the shm heap with a replica of the engine; prefill rank
+i pushes its KV head into decode rank i's pages. The tokens must equal an unsharded colocated
+engine's (greedy, float32), and after every test every page is free on every rank (read off each
+rank's engine, not only the leader's). The module ends by killing one decode rank: the instance
+dies as a whole, its requests fail naming the instance and the rank.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
+from hooked_actor import HookedInstanceActor
+
+from disagg.sampling import SamplingParams
+
+LEASE_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local):
+    cluster = launch("tiny-tp2-1p1d", HookedInstanceActor, router__lease_s=LEASE_S)
+    yield cluster
+    cluster.shutdown()
+
+
+def every_rank_free(cluster, ray_local) -> None:
+    """Each live instance's every rank has all its pages free (each rank's own engine)."""
+    for inst in cluster.fleet.instances:
+        if not inst.alive:
+            continue
+        pages = ray_local.get([actor.rank_pages.remote() for actor in inst.actors], timeout=30)
+        assert all(p["free_pages"] == p["total_pages"] for p in pages), (inst.name, pages)
+
+
+@pytest.fixture(autouse=True)
+def pages_free_after(cluster, ray_local):
+    yield
+    if any(inst.alive for inst in cluster.fleet.instances):
+        wait_all_free(cluster, timeout_s=LEASE_S + 15)
+        every_rank_free(cluster, ray_local)
+
+
+def test_the_fleet_reports_each_instance_s_ranks(cluster):
+    stats = cluster.stats()
+    by_name = {inst["name"]: inst for inst in stats["instances"]}
+    assert {name: inst["tensor_parallel"] for name, inst in by_name.items()} == {"prefill-0": 2, "decode-0": 2}
+    assert [r["pe"] for r in by_name["prefill-0"]["ranks"]] == [0, 1]
+    assert [r["pe"] for r in by_name["decode-0"]["ranks"]] == [2, 3]
+    assert all(r["device"] == "cpu" for inst in by_name.values() for r in inst["ranks"])
+    assert set(stats["paths"]) == {"0->2", "0->3", "1->2", "1->3"}
+
+
+def test_disagg_check_and_metrics_show_every_rank(cluster):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from disagg.cluster.cli.app import describe
+    from disagg.cluster.serve.metrics import ClusterCollector
+
+    text = describe(cluster)
+    assert "prefill-0 TP 2: rank 0 PE 0 on cpu, rank 1 PE 1 on cpu;" in text, text
+    assert "decode-0 TP 2: rank 0 PE 2 on cpu, rank 1 PE 3 on cpu;" in text, text
+    registry = CollectorRegistry()
+    registry.register(ClusterCollector(cluster.stats))
+    scraped = generate_latest(registry).decode()
+    assert 'disagg:instance_tensor_parallel{instance="decode-0",role="decode"} 2.0' in scraped
+    assert 'disagg:instance_rank_info{device="cpu",instance="decode-0",pe="3",rank="1",role="decode"} 1.0' in scraped
+
+
+def test_mixed_and_chunked_prompts_match_one_unsharded_engine(cluster):
+    prompts = mixed_prompts(10, seed=3) + [[random.Random(4).randrange(3, 256) for _ in range(300)]]
+    max_tokens = [1, 2, 5, 16, 31, 9, 3, 7, 12, 4, 6]  # the 300-token prompt takes two chunks of 256
+    want = reference_tokens(prompts, max_tokens)
+    got = cluster.generate(prompts, [SamplingParams(max_tokens=n) for n in max_tokens])
+    for i, (completion, tokens) in enumerate(zip(got, want)):
+        assert completion.error is None and completion.token_ids == tokens, f"request {i}"
+        assert (completion.metrics.prefill_instance, completion.metrics.decode_instance) == ("prefill-0", "decode-0")
+
+
+def test_a_shared_prefix_is_reused_on_both_sides(cluster):
+    rng = random.Random(8)
+    system = [rng.randrange(3, 256) for _ in range(50)]
+    prompts = [system + [rng.randrange(3, 256) for _ in range(5)] for _ in range(3)]
+    want = reference_tokens(prompts, [4] * 3)
+    before = {i["name"]: i["prefix_hit_tokens"] for i in cluster.stats()["instances"]}
+    for prompt, tokens in zip(prompts, want):
+        assert cluster.generate([prompt], SamplingParams(max_tokens=4))[0].token_ids == tokens
+    after = {i["name"]: i["prefix_hit_tokens"] for i in cluster.stats()["instances"]}
+    assert {name: after[name] - before[name] for name in after} == {"prefill-0": 100, "decode-0": 96}
+
+
+def test_abort_while_decoding(cluster):
+    stream = BackgroundStream(cluster, list(range(3, 40)), SamplingParams(max_tokens=2000, ignore_eos=True),
+                              stop_after=3)
+    stream.done.wait(60)
+    assert stream.error is None and 1 <= len(stream.token_ids) < 2000
+
+
+def test_abort_before_the_prompt_ran_frees_every_rank_s_reservation(cluster):
+    cluster.instance("prefill-0").actor.drop_next.remote(1)
+    stream = BackgroundStream(cluster, list(range(3, 40)), SamplingParams(max_tokens=8), request_id="pre")
+    deadline = time.monotonic() + 30
+    while not cluster.router_stats()["stages"].get("prefilling"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    cluster.abort("pre")
+    last = stream.result()
+    assert last.finish_reason == "abort" and last.token_ids == []
+
+
+def test_many_requests_abort_mid_push_and_mid_decode(cluster):
+    """Requests aborted at random points (during their prompt's push, or while decoding) leave
+    nothing behind on any rank; the others' tokens are right."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(20, 200))] for _ in range(12)]
+    streams = [BackgroundStream(cluster, p, SamplingParams(max_tokens=24, ignore_eos=True), request_id=f"m{i}",
+                                stop_after=rng.choice([None, 1, 5])) for i, p in enumerate(prompts)]
+    want = reference_tokens(prompts, [24] * len(prompts))
+    for stream, tokens in zip(streams, want):
+        stream.done.wait(120)
+        assert stream.error is None
+        assert stream.token_ids == tokens[:len(stream.token_ids)]
+
+
+def test_a_killed_rank_takes_its_instance_down_and_is_named(cluster, ray_local):
+    """Last in the module: decode-0's rank 1 is killed; decode-0 dies as a whole (its leader's
+    next collective fails), and what fails names the instance and the rank."""
+    decode = cluster.instance("decode-0")
+    ray_local.kill(decode.ranks[1].actor, no_restart=True)
+    deadline = time.monotonic() + 60
+    outcome = None
+    while time.monotonic() < deadline and decode.alive:
+        outcome = cluster.generate([[5, 6, 7] * 5], SamplingParams(max_tokens=8))[0]
+        time.sleep(0.2)
+    assert not decode.alive, "decode-0 still serving with a dead rank"
+    assert "decode-0" in decode.error and "rank(s) [1]" in decode.error, decode.error
+    assert outcome is not None

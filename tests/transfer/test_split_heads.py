@@ -1,0 +1,237 @@
+"""Prefill at tensor parallelism a pushing into decode at b != a: each decode rank gets exactly its heads.
+
+One shm heap of a + b PEs in this process (PEs 0..a-1 the prefill instance's ranks, a..a+b-1 the
+decode instance's), each rank's collective calls on its own thread (`ThreadGroup`, as in
+test_group_connector.py). A prompt goes in chunks, with KV on the sender before it is attached (the
+page-to-page copies) and a prefix the decode side holds already (`num_cached_tokens`); every
+segment put is recorded, and each decode rank's bytes must be written exactly once -- its heads,
+at its slots, every layer -- and hold the full model's K/V of those heads. Replicated heads (more
+ranks than KV heads) are written by one sender only.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+import torch
+from heap_threads import Shared, ThreadGroup, collective, open_shm_heaps
+
+from disagg.cache import PagedKVCache
+from disagg.transfer import KVPoll, PushState, open_connector
+from disagg.transfer.heads import HeadLayout, kv_heads_of, routes_of, senders_of
+from disagg.transfer.shm_heap import shm_leftovers
+
+LAYERS, PAGES, PAGE, DIM = 2, 8, 4, 8
+LEASE_S = 10.0
+# (model KV heads, prefill tensor parallelism, decode tensor parallelism)
+PAIRS = [(4, 1, 2), (4, 2, 1), (4, 2, 4), (4, 4, 2), (2, 1, 2), (2, 2, 1), (2, 2, 4), (2, 4, 2), (2, 4, 1),
+         (3, 1, 3), (3, 3, 1), (6, 2, 3), (6, 3, 2)]
+
+
+
+
+def each(fn, ranks):
+    """``fn(rank_object)`` on every rank at once (each on its own thread: the collectives)."""
+    return collective([lambda r=r: fn(r) for r in ranks])
+
+
+class Fleet:
+    """The a + b connectors, their KV tensors, and a record of every segment put."""
+
+    def __init__(self, num_kv_heads: int, a: int, b: int) -> None:
+        self.num_kv_heads, self.a, self.b = num_kv_heads, a, b
+        self.heaps = open_shm_heaps(a + b, num_signals=64)
+        groups = Shared(a), Shared(b)
+
+        def connector(pe: int):
+            side, rank, size, peer = (0, pe, a, b) if pe < a else (1, pe - a, b, a)
+            group = ThreadGroup(groups[side], rank, size) if size > 1 else None
+            return open_connector(self.heaps[pe], lease_s=LEASE_S, group=group,
+                                  layout=HeadLayout(num_kv_heads, size, rank, peer))
+
+        self.connectors = [connector(pe) for pe in range(a + b)]
+        self.prefill, self.decode = self.connectors[:a], self.connectors[a:]
+        shapes = [self.shape(kv_heads_of(num_kv_heads, a, i)) for i in range(a)] + \
+                 [self.shape(kv_heads_of(num_kv_heads, b, j)) for j in range(b)]
+        self.kv = collective([lambda c=c, s=s: c.alloc_kv(s, torch.float32) for c, s in zip(self.connectors, shapes)])
+        self.puts: list[tuple[int, int, np.ndarray]] = []  # (src PE, dst PE, runs)
+        for heap in self.heaps[:a]:
+            put = heap.put_segments_async
+
+            def record(tensor, pe, segments, stream=None, put=put, src=heap.rank):
+                self.puts.append((src, pe, segments.copy()))
+                put(tensor, pe, segments, stream)
+
+            heap.put_segments_async = record
+
+    @staticmethod
+    def shape(heads: range) -> tuple[int, ...]:
+        return (LAYERS, PAGES, 2, len(heads), PAGE, DIM)
+
+    def reserve(self, request_id: str, cmap: list[int], cached: int):
+        return each(lambda c: c.receiver.reserve(request_id, cmap, num_cached_tokens=cached), self.decode)[0]
+
+    def poll(self):
+        return each(lambda c: c.receiver.poll(), self.decode)
+
+    def close(self) -> None:
+        for heap in self.heaps:
+            heap.close()
+        assert shm_leftovers(self.heaps[0].uid) == []
+
+
+@pytest.fixture
+def make_fleet():
+    made = []
+
+    def make(num_kv_heads: int, a: int, b: int) -> Fleet:
+        made.append(Fleet(num_kv_heads, a, b))
+        return made[-1]
+
+    yield make
+    for fleet in made:
+        fleet.close()
+
+
+def forward(fleet: Fleet, caches, seq: int, n: int, full_k, full_v, start: int) -> None:
+    """Every prefill rank computes tokens [start, start + n) of ``seq`` (its heads), pushing them."""
+    for i, (connector, cache) in enumerate(zip(fleet.prefill, caches)):
+        heads = list(kv_heads_of(fleet.num_kv_heads, fleet.a, i))
+        plan = cache.begin_forward([seq], [n])
+        sender = connector.sender
+        sender.begin_forward(plan)
+        for layer in range(LAYERS):
+            sender.save_layer(layer, full_k[layer, start:start + n][:, heads], full_v[layer, start:start + n][:, heads])
+        assert sender.end_forward() is None
+        cache.end_forward()
+
+
+def written(fleet: Fleet) -> dict[int, np.ndarray]:
+    """Per decode PE: how many times each of its KV bytes was written by a segment put."""
+    counts = {}
+    for pe, kv in zip(range(fleet.a, fleet.a + fleet.b), fleet.kv[fleet.a:]):
+        counts[pe] = np.zeros(fleet.heaps[pe].size_bytes, dtype=np.int64)
+    for _, pe, runs in fleet.puts:
+        for _, dst, size in runs.tolist():
+            counts[pe][dst:dst + size] += 1
+    return counts
+
+
+def expected_bytes(kv: torch.Tensor, slots: np.ndarray) -> np.ndarray:
+    """A mask of the bytes of ``kv`` (from its first byte) at ``slots``: every layer, K and V, head."""
+    marks = torch.zeros(kv.shape, dtype=torch.bool)
+    slots = torch.from_numpy(slots.astype(np.int64))
+    marks[:, slots // PAGE, :, :, slots % PAGE, :] = True
+    flat = marks.reshape(-1).numpy()
+    return np.repeat(flat, kv.element_size())
+
+
+@pytest.mark.parametrize("num_kv_heads, a, b", PAIRS)
+def test_each_decode_rank_gets_exactly_its_heads_once(make_fleet, num_kv_heads: int, a: int, b: int):
+    fleet = make_fleet(num_kv_heads, a, b)
+    n, cached, before = 19, 4, 6  # prompt tokens; decode-side prefix (a page); computed before the attach
+    recv_cache = PagedKVCache(PAGES, PAGE)
+    recv_cache.add_sequence(0)
+    cmap = recv_cache.disagg_prepare_recv(0, n - cached)
+    recv_cache.end_forward()
+    dest = fleet.reserve("r", cmap, cached)
+    assert dest.pes == tuple(range(a, a + b))
+    caches = [PagedKVCache(PAGES, PAGE) for _ in range(a)]
+    for cache in caches:  # another sequence first, so the two sides' slots differ
+        cache.add_sequence(7)
+        cache.begin_forward([7], [3])
+        cache.end_forward()
+        cache.add_sequence(9)
+    gen = torch.Generator().manual_seed(a * 10 + b)
+    full_k = torch.randn(LAYERS, n, num_kv_heads, DIM, generator=gen)
+    full_v = torch.randn(LAYERS, n, num_kv_heads, DIM, generator=gen)
+    forward(fleet, caches, 9, before, full_k, full_v, 0)  # KV already on the sender at the attach
+    for i, (connector, cache) in enumerate(zip(fleet.prefill, caches)):
+        mine = connector.local_dest(dest)
+        connector.check_dest("r", mine)
+        cache.disagg_mark_send(9, cached, mine.cmap, mine.pe)
+        connector.sender.attach(9, mine)
+    forward(fleet, caches, 9, 10, full_k, full_v, before)  # chunked: two more forwards (whole pages, parts)
+    assert [[c.state for c in got] for got in fleet.poll()] == [[]] * b
+    forward(fleet, caches, 9, n - before - 10, full_k, full_v, before + 10)
+    closed = fleet.poll()
+    assert [[(c.request_id, c.state) for c in got] for got in closed] == [[("r", KVPoll.LANDED)]] * b
+    slots = recv_cache.slots(0)
+    counts = written(fleet)
+    for j, kv in enumerate(fleet.kv[a:]):
+        heads = list(kv_heads_of(num_kv_heads, b, j))
+        want = expected_bytes(kv, slots)
+        got = counts[a + j][:len(want)]
+        assert got[want].min() == 1 and got[want].max() == 1, f"decode rank {j}: a head range missing or twice"
+        assert got[~want].max() == 0 and counts[a + j][len(want):].max() == 0, f"decode rank {j}: wrote elsewhere"
+        t = torch.from_numpy(slots.astype(np.int64))
+        for layer in range(LAYERS):
+            torch.testing.assert_close(kv[layer, t // PAGE, 0, :, t % PAGE], full_k[layer, cached:][:, heads],
+                                       rtol=0, atol=0)
+            torch.testing.assert_close(kv[layer, t // PAGE, 1, :, t % PAGE], full_v[layer, cached:][:, heads],
+                                       rtol=0, atol=0)
+    # Bytes per (sender, receiver) pair: each decode head's bytes come from exactly one sender.
+    sent = {}
+    for src, pe, runs in fleet.puts:
+        sent[(src, pe)] = sent.get((src, pe), 0) + int(runs[:, 2].sum())
+    head_bytes = len(slots) * LAYERS * 2 * DIM * 4
+    for j in range(b):
+        senders = senders_of(num_kv_heads, a, b, j)
+        assert {src for src, pe in sent if pe == a + j} == set(senders)
+        received = sum(v for (src, pe), v in sent.items() if pe == a + j)
+        assert received == head_bytes * len(kv_heads_of(num_kv_heads, b, j))
+
+
+def test_the_routes_cover_every_decode_head_once_and_only_from_a_holder():
+    for num_kv_heads, a, b in PAIRS:
+        tickets = tuple(tuple(f"t{j}.{s}" for s in senders_of(num_kv_heads, a, b, j)) for j in range(b))
+        cover = {}
+        for i in range(a):
+            held = kv_heads_of(num_kv_heads, a, i)
+            for route in routes_of(num_kv_heads, a, i, tuple(range(b)), tickets):
+                j = route.pe
+                theirs = kv_heads_of(num_kv_heads, b, j)
+                for h in range(route.num_heads):
+                    head = held[route.src_head + h]
+                    assert theirs[route.dst_head + h] == head
+                    assert (j, head) not in cover, f"{num_kv_heads, a, b}: head {head} of rank {j} written twice"
+                    cover[(j, head)] = i
+                assert route.ticket == f"t{j}.{i}"  # this sender's word of that receiver
+                assert route.dst_num_kv_heads == len(theirs)
+        assert set(cover) == {(j, h) for j in range(b) for h in kv_heads_of(num_kv_heads, b, j)}
+
+
+def test_a_decode_rank_written_by_two_senders_lands_only_once_both_rang(make_fleet):
+    fleet = make_fleet(4, 2, 1)  # both prefill ranks write the one decode rank's page
+    recv_cache = PagedKVCache(PAGES, PAGE)
+    recv_cache.add_sequence(0)
+    dest = fleet.reserve("two", recv_cache.disagg_prepare_recv(0, 3), 0)
+    assert isinstance(dest.ticket, tuple) and len(dest.ticket) == 2
+    from disagg.transfer import ring_async
+
+    ring_async(fleet.heaps[0], fleet.prefill[0].local_dest(dest).ticket)
+    assert fleet.poll() == [[]] and fleet.decode[0].receiver.state("two") is KVPoll.WAITING
+    ring_async(fleet.heaps[1], fleet.prefill[1].local_dest(dest).ticket)
+    assert [[c.state for c in got] for got in fleet.poll()] == [[KVPoll.LANDED]]
+    assert fleet.decode[0].receiver.num_armed == 0  # both words released
+
+
+def test_an_aborted_split_push_never_rings_and_its_reservation_cancels_on_every_rank(make_fleet):
+    fleet = make_fleet(4, 1, 2)
+    cache, recv_cache = PagedKVCache(PAGES, PAGE), PagedKVCache(PAGES, PAGE)
+    recv_cache.add_sequence(0)
+    dest = fleet.reserve("x", recv_cache.disagg_prepare_recv(0, 6), 0)
+    cache.add_sequence(3)
+    [prefill] = fleet.prefill
+    mine = prefill.local_dest(dest)
+    assert [r.pe for r in mine.routes] == [1, 2] and [(r.src_head, r.dst_head, r.num_heads) for r in mine.routes] \
+        == [(0, 0, 2), (2, 0, 2)]
+    cache.disagg_mark_send(3, 0, mine.cmap, mine.pe)
+    prefill.sender.attach(3, mine)
+    full = torch.randn(LAYERS, 6, 4, DIM)
+    forward(fleet, [cache], 3, 4, full, full, 0)  # the first chunk lands in both decode ranks' pages
+    assert prefill.sender.abort("x", 3, pushed=True) is PushState.QUIESCED  # CPU: the puts ran inline
+    assert fleet.poll() == [[], []]
+    assert each(lambda c: c.receiver.cancel(dest), fleet.decode) == [None, None]
+    assert all(getattr(c, "inner", c).receiver.num_armed == 0 and len(c.receiver) == 0 for c in fleet.decode)
