@@ -90,13 +90,24 @@ class Cluster:
 
     @property
     def healthy(self) -> bool:
-        """True while the cluster can serve: the router runs and every role has a live instance.
+        """True while the cluster can serve: the router runs and some instance lives.
 
-        A fleet that lost some instances but not a whole role stays healthy (degraded: `stats`
-        lists the dead ones with their error).
+        Any one instance serves: a prefill + decode fleet that lost a whole role puts every
+        request on the survivors (`degraded_path`: local on decode instances, kept on prefill
+        ones). A fleet that lost instances is degraded (`degraded` names them), not unhealthy.
         """
-        roles = {inst.role for inst in self.fleet.instances}
-        return not self._closed and all(any(inst.alive for inst in self.fleet.of_role(role)) for role in roles)
+        return not self._closed and any(inst.alive for inst in self.fleet.instances)
+
+    @property
+    def degraded(self) -> list[dict]:
+        """The dead instances, in fleet order, each as ``{"name", "role", "why", "replaced_by"}``
+        (``why``: the reason the router recorded at its death; ``replaced_by``: the name of the
+        instance serving in its place, `cluster.restart`, or None); [] at full strength. A
+        replaced instance stays listed: its replacement is a colocated instance outside the
+        heap, so the fleet's KV transfer through it is back only once the fleet restarts. No
+        actor round trip."""
+        return [{"name": inst.name, "role": inst.role, "why": inst.error or "dead", "replaced_by": inst.replaced_by}
+                for inst in self.fleet.instances if not inst.alive]
 
     def instance(self, name: str) -> Instance:
         """The instance named ``name`` ("prefill-0", ...): its actor handle, PE and state."""
@@ -252,10 +263,11 @@ class Cluster:
 
     # ------------------------------------------------------------------ state
     def stats(self, timeout_s: float = 30.0) -> dict:
-        """Per instance (role, pe, free/total pages, running, waiting, busy_s, alive, the engine's
+        """Per instance (role, pe, tensor_parallel and ranks (each rank's pe and device), free/total
+        pages, running, waiting, busy_s, alive, the engine's
         counters: num_preemptions, pushed_bytes/push_s/push_gbps on prefill, doorbell_wait_s and
         num_doorbells_rung on decode) and the router's state (queue, outcomes, aborts and failures
-        by reason).
+        by reason), and ``degraded``: the dead instances (`degraded`).
 
         One round trip to every live instance at once; an instance that does not answer within
         ``timeout_s`` (or died) is listed with ``alive: False`` and the reason.
@@ -276,11 +288,13 @@ class Cluster:
         instances = [by_name.get(inst.name) or {"name": inst.name, "role": inst.role, "pe": inst.pe,
                                                 "alive": False, "error": inst.error}
                      for inst in self.fleet.instances]
+        for inst, entry in zip(self.fleet.instances, instances):  # its ranks: PE and device each
+            entry.update(tensor_parallel=inst.tensor_parallel, ranks=inst.rank_entries())
         router = self.router_stats()
         return {"mode": self.config.mode, "device": self.fleet.device, "backend": self.fleet.backend,
                 "num_pages": self.fleet.sizing.num_pages, "max_model_len": self.max_model_len,
                 "paths": {f"{a}->{b}": p for (a, b), p in self.fleet.paths.items()},
-                "instances": instances, "router": router}
+                "instances": instances, "degraded": self.degraded, "router": router}
 
     def reset_prefix_cache(self, timeout_s: float = 30.0) -> dict[str, int]:
         """Forget every live instance's cached prefixes (vLLM's ``/reset_prefix_cache``), and the

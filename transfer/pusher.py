@@ -24,6 +24,10 @@ tail would otherwise idle the link for a few microseconds per layer). Everything
 all layers (the doorbells) waits on both. Receivers that `SymmetricHeap.peer` cannot reach (another
 node), or every receiver when ``force_segment_puts``, take coalesced segment puts from the local
 pages instead: one put per contiguous run per layer. On CPU (shm heap) everything runs inline.
+A sequence attached with head routes (`attach_routes`: prefill and decode at different tensor
+parallelism, `disagg.transfer.heads`) goes by segment puts of each route's head range
+(`push_plan.build_routed_work`), addressed in ``allocation`` (the symmetric allocation every PE's
+pages start at) and rung on every route's ticket.
 
 Where the local pages are written: by default the fused launch on the transfer stream writes
 them along with the receivers' pages (each K/V tile loaded once), so a caller that reads this
@@ -58,8 +62,10 @@ from disagg.kernels.append import PreparedAppend, prepare_append_push
 from disagg.plan import ForwardPlan
 from disagg.transfer.doorbell import DoorbellTicket, ring_async
 from disagg.transfer.heap import SymmetricHeap
-from disagg.transfer.push_plan import PushWork, build_push_work, check_plan, request_of_token
+from disagg.transfer.heads import PushRoute
+from disagg.transfer.push_plan import PushWork, build_push_work, build_routed_work, check_plan, request_of_token
 from disagg.transfer.segments import KVGeometry, LayerSegments
+from disagg.transfer.verify import SenderDigests
 
 logger = logging.getLogger(__name__)
 
@@ -100,16 +106,24 @@ class KVPusher:
             reachable (the path of peers on other nodes, testable on one node).
         append_on_caller_stream: write the local pages with a separate append on the caller's
             stream (see the module docstring); default: one fused launch on the transfer stream.
+        allocation: the flat symmetric allocation ``kv`` views from its start, when receivers'
+            pages are laid out wider than this PE's (head routes); None: ``kv`` itself.
     """
 
     def __init__(self, heap: SymmetricHeap, kv: torch.Tensor, *, force_segment_puts: bool = False,
-                 append_on_caller_stream: bool = False) -> None:
+                 append_on_caller_stream: bool = False, allocation: torch.Tensor | None = None) -> None:
         if kv.dim() != 6 or kv.shape[2] != 2 or not kv.is_contiguous():
             raise ValueError(f"kv: expected a contiguous [num_layers, num_pages, 2, H, P, D] tensor, "
                              f"got shape {tuple(kv.shape)} strides {kv.stride()}")
+        if allocation is not None and (allocation.data_ptr() != kv.data_ptr() or allocation.dim() != 1
+                                       or allocation.numel() < kv.numel()):
+            raise ValueError(f"allocation: expected the 1-D symmetric allocation kv views from its start, got shape "
+                             f"{tuple(allocation.shape)} at another address or smaller than kv {tuple(kv.shape)}")
         heap.peer(kv, heap.rank)  # raises unless kv is this heap's memory
         self.heap = heap
         self.kv = kv
+        # What segment puts address (the receivers' pages may be laid out wider than this PE's).
+        self._segment_base = kv if allocation is None else allocation
         self.geometry = KVGeometry.of(tuple(kv.shape), kv.element_size())
         self.force_segment_puts = force_segment_puts
         self.append_on_caller_stream = append_on_caller_stream
@@ -126,7 +140,10 @@ class KVPusher:
         self._peer_kv: dict[int, torch.Tensor | None] = {}
         self._appends: dict[tuple[int, ...], PreparedAppend] = {}  # by receiver PEs
         self._doorbells: dict[int, DoorbellTicket] = {}
+        self._routes: dict[int, tuple[PushRoute, ...]] = {}  # sequences sent by head routes
         self._forward: _Forward | None = None
+        # `transfer.verify`: digests each request's pushed KV before its ring (`disagg.transfer.verify`)
+        self.digests: SenderDigests | None = None
 
     # ------------------------------------------------------------------ requests
     def attach_doorbell(self, seq_id: int, ticket: DoorbellTicket) -> None:
@@ -139,8 +156,23 @@ class KVPusher:
         logger.debug("request %s: PE %d -> PE %d, doorbell word %d epoch %d",
                      seq_id, self.heap.rank, ticket.pe, ticket.index, ticket.epoch)
 
+    def attach_routes(self, seq_id: int, routes: tuple[PushRoute, ...]) -> None:
+        """Send ``seq_id``'s heads by ``routes`` (the two sides' tensor parallelism differs:
+        `disagg.transfer.heads`) and ring every route's ticket after the forward that writes its
+        last token. No routes: other ranks write every head of it; only the local pages are."""
+        for route in routes:
+            if not 0 <= route.pe < self.heap.world_size or route.pe == self.heap.rank or route.ticket.pe != route.pe:
+                raise TransferError(f"route names PE {route.pe} (ticket PE {route.ticket.pe}), expected a receiver in "
+                                    f"[0, {self.heap.world_size}) other than the sender",
+                                    request_id=seq_id, src_pe=self.heap.rank, dst_pe=route.pe)
+        self._routes[seq_id] = tuple(routes)
+        logger.debug("request %s: PE %d -> %s", seq_id, self.heap.rank,
+                     ", ".join(f"PE {r.pe} heads {r.src_head}+{r.num_heads} at {r.dst_head}" for r in routes))
+
     def detach_doorbell(self, seq_id: int) -> DoorbellTicket | None:
-        """Forget ``seq_id``'s ticket (an aborted request); return it, or None if none."""
+        """Forget ``seq_id``'s ticket or routes (an aborted request); return its ticket, or None
+        if none (or it went by routes)."""
+        self._routes.pop(seq_id, None)
         return self._doorbells.pop(seq_id, None)
 
     # ------------------------------------------------------------------ forward
@@ -153,7 +185,9 @@ class KVPusher:
                 is closed (nothing was written).
         """
         self._check_plan(plan, "begin_forward")
-        work = build_push_work(plan, self.geometry, self.heap.rank, self._reachable, self._doorbells)
+        work = self._build_work(plan)
+        if self.digests is not None:
+            self.digests.note_plan(plan)
         append, local = self._prepare_appends(work)
         num_layers = self.geometry.num_layers
         fwd = _Forward(plan=plan, work=work, append=append, local=local,
@@ -193,7 +227,7 @@ class KVPusher:
             if fwd.append is not None:
                 fwd.append(layer, k, v, k_scale=k_scale, v_scale=v_scale)
             for pe, runs in fwd.segment_pushes:
-                self.heap.put_segments_async(self.kv, pe, runs.for_layer(layer), None)
+                self.heap.put_segments_async(self._segment_base, pe, runs.for_layer(layer), None)
             fwd.pushed[layer] = True
             return None
         stream = self._streams[layer % 2]
@@ -203,7 +237,7 @@ class KVPusher:
         if fwd.append is not None:
             fwd.append(layer, k, v, k_scale=k_scale, v_scale=v_scale, stream=stream)
         for pe, runs in fwd.segment_pushes:
-            self.heap.put_segments_async(self.kv, pe, runs.for_layer(layer), stream)
+            self.heap.put_segments_async(self._segment_base, pe, runs.for_layer(layer), stream)
         k.record_stream(stream)
         v.record_stream(stream)
         event = self._done_events[layer]
@@ -255,7 +289,7 @@ class KVPusher:
                 self._wait_event(fwd.events[layer])
             with self._on_transfer_stream(self.geometry.num_layers) as stream:
                 for ticket in fwd.work.rings:
-                    ring_async(self.heap, ticket, stream)
+                    self._ring_async(ticket, stream)
                 if stream is not None:
                     event = self._done_events[self.geometry.num_layers]
                     event.record(stream)
@@ -291,7 +325,9 @@ class KVPusher:
             raise TransferError(f"token {token} is pushed but has no local slot to copy from after the forward "
                                 "(push it layer by layer: begin_forward)", request_id=request_of_token(plan, token),
                                 src_pe=rank, dst_pe=int(plan.push_pes[token]))
-        work = build_push_work(plan, self.geometry, rank, self._reachable, self._doorbells)
+        work = self._build_work(plan)
+        if self.digests is not None:
+            self.digests.note_plan(plan)
         num_layers = self.geometry.num_layers
         event = None
         if work.has_transfers:
@@ -302,9 +338,9 @@ class KVPusher:
                     local, remote = self._to_device(work.append_slots[mine], work.dst_slots[mine])
                     copy_slots(self.kv, local, self._peer_kv[pe], remote, check_indices=False)
                 for pe, runs in work.segment_pushes.items():
-                    self.heap.put_segments_async(self.kv, pe, runs.for_layers(num_layers), stream)
+                    self.heap.put_segments_async(self._segment_base, pe, runs.for_layers(num_layers), stream)
                 for ticket in work.rings:
-                    ring_async(self.heap, ticket, stream)
+                    self._ring_async(ticket, stream)
                 if stream is not None:
                     event = self._done_events[num_layers]
                     event.record(stream)
@@ -317,6 +353,17 @@ class KVPusher:
             stream.synchronize()
 
     # ------------------------------------------------------------------ internals
+    def _build_work(self, plan: ForwardPlan) -> PushWork:
+        if self._routes and plan.has_transfers:
+            return build_routed_work(plan, self.geometry, self.heap.rank, self._routes)
+        return build_push_work(plan, self.geometry, self.heap.rank, self._reachable, self._doorbells)
+
+    def _ring_async(self, ticket: DoorbellTicket, stream: torch.cuda.Stream | None) -> None:
+        """Ring ``ticket`` on ``stream``; with `transfer.verify`, its digest goes first."""
+        if self.digests is not None:
+            self.digests.write_async(ticket, stream)
+        ring_async(self.heap, ticket, stream)
+
     def _check_plan(self, plan: ForwardPlan, entry: str) -> None:
         """What `begin_forward` and `push_written` (``entry``) refuse before writing anything: an
         open forward, a closed heap, a plan that does not fit this heap (`check_plan`)."""
@@ -325,12 +372,14 @@ class KVPusher:
         if self.heap.closed and plan.has_transfers:
             raise TransferError("the heap is closed", request_id=int(plan.send_seq_ids[0]),
                                 src_pe=self.heap.rank, dst_pe=int(plan.send_pes[0]))
-        check_plan(plan, self.geometry, self.heap.rank, self.heap.world_size, self._doorbells)
+        check_plan(plan, self.geometry, self.heap.rank, self.heap.world_size, self._doorbells, self._routes)
 
     def _forget_rung(self, plan: ForwardPlan) -> None:
         """Drop the tickets of the requests ``plan`` completed: their doorbells are rung."""
         for seq, complete in zip(plan.send_seq_ids.tolist(), plan.send_complete.tolist()):
-            if complete:
+            if complete and seq in self._routes:
+                del self._routes[seq]
+            elif complete:
                 ticket = self._doorbells.pop(seq)
                 logger.debug("request %s: PE %d -> PE %d rang doorbell word %d epoch %d",
                              seq, self.heap.rank, ticket.pe, ticket.index, ticket.epoch)
@@ -396,7 +445,7 @@ class KVPusher:
             local_dev, remote_dev = self._to_device(local, remote)
             copy_slots(self.kv, local_dev, self._peer_kv[pe], remote_dev, check_indices=False)
         for pe, runs in work.segment_copies.items():
-            self.heap.put_segments_async(self.kv, pe, runs.for_layers(self.geometry.num_layers),
+            self.heap.put_segments_async(self._segment_base, pe, runs.for_layers(self.geometry.num_layers),
                                          self._stream)
 
     def _check_layer(self, layer: int) -> tuple[_Forward, int]:

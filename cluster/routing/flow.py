@@ -10,7 +10,7 @@ calls an instance, waits, or reads a clock other than the `Placer`'s.
     event                            stage after            actions returned
     arrived(req)                     QUEUED                 -
     plan(req[, decide])              RUNNING, RESERVING     Add | Reserve | Wait | End
-    reserved(req, inst, dest)        RESERVING              Hand | Cancel, End | Cancel (ended)
+    reserved(req, inst, dest)        RESERVING, QUEUED      Hand | Cancel, Requeue | Cancel (ended)
     refused(req, inst[, error])      RESERVING, QUEUED      Reserve (the next) | Requeue | End
     handed(req)                      PREFILLING             Add(prefill, dest)
     first_token(req, inst, ...)      DECODING               Start[, End]
@@ -181,8 +181,10 @@ class RequestFlow:
         names the prefill instance (`Placer.hand`), which gets the prompt at `handed`.
 
         Returns:
-            (`Hand`,); (`Cancel`, `End`) when no prefill instance is alive; (`Cancel`,) when
-            ``req`` ended while reserving (``dest`` never left the driver).
+            (`Hand`,); (`Cancel`, `Requeue`) when no prefill instance is alive any more (QUEUED
+            again, out of the ledger: planned again, it takes the survivors' path,
+            `degraded_path`); (`Cancel`,) when ``req`` ended while reserving (``dest`` never left
+            the driver).
         """
         self._untried.pop(req.request_id, None)
         if req.done:
@@ -190,7 +192,11 @@ class RequestFlow:
         req.decode, req.dest = inst, dest
         prefill = self.placer.hand(req, inst, self.placed.values())
         if prefill is None:
-            return Cancel(inst, dest), End("error", Fail("prefill").error(), release=False)
+            req.decode = req.dest = None
+            req.stale_end = inst  # the cancel's "abort" output there ends no later placement
+            req.stage = Stage.QUEUED
+            self._unplace(req)
+            return Cancel(inst, dest), Requeue()
         req.prefill = prefill
         self.ledger.touch(req)
         return (Hand(prefill),)

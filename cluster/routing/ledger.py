@@ -76,6 +76,12 @@ class Ledger:
         self.outputs = self.count = 0
         self._shares: dict[str, _Share] = {}
 
+    def add(self, inst) -> None:
+        """Count ``inst``, an instance that joined the fleet (a replacement, `cluster.restart`)."""
+        self.instances.append(inst)
+        self._by_name[inst.name] = inst
+        self.work[id(inst)], self.decoding[id(inst)] = InstanceWork(), {}
+
     def __len__(self) -> int:
         """The requests counted."""
         return len(self._shares)

@@ -77,6 +77,10 @@ class Request:
         cached_tokens: the prompt's tokens the router's prefix affinity believed cached on the
             instance placed to compute it, when it was placed (`Placer`): the adaptive
             placement counts only the rest as that instance's queued prompt work.
+        stale_end: a decode instance whose reservation of it was cancelled to queue it again
+            (no live prefill instance, `RequestFlow.reserved`): the "abort" output that the
+            cancel makes there ends no later placement of it on that instance (the router drops
+            it once), or None.
     """
 
     request_id: str
@@ -95,6 +99,7 @@ class Request:
     kv_landed: bool = False
     first_token_at: float | None = None
     cached_tokens: int = 0
+    stale_end: Instance | None = None
 
     @property
     def done(self) -> bool:

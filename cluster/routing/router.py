@@ -24,7 +24,8 @@ until D produced a token, then D alone) and is never routed to again. An abort t
 before its request's submit is remembered (`EARLY_ABORT_TTL_S`, `MAX_REMEMBERED_IDS`) and ends
 that request at its submit. Failures are typed (`disagg.errors`): `submit` raises `QueueFull`; a
 request that ends badly carries `NoLiveInstance`, `InstanceDied`, `RequestRefused`,
-`RequestTimedOut` or `SignalTimeout` (lease) as its last delta's ``cause``.
+`RequestTimedOut`, `SignalTimeout` (lease) or `TransferError` (a landed push whose digest did
+not match, `transfer.verify`) as its last delta's ``cause``.
 Runs on one asyncio loop in the launching process (see `disagg.cluster.cluster`); callbacks to
 callers go through each request's sink. The whole path, file by file: docs/ARCHITECTURE.md §7.
 """
@@ -41,17 +42,19 @@ from typing import Any
 import ray
 
 from disagg import trace
-from disagg.cluster.launch.bootstrap import Fleet, Instance
+from disagg.cluster.launch.bootstrap import Fleet, Instance, start_replacement
 from disagg.cluster.outputs import RequestMetrics, StreamDelta
 from disagg.cluster.routing.affinity import prefix_affinity
 from disagg.cluster.routing.flow import Abort, Action, Add, Cancel, End, Hand, RequestFlow, Requeue, Reserve, Start
 from disagg.cluster.routing.placement import Decision
 from disagg.cluster.routing.placement.placer import Placer, Wait
+from disagg.cluster.routing.restart import Restarter
 from disagg.cluster.routing.requests import Picker, RecentIds, Request, Sink, Stage
 from disagg.config import RouterSection
 from disagg.engine.request import PushState
 from disagg.errors import (ClusterError, DisaggError, NoLiveInstance, OutOfPages, QueueFull, RequestRefused,
-                           SignalTimeout)
+                           SignalTimeout, TransferError)
+from disagg.transfer.verify import DIGEST_MISMATCH
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +96,10 @@ class Router:
         self.requests: dict[str, Request] = self.flow.live  # the live requests, by id
         self.ledger = self.placer.ledger
         self.ledger_rebuilds = 0  # audits that found the ledger out of step (`_audit_ledger`)
+        restart = config.cluster  # dead instances replaced (`cluster.restart`); what no one can serve waits
+        self.restarter = Restarter(lambda dead, name: start_replacement(fleet, dead, name), restart.restart_backoff_s,
+                                   restart.restart_limit) if restart.restart else None
+        self.placer.restarting = self.restarter.pending if self.restarter is not None else ()
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self._refused: Request | None = None  # back at the queue head: every decode instance refused it
@@ -109,17 +116,18 @@ class Router:
 
     # ------------------------------------------------------------------ lifetime
     async def start(self) -> None:
-        """Start the pollers, the dispatcher (disaggregated) and the watchdog."""
+        """Start the pollers, the dispatcher (colocated too: requests wait there for a replacement), the watchdog."""
         self._wake = asyncio.Event()
         for inst in self.fleet.instances:
             self._spawn(self._poll(inst))
-        if self.fleet.config.mode == "disaggregated":
-            self._spawn(self._dispatch_loop())
+        self._spawn(self._dispatch_loop())
         self._spawn(self._watchdog())
 
     async def stop(self) -> None:
         """Abort every live request and stop the router's tasks."""
         self._stopping = True
+        if self.restarter is not None:
+            self.restarter.stopped = True
         for req in list(self.requests.values()):
             self._end(req, "abort", NoLiveInstance("the cluster is shutting down"))
         for task in list(self._tasks):
@@ -160,7 +168,7 @@ class Router:
         trace.event("submit", request_id)
         self.counts["submitted"] += 1
         self.ended_ids.pop(request_id)  # a new life of the id: its aborts are this request's
-        if self.fleet.config.mode == "colocated":
+        if self.fleet.config.mode == "colocated" and not self.queue:
             self._place_colocated(req)
         else:
             self.queue.append(req)
@@ -194,7 +202,13 @@ class Router:
 
     # ------------------------------------------------------------------ placement
     def _place_colocated(self, req: Request) -> None:
-        self._act(req, self.flow.plan(req))
+        """Place ``req`` now, or queue it while no instance lives and a replacement is on its way."""
+        actions = self.flow.plan(req)
+        if isinstance(actions[0], Wait):
+            self.queue.append(req)
+            self._wake.set()
+        else:
+            self._act(req, actions)
 
     async def _dispatch_loop(self) -> None:
         """Place queued requests in order; when the head cannot go yet, wait for a change (or retry)."""
@@ -370,6 +384,9 @@ class Router:
     def _on_tokens(self, req: Request, inst: Instance, rows: list[tuple]) -> None:
         tokens, times, finish, ended = [], [], None, None
         for _, token_id, finished, reason, error, emit_time in rows:
+            if token_id is None and reason == "abort" and req.stale_end is inst:  # its cancelled reservation's
+                req.stale_end = None
+                continue
             if token_id is None:  # the engine ended it without a token (abort, error, lease expiry)
                 ended = End("error", self._engine_ended(req, inst, reason, error), release=False)
                 break
@@ -384,15 +401,18 @@ class Router:
         actions = self.flow.tokens(req, len(tokens), finish, relay_s) + ((ended,) if ended is not None else ())
         if actions:
             self._act(req, actions, tokens, times)
-        else:
+        elif tokens:
             self._emit(req, StreamDelta(req.request_id, tokens, times))
 
     @staticmethod
     def _engine_ended(req: Request, inst: Instance, reason: str | None, error: str | None) -> DisaggError:
         """The typed error of a request ``inst``'s engine ended on its own. A decode engine ends a
-        request whose first token has not come (still "prefilling") only when its lease expires:
-        the KV never landed."""
+        request whose pages failed their digest check (`transfer.verify`) with a `TransferError`,
+        and one whose first token has not come (still "prefilling") otherwise only when its lease
+        expires: the KV never landed."""
         message = error or f"{inst.name} ended the request (finish_reason {reason})"
+        if inst is req.decode and req.prefill is not None and message.startswith(DIGEST_MISMATCH):
+            return TransferError(message, request_id=req.request_id, src_pe=req.prefill.pe, dst_pe=inst.pe)
         if req.stage == Stage.PREFILLING and inst is req.decode and reason == "error":
             return SignalTimeout(message, request_id=req.request_id, src_pe=req.prefill.pe, dst_pe=inst.pe)
         return ClusterError(message)
@@ -475,8 +495,17 @@ class Router:
         if not inst.alive:
             return
         logger.error("%s is dead: %s", inst.label(), reason)
+        replacing = self.restarter.replace(inst, self._replaced) if self.restarter and not self._stopping else None
+        if replacing is not None:  # pending before its requests end: a request left waits for it
+            self._spawn(replacing)
         for req, end in self.flow.instance_died(inst, reason):
             self._end(req, end.reason, end.error, release=end.release)
+        self._wake.set()
+
+    def _replaced(self, inst: Instance) -> None:
+        """``inst``, a replacement (`Restarter`), serves from now on: routed to and polled."""
+        self.placer.add(inst)  # into ``fleet.instances`` too: the placer's list is the fleet's
+        self._spawn(self._poll(inst))
         self._wake.set()
 
     async def _watchdog(self) -> None:
@@ -518,6 +547,7 @@ class Router:
                 "counts": dict(self.counts), "aborts": dict(self.aborts), "failures": dict(self.failures),
                 "loads": self.picker.loads(self.fleet.instances, live), "placements": dict(placer.placements),
                 "affinity_hits": placer.affinity_hits, "ledger_rebuilds": self.ledger_rebuilds,
+                "restarts": self.restarter.snapshot() if self.restarter is not None else None,
                 "placement": {"mode": self.settings.placement, "models": placer.fleet_model.snapshot(),
                               "decisions": [_decision_row(d) for d in placer.decisions]}}
 

@@ -76,6 +76,21 @@ class ServerState:
     def healthy(self) -> bool:
         return self.cluster is not None and bool(self.cluster.healthy)
 
+    @property
+    def degraded(self) -> list[dict]:
+        """The cluster's dead instances (`Cluster.degraded`: name, role, why, replaced_by); [] before attach."""
+        return list(getattr(self.cluster, "degraded", None) or [])
+
+    def health(self) -> JSONResponse:
+        """/health: 200 ``{"status": "ok" | "degraded", "degraded": [...]}`` while some instance
+        serves (degraded: some died, the survivors took their work over); 503 with the dead
+        instances named when none can serve."""
+        degraded = self.degraded
+        if not self.healthy:
+            response = _unavailable()
+            return JSONResponse({**response.body(), "degraded": degraded}, status_code=response.status)
+        return JSONResponse({"status": "degraded" if degraded else "ok", "degraded": degraded})
+
     def admit(self) -> None:
         """Count one more request in flight; 503 when no instance is healthy, 429 when full."""
         if not self.healthy:
@@ -169,7 +184,7 @@ def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
 def _install_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
-        return JSONResponse({"status": "ok"}) if state.healthy else _unavailable().response()
+        return state.health()
 
     @app.get("/metrics")
     def metrics() -> Response:  # sync: FastAPI runs it in a worker thread; cluster.stats() blocks

@@ -173,17 +173,16 @@ def test_a_reservation_answered_after_its_request_ended_is_cancelled():
     assert sums(flow) == empty() and req.decode is None
 
 
-def test_a_reservation_with_no_live_prefill_instance_is_cancelled_and_fails():
+def test_a_reservation_with_no_live_prefill_instance_is_cancelled_and_requeued_to_go_local():
     flow, _, by = fleet()
     req = request()
     flow.arrived(req)
     flow.plan(req)
     by["prefill-0"].alive = False  # died while the reservation was on its way
-    cancel, end = flow.reserved(req, by["decode-0"], DEST)
-    assert cancel == Cancel(by["decode-0"], DEST)
-    assert (end.reason, end.release, type(end.error)) == ("error", False, NoLiveInstance)
-    flow.end(req, end.reason, end.error, end.release)
-    assert sums(flow) == empty()
+    assert flow.reserved(req, by["decode-0"], DEST) == (Cancel(by["decode-0"], DEST), Requeue())
+    assert req.stage == Stage.QUEUED and (req.decode, req.dest) == (None, None) and sums(flow) == empty()
+    (add,) = flow.plan(req)  # the survivors' path: a decode instance computes it
+    assert (add.instance.role, add.dest, add.path) == ("decode", None, "local") and req.stage == Stage.RUNNING
 
 
 def test_plan_waits_or_fails_without_placing():
@@ -194,7 +193,7 @@ def test_plan_waits_or_fails_without_placing():
     assert flow.plan(first) == (Reserve(by["decode-0"]),)
     assert flow.plan(second) == (Wait(WAIT_PREFILL_QUEUE),)  # 40 queued + 40 > 50
     assert second.stage == Stage.QUEUED and sums(flow)["count"] == 1
-    for inst in (by["decode-0"], by["decode-1"]):
+    for inst in (by["decode-0"], by["decode-1"], by["prefill-0"]):
         inst.alive = False
     (end,) = flow.plan(second)
     assert (end.reason, type(end.error), end.error.role) == ("error", NoLiveInstance, "decode")

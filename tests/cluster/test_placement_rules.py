@@ -10,7 +10,8 @@ import pytest
 
 from disagg.cluster.routing.placement import (ADAPTIVE, ADMISSION_RULES, CHOOSERS, DISAGGREGATED, FALLBACKS, KEEP_SHARE,
                                               LOCAL, PATHS, POLICIES, TPOT_SLACK, InstanceView, Judging, Prediction,
-                                              Targets, admit, avoid_breaking, decide, decode_on_prefill, fastest, fits,
+                                              Targets, admit, avoid_breaking, decide, decode_on_prefill, degraded_path,
+                                              fastest, fits,
                                               least_violation, no_push, pages_fit, policy_of, prefer_balanced,
                                               prefer_fastest, prefer_remote, remote_within_targets, saturated_decodes,
                                               slack_breaks, spares_expected_pushes, spares_slack, sparing_prefills,
@@ -63,6 +64,13 @@ def test_the_policies_answer_what_the_placer_engines_simulator_and_planner_ask()
     assert (DISAGGREGATED.always_local, LOCAL.always_local, ADAPTIVE.always_local) == (False, True, False)
     assert (DISAGGREGATED.keeps, LOCAL.keeps, ADAPTIVE.keeps) == (False, False, True)
     assert (DISAGGREGATED.mixes_phases, LOCAL.mixes_phases, ADAPTIVE.mixes_phases) == (False, True, True)
+
+
+def test_degraded_path_puts_every_request_on_the_role_left():
+    assert degraded_path(prefill_alive=False, decode_alive=True) == "local"
+    assert degraded_path(prefill_alive=True, decode_alive=False) == "kept"
+    assert degraded_path(prefill_alive=True, decode_alive=True) is None  # the policy's own paths
+    assert degraded_path(prefill_alive=False, decode_alive=False) is None  # nothing can serve
 
 
 def test_every_prefer_and_overload_value_has_its_rule_and_targets_refuse_others():

@@ -76,17 +76,33 @@ def test_requests_decoding_on_a_prefill_instance_queue_no_prompt_there():
     assert placer.plan(request("r", [2] * 50), live) == Wait(WAIT_PREFILL_QUEUE)
 
 
-def test_dead_roles_fail_and_the_dead_are_never_tried():
+def test_the_dead_are_never_tried_and_only_a_fleet_with_none_left_fails():
     placer, by = fleet()
     by["decode-0"].alive = False
     plan = placer.plan(request("r", [1] * 10), [])
-    assert [i.name for i in plan.decodes] == ["decode-1"]
+    assert [i.name for i in plan.decodes] == ["decode-1"] and placer.degraded is None
     by["prefill-0"].alive = by["prefill-1"].alive = False
-    plan = placer.plan(request("r", [1] * 10), [])
-    assert plan == Fail("prefill") and isinstance(plan.error(), NoLiveInstance) and plan.error().role == "prefill"
     assert placer.hand(request("r", [1] * 10), by["decode-1"], []) is None
     by["decode-1"].alive = False
-    assert placer.plan(request("r", [1] * 10), []) == Fail("decode")
+    plan = placer.plan(request("r", [1] * 10), [])
+    assert plan == Fail("decode") and isinstance(plan.error(), NoLiveInstance) and plan.error().role == "decode"
+
+
+@pytest.mark.parametrize("placement", ["disaggregated", "local", "adaptive"])
+def test_a_fleet_that_lost_a_whole_role_serves_every_request_on_the_survivors(placement: str):
+    placer, by = fleet(placement)
+    busy = request("busy", [1] * 40, decode=by["decode-0"], stage="decoding")
+
+    def no_decision(*args):
+        raise AssertionError("a degraded fleet has one path: nothing to decide")
+
+    by["prefill-0"].alive = by["prefill-1"].alive = False
+    plan = placer.plan(request("r", [2] * 20), [busy], no_decision)
+    assert plan == Alone(by["decode-1"], "local") and placer.degraded == "local"  # the least loaded
+    by["prefill-1"].alive, by["decode-0"].alive, by["decode-1"].alive = True, False, False
+    plan = placer.plan(request("r", [2] * 20), [busy], no_decision)
+    assert plan == Alone(by["prefill-1"], "kept") and placer.degraded == "kept"
+    assert dict(placer.placements) == {"remote": 0, "local": 1, "kept": 1}
 
 
 def test_local_placement_goes_alone_on_the_least_loaded_decode_instance_and_counts_it():

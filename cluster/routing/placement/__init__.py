@@ -45,6 +45,11 @@ folds the rules:
                           only where nothing else fits
 4. No path has the pages: no choice (`Decision.chosen` None); the request waits at the queue head.
 
+A fleet that lost a whole role serves on what is left, whatever the policy (`degraded_path`): no
+prefill instance -> every prompt local; no decode instance -> every prompt kept; nothing is
+predicted then, there is one path. No instance left of either role: the request fails
+(`NoLiveInstance`).
+
 Around the decision: the `Placer` (`placer`) carries the policy out for the router and the
 simulator (the picker's order, the prefix affinity, the prefill-queue bound, the plans);
 `FleetModel` (`fleet_model`) keeps the router's picture of the instances (step-time models,
@@ -66,7 +71,7 @@ from disagg.cluster.routing.placement.meters import (HOP_WINDOW, PUSH_RATE_WINDO
 from disagg.cluster.routing.placement.overload import (FALLBACKS, avoid_breaking, least_violation, no_push,
                                                        saturated_decodes, violation, violation_cost, without_pushes)
 from disagg.cluster.routing.placement.policy import (ADAPTIVE, DEFAULT_PLACEMENT, DISAGGREGATED, LOCAL, POLICIES,
-                                                     PlacementPolicy, policy_of)
+                                                     PlacementPolicy, degraded_path, policy_of)
 from disagg.cluster.routing.placement.prediction import (DEFAULT_OVERLOAD, DEFAULT_PREFER, PATHS, Prediction, Targets,
                                                          cached_tokens, local_tpot, predict, pushed_tpot, running_tpot)
 from disagg.cluster.routing.placement.view import HORIZON_SHARE, InstanceView
@@ -76,9 +81,9 @@ __all__ = [
     "DISAGGREGATED", "FALLBACKS", "HOP_WINDOW", "HORIZON_SHARE", "KEEP_SHARE", "LOCAL", "PATHS", "POLICIES",
     "PREFERENCE", "PUSH_RATE_WINDOW_S", "STALL_WINDOW_STEPS", "TPOT_SLACK", "TTFT_MISS_WEIGHT", "Decision",
     "FleetModel", "HopMeter", "InstanceView", "InstanceWork", "Judging", "PlacementPolicy", "Prediction", "RateMeter",
-    "StallMeter", "Targets", "admit", "avoid_breaking", "cached_tokens", "decide", "decode_on_prefill", "fastest",
-    "fits", "least_violation", "local_tpot", "no_push", "pages_fit", "policy_of", "predict", "prefer_balanced",
-    "prefer_fastest", "prefer_remote", "pushed_tpot", "remote_within_targets", "running_tpot", "saturated_decodes",
+    "StallMeter", "Targets", "admit", "avoid_breaking", "cached_tokens", "decide", "decode_on_prefill",
+    "degraded_path", "fastest", "fits", "least_violation", "local_tpot", "no_push", "pages_fit", "policy_of",
+    "predict", "prefer_balanced", "prefer_fastest", "prefer_remote", "pushed_tpot", "remote_within_targets", "running_tpot", "saturated_decodes",
     "slack_breaks", "spares_expected_pushes", "spares_slack", "sparing_prefills", "stall_past_slack", "tally",
     "tpot_bound", "tpot_within_bound", "ttft_within_target", "violation", "violation_cost", "without_pushes",
 ]

@@ -5,10 +5,13 @@ with it now (docs/ARCHITECTURE.md §7, step 2):
 
     Wait(reason)         nothing can start it yet: every prefill instance already has
                          `prefill_queue_tokens` queued, or no instance has its pages; it stays
-                         at the queue head
-    Fail(role)           no live instance of a role it needs
-    Alone(inst, path)    ``inst`` prefills and decodes it: "colocated" (colocated fleet),
-                         "local" (a decode instance) or "kept" (a prefill instance)
+                         at the queue head; or no live instance can serve it and a
+                         replacement is being started (`WAIT_RESTART`, `cluster.restart`)
+    Fail(role)           no live instance can serve it (none of either role, or no colocated one)
+    Alone(inst, path)    ``inst`` prefills and decodes it: "colocated" (colocated fleet, or a
+                         replacement, below), "local" (a decode instance) or "kept" (a prefill
+                         instance); with a whole role dead, every request so on a survivor
+                         (`degraded_path`)
     Remote(decodes)      reserve its pages on ``decodes``, in this order: the first that has
                          them decodes it and `Placer.hand` names the prefill instance that
                          computes the prompt (adaptive: the one whose TTFT the decision
@@ -16,7 +19,11 @@ with it now (docs/ARCHITECTURE.md §7, step 2):
                          to the next; when every one refused, it waits (`WAIT_PAGES`)
 
 The order of instances (the `Picker`, its prefix credit), the `router.placement` policy
-(`PlacementPolicy`: disaggregated, local, or adaptive's `decide`), the prefill-queue bound, the
+(`PlacementPolicy`: disaggregated, local, or adaptive's `decide`; `degraded_path` once a whole
+role is dead, whatever the policy), the prefill-queue bound, the
+replacements (a prefill + decode fleet's "colocated" instances, `cluster.restart`: no PE of the
+heap, each takes a request alone when it is the least loaded of it and the instances the
+request would otherwise go to: the decode instances, or the survivors of a dead role), the
 placement counts and the prefix affinity live here. Its caller is the request flow
 (`disagg.cluster.routing.flow`), which moves each request as the plan says; the calls that touch an instance
 stay with the flow's drivers: the router's (`disagg.cluster.routing.router`) are Ray calls on its event
@@ -28,6 +35,7 @@ on the caller's thread.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -38,16 +46,19 @@ from disagg.cluster.routing.affinity import PrefixAffinity
 from disagg.cluster.routing.ledger import Ledger
 from disagg.cluster.routing.placement.decision import Decision, decide
 from disagg.cluster.routing.placement.fleet_model import FleetModel
-from disagg.cluster.routing.placement.policy import policy_of
+from disagg.cluster.routing.placement.policy import degraded_path, policy_of
 from disagg.cluster.routing.placement.prediction import PATHS, Targets
 from disagg.cluster.routing.requests import Picker, Request
 from disagg.config import Config
 from disagg.errors import NoLiveInstance
 
+logger = logging.getLogger(__name__)
+
 PREDICTIONS_KEPT = 4096  # adaptive placement: predictions awaiting their first token, at most
 DECISIONS_KEPT = 32  # adaptive placement: the latest decisions, with their predictions, for stats
 WAIT_PREFILL_QUEUE = "prefill_queue"  # every prefill instance has prefill_queue_tokens queued
 WAIT_PAGES = "pages"  # no instance has the pages (adaptive: predicted; remote: every reservation refused)
+WAIT_RESTART = "restart"  # no live instance can serve it, and a replacement is being started
 
 # decide(req, live prefill instances, decode instances in the picker's order, live requests)
 Decide = Callable[[Request, list[Instance], list[Instance], Collection[Request]], Decision]
@@ -62,7 +73,8 @@ class Wait:
 
 @dataclass(frozen=True)
 class Fail:
-    """No live instance of ``role`` is left: the request fails with `error`."""
+    """No live instance of ``role`` is left, nor one that can take its work: the request fails
+    with `error`."""
 
     role: str
 
@@ -151,12 +163,24 @@ class Placer:
         # record(kind, fields): None, the trace while it is on (serving); the simulator's
         # --trace-dir records take them here
         self.record: Callable[[str, dict], None] | None = None
+        self.degraded: str | None = None  # the survivors' path in force (`degraded_path`), or None
+        # the dead instances whose replacement is being started (`cluster.restart`): while one is,
+        # a request that no live instance can serve waits for it instead of failing
+        self.restarting: Collection[str] = ()
         self.ledger = Ledger(instances, planned=self._remote_prefill) if tracked else None
         if tracked:
             picker.ledger = self.fleet_model.ledger = self.ledger
 
     def of_role(self, role: str) -> list[Instance]:
         return [inst for inst in self.instances if inst.role == role]
+
+    def add(self, inst: Instance) -> None:
+        """Route to ``inst`` from now on: a replacement that joined the fleet (`cluster.restart`)."""
+        if inst not in self.instances:
+            self.instances.append(inst)
+        self._by_name[inst.name] = inst
+        if self.ledger is not None:
+            self.ledger.add(inst)
 
     # ------------------------------------------------------------------ the plan
     def plan(self, req: Request, live: Collection[Request], decide: Decide | None = None) -> Plan:
@@ -171,12 +195,22 @@ class Placer:
         Returns:
             `Wait`, `Fail`, `Alone` (counted and noted already) or `Remote`.
         """
-        if self.colocated:
-            ranked = self._order(req, "colocated", live)
-            return self._alone(req, ranked[0], "colocated") if ranked else Fail("colocated")
+        standalone = self._order(req, "colocated", live)  # a prefill + decode fleet's: replacements
+        if self.colocated or not standalone and not any(inst.alive for inst in self.instances):
+            if standalone:
+                return self._alone(req, standalone[0], "colocated")
+            return Wait(WAIT_RESTART) if self.restarting else Fail("colocated" if self.colocated else "decode")
         decodes = self._order(req, "decode", live)
         prefills = self.of_role("prefill")
         alive_prefills = [inst for inst in prefills if inst.alive]
+        survivors = self._survivors_path(bool(alive_prefills), bool(decodes))
+        if survivors is not None or not (decodes and alive_prefills):
+            ranked = decodes if survivors == "local" else self._order(req, "prefill", live)
+            first = self.picker.order(ranked + standalone, live)[0] if standalone else ranked[0]
+            return self._alone(req, first, "colocated" if first.role == "colocated" else survivors)
+        first = self.picker.order(decodes + standalone, live)[0] if standalone else None
+        if first is not None and first.role == "colocated":  # a replacement less loaded than every D
+            return self._alone(req, first, "colocated")
         if self.policy.always_local and decodes:
             return self._alone(req, decodes[0], "local")
         pushed = None
@@ -250,7 +284,7 @@ class Placer:
             return
         decision, at = entry
         chosen = decision.chosen
-        path = "remote" if req.colocated is None else "local" if req.colocated.role == "decode" else "kept"
+        path = "remote" if req.colocated is None else _ALONE_PATHS.get(req.colocated.role, "colocated")
         if path == chosen.path:
             self.fleet_model.note_ttft(computing.name, path, now - at, chosen.ttft_s)
         if self.record is not None:
@@ -298,6 +332,17 @@ class Placer:
         return ranked[0]
 
     # ------------------------------------------------------------------ helpers
+    def _survivors_path(self, prefill_alive: bool, decode_alive: bool) -> str | None:
+        """`degraded_path` of the live roles, said once in the log whenever it changes."""
+        path = degraded_path(prefill_alive, decode_alive)
+        if path != self.degraded:
+            if path is not None:
+                logger.warning("no live %s instance: every request is now %s on the %s instances (degraded; "
+                               "prompts and decodes share their steps)", "prefill" if path == "local" else "decode",
+                               path, "decode" if path == "local" else "prefill")
+            self.degraded = path
+        return path
+
     def _alone(self, req: Request, inst: Instance, path: str) -> Alone:
         req.cached_tokens = self._note(req, inst)
         if path in PATHS:
@@ -329,6 +374,9 @@ class Placer:
         for path in PATHS:
             self.placements[path] = 0
         self.decisions.clear()
+
+
+_ALONE_PATHS = {"decode": "local", "prefill": "kept"}  # a request alone on an instance of the role
 
 
 def _remember(entries: collections.OrderedDict, request_id: str, value: object) -> None:

@@ -7,6 +7,9 @@
 Asked, instead of comparing `router.placement`'s string, by the `Placer` (which path a request
 takes), the engine builder (which phases each instance warms up for), the simulator (what it
 feeds the step-time model) and the planner (which candidates predict against the SLOs).
+
+Whatever the policy, a fleet that lost a whole role serves on the survivors' path
+(`degraded_path`): local with no prefill instance left, kept with no decode instance left.
 """
 
 from __future__ import annotations
@@ -56,6 +59,17 @@ DISAGGREGATED = PlacementPolicy("disaggregated", ("remote",))
 LOCAL = PlacementPolicy("local", ("local",))
 ADAPTIVE = PlacementPolicy("adaptive", PATHS, predicts=True)
 POLICIES = {policy.name: policy for policy in (DISAGGREGATED, LOCAL, ADAPTIVE)}
+
+
+def degraded_path(prefill_alive: bool, decode_alive: bool) -> str | None:
+    """The path every request takes, under every policy, while a prefill + decode fleet has lost
+    a whole role: "local" when no prefill instance lives (the decode instances compute their own
+    prompts), "kept" when no decode instance lives (the prefill instances decode what they
+    compute); a fleet down to one instance so serves as a colocated one. None while both roles
+    live (the policy's own paths) or neither does (nothing can serve)."""
+    if prefill_alive == decode_alive:
+        return None
+    return "kept" if prefill_alive else "local"
 
 
 def policy_of(name: str) -> PlacementPolicy:
