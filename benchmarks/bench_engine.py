@@ -33,6 +33,10 @@ Rows (ours / anchor = ratio, target):
   (`scheduler.cuda_graphs: full`). `--host-profile` adds cProfile's top functions of those calls.
 - cold/warm: the first forward of each kind (kernel compilation) vs the next; graph capture
   seconds for every bucket up to 256 at context 1024.
+
+`--tensor-parallel N`: only the decode step at B=64 x 1024 and the 8 x 2048 prefill at TP=N
+against TP=1 of the same model, one run, one process per rank on N GPUs
+(`benchmarks/bench_tensor_parallel.py`).
 """
 
 from __future__ import annotations
@@ -525,7 +529,21 @@ def main() -> None:
                         help="short rows: add cProfile's top host functions (printed)")
     parser.add_argument("--batches", default=None, help="decode batch sizes (default 1,8,64,256)")
     parser.add_argument("--contexts", default=None, help="decode contexts (default 1024,4096)")
+    parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                        help="only the decode step (first of --batches x --contexts, default 64 x 1024) and "
+                             "the 8 x 2048 prefill at TP=N against TP=1, N ranks on N GPUs "
+                             "(benchmarks/bench_tensor_parallel.py)")
     args = parser.parse_args()
+    if args.tensor_parallel is not None:
+        import bench_tensor_parallel  # this script's folder is on sys.path: the spawned ranks import it too
+
+        first = (lambda text: [] if text is None else [int(text.split(",")[0])])
+        bench_tensor_parallel.main([
+            "--tensor-parallel", str(args.tensor_parallel), "--model", args.model, "--device", args.device,
+            "--out", str(args.out), *(["--dtype", args.dtype] if args.dtype else []),
+            *(["--batch", *map(str, first(args.batches))] if args.batches else []),
+            *(["--context", *map(str, first(args.contexts))] if args.contexts else [])])
+        return
     logging.basicConfig(level=logging.WARNING)
     device = torch.device(args.device)
     gpu = device.type == "cuda"

@@ -4,7 +4,8 @@
     disagg profile CONFIG --out profile.json [--small-grid]
     disagg profile --refit old.json --out profile.json      (the current model fitted to its samples)
     disagg simulate CONFIG --profile profile.json [bench's workload, rate and result flags]
-    disagg plan --profile profile.json --dataset-name W --goodput ttft:MS tpot:MS --gpus N [--out best.yaml]
+    disagg plan --profile profile.json [--profile tp2.json] --dataset-name W --goodput ttft:MS tpot:MS --gpus N
+                [--out best.yaml]                      (one --profile per TP degree)
 
 Exit status: 0 done; 1 the engine could not be built or run; 2 a bad flag, config or profile.
 Runs in the CLI process (no Ray).
@@ -60,12 +61,13 @@ def profile_command(
                                                  "instances' steps (e.g. decode-0)")] = None,
     set_: SetOpt = None, log_level: LogLevelOpt = None, verbose: VerboseOpt = False,
 ) -> None:
-    """Time CONFIG's instance (its real engine, in this process) over a grid of prefill, decode and
-    mixed steps; fit the router's step-time model; write the samples, the fit and its error per
-    region to --out. With --refit PROFILE: refit that profile's samples instead, with
+    """Time CONFIG's instance (its real engine: in this process, or one process per rank at
+    instances.tensor_parallel > 1) over a grid of prefill, decode and mixed steps; fit the router's
+    step-time model; write the samples, the fit, its error per region and the TP to --out. With --refit PROFILE: refit that profile's samples instead, with
     --served-steps TRACE_DIR also the steps a serving fleet ran."""
-    from disagg.cluster.simulate.profile import (SMALL_GRID, Grid, refit_profile, run_profile, save_profile,
-                                                 served_samples, summary_lines)
+    from disagg.cluster.simulate.profile import (SMALL_GRID, Grid, instance_tensor_parallel, refit_profile,
+                                                 save_profile, served_samples, summary_lines)
+    from disagg.cluster.simulate.profile_ranks import profile_instance
     from disagg.errors import DisaggError
 
     setup_logging(log_level, verbose)
@@ -87,7 +89,12 @@ def profile_command(
     else:
         cfg = load_config(config, set_)
         try:
-            profile = run_profile(cfg, SMALL_GRID if small_grid else Grid())
+            instance_tensor_parallel(cfg)
+        except ValueError as err:  # roles at different TPs: one profile is one TP
+            typer.echo(f"disagg profile: {err}", err=True)
+            raise typer.Exit(EXIT_USAGE) from None
+        try:
+            profile = profile_instance(cfg, SMALL_GRID if small_grid else Grid())
         except DisaggError as err:
             typer.echo(f"disagg profile: {type(err).__name__}: {err}", err=True)
             raise typer.Exit(EXIT_RUNTIME) from None
@@ -150,11 +157,17 @@ def simulate_command(
     from disagg.cluster.bench.report import save_json
     from disagg.cluster.bench.sweep import prompts_at, public_overrides, result_name
     from disagg.cluster.simulate.fleet import SimFleet
+    from disagg.cluster.simulate.profile import check_profile_tensor_parallel
     from disagg.cluster.simulate.run import simulate_run, simulated_result, workload_spec
 
     setup_logging(log_level, verbose)
     cfg = load_config(config, set_)
     prof = read_profile(profile)
+    try:
+        check_profile_tensor_parallel(prof, cfg)
+    except ValueError as err:
+        typer.echo(f"disagg simulate: {err}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
     datasets = flags.datasets(dataset_name)
     bench = cfg.bench
     rates = flags.rates(request_rate) or list(bench.request_rates)
@@ -207,7 +220,8 @@ def simulate_command(
 
 
 def plan_command(
-    profile: Annotated[Path, Opt("--profile", help="a `disagg profile` JSON (step times of the instance)")],
+    profile: Annotated[list[Path], Opt("--profile", help="a `disagg profile` JSON (step times of the instance); "
+                                       "once per TP degree (each profile's tensor_parallel) to search each")],
     dataset_name: Annotated[str, Opt(help="the bench's workload to plan for")] = "random",
     goodput: Annotated[Optional[list[str]], Opt(help="SLOs in ms: --goodput ttft:500 tpot:50")] = None,
     gpus: Annotated[int, Opt("--gpus", min=1, help="GPUs of the deployment (one instance each)")] = 1,
@@ -260,7 +274,12 @@ def plan_command(
     setup_logging(log_level, verbose)
     if not verbose and log_level is None:  # one workload, many runs: its clipping notice would repeat each time
         logging.getLogger("disagg.cluster.bench.workloads").setLevel(logging.ERROR)
-    prof = read_profile(profile)
+    try:
+        profiles = planner.profiles_by_tp([read_profile(path) for path in profile])
+    except ValueError as err:
+        typer.echo(f"disagg plan: {err}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    prof = next(iter(profiles.values()))
     flags.datasets(dataset_name)
     slos = flags.goodput(goodput)
     if not slos:
@@ -280,7 +299,7 @@ def plan_command(
         search = None
         if only is not None:
             search = planner.only(planner.candidates(gpus, chunks, adaptive_chunk_sizes=adaptive_chunks,
-                                                     adaptive_prefers=prefers),
+                                                     adaptive_prefers=prefers, tensor_parallel=list(profiles)),
                                   [label.strip() for label in only.split(",") if label.strip()])
         run_length = planner.RunLength.for_gpus(gpus, run_seconds, max_prompts)
 
@@ -289,8 +308,8 @@ def plan_command(
             cut = f" (judged on {short:.1f} s of arrivals: --max-prompts)" if short < 0.9 * run_seconds else ""
             console.print(f"{c.label}: {c.goodput_per_gpu:.3f} req/s per GPU{cut}", markup=False)
 
-        ranked = planner.plan(prof, dataset_name=dataset_name, slos_ms=slos, num_gpus=gpus, chunk_sizes=chunks,
-                              search=search, run_length=run_length,
+        ranked = planner.plan(list(profiles.values()), dataset_name=dataset_name, slos_ms=slos, num_gpus=gpus,
+                              chunk_sizes=chunks, search=search, run_length=run_length,
                               seed=seed, seeds=seeds, link_gbps=link_gbps, hops=hops,
                               adaptive_chunk_sizes=adaptive_chunks,
                               adaptive_prefers=prefers, jobs=jobs, start_rate_per_gpu=start_rate,
@@ -300,7 +319,8 @@ def plan_command(
         typer.echo(f"disagg plan: {err}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
     table = Table(title=f"{dataset_name} on {gpus} GPU(s), SLOs {tables_slos(slos)}, pushes at {link_gbps:g} GB/s "
-                        f"(simulated, profile {prof.get('model')} on {(prof.get('device') or {}).get('gpus') or 'cpu'})")
+                        f"(simulated, profile {prof.get('model')} on {(prof.get('device') or {}).get('gpus') or 'cpu'}"
+                        + (f", TP {', '.join(map(str, profiles))}" if list(profiles) != [1] else "") + ")")
     for header in ("deployment", "goodput (req/s)", "per GPU", "vs colocated"):
         table.add_column(header, justify="left" if header == "deployment" else "right")
     for row in planner.table_rows(ranked):
@@ -310,8 +330,8 @@ def plan_command(
     if cut:
         console.print(f"judged on fewer than {run_seconds:g} s of arrivals (--max-prompts {run_length.max_prompts}), "
                       f"optimistic: {', '.join(cut)}", markup=False)
-    base = planner.base_sections(prof, slos)
-    extrapolated = planner.extrapolations(prof, base, ranked)
+    base = planner.base_sections(profiles[ranked[0].tensor_parallel], slos)
+    extrapolated = planner.extrapolations_by_tp(profiles, slos, ranked)
     for line in planner.extrapolation_lines(extrapolated, len(ranked)):
         typer.echo(line)
     text = planner.best_yaml(ranked[0], base, dataset_name=dataset_name, link_gbps=link_gbps, ranked=ranked,

@@ -5,29 +5,31 @@ Discrete events, in time order (ties in the order they were made, so a run is de
     arrival    a request reaches the router (the bench's arrival offsets; with max_concurrency
                it waits at the client for a free slot, as `vllm bench serve` does)
     step_end   an instance's forward ends: its tokens reach the router (no hop time)
-    push_end   a pushed prompt's KV has landed on its decode instance: the prefill side frees
-               its pages, the decode side starts it (the doorbell's ring)
+    push_end   a pushed prompt's KV has landed on its decode instance (`link.SimSender`): the
+               decode side gets its first token (the router's `Start`) and decodes it once a
+               step polls the landing; the prefill side frees its pages at its next step
     hand       a decode instance's reservation of a remote request answered: its prompt goes to
                the prefill instance. An instance's actor runs calls between its steps, so a
                reservation made while the decode instance is mid-forward answers when that
                forward ends
 
-After each event every touched instance that is idle and has work launches its next forward
-(`SimEngine.begin_step`), which ends ``StepTimeModel.step_s(shape)`` later. A request's life is the
+After each event every touched instance that is idle and has work runs its engine's next step
+(`SimInstance.begin_step`: the real `EngineCore`), whose outputs reach the router at the end of
+the forward it read, ``StepTimeModel.step_s(shape)`` after that forward's start. A request's life is the
 router's own: the same `RequestFlow` (`disagg.cluster.routing.flow`) moves the same `Request` records
 through the same `Placer` (the `Picker`'s order, the prefill queue bound, `router.placement` local
 or adaptive through `placement.decide` over `FleetModel.view`s whose models are the profile's fit)
 and keeps the same `Ledger`; `_act` carries its actions out as calls on the simulated instances
 where the router makes Ray calls: decode reservations in the plan's order, then the prompt to the
 prefill instance the `Placer` names. Prefix caching (``cache.prefix_caching``): requests carry their
-prompts' token ids, every `SimEngine` holds the engine's prefix cache (a prompt computes only what
+prompts' token ids, every engine holds its prefix cache (a prompt computes only what
 follows its longest cached prefix, a reservation forks the decode side's cached whole pages and its
 push carries only what follows them), and the `Placer` has the router's prefix affinity
 (`affinity.prefix_affinity`). Each fleet starts cold, as `disagg bench` resets the prefix cache
 before each run.
-Pushes: layer by layer beside the forward that computes the tokens; a prefill instance's link
-carries one forward's tokens after the other at ``link_gbps``, and a push ends no earlier than
-its forward. Not modelled: router and network hops (beyond ``--hop-ms`` before placement and
+Pushes (`link.py`): layer by layer beside the forward that computes the tokens; a prefill
+instance's link carries one forward's tokens after the other at ``link_gbps``, and a push ends no
+earlier than its forward. Not modelled: router and network hops (beyond ``--hop-ms`` before placement and
 ``--reserve-ms`` for a remote request's reservation), request timeouts, instance failures.
 """
 
@@ -46,9 +48,10 @@ from disagg.cluster.routing.affinity import prefix_affinity
 from disagg.cluster.routing.flow import Add, End, Hand, RequestFlow, Requeue, Reserve, Start
 from disagg.cluster.routing.placement.placer import Placer, Wait
 from disagg.cluster.routing.requests import Picker, Request
-from disagg.cluster.simulate.instance import SimEngine
+from disagg.cluster.simulate.instance import SimInstance
 from disagg.cluster.simulate.step_model import StepTimeModel
 from disagg.config import Config
+from disagg.engine.options import EngineOptions
 from disagg.engine.request import pages_for
 from disagg.sampling import SamplingParams
 
@@ -111,10 +114,12 @@ class SimFleet:
         self.num_pages = config.cache.num_pages or _pages_of(profile, config)
         self.max_model_len = min(config.model.max_model_len or engine["max_model_len"], engine["max_model_len"])
         self.token_bytes = float(engine["kv_bytes_per_token"])
+        self.vocab_size = int(engine.get("vocab_size") or 32000)
         self.link_bytes_per_s = link_gbps * 1e9
         self.model = StepTimeModel.from_dict(profile["fit"])
-        self.instances = [self._instance(f"{role}-{i}", role) for role in ("prefill", "decode", "colocated")
-                          for i in range(getattr(config.instances, role))]
+        names = [(f"{role}-{i}", role) for role in ("prefill", "decode", "colocated")
+                 for i in range(getattr(config.instances, role))]
+        self.instances = [self._instance(name, role, pe) for pe, (name, role) in enumerate(names)]
         self._by_name = {inst.name: inst for inst in self.instances}
         self.picker = Picker(config.router.policy, config.scheduler.max_num_seqs)
         self.placer = Placer(config, self.instances, self.picker, prefix_affinity(config, self.num_pages),
@@ -127,19 +132,20 @@ class SimFleet:
         self._order = itertools.count()
         self._queue: collections.deque[Request] = collections.deque()
         self.timelines: dict[str, Timeline] = {}
-        self._link_free = {inst.name: 0.0 for inst in self.instances}
         self.num_events = 0
         self.halted = False
-        self.fuse = True  # run the pure-decode forwards no event can change in one event (`SimEngine.fuse`)
+        self.fuse = True  # run the pure-decode forwards no event can change in one event (`SimInstance.fuse`)
         self.step_records: list[dict] | None = None  # `keep_records`: trace records of the run
 
-    def _instance(self, name: str, role: str) -> Instance:
+    def _instance(self, name: str, role: str, pe: int) -> Instance:
         sched = self.config.scheduler
-        engine = SimEngine(self.model, num_pages=self.num_pages, page_size=self.page_size,
-                           max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-                           max_model_len=self.max_model_len, async_scheduling=sched.async_scheduling,
-                           prefix_caching=self.config.cache.prefix_caching)
-        engine.step_gap_s = self.step_gap_s
+        options = EngineOptions(num_pages=self.num_pages, page_size=self.page_size, max_num_seqs=sched.max_num_seqs,
+                                max_num_batched_tokens=sched.max_num_batched_tokens,
+                                prefix_caching=self.config.cache.prefix_caching, use_cuda_graphs=False,
+                                async_scheduling=sched.async_scheduling, async_prompts=sched.async_prompts)
+        engine = SimInstance(self.model, options, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                             clock=lambda: self.now, pe=pe, bytes_per_token=self.token_bytes,
+                             link_bytes_per_s=self.link_bytes_per_s, step_gap_s=self.step_gap_s)
         return Instance(name=name, role=role, actor=engine)
 
     def of_role(self, role: str) -> list[Instance]:
@@ -200,10 +206,10 @@ class SimFleet:
             return self._step_end(payload)
         if kind == HAND:
             return self._hand(payload)
-        req, prefill, engine_req = payload
-        prefill.actor.release_pushed(engine_req)
+        req, prefill = payload
         # The decode side learns the first token even when it ended the request (it frees the
-        # reservation then), as the flow's `Start` tells it.
+        # reservation then), as the flow's `Start` tells it; the prefill side's next step frees
+        # the prompt's pages (its pushes are done).
         if req.decode.actor.start(req.request_id):
             self._end(req, "length")
         return {prefill.name, req.decode.name}
@@ -217,12 +223,11 @@ class SimFleet:
             if engine.current is None and engine.has_work() and engine.begin_step() is not None:
                 launched.append(inst)
         nxt = self._events[0][0] if self._events else math.inf
-        firsts = [self.now + inst.actor.current.seconds for inst in launched]
+        firsts = [inst.actor.current.end_times[0] for inst in launched]
         for i, inst in enumerate(launched):
             if self.fuse:
-                inst.actor.fuse(self.now, min([nxt] + firsts[:i] + firsts[i + 1:]))
+                inst.actor.fuse(min([nxt] + firsts[:i] + firsts[i + 1:]))
             step = inst.actor.current
-            step.end_times = self._end_times(step)
             self._push(step.end_times[-1], STEP_END, inst)
             if self.placer.policy.predicts:  # the router's view of the steps, as `_poll` feeds it
                 self._note_steps(inst.name, step)
@@ -240,17 +245,14 @@ class SimFleet:
         """A launched step's forwards as `disagg.trace` "step" records (the fields the step loop
         writes when serving), so a simulated run's steps compare with a traced one's; fused
         forwards are pure decodes of the same sequences, a token longer each."""
-        shape, t, gap = step.shape, self.now, self._by_name[name].actor.step_gap_s
-        for k, seconds in enumerate(step.durations):
-            first = k == 0
+        gap = self._by_name[name].actor.step_gap_s
+        for forward in step.forwards:
+            shape = forward.shape
             self.step_records.append({
-                "kind": "step", "instance": name, "t_start": t, "t_end": t + seconds - gap,
-                "num_prefill_tokens": shape.num_prefill_tokens if first else 0,
-                "num_decode_seqs": shape.num_decode_seqs,
-                "num_context_tokens": shape.num_context_tokens + shape.num_decode_seqs * k,
-                "num_prompt_pairs": shape.num_prompt_pairs if first else 0,
-                "num_prompts": int(first and shape.num_prefill_tokens > 0)})
-            t += seconds
+                "kind": "step", "instance": name, "t_start": forward.start_s, "t_end": forward.end_s - gap,
+                "num_prefill_tokens": shape.num_prefill_tokens, "num_decode_seqs": shape.num_decode_seqs,
+                "num_context_tokens": shape.num_context_tokens, "num_prompt_pairs": shape.num_prompt_pairs,
+                "num_prompts": int(shape.num_prefill_tokens > 0)})
 
     def _note_steps(self, name: str, step) -> None:
         """Feed a launched step's forwards to the fleet model's stall meters (its fit is the
@@ -264,14 +266,6 @@ class SimFleet:
             n = shape.num_decode_seqs
             fleet.note_step(name, 0, n, shape.num_context_tokens + n * (fused + 1) // 2, 0,
                             sum(step.durations[1:]) / fused - gap, fused, gap_s=gap)
-
-    def _end_times(self, step) -> list[float]:
-        """When each of a step's forwards ends, accumulated as the clock would, forward by forward."""
-        times, t = [], self.now
-        for seconds in step.durations:
-            t = t + seconds
-            times.append(t)
-        return times
 
     # ------------------------------------------------------------------ router
     def _arrive(self, request_id: str, prompt: Any, max_tokens: int, sent: float) -> set[str]:
@@ -361,24 +355,18 @@ class SimFleet:
 
     # ------------------------------------------------------------------ outputs
     def _step_end(self, inst: Instance) -> set[str]:
-        engine = inst.actor
-        step = engine.current
-        times = step.end_times
-        push_start = max(self.now - step.seconds, self._link_free[inst.name])
-        if step.num_pushed_tokens:
-            self._link_free[inst.name] = push_start + step.num_pushed_tokens * self.token_bytes / self.link_bytes_per_s
-        for engine_req, finished, num_tokens in engine.finish_step():
-            req = self.flow.placed[engine_req.request_id]
-            self.timelines[req.request_id].token_times.extend(times[-num_tokens:])
+        for request_id, finished, times, pushed in inst.actor.finish_step():
+            req = self.flow.placed[request_id]
+            self.timelines[request_id].token_times.extend(times)
             reason = "length" if finished else None  # requests run to max_tokens: EOS is ignored
-            if engine_req.dest is None:
-                actions = self.flow.tokens(req, num_tokens, reason)
+            if not pushed:
+                actions = self.flow.tokens(req, len(times), reason)
             else:  # pushed: the first token; decoding waits for the push
-                assert num_tokens == 1, "a forward computing a prompt is never fused"
+                assert len(times) == 1, "a forward computing a prompt is never fused"
                 actions = self.flow.first_token(req, inst, reason)
             for action in actions:
-                if isinstance(action, Start):
-                    self._push(max(self.now, self._link_free[inst.name]), PUSH_END, (req, inst, engine_req))
+                if isinstance(action, Start):  # when the push of its last token is done (`link.SimSender`)
+                    self._push(max(self.now, req.dest.ticket.at), PUSH_END, (req, inst))
                 else:
                     self._end(req, action.reason)
         return {inst.name}

@@ -1,316 +1,328 @@
-"""One simulated instance: the real engine scheduler over real page tables, with no model.
+"""One simulated instance: the real `EngineCore` with a runner that runs no model.
 
-`SimEngine` keeps the engine's request life cycle (`disagg.engine.core.EngineCore`,
-docs/ARCHITECTURE.md §6) for the three kinds of request an instance holds, local, pushed and
-received, with the same objects: `Request`s from a `RequestFactory`, the `Scheduler` that picks
-every forward (decodes first, then prompt chunks, page budget, preemption by recompute,
-committed pages) and a `PagedKVCache` whose pages each forward really takes
-(`append_without_plan`: `begin_forward`'s reservation, no plan).
-What it does not have is a model: a step's duration is the profile's `StepTimeModel` of the
-step's `StepShape`, and sampled tokens are 0 (requests run to ``max_tokens``, EOS ignored, as
-the bench's workloads do). A step is split in two at the virtual clock: `begin_step` schedules
-and takes the pages (the launch), `finish_step` appends the tokens (after the forward's time),
-as the engine does around its forward. With ``async_scheduling`` a pure-decode step of every
-running request, with nobody waiting, is followed by the same batch launched ahead (the
-engine's `_launch_ahead`): requests that arrive meanwhile join the step after it, so the next
-step is scheduled with the queue hidden.
+`SimInstance` holds a `disagg.engine.core.EngineCore` (its scheduler, paged cache, prefix
+cache, request life cycle, reserved and launched-ahead steps: docs/ARCHITECTURE.md §6) built with
+two stand-ins: `SimRunner`, whose ``execute`` samples token 0 for every row (requests run to
+``max_tokens``: EOS is ignored, as the bench's workloads do) and puts the forward on a virtual
+stream, ``StepTimeModel.step_s`` of its shape (plus the host gap between forwards) after the
+forward before it; and a `link.SimConnector`, whose sender pushes over the instance's link and
+whose receiver's reservations land when the push of their last token is done. The model is a
+`SimModel` (the profile's context, vocabulary; an empty KV tensor: pages are bookkeeping only).
 
-Prefix caching (``prefix_caching``, the engine's): the cache is the engine's `PagedKVCache` with
-its prefix cache (page keys, LRU eviction) and requests carry their prompts' real ids, so a
-waiting prompt enters forked from its longest cached prefix in the real `Scheduler._enter` and
-only the rest is computed (and timed: the cached tokens stay its attention context); each
-forward registers the prompt chunks it computed and a finished request its tokens, where
-`EngineCore` does (`cache_tokens`). A reservation forks the decode side's cached whole pages
-(`Scheduler.match_received`, the engine's `_reserve`), and its sender pushes only what follows
-them. Used by `fleet.py` only.
+Time: the fleet calls `begin_step` when the instance is idle and has work; it runs
+``EngineCore.step`` at once (the launch, and the reading of the forward the step waits for), and
+the step's outputs reach the fleet at that forward's end on the virtual stream (`finish_step`).
+Calls made meanwhile (a new prompt, a reservation, a first token) run on the engine as it is after
+the step, where the engine's actor runs them after it. A step whose next ones are surely the same
+pure-decode batch, ending before ``horizon`` (the fleet's next event), runs them at once
+(`fuse`): no event could have changed them. Used by `fleet.py` only.
 """
 
 from __future__ import annotations
 
-import collections
-from dataclasses import dataclass, field
-from typing import Hashable
+from dataclasses import dataclass
+from typing import Callable, Hashable
 
-from disagg.cache import PagedKVCache
+import numpy as np
+import torch
+
+from disagg.cluster.simulate.link import SimConnector
 from disagg.cluster.simulate.step_model import StepTimeModel
-from disagg.engine.request import Request, RequestFactory, pages_for
-from disagg.engine.scheduler import ScheduledBatch, Scheduler
-from disagg.engine.steps import InstanceLoad, StepShape
+from disagg.engine.core import EngineCore
+from disagg.engine.options import EngineOptions
+from disagg.engine.request import RecvDest, TokenOutput, pages_for
+from disagg.engine.runner import PendingTokens
+from disagg.engine.steps import InstanceLoad, StepShape, prompt_pairs
+from disagg.errors import OutOfPages
 from disagg.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
-class SimDest:
-    """`Request.dest` of a prompt whose KV is pushed (the engine's `RecvDest`; no heap here).
+class SimModelConfig:
+    """What `EngineCore` reads of a model's config."""
 
-    Attributes:
-        num_cached_tokens: prompt tokens the decode side already holds (its prefix cache, whole
-            pages): not pushed.
+    max_position_embeddings: int
+    vocab_size: int
+    eos_token_ids: tuple = ()
+
+
+class SimModel:
+    """The model object `EngineCore` holds: a config, a device and an empty KV shape."""
+
+    dtype = torch.float16
+    device = torch.device("cpu")
+
+    def __init__(self, max_model_len: int, vocab_size: int) -> None:
+        self.config = SimModelConfig(max_model_len, vocab_size)
+
+    def kv_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
+        return (0,)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One forward on the virtual stream: its shape, span (virtual seconds, the host gap after
+    it included) and the KV tokens it pushed."""
+
+    shape: StepShape
+    start_s: float
+    end_s: float
+    num_pushed_tokens: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
+
+
+class SimRunner:
+    """`ModelRunner`'s ``execute`` without a model (module docstring).
+
+    Args:
+        model: the step-time model (a profile's fit).
+        page_size: the cache's tokens per page (a plan's sequence lengths from its page table).
+        clock: the instance's virtual clock (when the host launches a forward).
+        step_gap_s: host seconds between two forwards, added to each.
     """
 
-    num_cached_tokens: int = 0
+    num_graph_replays = num_prompt_graph_replays = num_mixed_graph_replays = num_pushes_after = 0
+
+    def __init__(self, model: StepTimeModel, page_size: int, clock: Callable[[], float], step_gap_s: float) -> None:
+        self.model = model
+        self.page_size = page_size
+        self.clock = clock
+        self.step_gap_s = step_gap_s
+        self.free_at = 0.0  # when the stream has run every forward launched so far
+        self.launched: list[Forward] = []  # launched, tokens not read yet (oldest first)
+        self.num_forwards = 0
+
+    def execute(self, plan, input_ids, sample_rows: np.ndarray, sample_requests: list, *, sender=None,
+                step_offset=0, device_prefix=None) -> PendingTokens:
+        """Put ``plan``'s forward on the stream (its pushes on ``sender``'s link); sample 0s."""
+        shape = self.shape_of(plan, sample_rows, sample_requests)
+        start = max(self.clock(), self.free_at)
+        end = start + self.forward_s(shape)
+        self.free_at = end
+        pushed, push_done = sender.push(plan, start, end) if sender is not None else (0, None)
+        self.launched.append(Forward(shape, start, end, pushed))
+        self.num_forwards += 1
+        tokens = torch.zeros(len(sample_rows), dtype=torch.int64)
+        return PendingTokens(tokens, tokens, None, push_done)
+
+    def forward_s(self, shape: StepShape) -> float:
+        """How long a forward of ``shape`` holds the instance: the model's time, then the gap."""
+        return max(self.model.step_s(shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens,
+                                     shape.num_prompt_pairs), 1e-6) + self.step_gap_s
+
+    def shape_of(self, plan, sample_rows: np.ndarray, sample_requests: list) -> StepShape:
+        """`StepShape.of` from the plan: a row is a decode when its sampled request decodes (a row
+        not sampled is a prompt chunk); each row's tokens before the forward are its length after
+        the append less its new tokens."""
+        new = np.diff(plan.qo_indptr)
+        lengths = (np.diff(plan.page_indptr) - 1) * self.page_size + plan.last_page_len
+        decodes = np.zeros(len(new), dtype=bool)
+        for row, req in zip(np.asarray(sample_rows).tolist(), sample_requests):
+            decodes[row] = req.decoding
+        before = lengths - new
+        chunks = ~decodes
+        pairs = sum(prompt_pairs(int(done), int(n)) for done, n in zip(before[chunks], new[chunks]))
+        return StepShape(int(new[chunks].sum()), int(decodes.sum()), int(before[decodes].sum()), pairs)
+
+
+class SimCore(EngineCore):
+    """An `EngineCore` that holds every kind of request (local, pushed, received), as any
+    simulated instance may, over a `SimConnector`."""
+
+    def __init__(self, model: SimModel, options: EngineOptions, runner: SimRunner, connector: SimConnector) -> None:
+        super().__init__(model, options, runner=lambda model, kv, options: runner, connector=connector)
+
+    def add(self, request_id: Hashable, prompt_token_ids: list[int], params: SamplingParams,
+            dest: RecvDest | None = None) -> None:
+        self._add(request_id, prompt_token_ids, params, dest)
+
+    def reserve(self, request_id: Hashable, prompt_token_ids: list[int], params: SamplingParams) -> RecvDest:
+        return self._reserve(request_id, len(prompt_token_ids), params, prompt_token_ids)
+
+    def start(self, request_id: Hashable, first_token_id: int) -> None:
+        self._start(request_id, first_token_id)
 
 
 @dataclass
 class SimStep:
-    """One launched forward: its rows, the rows sampled at its end, its shape and duration."""
+    """The forwards one `begin_step` read (more than one when fused) and each one's outputs."""
 
-    requests: list[Request]
-    num_tokens: list[int]
-    sampled: list[Request]
-    shape: StepShape
-    seconds: float
-    num_pushed_tokens: int
-    durations: list[float] = field(default_factory=list)  # per forward: more than one when fused
-    end_times: list[float] = field(default_factory=list)  # per forward, on the fleet's clock
+    forwards: list[Forward]
+    outputs: list[list[TokenOutput]]
 
     @property
-    def num_forwards(self) -> int:
-        return len(self.durations)
+    def shape(self) -> StepShape:
+        return self.forwards[0].shape
+
+    @property
+    def durations(self) -> list[float]:
+        return [f.seconds for f in self.forwards]
+
+    @property
+    def end_times(self) -> list[float]:
+        return [f.end_s for f in self.forwards]
+
+    @property
+    def num_pushed_tokens(self) -> int:
+        return sum(f.num_pushed_tokens for f in self.forwards)
 
 
-class SimEngine:
-    """A model-less engine of one instance (module docstring).
+class SimInstance:
+    """One simulated instance's engine, on the fleet's clock (module docstring).
 
     Args:
         model: the step-time model (a profile's fit).
-        num_pages, page_size: the KV cache.
-        max_num_seqs, max_num_batched_tokens: the scheduler's budgets.
-        max_model_len: the context limit.
-        async_scheduling: the engine's step launched ahead (module docstring).
-        prefix_caching: the engine's automatic prefix caching (module docstring).
+        options: the engine's (`EngineOptions`: sizes, async scheduling and prompts, prefix caching).
+        max_model_len, vocab_size: the stand-in model's.
+        clock: the fleet's virtual clock.
+        pe: this instance's PE (what its reservations name).
+        bytes_per_token: KV bytes per token; link_bytes_per_s: its push link's bandwidth.
+        step_gap_s: host seconds between two forwards (the served trace's step gap).
     """
 
-    def __init__(self, model: StepTimeModel, *, num_pages: int, page_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, async_scheduling: bool = False,
-                 prefix_caching: bool = False) -> None:
-        self.model = model
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.cache = PagedKVCache(num_pages, page_size, prefix_caching=prefix_caching)
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
-        self.requests: dict[Hashable, Request] = {}
-        self.ready: list[Request] = []  # received, started, waiting for a batch slot
-        self._factory = RequestFactory(())
-        self.current: SimStep | None = None  # the forward running now
-        self.async_scheduling = async_scheduling
-        self.step_gap_s = 0.0  # host time between two forwards (the served trace's step gap), added to each
-        self._ahead = False  # the next step was launched with the last one (async scheduling)
+    def __init__(self, model: StepTimeModel, options: EngineOptions, *, max_model_len: int, vocab_size: int,
+                 clock: Callable[[], float], pe: int, bytes_per_token: float, link_bytes_per_s: float,
+                 step_gap_s: float = 0.0) -> None:
+        self._clock = clock
+        self._host_now: float | None = None  # the launch time of a fused step (the fleet's clock lags it)
+        self.runner = SimRunner(model, options.page_size, self.now, step_gap_s)
+        self.connector = SimConnector(pe, self.now, bytes_per_token, link_bytes_per_s)
+        self.vocab_size = vocab_size
+        self.core = SimCore(SimModel(max_model_len, vocab_size), options, self.runner, self.connector)
+        self.core.on_gpu_wait = self._mid_step
+        self.step_gap_s = step_gap_s
+        self.current: SimStep | None = None  # the step whose outputs have not reached the fleet
+        self._pushed: set[Hashable] = set()  # pushed prompts here (their first token ends their stay)
         self.busy_s = 0.0
         self.num_steps = 0
-        self.num_pushed_tokens = 0  # KV tokens this instance pushed (the engine's pushed_bytes / token)
-        self.min_free_pages = self.scheduler.free_pages()
+        self.min_free_pages = self.core.scheduler.free_pages()
         self.step_log: list[StepShape] | None = None  # shapes, when a test asks for them
 
+    def now(self) -> float:
+        return self._clock() if self._host_now is None else self._host_now
+
     # ------------------------------------------------------------------ requests
-    def fits(self, prompt_len: int, max_tokens: int) -> bool:
-        """Whether the request could ever fit this cache alone (the engine's `check_fits`)."""
-        return pages_for(min(prompt_len + max_tokens, self.max_model_len), self.cache.page_size) <= self.cache.num_pages
-
     def add(self, request_id: Hashable, prompt_token_ids: list[int], max_tokens: int,
-            dest: SimDest | None = None) -> None:
+            dest: RecvDest | None = None) -> None:
         """Queue a local request, or (``dest``) a prompt whose KV goes to a decode instance."""
-        req = self._new(request_id, prompt_token_ids, max_tokens)
+        self.core.add(request_id, self._ids(prompt_token_ids), _params(max_tokens), dest)
         if dest is not None:
-            req.dest, req.committed_pages = dest, pages_for(len(prompt_token_ids), self.cache.page_size)
-        self.scheduler.add(req)
+            self._pushed.add(request_id)
 
-    def reserve(self, request_id: Hashable, prompt_token_ids: list[int], max_tokens: int) -> SimDest | None:
-        """Reserve pages for a pushed prompt and the whole answer, forked from the cached whole
-        pages of its prompt (the engine's `_reserve`): where its sender pushes; None when the free,
-        unpromised pages are too few (the engine's OutOfPages)."""
-        prompt_len = len(prompt_token_ids)
-        total = pages_for(min(prompt_len + max_tokens, self.max_model_len), self.cache.page_size)
-        match, need = self.scheduler.match_received(prompt_token_ids, total)
-        if need > self.scheduler.free_pages():
+    def reserve(self, request_id: Hashable, prompt_token_ids: list[int], max_tokens: int) -> RecvDest | None:
+        """Reserve pages for a pushed prompt and its whole answer (`EngineCore`'s, forked from the
+        cached whole pages of its prompt); None when too few pages are free (OutOfPages)."""
+        try:
+            return self.core.reserve(request_id, self._ids(prompt_token_ids), _params(max_tokens))
+        except OutOfPages:
             return None
-        hit = match.num_tokens
-        req = self._new(request_id, prompt_token_ids, max_tokens)
-        self.cache.add_sequence(req.seq_id, prefix=match)
-        self.cache.disagg_prepare_recv(req.seq_id, prompt_len - hit)
-        self.cache.end_forward()
-        req.receive(prompt_len, hit, committed_pages=total, prompt_known=True)
-        self.scheduler.commit(req)
-        return SimDest(hit)
 
     def start(self, request_id: Hashable) -> bool:
-        """The prompt's KV landed and its first token came (the engine's `_start` after the ring):
-        it decodes here from the next step. True when that token already ended it."""
-        req = self.requests[request_id]
-        if req.append(0, self.max_model_len).finished:
-            self._drop(req)
-            return True
-        self.ready.append(req)
-        return False
+        """The prompt's first token came (its KV landed): it decodes here once a step sees the
+        landing. True when that token already ended it."""
+        self.core.start(request_id, 0)
+        return request_id not in self.core.requests
 
-    def release_pushed(self, req: Request) -> None:
-        """A pushed prompt's pushes have landed: its pages go (the engine's `_drain`)."""
-        self.scheduler.release(req)
-
-    def _new(self, request_id: Hashable, prompt_token_ids: list[int], max_tokens: int) -> Request:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        req = self._factory.new(request_id, list(prompt_token_ids), params)
-        self.requests[request_id] = req
-        return req
-
-    def _drop(self, req: Request) -> None:
-        """A request ended: its computed tokens stay in the prefix cache (the engine's `_drop`)."""
-        if self.cache.prefix_caching and req.in_cache:
-            self.cache.cache_tokens(req.seq_id, req.token_ids[:req.num_computed])
-        del self.requests[req.request_id]
-        self.scheduler.remove(req)
+    def _ids(self, prompt_token_ids: list[int]) -> list[int]:
+        """The engine's ids of a prompt: a negative id (the fleet's own prefix of a prompt given
+        by its length) becomes one of the vocabulary's last ones."""
+        return [t % self.vocab_size for t in prompt_token_ids]
 
     # ------------------------------------------------------------------ steps
     def has_work(self) -> bool:
-        return bool(self.scheduler.has_work() or self.ready)
+        return self.core.has_work()
 
     def begin_step(self) -> SimStep | None:
-        """Schedule and launch the next forward (its pages taken); None when nothing can run."""
-        batch = self._launched_ahead() if self._ahead else None
-        if batch is None:
-            while self.ready and len(self.scheduler.running) < self.max_num_seqs:  # the engine's _admit_ready
-                req = self.ready.pop(0)
-                req.start_decoding()
-                self.scheduler.running.append(req)
-            batch = self.scheduler.schedule()
-        if not batch:
+        """Run the engine's next step; None when it read no forward (nothing can run yet)."""
+        outputs = self.core.step()
+        if self.core.last_step_shape is None:
+            assert not outputs, "a simulated engine's step outputs only the tokens of a forward"
             return None
-        reqs, counts = batch.requests, batch.num_tokens
-        shape = StepShape.of(reqs, counts)
-        pushed = sum(_pushed_tokens(r, n) for r, n in zip(reqs, counts) if r.dest is not None)
-        self.cache.append_without_plan([r.seq_id for r in reqs], counts)
-        for req, n in zip(reqs, counts):
-            req.num_computed += n
-            if not req.decoding and self.cache.prefix_caching:  # a prompt chunk: its KV is written
-                self.cache.cache_tokens(req.seq_id, req.token_ids[:req.num_computed])
-        self._ahead = self.async_scheduling and self._will_launch_ahead(batch)
-        sampled = [r for r in reqs if r.num_computed == len(r.token_ids)]
-        self.num_pushed_tokens += pushed
-        seconds = self._forward_s(shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens,
-                                  shape.num_prompt_pairs)
-        self.min_free_pages = min(self.min_free_pages, self.scheduler.free_pages(), self.cache.num_free_pages)
-        if self.step_log is not None:
-            self.step_log.append(shape)
-        self.current = SimStep(list(reqs), list(counts), sampled, shape, seconds, pushed, [seconds])
-        self.num_steps += 1
-        self.busy_s += seconds - self.step_gap_s
+        self.current = SimStep([], [])
+        self._read(outputs)
         return self.current
 
-    def _forward_s(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int,
-                   num_prompt_pairs: int) -> float:
-        """How long a forward holds this instance: the model's time, then the gap to the next one."""
-        return max(self.model.step_s(num_prefill_tokens, num_decode_seqs, num_context_tokens, num_prompt_pairs),
-                   1e-6) + self.step_gap_s
-
-    def fuse(self, start: float, horizon: float) -> None:
-        """Run on the launched forward the pure-decode forwards that surely follow it, while each
-        ends before ``horizon`` (no event can change them: the fleet's next event).
-
-        Those forwards are what the scheduler would pick (every running request decodes, nobody
-        waits, none ends before the last, their pages are free, so nobody is preempted): as the
-        engine replays a reserved step without scheduling, their pages and tokens are taken in
-        bulk. The last one's tokens come with `finish_step`; the durations are the model's, step
-        by step, and their end times accumulate as the clock's would.
-        """
-        step, running = self.current, self.scheduler.running
-        reqs = step.requests
-        if (step.shape.num_prefill_tokens or step.num_pushed_tokens or self.scheduler.waiting or self.ready
-                or len(reqs) != len(running) or any(not r.decoding for r in reqs)):
-            return
-        limit = min(min(r.params.max_tokens - r.num_output_tokens, self.max_model_len - len(r.token_ids))
-                    for r in reqs) - 1  # the forward, after this one, whose token ends someone
-        n, context = len(reqs), step.shape.num_context_tokens
-        size, free = self.cache.page_size, self.scheduler.free_pages()
-        lengths = [self.cache.seq_length(r.seq_id) for r in reqs if not r.committed_pages]
-        end, extra = start + step.seconds, 0
-        while extra < limit:
-            context += n
-            seconds = self._forward_s(0, n, context, 0)
-            need = sum(pages_for(length + extra + 1, size) - pages_for(length, size) for length in lengths)
-            if end + seconds >= horizon or need > free:
-                break
-            extra += 1
-            end += seconds
-            step.durations.append(seconds)
-            if self.step_log is not None:
-                self.step_log.append(StepShape(0, n, context, 0))
-        if not extra:
-            return
-        for req in reqs:  # the tokens of every forward but the last, then the forwards' pages
-            req.token_ids.extend([0] * extra)
-            req.num_computed += extra
-        self.cache.append_without_plan([r.seq_id for r in reqs], [extra] * n)
-        step.seconds = sum(step.durations)
-        self.busy_s += step.seconds - step.durations[0] - extra * self.step_gap_s
-        self.num_steps += extra
-        self.min_free_pages = min(self.min_free_pages, self.scheduler.free_pages(), self.cache.num_free_pages)
-        self._ahead = self.async_scheduling and self._will_launch_ahead(ScheduledBatch(reqs, [1] * n))
-
-    def _will_launch_ahead(self, batch) -> bool:
-        """The engine launches the same batch ahead (`_reserve_next` + `_launch_ahead`, called once
-        this batch's pages are taken): a pure decode of every running request, nobody waiting to
-        join, none at its length limit, and the pages of one more token free."""
-        running = self.scheduler.running
-        if (not batch or len(batch) != len(running) or self.scheduler.waiting or self.ready
-                or any(r is not q for r, q in zip(batch.requests, running))
-                or any(r.num_output_tokens + 1 >= r.params.max_tokens
-                       or len(r.token_ids) + 1 >= self.max_model_len for r in running)):
-            return False
-        size = self.cache.page_size
-        lengths = [self.cache.seq_length(r.seq_id) for r in running if not r.committed_pages]
-        return sum(pages_for(n + 1, size) - pages_for(n, size) for n in lengths) <= self.scheduler.free_pages()
-
-    def _launched_ahead(self):
-        """The step launched with the last one: the scheduler's pick with the queue hidden (the
-        arrivals since came after its launch); None when its batch changed (someone ended)."""
-        waiting, self.scheduler.waiting = self.scheduler.waiting, collections.deque()
+    def fuse(self, horizon: float) -> None:
+        """Run in the step begun the pure-decode steps that surely follow it and end before
+        ``horizon`` (the fleet's next event): no event could change them."""
+        step = self.current
         try:
-            batch = self.scheduler.schedule()
+            while self._surely_same_before(step, horizon):
+                self._host_now = step.forwards[-1].end_s
+                self._read(self.core.step())
         finally:
-            self.scheduler.waiting = waiting
-        return batch if batch and all(r.decoding for r in batch.requests) else None
+            self._host_now = None
 
-    def finish_step(self) -> list[tuple[Request, bool, int]]:
-        """End the running forward (forwards, when fused): append its sampled tokens. Returns
-        ``(request, finished, tokens)`` per sampled request (tokens: one per forward run); a
-        pushed prompt's first token ends its stay here (its pages wait for its pushes:
-        `release_pushed`)."""
+    def _read(self, outputs: list[TokenOutput]) -> None:
+        """The forward a step read, with its outputs, joins the step begun."""
+        forward = self.runner.launched.pop(0)
+        self.current.forwards.append(forward)
+        self.current.outputs.append(outputs)
+        self.num_steps += 1
+        self.busy_s += forward.seconds - self.step_gap_s
+        if self.step_log is not None:
+            self.step_log.append(forward.shape)
+
+    def _surely_same_before(self, step: SimStep, horizon: float) -> bool:
+        """The next step reads a pure decode of every running request, as the last did, nobody
+        ended, joins or is preempted, and its forward ends before ``horizon``."""
+        last, core = step.forwards[-1], self.core
+        running = core.running
+        if (last.shape.num_prefill_tokens or last.num_pushed_tokens or core.scheduler.waiting or core.ready
+                or not running or len(step.outputs[-1]) != len(running)
+                or any(out.finished for out in step.outputs[-1])):
+            return False
+        if self.runner.launched:  # launched ahead (async scheduling): its end is known
+            return self.runner.launched[0].end_s < horizon
+        size = core.cache.page_size
+        lengths = [core.cache.seq_length(r.seq_id) for r in running if not r.committed_pages]
+        if sum(pages_for(n + 1, size) - pages_for(n, size) for n in lengths) > core.scheduler.free_pages():
+            return False
+        shape = StepShape(0, len(running), sum(r.num_computed for r in running), 0)
+        return last.end_s + self.runner.forward_s(shape) < horizon
+
+    def _mid_step(self, is_ready: Callable[[], bool]) -> None:
+        """While a launched forward runs (`EngineCore.on_gpu_wait`): its pages are taken."""
+        self.min_free_pages = min(self.min_free_pages, self.core.scheduler.free_pages(),
+                                  self.core.cache.num_free_pages)
+
+    def finish_step(self) -> list[tuple[Hashable, bool, list[float], bool]]:
+        """The step's outputs reach the fleet: per request sampled, ``(request_id, finished,
+        token times, pushed)`` (pushed: a pushed prompt's first token, which ends its stay here)."""
         step, self.current = self.current, None
+        times: dict[Hashable, list[float]] = {}
+        finished: dict[Hashable, bool] = {}
+        for forward, outputs in zip(step.forwards, step.outputs):
+            for out in outputs:
+                times.setdefault(out.request_id, []).append(forward.end_s)
+                finished[out.request_id] = out.finished
         out = []
-        for req in step.sampled:
-            finished = req.append(0, self.max_model_len).finished
-            out.append((req, finished, step.num_forwards))
-            if req.dest is not None:
-                del self.requests[req.request_id]
-                self.scheduler.remove(req, release=False)
-                continue
-            if not req.decoding:
-                self.scheduler.finish_prompt(req)
-            if finished:
-                self._drop(req)
+        for request_id, token_times in times.items():
+            pushed = request_id in self._pushed
+            self._pushed.discard(request_id)
+            out.append((request_id, finished[request_id], token_times, pushed))
         return out
 
     def load(self) -> InstanceLoad:
-        return InstanceLoad(self.scheduler.free_pages(), self.cache.num_pages, len(self.scheduler.running),
-                            len(self.scheduler.waiting))
+        return self.core.load()
+
+    @property
+    def cache(self):
+        return self.core.cache
+
+    @property
+    def num_pushed_tokens(self) -> int:
+        """KV tokens this instance pushed (the engine's ``pushed_bytes`` over its bytes per token)."""
+        return self.connector.sender.num_pushed_tokens
 
     def stats(self) -> dict:
         """The engine's prefix-cache counters (`PagedKVCache.prefix_stats`) and the KV it pushed,
-        in tokens (the engine's ``pushed_bytes`` over its bytes per token)."""
-        return {**self.cache.prefix_stats(), "num_pushed_tokens": self.num_pushed_tokens}
+        in tokens."""
+        return {**self.core.cache.prefix_stats(), "num_pushed_tokens": self.num_pushed_tokens}
 
 
-def _pushed_tokens(req: Request, num_tokens: int) -> int:
-    """KV tokens a forward computing ``num_tokens`` of the pushed prompt ``req`` sends (taken
-    before its ``num_computed`` advances): the positions from the decode side's cached prefix on
-    (``dest.num_cached_tokens``). Its first forward also sends what it found in its own cache
-    past that prefix, page to page (the engine's `disagg_mark_send` when it enters a forward):
-
-        [0 .... decode hit | .... prefill hit (cached here) | computed by this forward ....]
-                           ^ first forward: sent from here  ^ later forwards: from here
-    """
-    begin = req.dest.num_cached_tokens
-    start = begin if not req.sending else max(req.num_computed, begin)
-    if not req.sending:
-        req.start_sending()
-    return max(0, req.num_computed + num_tokens - start)
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)

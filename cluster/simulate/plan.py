@@ -1,6 +1,7 @@
 """`disagg plan`: which deployment of N GPUs serves a workload with the most goodput per GPU.
 
-The candidates, one instance per GPU, all with the profiled instance's model, pages and budgets:
+The candidates, one instance per GPU (per TP ranks, below), all with the profiled instance's model,
+pages and budgets:
 
     colocated-N[chunk=C]   N colocated instances, prompt chunks of C tokens (`--chunk-sizes`)
     xPyD                   x prefill + y decode instances (x + y = N; beyond 8 GPUs nine
@@ -14,11 +15,18 @@ The candidates, one instance per GPU, all with the profiled instance's model, pa
                            default the config's default alone, labelled [prefer=P] when there
                            are several)
 
+With one profile per TP degree (`disagg plan --profile P1 --profile P2`, `profiles_by_tp`) the
+search runs once per degree a over N // a instances of a ranks each (`instances.tensor_parallel`),
+every candidate simulated with the step times of its TP's profile, and the labels name the TP:
+``colocated-n(TPa)[chunk=C]``, ``xP(TPa)+yD(TPa)``, ``xP(TPa)+yD(TPa)-adaptive``; a single profile
+of TP 1 keeps the labels above. Prefill and decode instances run at one TP (the config refuses
+two), so a split's TPs are equal.
+
 Each candidate's goodput is DistServe's: the highest request rate whose SLO attainment (the
 fraction of requests within every `--goodput` SLO) is at least 90% (`bench.compare.
 TARGET_ATTAINMENT`), found by simulating (`run.simulate_run`, the same workload and arrival seeds
 for every candidate and rate; `RunLength`: about 30 s of arrivals) at doubling rates, then bisecting between the last rate that held
-and the first that missed. With ``seeds`` > 1 a rate's attainment pools the requests of that many
+and the first that missed (`rate_search.py`). With ``seeds`` > 1 a rate's attainment pools the requests of that many
 runs (prompts and arrivals drawn from seeds ``seed .. seed + seeds - 1``): one draw of 30 s
 decides a knee by a few requests, and small policy changes then flip rows. The table ranks them by goodput per GPU; the best one's YAML is what
 `disagg launch` / `disagg bench` run. Pure Python; no GPU.
@@ -29,18 +37,18 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from disagg.cluster.bench.compare import TARGET_ATTAINMENT
 from disagg.cluster.bench.metrics import RequestOutput, meets_slos
 from disagg.cluster.routing.placement import ADAPTIVE, DEFAULT_PLACEMENT, policy_of
 from disagg.cluster.simulate.fleet import SimFleet, check_hops
+from disagg.cluster.simulate.profile import profile_tensor_parallel
+from disagg.cluster.simulate.rate_search import max_rate, rate_search
 from disagg.cluster.simulate.run import simulate_run, workload_spec
 from disagg.config import Config, RouterSection
 
 DEFAULT_CHUNK_SIZES = (512, 2048, 8192)
-MAX_DOUBLINGS = 12
-BISECTIONS = 5
 
 
 @dataclass
@@ -54,9 +62,14 @@ class Candidate:
     cut_at: set[float] = field(default_factory=set)  # rates whose runs stopped at a certain miss
 
     @property
+    def tensor_parallel(self) -> int:
+        """The ranks of each of its instances (the profile that times them is that TP's)."""
+        return int(self.sections["instances"].get("tensor_parallel", 1))
+
+    @property
     def num_gpus(self) -> int:
         inst = self.sections["instances"]
-        return inst.get("colocated", 0) + inst.get("prefill", 0) + inst.get("decode", 0)
+        return (inst.get("colocated", 0) + inst.get("prefill", 0) + inst.get("decode", 0)) * self.tensor_parallel
 
     @property
     def goodput_per_gpu(self) -> float:
@@ -88,8 +101,32 @@ def base_sections(profile: dict, slos_ms: Mapping[str, float]) -> dict[str, Any]
     scheduler = {"max_num_seqs": engine["max_num_seqs"], "max_num_batched_tokens": engine["max_num_batched_tokens"]}
     if engine.get("cuda_graphs") and not on_cpu:
         scheduler["cuda_graphs"] = engine["cuda_graphs"]
-    return {"model": model, "cache": cache, "instances": {"device": "cpu" if on_cpu else "cuda"},
+    instances: dict[str, Any] = {"device": "cpu" if on_cpu else "cuda"}
+    if profile_tensor_parallel(profile) > 1:
+        instances["tensor_parallel"] = profile_tensor_parallel(profile)
+    return {"model": model, "cache": cache, "instances": instances,
             "scheduler": scheduler, "bench": {"goodput": dict(slos_ms)}}
+
+
+def profiles_by_tp(profiles: dict | Sequence[dict]) -> dict[int, dict]:
+    """``profiles`` (one, or one per TP degree: `disagg plan --profile P1 --profile P2`) by the
+    TP each timed (`profile_tensor_parallel`), in increasing TP.
+
+    Raises:
+        ValueError: none, two of one TP, or profiles of different models.
+    """
+    profiles = [profiles] if isinstance(profiles, dict) else list(profiles)
+    by_tp: dict[int, dict] = {}
+    for prof in profiles:
+        tp = profile_tensor_parallel(prof)
+        if tp in by_tp:
+            raise ValueError(f"--profile: expected one profile per tensor_parallel degree, got two of TP {tp}")
+        by_tp[tp] = prof
+    models = {str(prof.get("model")) for prof in profiles}
+    if not profiles or len(models) > 1:
+        raise ValueError(f"--profile: expected profiles of one model (one per TP degree), got "
+                         f"{', '.join(sorted(models)) if profiles else 'none'}")
+    return dict(sorted(by_tp.items()))
 
 
 # `extrapolations`: a chunk or batch this fraction beyond the range of the steps timed still counts as timed.
@@ -133,6 +170,15 @@ def extrapolations(profile: dict, base: dict[str, Any], search: Sequence[Candida
     return out
 
 
+def extrapolations_by_tp(profiles: Mapping[int, dict], slos_ms: Mapping[str, float],
+                         search: Sequence[Candidate]) -> dict[str, list[str]]:
+    """`extrapolations` of each candidate of ``search`` against the profile of its TP."""
+    out: dict[str, list[str]] = {}
+    for tp, prof in profiles.items():
+        out.update(extrapolations(prof, base_sections(prof, slos_ms), [c for c in search if c.tensor_parallel == tp]))
+    return out
+
+
 def extrapolation_lines(notes: Mapping[str, list[str]], num_candidates: int) -> list[str]:
     """What `disagg plan` prints of `extrapolations`: a heading, then per note (chunks first, by
     size, then batches) the candidates it applies to (``every candidate`` when all of them)."""
@@ -167,24 +213,44 @@ def prefill_counts(num_gpus: int) -> list[int]:
 def candidates(num_gpus: int, chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, *, splits: bool = True,
                adaptive: bool = True, colocated: bool = True,
                adaptive_chunk_sizes: Sequence[int] | None = None,
-               adaptive_prefers: Sequence[str] | None = None) -> list[Candidate]:
+               adaptive_prefers: Sequence[str] | None = None,
+               tensor_parallel: Sequence[int] = (1,)) -> list[Candidate]:
     """Every deployment of the search for ``num_gpus`` (module docstring; `prefill_counts`);
     ``adaptive_chunk_sizes`` defaults to ``chunk_sizes``; ``adaptive_prefers``: the adaptive
     candidates' `router.adaptive_prefer` values (default: the config's default alone; set in
-    their YAML unless it is that default)."""
-    default_prefer = RouterSection.model_fields["adaptive_prefer"].default
-    adaptive_prefers = (default_prefer,) if adaptive_prefers is None else tuple(adaptive_prefers)
+    their YAML unless it is that default); ``tensor_parallel``: the TP degrees of the instances
+    (those profiled), the whole search once per degree over ``num_gpus // tp`` instances."""
     if num_gpus < 1:
         raise ValueError(f"--gpus: expected at least 1 GPU, got {num_gpus}")
+    named = tuple(tensor_parallel) != (1,)
+    out = []
+    for tp in tensor_parallel:
+        if num_gpus // tp >= 1:
+            out += _candidates_at(num_gpus // tp, tp if named else None, chunk_sizes, splits=splits,
+                                  adaptive=adaptive, colocated=colocated,
+                                  adaptive_chunk_sizes=adaptive_chunk_sizes, adaptive_prefers=adaptive_prefers)
+    return out
+
+
+def _candidates_at(num_instances: int, tp: int | None, chunk_sizes: Sequence[int], *, splits: bool,
+                   adaptive: bool, colocated: bool, adaptive_chunk_sizes: Sequence[int] | None,
+                   adaptive_prefers: Sequence[str] | None) -> list[Candidate]:
+    """`candidates` of ``num_instances`` instances, each of ``tp`` ranks (None: one, and the
+    labels name no TP: ``xPyD``; else ``xP(TPa)+yD(TPb)``, ``colocated-n(TPa)``)."""
+    default_prefer = RouterSection.model_fields["adaptive_prefer"].default
+    adaptive_prefers = (default_prefer,) if adaptive_prefers is None else tuple(adaptive_prefers)
+    ranks = {} if tp is None or tp == 1 else {"tensor_parallel": tp}
+    at = "" if tp is None else f"(TP{tp})"
     out = []
     if colocated:
         for chunk in chunk_sizes:
-            out.append(Candidate(f"colocated-{num_gpus}[chunk={chunk}]", {
-                "instances": {"colocated": num_gpus}, "scheduler": {"max_num_batched_tokens": chunk}}))
-    for x in prefill_counts(num_gpus) if splits or adaptive else ():
-        instances = {"prefill": x, "decode": num_gpus - x}
+            out.append(Candidate(f"colocated-{num_instances}{at}[chunk={chunk}]", {
+                "instances": {"colocated": num_instances, **ranks}, "scheduler": {"max_num_batched_tokens": chunk}}))
+    for x in prefill_counts(num_instances) if splits or adaptive else ():
+        instances = {"prefill": x, "decode": num_instances - x, **ranks}
+        split = f"{x}P{num_instances - x}D" if tp is None else f"{x}P{at}+{num_instances - x}D{at}"
         if splits:
-            out.append(Candidate(f"{x}P{num_gpus - x}D", {"instances": instances}))
+            out.append(Candidate(split, {"instances": instances}))
         if adaptive:
             chunks = list(chunk_sizes if adaptive_chunk_sizes is None else adaptive_chunk_sizes)
             for chunk in chunks:
@@ -193,7 +259,7 @@ def candidates(num_gpus: int, chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, 
                         (f"[prefer={prefer}]" if len(adaptive_prefers) > 1 else "")
                     router = {"placement": ADAPTIVE.name,
                               **({"adaptive_prefer": prefer} if prefer != default_prefer else {})}
-                    out.append(Candidate(f"{x}P{num_gpus - x}D-adaptive{suffix}", {
+                    out.append(Candidate(f"{split}-adaptive{suffix}", {
                         "instances": instances, "router": router, "scheduler": {"max_num_batched_tokens": chunk}}))
     return out
 
@@ -220,90 +286,6 @@ def config_of(base: dict[str, Any], candidate: Candidate) -> dict[str, Any]:
     for name, section in candidate.sections.items():
         merged.setdefault(name, {}).update(section)
     return merged
-
-
-def rate_search(start: float, width: int = 1, target: float = TARGET_ATTAINMENT
-                ) -> Generator[list[float], list[float], float]:
-    """The search for the highest rate whose attainment holds ``target`` (0.0 when even a rate
-    2^-12 of ``start`` misses), ``width`` rates at a time: it yields the rates to judge next and is
-    sent their attainments, in order; it returns the rate. Doubling (or halving) from ``start`` to a
-    bracket, then `BISECTIONS` halvings of it. Wider batches judge the next rates of the doubling,
-    and the next levels of the bisection (every midpoint it could visit, 2^d - 1 rates for d
-    levels), ahead: the rates a one-at-a-time search visits are among them, and its verdicts
-    decide the path, so the rate found is the one-at-a-time search's (`max_rate`) whatever the
-    attainments; the extra rates are judged for nothing but time."""
-    if width < 1:
-        raise ValueError(f"rate_search: expected a width of at least 1, got {width}")
-    (first,) = yield [start]
-    low: float | None = None
-    high: float | None = None
-    if first >= target:
-        low, done = start, 0
-        while high is None and done < MAX_DOUBLINGS:
-            batch = [low * 2 ** (i + 1) for i in range(min(width, MAX_DOUBLINGS - done))]
-            held = yield batch
-            done += len(batch)
-            missed = next((i for i, a in enumerate(held) if a < target), None)
-            if missed is None:
-                low = batch[-1]
-            else:
-                high, low = batch[missed], batch[missed - 1] if missed else low
-        if high is None:
-            return low
-    else:
-        high, done = start, 0
-        while low is None and done < MAX_DOUBLINGS:
-            batch = [high / 2 ** (i + 1) for i in range(min(width, MAX_DOUBLINGS - done))]
-            held = yield batch
-            done += len(batch)
-            met = next((i for i, a in enumerate(held) if a >= target), None)
-            if met is None:
-                high = batch[-1]
-            else:
-                low, high = batch[met], batch[met - 1] if met else high
-        if low is None:
-            return 0.0
-    levels = BISECTIONS
-    while levels:
-        depth = min(levels, max(1, (width + 1).bit_length() - 1))  # 2^depth - 1 <= width
-        tree = _midpoints(low, high, depth)
-        held = yield [rate for rate, _ in tree]
-        verdicts = {path: a >= target for (_, path), a in zip(tree, held)}
-        path = ""
-        for _ in range(depth):  # the one-at-a-time walk down the judged midpoints
-            mid = (low + high) / 2
-            if verdicts[path]:
-                low, path = mid, path + "1"
-            else:
-                high, path = mid, path + "0"
-        levels -= depth
-    return low
-
-
-def _midpoints(low: float, high: float, depth: int) -> list[tuple[float, str]]:
-    """Every midpoint a bisection of [low, high] can visit in ``depth`` levels, each with its path
-    (its verdicts so far, "1" held), computed as the bisection computes them."""
-    out: list[tuple[float, str]] = []
-    level = [(low, high, "")]
-    for _ in range(depth):
-        nxt = []
-        for lo, hi, path in level:
-            mid = (lo + hi) / 2
-            out.append((mid, path))
-            nxt += [(lo, mid, path + "0"), (mid, hi, path + "1")]
-        level = nxt
-    return out
-
-
-def max_rate(attainment: Callable[[float], float], start: float, target: float = TARGET_ATTAINMENT) -> float:
-    """`rate_search` one rate at a time: the highest rate whose ``attainment(rate)`` holds ``target``."""
-    search = rate_search(start, 1, target)
-    rates = next(search)
-    while True:
-        try:
-            rates = search.send([attainment(rate) for rate in rates])
-        except StopIteration as done:
-            return done.value
 
 
 def misses_allowed(num_requests: int, target: float = TARGET_ATTAINMENT) -> int:
@@ -399,14 +381,15 @@ def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_
     return candidate
 
 
-def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_gpus: int,
+def plan(profile: dict | Sequence[dict], *, dataset_name: str, slos_ms: Mapping[str, float], num_gpus: int,
          chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, run_length: RunLength = RunLength(), seed: int = 0,
          seeds: int = 1, link_gbps: float = 364.0, hops: Mapping[str, float] | None = None,
          search: Sequence[Candidate] | None = None,
          adaptive_chunk_sizes: Sequence[int] | None = None, adaptive_prefers: Sequence[str] | None = None,
          jobs: int = 1, on_judged: Callable[[Candidate], None] | None = None, start_rate_per_gpu: float = 1.0,
          **lengths: Any) -> list[Candidate]:
-    """Judge every candidate, ``jobs`` at a time in worker processes (each simulation is one
+    """Judge every candidate (each against ``profile``'s of its TP: one profile, or one per TP
+    degree, `profiles_by_tp`), ``jobs`` at a time in worker processes (each simulation is one
     core's work: 19 candidates of 64 GPUs take ~75 minutes of one); with more ``jobs`` than
     candidates, each candidate's rates ``jobs // candidates`` at a time (`rate_search`: the same
     goodput, a knee in a few rounds of runs instead of ~11 runs one after the other). Return them
@@ -417,7 +400,8 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
 
     Raises:
         ValueError: a bad GPU count, SLOs missing, fewer than one seed or job, a hop below 0 ms,
-            a start rate not above 0, or a workload flag out of range.
+            a start rate not above 0, a workload flag out of range, profiles `profiles_by_tp`
+            refuses, or a candidate of ``search`` at a TP no profile timed.
     """
     if seeds < 1:
         raise ValueError(f"--seeds: expected at least 1 draw per rate, got {seeds}")
@@ -428,11 +412,17 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
     if not slos_ms:
         raise ValueError("--goodput: expected SLOs such as ttft:500 tpot:50, got none")
     check_hops(**(hops or {}))
-    base = base_sections(profile, slos_ms)
+    profiles = profiles_by_tp(profile)
+    bases = {tp: base_sections(prof, slos_ms) for tp, prof in profiles.items()}
     judged = []
     search = search if search is not None else candidates(num_gpus, chunk_sizes,
                                                            adaptive_chunk_sizes=adaptive_chunk_sizes,
-                                                           adaptive_prefers=adaptive_prefers)
+                                                           adaptive_prefers=adaptive_prefers,
+                                                           tensor_parallel=list(profiles))
+    unprofiled = [c.label for c in search if c.tensor_parallel not in profiles]
+    if unprofiled:
+        raise ValueError(f"--profile: no profile of the TP of {', '.join(unprofiled)} (profiles of TP "
+                         f"{', '.join(map(str, profiles))}): profile an instance of that TP")
     for cand in search:
         router = cand.sections.get("router") or {}
         if policy_of(router.get("placement", DEFAULT_PLACEMENT)).predicts:  # against the SLOs it is judged by
@@ -442,13 +432,13 @@ def plan(profile: dict, *, dataset_name: str, slos_ms: Mapping[str, float], num_
                   link_gbps=link_gbps, hops=hops, start_rate_per_gpu=start_rate_per_gpu, **lengths)
     if jobs == 1:
         for cand in search:
-            judged.append(judge(cand, base, profile, **kwargs))
+            judged.append(judge(cand, bases[cand.tensor_parallel], profiles[cand.tensor_parallel], **kwargs))
             if on_judged is not None:
                 on_judged(judged[-1])
     elif jobs > len(search):
-        judged = _judge_rates_in_workers(list(search), base, profile, jobs, kwargs, on_judged)
+        judged = _judge_rates_in_workers(list(search), bases, profiles, jobs, kwargs, on_judged)
     else:
-        judged = _judge_in_workers(list(search), base, profile, jobs, kwargs, on_judged)
+        judged = _judge_in_workers(list(search), bases, profiles, jobs, kwargs, on_judged)
     order = {id(c): i for i, c in enumerate(judged)}
     return sorted(judged, key=lambda c: (-round(c.goodput_per_gpu, 9), order[id(c)]))
 
@@ -463,15 +453,18 @@ def _worker_pool(workers: int):
     return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
 
 
-def _judge_in_workers(search: list[Candidate], base: dict[str, Any], profile: dict, jobs: int,
-                      kwargs: dict[str, Any], on_judged: Callable[[Candidate], None] | None) -> list[Candidate]:
-    """`judge` of every candidate in ``jobs`` forked worker processes (the candidates, profile and
-    settings are copied into them; a result comes back as the judged candidate); in search order."""
+def _judge_in_workers(search: list[Candidate], bases: Mapping[int, dict[str, Any]], profiles: Mapping[int, dict],
+                      jobs: int, kwargs: dict[str, Any], on_judged: Callable[[Candidate], None] | None
+                      ) -> list[Candidate]:
+    """`judge` of every candidate (against the base and profile of its TP) in ``jobs`` forked
+    worker processes (the candidates, profiles and settings are copied into them; a result comes
+    back as the judged candidate); in search order."""
     import concurrent.futures
 
     out: list[Candidate | None] = [None] * len(search)
     with _worker_pool(min(jobs, len(search))) as pool:
-        futures = {pool.submit(judge, cand, base, profile, **kwargs): i for i, cand in enumerate(search)}
+        futures = {pool.submit(judge, cand, bases[cand.tensor_parallel], profiles[cand.tensor_parallel], **kwargs): i
+                   for i, cand in enumerate(search)}
         for future in concurrent.futures.as_completed(futures):
             out[futures[future]] = future.result()
             if on_judged is not None:
@@ -479,9 +472,9 @@ def _judge_in_workers(search: list[Candidate], base: dict[str, Any], profile: di
     return [cand for cand in out if cand is not None]
 
 
-def _judge_rates_in_workers(search: list[Candidate], base: dict[str, Any], profile: dict, jobs: int,
-                            kwargs: dict[str, Any], on_judged: Callable[[Candidate], None] | None
-                            ) -> list[Candidate]:
+def _judge_rates_in_workers(search: list[Candidate], bases: Mapping[int, dict[str, Any]],
+                            profiles: Mapping[int, dict], jobs: int, kwargs: dict[str, Any],
+                            on_judged: Callable[[Candidate], None] | None) -> list[Candidate]:
     """`judge` of every candidate with its rates judged ``jobs // len(search)`` at a time
     (`rate_search`'s batches; each run one task, `rate_attainment`) in ``jobs`` forked worker
     processes; in search order."""
@@ -490,7 +483,7 @@ def _judge_rates_in_workers(search: list[Candidate], base: dict[str, Any], profi
     settings = dict(kwargs)
     start_per_gpu = settings.pop("start_rate_per_gpu", 1.0)
     width = max(1, jobs // len(search))
-    configs = [Config.from_dict(config_of(base, cand), origin=cand.label) for cand in search]
+    configs = [Config.from_dict(config_of(bases[cand.tensor_parallel], cand), origin=cand.label) for cand in search]
     searches = [rate_search(start_per_gpu * cand.num_gpus, width) for cand in search]
     batches: list[list[float]] = [[] for _ in search]
     held: list[list[float | None]] = [[] for _ in search]
@@ -500,7 +493,8 @@ def _judge_rates_in_workers(search: list[Candidate], base: dict[str, Any], profi
         def submit(i: int, rates: list[float]) -> None:
             batches[i], held[i] = rates, [None] * len(rates)
             for j, rate in enumerate(rates):
-                futures[pool.submit(rate_attainment, configs[i], profile, rate, **settings)] = (i, j)
+                futures[pool.submit(rate_attainment, configs[i], profiles[search[i].tensor_parallel], rate,
+                                    **settings)] = (i, j)
 
         for i, rates in enumerate(next(s) for s in searches):
             submit(i, rates)

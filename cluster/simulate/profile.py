@@ -77,8 +77,11 @@ SMALL_GRID = Grid(chunk_tokens=(16, 32), chunks_per_prompt=2, contexts=(16,), ba
                   decode_steps=2, max_tokens_per_context=4096, side_prompts=(8,))
 
 
-def build_engine(config: Config) -> tuple[Any, dict]:
-    """The colocated engine of CONFIG's instance in this process, warmed up as served.
+def build_engine(config: Config, tp: Any = None) -> tuple[Any, dict]:
+    """The colocated engine of CONFIG's instance in this process, warmed up as served: with ``tp``
+    (a `disagg.parallel.TPGroup`, every rank calling this) this rank's replica, its shard of the
+    weights and the pages every rank can hold (the fewest any rank's memory gives, as the
+    launcher sizes them).
 
     Returns:
         (engine, description): the engine and `disagg.cluster.launch.engines.describe`'s dict.
@@ -90,9 +93,11 @@ def build_engine(config: Config) -> tuple[Any, dict]:
     device = config.instances.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = engines.load(config, device)
+    model = engines.load(config, device, tp=tp)
     info = engines.describe(model, config, device)
     num_pages = max(1, info["kv_budget_bytes"] // info["page_bytes"])
+    if tp is not None:
+        num_pages = min(tp.all_gather_object(int(num_pages)))
     engine = engines.make_engine("colocated", model, None, int(num_pages), config)
     engines.warm_up(engine, "colocated", config)
     return engine, info
@@ -212,10 +217,13 @@ def run_profile(config: Config, grid: Grid = Grid(), engine_and_info: tuple[Any,
     samples = [tuple(s[:5]) for s in rec.samples]
     model = StepTimeModel.from_samples(samples)
     device = dict(device_info(), torch_device=str(engine.model.device))
+    tp = getattr(engine.model, "tp", None)
+    tensor_parallel, tp_backend = (1, None) if tp is None or tp.size == 1 else (tp.size, tp.backend)
     return {
         "kind": PROFILE_KIND, "version": PROFILE_VERSION,
         "date": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"),
         "config_path": config.path, "model": config.model.source, "model_name": info.get("model_name"),
+        "tensor_parallel": tensor_parallel, "tp_backend": tp_backend,
         "dtype": str(engine.model.dtype).removeprefix("torch."), "kv_dtype": info["geometry"]["kv_dtype"],
         "device": device, "commit": git_commit(),
         "engine": {"num_pages": engine.cache.num_pages, "page_size": engine.cache.page_size,
@@ -259,11 +267,51 @@ def load_profile(path: str | Path, warn_older: bool = True) -> dict:
         if key not in data:
             raise ValueError(f"--profile: {str(path)!r} has no {key!r} section")
     StepTimeModel.from_dict(data["fit"])  # raises naming a bad coefficient
+    tp = data.get("tensor_parallel", 1)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--profile: {str(path)!r} has tensor_parallel {tp!r}, expected an integer >= 1 "
+                         "(the ranks of the profiled instance)")
     if warn_older and data.get("version", 1) < PROFILE_VERSION:
         logger.warning("%s: a version %s profile; its fit lacks the attention-pair, mixed-step and "
                        "knee terms (prompt and mixed steps ~25%% off): `disagg profile --refit %s --out NEW.json` refits "
                        "it from its samples", path, data.get("version", 1), path)
     return data
+
+
+def profile_tensor_parallel(profile: dict) -> int:
+    """The ranks of the instance ``profile`` timed (a profile without the field timed one)."""
+    return int(profile.get("tensor_parallel", 1))
+
+
+def instance_tensor_parallel(config: Config) -> int:
+    """The ranks of each of CONFIG's instances (`InstancesSection.tensor_parallel_of` of the roles
+    it runs): what `disagg profile` times and a profile must match.
+
+    Raises:
+        ValueError: the roles run at different TPs (one profile is one TP: profile each).
+    """
+    inst = config.instances
+    degrees = {role: inst.tensor_parallel_of(role) for role in ("prefill", "decode", "colocated")
+               if getattr(inst, role)}
+    if len(set(degrees.values())) > 1:
+        raise ValueError(f"instances.tensor_parallel: a profile times one TP, this config runs "
+                         f"{', '.join(f'{role} at TP {tp}' for role, tp in degrees.items())}: profile each "
+                         f"TP apart (--set instances.tensor_parallel=N)")
+    return next(iter(degrees.values()), 1)
+
+
+def check_profile_tensor_parallel(profile: dict, config: Config) -> None:
+    """Refuse a profile timed at another TP than CONFIG's instances run: its step times are
+    another instance's (a TP-k step all-reduces over k ranks, on a k-th of the heads).
+
+    Raises:
+        ValueError: the TPs differ (the message names both and how to get a matching profile).
+    """
+    want, got = instance_tensor_parallel(config), profile_tensor_parallel(profile)
+    if want != got:
+        raise ValueError(f"--profile: the profile timed an instance of tensor_parallel {got}, the config's "
+                         f"instances run at tensor_parallel {want}: profile the config's instance "
+                         f"(`disagg profile CONFIG`) or give a profile of TP {want}")
 
 
 def replayed_prompt_pairs(profile: dict) -> list[int]:
@@ -363,7 +411,9 @@ def summary_lines(profile: dict) -> list[str]:
     """What `disagg profile` prints: the fit and its error per region."""
     model = StepTimeModel.from_dict(profile["fit"])
     coef, knee = model.coef, model.knee_tokens
-    lines = [f"{profile['model']} ({profile['dtype']}) on {profile['device'].get('torch_device')}: "
+    tp = profile_tensor_parallel(profile)
+    at = f" at tensor_parallel {tp} ({profile.get('tp_backend')})" if tp > 1 else ""
+    lines = [f"{profile['model']} ({profile['dtype']}){at} on {profile['device'].get('torch_device')}: "
              f"{len(profile['samples'])} steps timed in {profile['wall_s']:.1f} s",
              f"step_s = ({coef[4]:.3e} with prompt tokens, else {coef[0]:.3e}) + {coef[1]:.3e} * prompt_tokens "
              f"+ {coef[8]:.3e} * max(prompt_tokens - {knee}, 0) + {coef[5]:.3e} * prompt_pairs "

@@ -27,6 +27,7 @@ from disagg.cluster.bench.runner import RunResult
 from disagg.cluster.bench.sweep import prefix_cache_of
 from disagg.cluster.bench.workloads import WorkloadSpec, sample_lengths, sample_prompts
 from disagg.cluster.simulate.fleet import SimFleet, Timeline
+from disagg.cluster.simulate.profile import check_profile_tensor_parallel, profile_tensor_parallel
 from disagg.config import SECRET_FIELDS, Config
 
 
@@ -63,8 +64,10 @@ def simulate_run(config: Config, profile: dict, spec: WorkloadSpec, *, request_r
     failed one in the result (`disagg plan` stops a run whose SLO miss is already certain).
 
     Raises:
-        ValueError: a bad rate, burstiness, concurrency or link bandwidth.
+        ValueError: a bad rate, burstiness, concurrency or link bandwidth, or a profile of another
+            TP than the config's instances (`profile.check_profile_tensor_parallel`).
     """
+    check_profile_tensor_parallel(profile, config)
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"--max-concurrency: expected an integer >= 1, got {max_concurrency}")
     started = time.perf_counter()
@@ -143,6 +146,7 @@ def simulated_result(sim: Simulation, config: Config, profile: dict, *, label: s
             "prefix_cache_reset": True, "prefix_cache": prefix_cache(fleet),
             "simulation": {"profile_date": profile.get("date"), "profile_commit": profile.get("commit"),
                            "profile_model": profile.get("model"), "fit": profile["fit"],
+                           "tensor_parallel": profile_tensor_parallel(profile),
                            "link_gbps": link_gbps, "hop_ms": fleet.hop_s * 1e3,
                            "step_gap_ms": fleet.step_gap_s * 1e3,
                            "reserve_ms": fleet.reserve_s * 1e3, "num_pages": fleet.num_pages, "num_events": fleet.num_events,

@@ -1,8 +1,8 @@
 """`disagg simulate`: the real scheduler on a virtual clock.
 
 Determinism under a seed, conservation (every request ends exactly once, pages never negative
-and all free at the end, the router's loads), the same steps as the real tiny engine given the
-same arrivals, and a result that `disagg bench --from-results` reads.
+and all free at the end, the router's loads), the simulated runner's step shapes as the real tiny
+engine's given the same arrivals, and a result that `disagg bench --from-results` reads.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from typer.testing import CliRunner
 from disagg.cluster.cli.app import app
 from disagg.cluster.routing.ledger import Ledger
 from disagg.cluster.simulate.fleet import SimFleet
-from disagg.cluster.simulate.instance import SimEngine
+from disagg.cluster.simulate.instance import SimInstance
 from disagg.cluster.simulate.run import simulate_run, simulated_result, workload_spec
+from disagg.cluster.simulate.step_model import StepTimeModel
 from disagg.config import Config
+from disagg.engine.options import EngineOptions
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PROFILE = {  # a profile of the tiny model's shape (what `disagg profile --small-grid` writes, abridged)
@@ -39,6 +41,12 @@ FLEETS = {  # name: (config, overrides)
     "local": ("tiny-1p1d.yaml", {"router.placement": "local"}),
     "3p1d-tight": ("tiny-1p1d.yaml", {"instances.prefill": 3, "cache.num_pages": 40}),
 }
+
+
+def sim_instance(*, max_model_len: int, clock=lambda: 0.0, **options) -> SimInstance:
+    """A simulated instance alone (no fleet), on ``clock``, with the `EngineOptions` ``options``."""
+    return SimInstance(StepTimeModel(), EngineOptions(use_cuda_graphs=False, **options), max_model_len=max_model_len,
+                       vocab_size=32000, clock=clock, pe=0, bytes_per_token=512.0, link_bytes_per_s=1e9)
 
 
 def simulate(name: str, *, rate: float = 40.0, num_prompts: int = 120, seed: int = 0, dataset: str = "chat",
@@ -63,7 +71,7 @@ def test_every_request_ends_once_and_every_page_comes_back(name: str):
     for inst in fleet.instances:
         engine = inst.actor
         assert engine.min_free_pages >= 0
-        assert not engine.requests and not engine.has_work() and engine.current is None
+        assert not engine.core.requests and not engine.has_work() and engine.current is None
         assert engine.cache.num_free_pages == engine.cache.num_pages  # every page back
     assert not fleet.placed and not len(fleet.ledger) and not any(fleet.ledger.loads.values())
     if name == "3p1d-tight":
@@ -124,7 +132,7 @@ def test_tight_pages_preempt_and_still_conserve():
     fleet = SimFleet(config, PROFILE)
     spec = workload_spec(PROFILE, 512, dataset_name="random", num_prompts=60, seed=1, input_len=200, output_len=64)
     sim = simulate_run(config, PROFILE, spec, request_rate=200.0, fleet=fleet)
-    assert sum(i.actor.scheduler.num_preemptions for i in fleet.instances) > 0
+    assert sum(i.actor.core.scheduler.num_preemptions for i in fleet.instances) > 0
     assert all(out.success for out in sim.run.outputs)
     assert all(i.actor.cache.num_free_pages == 30 and i.actor.min_free_pages >= 0 for i in fleet.instances)
 
@@ -159,9 +167,10 @@ def test_refused_request_fails_with_the_reason():
 @pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_simulated_engine_schedules_the_real_engines_steps(async_scheduling: bool, monkeypatch):
-    """Given the same arrivals per step, the real colocated engine and the simulated one run the
-    same forwards (prompt tokens, decodes, context, prompt attention pairs), preemption and steps
-    launched ahead included."""
+    """Given the same arrivals per step, the real colocated engine and the simulated one (its
+    `EngineCore` with the simulated runner) run the same forwards: the shapes the simulated runner
+    reads off each plan (prompt tokens, decodes, context, prompt attention pairs) are the engine's,
+    preemption and steps launched ahead included."""
     from disagg.cluster.launch import engines
     from disagg.engine import ColocatedEngine, EngineOptions
     from disagg.sampling import SamplingParams
@@ -175,8 +184,8 @@ def test_simulated_engine_schedules_the_real_engines_steps(async_scheduling: boo
     # runs both with it).
     real = ColocatedEngine(engines.load(config, "cpu"), **sizes, options=EngineOptions(
         async_scheduling=async_scheduling, prefix_caching=False))
-    from disagg.cluster.simulate.step_model import StepTimeModel
-    sim = SimEngine(StepTimeModel(), max_model_len=real.max_model_len, async_scheduling=async_scheduling, **sizes)
+    sim = sim_instance(max_model_len=real.max_model_len, async_scheduling=async_scheduling, prefix_caching=False,
+                       **sizes)
     sim.step_log = []
     arrivals = {0: [(20, 8)], 1: [(35, 6)], 3: [(40, 10), (18, 7)], 9: [(30, 5)], 16: [(10, 9)], 21: [(12, 4)]}
     real_shapes = []
@@ -194,7 +203,7 @@ def test_simulated_engine_schedules_the_real_engines_steps(async_scheduling: boo
     assert real.scheduler.num_preemptions > 0  # the case where page budgets matter
     assert (real.num_steps_ahead > 0) == async_scheduling
     assert sim.step_log == real_shapes
-    assert sim.scheduler.num_preemptions == real.scheduler.num_preemptions and not sim.has_work()
+    assert sim.core.scheduler.num_preemptions == real.scheduler.num_preemptions and not sim.has_work()
 
 
 def test_cli_writes_a_result_that_bench_from_results_reads(tmp_path: Path):

@@ -2,7 +2,8 @@
 
 The expected hits are computed here from the prompts alone (each prompt's longest common prefix
 with the prompts before it, whole pages on the decode side), not through the simulator's cache;
-the slow test runs the real tiny engine beside `SimEngine` and compares every forward and counter.
+the slow test runs the real tiny engine beside a simulated instance (the same `EngineCore` with
+the simulated runner) and compares every forward and counter.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from typer.testing import CliRunner
 from disagg.cluster.bench.workloads import sample_requests
 from disagg.cluster.cli.app import app
 from disagg.cluster.simulate.fleet import SimFleet
-from disagg.cluster.simulate.instance import SimDest, SimEngine
+from disagg.cluster.simulate.instance import SimInstance
 from disagg.cluster.simulate.run import simulate_run, simulated_result, workload_spec
 from disagg.cluster.simulate.step_model import StepTimeModel
 from disagg.config import Config
+from disagg.engine.options import EngineOptions
 from disagg.engine.steps import prompt_pairs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -56,6 +58,12 @@ def expected_hits(prompts: list[list[int]], whole_pages: bool) -> list[int]:
         hit = 0 if hit < PAGE else hit
         hits.append(hit - hit % PAGE if whole_pages else hit)
     return hits
+
+
+def sim_instance(*, max_model_len: int, clock=lambda: 0.0, **options) -> SimInstance:
+    """A simulated instance alone (no fleet), on ``clock``, with the `EngineOptions` ``options``."""
+    return SimInstance(StepTimeModel(), EngineOptions(use_cuda_graphs=False, **options), max_model_len=max_model_len,
+                       vocab_size=32000, clock=clock, pe=0, bytes_per_token=512.0, link_bytes_per_s=1e9)
 
 
 def fleet_of(path: str, overrides: dict, step_log: bool = False) -> tuple[Config, SimFleet]:
@@ -189,35 +197,41 @@ def test_short_pages_evict_the_least_recently_used_and_every_page_comes_back():
 
 
 def test_a_push_carries_what_follows_the_decode_side_s_hit():
-    """`SimEngine`: the decode side's reservation forks its cached whole pages; the prefill side
-    computes what its own cache lacks and pushes from the decode side's hit on (what it found in
-    its own cache past that point goes too, page to page, in its first forward)."""
+    """A simulated instance: the decode side's reservation forks its cached whole pages; the
+    prefill side computes what its own cache lacks and pushes from the decode side's hit on (what
+    it found in its own cache past that point goes too, page to page, in its first forward)."""
+    now = [0.0]
     sizes = dict(num_pages=64, page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=4096,
-                 prefix_caching=True)
+                 prefix_caching=True, async_scheduling=False, clock=lambda: now[0])
     shared, prompt = list(range(1, 41)), list(range(1, 41)) + list(range(500, 560))  # 100 tokens
 
-    def warm(engine: SimEngine) -> None:  # ``shared`` computed and cached there
-        engine.add("warm", shared + [7, 7], 1)
-        while engine.has_work():
-            engine.begin_step()
-            engine.finish_step()
+    def run(engine: SimInstance) -> None:  # every step, the clock at each one's end
+        for _ in range(100):
+            if not engine.has_work():
+                return
+            step = engine.begin_step()  # None: the pushes' pages were freed (no forward to run)
+            if step is not None:
+                now[0] = step.end_times[-1]
+                engine.finish_step()
+        raise AssertionError("the instance never ran out of work")
 
-    cold_decode, warm_decode = SimEngine(StepTimeModel(), **sizes), SimEngine(StepTimeModel(), **sizes)
-    warm(warm_decode)
-    assert cold_decode.reserve("r", prompt, 4) == SimDest(0)
-    assert warm_decode.reserve("r", prompt, 4) == SimDest(32)  # 40 cached: its 2 whole pages
-    for prefill_warm, dest, computed, pushed in ((False, SimDest(32), 100, 68), (True, SimDest(0), 60, 100),
-                                                (True, SimDest(32), 60, 68)):
-        prefill = SimEngine(StepTimeModel(), **sizes)
-        if prefill_warm:
-            warm(prefill)  # 40 cached: a mid-page hit, its partial page copied
+    def decode_side(warm: bool) -> SimInstance:
+        engine = sim_instance(**sizes)
+        if warm:  # ``shared`` computed and cached there
+            engine.add("warm", shared + [7, 7], 1)
+            run(engine)
+        return engine
+
+    assert decode_side(False).reserve("r", prompt, 4).num_cached_tokens == 0
+    assert decode_side(True).reserve("r", prompt, 4).num_cached_tokens == 32  # 40 cached: its 2 whole pages
+    for prefill_warm, decode_warm, computed, pushed in ((False, True, 100, 68), (True, False, 60, 100),
+                                                        (True, True, 60, 68)):
+        prefill = decode_side(prefill_warm)  # warm: 40 cached, a mid-page hit, its partial page copied
         prefill.step_log = []
-        prefill.add("r", prompt, 4, dest=dest)
-        while prefill.has_work():
-            prefill.begin_step()
-            prefill.finish_step()
+        prefill.add("r", prompt, 4, dest=decode_side(decode_warm).reserve("r", prompt, 4))
+        run(prefill)
         assert sum(s.num_prefill_tokens for s in prefill.step_log) == computed
-        assert prefill.num_pushed_tokens == pushed, (prefill_warm, dest)
+        assert prefill.num_pushed_tokens == pushed, (prefill_warm, decode_warm)
 
 
 def test_cli_reports_the_hits_as_the_bench_does(tmp_path: Path):
@@ -263,8 +277,8 @@ def test_simulated_engine_hits_evicts_and_preempts_as_the_real_engine(first_max_
     config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml").override({"model.num_layers": 1})
     real = ColocatedEngine(engines.load(config, "cpu"), **sizes, options=EngineOptions(
         async_scheduling=async_scheduling, prefix_caching=True))
-    sim = SimEngine(StepTimeModel(), max_model_len=real.max_model_len, async_scheduling=async_scheduling,
-                    prefix_caching=True, **sizes)
+    sim = sim_instance(max_model_len=real.max_model_len, async_scheduling=async_scheduling, prefix_caching=True,
+                       **sizes)
     sim.step_log = []
     system, other = list(range(10, 50)), list(range(60, 96))  # 40 and 36 tokens: hits end mid page
 
@@ -293,5 +307,5 @@ def test_simulated_engine_hits_evicts_and_preempts_as_the_real_engine(first_max_
     real_stats, sim_stats = real.stats(), sim.stats()
     assert {k: sim_stats[k] for k in counters} == {k: real_stats[k] for k in counters}
     assert real_stats["prefix_hit_tokens"] > 0 and real_stats["prefix_evicted_pages"] > 0  # the cases that matter
-    assert sim.scheduler.num_preemptions == real.scheduler.num_preemptions
+    assert sim.core.scheduler.num_preemptions == real.scheduler.num_preemptions
     assert (real.scheduler.num_preemptions > 0) == (first > 8)

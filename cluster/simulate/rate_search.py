@@ -1,0 +1,98 @@
+"""The goodput search of `disagg plan`: the highest request rate whose SLO attainment holds the
+target, as one generator (`rate_search`) that yields the rates to judge and is sent their
+attainments, one at a time (`max_rate`) or in batches (the planner's worker processes), to the
+same rate either way. Pure Python; `cluster/simulate/plan.py` calls it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Generator
+
+from disagg.cluster.bench.compare import TARGET_ATTAINMENT
+
+MAX_DOUBLINGS = 12
+BISECTIONS = 5
+
+
+def rate_search(start: float, width: int = 1, target: float = TARGET_ATTAINMENT
+                ) -> Generator[list[float], list[float], float]:
+    """The search for the highest rate whose attainment holds ``target`` (0.0 when even a rate
+    2^-12 of ``start`` misses), ``width`` rates at a time: it yields the rates to judge next and is
+    sent their attainments, in order; it returns the rate. Doubling (or halving) from ``start`` to a
+    bracket, then `BISECTIONS` halvings of it. Wider batches judge the next rates of the doubling,
+    and the next levels of the bisection (every midpoint it could visit, 2^d - 1 rates for d
+    levels), ahead: the rates a one-at-a-time search visits are among them, and its verdicts
+    decide the path, so the rate found is the one-at-a-time search's (`max_rate`) whatever the
+    attainments; the extra rates are judged for nothing but time."""
+    if width < 1:
+        raise ValueError(f"rate_search: expected a width of at least 1, got {width}")
+    (first,) = yield [start]
+    low: float | None = None
+    high: float | None = None
+    if first >= target:
+        low, done = start, 0
+        while high is None and done < MAX_DOUBLINGS:
+            batch = [low * 2 ** (i + 1) for i in range(min(width, MAX_DOUBLINGS - done))]
+            held = yield batch
+            done += len(batch)
+            missed = next((i for i, a in enumerate(held) if a < target), None)
+            if missed is None:
+                low = batch[-1]
+            else:
+                high, low = batch[missed], batch[missed - 1] if missed else low
+        if high is None:
+            return low
+    else:
+        high, done = start, 0
+        while low is None and done < MAX_DOUBLINGS:
+            batch = [high / 2 ** (i + 1) for i in range(min(width, MAX_DOUBLINGS - done))]
+            held = yield batch
+            done += len(batch)
+            met = next((i for i, a in enumerate(held) if a >= target), None)
+            if met is None:
+                high = batch[-1]
+            else:
+                low, high = batch[met], batch[met - 1] if met else high
+        if low is None:
+            return 0.0
+    levels = BISECTIONS
+    while levels:
+        depth = min(levels, max(1, (width + 1).bit_length() - 1))  # 2^depth - 1 <= width
+        tree = _midpoints(low, high, depth)
+        held = yield [rate for rate, _ in tree]
+        verdicts = {path: a >= target for (_, path), a in zip(tree, held)}
+        path = ""
+        for _ in range(depth):  # the one-at-a-time walk down the judged midpoints
+            mid = (low + high) / 2
+            if verdicts[path]:
+                low, path = mid, path + "1"
+            else:
+                high, path = mid, path + "0"
+        levels -= depth
+    return low
+
+
+def _midpoints(low: float, high: float, depth: int) -> list[tuple[float, str]]:
+    """Every midpoint a bisection of [low, high] can visit in ``depth`` levels, each with its path
+    (its verdicts so far, "1" held), computed as the bisection computes them."""
+    out: list[tuple[float, str]] = []
+    level = [(low, high, "")]
+    for _ in range(depth):
+        nxt = []
+        for lo, hi, path in level:
+            mid = (lo + hi) / 2
+            out.append((mid, path))
+            nxt += [(lo, mid, path + "0"), (mid, hi, path + "1")]
+        level = nxt
+    return out
+
+
+def max_rate(attainment: Callable[[float], float], start: float, target: float = TARGET_ATTAINMENT) -> float:
+    """`rate_search` one rate at a time: the highest rate whose ``attainment(rate)`` holds ``target``."""
+    search = rate_search(start, 1, target)
+    rates = next(search)
+    while True:
+        try:
+            rates = search.send([attainment(rate) for rate in rates])
+        except StopIteration as done:
+            return done.value
