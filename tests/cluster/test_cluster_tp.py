@@ -1,10 +1,16 @@
-"""Tensor-parallel instances on CPU actors (gloo): tiny-tp2-1p1d.yaml, each instance two ranks.
+"""Tensor-parallel instances on CPU actors (gloo, the shm heap): tiny-tp2-1p1d.yaml at
+``instances.tensor_parallel`` (prefill, decode) = (2, 2), (1, 2) and (2, 1), one launch each.
 
-Every rank is its own Ray actor and PE of the shm heap with a replica of the engine; prefill rank
-i pushes its KV head into decode rank i's pages. The tokens must equal an unsharded colocated
-engine's (greedy, float32), and after every test every page is free on every rank (read off each
-rank's engine, not only the leader's). The module ends by killing one decode rank: the instance
-dies as a whole, its requests fail naming the instance and the rank.
+Every rank is its own Ray actor and PE of the shm heap with a replica of the engine. tiny has 2 KV
+heads: at (2, 2) prefill rank i pushes head i into decode rank i's pages; at (1, 2) the one
+prefill rank writes head 0 into decode rank 0's pages and head 1 into decode rank 1's; at (2, 1)
+both prefill ranks write into the one decode rank's pages, each its own head, and the decode rank
+admits a request once both rang. The tokens must equal an unsharded colocated engine's (greedy,
+float32) with chunked prompts, prefix hits on both sides and aborts mid-push and mid-decode, and
+after every test every page is free on every rank (read off each rank's engine, not only the
+leader's). Each launch ends by killing a decode rank where there are two: the instance dies as
+a whole, and what fails names the instance and the rank. SmolLM2-135M (3 KV heads) at (1, 3) and
+(3, 1): test_cluster_tp_split_smollm2.py.
 """
 
 from __future__ import annotations
@@ -19,11 +25,15 @@ from hooked_actor import HookedInstanceActor
 from disagg.sampling import SamplingParams
 
 LEASE_S = 3.0
+PAIRS = [(2, 2), (1, 2), (2, 1)]
 
 
-@pytest.fixture(scope="module")
-def cluster(ray_local):
-    cluster = launch("tiny-tp2-1p1d", HookedInstanceActor, router__lease_s=LEASE_S)
+@pytest.fixture(scope="module", params=PAIRS, ids=lambda pair: f"P{pair[0]}-D{pair[1]}")
+def cluster(request, ray_local):
+    prefill, decode = request.param
+    cluster = launch("tiny-tp2-1p1d", HookedInstanceActor, router__lease_s=LEASE_S, cluster__restart=False,
+                     instances__tensor_parallel={"prefill": prefill, "decode": decode})
+    cluster.pair = request.param
     yield cluster
     cluster.shutdown()
 
@@ -46,16 +56,20 @@ def pages_free_after(cluster, ray_local):
 
 
 def test_the_fleet_reports_each_instance_s_ranks(cluster):
+    prefill, decode = cluster.pair
     stats = cluster.stats()
     by_name = {inst["name"]: inst for inst in stats["instances"]}
-    assert {name: inst["tensor_parallel"] for name, inst in by_name.items()} == {"prefill-0": 2, "decode-0": 2}
-    assert [r["pe"] for r in by_name["prefill-0"]["ranks"]] == [0, 1]
-    assert [r["pe"] for r in by_name["decode-0"]["ranks"]] == [2, 3]
+    assert {name: inst["tensor_parallel"] for name, inst in by_name.items()} == {"prefill-0": prefill,
+                                                                                 "decode-0": decode}
+    assert [r["pe"] for r in by_name["prefill-0"]["ranks"]] == list(range(prefill))
+    assert [r["pe"] for r in by_name["decode-0"]["ranks"]] == list(range(prefill, prefill + decode))
     assert all(r["device"] == "cpu" for inst in by_name.values() for r in inst["ranks"])
-    assert set(stats["paths"]) == {"0->2", "0->3", "1->2", "1->3"}
+    assert set(stats["paths"]) == {f"{p}->{d}" for p in range(prefill) for d in range(prefill, prefill + decode)}
 
 
 def test_disagg_check_and_metrics_show_every_rank(cluster):
+    if cluster.pair != (2, 2):
+        pytest.skip("one fleet's lines suffice")
     from prometheus_client import CollectorRegistry, generate_latest
 
     from disagg.cluster.cli.app import describe
@@ -127,8 +141,10 @@ def test_many_requests_abort_mid_push_and_mid_decode(cluster):
 
 
 def test_a_killed_rank_takes_its_instance_down_and_is_named(cluster, ray_local):
-    """Last in the module: decode-0's rank 1 is killed; decode-0 dies as a whole (its leader's
+    """Last of each launch: decode-0's rank 1 is killed; decode-0 dies as a whole (its leader's
     next collective fails), and what fails names the instance and the rank."""
+    if cluster.pair[1] < 2:
+        pytest.skip("the decode instance has one rank")
     decode = cluster.instance("decode-0")
     ray_local.kill(decode.ranks[1].actor, no_restart=True)
     deadline = time.monotonic() + 60
