@@ -22,7 +22,7 @@ from disagg.cluster.launch.bootstrap import Instance
 from disagg.cluster.outputs import RequestMetrics
 from disagg.cluster.routing.ledger import Ledger
 from disagg.cluster.routing.placement import FleetModel
-from disagg.cluster.routing.requests import Picker, Request
+from disagg.cluster.routing.requests import Picker, RoutedRequest
 from disagg.sampling import SamplingParams
 
 
@@ -35,9 +35,9 @@ def shape(num_instances: int, num_live: int, repeats: int, seed: int = 0) -> dic
     ledger = Ledger(instances)
     live = []
     for i in range(num_live):
-        req = Request(str(i), [1] * rng.randint(100, 2000), SamplingParams(max_tokens=200), lambda *a: None,
-                      RequestMetrics(arrival_time=0.0), stage="decoding", decode=rng.choice(decodes),
-                      prefill=rng.choice(prefills), num_output=10, first_token_at=0.0)
+        req = RoutedRequest(str(i), [1] * rng.randint(100, 2000), SamplingParams(max_tokens=200), lambda *a: None,
+                            RequestMetrics(arrival_time=0.0), stage="decoding", decode=rng.choice(decodes),
+                            prefill=rng.choice(prefills), num_output=10, first_token_at=0.0)
         live.append(req)
         ledger.touch(req)
     ms = {}

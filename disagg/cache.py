@@ -343,10 +343,10 @@ class PagedKVCache(DisaggSends):
             )
         if n == 0:
             return
-        plan = prefix.plan_pop(self._blocks, seq, n, self.page_size)
+        steps = prefix.pop_steps(self._blocks, seq, n, self.page_size)
         fork_pos = seq.seq_length - n
-        if plan.remaining and fork_pos % self.page_size:
-            if self._pool.num_free + self._pool.num_untouched(plan.freed_pages()) < 1:
+        if steps.remaining and fork_pos % self.page_size:
+            if self._pool.num_free + self._pool.num_untouched(steps.freed_pages()) < 1:
                 raise OutOfPages(
                     f"popn: sequence {seq.seq_id} pops into a shared page at position {fork_pos}, "
                     "which must be copied; it needs 1 free page and none is free",
@@ -354,7 +354,7 @@ class PagedKVCache(DisaggSends):
                     num_free=self._pool.num_free,
                 )
         self._cached.invalidate()
-        prefix.commit_pop(self._blocks, self._pool, self._copies.fork, seq, plan, self.page_size)
+        prefix.commit_pop(self._blocks, self._pool, self._copies.fork, seq, steps, self.page_size)
         self._cached.index.truncate(seq.seq_id, seq.seq_length)
         self._refresh_sinks(seq)
         if seq.send is not None:
@@ -501,8 +501,8 @@ class PagedKVCache(DisaggSends):
             keep -= keep % self.page_size
         seq.send = None
         if keep < seq.seq_length:
-            plan = prefix.plan_pop(self._blocks, seq, seq.seq_length - keep, self.page_size)
-            prefix.commit_pop(self._blocks, self._pool, self._copies.fork, seq, plan, self.page_size)
+            steps = prefix.pop_steps(self._blocks, seq, seq.seq_length - keep, self.page_size)
+            prefix.commit_pop(self._blocks, self._pool, self._copies.fork, seq, steps, self.page_size)
             self._cached.index.truncate(seq.seq_id, keep)
         new_id = self._cached.new_id(self._seqs)
         del self._seqs[seq.seq_id]

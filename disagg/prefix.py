@@ -103,7 +103,7 @@ def _split_block(blocks: BlockPool, forked: Block, moved: int, child: Block, pag
 
 
 @dataclass
-class PopPlan:
+class PopSteps:
     """What `popn` will do, worked out before anything changes.
 
     Attributes:
@@ -128,23 +128,23 @@ class PopPlan:
         return pages
 
 
-def plan_pop(blocks: BlockPool, seq: Sequence, n: int, page_size: int) -> PopPlan:
+def pop_steps(blocks: BlockPool, seq: Sequence, n: int, page_size: int) -> PopSteps:
     """Walk up from the last block as TVM's PopN does, without changing anything."""
-    plan = PopPlan(remaining=n)
+    steps = PopSteps(remaining=n)
     idx = seq.last_block_idx
     while idx != -1 and blocks.blocks[idx].external_ref_cnt == 1:
         block = blocks.blocks[idx]
-        if plan.remaining > block.seq_length:
-            plan.remaining -= block.seq_length
-            plan.freed.append(block)
+        if steps.remaining > block.seq_length:
+            steps.remaining -= block.seq_length
+            steps.freed.append(block)
             idx = block.parent_idx
             continue
-        plan.truncated = block
-        plan.new_length = block.seq_length - plan.remaining
-        plan.kept_pages = ceil_div(sliding.truncated_used_slots(block, plan.new_length), page_size)
-        plan.remaining = 0
+        steps.truncated = block
+        steps.new_length = block.seq_length - steps.remaining
+        steps.kept_pages = ceil_div(sliding.truncated_used_slots(block, steps.new_length), page_size)
+        steps.remaining = 0
         break
-    return plan
+    return steps
 
 
 def commit_pop(
@@ -152,32 +152,32 @@ def commit_pop(
     pool: PagePool,
     fork_copies: list[tuple[int, int, int]],
     seq: Sequence,
-    plan: PopPlan,
+    steps: PopSteps,
     page_size: int,
 ) -> None:
-    """Apply a `PopPlan`: free, truncate, or fork a private copy of a shared partial page."""
+    """Carry out the `PopSteps`: free, truncate, or fork a private copy of a shared partial page."""
     old_table = seq.table
-    for block in plan.freed:
+    for block in steps.freed:
         pool.give(block.page_ids)
         blocks.release(block)
         seq.seq_length -= block.seq_length
-    num_kept = len(old_table) - sum(len(b.page_ids) for b in plan.freed)
-    if plan.truncated is not None:
-        block = plan.truncated
-        pool.give(reversed(block.page_ids[plan.kept_pages :]))
-        num_kept -= len(block.page_ids) - plan.kept_pages
-        del block.page_ids[plan.kept_pages :]
-        seq.seq_length -= block.seq_length - plan.new_length
-        sliding.truncate(block, plan.new_length)
+    num_kept = len(old_table) - sum(len(b.page_ids) for b in steps.freed)
+    if steps.truncated is not None:
+        block = steps.truncated
+        pool.give(reversed(block.page_ids[steps.kept_pages :]))
+        num_kept -= len(block.page_ids) - steps.kept_pages
+        del block.page_ids[steps.kept_pages :]
+        seq.seq_length -= block.seq_length - steps.new_length
+        sliding.truncate(block, steps.new_length)
         seq.last_block_idx = block.index
         seq.set_table(old_table[:num_kept])
-    elif plan.remaining:
+    elif steps.remaining:
         # TVM forks the shared prefix at the new length and removes the old sequence; the same
         # happens here in place: the child's block becomes the sequence's last block, and the
         # freed block's reference on the shared block goes away.
-        shared = blocks.blocks[plan.freed[-1].parent_idx]
+        shared = blocks.blocks[steps.freed[-1].parent_idx]
         seq.last_block_idx = shared.index
-        fork_pos = seq.seq_length - plan.remaining
+        fork_pos = seq.seq_length - steps.remaining
         child = fork_blocks(blocks, pool, fork_copies, seq, fork_pos, page_size)
         shared.external_ref_cnt -= 1
         seq.last_block_idx = child.index

@@ -153,8 +153,8 @@ class CachedSequences:
                 self.drop(blocks, pool, seqs, seq)
             else:
                 keep = top_start + (chain_pages - want) * self.page_size
-                plan = prefix.plan_pop(blocks, seq, seq.seq_length - keep, self.page_size)
-                prefix.commit_pop(blocks, pool, [], seq, plan, self.page_size)
+                steps = prefix.pop_steps(blocks, seq, seq.seq_length - keep, self.page_size)
+                prefix.commit_pop(blocks, pool, [], seq, steps, self.page_size)
                 self.index.truncate(seq.seq_id, keep)
                 self._forget_pages(chain_pages - _private_tail(blocks, seq)[0])
             self.num_evicted_pages += pool.num_free - before

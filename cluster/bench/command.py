@@ -164,12 +164,13 @@ def bench_command(
         early_stop=early_stop, reset_prefix_cache=not keep_prefix_cache)
     if scales:
         options.slo_scales = tuple(scales)
-    plan = session.Plan(config=config, others=others, variants=variants, overrides=overrides, target=target,
-                        from_results=list(from_results or []), label=label,
-                        out_dir=result_dir or Path(defaults.get("results_dir", "results")),
-                        metadata=flags.key_values(metadata, "--metadata", "version=0.3.3"),
-                        table_metrics=flags.percentile_metrics(percentile_metrics), allow_mismatch=allow_mismatch)
-    raise typer.Exit(session.run(plan, options))
+    bench_run = session.BenchRun(config=config, others=others, variants=variants, overrides=overrides, target=target,
+                                 from_results=list(from_results or []), label=label,
+                                 out_dir=result_dir or Path(defaults.get("results_dir", "results")),
+                                 metadata=flags.key_values(metadata, "--metadata", "version=0.3.3"),
+                                 table_metrics=flags.percentile_metrics(percentile_metrics),
+                                 allow_mismatch=allow_mismatch)
+    raise typer.Exit(session.run(bench_run, options))
 
 
 def _config_defaults(config: Optional[Path], overrides: dict[str, Any]) -> dict[str, Any]:

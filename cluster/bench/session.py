@@ -1,6 +1,6 @@
 """One `disagg bench` invocation after its flags are read: run, print, save, and say how it ended.
 
-`run(plan, options)` picks the shape (a comparison, one launched config, a server at a URL, or
+`run(bench_run, options)` picks the shape (a comparison, one launched config, a server at a URL, or
 stored results), prints each run's table and its failed requests grouped by reason, writes the
 result JSON and summary.md, and returns the exit status: 0 when some request succeeded, 1 when
 none did or the server/fleet could not be used (one line), 2 for comparisons of different
@@ -25,7 +25,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 @dataclass
-class Plan:
+class BenchRun:
     """What to run, besides the sweep options (see command.py for each flag)."""
 
     config: Optional[Path] = None
@@ -63,8 +63,8 @@ class Tally:
         return "no run had finished; nothing saved"
 
 
-def run(plan: Plan, options: Any, console: Any = None) -> int:
-    """Carry out `plan`; return the exit status (see the module docstring)."""
+def run(bench_run: BenchRun, options: Any, console: Any = None) -> int:
+    """Carry out `bench_run`; return the exit status (see the module docstring)."""
     from rich.console import Console
 
     from disagg.cluster.bench.backends import TargetError
@@ -74,14 +74,14 @@ def run(plan: Plan, options: Any, console: Any = None) -> int:
     console = console or Console()
     tally = Tally()
     try:
-        if plan.from_results:
-            _compare_stored(console, plan, options)
-        elif plan.others and plan.target is None:
-            _compare_live(console, plan, options, tally)
+        if bench_run.from_results:
+            _compare_stored(console, bench_run, options)
+        elif bench_run.others and bench_run.target is None:
+            _compare_live(console, bench_run, options, tally)
         else:
-            _single(console, plan, options, tally)
+            _single(console, bench_run, options, tally)
     except KeyboardInterrupt:
-        _say(f"interrupted (Ctrl-C); {tally.kept(plan.out_dir)}")
+        _say(f"interrupted (Ctrl-C); {tally.kept(bench_run.out_dir)}")
         return EXIT_INTERRUPTED
     except Mismatch as err:
         _say(str(err))
@@ -102,27 +102,27 @@ def _say(line: str) -> None:
     print(f"disagg bench: {line}", file=sys.stderr, flush=True)
 
 
-def _single(console, plan: Plan, options, tally: Tally) -> None:
+def _single(console, bench_run: BenchRun, options, tally: Tally) -> None:
     from disagg.cluster.bench import markdown, sweep
 
-    if plan.target is not None and plan.others:
+    if bench_run.target is not None and bench_run.others:
         raise _usage("--compare needs configs launched here; drop --base-url")
-    if plan.target is not None and len(options.dataset_names) > 1:
+    if bench_run.target is not None and len(options.dataset_names) > 1:
         raise _usage("one --dataset-name at a time with --base-url")
-    saver = _saver(plan, options, tally)
-    if plan.target is not None:
-        results = sweep.bench_url(plan.target, options, slos_ms=options.goodput_slos_ms, label=plan.label,
-                                  extra=plan.metadata, on_result=saver)
+    saver = _saver(bench_run, options, tally)
+    if bench_run.target is not None:
+        results = sweep.bench_url(bench_run.target, options, slos_ms=options.goodput_slos_ms,
+                                  label=bench_run.label, extra=bench_run.metadata, on_result=saver)
         runs = [sweep.DatasetRuns(options.dataset_name, results, options.goodput_slos_ms,
-                                  {"label": plan.label or plan.target.base_url, "num_gpus": 1,
+                                  {"label": bench_run.label or bench_run.target.base_url, "num_gpus": 1,
                                    "device_unit": "GPU"})]
     else:
-        runs = sweep.bench_config(plan.config, options, overrides=plan.overrides, label=plan.label,
-                                  extra=plan.metadata, on_result=saver)
+        runs = sweep.bench_config(bench_run.config, options, overrides=bench_run.overrides,
+                                  label=bench_run.label, extra=bench_run.metadata, on_result=saver)
     for one in runs:
         console.print(tables.slo_line(one.dataset, one.slos_ms, one.info.get("calibration")), markup=False)
         if options.save_results:
-            folder = _folder(options, plan.out_dir, one.dataset)
+            folder = _folder(options, bench_run.out_dir, one.dataset)
             summary = sweep.summarize_comparison([one], options, folder) if one.slos_ms else None
             path = report.write_markdown(folder / "summary.md", markdown.single_summary(one, summary))
             console.print(f"results and summary: {path.parent}", markup=False)
@@ -134,7 +134,7 @@ def _usage(message: str) -> Exception:
     return typer.BadParameter(message)
 
 
-def _saver(plan: Plan, options, tally: Tally) -> Callable[[dict[str, Any]], None]:
+def _saver(bench_run: BenchRun, options, tally: Tally) -> Callable[[dict[str, Any]], None]:
     """Print each run as it ends; save it then too (vLLM's dated file name unless --result-filename)."""
     from rich.console import Console
 
@@ -144,13 +144,13 @@ def _saver(plan: Plan, options, tally: Tally) -> Callable[[dict[str, Any]], None
     console = Console()
 
     def save(result: dict[str, Any]) -> None:
-        result.update(plan.metadata)
+        result.update(bench_run.metadata)
         if options.save_results:
             name = options.result_filename if options.result_filename and single else sweep.result_name(result)
-            folder = _folder(options, plan.out_dir, result["workload"]["dataset_name"])
+            folder = _folder(options, bench_run.out_dir, result["workload"]["dataset_name"])
             tally.files.append(str(report.save_json(result, folder / name)))
         tally.count(result)
-        _print_run(console, result, plan.table_metrics)
+        _print_run(console, result, bench_run.table_metrics)
     return save
 
 
@@ -164,21 +164,22 @@ def _folder(options, out_dir: Path, dataset: str) -> Path:
     return out_dir if len(options.dataset_names) == 1 else out_dir / dataset
 
 
-def _compare_live(console, plan: Plan, options, tally: Tally) -> None:
+def _compare_live(console, bench_run: BenchRun, options, tally: Tally) -> None:
     from disagg.cluster.bench import compare, sweep
 
-    differences = compare.config_mismatches(plan.config, plan.others, plan.overrides, plan.variants)
-    _judge_mismatch(differences, plan.allow_mismatch)
+    differences = compare.config_mismatches(bench_run.config, bench_run.others, bench_run.overrides,
+                                            bench_run.variants)
+    _judge_mismatch(differences, bench_run.allow_mismatch)
 
     def printed(result: dict[str, Any]) -> None:
         tally.files.append(result["result_file"])
         tally.count(result)
-        _print_run(console, result, plan.table_metrics)
+        _print_run(console, result, bench_run.table_metrics)
 
-    summary = sweep.compare_configs(plan.config, plan.others, plan.out_dir, options, variants=plan.variants,
-                                    overrides=plan.overrides, on_result=printed, mismatches=differences,
-                                    extra=plan.metadata)
-    _print_comparison(console, summary, options, plan.out_dir)
+    summary = sweep.compare_configs(bench_run.config, bench_run.others, bench_run.out_dir, options,
+                                    variants=bench_run.variants, overrides=bench_run.overrides, on_result=printed,
+                                    mismatches=differences, extra=bench_run.metadata)
+    _print_comparison(console, summary, options, bench_run.out_dir)
 
 
 def _judge_mismatch(differences: list[str], allowed: bool) -> None:
@@ -194,22 +195,22 @@ def _judge_mismatch(differences: list[str], allowed: bool) -> None:
     _say(f"WARNING: comparing deployments that differ: {what} (--allow-mismatch); the summary says so too")
 
 
-def _compare_stored(console, plan: Plan, options) -> None:
+def _compare_stored(console, bench_run: BenchRun, options) -> None:
     import typer
 
     from disagg.cluster.bench import stored
 
     try:
-        runs = stored.load_runs(plan.from_results)
+        runs = stored.load_runs(bench_run.from_results)
     except ValueError as err:
         raise typer.BadParameter(str(err).removeprefix("--from-results: "), param_hint="--from-results") from None
     differences = stored.mismatches(runs)
-    _judge_mismatch(differences, plan.allow_mismatch)
+    _judge_mismatch(differences, bench_run.allow_mismatch)
     try:
-        summary = stored.compare_runs(runs, plan.out_dir, options, mismatches=differences)
+        summary = stored.compare_runs(runs, bench_run.out_dir, options, mismatches=differences)
     except ValueError as err:
         raise typer.BadParameter(str(err).removeprefix("--goodput: "), param_hint="--goodput") from None
-    _print_comparison(console, summary, options, plan.out_dir)
+    _print_comparison(console, summary, options, bench_run.out_dir)
 
 
 def _print_comparison(console, summary: dict, options, out_dir: Path) -> None:

@@ -9,35 +9,38 @@ calls an instance, waits, or reads a clock other than the `Placer`'s.
 
     event                            stage after            actions returned
     arrived(req)                     QUEUED                 -
-    plan(req[, decide])              RUNNING, RESERVING     Add | Reserve | Wait | End
+    route(req[, decide])             RUNNING, RESERVING     Add | Reserve | Wait | End
     reserved(req, inst, dest)        RESERVING, QUEUED      Hand | Cancel, Requeue | Cancel (ended)
     refused(req, inst[, error])      RESERVING, QUEUED      Reserve (the next) | Requeue | End
     handed(req)                      PREFILLING             Add(prefill, dest)
     first_token(req, inst, ...)      DECODING               Start[, End]
     tokens(req, num_tokens, ...)     -                      [End]
     end(req, reason[, error])        DONE                   Abort, ... (what it held)
-    instance_died(inst, reason)      -                      (request, End) per request it held
+    instance_died(inst, reason)      QUEUED (migrated)      per request it held: Abort..., Requeue | End
     expired(now)                     -                      (request, End) per deadline passed
 
-A remote request: `plan` -> Reserve(D1); `refused` (D1 out of pages) -> Reserve(D2);
+A remote request: `route` -> Reserve(D1); `refused` (D1 out of pages) -> Reserve(D2);
 `reserved` -> Hand(P): the `Placer` names the prefill instance as soon as D2 holds the pages;
 `handed`, once D2's answer reached the router -> Add(P, dest); `first_token` from P ->
 Start(D2): D2 decodes it once the KV has landed; `tokens` from D2; `end`. The router calls
 `handed` at once (the reservation's answer is its event); the simulator when its virtual answer
 arrives (the decode instance's step in flight, ``--reserve-ms``). A request placed alone (local,
-kept, colocated): `plan` -> Add(inst); `tokens` from inst; `end`.
+kept, colocated): `route` -> Add(inst); `tokens` from inst; `end`. A request an instance held
+when it died migrates (`disagg.cluster.routing.migration`): what it held on the survivors is
+released, and it is routed again with the tokens it streamed as part of its prompt.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Collection
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
 from typing import Any
 
 from disagg.cluster.launch.instance import Instance
+from disagg.cluster.routing import migration
 from disagg.cluster.routing.placement.placer import Alone, Decide, Fail, Placer, Wait
-from disagg.cluster.routing.requests import Request, Stage
+from disagg.cluster.routing.requests import RoutedRequest, Stage
 from disagg.config import RouterSection
 from disagg.errors import DisaggError, InstanceDied, RequestTimedOut, SignalTimeout
 
@@ -90,16 +93,22 @@ class Cancel:
 @dataclass(frozen=True)
 class Abort:
     """Release the request on ``instance``. ``quiesced``, for a prefill instance: carried out
-    when its abort answers `PushState.QUIESCED` (no push of the request can land anymore)."""
+    when its abort answers `PushState.QUIESCED` (no push of the request can land anymore).
+    ``engine_id``: the id the engine knows the placement by when it is no longer the request's
+    (`RoutedRequest.engine_id`: a placement left behind by a migration); None: the request's."""
 
     instance: Instance
     quiesced: Cancel | None = None
+    engine_id: Hashable | None = None
 
 
 @dataclass(frozen=True)
 class Requeue:
-    """Every decode instance of the plan refused the pages: back at the queue head, where it
-    waits for a change (`WAIT_PAGES`) before it is planned again."""
+    """Back at the queue head. ``wait``: every decode instance of the route refused the pages,
+    and it waits for a change (`WAIT_PAGES`) before it is routed again; False: routed again at
+    once (migrated off a dead instance)."""
+
+    wait: bool = True
 
 
 @dataclass(frozen=True)
@@ -139,12 +148,12 @@ class RequestFlow:
             raise ValueError("placer: expected a Placer built with tracked=True (the flow keeps its ledger), "
                              "got one without a ledger")
         self.placer, self.ledger, self.settings = placer, placer.ledger, settings
-        self.live: dict[Any, Request] = {}
-        self.placed: dict[Any, Request] = {}
-        self._untried: dict[Any, collections.deque[Instance]] = {}  # a plan's decodes not yet asked
+        self.live: dict[Any, RoutedRequest] = {}
+        self.placed: dict[Any, RoutedRequest] = {}
+        self._untried: dict[Any, collections.deque[Instance]] = {}  # a route's decodes not yet asked
 
     # ------------------------------------------------------------------ entry and placement
-    def arrived(self, req: Request) -> None:
+    def arrived(self, req: RoutedRequest) -> None:
         """``req`` reached the router: live and queued (in no sum until it is placed), with its
         deadline (``request_timeout_s``) from now."""
         self.live[req.request_id] = req
@@ -153,36 +162,36 @@ class RequestFlow:
         if timeout_s is not None:
             req.deadline = self.placer.clock() + timeout_s
 
-    def plan(self, req: Request, decide: Decide | None = None) -> tuple[Action, ...]:
-        """Place ``req`` now (`Placer.plan`; ``decide``: the adaptive decision's hook).
+    def route(self, req: RoutedRequest, decide: Decide | None = None) -> tuple[Action, ...]:
+        """Place ``req`` now (`Placer.route`; ``decide``: the adaptive decision's hook).
 
         Returns:
             (`Wait`,): it stays at the queue head; (`End`,): no live instance can take it;
             (`Add`,): one instance computes and decodes it (RUNNING); (`Reserve`,): its pages
-            are reserved on the plan's first decode instance (RESERVING).
+            are reserved on the route's first decode instance (RESERVING).
         """
-        plan = self.placer.plan(req, self.placed.values(), decide)
-        if isinstance(plan, Wait):
-            return (plan,)
-        if isinstance(plan, Fail):
-            return (End("error", plan.error()),)
-        if isinstance(plan, Alone):
-            req.colocated, req.stage = plan.instance, Stage.RUNNING
+        route = self.placer.route(req, self.placed.values(), decide)
+        if isinstance(route, Wait):
+            return (route,)
+        if isinstance(route, Fail):
+            return (End("error", route.error()),)
+        if isinstance(route, Alone):
+            req.colocated, req.stage = route.instance, Stage.RUNNING
             self._place(req)
-            return (Add(plan.instance, None, plan.path),)
+            return (Add(route.instance, None, route.path),)
         req.stage = Stage.RESERVING  # its prompt queued on no prefill instance yet: `queued_prompt`
         self._place(req)
-        first, *rest = plan.decodes
+        first, *rest = route.decodes
         self._untried[req.request_id] = collections.deque(rest)
         return (Reserve(first),)
 
-    def reserved(self, req: Request, inst: Instance, dest: Any) -> tuple[Action, ...]:
+    def reserved(self, req: RoutedRequest, inst: Instance, dest: Any) -> tuple[Action, ...]:
         """``inst`` reserved ``req``'s pages at ``dest``: it decodes ``req``, and the `Placer`
         names the prefill instance (`Placer.hand`), which gets the prompt at `handed`.
 
         Returns:
             (`Hand`,); (`Cancel`, `Requeue`) when no prefill instance is alive any more (QUEUED
-            again, out of the ledger: planned again, it takes the survivors' path,
+            again, out of the ledger: routed again, it takes the survivors' path,
             `degraded_path`); (`Cancel`,) when ``req`` ended while reserving (``dest`` never left
             the driver).
         """
@@ -201,11 +210,11 @@ class RequestFlow:
         self.ledger.touch(req)
         return (Hand(prefill),)
 
-    def refused(self, req: Request, inst: Instance, error: DisaggError | None = None) -> tuple[Action, ...]:
+    def refused(self, req: RoutedRequest, inst: Instance, error: DisaggError | None = None) -> tuple[Action, ...]:
         """``inst`` did not take ``req``.
 
         Args:
-            error: None while reserving: ``inst`` was out of pages or dead, and the plan's next
+            error: None while reserving: ``inst`` was out of pages or dead, and the route's next
                 decode instance is asked. Otherwise why ``inst`` refused ``req`` for good (its
                 reservation while reserving, else its prompt: `Add` failed).
 
@@ -232,7 +241,7 @@ class RequestFlow:
             return End("error", error, release=False), Cancel(req.decode, req.dest)
         return (End("error", error),)
 
-    def handed(self, req: Request) -> tuple[Action, ...]:
+    def handed(self, req: RoutedRequest) -> tuple[Action, ...]:
         """The reservation's answer reached the router: the prompt goes to the prefill instance
         `reserved` named (PREFILLING; its lease, ``lease_s``, starts). () when ``req`` ended."""
         if req.done:
@@ -244,7 +253,7 @@ class RequestFlow:
         return (Add(req.prefill, req.dest, "remote"),)
 
     # ------------------------------------------------------------------ outputs
-    def first_token(self, req: Request, inst: Instance, finished: str | None = None,
+    def first_token(self, req: RoutedRequest, inst: Instance, finished: str | None = None,
                     relay_s: float | None = None) -> tuple[Action, ...]:
         """``inst``, the prefill instance, computed ``req``'s prompt: its first token came
         (DECODING; its lease is over).
@@ -267,11 +276,11 @@ class RequestFlow:
             return Start(req.decode), End(finished, release=False)
         return (Start(req.decode),)
 
-    def tokens(self, req: Request, num_tokens: int, finished: str | None = None,
+    def tokens(self, req: RoutedRequest, num_tokens: int, finished: str | None = None,
                relay_s: float | None = None) -> tuple[Action, ...]:
         """``req``'s decode instance (or the one instance it runs on) produced ``num_tokens``
         more tokens; the first of them may be its first token (`Placer.first_token`, ``relay_s``).
-        A decode instance's token means its KV landed (`Request.holders`: the prefill instance
+        A decode instance's token means its KV landed (`RoutedRequest.holders`: the prefill instance
         let it go).
 
         Returns:
@@ -293,7 +302,7 @@ class RequestFlow:
         return ()
 
     # ------------------------------------------------------------------ endings
-    def end(self, req: Request, reason: str, error: DisaggError | None = None,
+    def end(self, req: RoutedRequest, reason: str, error: DisaggError | None = None,
             release: bool = True) -> tuple[Action, ...]:
         """``req`` ended (DONE): out of the live requests and the ledger; a finish (``reason``
         not in `FAILED`) reaches the placer (`Placer.finished`).
@@ -315,17 +324,36 @@ class RequestFlow:
             self.placer.finished(req)
         return _releases(req, stage) if release else ()
 
-    def instance_died(self, inst: Instance, reason: str) -> list[tuple[Request, End]]:
+    def instance_died(self, inst: Instance, reason: str) -> list[tuple[RoutedRequest, tuple[Action, ...]]]:
         """``inst`` died: it is never routed to again, and every request it holds
-        (`Request.holders`) fails with `InstanceDied`. [] when it was dead already."""
+        (`RoutedRequest.holders`) migrates (`disagg.cluster.routing.migration`): what it holds on
+        the live instances is released under its old engine id, and it is QUEUED again, out of
+        the ledger, with the tokens it streamed in its prompt. It fails with `InstanceDied`
+        instead once it migrated `MAX_MIGRATIONS` times, or when no instance is left to serve it
+        and no replacement is on its way (`Placer.restarting`).
+
+        Returns:
+            Per request it held, newest first (each requeued at the head, they keep their
+            order): (`Abort`..., `Requeue` not waiting), or (`End`,). [] when it was dead already.
+        """
         if not inst.alive:
             return []
         inst.alive, inst.error = False, reason
         message = f"{inst.label()} died: {reason}"
-        return [(req, End("error", InstanceDied(message, instance=inst.name, reason=reason)))
-                for req in holders_of(list(self.live.values()), inst)]
+        serving = bool(self.placer.restarting) or any(other.alive for other in self.placer.instances)
+        out: list[tuple[RoutedRequest, tuple[Action, ...]]] = []
+        for req in reversed(holders_of(list(self.live.values()), inst)):
+            if not (serving and migration.can_migrate(req)):
+                out.append((req, (End("error", InstanceDied(message, instance=inst.name, reason=reason)),)))
+                continue
+            releases = tuple(Abort(a.instance, a.quiesced, req.engine_id) for a in _releases(req, req.stage))
+            self._unplace(req)
+            self._untried.pop(req.request_id, None)
+            migration.resume(req)
+            out.append((req, (*releases, Requeue(wait=False))))
+        return out
 
-    def expired(self, now: float) -> list[tuple[Request, End]]:
+    def expired(self, now: float) -> list[tuple[RoutedRequest, End]]:
         """The requests past a deadline at ``now`` (the placer's clock): aborted past
         ``request_timeout_s``; failed when a prefill's KV did not land within ``lease_s``."""
         out = []
@@ -356,17 +384,17 @@ class RequestFlow:
         """Take the placed requests' shares again (after an `audit` found a move not made)."""
         self.ledger.rebuild(self.placed.values())
 
-    def _place(self, req: Request) -> None:
+    def _place(self, req: RoutedRequest) -> None:
         self.placed[req.request_id] = req
         self.ledger.touch(req)
 
-    def _unplace(self, req: Request) -> None:
+    def _unplace(self, req: RoutedRequest) -> None:
         if self.placed.get(req.request_id) is req:
             del self.placed[req.request_id]
             self.ledger.drop(req)
 
 
-def _releases(req: Request, stage: Stage) -> tuple[Action, ...]:
+def _releases(req: RoutedRequest, stage: Stage) -> tuple[Action, ...]:
     """What frees what ``req`` held on the live instances when it left ``stage`` (`RequestFlow.end`)."""
     if stage == Stage.PREFILLING:
         decode, prefill = req.decode, req.prefill
@@ -378,6 +406,6 @@ def _releases(req: Request, stage: Stage) -> tuple[Action, ...]:
     return (Abort(inst),) if inst is not None and inst.alive else ()
 
 
-def holders_of(requests: Collection[Request], inst: Instance) -> list[Request]:
-    """The ``requests`` whose life ``inst`` takes part in (`Request.holders`)."""
+def holders_of(requests: Collection[RoutedRequest], inst: Instance) -> list[RoutedRequest]:
+    """The ``requests`` whose life ``inst`` takes part in (`RoutedRequest.holders`)."""
     return [req for req in requests if any(holder is inst for holder in req.holders())]

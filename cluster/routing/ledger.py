@@ -29,7 +29,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from disagg.cluster.routing.placement import InstanceWork, tally
-from disagg.cluster.routing.requests import Picker, Request, load_of, queued_prompt, seat_holders
+from disagg.cluster.routing.requests import Picker, RoutedRequest, load_of, queued_prompt, seat_holders
 
 WORK_FIELDS = ("queued", "pairs", "decoding", "context", "remaining", "seated", "incoming")
 
@@ -54,21 +54,21 @@ class Ledger:
 
     Args:
         instances: every instance of the fleet.
-        planned: request id -> the prefill instance an adaptive remote decision named for it
+        routed: request id -> the prefill instance an adaptive remote decision named for it
             while its reservation is on its way (the `Placer`'s; `FleetModel.views`): read at
             each `touch`, which the caller makes when that changes.
     """
 
-    def __init__(self, instances: list, planned: Mapping[str, str] | None = None) -> None:
+    def __init__(self, instances: list, routed: Mapping[str, str] | None = None) -> None:
         self.instances = list(instances)
-        self.planned = planned if planned is not None else {}
+        self.routed = routed if routed is not None else {}
         self._by_name = {inst.name: inst for inst in self.instances}
         self._clear()
 
     def _clear(self) -> None:
         self.work = {id(inst): InstanceWork() for inst in self.instances}
         # instance -> request id -> (request, first token's time, max_tokens): its decodes' progress
-        self.decoding: dict[int, dict[str, tuple[Request, float, int]]] = {key: {} for key in self.work}
+        self.decoding: dict[int, dict[str, tuple[RoutedRequest, float, int]]] = {key: {} for key in self.work}
         self.loads: collections.Counter[str] = collections.Counter()
         self.seats: collections.Counter[str] = collections.Counter()
         self.queued: collections.Counter[str] = collections.Counter()
@@ -87,17 +87,17 @@ class Ledger:
         return len(self._shares)
 
     # ------------------------------------------------------------------ moves
-    def touch(self, req: Request) -> None:
+    def touch(self, req: RoutedRequest) -> None:
         """``req`` is live and was placed or changed where it is: its share is taken again (a
         request that ended comes off, as `drop`)."""
         self.drop(req)
         if req.done:
             return
         named = [inst for inst in (req.colocated, req.decode, req.prefill) if inst is not None]
-        planned = self._by_name.get(self.planned.get(req.request_id))
-        if planned is not None and req.stage == "reserving" and req.prefill is None:
-            named.append(planned)  # its prompt queued there already (`tally`)
-        work, _ = tally(named, (req,), None, self.planned)
+        routed = self._by_name.get(self.routed.get(req.request_id))
+        if routed is not None and req.stage == "reserving" and req.prefill is None:
+            named.append(routed)  # its prompt queued there already (`tally`)
+        work, _ = tally(named, (req,), None, self.routed)
         loads = {inst.name: tokens for inst, tokens in load_of(req)}
         growing = tuple(inst.name for inst in (req.decode, req.colocated) if inst is not None)
         inst, tokens = queued_prompt(req)
@@ -119,7 +119,7 @@ class Ledger:
         self.outputs += share.max_tokens
         self.count += 1
 
-    def advance(self, req: Request, num_tokens: int) -> None:
+    def advance(self, req: RoutedRequest, num_tokens: int) -> None:
         """``req``, touched since its first token, made ``num_tokens`` more (``req.num_output``
         counts them already) and nothing else about it changed."""
         share = self._shares.get(req.request_id)
@@ -137,7 +137,7 @@ class Ledger:
             part.context += num_tokens
             part.remaining = remaining
 
-    def drop(self, req: Request) -> None:
+    def drop(self, req: RoutedRequest) -> None:
         """``req`` ended (or is about to be touched again): its share comes off."""
         share = self._shares.pop(req.request_id, None)
         if share is None:
@@ -166,12 +166,12 @@ class Ledger:
             work[key] = view
         return work, (self.outputs / self.count if self.count else None)
 
-    def audit(self, live: Collection[Request], now: float | None = None) -> str | None:
+    def audit(self, live: Collection[RoutedRequest], now: float | None = None) -> str | None:
         """The first sum that is not the one over the ``live`` requests (`placement.tally`, the
         `Picker`'s), as a sentence; None when every one is. O(live requests)."""
         live = list(live)
         instances = self.instances
-        expected, expected_out = tally(instances, live, now, self.planned)
+        expected, expected_out = tally(instances, live, now, self.routed)
         tracked, tracked_out = self.tally(instances, now)
         for inst in instances:
             want, got = expected[id(inst)], tracked[id(inst)]
@@ -189,12 +189,12 @@ class Ledger:
                 return f"tracked {what} {got} != {want} summed over the live requests"
         return None
 
-    def check(self, live: Collection[Request], now: float | None = None) -> None:
+    def check(self, live: Collection[RoutedRequest], now: float | None = None) -> None:
         """Assert that every sum is the one over the ``live`` requests (`audit`)."""
         problem = self.audit(live, now)
         assert problem is None, problem
 
-    def rebuild(self, live: Collection[Request]) -> None:
+    def rebuild(self, live: Collection[RoutedRequest]) -> None:
         """Forget every share and take those of the ``live`` requests again (after an `audit`
         found a move that was not reported)."""
         self._clear()

@@ -1,6 +1,6 @@
 """A request's state in the router, and which instance gets the next one.
 
-`Request` records where a request is (its `Stage`: queued -> reserving -> prefilling -> decoding
+`RoutedRequest` records where a request is (its `Stage`: queued -> reserving -> prefilling -> decoding
 -> done in disaggregated mode; queued -> running -> done colocated; `disagg.cluster.routing.flow` moves
 it), which instances hold it, its deadlines, and what it has produced. `Picker` chooses an
 instance per role: least-loaded (prefill: queued prompt tokens; decode and colocated: reserved +
@@ -16,6 +16,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from collections.abc import Hashable
 from typing import Any, Callable
 
 from disagg.cluster.launch.instance import Instance
@@ -53,13 +54,15 @@ STAGES = tuple(stage.value for stage in Stage)
 
 
 @dataclass
-class Request:
+class RoutedRequest:
     """One request inside the router.
 
     Attributes:
-        request_id: the caller's id (unique among live requests).
-        prompt_token_ids: the prompt.
-        params: the `SamplingParams`, passed to the engines as is.
+        request_id: the caller's id (unique among live requests; a string).
+        prompt_token_ids: the prompt its engines compute: the caller's, and after a migration
+            the tokens streamed before it too (`num_resumed_tokens`).
+        params: the `SamplingParams`, passed to the engines as is (after a migration, with
+            ``max_tokens`` less the tokens streamed before it).
         sink: where deltas go (see `Sink`).
         metrics: timings, filled as the request moves.
         stage: its `Stage`.
@@ -81,6 +84,12 @@ class Request:
             (no live prefill instance, `RequestFlow.reserved`): the "abort" output that the
             cancel makes there ends no later placement of it on that instance (the router drops
             it once), or None.
+        output_token_ids: every token streamed to the caller so far (the router notes each
+            delta's), over all its placements.
+        num_migrations: times it was moved off a dead instance (`disagg.cluster.routing.migration`):
+            its engine id's number (`engine_id`).
+        num_resumed_tokens: the tokens of ``output_token_ids`` that its last migration put at the
+            end of ``prompt_token_ids`` (its ``params.max_tokens`` counts the rest).
     """
 
     request_id: str
@@ -100,6 +109,9 @@ class Request:
     first_token_at: float | None = None
     cached_tokens: int = 0
     stale_end: Instance | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_migrations: int = 0
+    num_resumed_tokens: int = 0
 
     @property
     def done(self) -> bool:
@@ -108,6 +120,14 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def engine_id(self) -> Hashable:
+        """The id the engines know its current placement by: ``request_id`` until its first
+        migration, then ``(request_id, num_migrations)`` (the caller's ids are strings, so no live
+        id is such a pair): the leftovers of a placement it migrated away from keep their id on the
+        survivors (`disagg.cluster.routing.migration`)."""
+        return self.request_id if self.num_migrations == 0 else (self.request_id, self.num_migrations)
 
     def holders(self) -> list[Instance]:
         """The instances that can still affect this request: the death of one fails it.
@@ -188,7 +208,7 @@ class Picker:
     ledger: Any = None
     _turns: dict[str, itertools.count] = field(default_factory=dict)
 
-    def order(self, candidates: list[Instance], requests: list[Request],
+    def order(self, candidates: list[Instance], requests: list[RoutedRequest],
               credit: dict[str, int] | None = None) -> list[Instance]:
         """Live ``candidates`` in the order to try them (best first).
 
@@ -213,7 +233,7 @@ class Picker:
         seats = self.seats(live, requests)
         return sorted(rotated, key=lambda inst: (seats[inst.name] >= self.max_seqs, loads[inst.name]))
 
-    def seats(self, instances: list[Instance], requests: list[Request]) -> dict[str, int]:
+    def seats(self, instances: list[Instance], requests: list[RoutedRequest]) -> dict[str, int]:
         """Each of ``instances``' seats held or awaited by the live ``requests`` (`seat_holders`)."""
         if self.ledger is not None:
             return {inst.name: self.ledger.seats[inst.name] for inst in instances}
@@ -224,7 +244,7 @@ class Picker:
                     seats[inst.name] += 1
         return seats
 
-    def loads(self, instances: list[Instance], requests: list[Request]) -> dict[str, int]:
+    def loads(self, instances: list[Instance], requests: list[RoutedRequest]) -> dict[str, int]:
         """Each of ``instances``' load in tokens, as `order` counts it (`load_of`)."""
         if self.ledger is not None:
             return {inst.name: self.ledger.loads[inst.name] for inst in instances}
@@ -235,7 +255,7 @@ class Picker:
                     loads[inst.name] += tokens
         return loads
 
-    def prompt_queues(self, instances: list[Instance], requests: list[Request]) -> tuple[dict[str, int], int]:
+    def prompt_queues(self, instances: list[Instance], requests: list[RoutedRequest]) -> tuple[dict[str, int], int]:
         """Each of ``instances``' prompt tokens placed on it and not yet computed
         (`router.prefill_queue_tokens` bounds them; `queued_prompt`), and the prompt tokens of the
         reservations still on their way to a prefill instance (none named yet). Not `loads`,
@@ -254,7 +274,7 @@ class Picker:
         return queued, unnamed
 
 
-def seat_holders(req: Request) -> tuple[Instance, ...]:
+def seat_holders(req: RoutedRequest) -> tuple[Instance, ...]:
     """The instances on which ``req`` holds or awaits one of the engine's `scheduler.max_num_seqs`
     seats: the one that computes and decodes it (local, kept, colocated), the decode instance it is
     reserved on (decoding, or to decode once its prompt lands), and a prefill instance while it
@@ -270,7 +290,7 @@ def seat_holders(req: Request) -> tuple[Instance, ...]:
     return tuple(inst for inst in (colocated, decode, prefill) if inst is not None)
 
 
-def queued_prompt(req: Request) -> tuple[Instance | None, int]:
+def queued_prompt(req: RoutedRequest) -> tuple[Instance | None, int]:
     """Where ``req``'s prompt waits to be computed (`Picker.prompt_queues`): (the instance, its
     tokens): a pushed prompt's prefill instance until it lets it go, a kept or local one's instance
     until its first token; (None, its tokens) while its reservation is on its way and no prefill
@@ -284,7 +304,7 @@ def queued_prompt(req: Request) -> tuple[Instance | None, int]:
     return None, 0
 
 
-def load_of(req: Request) -> list[tuple[Instance, int]]:
+def load_of(req: RoutedRequest) -> list[tuple[Instance, int]]:
     """What ``req`` weighs on each instance holding it, tokens."""
     out = []
     if req.prefill is not None and req.stage in ("reserving", "prefilling"):

@@ -9,7 +9,7 @@ straight to the least-loaded colocated instance. `router.placement` local sends 
 the least-loaded decode instance to prefill and decode itself; adaptive decides per request
 (`disagg.cluster.routing.placement`): remote (the path above), local, or kept (a prefill instance
 prefills and decodes it); local and kept requests are, from here on, colocated requests on that
-instance. Each request's life (planned, reserved, refused, handed, first token, tokens, ended,
+instance. Each request's life (routed, reserved, refused, handed, first token, tokens, ended,
 an instance's death, a deadline) is the `RequestFlow`'s (`disagg.cluster.routing.flow`, which the
 simulator drives too; it asks the `Placer` which instances, in which order, and when to wait,
 and keeps the `Ledger`): the router maps its actions to actor calls (`_act`) and the answers and
@@ -19,8 +19,10 @@ never came: fail, release D's pages) and `request_timeout_s`. Aborts release pag
 sides. D's reservation is freed at once (`cancel_reservation`) whenever no push can land in it:
 P refused the request or never got it, or P's abort answered `PushState.QUIESCED` (at once, or
 once its in-flight pushes completed); else D quarantines it until the ring or its lease (a dead
-or silent P). An instance that dies fails the requests it holds (`Request.holders`: P and D
-until D produced a token, then D alone) and is never routed to again. An abort that arrives
+or silent P). An instance that dies is never routed to again; the requests it holds
+(`RoutedRequest.holders`: P and D until D produced a token, then D alone) migrate: routed again
+with the tokens they streamed in their prompt (`disagg.cluster.routing.migration`, each placement
+under its own engine id), up to a bound, then fail `InstanceDied`. An abort that arrives
 before its request's submit is remembered (`EARLY_ABORT_TTL_S`, `MAX_REMEMBERED_IDS`) and ends
 that request at its submit. Failures are typed (`disagg.errors`): `submit` raises `QueueFull`; a
 request that ends badly carries `NoLiveInstance`, `InstanceDied`, `RequestRefused`,
@@ -35,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import re
 import time
 from typing import Any
 
@@ -45,15 +46,17 @@ from disagg import trace
 from disagg.cluster.launch.bootstrap import Fleet, Instance, start_replacement
 from disagg.cluster.outputs import RequestMetrics, StreamDelta
 from disagg.cluster.routing.affinity import prefix_affinity
+from disagg.cluster.routing.call_errors import cause_of, death_reason, failure_reason, refusal_error
 from disagg.cluster.routing.flow import Abort, Action, Add, Cancel, End, Hand, RequestFlow, Requeue, Reserve, Start
+from disagg.cluster.routing.migration import request_of
 from disagg.cluster.routing.placement import Decision
 from disagg.cluster.routing.placement.placer import Placer, Wait
 from disagg.cluster.routing.restart import Restarter
-from disagg.cluster.routing.requests import Picker, RecentIds, Request, Sink, Stage
+from disagg.cluster.routing.requests import Picker, RecentIds, RoutedRequest, Sink, Stage
 from disagg.config import RouterSection
 from disagg.engine.request import PushState
-from disagg.errors import (ClusterError, DisaggError, NoLiveInstance, OutOfPages, QueueFull, RequestRefused,
-                           SignalTimeout, TransferError)
+from disagg.errors import (ClusterError, DisaggError, NoLiveInstance, OutOfPages, QueueFull, SignalTimeout,
+                           TransferError)
 from disagg.transfer.verify import DIGEST_MISMATCH
 
 logger = logging.getLogger(__name__)
@@ -80,7 +83,7 @@ class Router:
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
         config = fleet.config
-        self.queue: collections.deque[Request] = collections.deque()
+        self.queue: collections.deque[RoutedRequest] = collections.deque()
         self.picker = Picker(config.router.policy, config.scheduler.max_num_seqs)
         self.counts: collections.Counter[str] = collections.Counter()
         self.aborts: collections.Counter[str] = collections.Counter()    # by `failure_reason`
@@ -93,7 +96,7 @@ class Router:
         # each request's life (`disagg.cluster.routing.flow`), which keeps the placement's sums (`Ledger`):
         # this module maps its actions to actor calls
         self.flow = RequestFlow(self.placer, config.router)
-        self.requests: dict[str, Request] = self.flow.live  # the live requests, by id
+        self.requests: dict[str, RoutedRequest] = self.flow.live  # the live requests, by id
         self.ledger = self.placer.ledger
         self.ledger_rebuilds = 0  # audits that found the ledger out of step (`_audit_ledger`)
         restart = config.cluster  # dead instances replaced (`cluster.restart`); what no one can serve waits
@@ -102,7 +105,7 @@ class Router:
         self.placer.restarting = self.restarter.pending if self.restarter is not None else ()
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
-        self._refused: Request | None = None  # back at the queue head: every decode instance refused it
+        self._refused: RoutedRequest | None = None  # back at the queue head: every decode instance refused it
         self._stopping = False
 
     @property
@@ -163,7 +166,7 @@ class Router:
         if len(self.queue) >= self.settings.max_queue:
             raise QueueFull(f"the router's queue is full ({self.settings.max_queue} requests waiting for a "
                                "prefill slot or decode pages, router.max_queue); retry later")
-        req = Request(request_id, list(prompt_token_ids), params, sink, RequestMetrics(arrival_time=time.time()))
+        req = RoutedRequest(request_id, list(prompt_token_ids), params, sink, RequestMetrics(arrival_time=time.time()))
         self.flow.arrived(req)
         trace.event("submit", request_id)
         self.counts["submitted"] += 1
@@ -195,15 +198,15 @@ class Router:
 
     def _abort_at_submit(self, request_id: str, prompt_token_ids: list[int], params: Any, sink: Sink) -> None:
         """End a request whose abort came before its submit: one aborted delta, no engine call."""
-        req = Request(request_id, list(prompt_token_ids), params, sink, RequestMetrics(arrival_time=time.time()))
+        req = RoutedRequest(request_id, list(prompt_token_ids), params, sink, RequestMetrics(arrival_time=time.time()))
         self.flow.arrived(req)
         self.counts["submitted"] += 1
         self._end(req, "abort")
 
     # ------------------------------------------------------------------ placement
-    def _place_colocated(self, req: Request) -> None:
+    def _place_colocated(self, req: RoutedRequest) -> None:
         """Place ``req`` now, or queue it while no instance lives and a replacement is on its way."""
-        actions = self.flow.plan(req)
+        actions = self.flow.route(req)
         if isinstance(actions[0], Wait):
             self.queue.append(req)
             self._wake.set()
@@ -229,8 +232,8 @@ class Router:
             except asyncio.TimeoutError:
                 pass
 
-    async def _place(self, req: Request) -> bool:
-        """Carry out the flow's plan for the queue head (`RequestFlow.plan`).
+    async def _place(self, req: RoutedRequest) -> bool:
+        """Carry out the flow's route for the queue head (`RequestFlow.route`).
 
         Returns False (the request stays at the queue head) when it says wait: every prefill
         instance already has ``prefill_queue_tokens`` queued, or no decode instance has the
@@ -238,27 +241,27 @@ class Router:
         soon, so a lease measures the push, not the queue). A remote request leaves the queue
         while it reserves (`_reserve`); refused everywhere, it comes back to the head.
         """
-        actions = self.flow.plan(req, self._decide)
+        actions = self.flow.route(req, self._decide)
         if isinstance(actions[0], Wait):
             return False
         self._act(req, actions)
         return True
 
-    async def _reserve(self, req: Request, inst: Instance) -> None:
+    async def _reserve(self, req: RoutedRequest, inst: Instance) -> None:
         """Reserve ``req``'s pages on ``inst`` (the flow's `Reserve`) and act on the answer: the
         prompt goes to a prefill instance, or the next decode instance is asked, or, every one
         refusing, it goes back to the queue head, which then waits for a change (pages freed, a
-        request ended) before it is planned again."""
+        request ended) before it is routed again."""
         if req.done:  # aborted or timed out before this call went out
             return
         try:
-            dest = await inst.actor.reserve.remote(req.request_id, req.prompt_len, req.params, req.prompt_token_ids)
+            dest = await inst.actor.reserve.remote(req.engine_id, req.prompt_len, req.params, req.prompt_token_ids)
         except ray.exceptions.RayActorError as err:
-            self._instance_died(inst, _died(err))
+            self._instance_died(inst, death_reason(err))
             actions = self.flow.refused(req, inst)
         except ray.exceptions.RayTaskError as err:
-            cause = _cause(err)
-            refusal = None if isinstance(cause, OutOfPages) else _refusal(
+            cause = cause_of(err)
+            refusal = None if isinstance(cause, OutOfPages) else refusal_error(
                 inst, f"{inst.name} refused the request: {cause}", cause)
             actions = self.flow.refused(req, inst, refusal)
         else:
@@ -267,12 +270,13 @@ class Router:
             actions = self.flow.reserved(req, inst, dest)
         self._act(req, actions)
 
-    def _decide(self, req: Request, prefills: list[Instance], decodes: list[Instance],
-                live: list[Request]) -> Decision:
+    def _decide(self, req: RoutedRequest, prefills: list[Instance], decodes: list[Instance],
+                live: list[RoutedRequest]) -> Decision:
         """The adaptive placement's choice for ``req`` (`Placer.decide`; tests replace this hook)."""
         return self.placer.decide(req, prefills, decodes, live)
 
-    def _act(self, req: Request, actions: tuple[Action, ...], tokens: list[int] = (), times: list[float] = ()) -> None:
+    def _act(self, req: RoutedRequest, actions: tuple[Action, ...], tokens: list[int] = (),
+             times: list[float] = ()) -> None:
         """Carry out the flow's ``actions`` for ``req`` as actor calls, in order; ``tokens`` and
         ``times`` are the event's (a `Start` sends the first of them, an `End` emits them)."""
         for action in actions:
@@ -287,22 +291,23 @@ class Router:
             elif isinstance(action, Hand):  # the reservation's answer is this event
                 self._act(req, self.flow.handed(req))
             elif isinstance(action, Start):
-                ref = action.instance.actor.start.remote(req.request_id, tokens[0])
-                self._spawn(self._await(action.instance, ref, "start", req))
+                ref = action.instance.actor.start.remote(req.engine_id, tokens[0])
+                self._spawn(self._await(action.instance, ref, "start", req, req.engine_id))
             elif isinstance(action, Cancel):
                 self._cancel_on(action.instance, action.dest)
             elif isinstance(action, Abort):
                 self._abort_on(req, action)
             elif isinstance(action, Requeue):
                 self.queue.appendleft(req)
-                self._refused = req
+                if action.wait:  # every decode instance refused it: the head waits for a change
+                    self._refused = req
                 self._wake.set()
             elif isinstance(action, End):
                 self._end(req, action.reason, action.error, tokens=tokens, times=times, release=action.release)
             else:
                 raise AssertionError(f"request {req.request_id}: the router has no call for {action}")
 
-    def _add(self, req: Request, add: Add) -> None:
+    def _add(self, req: RoutedRequest, add: Add) -> None:
         """Give ``req``'s prompt to ``add.instance``: with the decode reservation (remote), or
         to compute and decode it (colocated, local, kept: from here a colocated request there)."""
         inst = add.instance
@@ -311,25 +316,27 @@ class Router:
         req.metrics.decode_instance = inst.name if add.dest is None else req.decode.name
         trace.event("placed", req.request_id, path=add.path, instance=inst.name)
         dest = () if add.dest is None else (add.dest,)
-        ref = inst.actor.add.remote(req.request_id, req.prompt_token_ids, req.params, *dest)
-        self._spawn(self._await(inst, ref, "add", req))
+        ref = inst.actor.add.remote(req.engine_id, req.prompt_token_ids, req.params, *dest)
+        self._spawn(self._await(inst, ref, "add", req, req.engine_id))
 
-    async def _await(self, inst: Instance, ref: Any, what: str, req: Request | None) -> None:
-        """Await an actor call made for ``req`` (None: a release; its failures are only logged)."""
+    async def _await(self, inst: Instance, ref: Any, what: str, req: RoutedRequest | None,
+                     engine_id: Any = None) -> None:
+        """Await an actor call made for ``req``'s placement ``engine_id`` (None: a release; its
+        failures, and those of a placement ``req`` migrated away from, are only logged)."""
         try:
             await ref
         except ray.exceptions.RayActorError as err:
-            self._instance_died(inst, _died(err))
+            self._instance_died(inst, death_reason(err))
         except ray.exceptions.RayTaskError as err:
-            if req is not None and not req.done:
+            if req is not None and not req.done and req.engine_id == engine_id:
                 if what == "add":  # the engine checks the prompt there
-                    cause = _cause(err)
-                    self._act(req, self.flow.refused(req, inst, _refusal(inst, f"{inst.name}.add failed: {cause}",
-                                                                          cause)))
+                    cause = cause_of(err)
+                    refusal = refusal_error(inst, f"{inst.name}.add failed: {cause}", cause)
+                    self._act(req, self.flow.refused(req, inst, refusal))
                 else:
-                    self._end(req, "error", ClusterError(f"{inst.name}.{what} failed: {_cause(err)}"))
+                    self._end(req, "error", ClusterError(f"{inst.name}.{what} failed: {cause_of(err)}"))
             else:
-                logger.debug("%s.%s failed: %s", inst.name, what, _cause(err))
+                logger.debug("%s.%s failed: %s", inst.name, what, cause_of(err))
 
     # ------------------------------------------------------------------ outputs
     async def _poll(self, inst: Instance) -> None:
@@ -338,10 +345,10 @@ class Router:
             try:
                 batch = await inst.actor.next_outputs.remote(self.settings.poll_wait_s)
             except ray.exceptions.RayActorError as err:
-                self._instance_died(inst, _died(err))
+                self._instance_died(inst, death_reason(err))
                 return
             except ray.exceptions.RayTaskError as err:
-                self._instance_died(inst, f"next_outputs failed: {_cause(err)}")
+                self._instance_died(inst, f"next_outputs failed: {cause_of(err)}")
                 return
             self.placer.fleet_model.observe(inst.name, batch.steps, batch.load)
             if batch.outputs:
@@ -354,8 +361,8 @@ class Router:
         by_request: dict[Any, list[tuple]] = collections.defaultdict(list)
         for row in rows:
             by_request[row[0]].append(row)
-        for request_id, own in by_request.items():
-            req = self.requests.get(request_id)
+        for engine_id, own in by_request.items():
+            req = request_of(self.requests, engine_id)
             if req is None or all(holder is not inst for holder in req.holders()):
                 continue  # ended already (abort, timeout, failure): late outputs are dropped
             if inst is req.colocated:  # colocated, or placed local / kept: every token comes from it
@@ -365,14 +372,15 @@ class Router:
             elif inst is req.decode:
                 self._on_tokens(req, inst, own)
 
-    def _on_first_token(self, req: Request, inst: Instance, row: tuple) -> None:
+    def _on_first_token(self, req: RoutedRequest, inst: Instance, row: tuple) -> None:
         _, token_id, finished, reason, error, emit_time = row
         if req.stage != Stage.PREFILLING or inst is not req.prefill:
             return
         if token_id is None:  # the prefill engine ended it (abort, error)
             self._end(req, "error", ClusterError(error or f"{inst.name} ended the prefill (finish_reason {reason})"))
             return
-        trace.event("first_token", req.request_id)
+        if not req.output_token_ids:
+            trace.event("first_token", req.request_id)
         # The decode side learns the first token even when it ends the request (`Start`): it then
         # frees the reservation once its KV has landed (or its lease closes).
         actions = self.flow.first_token(req, inst, (reason or "stop") if finished else None, time.time() - emit_time)
@@ -381,7 +389,7 @@ class Router:
         if not finished:
             self._emit(req, StreamDelta(req.request_id, [token_id], [emit_time]))
 
-    def _on_tokens(self, req: Request, inst: Instance, rows: list[tuple]) -> None:
+    def _on_tokens(self, req: RoutedRequest, inst: Instance, rows: list[tuple]) -> None:
         tokens, times, finish, ended = [], [], None, None
         for _, token_id, finished, reason, error, emit_time in rows:
             if token_id is None and reason == "abort" and req.stale_end is inst:  # its cancelled reservation's
@@ -395,7 +403,7 @@ class Router:
             if finished:
                 finish = reason or "stop"
                 break
-        if tokens and req.num_output == 0:
+        if tokens and not req.output_token_ids:  # the caller's first (a migrated request's came before)
             trace.event("first_token", req.request_id)
         relay_s = time.time() - times[0] if tokens else None  # since its emit_time
         actions = self.flow.tokens(req, len(tokens), finish, relay_s) + ((ended,) if ended is not None else ())
@@ -405,7 +413,7 @@ class Router:
             self._emit(req, StreamDelta(req.request_id, tokens, times))
 
     @staticmethod
-    def _engine_ended(req: Request, inst: Instance, reason: str | None, error: str | None) -> DisaggError:
+    def _engine_ended(req: RoutedRequest, inst: Instance, reason: str | None, error: str | None) -> DisaggError:
         """The typed error of a request ``inst``'s engine ended on its own. A decode engine ends a
         request whose pages failed their digest check (`transfer.verify`) with a `TransferError`,
         and one whose first token has not come (still "prefilling") otherwise only when its lease
@@ -418,7 +426,7 @@ class Router:
         return ClusterError(message)
 
     # ------------------------------------------------------------------ endings
-    def _end(self, req: Request, reason: str, error: DisaggError | None = None, *, tokens: list[int] = (),
+    def _end(self, req: RoutedRequest, reason: str, error: DisaggError | None = None, *, tokens: list[int] = (),
              times: list[float] = (), release: bool = True) -> None:
         """Finish ``req`` once (`RequestFlow.end`): release what it holds (unless its engine
         already did), tell the sink its last ``tokens``.
@@ -447,11 +455,11 @@ class Router:
         if self._wake is not None:
             self._wake.set()  # pages may have been freed: retry the queue head
 
-    def _abort_on(self, req: Request, abort: Abort) -> None:
+    def _abort_on(self, req: RoutedRequest, abort: Abort) -> None:
         """Release ``req`` on ``abort.instance`` (submitted now: after any earlier call for it). A
         prefill instance's abort (``quiesced``) frees the decode reservation at once when it
         answers that no push of the request can land anymore; else D's lease is the safety net."""
-        ref = abort.instance.actor.abort.remote(req.request_id)
+        ref = abort.instance.actor.abort.remote(req.engine_id if abort.engine_id is None else abort.engine_id)
         if abort.quiesced is None:
             self._spawn(self._await(abort.instance, ref, "abort", None))
         else:
@@ -463,10 +471,10 @@ class Router:
         try:
             state = await ref
         except ray.exceptions.RayActorError as err:
-            self._instance_died(prefill, _died(err))
+            self._instance_died(prefill, death_reason(err))
             return
         except ray.exceptions.RayTaskError as err:
-            logger.debug("%s.abort failed: %s", prefill.name, _cause(err))
+            logger.debug("%s.abort failed: %s", prefill.name, cause_of(err))
             return
         if state == PushState.QUIESCED:
             self._cancel_on(cancel.instance, cancel.dest)
@@ -477,11 +485,12 @@ class Router:
             ref = decode.actor.cancel_reservation.remote(dest)
             self._spawn(self._await(decode, ref, "cancel_reservation", None))
 
-    def _emit(self, req: Request, delta: StreamDelta) -> None:
+    def _emit(self, req: RoutedRequest, delta: StreamDelta) -> None:
         metrics = req.metrics
         if delta.emit_times and metrics.first_token_time is None:
             metrics.first_token_time = delta.emit_times[0]
         metrics.token_times.extend(delta.emit_times)
+        req.output_token_ids.extend(delta.token_ids)  # what a migration resumes from
         try:
             req.sink(delta, metrics if delta.finished else None)
         except Exception:  # a caller that went away must not stop the router
@@ -490,16 +499,18 @@ class Router:
                 self._end(req, "abort", ClusterError("the caller's sink raised"))
 
     def _instance_died(self, inst: Instance, reason: str) -> None:
-        """Never route to ``inst`` again; fail the requests it holds (`RequestFlow.instance_died`)
-        and release their other side; the others go on."""
+        """Never route to ``inst`` again; the requests it holds migrate, or fail past the bound
+        (`RequestFlow.instance_died`), their other side released; the others go on."""
         if not inst.alive:
             return
         logger.error("%s is dead: %s", inst.label(), reason)
         replacing = self.restarter.replace(inst, self._replaced) if self.restarter and not self._stopping else None
         if replacing is not None:  # pending before its requests end: a request left waits for it
             self._spawn(replacing)
-        for req, end in self.flow.instance_died(inst, reason):
-            self._end(req, end.reason, end.error, release=end.release)
+        for req, actions in self.flow.instance_died(inst, reason):
+            if isinstance(actions[-1], Requeue):
+                self.counts["migrated"] += 1
+            self._act(req, actions)
         self._wake.set()
 
     def _replaced(self, inst: Instance) -> None:
@@ -567,34 +578,8 @@ def _decision_row(decision: Decision) -> dict:
                            for p in decision.predictions]}
 
 
-def failure_reason(error: BaseException | None) -> str:
-    """The reason an abort or failure is counted under: its error type in snake case
-    (``RequestTimedOut`` -> ``request_timed_out``), ``caller`` for an abort without one."""
-    if error is None:
-        return "caller"
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", type(error).__name__).lower()
-
-
-def _refusal(inst: Instance, message: str, cause: BaseException) -> ClusterError:
-    """The error of a request ``inst``'s engine did not accept: `RequestRefused` for bad input
-    (the engine's ValueError/TypeError; `InvalidArgument` names the argument at fault)."""
-    if isinstance(cause, (ValueError, TypeError)):
-        return RequestRefused(message, instance=inst.name, argument=getattr(cause, "argument", None))
-    return ClusterError(message)
-
-
-def _cause(err: ray.exceptions.RayTaskError) -> BaseException:
-    cause = getattr(err, "cause", None)
-    return cause if cause is not None else err
-
-
 def _cache_pages(fleet: Fleet) -> int:
     """Pages of the smallest instance cache (what the prefix affinity remembers per instance)."""
     sizes = [inst.info["kv_budget_bytes"] // inst.info["page_bytes"] for inst in fleet.instances
              if inst.info.get("page_bytes")]
     return max(1, min(sizes)) if sizes else (fleet.config.cache.num_pages or 4096)
-
-
-def _died(err: ray.exceptions.RayActorError) -> str:
-    text = str(err).strip().splitlines()
-    return f"its actor exited ({type(err).__name__}: {text[0] if text else 'no detail'})"

@@ -218,7 +218,7 @@ def _router_families(router: dict) -> list:
             families.append(family)
     for key, name, doc, label in (
             ("counts", "disagg:router_requests", "Requests the router saw, by outcome (submitted, stop, "
-             "length, abort, error).", "outcome"),
+             "length, abort, error, migrated: moved off a dead instance).", "outcome"),
             ("aborts", "disagg:cluster_request_aborts", "Requests the cluster aborted, by reason (caller, "
              "request_timed_out, no_live_instance: shutting down, ...).", "reason"),
             ("failures", "disagg:cluster_request_failures", "Requests the cluster failed, by reason "

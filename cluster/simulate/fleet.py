@@ -16,11 +16,11 @@ Discrete events, in time order (ties in the order they were made, so a run is de
 After each event every touched instance that is idle and has work runs its engine's next step
 (`SimInstance.begin_step`: the real `EngineCore`), whose outputs reach the router at the end of
 the forward it read, ``StepTimeModel.step_s(shape)`` after that forward's start. A request's life is the
-router's own: the same `RequestFlow` (`disagg.cluster.routing.flow`) moves the same `Request` records
+router's own: the same `RequestFlow` (`disagg.cluster.routing.flow`) moves the same `RoutedRequest` records
 through the same `Placer` (the `Picker`'s order, the prefill queue bound, `router.placement` local
 or adaptive through `placement.decide` over `FleetModel.view`s whose models are the profile's fit)
 and keeps the same `Ledger`; `_act` carries its actions out as calls on the simulated instances
-where the router makes Ray calls: decode reservations in the plan's order, then the prompt to the
+where the router makes Ray calls: decode reservations in the route's order, then the prompt to the
 prefill instance the `Placer` names. Prefix caching (``cache.prefix_caching``): requests carry their
 prompts' token ids, every engine holds its prefix cache (a prompt computes only what
 follows its longest cached prefix, a reservation forks the decode side's cached whole pages and its
@@ -47,7 +47,7 @@ from disagg.cluster.outputs import RequestMetrics
 from disagg.cluster.routing.affinity import prefix_affinity
 from disagg.cluster.routing.flow import Add, End, Hand, RequestFlow, Requeue, Reserve, Start
 from disagg.cluster.routing.placement.placer import Placer, Wait
-from disagg.cluster.routing.requests import Picker, Request
+from disagg.cluster.routing.requests import Picker, RoutedRequest
 from disagg.cluster.simulate.instance import SimInstance
 from disagg.cluster.simulate.step_model import StepTimeModel
 from disagg.config import Config
@@ -130,7 +130,7 @@ class SimFleet:
         self.now = 0.0
         self._events: list[tuple] = []
         self._order = itertools.count()
-        self._queue: collections.deque[Request] = collections.deque()
+        self._queue: collections.deque[RoutedRequest] = collections.deque()
         self.timelines: dict[str, Timeline] = {}
         self.num_events = 0
         self.halted = False
@@ -276,7 +276,7 @@ class SimFleet:
         prompt_len = len(ids)
         self.timelines[request_id] = Timeline(prompt_len, max_tokens, sent)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        req = Request(request_id, ids, params, _sink, RequestMetrics(arrival_time=self.now))
+        req = RoutedRequest(request_id, ids, params, _sink, RequestMetrics(arrival_time=self.now))
         self.flow.arrived(req)
         longest = pages_for(min(prompt_len + max_tokens, self.max_model_len), self.page_size)
         if prompt_len + max_tokens > self.max_model_len or longest > self.num_pages:
@@ -297,15 +297,15 @@ class SimFleet:
             self._queue.popleft()
             touched.update(placed)
 
-    def _place(self, req: Request) -> set[str] | None:
-        """Plan ``req`` (`RequestFlow.plan`, the router's) and carry the plan out on the simulated
+    def _place(self, req: RoutedRequest) -> set[str] | None:
+        """Route ``req`` (`RequestFlow.route`, the router's) and carry the route out on the simulated
         instances: the instances it touched, None to wait at the queue head."""
         if self.placer.policy.predicts:  # the loads its views read
             for inst in self.instances:
                 self.placer.fleet_model.loads[inst.name] = inst.actor.load()
-        return self._act(req, self.flow.plan(req))
+        return self._act(req, self.flow.route(req))
 
-    def _act(self, req: Request, actions: tuple) -> set[str] | None:
+    def _act(self, req: RoutedRequest, actions: tuple) -> set[str] | None:
         """Carry out the flow's ``actions`` for ``req`` as virtual calls: a reservation runs at once
         on the decode instance's engine (its answer reaches the router when that instance's step in
         flight ends, plus ``reserve_ms``: `HAND`); the instances touched, None when ``req`` waits
@@ -349,7 +349,7 @@ class SimFleet:
             return self.now
         return next((t for t in step.end_times if t > self.now), self.now)
 
-    def _hand(self, req: Request) -> set[str]:
+    def _hand(self, req: RoutedRequest) -> set[str]:
         """The reservation's answer reached the router: ``req``'s prompt goes to its prefill instance."""
         return self._act(req, self.flow.handed(req))
 
@@ -371,7 +371,7 @@ class SimFleet:
                     self._end(req, action.reason)
         return {inst.name}
 
-    def _end(self, req: Request, reason: str, error: str = "") -> None:
+    def _end(self, req: RoutedRequest, reason: str, error: str = "") -> None:
         """``req`` ended (`RequestFlow.end`; its engines ended it, nothing to release): ``error``
         the client's, empty for a finish."""
         if req.done:
@@ -384,7 +384,7 @@ class SimFleet:
             self._on_end(req.request_id, self.now)
 
     @property
-    def placed(self) -> dict[str, Request]:
+    def placed(self) -> dict[str, RoutedRequest]:
         """The live requests placed on instances (`RequestFlow.placed`: those the ledger counts)."""
         return self.flow.placed
 

@@ -1,8 +1,9 @@
 """tiny-2p2d.yaml on four CPU actors: xPyD parity, then a killed prefill and a killed decode actor.
 
 The tests run in file order on one launch: parity with both sides whole, then prefill-0 is
-killed (its requests fail naming it, the others finish), then decode-0 (likewise). After each,
-every surviving instance's pages are all free.
+killed (its requests migrate to the survivors, `disagg.cluster.routing.migration`: every request
+finishes with the colocated tokens), then decode-0 (likewise, mid-decode: the streams go on
+without a token repeated or lost). After each, every surviving instance's pages are all free.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import pytest
 from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
 from hooked_actor import HookedInstanceActor
 
-from disagg.errors import InstanceDied
 from disagg.sampling import SamplingParams
 
 LEASE_S = 2.0
@@ -65,7 +65,7 @@ def test_a_shared_prefix_follows_its_instances(cluster):
     assert cluster.router_stats()["affinity_hits"] >= 6
     wait_all_free(cluster)
 
-def test_killed_prefill_actor_fails_its_requests_and_the_others_finish(cluster, ray_local):
+def test_killed_prefill_actor_migrates_its_requests_and_every_one_finishes(cluster, ray_local):
     victim = cluster.instance("prefill-0")
     ray_local.get(victim.actor.drop_next.remote(2))  # what reaches prefill-0 stays there
     prompts = mixed_prompts(6, seed=4)
@@ -73,16 +73,10 @@ def test_killed_prefill_actor_fails_its_requests_and_the_others_finish(cluster, 
     _wait_until(lambda: cluster.router_stats()["stages"].get("prefilling", 0) >= 1)
     ray_local.kill(victim.actor, no_restart=True)
     want = reference_tokens(prompts, [10] * 6)
-    failed = 0
     for stream, tokens in zip(streams, want):
         last = stream.result()
-        if last.finish_reason == "error":
-            failed += 1
-            assert "prefill instance prefill-0 (PE 0) died" in last.error, last.error
-            assert isinstance(last.cause, InstanceDied) and last.cause.instance == "prefill-0"
-        else:
-            assert last.finish_reason == "length" and stream.token_ids == tokens
-    assert failed >= 1
+        assert (last.finish_reason, last.error, stream.token_ids) == ("length", None, tokens), last
+    assert cluster.router_stats()["counts"]["migrated"] >= 1
     assert cluster.healthy and not victim.alive  # degraded, but every role still has a live instance
     stats = wait_all_free(cluster, timeout_s=LEASE_S + 20)
     dead = [i for i in stats["instances"] if not i["alive"]]
@@ -92,25 +86,20 @@ def test_killed_prefill_actor_fails_its_requests_and_the_others_finish(cluster, 
     assert {c.metrics.prefill_instance for c in after} == {"prefill-1"}
 
 
-def test_killed_decode_actor_fails_its_requests_and_the_others_finish(cluster, ray_local):
+def test_killed_decode_actor_migrates_its_requests_and_every_one_finishes(cluster, ray_local):
     prompts = mixed_prompts(4, seed=5)
     streams = [BackgroundStream(cluster, p, SamplingParams(max_tokens=200, ignore_eos=True)) for p in prompts]
     for stream in streams:
         stream.started.wait(60)
     victim = cluster.instance("decode-0")
+    migrated = cluster.router_stats()["counts"].get("migrated", 0)
     ray_local.kill(victim.actor, no_restart=True)
     want = reference_tokens(prompts, [200] * 4)
-    outcomes = []
     for stream, tokens in zip(streams, want):
         last = stream.result()
-        outcomes.append(last.finish_reason)
-        if last.finish_reason == "error":
-            assert "decode instance decode-0 (PE 2) died" in last.error, last.error
-            assert isinstance(last.cause, InstanceDied) and last.cause.instance == "decode-0"
-            assert stream.token_ids == tokens[:len(stream.token_ids)]
-        else:
-            assert last.finish_reason == "length" and stream.token_ids == tokens
-    assert "error" in outcomes and "length" in outcomes, outcomes
+        assert (last.finish_reason, last.error, stream.token_ids) == ("length", None, tokens), last
+    assert cluster.router_stats()["counts"]["migrated"] > migrated  # decode-0 held some of them
+    assert cluster.router_stats()["failures"] == {}
     wait_all_free(cluster, timeout_s=LEASE_S + 20)
     assert cluster.healthy and [i["name"] for i in cluster.stats()["instances"] if not i["alive"]] == [
         "prefill-0", "decode-0"]

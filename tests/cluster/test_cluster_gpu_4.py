@@ -5,8 +5,9 @@ Run on a host with four GPUs on one NVLink domain, from the project root (after
 (benchmarks/records/runbooks/FOURGPU.md gives the device command). Every prefill instance pushes into every
 decode instance; the tokens must equal the colocated fleet's (float32 keeps greedy tokens off near
 ties), and every page must be free at the end. Then prefill-0 is killed while it holds requests:
-those fail naming it, the rest finish, and the decode pages reserved for them come back (the
-router aborts them on the death; the decode instance frees them when their lease closes).
+those migrate to prefill-1 (`disagg.cluster.routing.migration`) and finish with the colocated
+tokens like the rest, and the decode pages first reserved for them come back (the router aborts
+them on the death; the decode instance frees them when their lease closes).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from test_cluster_gpu import workload
 
 from disagg.cluster import Cluster
 from disagg.config import Config
-from disagg.errors import InstanceDied
 from disagg.sampling import SamplingParams
 
 
@@ -65,7 +65,7 @@ def test_llama3_shaped_2p2d_equals_colocated_4_and_survives_a_killed_prefill(ray
 
 
 def check_killed_prefill(cluster, ray, prompts, reference) -> None:
-    """prefill-0 keeps what reaches it, dies; its requests fail by name, the others finish exactly."""
+    """prefill-0 keeps what reaches it, dies; its requests migrate, and every one finishes exactly."""
     victim = cluster.instance("prefill-0")
     ray.get(victim.actor.drop_next.remote(2))
     max_tokens = [len(c.token_ids) for c in reference]
@@ -76,15 +76,9 @@ def check_killed_prefill(cluster, ray, prompts, reference) -> None:
         assert time.monotonic() < deadline, "no request reached prefill-0"
         time.sleep(0.01)
     ray.kill(victim.actor, no_restart=True)
-    failed = 0
     for stream, want in zip(streams, reference):
         last = stream.result(120)
-        if last.finish_reason == "error":
-            failed += 1
-            assert "prefill instance prefill-0 (PE 0) died" in last.error, last.error
-            assert isinstance(last.cause, InstanceDied) and last.cause.instance == "prefill-0"
-        else:
-            assert last.finish_reason == "length" and stream.token_ids == want.token_ids
-    assert 1 <= failed < len(prompts)
+        assert (last.finish_reason, last.error, stream.token_ids) == ("length", None, want.token_ids), last
+    assert 1 <= cluster.router_stats()["counts"]["migrated"] < len(prompts)
     stats = wait_all_free(cluster, timeout_s=LEASE_S + 30)
     assert [i["name"] for i in stats["instances"] if not i["alive"]] == ["prefill-0"] and cluster.healthy

@@ -3,9 +3,10 @@
 tests/cluster/test_cluster_2p2d.py covers 2P2D (parity, a killed prefill, a killed decode). Here
 each uneven split must give the tokens of an in-process colocated engine, use every instance and
 end with every page free. On 3P1D a prefill actor is then killed while it holds requests: those
-fail naming it, the rest finish, and the pages the lone decode instance reserved for them (the
-router aborts them there on the death; the decode quarantines them until their lease closes, as
-a sender's write may still be in flight) come back.
+migrate to the other prefill instances and finish with the colocated tokens like the rest, and
+the pages the lone decode instance first reserved for them (the router aborts them there on the
+death; the decode quarantines them until their lease closes, as a sender's write may still be in
+flight) come back.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import pytest
 from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
 from hooked_actor import HookedInstanceActor
 
-from disagg.errors import InstanceDied
 from disagg.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
@@ -65,16 +65,10 @@ def test_3p1d_parity_then_killed_prefill_frees_the_decode_pages_it_held(ray_loca
 
         ray_local.kill(victim.actor, no_restart=True)
         want = reference_tokens(prompts, [10] * len(prompts))
-        failed = 0
-        for stream, tokens in zip(streams, want):
+        for stream, tokens in zip(streams, want):  # the stuck ones migrated to the other prefill instances
             last = stream.result()
-            if last.finish_reason == "error":
-                failed += 1
-                assert "prefill instance prefill-1 (PE 1) died" in last.error, last.error
-                assert isinstance(last.cause, InstanceDied) and last.cause.instance == "prefill-1"
-            else:
-                assert last.finish_reason == "length" and stream.token_ids == tokens
-        assert failed == num_stuck
+            assert (last.finish_reason, last.error, stream.token_ids) == ("length", None, tokens), last
+        assert cluster.router_stats()["counts"]["migrated"] == num_stuck
         stats = wait_all_free(cluster, timeout_s=LEASE_S + 20)  # the decode's reservations came back
         assert [i["name"] for i in stats["instances"] if not i["alive"]] == ["prefill-1"]
         assert cluster.healthy

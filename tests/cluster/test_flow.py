@@ -10,10 +10,11 @@ import pytest
 
 from disagg.cluster.launch.instance import Instance
 from disagg.cluster.outputs import RequestMetrics
+from disagg.cluster.routing import migration
 from disagg.cluster.routing.flow import Abort, Add, Cancel, End, Hand, RequestFlow, Requeue, Reserve, Start
 from disagg.cluster.routing.ledger import Ledger
 from disagg.cluster.routing.placement.placer import WAIT_PREFILL_QUEUE, Placer, Wait
-from disagg.cluster.routing.requests import Picker, Request, Stage
+from disagg.cluster.routing.requests import Picker, RoutedRequest, Stage
 from disagg.config import Config
 from disagg.errors import InstanceDied, NoLiveInstance, RequestRefused, RequestTimedOut, SignalTimeout
 from disagg.sampling import SamplingParams
@@ -48,9 +49,9 @@ def fleet(placement: str = "disaggregated", *, prefill: int = 1, decode: int = 2
     return flow, clock, {inst.name: inst for inst in instances}
 
 
-def request(name: str = "r", prompt_len: int = PROMPT, max_tokens: int = MAX_TOKENS) -> Request:
-    return Request(name, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), lambda *a: None,
-                   RequestMetrics(arrival_time=0.0))
+def request(name: str = "r", prompt_len: int = PROMPT, max_tokens: int = MAX_TOKENS) -> RoutedRequest:
+    return RoutedRequest(name, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), lambda *a: None,
+                         RequestMetrics(arrival_time=0.0))
 
 
 def sums(flow: RequestFlow) -> dict:
@@ -67,9 +68,9 @@ def empty() -> dict:
 
 
 def remote_to_decoding(flow, by, req):
-    """``req`` through arrived, plan, reserved (decode-0), handed, first token: decoding."""
+    """``req`` through arrived, route, reserved (decode-0), handed, first token: decoding."""
     flow.arrived(req)
-    assert flow.plan(req) == (Reserve(by["decode-0"]),)
+    assert flow.route(req) == (Reserve(by["decode-0"]),)
     assert flow.reserved(req, by["decode-0"], DEST) == (Hand(by["prefill-0"]),)
     assert flow.handed(req) == (Add(by["prefill-0"], DEST, "remote"),)
     assert flow.first_token(req, by["prefill-0"]) == (Start(by["decode-0"]),)
@@ -83,7 +84,7 @@ def test_a_remote_request_through_every_stage_with_the_exact_sums_after_each():
     assert req.deadline == clock.now + 300  # tiny-1p1d's router.request_timeout_s
     assert sums(flow) == empty()  # a queued request is in no sum
 
-    assert flow.plan(req) == (Reserve(by["decode-0"]),)
+    assert flow.route(req) == (Reserve(by["decode-0"]),)
     assert req.stage == Stage.RESERVING and flow.placed == {"r": req}
     assert sums(flow) == {**empty(), "count": 1, "outputs": MAX_TOKENS, "unnamed": PROMPT}
 
@@ -121,13 +122,13 @@ def test_refused_passes_to_the_next_decode_instance_then_requeues_out_of_the_led
     flow, _, by = fleet()
     req = request()
     flow.arrived(req)
-    assert flow.plan(req) == (Reserve(by["decode-0"]),)
+    assert flow.route(req) == (Reserve(by["decode-0"]),)
     assert flow.refused(req, by["decode-0"]) == (Reserve(by["decode-1"]),)  # out of pages (or dead)
     assert req.stage == Stage.RESERVING and sums(flow)["unnamed"] == PROMPT
     assert flow.refused(req, by["decode-1"]) == (Requeue(),)
     assert req.stage == Stage.QUEUED and req.decode is None and "r" in flow.live and not flow.placed
     assert sums(flow) == empty()
-    assert flow.plan(req) == (Reserve(by["decode-1"]),)  # planned again: the picker's next turn
+    assert flow.route(req) == (Reserve(by["decode-1"]),)  # routed again: the picker's next turn
     assert flow.reserved(req, by["decode-1"], DEST) == (Hand(by["prefill-0"]),)
     assert sums(flow)["loads"] == {"prefill-0": PROMPT, "decode-1": PROMPT}
 
@@ -136,7 +137,7 @@ def test_a_reservation_refused_for_good_ends_the_request_and_nothing_is_released
     flow, _, by = fleet()
     req = request()
     flow.arrived(req)
-    flow.plan(req)
+    flow.route(req)
     error = RequestRefused("decode-0 refused the request: bad", instance="decode-0")
     assert flow.refused(req, by["decode-0"], error) == (End("error", error, release=False),)
     assert flow.end(req, "error", error, release=False) == ()
@@ -147,7 +148,7 @@ def test_a_refused_prompt_ends_it_and_frees_the_reservation_it_had():
     flow, _, by = fleet()
     req = request()
     flow.arrived(req)
-    flow.plan(req)
+    flow.route(req)
     flow.reserved(req, by["decode-0"], DEST)
     flow.handed(req)
     error = RequestRefused("prefill-0.add failed: bad", instance="prefill-0")
@@ -158,7 +159,7 @@ def test_a_refused_prompt_ends_it_and_frees_the_reservation_it_had():
     alone_flow, _, alone_by = fleet("local")
     alone = request()
     alone_flow.arrived(alone)
-    alone_flow.plan(alone)
+    alone_flow.route(alone)
     assert alone_flow.refused(alone, alone_by["decode-0"], error) == (End("error", error),)
 
 
@@ -166,7 +167,7 @@ def test_a_reservation_answered_after_its_request_ended_is_cancelled():
     flow, _, by = fleet()
     req = request()
     flow.arrived(req)
-    flow.plan(req)
+    flow.route(req)
     assert flow.end(req, "abort") == ()  # reserving: nothing held yet
     assert flow.reserved(req, by["decode-0"], DEST) == (Cancel(by["decode-0"], DEST),)
     assert flow.refused(req, by["decode-1"]) == () and flow.handed(req) == ()
@@ -177,25 +178,25 @@ def test_a_reservation_with_no_live_prefill_instance_is_cancelled_and_requeued_t
     flow, _, by = fleet()
     req = request()
     flow.arrived(req)
-    flow.plan(req)
+    flow.route(req)
     by["prefill-0"].alive = False  # died while the reservation was on its way
     assert flow.reserved(req, by["decode-0"], DEST) == (Cancel(by["decode-0"], DEST), Requeue())
     assert req.stage == Stage.QUEUED and (req.decode, req.dest) == (None, None) and sums(flow) == empty()
-    (add,) = flow.plan(req)  # the survivors' path: a decode instance computes it
+    (add,) = flow.route(req)  # the survivors' path: a decode instance computes it
     assert (add.instance.role, add.dest, add.path) == ("decode", None, "local") and req.stage == Stage.RUNNING
 
 
-def test_plan_waits_or_fails_without_placing():
+def test_route_waits_or_fails_without_placing():
     flow, _, by = fleet(**{"router.prefill_queue_tokens": 50})
     first, second = request("a"), request("b")
     for req in (first, second):
         flow.arrived(req)
-    assert flow.plan(first) == (Reserve(by["decode-0"]),)
-    assert flow.plan(second) == (Wait(WAIT_PREFILL_QUEUE),)  # 40 queued + 40 > 50
+    assert flow.route(first) == (Reserve(by["decode-0"]),)
+    assert flow.route(second) == (Wait(WAIT_PREFILL_QUEUE),)  # 40 queued + 40 > 50
     assert second.stage == Stage.QUEUED and sums(flow)["count"] == 1
     for inst in (by["decode-0"], by["decode-1"], by["prefill-0"]):
         inst.alive = False
-    (end,) = flow.plan(second)
+    (end,) = flow.route(second)
     assert (end.reason, type(end.error), end.error.role) == ("error", NoLiveInstance, "decode")
     assert second.stage == Stage.QUEUED and sums(flow)["count"] == 1
 
@@ -204,7 +205,7 @@ def test_a_request_placed_alone_runs_on_its_one_instance():
     flow, _, by = fleet("local")
     req = request()
     flow.arrived(req)
-    assert flow.plan(req) == (Add(by["decode-0"], None, "local"),)
+    assert flow.route(req) == (Add(by["decode-0"], None, "local"),)
     assert req.stage == Stage.RUNNING and req.colocated is by["decode-0"]
     running = {**empty(), "count": 1, "outputs": MAX_TOKENS, "loads": {"decode-0": PROMPT},
                "seats": {"decode-0": 1}, "queued": {"decode-0": PROMPT}}
@@ -223,7 +224,7 @@ def test_the_first_token_from_the_prefill_instance_starts_the_decode_side(finish
     flow, _, by = fleet()
     req = request(max_tokens=1 if finished else MAX_TOKENS)
     flow.arrived(req)
-    flow.plan(req)
+    flow.route(req)
     assert flow.first_token(req, by["prefill-0"]) == ()  # reserving: not its first token yet
     flow.reserved(req, by["decode-0"], DEST)
     flow.handed(req)
@@ -238,7 +239,7 @@ def test_what_an_end_releases_follows_the_stage_it_left_and_skips_dead_instances
     prefilling, decoding = request("p"), request("d")
     for req in (prefilling, decoding):
         flow.arrived(req)
-        (reserve,) = flow.plan(req)  # decode-0, then decode-1: the picker's turns
+        (reserve,) = flow.route(req)  # decode-0, then decode-1: the picker's turns
         flow.reserved(req, reserve.instance, DEST)
         flow.handed(req)
     flow.first_token(decoding, by["prefill-0"])
@@ -249,20 +250,43 @@ def test_what_an_end_releases_follows_the_stage_it_left_and_skips_dead_instances
     assert sums(flow) == empty()
 
 
-def test_an_instance_that_dies_fails_the_requests_it_holds_once():
+def test_an_instance_that_dies_migrates_the_requests_it_holds_once():
     flow, _, by = fleet(decode=1)
     held, other = request("held"), request("other")
     remote_to_decoding(flow, by, held)
     flow.arrived(other)  # queued: no instance holds it
-    ended = flow.instance_died(by["prefill-0"], "its actor exited")
-    assert [req for req, _ in ended] == [held]  # the KV may not have landed: the prefill side holds it
-    end = ended[0][1]
-    assert (end.reason, type(end.error), end.error.instance) == ("error", InstanceDied, "prefill-0")
-    assert str(end.error) == "prefill instance prefill-0 (PE 0) died: its actor exited"
+    held.output_token_ids = [7]  # what the router streamed: the first token
+    migrated = flow.instance_died(by["prefill-0"], "its actor exited")
+    # The KV may not have landed (the prefill side holds it): D's reservation is released under
+    # the id it had there, and the request is routed again with its first token in its prompt.
+    assert migrated == [(held, (Abort(by["decode-0"], engine_id="held"), Requeue(wait=False)))]
     assert not by["prefill-0"].alive and by["prefill-0"].error == "its actor exited"
     assert flow.instance_died(by["prefill-0"], "again") == []
-    assert flow.end(held, end.reason, end.error) == (Abort(by["decode-0"]),)  # decoding: D's pages go
-    assert sums(flow) == empty()
+    assert (held.stage, held.prompt_token_ids, held.params.max_tokens) == (Stage.QUEUED, [1] * PROMPT + [7],
+                                                                           MAX_TOKENS - 1)
+    assert (held.engine_id, held.num_migrations, held.num_output, held.holders()) == (("held", 1), 1, 0, [])
+    assert sums(flow) == empty()  # out of the ledger until routed again
+    assert flow.route(held) == (Add(by["decode-0"], None, "local"),)  # the survivor computes the resumed prompt
+    assert sums(flow)["loads"] == {"decode-0": PROMPT + 1}
+
+
+def test_a_death_past_the_migration_bound_or_with_no_survivor_fails_the_request():
+    flow, _, by = fleet(decode=1)
+    bounded, alone = request("bounded"), request("alone")
+    for req in (bounded, alone):
+        flow.arrived(req)
+    bounded.num_migrations = migration.MAX_MIGRATIONS
+    assert flow.route(bounded) == (Reserve(by["decode-0"]),)
+    flow.reserved(bounded, by["decode-0"], DEST)
+    flow.handed(bounded)
+    (died,) = flow.instance_died(by["decode-0"], "its actor exited")
+    req, (end,) = died
+    assert req is bounded and (end.reason, type(end.error), end.error.instance) == ("error", InstanceDied, "decode-0")
+    assert str(end.error) == "decode instance decode-0 (PE 1) died: its actor exited"
+    assert flow.end(bounded, end.reason, end.error) == (Abort(by["prefill-0"], Cancel(by["decode-0"], DEST)),)
+    assert flow.route(alone) == (Add(by["prefill-0"], None, "kept"),)
+    ((req, (end,)),) = flow.instance_died(by["prefill-0"], "its actor exited")  # nothing left to serve it
+    assert req is alone and isinstance(end.error, InstanceDied) and end.error.instance == "prefill-0"
 
 
 def test_expired_aborts_past_the_timeout_and_fails_a_lease_only_while_prefilling():
@@ -271,7 +295,7 @@ def test_expired_aborts_past_the_timeout_and_fails_a_lease_only_while_prefilling
     flow.arrived(late)
     clock.now += 100.0
     flow.arrived(leased)
-    flow.plan(leased)
+    flow.route(leased)
     flow.reserved(leased, by["decode-0"], DEST)
     flow.handed(leased)
     assert flow.expired(clock.now) == []

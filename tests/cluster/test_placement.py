@@ -595,13 +595,14 @@ def test_the_fleet_view_counts_remaining_and_expected_output_tokens():
     from disagg.cluster.launch.bootstrap import Instance
     from disagg.cluster.outputs import RequestMetrics
     from disagg.cluster.routing.placement import FleetModel
-    from disagg.cluster.routing.requests import Request
+    from disagg.cluster.routing.requests import RoutedRequest
     from disagg.sampling import SamplingParams
 
     dec, pre = Instance(name="decode-0", role="decode", actor=None), Instance(name="prefill-0", role="prefill", actor=None)
 
     def req(rid, max_tokens, num_output, stage):
-        r = Request(rid, [0] * 100, SamplingParams(max_tokens=max_tokens), lambda *a: None, RequestMetrics(arrival_time=0.0))
+        r = RoutedRequest(rid, [0] * 100, SamplingParams(max_tokens=max_tokens), lambda *a: None,
+                          RequestMetrics(arrival_time=0.0))
         r.decode, r.prefill, r.stage, r.num_output = dec, pre, stage, num_output
         return r
 
@@ -797,13 +798,14 @@ def test_a_pushed_request_waiting_for_a_decode_seat_counts_it_in_its_tpot_not_in
 def test_the_fleet_view_counts_seats_of_decodes_queued_prompts_and_pushes_on_their_way():
     from disagg.cluster.launch.bootstrap import Instance
     from disagg.cluster.outputs import RequestMetrics
-    from disagg.cluster.routing.requests import Request
+    from disagg.cluster.routing.requests import RoutedRequest
     from disagg.sampling import SamplingParams
 
     dec, pre = Instance(name="decode-0", role="decode", actor=None), Instance(name="prefill-0", role="prefill", actor=None)
 
     def req(rid, stage, num_output=0, colocated=None):
-        r = Request(rid, [0] * 100, SamplingParams(max_tokens=50), lambda *a: None, RequestMetrics(arrival_time=0.0))
+        r = RoutedRequest(rid, [0] * 100, SamplingParams(max_tokens=50), lambda *a: None,
+                          RequestMetrics(arrival_time=0.0))
         if colocated is None:
             r.decode, r.prefill = dec, pre
         r.colocated, r.stage, r.num_output = colocated, stage, num_output
@@ -878,7 +880,7 @@ def test_the_fleet_model_keeps_each_instances_median_hop():
     assert unpriced.snapshot()["D0"]["reserve_extra_ms"] == pytest.approx(8.0)
 
 
-def _reference_work(inst, requests, now, planned) -> tuple:
+def _reference_work(inst, requests, now, routed) -> tuple:
     """The live requests' work on ``inst`` as `FleetModel.view` summed it one instance at a time,
     before `FleetModel.views` summed every instance's in one pass: (queued, pairs, decoding,
     context, remaining, progress, seated, output_tokens)."""
@@ -893,7 +895,7 @@ def _reference_work(inst, requests, now, planned) -> tuple:
             computing = req.num_output == 0
         elif inst is req.prefill and req.stage in ("reserving", "prefilling"):
             computing = True
-        elif req.prefill is None and req.stage == "reserving" and planned.get(req.request_id) == inst.name:
+        elif req.prefill is None and req.stage == "reserving" and routed.get(req.request_id) == inst.name:
             computing = True
         elif inst is req.decode and req.stage == "decoding":
             computing = False
@@ -916,9 +918,9 @@ def _reference_work(inst, requests, now, planned) -> tuple:
 def fleet_states(draw):
     """Instances of every role and live requests placed on them at random, in any stage (even
     ones the router never makes: a prefill instance that is also its colocated one), with
-    remote decisions planned on names in the fleet and out of it."""
+    remote decisions routed on names in the fleet and out of it."""
     from disagg.cluster.outputs import RequestMetrics
-    from disagg.cluster.routing.requests import STAGES, Request
+    from disagg.cluster.routing.requests import STAGES, RoutedRequest
     from disagg.sampling import SamplingParams
 
     instances = [Instance(f"{role}-{i}", role, actor=None) for role in ("prefill", "decode", "colocated")
@@ -926,15 +928,16 @@ def fleet_states(draw):
     some = st.one_of(st.none(), st.sampled_from(instances))
     live = []
     for i in range(draw(st.integers(0, 40))):
-        req = Request(f"r{i}", [0] * draw(st.integers(1, 3000)), SamplingParams(max_tokens=draw(st.integers(1, 2000))),
-                      lambda *a: None, RequestMetrics(arrival_time=0.0))
+        req = RoutedRequest(f"r{i}", [0] * draw(st.integers(1, 3000)),
+                            SamplingParams(max_tokens=draw(st.integers(1, 2000))), lambda *a: None,
+                            RequestMetrics(arrival_time=0.0))
         req.prefill, req.decode, req.colocated = draw(some), draw(some), draw(some)
         req.stage, req.num_output = draw(st.sampled_from(STAGES)), draw(st.integers(0, 2100))
         req.first_token_at = draw(st.one_of(st.none(), st.floats(0, 10)))
         live.append(req)
-    planned = draw(st.dictionaries(st.sampled_from([f"r{i}" for i in range(40)]),
+    routed = draw(st.dictionaries(st.sampled_from([f"r{i}" for i in range(40)]),
                                    st.sampled_from([inst.name for inst in instances] + ["gone"])))
-    return instances, live, planned, draw(st.one_of(st.none(), st.floats(0, 20)))
+    return instances, live, routed, draw(st.one_of(st.none(), st.floats(0, 20)))
 
 
 @settings(max_examples=300, deadline=None)
@@ -943,14 +946,14 @@ def test_the_fleet_views_in_one_pass_are_the_views_one_instance_at_a_time(state,
     """`FleetModel.views` (one pass over the live requests for the whole fleet, what every
     decision takes) gives each instance the view one pass per instance gave it, and `view` the
     same; a part of the fleet, in any order, some listed twice, the same views."""
-    instances, live, planned, now = state
+    instances, live, routed, now = state
     fleet = FleetModel(512, 16, max_seqs=128)
     fleet.note_reserve(instances[0].name, 0.012, 0.004)
     fleet.note_relay(instances[-1].name, 0.005)
-    views = fleet.views(instances, live, now, planned)
+    views = fleet.views(instances, live, now, routed)
     assert [(v.queued_prompt_tokens, v.queued_prompt_pairs, v.num_decoding, v.context_tokens, v.remaining_tokens,
              v.decode_progress, v.seated, v.output_tokens) for v in views] == [
-        _reference_work(inst, live, now, planned) for inst in instances]
-    assert views == [fleet.view(inst, live, now, planned) for inst in instances]
+        _reference_work(inst, live, now, routed) for inst in instances]
+    assert views == [fleet.view(inst, live, now, routed) for inst in instances]
     part = data.draw(st.lists(st.sampled_from(instances), max_size=2 * len(instances)))
-    assert fleet.views(part, live, now, planned) == [views[instances.index(inst)] for inst in part]
+    assert fleet.views(part, live, now, routed) == [views[instances.index(inst)] for inst in part]

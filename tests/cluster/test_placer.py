@@ -1,5 +1,5 @@
 """`Placer` (cluster/routing/placement/placer.py): the one placement of the router and the simulator, on
-constructed instances and requests (no Ray, no engine): which plan for which fleet state, in which order the
+constructed instances and requests (no Ray, no engine): which route for which fleet state, in which order the
 decode instances are tried, the prefill-queue bound, counts and prefix affinity."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from disagg.cluster.outputs import RequestMetrics
 from disagg.cluster.routing.affinity import PrefixAffinity
 from disagg.cluster.routing.placement import Decision, Prediction
 from disagg.cluster.routing.placement.placer import WAIT_PAGES, WAIT_PREFILL_QUEUE, Alone, Fail, Placer, Remote, Wait
-from disagg.cluster.routing.requests import Picker, Request
+from disagg.cluster.routing.requests import Picker, RoutedRequest
 from disagg.config import Config
 from disagg.errors import NoLiveInstance
 from disagg.sampling import SamplingParams
@@ -31,19 +31,19 @@ def fleet(placement: str = "disaggregated", **overrides):
     return placer, {inst.name: inst for inst in instances}
 
 
-def request(name: str, prompt: list[int], *, prefill=None, decode=None, stage="queued") -> Request:
-    return Request(name, prompt, SamplingParams(max_tokens=8), lambda *a: None, RequestMetrics(arrival_time=0.0),
-                   stage=stage, prefill=prefill, decode=decode)
+def request(name: str, prompt: list[int], *, prefill=None, decode=None, stage="queued") -> RoutedRequest:
+    return RoutedRequest(name, prompt, SamplingParams(max_tokens=8), lambda *a: None, RequestMetrics(arrival_time=0.0),
+                         stage=stage, prefill=prefill, decode=decode)
 
 
 def test_remote_tries_the_least_loaded_decode_first_and_hands_to_the_least_loaded_prefill():
     placer, by = fleet()
     busy = request("busy", [1] * 40, prefill=by["prefill-0"], decode=by["decode-0"], stage="prefilling")
     req = request("r", [2] * 20)
-    plan = placer.plan(req, [busy])
-    assert isinstance(plan, Remote) and [i.name for i in plan.decodes] == ["decode-1", "decode-0"]
+    route = placer.route(req, [busy])
+    assert isinstance(route, Remote) and [i.name for i in route.decodes] == ["decode-1", "decode-0"]
     assert placer.placements["remote"] == 0  # counted once a decode instance took it
-    assert placer.hand(req, plan.decodes[0], [busy]).name == "prefill-1"
+    assert placer.hand(req, route.decodes[0], [busy]).name == "prefill-1"
     assert dict(placer.placements) == {"remote": 1, "local": 0, "kept": 0}
 
 
@@ -51,14 +51,14 @@ def test_the_prefill_queue_bound_holds_the_request_until_a_prefill_instance_has_
     placer, by = fleet()
     live = [request(f"q{i}", [1] * 60, prefill=by[f"prefill-{i}"], decode=by["decode-0"], stage="prefilling")
             for i in range(2)]
-    assert placer.plan(request("r", [2] * 50), live) == Wait(WAIT_PREFILL_QUEUE)  # 60 + 50 > 100
-    assert isinstance(placer.plan(request("r", [2] * 40), live), Remote)  # 60 + 40 fits
+    assert placer.route(request("r", [2] * 50), live) == Wait(WAIT_PREFILL_QUEUE)  # 60 + 50 > 100
+    assert isinstance(placer.route(request("r", [2] * 40), live), Remote)  # 60 + 40 fits
     live[1].stage = "decoding"  # prefill-1's queue emptied: an idle instance takes any prompt
-    assert isinstance(placer.plan(request("r", [2] * 500), live), Remote)
+    assert isinstance(placer.route(request("r", [2] * 500), live), Remote)
     # A request still reserving (no prefill instance yet) will queue its prompt too.
     reserving = request("v", [3] * 60, stage="reserving")
-    assert placer.plan(request("r", [2] * 50), [*live, reserving]) == Wait(WAIT_PREFILL_QUEUE)
-    assert isinstance(placer.plan(request("r", [2] * 40), [*live, reserving]), Remote)
+    assert placer.route(request("r", [2] * 50), [*live, reserving]) == Wait(WAIT_PREFILL_QUEUE)
+    assert isinstance(placer.route(request("r", [2] * 40), [*live, reserving]), Remote)
 
 
 def test_requests_decoding_on_a_prefill_instance_queue_no_prompt_there():
@@ -71,21 +71,21 @@ def test_requests_decoding_on_a_prefill_instance_queue_no_prompt_there():
         kept.colocated, kept.num_output = by[f"prefill-{i}"], 5
         live.append(kept)
     assert placer.picker.loads(list(by.values()), live)["prefill-0"] == 95
-    assert isinstance(placer.plan(request("r", [2] * 50), live), Remote)  # 0 + 50 <= 100
+    assert isinstance(placer.route(request("r", [2] * 50), live), Remote)  # 0 + 50 <= 100
     live[0].num_output = live[1].num_output = 0  # their prompts not yet computed: 90 + 50 > 100
-    assert placer.plan(request("r", [2] * 50), live) == Wait(WAIT_PREFILL_QUEUE)
+    assert placer.route(request("r", [2] * 50), live) == Wait(WAIT_PREFILL_QUEUE)
 
 
 def test_the_dead_are_never_tried_and_only_a_fleet_with_none_left_fails():
     placer, by = fleet()
     by["decode-0"].alive = False
-    plan = placer.plan(request("r", [1] * 10), [])
-    assert [i.name for i in plan.decodes] == ["decode-1"] and placer.degraded is None
+    route = placer.route(request("r", [1] * 10), [])
+    assert [i.name for i in route.decodes] == ["decode-1"] and placer.degraded is None
     by["prefill-0"].alive = by["prefill-1"].alive = False
     assert placer.hand(request("r", [1] * 10), by["decode-1"], []) is None
     by["decode-1"].alive = False
-    plan = placer.plan(request("r", [1] * 10), [])
-    assert plan == Fail("decode") and isinstance(plan.error(), NoLiveInstance) and plan.error().role == "decode"
+    route = placer.route(request("r", [1] * 10), [])
+    assert route == Fail("decode") and isinstance(route.error(), NoLiveInstance) and route.error().role == "decode"
 
 
 @pytest.mark.parametrize("placement", ["disaggregated", "local", "adaptive"])
@@ -97,19 +97,19 @@ def test_a_fleet_that_lost_a_whole_role_serves_every_request_on_the_survivors(pl
         raise AssertionError("a degraded fleet has one path: nothing to decide")
 
     by["prefill-0"].alive = by["prefill-1"].alive = False
-    plan = placer.plan(request("r", [2] * 20), [busy], no_decision)
-    assert plan == Alone(by["decode-1"], "local") and placer.degraded == "local"  # the least loaded
+    route = placer.route(request("r", [2] * 20), [busy], no_decision)
+    assert route == Alone(by["decode-1"], "local") and placer.degraded == "local"  # the least loaded
     by["prefill-1"].alive, by["decode-0"].alive, by["decode-1"].alive = True, False, False
-    plan = placer.plan(request("r", [2] * 20), [busy], no_decision)
-    assert plan == Alone(by["prefill-1"], "kept") and placer.degraded == "kept"
+    route = placer.route(request("r", [2] * 20), [busy], no_decision)
+    assert route == Alone(by["prefill-1"], "kept") and placer.degraded == "kept"
     assert dict(placer.placements) == {"remote": 0, "local": 1, "kept": 1}
 
 
 def test_local_placement_goes_alone_on_the_least_loaded_decode_instance_and_counts_it():
     placer, by = fleet("local")
     busy = request("busy", [1] * 40, decode=by["decode-1"], stage="decoding")
-    plan = placer.plan(request("r", [2] * 20), [busy])
-    assert plan == Alone(by["decode-0"], "local") and placer.placements["local"] == 1
+    route = placer.route(request("r", [2] * 20), [busy])
+    assert route == Alone(by["decode-0"], "local") and placer.placements["local"] == 1
 
 
 @pytest.mark.parametrize("path", ["remote", "local", "kept"])
@@ -124,17 +124,17 @@ def test_adaptive_follows_the_decision(path: str):
         seen.append(([p.name for p in prefills], [d.name for d in decodes]))
         return Decision(chosen, (chosen,))
 
-    plan = placer.plan(request("r", [1] * 10), [], decide)
+    route = placer.route(request("r", [1] * 10), [], decide)
     assert seen == [(["prefill-0", "prefill-1"], ["decode-0", "decode-1"])]
     if path == "remote":
-        assert [i.name for i in plan.decodes] == ["decode-1", "decode-0"]
+        assert [i.name for i in route.decodes] == ["decode-1", "decode-0"]
     else:
-        assert plan == Alone(by[chosen.decode], path) and placer.placements[path] == 1
-    assert placer.plan(request("w", [1] * 10), [], lambda *a: Decision(None, ())) == Wait(WAIT_PAGES)
+        assert route == Alone(by[chosen.decode], path) and placer.placements[path] == 1
+    assert placer.route(request("w", [1] * 10), [], lambda *a: Decision(None, ())) == Wait(WAIT_PAGES)
 
 
 def test_a_push_the_placer_sends_counts_in_its_decode_instances_push_rate():
-    """A remote plan notes a push to its decode instance (`FleetModel.note_push`), at the placer's
+    """A remote route notes a push to its decode instance (`FleetModel.note_push`), at the placer's
     clock; a remote decision held back by the prefill-queue bound sends nothing and notes nothing."""
     placer, by = fleet("adaptive")
     now = [10.0]
@@ -144,10 +144,10 @@ def test_a_push_the_placer_sends_counts_in_its_decode_instances_push_rate():
     pushes = placer.fleet_model.pushes
     full = [request(f"q{i}", [1] * 90, prefill=by[f"prefill-{i}"], decode=by["decode-0"], stage="prefilling")
             for i in range(2)]
-    assert placer.plan(request("held", [2] * 50), full, decide) == Wait(WAIT_PREFILL_QUEUE)
+    assert placer.route(request("held", [2] * 50), full, decide) == Wait(WAIT_PREFILL_QUEUE)
     assert "decode-1" not in pushes
     for i in range(3):
-        assert isinstance(placer.plan(request(f"r{i}", [2] * 10), [], decide), Remote)
+        assert isinstance(placer.route(request(f"r{i}", [2] * 10), [], decide), Remote)
     assert pushes["decode-1"].rate(10.0) == pytest.approx(3 / 2.0) and "decode-0" not in pushes
     view = placer.fleet_model.view(by["decode-1"], [], now=10.0)
     assert view.push_rate == pytest.approx(1.5) and placer.fleet_model.view(by["decode-0"], [], now=10.0).push_rate == 0
@@ -163,9 +163,9 @@ def test_adaptive_remote_hands_the_prompt_to_the_prefill_instance_its_decision_p
     decide = lambda *a: Decision(chosen, (chosen,))  # noqa: E731
     for name, prefill_alive in (("r", True), ("dead", False)):
         req = request(name, [2] * 10)
-        plan = placer.plan(req, [kept], decide)
+        route = placer.route(req, [kept], decide)
         by["prefill-1"].alive = prefill_alive
-        assert placer.hand(req, plan.decodes[0], [kept]).name == ("prefill-1" if prefill_alive else "prefill-0")
+        assert placer.hand(req, route.decodes[0], [kept]).name == ("prefill-1" if prefill_alive else "prefill-0")
     by["prefill-1"].alive = True
     assert placer.hand(req, by["decode-0"], [kept]).name == "prefill-0"  # its decision was used: the picker's
     assert placer.placements["remote"] == 3
@@ -173,7 +173,7 @@ def test_adaptive_remote_hands_the_prompt_to_the_prefill_instance_its_decision_p
 
 def test_adaptive_decisions_are_kept_for_stats():
     placer, _ = fleet("adaptive")
-    placer.plan(request("r", [1] * 10), [])
+    placer.route(request("r", [1] * 10), [])
     assert len(placer.decisions) == 1 and {p.path for p in placer.decisions[0].predictions} == {"remote", "local", "kept"}
     placer.clear_counts()
     assert not placer.decisions and sum(placer.placements.values()) == 0
@@ -186,7 +186,7 @@ def place_both(prompts: list[list[int]], **overrides) -> tuple[list[tuple[str, s
     live, where = [], []
     for i, prompt in enumerate(prompts):
         req = request(f"r{i}", prompt)
-        decode = placer.plan(req, live).decodes[0]
+        decode = placer.route(req, live).decodes[0]
         prefill = placer.hand(req, decode, live)
         req.prefill, req.decode, req.stage = prefill, decode, "prefilling"
         live.append(req)
@@ -259,8 +259,8 @@ def test_a_remote_decisions_prompt_is_queued_on_its_prefill_instance_while_its_r
     placer, by = fleet("adaptive")
     first = request("r1", [1] * 300)
     chosen = Prediction("remote", "prefill-1", "decode-0", 0.0, 0.0, 0.0)
-    plan = placer.plan(first, [], lambda *a: Decision(chosen, (chosen,)))
-    assert isinstance(plan, Remote)
+    route = placer.route(first, [], lambda *a: Decision(chosen, (chosen,)))
+    assert isinstance(route, Remote)
     first.stage = "reserving"  # `Router._reserve` under way: ``prefill`` is still None
     views = {}
 
@@ -268,7 +268,7 @@ def test_a_remote_decisions_prompt_is_queued_on_its_prefill_instance_while_its_r
         views.update({p.name: placer.fleet_model.view(p, live, None, placer._remote_prefill) for p in prefills})
         return placer.decide(req, prefills, decodes, live)
 
-    placer.plan(request("r2", [2] * 40), [first], decide)
+    placer.route(request("r2", [2] * 40), [first], decide)
     assert (views["prefill-1"].queued_prompt_tokens, views["prefill-0"].queued_prompt_tokens) == (300, 0)
     kept = next(p for p in placer.decisions[-1].predictions if p.path == "kept" and p.prefill == "prefill-1")
     idle = next(p for p in placer.decisions[-1].predictions if p.path == "kept" and p.prefill == "prefill-0")
@@ -285,7 +285,7 @@ def test_the_adaptive_decision_prices_each_instance_at_what_follows_the_prefix_i
     shared = list(range(100, 164))
     first = request("r1", shared + [1, 2, 3])
     chosen = Prediction("kept", "prefill-1", "prefill-1", 0.0, 0.0, 0.0)
-    assert placer.plan(first, [], lambda *a: Decision(chosen, (chosen,))) == Alone(by["prefill-1"], "kept")
+    assert placer.route(first, [], lambda *a: Decision(chosen, (chosen,))) == Alone(by["prefill-1"], "kept")
     assert first.cached_tokens == 0
     first.colocated, first.stage = by["prefill-1"], "running"
     second = request("r2", shared + [9, 9, 9])
@@ -296,7 +296,7 @@ def test_the_adaptive_decision_prices_each_instance_at_what_follows_the_prefix_i
         seen.update({(c.path, c.prefill): c.ttft_s for c in decision.predictions})
         return decision
 
-    placer.plan(second, [first], decide)
+    placer.route(second, [first], decide)
     views = {v.name: placer.fleet_model.view(by[v.name], [first]) for v in by.values()}
     assert views["prefill-1"].queued_prompt_tokens == 67  # r1 was credited with nothing
     p1, p0 = views["prefill-1"], views["prefill-0"]
@@ -322,13 +322,13 @@ def test_first_tokens_measure_each_paths_ttft_miss_on_the_instance_that_computed
     placer = Placer(config, instances, Picker(config.router.policy), clock=lambda: now[0])
     by = {inst.name: inst for inst in instances}
     req = request("r", [3] * 40)
-    plan = placer.plan(req, [])
+    route = placer.route(req, [])
     chosen = placer.decisions[-1].chosen
-    if isinstance(plan, Remote):
-        req.decode, req.prefill = plan.decodes[0], placer.hand(req, plan.decodes[0], [])
+    if isinstance(route, Remote):
+        req.decode, req.prefill = route.decodes[0], placer.hand(req, route.decodes[0], [])
         computing, path = req.prefill, "remote"
     else:
-        req.colocated, computing, path = plan.instance, plan.instance, plan.path
+        req.colocated, computing, path = route.instance, route.instance, route.path
     assert path == chosen.path
     now[0] += chosen.ttft_s + 0.250  # 250 ms later than predicted
     placer.first_token(req)
@@ -355,18 +355,18 @@ def test_the_decision_that_placed_a_request_goes_to_the_trace_at_its_first_token
     instances = [Instance(f"{role}-{i}", role, actor=None) for role in ("prefill", "decode") for i in range(2)]
     placer = Placer(config, instances, Picker(config.router.policy), clock=lambda: now[0])
     quiet = request("quiet", [1] * 10)
-    plan = placer.plan(quiet, [])
-    quiet.colocated = plan.instance if isinstance(plan, Alone) else None
-    quiet.prefill = None if isinstance(plan, Alone) else instances[0]
+    route = placer.route(quiet, [])
+    quiet.colocated = route.instance if isinstance(route, Alone) else None
+    quiet.prefill = None if isinstance(route, Alone) else instances[0]
     placer.first_token(quiet)  # tracing off: nothing written
     monkeypatch.setenv(trace.ENV, str(tmp_path))
     req = request("r", [1] * 10)
-    placer.plan(req, [])  # decided twice: the second decision is the one that placed it
+    placer.route(req, [])  # decided twice: the second decision is the one that placed it
     now[0] += 0.5
-    plan = placer.plan(req, [])
+    route = placer.route(req, [])
     decision = placer.decisions[-1]
-    req.colocated = plan.instance if isinstance(plan, Alone) else None
-    req.prefill = None if isinstance(plan, Alone) else instances[0]
+    req.colocated = route.instance if isinstance(route, Alone) else None
+    req.prefill = None if isinstance(route, Alone) else instances[0]
     now[0] += 0.025
     before = time.time()
     placer.first_token(req)
@@ -409,7 +409,7 @@ def test_reservations_and_first_tokens_measure_the_hops_that_price_the_next_deci
     chosen = Prediction("remote", "prefill-0", "decode-1", 0.02, 0.0, 0.0, reserve_step_s=0.003)
     req = request("r", [3] * 40)
     decision = Decision(chosen, (chosen,))
-    assert isinstance(placer.plan(req, [], lambda *a: decision), Remote)
+    assert isinstance(placer.route(req, [], lambda *a: decision), Remote)
     placer._predicted["r"] = (decision, now[0])  # as `Placer.decide` keeps its own decisions
     now[0] += 0.013  # answered 13 ms after the decision: 10 beyond the 3-ms step it predicted
     req.decode = by["decode-1"]

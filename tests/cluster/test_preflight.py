@@ -223,13 +223,13 @@ def _wait_until(condition, timeout_s: float = 5.0) -> None:
 def test_picker_least_loaded_and_round_robin():
     from disagg.cluster.launch.bootstrap import Instance
     from disagg.cluster.outputs import RequestMetrics
-    from disagg.cluster.routing.requests import Picker, Request
+    from disagg.cluster.routing.requests import Picker, RoutedRequest
 
     p0, p1 = Instance("prefill-0", "prefill", None), Instance("prefill-1", "prefill", None)
     d0, d1 = Instance("decode-0", "decode", None), Instance("decode-1", "decode", None)
-    busy = Request("a", [1] * 50, None, None, RequestMetrics(0.0), stage="prefilling", prefill=p0, decode=d1)
-    decoding = Request("b", [1] * 10, None, None, RequestMetrics(0.0), stage="decoding", prefill=p1, decode=d0,
-                       num_output=5)
+    busy = RoutedRequest("a", [1] * 50, None, None, RequestMetrics(0.0), stage="prefilling", prefill=p0, decode=d1)
+    decoding = RoutedRequest("b", [1] * 10, None, None, RequestMetrics(0.0), stage="decoding", prefill=p1, decode=d0,
+                             num_output=5)
     live = [busy, decoding]
     picker = Picker("least_loaded")
     assert picker.loads([p0, p1, d0, d1], live) == {"prefill-0": 50, "prefill-1": 0, "decode-0": 15, "decode-1": 50}

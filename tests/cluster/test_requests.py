@@ -61,13 +61,14 @@ def test_least_loaded_puts_an_instance_with_every_seat_held_last():
     names: a request's colocated or decode instance, and its prefill instance while prefilling."""
     from disagg.cluster.launch.bootstrap import Instance
     from disagg.cluster.outputs import RequestMetrics
-    from disagg.cluster.routing.requests import Picker, Request, seat_holders
+    from disagg.cluster.routing.requests import Picker, RoutedRequest, seat_holders
     from disagg.sampling import SamplingParams
 
     c0, c1 = Instance("colocated-0", "colocated", actor=None), Instance("colocated-1", "colocated", actor=None)
 
     def req(rid, inst, prompt_len):
-        r = Request(rid, [0] * prompt_len, SamplingParams(max_tokens=8), lambda *a: None, RequestMetrics(arrival_time=0.0))
+        r = RoutedRequest(rid, [0] * prompt_len, SamplingParams(max_tokens=8), lambda *a: None,
+                          RequestMetrics(arrival_time=0.0))
         r.colocated, r.stage = inst, "running"
         return r
 

@@ -107,13 +107,13 @@ def test_the_digest_sees_a_flipped_word_and_swapped_pages():
 def test_the_router_fails_a_digest_mismatch_with_a_transfer_error():
     from disagg.cluster.launch.instance import Instance
     from disagg.cluster.outputs import RequestMetrics
-    from disagg.cluster.routing.requests import Request
+    from disagg.cluster.routing.requests import RoutedRequest
     from disagg.cluster.routing.router import Router
     from disagg.errors import TransferError
 
     prefill, decode = Instance("prefill-0", "prefill", actor=None, pe=0), Instance("decode-0", "decode", actor=None,
                                                                                     pe=1)
-    req = Request("r", [1, 2], None, lambda *a: None, RequestMetrics(arrival_time=0.0), stage="decoding",
-                  prefill=prefill, decode=decode)
+    req = RoutedRequest("r", [1, 2], None, lambda *a: None, RequestMetrics(arrival_time=0.0), stage="decoding",
+                        prefill=prefill, decode=decode)
     err = Router._engine_ended(req, decode, "error", f"{DIGEST_MISMATCH}: the 6 landed slots differ")
     assert type(err) is TransferError and (err.request_id, err.src_pe, err.dst_pe) == ("r", 0, 1)

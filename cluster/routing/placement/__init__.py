@@ -51,7 +51,7 @@ predicted then, there is one path. No instance left of either role: the request 
 (`NoLiveInstance`).
 
 Around the decision: the `Placer` (`placer`) carries the policy out for the router and the
-simulator (the picker's order, the prefix affinity, the prefill-queue bound, the plans);
+simulator (the picker's order, the prefix affinity, the prefill-queue bound, the routes);
 `FleetModel` (`fleet_model`) keeps the router's picture of the instances (step-time models,
 loads, `meters`) and builds their views (`view`). docs/placement-notes.md gives the measurement
 behind each rule. Pure Python, in the router's (or the simulator's) process.

@@ -34,7 +34,7 @@ class InstanceWork:
         computed), else decoding here, with its progress where ``now`` and its first token are
         known (`InstanceView.decode_progress`)."""
         prompt_len = len(req.prompt_token_ids)
-        if computing:  # what follows its prefix believed cached there (`Request.cached_tokens`)
+        if computing:  # what follows its prefix believed cached there (`RoutedRequest.cached_tokens`)
             cached = min(req.cached_tokens, prompt_len - 1)
             self.queued += prompt_len - cached
             self.pairs += prompt_pairs(cached, prompt_len - cached)
@@ -50,10 +50,10 @@ class InstanceWork:
 
 
 def tally(instances: list, requests: Collection, now: float | None = None,
-          planned: Mapping[str, str] | None = None) -> tuple[dict[int, InstanceWork], float | None]:
+          routed: Mapping[str, str] | None = None) -> tuple[dict[int, InstanceWork], float | None]:
     """The work of ``requests`` on each of ``instances`` (`FleetModel.views`): id(instance) ->
     its `InstanceWork`, and the mean max_tokens of the requests (None: none)."""
-    planned = planned or {}
+    routed = routed or {}
     unique = {id(inst): inst for inst in instances}  # an instance listed twice is viewed once
     work = {key: InstanceWork() for key in unique}
     by_name: dict[str, list[int]] = collections.defaultdict(list)
@@ -84,7 +84,7 @@ def tally(instances: list, requests: Collection, now: float | None = None,
                 if w is not None:
                     w.add(req, True, max_tokens, now)
         elif stage == "reserving" and prefill is None:
-            for key in by_name.get(planned.get(req.request_id), ()):
+            for key in by_name.get(routed.get(req.request_id), ()):
                 if unique[key] is not colocated:
                     work[key].add(req, True, max_tokens, now)
         elif stage == "decoding" and decode is not None and decode is not colocated:
@@ -185,31 +185,31 @@ class FleetModel:
             pure = self.model_of(name).step_s(0, num_decode_seqs, num_context_tokens, 0)
             self.stalls[name].note(seconds + gap_s, pure, count)
 
-    def view(self, inst, requests: Collection, now: float | None = None, planned: Mapping[str, str] | None = None
+    def view(self, inst, requests: Collection, now: float | None = None, routed: Mapping[str, str] | None = None
              ) -> InstanceView:
         """``inst`` (an `Instance`) with the work of the router's live ``requests`` on it: `views`
         of it alone."""
-        return self.views([inst], requests, now, planned)[0]
+        return self.views([inst], requests, now, routed)[0]
 
     def views(self, instances: list, requests: Collection, now: float | None = None,
-              planned: Mapping[str, str] | None = None) -> list[InstanceView]:
+              routed: Mapping[str, str] | None = None) -> list[InstanceView]:
         """Each of ``instances`` (`Instance`s) with the work of the router's live ``requests`` on
         it, in their order; ``now`` (the clock of their ``first_token_at``) also gives its
-        decodes' progress. ``planned``: request id -> the prefill instance a remote decision named
+        decodes' progress. ``routed``: request id -> the prefill instance a remote decision named
         for a request whose reservation is still on its way (no ``prefill`` yet: `Placer.hand`
         names it when the decode instance answers): its prompt is queued there already, as
-        `Placer.plan`'s prefill-queue bound counts it (so a prompt decided in the same instant is
+        `Placer.route`'s prefill-queue bound counts it (so a prompt decided in the same instant is
         not priced in front of it).
 
         One pass over the requests for all instances (a pass per instance would make a decision
         O(instances x live requests)). A request counts on the instance each of its fields names,
-        never twice on one: its ``colocated`` one; its prefill instance (or the planned one) while
+        never twice on one: its ``colocated`` one; its prefill instance (or the routed one) while
         its prompt is computed there; its decode instance while it decodes (`tally`). With a ``ledger`` the same sums
-        come from it instead (``requests`` and ``planned`` unread)."""
+        come from it instead (``requests`` and ``routed`` unread)."""
         if self.ledger is not None:
             work, output_tokens = self.ledger.tally(instances, now)
         else:
-            work, output_tokens = tally(instances, requests, now, planned)
+            work, output_tokens = tally(instances, requests, now, routed)
         return [self._view(inst, work[id(inst)], output_tokens, now) for inst in instances]
 
     def _view(self, inst, work: InstanceWork, output_tokens: float | None, now: float | None = None) -> InstanceView:

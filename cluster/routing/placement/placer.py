@@ -1,6 +1,6 @@
 """Where a request goes: one placement for the router and the simulator.
 
-`Placer.plan` turns a request, the fleet's instances and the live requests into what to do
+`Placer.route` turns a request, the fleet's instances and the live requests into what to do
 with it now (docs/ARCHITECTURE.md §7, step 2):
 
     Wait(reason)         nothing can start it yet: every prefill instance already has
@@ -25,7 +25,7 @@ replacements (a prefill + decode fleet's "colocated" instances, `cluster.restart
 heap, each takes a request alone when it is the least loaded of it and the instances the
 request would otherwise go to: the decode instances, or the survivors of a dead role), the
 placement counts and the prefix affinity live here. Its caller is the request flow
-(`disagg.cluster.routing.flow`), which moves each request as the plan says; the calls that touch an instance
+(`disagg.cluster.routing.flow`), which moves each request as the route says; the calls that touch an instance
 stay with the flow's drivers: the router's (`disagg.cluster.routing.router`) are Ray calls on its event
 loop, with their failures (dead actors, aborts while reserving), the simulator's
 (`disagg.cluster.simulate.fleet`) calls on its virtual engines. Synchronous and without I/O; it runs
@@ -48,7 +48,7 @@ from disagg.cluster.routing.placement.decision import Decision, decide
 from disagg.cluster.routing.placement.fleet_model import FleetModel
 from disagg.cluster.routing.placement.policy import degraded_path, policy_of
 from disagg.cluster.routing.placement.prediction import PATHS, Targets
-from disagg.cluster.routing.requests import Picker, Request
+from disagg.cluster.routing.requests import Picker, RoutedRequest
 from disagg.config import Config
 from disagg.errors import NoLiveInstance
 
@@ -61,7 +61,7 @@ WAIT_PAGES = "pages"  # no instance has the pages (adaptive: predicted; remote: 
 WAIT_RESTART = "restart"  # no live instance can serve it, and a replacement is being started
 
 # decide(req, live prefill instances, decode instances in the picker's order, live requests)
-Decide = Callable[[Request, list[Instance], list[Instance], Collection[Request]], Decision]
+Decide = Callable[[RoutedRequest, list[Instance], list[Instance], Collection[RoutedRequest]], Decision]
 
 
 @dataclass(frozen=True)
@@ -97,11 +97,11 @@ class Remote:
     decodes: tuple[Instance, ...]
 
 
-Plan = Wait | Fail | Alone | Remote
+Route = Wait | Fail | Alone | Remote
 
 
 class Placer:
-    """The placement of ``config``'s fleet (module docstring). `plan` and `hand` take the
+    """The placement of ``config``'s fleet (module docstring). `route` and `hand` take the
     picker's turns (round robin, equal loads) and note prompts in the affinity: one call per
     attempt, as the router's dispatcher makes them.
 
@@ -167,7 +167,7 @@ class Placer:
         # the dead instances whose replacement is being started (`cluster.restart`): while one is,
         # a request that no live instance can serve waits for it instead of failing
         self.restarting: Collection[str] = ()
-        self.ledger = Ledger(instances, planned=self._remote_prefill) if tracked else None
+        self.ledger = Ledger(instances, routed=self._remote_prefill) if tracked else None
         if tracked:
             picker.ledger = self.fleet_model.ledger = self.ledger
 
@@ -182,8 +182,8 @@ class Placer:
         if self.ledger is not None:
             self.ledger.add(inst)
 
-    # ------------------------------------------------------------------ the plan
-    def plan(self, req: Request, live: Collection[Request], decide: Decide | None = None) -> Plan:
+    # ------------------------------------------------------------------ the route
+    def route(self, req: RoutedRequest, live: Collection[RoutedRequest], decide: Decide | None = None) -> Route:
         """What to do with ``req`` now (module docstring).
 
         Args:
@@ -236,13 +236,13 @@ class Placer:
             self.fleet_model.note_push(pushed, self.clock())
         return Remote(tuple(decodes))
 
-    def decide(self, req: Request, prefills: list[Instance], decodes: list[Instance],
-               live: Collection[Request]) -> Decision:
+    def decide(self, req: RoutedRequest, prefills: list[Instance], decodes: list[Instance],
+               live: Collection[RoutedRequest]) -> Decision:
         """The adaptive choice for ``req`` (`disagg.cluster.routing.placement.decision.decide` over
         `FleetModel.views`, one pass over ``live``), kept in ``decisions``."""
         now = self.clock()
-        planned = self._remote_prefill  # the reservations on their way: `FleetModel.views`
-        views = self.fleet_model.views(prefills + decodes, live, now, planned)
+        routed = self._remote_prefill  # the reservations on their way: `FleetModel.views`
+        views = self.fleet_model.views(prefills + decodes, live, now, routed)
         cached = None  # each instance prices only what follows the prefix it is believed to hold
         if self.affinity is not None:
             cached = self.affinity.credit([v.name for v in views], self.affinity.keys(req.prompt_token_ids))
@@ -254,7 +254,7 @@ class Placer:
                 req.cached_tokens = cached.get(decision.chosen.prefill, 0)
         return decision
 
-    def reserved(self, req: Request) -> None:
+    def reserved(self, req: RoutedRequest) -> None:
         """``req``'s decode instance (``req.decode``) answered its reservation (now, by ``clock``):
         for an adaptive remote decision that named it, the time since the decision beyond the step
         in flight it predicted goes to that instance's `FleetModel.note_reserve`, which prices the
@@ -267,8 +267,8 @@ class Placer:
         if chosen.path == "remote" and chosen.decode == req.decode.name:
             self.fleet_model.note_reserve(req.decode.name, self.clock() - at, chosen.reserve_step_s)
 
-    def first_token(self, req: Request, relay_s: float | None = None) -> None:
-        """``req``'s first token reached the router (now, by ``clock``; `Request.first_token_at`,
+    def first_token(self, req: RoutedRequest, relay_s: float | None = None) -> None:
+        """``req``'s first token reached the router (now, by ``clock``; `RoutedRequest.first_token_at`,
         from which the adaptive placement counts its TPOT so far), ``relay_s`` after the step that
         made it returned (None: not measured; the simulator's tokens arrive as their step ends):
         that hop of the instance that computed its prompt (`FleetModel.note_relay`), its
@@ -299,7 +299,7 @@ class Placer:
         if taken is not None:
             _remember(self._tpot_predicted, req.request_id, (path, taken.tpot_s, now))
 
-    def finished(self, req: Request) -> None:
+    def finished(self, req: RoutedRequest) -> None:
         """``req`` ended with ``req.num_output`` tokens (now, by ``clock``): while decisions are
         recorded, an adaptively placed one of 2 tokens or more gets a "tpot" record (written as the
         "decision" records are): the TPOT its decision predicted for the path taken against the
@@ -315,8 +315,8 @@ class Placer:
         elif trace.enabled():
             trace.record("tpot", t=time.time(), **record)
 
-    def hand(self, req: Request, decode: Instance, live: Collection[Request]) -> Instance | None:
-        """``decode`` reserved ``req``'s pages (a `Remote` plan's first taker): the prefill
+    def hand(self, req: RoutedRequest, decode: Instance, live: Collection[RoutedRequest]) -> Instance | None:
+        """``decode`` reserved ``req``'s pages (a `Remote` route's first taker): the prefill
         instance to hand its prompt to, counted as remote; None when no prefill instance is alive
         (the caller frees the reservation and fails it). Adaptive: the instance its decision
         predicted the TTFT of (`predict`'s fastest), while alive: the picker's least loaded
@@ -343,13 +343,13 @@ class Placer:
             self.degraded = path
         return path
 
-    def _alone(self, req: Request, inst: Instance, path: str) -> Alone:
+    def _alone(self, req: RoutedRequest, inst: Instance, path: str) -> Alone:
         req.cached_tokens = self._note(req, inst)
         if path in PATHS:
             self.placements[path] += 1
         return Alone(inst, path)
 
-    def _order(self, req: Request, role: str, live: Collection[Request]) -> list[Instance]:
+    def _order(self, req: RoutedRequest, role: str, live: Collection[RoutedRequest]) -> list[Instance]:
         """The live instances of ``role`` in the picker's order, with ``req``'s prefix credit."""
         instances = self.of_role(role)
         credit = None
@@ -357,7 +357,7 @@ class Placer:
             credit = self.affinity.credit([inst.name for inst in instances], self.affinity.keys(req.prompt_token_ids))
         return self.picker.order(instances, live, credit)
 
-    def _note(self, req: Request, inst: Instance) -> int:
+    def _note(self, req: RoutedRequest, inst: Instance) -> int:
         """``inst`` gets ``req``'s prompt: its pages become that instance's most recent. Returns
         the prompt's tokens it was believed to hold before (0 without an affinity)."""
         if self.affinity is None:
@@ -405,7 +405,7 @@ def seed_fit(path: str | None) -> dict | None:
         raise ConfigError(f"router.step_profile: {str(err).removeprefix('--profile: ')}") from None
 
 
-def decision_record(req: Request, decision: Decision, t: float, path: str, since_s: float) -> dict:
+def decision_record(req: RoutedRequest, decision: Decision, t: float, path: str, since_s: float) -> dict:
     """The decision that placed ``req``, as a "decision" trace record written at its first token
     (``t``: wall clock serving, the virtual clock simulated): its prompt, the path chosen and the
     one taken with the instances that computed its prompt and decode it, every candidate's predicted
@@ -420,7 +420,7 @@ def decision_record(req: Request, decision: Decision, t: float, path: str, since
                              "admissible": p.admissible} for p in decision.predictions]}
 
 
-def tpot_record(req: Request, path: str, predicted_s: float, actual_s: float) -> dict:
+def tpot_record(req: RoutedRequest, path: str, predicted_s: float, actual_s: float) -> dict:
     """The "tpot" record of a finished adaptively placed request (`Placer.finished`): the path
     taken, the TPOT its decision predicted for that path and the TPOT it had (ms)."""
     return {"request": str(req.request_id), "path": path, "num_output": req.num_output,

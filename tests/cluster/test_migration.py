@@ -1,0 +1,137 @@
+"""A request an instance held when it died goes on, on the survivors (`disagg.cluster.routing.migration`),
+on tiny-1p1d (CPU actors).
+
+The decode instance killed mid-decode: each streaming greedy request is routed again with its prompt
+and the tokens it already streamed as the new prompt, and its stream ends with the tokens of an
+in-process colocated engine, none repeated or lost (the concatenation of the stream's deltas),
+whether the prefill instance takes it (kept, ``cluster.restart: false``) or a replacement is on its
+way. The prefill instance killed while prompts are pushing: those are routed again to the decode
+instance (local) and complete; the reservations the dead sender was filling are quarantined until
+their lease, then every page of the survivor is free. The decode instance killed while prompts
+wait in the prefill queue for it: each leaves that queue (aborted) and comes back kept. A request
+migrates at most `MAX_MIGRATIONS` times: the death that holds it next fails it with `InstanceDied`
+naming that instance.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
+from hooked_actor import HookedInstanceActor
+
+from disagg.cluster.routing import migration
+from disagg.errors import InstanceDied
+from disagg.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+LEASE_S = 2.0
+MAX_TOKENS = 48
+PROMPTS = mixed_prompts(4, seed=52)
+LONG_PROMPTS = [[3 + (7 * i + 5 * j) % 250 for j in range(400 + 37 * i)] for i in range(3)]  # 2-3 chunks of 256
+
+
+@pytest.fixture(scope="module")
+def want() -> list[list[int]]:
+    return reference_tokens(PROMPTS + LONG_PROMPTS, [MAX_TOKENS] * (len(PROMPTS) + len(LONG_PROMPTS)))
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["restart-off", "restart-on"])
+def test_streams_a_killed_decode_instance_held_continue_on_the_survivors(ray_local, want, restart):
+    with launch("tiny-1p1d", HookedInstanceActor, router__lease_s=LEASE_S, cluster__restart=restart,
+                cluster__restart_backoff_s=0.1) as cluster:
+        decode = cluster.instance("decode-0").actor
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        streams = [BackgroundStream(cluster, p, params, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
+        _wait_until(lambda: all(len(s.token_ids) >= 3 for s in streams))  # decoding on decode-0
+        ray_local.get(decode.pause_steps.remote(0))
+        streamed = [len(s.token_ids) for s in streams]
+        assert all(3 <= n < MAX_TOKENS for n in streamed), streamed
+        ray_local.kill(decode, no_restart=True)
+        for i, (stream, tokens) in enumerate(zip(streams, want)):
+            last = stream.result()
+            assert (last.finish_reason, last.error) == ("length", None), (i, last)
+            assert stream.token_ids == tokens, f"request {i}: streamed {streamed[i]} before the kill"
+        stats = wait_all_free(cluster)
+        assert stats["router"]["counts"]["migrated"] == len(PROMPTS)
+        assert stats["router"]["failures"] == {}
+        assert cluster.healthy
+
+
+def test_prompts_a_killed_prefill_instance_was_pushing_are_routed_again(ray_local, want):
+    with launch("tiny-1p1d", HookedInstanceActor, router__lease_s=LEASE_S, cluster__restart=False,
+                router__prefill_queue_tokens=4096) as cluster:  # every prompt queued on prefill-0 at once
+        prefill = cluster.instance("prefill-0").actor
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        ray_local.get(prefill.pause_steps.remote(0))
+        streams = [BackgroundStream(cluster, p, params, request_id=f"long-{i}") for i, p in enumerate(LONG_PROMPTS)]
+        _wait_until(lambda: ray_local.get(prefill.stats.remote())["waiting"] == len(LONG_PROMPTS))
+        steps = ray_local.get(prefill.stats.remote())["num_steps"]
+        ray_local.get(prefill.pause_steps.remote(1))  # one chunk of 256 tokens computed and pushed
+        _wait_until(lambda: ray_local.get(prefill.stats.remote())["num_steps"] == steps + 1)
+        assert cluster.router_stats()["stages"] == {"prefilling": len(LONG_PROMPTS)}
+        ray_local.kill(prefill, no_restart=True)
+        for i, (stream, tokens) in enumerate(zip(streams, want[len(PROMPTS):])):
+            last = stream.result()
+            assert (last.finish_reason, last.error) == ("length", None), (i, last)
+            assert stream.token_ids == tokens, i
+        stats = wait_all_free(cluster, timeout_s=LEASE_S + 15)  # the quarantined reservations too
+        assert [inst["name"] for inst in stats["instances"] if inst["alive"]] == ["decode-0"]
+        assert stats["router"]["counts"]["migrated"] == len(LONG_PROMPTS)
+        assert stats["router"]["placements"]["local"] == len(LONG_PROMPTS)
+        assert stats["router"]["failures"] == {}
+
+
+def test_prompts_queued_for_a_killed_decode_instance_come_back_kept(ray_local, want):
+    with launch("tiny-1p1d", HookedInstanceActor, router__lease_s=LEASE_S, cluster__restart=False) as cluster:
+        prefill, decode = (cluster.instance(name).actor for name in ("prefill-0", "decode-0"))
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        ray_local.get(prefill.pause_steps.remote(0))
+        streams = [BackgroundStream(cluster, p, params, request_id=f"q{i}") for i, p in enumerate(PROMPTS)]
+        _wait_until(lambda: ray_local.get(prefill.stats.remote())["waiting"] == len(PROMPTS))
+        ray_local.kill(decode, no_restart=True)
+        _wait_until(lambda: cluster.router_stats()["stages"] == {"running": len(PROMPTS)})  # kept on prefill-0
+        # each pushed prompt was aborted there (its pushes had nowhere to land): only the kept ones wait
+        assert ray_local.get(prefill.stats.remote())["waiting"] == len(PROMPTS)
+        ray_local.get(prefill.resume_steps.remote())
+        for i, (stream, tokens) in enumerate(zip(streams, want)):
+            last = stream.result()
+            assert (last.finish_reason, last.error, stream.token_ids) == ("length", None, tokens), (i, last)
+        stats = wait_all_free(cluster)
+        assert stats["router"]["placements"]["kept"] == len(PROMPTS)
+
+
+@pytest.mark.parametrize("bound", [1, migration.MAX_MIGRATIONS], ids=["bound-1", "bound-default"])
+def test_a_request_migrates_at_most_the_bound(ray_local, monkeypatch, want, bound):
+    """Killed on decode-0, a request goes on kept on prefill-0 (its steps held); prefill-0 killed
+    too: past the bound it fails naming prefill-0, within it it waits for a replacement."""
+    monkeypatch.setattr(migration, "MAX_MIGRATIONS", bound)
+    with launch("tiny-1p1d", HookedInstanceActor, router__lease_s=LEASE_S, cluster__restart_backoff_s=2.0) as cluster:
+        prefill, decode = (cluster.instance(name).actor for name in ("prefill-0", "decode-0"))
+        stream = BackgroundStream(cluster, PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        _wait_until(lambda: len(stream.token_ids) >= 3)
+        for actor in (decode, prefill):
+            ray_local.get(actor.pause_steps.remote(0))
+        ray_local.kill(decode, no_restart=True)
+        _wait_until(lambda: cluster.router_stats()["stages"] == {"running": 1})  # kept on prefill-0, held
+        streamed = list(stream.token_ids)
+        ray_local.kill(prefill, no_restart=True)
+        last = stream.result(timeout_s=120)
+        if bound == 1:
+            assert last.finish_reason == "error" and isinstance(last.cause, InstanceDied), last
+            assert last.cause.instance == "prefill-0", last
+            assert stream.token_ids == streamed == want[0][:len(streamed)]
+            assert cluster.router_stats()["counts"]["migrated"] == 1
+        else:
+            assert (last.finish_reason, last.error) == ("length", None), last
+            assert stream.token_ids == want[0]
+            assert cluster.router_stats()["counts"]["migrated"] == 2
+
+
+def _wait_until(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
