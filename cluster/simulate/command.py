@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import typing
 from pathlib import Path
 from typing import Annotated, Optional
@@ -179,6 +180,8 @@ def simulate_command(
     out_dir = result_dir or Path(bench.results_dir)
     extra = flags.key_values(metadata, "--metadata", "version=0.3.3")
     console = Console()
+    if not console.is_terminal:  # a log or a pipe: the table's labels whole
+        console.width = max(console.width, 120)
     if prof.get("model") and prof["model"] != cfg.model.source:
         # The profile's model is what runs (its step times, its context): a config of another
         # model would have its workload sized silently to the profile's context (long-prompt's
@@ -244,26 +247,37 @@ def plan_command(
     seeds: Annotated[int, Opt("--seeds", min=1, help="draws of prompts and arrivals per rate (seeds --seed, "
                               "--seed + 1, ...), their requests pooled: steadier knees, that many times the "
                               "runs")] = 1,
-    jobs: Annotated[int, Opt("--jobs", "-j", min=1, help="simulations run at once, each in its own process (one "
-                             "core each): candidates, and with more jobs than candidates each one's rates "
-                             "(the same goodput in fewer rounds)")] = 1,
+    jobs: Annotated[Optional[int], Opt("--jobs", "-j", min=1, help="simulations run at once, each in its own "
+                                       "process (one core each): candidates, and with more jobs than candidates "
+                                       "each one's rates (the same goodput in fewer rounds); default: every "
+                                       "core")] = None,
+    screen_margin: Annotated[float, Opt("--screen-margin", min=0.0, max=1.0, help="simulate only the candidates "
+                                        "whose analytic rate per GPU (the profiles' step-time models, prefill and "
+                                        "decode capacity matched) is at least this fraction of the best one's, and "
+                                        "the best colocated one; 0: simulate every candidate, --max-simulated "
+                                        "aside (the full search)")] = 0.7,
+    max_simulated: Annotated[int, Opt("--max-simulated", min=1, help="simulate at most this many of the candidates "
+                                      "the screen keeps: the best colocated one, the best of each kind and TPs, "
+                                      "then the rest by screened rate")] = 6,
     run_seconds: Annotated[float, Opt(min=0.001, help="virtual seconds of arrivals per simulated run")] = 30.0,
     max_prompts: Annotated[Optional[int], Opt(min=1, help="most requests of one simulated run (default: 375 per "
                                               "GPU, at least 3000); a run it cuts short of --run-seconds is "
                                               "judged before the fleet fills and reads too well: the plan "
                                               "names the candidates so judged")] = None,
-    start_rate: Annotated[float, Opt("--start-rate", help="each candidate's first rate judged, req/s per GPU; "
-                                     "the search doubles (or halves) from it to the knee, then bisects: a rate "
-                                     "near the knee skips the runs below it (the same result wherever they would "
-                                     "all have held)")] = 1.0,
+    start_rate: Annotated[Optional[float], Opt("--start-rate", help="each candidate's first rate judged, req/s per "
+                                               "GPU; the search doubles (or halves) from it to the knee, then "
+                                               "bisects: a rate near the knee skips the runs below it (the same "
+                                               "result wherever they would all have held); default: each "
+                                               "candidate's screened rate")] = None,
     only: Annotated[Optional[str], Opt("--only", help="judge only these candidates of the search, comma-separated "
                                        "labels as printed, e.g. '56P8D,56P8D-adaptive,colocated-64[chunk=8192]' "
                                        "(a fleet too large to search whole)")] = None,
     log_level: LogLevelOpt = None, verbose: VerboseOpt = False,
 ) -> None:
-    """Search xPyD splits, colocated chunk sizes and the adaptive placement for --gpus GPUs by
-    simulation (`disagg simulate`'s fleet, --profile's step times); print each one's goodput per
-    GPU (the highest rate with 90% of requests inside --goodput's SLOs), the best, and its YAML."""
+    """Search xPyD splits (each role at each profiled TP), colocated chunk sizes and the adaptive
+    placement for --gpus GPUs: screen each analytically, simulate those that can win (`disagg
+    simulate`'s fleet, --profile's step times); print each one's goodput per GPU (the highest rate
+    with 90% of requests inside --goodput's SLOs), the best, and its YAML."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -293,14 +307,20 @@ def plan_command(
         adaptive_prefer, typing.get_args(RouterSection.model_fields["adaptive_prefer"].annotation), "--adaptive-prefer",
         distinct=True)
     console = Console()
+    if not console.is_terminal:  # a log or a pipe: the table's labels whole
+        console.width = max(console.width, 120)
     lengths = dict(input_len=random_input_len, output_len=random_output_len, range_ratio=random_range_ratio)
     hops = dict(hop_ms=hop_ms, step_gap_ms=step_gap_ms, reserve_ms=reserve_ms)
     try:
-        search = None
-        if only is not None:
-            search = planner.only(planner.candidates(gpus, chunks, adaptive_chunk_sizes=adaptive_chunks,
-                                                     adaptive_prefers=prefers, tensor_parallel=list(profiles)),
-                                  [label.strip() for label in only.split(",") if label.strip()])
+        search = planner.candidates(gpus, chunks, adaptive_chunk_sizes=adaptive_chunks, adaptive_prefers=prefers,
+                                    tensor_parallel=list(profiles))
+        if only is not None:  # judged whole: screened for their start rates only
+            search = planner.only(search, [label.strip() for label in only.split(",") if label.strip()])
+        margin, cap = (screen_margin, max_simulated if screen_margin > 0 else None) if only is None else (0.0, None)
+        kept = planner.screen_search(list(profiles.values()), search, dataset_name=dataset_name, slos_ms=slos,
+                                     link_gbps=link_gbps, seed=seed, margin=margin, max_simulated=cap, **lengths)
+        for line in planner.screen_lines(search, margin, cap):
+            typer.echo(line)
         run_length = planner.RunLength.for_gpus(gpus, run_seconds, max_prompts)
 
         def judged(c) -> None:
@@ -309,10 +329,9 @@ def plan_command(
             console.print(f"{c.label}: {c.goodput_per_gpu:.3f} req/s per GPU{cut}", markup=False)
 
         ranked = planner.plan(list(profiles.values()), dataset_name=dataset_name, slos_ms=slos, num_gpus=gpus,
-                              chunk_sizes=chunks, search=search, run_length=run_length,
+                              chunk_sizes=chunks, search=kept, run_length=run_length,
                               seed=seed, seeds=seeds, link_gbps=link_gbps, hops=hops,
-                              adaptive_chunk_sizes=adaptive_chunks,
-                              adaptive_prefers=prefers, jobs=jobs, start_rate_per_gpu=start_rate,
+                              jobs=jobs or os.cpu_count() or 1, start_rate_per_gpu=start_rate,
                               on_judged=judged,
                               **lengths)
     except ValueError as err:
@@ -321,8 +340,9 @@ def plan_command(
     table = Table(title=f"{dataset_name} on {gpus} GPU(s), SLOs {tables_slos(slos)}, pushes at {link_gbps:g} GB/s "
                         f"(simulated, profile {prof.get('model')} on {(prof.get('device') or {}).get('gpus') or 'cpu'}"
                         + (f", TP {', '.join(map(str, profiles))}" if list(profiles) != [1] else "") + ")")
-    for header in ("deployment", "goodput (req/s)", "per GPU", "vs colocated"):
-        table.add_column(header, justify="left" if header == "deployment" else "right")
+    table.add_column("deployment", justify="left", no_wrap=True)
+    for header in ("goodput (req/s)", "per GPU", "vs colocated", "screened per GPU"):
+        table.add_column(header, justify="right")
     for row in planner.table_rows(ranked):
         table.add_row(*(escape(cell) for cell in row))  # labels hold [chunk=...]: not markup
     console.print(table)
@@ -330,12 +350,13 @@ def plan_command(
     if cut:
         console.print(f"judged on fewer than {run_seconds:g} s of arrivals (--max-prompts {run_length.max_prompts}), "
                       f"optimistic: {', '.join(cut)}", markup=False)
-    base = planner.base_sections(profiles[ranked[0].tensor_parallel], slos)
+    base = planner.base_of(ranked[0], profiles, slos)
     extrapolated = planner.extrapolations_by_tp(profiles, slos, ranked)
     for line in planner.extrapolation_lines(extrapolated, len(ranked)):
         typer.echo(line)
     text = planner.best_yaml(ranked[0], base, dataset_name=dataset_name, link_gbps=link_gbps, ranked=ranked,
-                             hops=hops, extrapolated=extrapolated.get(ranked[0].label, ()))
+                             hops=hops, extrapolated=extrapolated.get(ranked[0].label, ()),
+                             num_screened_out=len(search) - len(kept))
     typer.echo(f"best: {ranked[0].label}")
     typer.echo(text)
     if out is not None:

@@ -1,86 +1,49 @@
 """`disagg plan`: which deployment of N GPUs serves a workload with the most goodput per GPU.
 
-The candidates, one instance per GPU (per TP ranks, below), all with the profiled instance's model,
-pages and budgets:
+The candidates (`candidates.py`: colocated at each chunk size, every xPyD split, each split
+adaptive) run one instance per GPU (per TP ranks), each with the profiled instance's model,
+pages and budgets. With one profile per TP degree (`disagg plan --profile P1 --profile P2`,
+`profiles_by_tp`) the search spans each degree and each pair of degrees (x prefill instances of
+TP a, y decode instances of TP b), every instance simulated with the step times of its role's TP
+profile (`role_profiles`, `fleet_of`); a fleet of two TPs runs one page count on every instance,
+the tightest of its profiles' (`base_of`), as a launch sizes one heap.
 
-    colocated-N[chunk=C]   N colocated instances, prompt chunks of C tokens (`--chunk-sizes`)
-    xPyD                   x prefill + y decode instances (x + y = N; beyond 8 GPUs nine
-                           ratios, `prefill_counts`), every prompt pushed
-    xPyD-adaptive[chunk=C] the same fleet with `router.placement: adaptive` (per-request
-                           remote / local / kept from the profile's step-time model), its
-                           targets `router.slo_ttft_ms` / `slo_tpot_ms` the SLOs judged, at
-                           each `--adaptive-chunk-sizes` C (default: `--chunk-sizes`, as the
-                           colocated side: best against best; the label drops [chunk=C] when
-                           there is one), and each `--adaptive-prefer` P (`router.adaptive_prefer`;
-                           default the config's default alone, labelled [prefer=P] when there
-                           are several)
+First the screen (`screen_search`, `screen.py`): each candidate's rate from its profiles'
+step-time models, TRT-LLM's rate matching of prefill and decode capacity within the SLOs; only
+those within ``--screen-margin`` of the best per GPU (and the best colocated one) are simulated,
+each search starting at its screened rate.
 
-With one profile per TP degree (`disagg plan --profile P1 --profile P2`, `profiles_by_tp`) the
-search runs once per degree a over N // a instances of a ranks each (`instances.tensor_parallel`),
-every candidate simulated with the step times of its TP's profile, and the labels name the TP:
-``colocated-n(TPa)[chunk=C]``, ``xP(TPa)+yD(TPa)``, ``xP(TPa)+yD(TPa)-adaptive``; a single profile
-of TP 1 keeps the labels above. Prefill and decode instances run at one TP (the config refuses
-two), so a split's TPs are equal.
-
-Each candidate's goodput is DistServe's: the highest request rate whose SLO attainment (the
-fraction of requests within every `--goodput` SLO) is at least 90% (`bench.compare.
+Each simulated candidate's goodput is DistServe's: the highest request rate whose SLO attainment
+(the fraction of requests within every `--goodput` SLO) is at least 90% (`bench.compare.
 TARGET_ATTAINMENT`), found by simulating (`run.simulate_run`, the same workload and arrival seeds
-for every candidate and rate; `RunLength`: about 30 s of arrivals) at doubling rates, then bisecting between the last rate that held
-and the first that missed (`rate_search.py`). With ``seeds`` > 1 a rate's attainment pools the requests of that many
-runs (prompts and arrivals drawn from seeds ``seed .. seed + seeds - 1``): one draw of 30 s
-decides a knee by a few requests, and small policy changes then flip rows. The table ranks them by goodput per GPU; the best one's YAML is what
-`disagg launch` / `disagg bench` run. Pure Python; no GPU.
+for every candidate and rate; `RunLength`: about 30 s of arrivals) at doubling rates, then
+bisecting between the last rate that held and the first that missed (`rate_search.py`). With
+``seeds`` > 1 a rate's attainment pools the requests of that many runs (prompts and arrivals
+drawn from seeds ``seed .. seed + seeds - 1``): one draw of 30 s decides a knee by a few
+requests, and small policy changes then flip rows. The table ranks them by goodput per GPU; the
+best one's YAML is what `disagg launch` / `disagg bench` run. Pure Python; no GPU.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from disagg.cluster.bench.compare import TARGET_ATTAINMENT
 from disagg.cluster.bench.metrics import RequestOutput, meets_slos
-from disagg.cluster.routing.placement import ADAPTIVE, DEFAULT_PLACEMENT, policy_of
+from disagg.cluster.bench.workloads import sample_lengths
+from disagg.cluster.routing.placement import DEFAULT_PLACEMENT, policy_of
+from disagg.cluster.simulate import screen
+from disagg.cluster.simulate.candidates import (DEFAULT_CHUNK_SIZES, Candidate, candidates, config_of,  # noqa: F401
+                                                only, prefill_counts, tp_splits)  # the search, as `planner.*`
 from disagg.cluster.simulate.fleet import SimFleet, check_hops
 from disagg.cluster.simulate.profile import profile_tensor_parallel
-from disagg.cluster.simulate.rate_search import max_rate, rate_search
+from disagg.cluster.simulate.rate_search import MAX_DOUBLINGS, max_rate, rate_search
 from disagg.cluster.simulate.run import simulate_run, workload_spec
-from disagg.config import Config, RouterSection
-
-DEFAULT_CHUNK_SIZES = (512, 2048, 8192)
-
-
-@dataclass
-class Candidate:
-    """One deployment of the search, its goodput once judged."""
-
-    label: str
-    sections: dict[str, Any]  # the YAML sections that make it (instances, scheduler, router)
-    goodput_rps: float = 0.0
-    attainment_at: dict[float, float] = field(default_factory=dict)
-    cut_at: set[float] = field(default_factory=set)  # rates whose runs stopped at a certain miss
-
-    @property
-    def tensor_parallel(self) -> int:
-        """The ranks of each of its instances (the profile that times them is that TP's)."""
-        return int(self.sections["instances"].get("tensor_parallel", 1))
-
-    @property
-    def num_gpus(self) -> int:
-        inst = self.sections["instances"]
-        return (inst.get("colocated", 0) + inst.get("prefill", 0) + inst.get("decode", 0)) * self.tensor_parallel
-
-    @property
-    def goodput_per_gpu(self) -> float:
-        return self.goodput_rps / self.num_gpus
-
-    def note(self, rate: float, attained: float, cut: bool) -> float:
-        """Its attainment at ``rate`` (``cut``: the run stopped at a certain miss); returns it."""
-        self.attainment_at[rate] = attained
-        if cut:
-            self.cut_at.add(rate)
-        return attained
+from disagg.cluster.simulate.step_model import StepTimeModel
+from disagg.config import Config
 
 
 def base_sections(profile: dict, slos_ms: Mapping[str, float]) -> dict[str, Any]:
@@ -129,6 +92,70 @@ def profiles_by_tp(profiles: dict | Sequence[dict]) -> dict[int, dict]:
     return dict(sorted(by_tp.items()))
 
 
+def role_profiles(candidate: Candidate, profiles: Mapping[int, dict]) -> dict[str, dict]:
+    """The profile of each role ``candidate`` runs: that of the role's TP (``profiles`` by TP).
+
+    Raises:
+        ValueError: a role at a TP no profile timed.
+    """
+    missing = [tp for tp in candidate.tensor_parallels if tp not in profiles]
+    if missing:
+        raise ValueError(f"--profile: no profile of the TP of {candidate.label} (profiles of TP "
+                         f"{', '.join(map(str, profiles))}): profile an instance of TP {missing[0]}")
+    return {role: profiles[candidate.tensor_parallel_of(role)] for role in candidate.roles}
+
+
+def base_of(candidate: Candidate, profiles: Mapping[int, dict], slos_ms: Mapping[str, float]) -> dict[str, Any]:
+    """`base_sections` of ``candidate``'s profile; of a split across two TPs, of its lower TP's,
+    with the context and the page count the tightest of its profiles allows: every instance of a
+    fleet runs one page count (a launch sizes one heap by its tightest PE), so that is the count
+    simulated and written."""
+    used = [profiles[tp] for tp in candidate.tensor_parallels]
+    base = base_sections(used[0], slos_ms)
+    if len(used) > 1:
+        base["cache"]["num_pages"] = min(int(prof["engine"]["num_pages"]) for prof in used)
+        base["model"]["max_model_len"] = min(int(prof["engine"]["max_model_len"]) for prof in used)
+        base["instances"].pop("tensor_parallel", None)  # the candidate's, per role
+    return base
+
+
+class _RoleFleet(SimFleet):
+    """A `SimFleet` whose instances of each role take their step times and KV bytes per token from
+    that role's profile (``profiles`` by role; the fleet's other values from the first)."""
+
+    def __init__(self, config: Config, profiles: Mapping[str, dict], link_gbps: float, **hops: float) -> None:
+        self._models = {role: StepTimeModel.from_dict(prof["fit"]) for role, prof in profiles.items()}
+        self._token_bytes = {role: float(prof["engine"]["kv_bytes_per_token"]) for role, prof in profiles.items()}
+        super().__init__(config, next(iter(profiles.values())), link_gbps, **hops)
+        self.placer.fleet_model.models = {inst.name: self._models[inst.role] for inst in self.instances}
+        self.token_bytes = self._token_bytes.get("prefill", self.token_bytes)  # the bytes its pushes carry
+
+    def _instance(self, name: str, role: str, pe: int):
+        # SimFleet builds every instance from ``model`` and ``token_bytes``: set to the role's first.
+        self.model, self.token_bytes = self._models[role], self._token_bytes[role]
+        return super()._instance(name, role, pe)
+
+
+def fleet_of(config: Config, profiles: Mapping[str, dict], link_gbps: float = 364.0, **hops: float) -> SimFleet:
+    """The simulated fleet of ``config`` with each role's instances timed by its profile of
+    ``profiles`` (by role, `role_profiles`); a `SimFleet` of the one profile where they are one."""
+    distinct = {id(prof): prof for prof in profiles.values()}
+    if len(distinct) == 1:
+        return SimFleet(config, next(iter(distinct.values())), link_gbps, **hops)
+    return _RoleFleet(config, profiles, link_gbps, **hops)
+
+
+def _one_tp_config(config: Config, profile: dict) -> Config:
+    """``config`` as `simulate_run`'s check of one TP per fleet reads it: a split across TPs runs
+    in a `fleet_of` that times each role by its own profile, so the check is given ``profile``'s."""
+    tps = {config.instances.tensor_parallel_of(role) for role in ("prefill", "decode", "colocated")
+           if getattr(config.instances, role)}
+    if len(tps) == 1:
+        return config
+    instances = config.instances.model_copy(update={"tensor_parallel": profile_tensor_parallel(profile)})
+    return config.model_copy(update={"instances": instances})
+
+
 # `extrapolations`: a chunk or batch this fraction beyond the range of the steps timed still counts as timed.
 SAMPLED_MARGIN = 0.1
 
@@ -172,10 +199,12 @@ def extrapolations(profile: dict, base: dict[str, Any], search: Sequence[Candida
 
 def extrapolations_by_tp(profiles: Mapping[int, dict], slos_ms: Mapping[str, float],
                          search: Sequence[Candidate]) -> dict[str, list[str]]:
-    """`extrapolations` of each candidate of ``search`` against the profile of its TP."""
+    """`extrapolations` of each candidate of ``search`` against the profile of each of its TPs."""
     out: dict[str, list[str]] = {}
     for tp, prof in profiles.items():
-        out.update(extrapolations(prof, base_sections(prof, slos_ms), [c for c in search if c.tensor_parallel == tp]))
+        users = [c for c in search if tp in c.tensor_parallels]
+        for label, notes in extrapolations(prof, base_sections(prof, slos_ms), users).items():
+            out.setdefault(label, []).extend(note for note in notes if note not in out.get(label, ()))
     return out
 
 
@@ -199,93 +228,6 @@ def extrapolation_lines(notes: Mapping[str, list[str]], num_candidates: int) -> 
         labels = by_note[note]
         lines.append(f"  {note}: {'every candidate' if len(labels) == num_candidates > 1 else ', '.join(labels)}")
     return lines
-
-
-def prefill_counts(num_gpus: int) -> list[int]:
-    """The prefill instance counts x of the xPyD splits searched: every one up to 8 GPUs, beyond
-    that the splits nearest to x/N = 1/8, 1/6, 1/4, 1/3, 1/2, 2/3, 3/4, 5/6, 7/8."""
-    if num_gpus <= 8:
-        return list(range(1, num_gpus))
-    fractions = (1 / 8, 1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 3 / 4, 5 / 6, 7 / 8)
-    return sorted({min(num_gpus - 1, max(1, round(num_gpus * f))) for f in fractions})
-
-
-def candidates(num_gpus: int, chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES, *, splits: bool = True,
-               adaptive: bool = True, colocated: bool = True,
-               adaptive_chunk_sizes: Sequence[int] | None = None,
-               adaptive_prefers: Sequence[str] | None = None,
-               tensor_parallel: Sequence[int] = (1,)) -> list[Candidate]:
-    """Every deployment of the search for ``num_gpus`` (module docstring; `prefill_counts`);
-    ``adaptive_chunk_sizes`` defaults to ``chunk_sizes``; ``adaptive_prefers``: the adaptive
-    candidates' `router.adaptive_prefer` values (default: the config's default alone; set in
-    their YAML unless it is that default); ``tensor_parallel``: the TP degrees of the instances
-    (those profiled), the whole search once per degree over ``num_gpus // tp`` instances."""
-    if num_gpus < 1:
-        raise ValueError(f"--gpus: expected at least 1 GPU, got {num_gpus}")
-    named = tuple(tensor_parallel) != (1,)
-    out = []
-    for tp in tensor_parallel:
-        if num_gpus // tp >= 1:
-            out += _candidates_at(num_gpus // tp, tp if named else None, chunk_sizes, splits=splits,
-                                  adaptive=adaptive, colocated=colocated,
-                                  adaptive_chunk_sizes=adaptive_chunk_sizes, adaptive_prefers=adaptive_prefers)
-    return out
-
-
-def _candidates_at(num_instances: int, tp: int | None, chunk_sizes: Sequence[int], *, splits: bool,
-                   adaptive: bool, colocated: bool, adaptive_chunk_sizes: Sequence[int] | None,
-                   adaptive_prefers: Sequence[str] | None) -> list[Candidate]:
-    """`candidates` of ``num_instances`` instances, each of ``tp`` ranks (None: one, and the
-    labels name no TP: ``xPyD``; else ``xP(TPa)+yD(TPb)``, ``colocated-n(TPa)``)."""
-    default_prefer = RouterSection.model_fields["adaptive_prefer"].default
-    adaptive_prefers = (default_prefer,) if adaptive_prefers is None else tuple(adaptive_prefers)
-    ranks = {} if tp is None or tp == 1 else {"tensor_parallel": tp}
-    at = "" if tp is None else f"(TP{tp})"
-    out = []
-    if colocated:
-        for chunk in chunk_sizes:
-            out.append(Candidate(f"colocated-{num_instances}{at}[chunk={chunk}]", {
-                "instances": {"colocated": num_instances, **ranks}, "scheduler": {"max_num_batched_tokens": chunk}}))
-    for x in prefill_counts(num_instances) if splits or adaptive else ():
-        instances = {"prefill": x, "decode": num_instances - x, **ranks}
-        split = f"{x}P{num_instances - x}D" if tp is None else f"{x}P{at}+{num_instances - x}D{at}"
-        if splits:
-            out.append(Candidate(split, {"instances": instances}))
-        if adaptive:
-            chunks = list(chunk_sizes if adaptive_chunk_sizes is None else adaptive_chunk_sizes)
-            for chunk in chunks:
-                for prefer in adaptive_prefers:
-                    suffix = (f"[chunk={chunk}]" if len(chunks) > 1 else "") + \
-                        (f"[prefer={prefer}]" if len(adaptive_prefers) > 1 else "")
-                    router = {"placement": ADAPTIVE.name,
-                              **({"adaptive_prefer": prefer} if prefer != default_prefer else {})}
-                    out.append(Candidate(f"{split}-adaptive{suffix}", {
-                        "instances": instances, "router": router, "scheduler": {"max_num_batched_tokens": chunk}}))
-    return out
-
-
-def only(search: Sequence[Candidate], labels: Sequence[str]) -> list[Candidate]:
-    """The candidates of ``search`` named in ``labels`` (as `candidates` labels them), in the
-    search's order: `disagg plan --only`, to judge a few deployments of a fleet too large to
-    search whole on the CPUs at hand (64 GPUs: ~4 minutes of a core per adaptive candidate).
-
-    Raises:
-        ValueError: a label not in the search (the message lists those that are).
-    """
-    known = [c.label for c in search]
-    unknown = [label for label in labels if label not in known]
-    if unknown or not labels:
-        raise ValueError(f"--only: expected labels of this search ({', '.join(known)}), got "
-                         f"{', '.join(unknown) if unknown else 'none'}")
-    return [c for c in search if c.label in labels]
-
-
-def config_of(base: dict[str, Any], candidate: Candidate) -> dict[str, Any]:
-    """The base sections with the candidate's merged in (a YAML-ready dict)."""
-    merged = {name: dict(section) for name, section in base.items()}
-    for name, section in candidate.sections.items():
-        merged.setdefault(name, {}).update(section)
-    return merged
 
 
 def misses_allowed(num_requests: int, target: float = TARGET_ATTAINMENT) -> int:
@@ -324,13 +266,15 @@ class RunLength:
         return cls(seconds, min(100, cap), cap)
 
 
-def rate_attainment(config: Config, profile: dict, rate: float, *, dataset_name: str,
+def rate_attainment(config: Config, profile: dict | Mapping[str, dict], rate: float, *, dataset_name: str,
                     slos_ms: Mapping[str, float], run_length: RunLength = RunLength(), seed: int = 0,
                     seeds: int = 1, link_gbps: float = 364.0, hops: Mapping[str, float] | None = None,
                     stop_early: bool = True, **lengths: Any) -> tuple[float, bool]:
     """The SLO attainment of the deployment ``config`` at ``rate`` req/s over ``seeds`` draws,
     pooled (`judge`), and whether its runs stopped at a certain miss (then the attainment is a
-    bound below the target)."""
+    bound below the target). ``profile``: one for every instance, or one per role (`fleet_of`)."""
+    profiles = _by_role(profile, config)
+    first = next(iter(profiles.values()))
     outputs: list[RequestOutput] = []
     num_prompts = run_length.prompts_at(rate)
     allowed = misses_allowed(num_prompts * seeds)
@@ -342,24 +286,34 @@ def rate_attainment(config: Config, profile: dict, rate: float, *, dataset_name:
         return misses > allowed
 
     for draw in range(seed, seed + seeds):
-        fleet = SimFleet(config, profile, link_gbps, **(hops or {}))
-        spec = workload_spec(profile, fleet.max_model_len, dataset_name=dataset_name,
+        fleet = fleet_of(config, profiles, link_gbps, **(hops or {}))
+        spec = workload_spec(first, fleet.max_model_len, dataset_name=dataset_name,
                              num_prompts=num_prompts, seed=draw, **lengths)
-        outputs += simulate_run(config, profile, spec, request_rate=rate, seed=draw, fleet=fleet,
-                                stop_when=certain_miss if stop_early else None).run.outputs
+        outputs += simulate_run(_one_tp_config(config, first), first, spec, request_rate=rate, seed=draw,
+                                fleet=fleet, stop_when=certain_miss if stop_early else None).run.outputs
         if misses > allowed:
             break
     return sum(meets_slos(out, slos_ms) for out in outputs) / (num_prompts * seeds), misses > allowed
 
 
-def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_name: str,
+def _by_role(profile: dict | Mapping[str, dict], config: Config) -> dict[str, dict]:
+    """``profile`` by the roles ``config`` runs: itself for each, where it is one profile."""
+    if "fit" in profile:  # one profile
+        return {role: profile for role in ("prefill", "decode", "colocated") if getattr(config.instances, role)}
+    return dict(profile)
+
+
+def judge(candidate: Candidate, base: dict[str, Any], profile: dict | Mapping[str, dict], *, dataset_name: str,
           slos_ms: Mapping[str, float], run_length: RunLength = RunLength(), seed: int = 0, seeds: int = 1,
           link_gbps: float = 364.0, hops: Mapping[str, float] | None = None, start_rate: float | None = None,
-          stop_early: bool = True, start_rate_per_gpu: float = 1.0, **lengths: Any) -> Candidate:
+          stop_early: bool = True, start_rate_per_gpu: float = 1.0, max_doublings: int = MAX_DOUBLINGS,
+          ceiling: float = math.inf, **lengths: Any) -> Candidate:
     """Simulate ``candidate`` at the rates `max_rate` asks for (each over ``seeds`` draws, pooled:
-    `rate_attainment`); set its goodput. ``hops``: `SimFleet`'s ``hop_ms``, ``step_gap_ms``,
+    `rate_attainment`); set its goodput. ``profile``: one, or one per role (`role_profiles`).
+    ``hops``: `SimFleet`'s ``hop_ms``, ``step_gap_ms``,
     ``reserve_ms``. The search starts at ``start_rate`` req/s (default ``start_rate_per_gpu`` per
-    GPU of the candidate).
+    GPU of the candidate) and doubles or halves it at most ``max_doublings`` times, doubling no
+    further once a rate at or past ``ceiling`` holds (`rate_search`).
 
     ``stop_early``: a rate's runs stop as soon as more requests have missed an SLO than
     `TARGET_ATTAINMENT` allows of them all (`misses_allowed`); the rate's verdict is the same,
@@ -377,8 +331,59 @@ def judge(candidate: Candidate, base: dict[str, Any], profile: dict, *, dataset_
     def attainment(rate: float) -> float:
         return candidate.note(rate, *rate_attainment(config, profile, rate, **settings))
 
-    candidate.goodput_rps = max_rate(attainment, start_rate or start_rate_per_gpu * candidate.num_gpus)
+    candidate.goodput_rps = max_rate(attainment, start_rate or start_rate_per_gpu * candidate.num_gpus,
+                                     max_doublings=max_doublings, ceiling=ceiling)
     return candidate
+
+
+def workload_shape(profile: dict, *, dataset_name: str, seed: int = 0, num_prompts: int = 1000,
+                   **lengths: Any) -> screen.WorkloadShape:
+    """The mean lengths of ``num_prompts`` of the workload's requests (`workloads.sample_lengths`
+    of the spec every run draws from, sized to ``profile``'s model)."""
+    spec = workload_spec(profile, int(profile["engine"]["max_model_len"]), dataset_name=dataset_name,
+                         num_prompts=num_prompts, seed=seed, **lengths)
+    return screen.WorkloadShape.of(*sample_lengths(spec))
+
+
+def screened(candidate: Candidate, profiles: Mapping[int, dict], slos_ms: Mapping[str, float],
+             work: screen.WorkloadShape, link_gbps: float = 364.0) -> screen.Screened:
+    """``candidate``'s screen (`screen.py`): each role's instance from its TP's profile, at the
+    candidate's chunk budget, batch and pages."""
+    config = config_of(base_of(candidate, profiles, slos_ms), candidate)
+    cache, scheduler, counts = config["cache"], config["scheduler"], config["instances"]
+    shapes = {role: screen.InstanceShape(StepTimeModel.from_dict(prof["fit"]), scheduler["max_num_batched_tokens"],
+                                         scheduler["max_num_seqs"], cache["num_pages"], cache["page_size"],
+                                         float(prof["engine"]["kv_bytes_per_token"]), link_gbps * 1e9)
+              for role, prof in role_profiles(candidate, profiles).items()}
+    tps = "+".join(f"TP{candidate.tensor_parallel_of(role)}" for role in candidate.roles)
+    if "colocated" in shapes:
+        rate = counts["colocated"] * screen.colocated_rate(shapes["colocated"], work, slos_ms)
+        return screen.Screened(candidate.label, rate, candidate.num_gpus, "colocated", f"colocated {tps}")
+    adaptive = policy_of((config.get("router") or {}).get("placement", DEFAULT_PLACEMENT)).predicts
+    rate, bound = screen.split_rate(shapes["prefill"], counts["prefill"], shapes["decode"], counts["decode"], work,
+                                    slos_ms, adaptive=adaptive)
+    return screen.Screened(candidate.label, rate, candidate.num_gpus, bound,
+                           f"{'adaptive' if adaptive else 'split'} {tps}")
+
+
+def screen_search(profile: dict | Sequence[dict], search: Sequence[Candidate], *, dataset_name: str,
+                  slos_ms: Mapping[str, float], link_gbps: float = 364.0, seed: int = 0,
+                  margin: float = screen.DEFAULT_MARGIN, max_simulated: int | None = None,
+                  **lengths: Any) -> list[Candidate]:
+    """Screen every candidate of ``search`` (its ``screened``: `screened`, over the workload's
+    `workload_shape`) and return those to simulate (`screen.shortlist` at ``margin``, at most
+    ``max_simulated``; a margin of 0 and no cap keep every one), in the search's order.
+
+    Raises:
+        ValueError: a margin outside [0, 1], a cap below 1, profiles `profiles_by_tp` refuses, a
+            candidate at a TP no profile timed, or a workload flag out of range.
+    """
+    profiles = profiles_by_tp(profile)
+    work = workload_shape(next(iter(profiles.values())), dataset_name=dataset_name, seed=seed, **lengths)
+    for cand in search:
+        cand.screened = screened(cand, profiles, slos_ms, work, link_gbps)
+    verdicts = screen.shortlist([c.screened for c in search], margin, max_simulated)
+    return [c for c in search if verdicts[c.label] is None]
 
 
 def plan(profile: dict | Sequence[dict], *, dataset_name: str, slos_ms: Mapping[str, float], num_gpus: int,
@@ -386,17 +391,21 @@ def plan(profile: dict | Sequence[dict], *, dataset_name: str, slos_ms: Mapping[
          seeds: int = 1, link_gbps: float = 364.0, hops: Mapping[str, float] | None = None,
          search: Sequence[Candidate] | None = None,
          adaptive_chunk_sizes: Sequence[int] | None = None, adaptive_prefers: Sequence[str] | None = None,
-         jobs: int = 1, on_judged: Callable[[Candidate], None] | None = None, start_rate_per_gpu: float = 1.0,
-         **lengths: Any) -> list[Candidate]:
-    """Judge every candidate (each against ``profile``'s of its TP: one profile, or one per TP
-    degree, `profiles_by_tp`), ``jobs`` at a time in worker processes (each simulation is one
-    core's work: 19 candidates of 64 GPUs take ~75 minutes of one); with more ``jobs`` than
-    candidates, each candidate's rates ``jobs // candidates`` at a time (`rate_search`: the same
-    goodput, a knee in a few rounds of runs instead of ~11 runs one after the other). Return them
-    best first (goodput per GPU, then the order searched). ``on_judged`` sees each as it is judged.
-    ``start_rate_per_gpu``: each candidate's first rate (`max_rate`'s start) per GPU; one near the
-    knee skips the runs of the rates doubled through below it (the same goodput wherever those
-    would all have held: the same bracket is then bisected).
+         jobs: int = 1, on_judged: Callable[[Candidate], None] | None = None,
+         start_rate_per_gpu: float | None = 1.0, **lengths: Any) -> list[Candidate]:
+    """Judge every candidate (each role against ``profile``'s of its TP: one profile, or one per
+    TP degree, `profiles_by_tp`, `role_profiles`), ``jobs`` at a time in worker processes (each
+    simulation is one core's work: 19 candidates of 64 GPUs take ~75 minutes of one); with more
+    ``jobs`` than candidates, each candidate's rates ``jobs // candidates`` at a time
+    (`rate_search`: the same goodput, a knee in a few rounds of runs instead of ~11 runs one after
+    the other). Return them best first (goodput per GPU, then the order searched). ``on_judged``
+    sees each as it is judged. ``start_rate_per_gpu``: each candidate's first rate (`max_rate`'s
+    start) per GPU; one near the knee skips the runs of the rates doubled through below it (the
+    same goodput wherever those would all have held: the same bracket is then bisected); None:
+    each candidate's screened rate (`screen_search`; 1 req/s per GPU where it has none). No
+    candidate's search doubles past the rate at which a run of ``run_length.max_prompts``
+    arrives within the TTFT SLO: beyond it every run is one burst the fleet drains within the
+    SLO (a goodput there is named as judged on short runs), the same verdict at any rate.
 
     Raises:
         ValueError: a bad GPU count, SLOs missing, fewer than one seed or job, a hop below 0 ms,
@@ -407,40 +416,53 @@ def plan(profile: dict | Sequence[dict], *, dataset_name: str, slos_ms: Mapping[
         raise ValueError(f"--seeds: expected at least 1 draw per rate, got {seeds}")
     if jobs < 1:
         raise ValueError(f"--jobs: expected at least 1 worker process, got {jobs}")
-    if not 0 < start_rate_per_gpu < math.inf:
+    if start_rate_per_gpu is not None and not 0 < start_rate_per_gpu < math.inf:
         raise ValueError(f"--start-rate: expected a rate > 0 req/s per GPU, got {start_rate_per_gpu}")
     if not slos_ms:
         raise ValueError("--goodput: expected SLOs such as ttft:500 tpot:50, got none")
     check_hops(**(hops or {}))
     profiles = profiles_by_tp(profile)
-    bases = {tp: base_sections(prof, slos_ms) for tp, prof in profiles.items()}
-    judged = []
-    search = search if search is not None else candidates(num_gpus, chunk_sizes,
-                                                           adaptive_chunk_sizes=adaptive_chunk_sizes,
-                                                           adaptive_prefers=adaptive_prefers,
-                                                           tensor_parallel=list(profiles))
-    unprofiled = [c.label for c in search if c.tensor_parallel not in profiles]
-    if unprofiled:
-        raise ValueError(f"--profile: no profile of the TP of {', '.join(unprofiled)} (profiles of TP "
-                         f"{', '.join(map(str, profiles))}): profile an instance of that TP")
+    search = list(search if search is not None else candidates(num_gpus, chunk_sizes,
+                                                                adaptive_chunk_sizes=adaptive_chunk_sizes,
+                                                                adaptive_prefers=adaptive_prefers,
+                                                                tensor_parallel=list(profiles)))
+    roles = [role_profiles(cand, profiles) for cand in search]
+    bases = [base_of(cand, profiles, slos_ms) for cand in search]
+    ceiling = run_length.max_prompts / (slos_ms["ttft"] / 1e3) if slos_ms.get("ttft") else math.inf
+    starts = [(*_start(cand, start_rate_per_gpu), ceiling) for cand in search]
     for cand in search:
         router = cand.sections.get("router") or {}
         if policy_of(router.get("placement", DEFAULT_PLACEMENT)).predicts:  # against the SLOs it is judged by
             router.setdefault("slo_ttft_ms", slos_ms.get("ttft"))
             router.setdefault("slo_tpot_ms", slos_ms.get("tpot"))
     kwargs = dict(dataset_name=dataset_name, slos_ms=slos_ms, run_length=run_length, seed=seed, seeds=seeds,
-                  link_gbps=link_gbps, hops=hops, start_rate_per_gpu=start_rate_per_gpu, **lengths)
+                  link_gbps=link_gbps, hops=hops, **lengths)
+    judged = []
     if jobs == 1:
-        for cand in search:
-            judged.append(judge(cand, bases[cand.tensor_parallel], profiles[cand.tensor_parallel], **kwargs))
+        for cand, base, prof, (start, doublings, top) in zip(search, bases, roles, starts):
+            judged.append(judge(cand, base, prof, start_rate=start, max_doublings=doublings, ceiling=top, **kwargs))
             if on_judged is not None:
                 on_judged(judged[-1])
     elif jobs > len(search):
-        judged = _judge_rates_in_workers(list(search), bases, profiles, jobs, kwargs, on_judged)
+        judged = _judge_rates_in_workers(search, bases, roles, starts, jobs, kwargs, on_judged)
     else:
-        judged = _judge_in_workers(list(search), bases, profiles, jobs, kwargs, on_judged)
+        judged = _judge_in_workers(search, bases, roles, starts, jobs, kwargs, on_judged)
     order = {id(c): i for i, c in enumerate(judged)}
     return sorted(judged, key=lambda c: (-round(c.goodput_per_gpu, 9), order[id(c)]))
+
+
+# `_start`: a search from a candidate's screened rate doubles (or halves) it at most this often (32x
+# either way: the screen is off by less, and a rate 32x past it is a burst the runs' length cannot load).
+SCREENED_DOUBLINGS = 5
+
+
+def _start(candidate: Candidate, per_gpu: float | None) -> tuple[float, int]:
+    """``candidate``'s first rate judged and the most doublings (or halvings) from it: ``per_gpu``
+    per GPU and `MAX_DOUBLINGS`; None: its screened rate, where it has one above 0, and
+    `SCREENED_DOUBLINGS` (else 1 req/s per GPU)."""
+    if per_gpu is None and candidate.screened is not None and candidate.screened.rate_rps > 0:
+        return candidate.screened.rate_rps, SCREENED_DOUBLINGS
+    return (per_gpu or 1.0) * candidate.num_gpus, MAX_DOUBLINGS
 
 
 def _worker_pool(workers: int):
@@ -453,18 +475,18 @@ def _worker_pool(workers: int):
     return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
 
 
-def _judge_in_workers(search: list[Candidate], bases: Mapping[int, dict[str, Any]], profiles: Mapping[int, dict],
-                      jobs: int, kwargs: dict[str, Any], on_judged: Callable[[Candidate], None] | None
-                      ) -> list[Candidate]:
-    """`judge` of every candidate (against the base and profile of its TP) in ``jobs`` forked
-    worker processes (the candidates, profiles and settings are copied into them; a result comes
-    back as the judged candidate); in search order."""
+def _judge_in_workers(search: list[Candidate], bases: list[dict[str, Any]], roles: list[dict[str, dict]],
+                      starts: list[tuple[float, int, float]], jobs: int, kwargs: dict[str, Any],
+                      on_judged: Callable[[Candidate], None] | None) -> list[Candidate]:
+    """`judge` of every candidate (against its base, its roles' profiles, from its start rate) in
+    ``jobs`` forked worker processes (the candidates, profiles and settings are copied into them;
+    a result comes back as the judged candidate); in search order."""
     import concurrent.futures
 
     out: list[Candidate | None] = [None] * len(search)
     with _worker_pool(min(jobs, len(search))) as pool:
-        futures = {pool.submit(judge, cand, bases[cand.tensor_parallel], profiles[cand.tensor_parallel], **kwargs): i
-                   for i, cand in enumerate(search)}
+        futures = {pool.submit(judge, cand, bases[i], roles[i], start_rate=starts[i][0], max_doublings=starts[i][1],
+                               ceiling=starts[i][2], **kwargs): i for i, cand in enumerate(search)}
         for future in concurrent.futures.as_completed(futures):
             out[futures[future]] = future.result()
             if on_judged is not None:
@@ -472,19 +494,17 @@ def _judge_in_workers(search: list[Candidate], bases: Mapping[int, dict[str, Any
     return [cand for cand in out if cand is not None]
 
 
-def _judge_rates_in_workers(search: list[Candidate], bases: Mapping[int, dict[str, Any]],
-                            profiles: Mapping[int, dict], jobs: int, kwargs: dict[str, Any],
+def _judge_rates_in_workers(search: list[Candidate], bases: list[dict[str, Any]], roles: list[dict[str, dict]],
+                            starts: list[tuple[float, int, float]], jobs: int, kwargs: dict[str, Any],
                             on_judged: Callable[[Candidate], None] | None) -> list[Candidate]:
     """`judge` of every candidate with its rates judged ``jobs // len(search)`` at a time
     (`rate_search`'s batches; each run one task, `rate_attainment`) in ``jobs`` forked worker
     processes; in search order."""
     import concurrent.futures
 
-    settings = dict(kwargs)
-    start_per_gpu = settings.pop("start_rate_per_gpu", 1.0)
     width = max(1, jobs // len(search))
-    configs = [Config.from_dict(config_of(bases[cand.tensor_parallel], cand), origin=cand.label) for cand in search]
-    searches = [rate_search(start_per_gpu * cand.num_gpus, width) for cand in search]
+    configs = [Config.from_dict(config_of(base, cand), origin=cand.label) for cand, base in zip(search, bases)]
+    searches = [rate_search(start, width, max_doublings=doublings, ceiling=top) for start, doublings, top in starts]
     batches: list[list[float]] = [[] for _ in search]
     held: list[list[float | None]] = [[] for _ in search]
     with _worker_pool(jobs) as pool:
@@ -493,8 +513,7 @@ def _judge_rates_in_workers(search: list[Candidate], bases: Mapping[int, dict[st
         def submit(i: int, rates: list[float]) -> None:
             batches[i], held[i] = rates, [None] * len(rates)
             for j, rate in enumerate(rates):
-                futures[pool.submit(rate_attainment, configs[i], profiles[search[i].tensor_parallel], rate,
-                                    **settings)] = (i, j)
+                futures[pool.submit(rate_attainment, configs[i], roles[i], rate, **kwargs)] = (i, j)
 
         for i, rates in enumerate(next(s) for s in searches):
             submit(i, rates)
@@ -516,16 +535,18 @@ def _judge_rates_in_workers(search: list[Candidate], bases: Mapping[int, dict[st
 
 def best_yaml(best: Candidate, base: dict[str, Any], *, dataset_name: str, link_gbps: float,
               ranked: Sequence[Candidate], hops: Mapping[str, float] | None = None,
-              extrapolated: Sequence[str] = ()) -> str:
-    """The YAML of ``best`` with a header saying how it was chosen (the hops given, if any) and
-    where its simulation extrapolated the profile (``extrapolated``: its `extrapolations`)."""
+              extrapolated: Sequence[str] = (), num_screened_out: int = 0) -> str:
+    """The YAML of ``best`` with a header saying how it was chosen (among ``ranked``, beside
+    ``num_screened_out`` candidates not simulated; the hops given, if any) and where its
+    simulation extrapolated the profile (``extrapolated``: its `extrapolations`)."""
     import yaml
 
     colocated = [c for c in ranked if c.label.startswith("colocated")]
     versus = (f" ({best.goodput_per_gpu / colocated[0].goodput_per_gpu:.2f}x the best colocated)"
               if colocated and colocated[0].goodput_per_gpu > 0 else "")
     given = "".join(f", --{name.replace('_', '-')} {value:g}" for name, value in (hops or {}).items() if value)
-    header = (f"# `disagg plan`: the best of {len(ranked)} deployments of {best.num_gpus} GPU(s) for workload "
+    out = f" simulated ({num_screened_out} more screened out)" if num_screened_out else ""
+    header = (f"# `disagg plan`: the best of {len(ranked)} deployments{out} of {best.num_gpus} GPU(s) for workload "
               f"{dataset_name!r},\n# simulated goodput {best.goodput_per_gpu:.3f} req/s per GPU{versus}; "
               f"pushes at {link_gbps:g} GB/s{given}.\n")
     if extrapolated:
@@ -533,8 +554,26 @@ def best_yaml(best: Candidate, base: dict[str, Any], *, dataset_name: str, link_
     return header + yaml.safe_dump(config_of(base, best), sort_keys=False)
 
 
-def table_rows(ranked: Sequence[Candidate]) -> list[tuple[str, str, str, str]]:
-    """(deployment, goodput req/s, per GPU, vs the best colocated) per candidate, best first."""
+def table_rows(ranked: Sequence[Candidate]) -> list[tuple[str, str, str, str, str]]:
+    """(deployment, goodput req/s, per GPU, vs the best colocated, screened per GPU) per
+    candidate, best first."""
     colocated = max((c.goodput_per_gpu for c in ranked if c.label.startswith("colocated")), default=0.0)
     return [(c.label, f"{c.goodput_rps:.3f}", f"{c.goodput_per_gpu:.3f}",
-             f"{c.goodput_per_gpu / colocated:.2f}x" if colocated > 0 else "-") for c in ranked]
+             f"{c.goodput_per_gpu / colocated:.2f}x" if colocated > 0 else "-",
+             f"{c.screened.rate_per_gpu:.3f}" if c.screened is not None else "-") for c in ranked]
+
+
+def screen_lines(search: Sequence[Candidate], margin: float, max_simulated: int | None = None) -> list[str]:
+    """What `disagg plan` prints of its screen (`screen_search` screened ``search`` at ``margin``
+    and ``max_simulated``): a heading, then each candidate, best screened first, simulated or
+    screened out and why."""
+    verdicts = screen.shortlist([c.screened for c in search], margin, max_simulated)
+    kept = sum(v is None for v in verdicts.values())
+    lines = [f"screen: {kept} of {len(search)} candidates simulated (rates from the profiles' step-time models "
+             f"at the workload's mean lengths, req/s per GPU; --screen-margin {margin:g}"
+             + (f", --max-simulated {max_simulated}" if max_simulated else "") + ")"]
+    for cand in sorted(search, key=lambda c: -c.screened.rate_per_gpu):
+        verdict = verdicts[cand.label]
+        lines.append(f"  {'simulate' if verdict is None else 'screened out':<12} {cand.label}: "
+                     f"{cand.screened.rate_per_gpu:.3f} ({cand.screened.bound}{'; ' + verdict if verdict else ''})")
+    return lines

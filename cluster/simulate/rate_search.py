@@ -6,6 +6,7 @@ same rate either way. Pure Python; `cluster/simulate/plan.py` calls it.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Generator
 
 from disagg.cluster.bench.compare import TARGET_ATTAINMENT
@@ -14,12 +15,15 @@ MAX_DOUBLINGS = 12
 BISECTIONS = 5
 
 
-def rate_search(start: float, width: int = 1, target: float = TARGET_ATTAINMENT
+def rate_search(start: float, width: int = 1, target: float = TARGET_ATTAINMENT,
+                max_doublings: int = MAX_DOUBLINGS, ceiling: float = math.inf
                 ) -> Generator[list[float], list[float], float]:
     """The search for the highest rate whose attainment holds ``target`` (0.0 when even a rate
-    2^-12 of ``start`` misses), ``width`` rates at a time: it yields the rates to judge next and is
-    sent their attainments, in order; it returns the rate. Doubling (or halving) from ``start`` to a
-    bracket, then `BISECTIONS` halvings of it. Wider batches judge the next rates of the doubling,
+    2^-``max_doublings`` of ``start`` misses; the highest judged when every doubling held, up to
+    2^``max_doublings`` of ``start`` or the first at or past ``ceiling``), ``width`` rates at a
+    time: it yields the rates to judge next and is sent their attainments, in order; it returns
+    the rate. Doubling (or halving) from ``start`` to a bracket, then `BISECTIONS` halvings of
+    it. Wider batches judge the next rates of the doubling,
     and the next levels of the bisection (every midpoint it could visit, 2^d - 1 rates for d
     levels), ahead: the rates a one-at-a-time search visits are among them, and its verdicts
     decide the path, so the rate found is the one-at-a-time search's (`max_rate`) whatever the
@@ -31,8 +35,9 @@ def rate_search(start: float, width: int = 1, target: float = TARGET_ATTAINMENT
     high: float | None = None
     if first >= target:
         low, done = start, 0
-        while high is None and done < MAX_DOUBLINGS:
-            batch = [low * 2 ** (i + 1) for i in range(min(width, MAX_DOUBLINGS - done))]
+        while high is None and done < max_doublings and low < ceiling:
+            batch = [low * 2 ** (i + 1) for i in range(min(width, max_doublings - done))]
+            batch = batch[:next((i + 1 for i, rate in enumerate(batch) if rate >= ceiling), len(batch))]
             held = yield batch
             done += len(batch)
             missed = next((i for i, a in enumerate(held) if a < target), None)
@@ -44,8 +49,8 @@ def rate_search(start: float, width: int = 1, target: float = TARGET_ATTAINMENT
             return low
     else:
         high, done = start, 0
-        while low is None and done < MAX_DOUBLINGS:
-            batch = [high / 2 ** (i + 1) for i in range(min(width, MAX_DOUBLINGS - done))]
+        while low is None and done < max_doublings:
+            batch = [high / 2 ** (i + 1) for i in range(min(width, max_doublings - done))]
             held = yield batch
             done += len(batch)
             met = next((i for i, a in enumerate(held) if a >= target), None)
@@ -87,9 +92,10 @@ def _midpoints(low: float, high: float, depth: int) -> list[tuple[float, str]]:
     return out
 
 
-def max_rate(attainment: Callable[[float], float], start: float, target: float = TARGET_ATTAINMENT) -> float:
+def max_rate(attainment: Callable[[float], float], start: float, target: float = TARGET_ATTAINMENT,
+             max_doublings: int = MAX_DOUBLINGS, ceiling: float = math.inf) -> float:
     """`rate_search` one rate at a time: the highest rate whose ``attainment(rate)`` holds ``target``."""
-    search = rate_search(start, 1, target)
+    search = rate_search(start, 1, target, max_doublings, ceiling)
     rates = next(search)
     while True:
         try:

@@ -20,6 +20,9 @@ PROFILE = {
     "fit": {"coef_s": [1.5e-3, 2e-5, 1.8e-4, 5e-8], "error": 0.1}, "samples": [],
 }
 SHORT = planner.RunLength(seconds=3.0, min_prompts=40, max_prompts=150)
+# 3 s of arrivals up to 600 requests: at the splits' knees (200-850 req/s) a run's requests do not
+# all arrive within the TTFT SLO (the search's ceiling, `plan`), so the runs load the fleet.
+LOADED = planner.RunLength(seconds=3.0, min_prompts=40, max_prompts=600)
 # Runs for what holds at any size (labels, flags, a hop past the TTFT target): 40 requests at most.
 TINY_RUN = planner.RunLength(seconds=1.0, min_prompts=10, max_prompts=40)
 TINY_RUN_ARGS = ["--run-seconds", "1", "--max-prompts", "40"]
@@ -76,7 +79,7 @@ def test_a_wider_rate_search_finds_the_one_at_a_time_rate_whatever_the_attainmen
 def test_plan_finds_the_known_best_split(lengths, best, worst):
     search = [c for c in planner.candidates(4, adaptive=False, colocated=False)]
     ranked = planner.plan(PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=4,
-                          search=search, run_length=SHORT, **lengths)
+                          search=search, run_length=LOADED, **lengths)
     assert [c.label for c in search] == ["1P3D", "2P2D", "3P1D"]
     assert ranked[0].label == best and ranked[-1].label == worst
     assert ranked[0].goodput_per_gpu > 1.2 * ranked[-1].goodput_per_gpu

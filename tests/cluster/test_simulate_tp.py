@@ -104,11 +104,11 @@ def test_candidates_name_the_tp_only_when_one_is_not_1():
     one = [c.label for c in planner.candidates(4, (256,), adaptive=False)]
     assert one == ["colocated-4[chunk=256]", "1P3D", "2P2D", "3P1D"]  # one profile of TP 1: as ever
     both = planner.candidates(4, (256,), tensor_parallel=[1, 2])
-    assert [c.label for c in both if c.tensor_parallel == 2] == [
+    assert [c.label for c in both if c.tensor_parallels == (2,)] == [
         "colocated-2(TP2)[chunk=256]", "1P(TP2)+1D(TP2)", "1P(TP2)+1D(TP2)-adaptive"]
     assert "2P(TP1)+2D(TP1)-adaptive" in [c.label for c in both]
     assert {c.num_gpus for c in both} == {4}
-    assert all(c.sections["instances"].get("tensor_parallel") == 2 for c in both if "TP2" in c.label)
+    assert all(c.sections["instances"].get("tensor_parallel") == 2 for c in both if c.tensor_parallels == (2,))
     assert [c.label for c in planner.candidates(3, (256,), adaptive=False, tensor_parallel=[2])] == [
         "colocated-1(TP2)[chunk=256]"]  # 3 // 2 instances: a split needs two
 

@@ -1,0 +1,116 @@
+"""`disagg plan` choosing the TP of each role: with profiles of TP 1 and TP 2 it searches
+xP(TP1)+yD(TP2) and xP(TP2)+yD(TP1) beside each TP's own deployments, times every instance by
+its role's profile, and writes the YAML of the fleet it simulated (TP per role, pages).
+
+The TP 2 profiles are built from the TP 1 one (tensor_parallel 2, half the KV bytes per token,
+their own step times); `test_simulate_tp.py` profiles a real TP 2 instance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from disagg.cluster.cli.app import app
+from disagg.cluster.simulate import plan as planner
+from disagg.config import Config
+
+TP1 = {
+    "kind": "disagg-profile", "version": 1, "model": "dummy:tiny", "dtype": "float32",
+    "device": {"host": "test", "gpus": [], "torch_device": "cpu"},
+    "engine": {"num_pages": 256, "page_size": 16, "max_num_seqs": 16, "max_num_batched_tokens": 256,
+               "max_model_len": 4096, "kv_bytes_per_token": 512, "vocab_size": 256, "eos_token_ids": [2]},
+    "fit": {"coef_s": [1.5e-3, 2e-5, 1.8e-4, 5e-8], "error": 0.1}, "samples": [],
+}
+TP2 = dict(TP1, tensor_parallel=2, engine=dict(TP1["engine"], kv_bytes_per_token=256, num_pages=128,
+                                               max_model_len=2048))
+# Coefficients (decode step, per prompt token, per decoding sequence, per context token, prompt
+# step): at TP 1 a step with a decode takes over 25 ms, past a TPOT of 20 ms; at TP 2 a step with
+# prompt tokens takes 0.5 s, past a TTFT of 300 ms. Only prefill at TP 1 and decode at TP 2 meets both.
+FAST_PREFILL = {"coef_s": [1.5e-3, 2e-5, 0.025, 5e-8, 1.5e-3], "error": 0.1}
+FAST_DECODE = {"coef_s": [1.5e-3, 2e-5, 1.8e-4, 5e-8, 0.5], "error": 0.1}
+SLOS = {"ttft": 300, "tpot": 20}
+TINY_RUN = planner.RunLength(seconds=1.0, min_prompts=10, max_prompts=40)
+
+
+def write(tmp_path: Path, name: str, profile: dict) -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(profile))
+    return path
+
+
+def test_the_search_spans_each_pair_of_profiled_tps():
+    search = planner.candidates(4, (256,), tensor_parallel=[1, 2])
+    mixed = {c.label: c for c in search if len(c.tensor_parallels) == 2}
+    assert list(mixed) == ["2P(TP1)+1D(TP2)", "2P(TP1)+1D(TP2)-adaptive", "1P(TP2)+2D(TP1)", "1P(TP2)+2D(TP1)-adaptive"]
+    split = mixed["2P(TP1)+1D(TP2)"]
+    assert split.sections["instances"] == {"prefill": 2, "decode": 1, "tensor_parallel": {"prefill": 1, "decode": 2}}
+    assert (split.tensor_parallel_of("prefill"), split.tensor_parallel_of("decode"), split.num_gpus) == (1, 2, 4)
+    # Each split fills the GPUs: no room is left for one more instance of either role.
+    assert planner.tp_splits(8, 1, 2) == [(2, 3), (4, 2), (6, 1)]
+    assert planner.tp_splits(7, 2, 4) == [(1, 1)]  # 6 of 7 GPUs: a TP-2 instance more would need 8
+    assert planner.tp_splits(3, 2, 2) == []  # the search at one TP covers equal TPs
+    wide = planner.tp_splits(64, 1, 4)
+    assert len(wide) == 9 and all(x + 4 * y == 64 for x, y in wide)  # beyond 8 splits: the nine ratios
+    assert [c.label for c in planner.candidates(4, (256,), tensor_parallel=[1])][:2] == ["colocated-4[chunk=256]", "1P3D"]
+
+
+def test_a_split_across_tps_times_each_role_by_its_profile():
+    """Each instance runs its role's step-time model and pushes its role's KV bytes; the fleet
+    runs the tightest profile's pages; a split whose decode side is the slow one misses."""
+    (cand,) = [c for c in planner.candidates(4, (256,), adaptive=False, tensor_parallel=[1, 2])
+               if c.label == "2P(TP1)+1D(TP2)"]
+    profiles = {1: dict(TP1, fit=FAST_PREFILL), 2: dict(TP2, fit=FAST_DECODE)}
+    base = planner.base_of(cand, profiles, SLOS)
+    assert base["cache"]["num_pages"] == 128 and "tensor_parallel" not in base["instances"]
+    config = Config.from_dict(planner.config_of(base, cand))
+    fleet = planner.fleet_of(config, planner.role_profiles(cand, profiles))
+    coef = {inst.name: list(inst.actor.runner.model.coef[:5]) for inst in fleet.instances}
+    assert coef == {"prefill-0": FAST_PREFILL["coef_s"], "prefill-1": FAST_PREFILL["coef_s"],
+                    "decode-0": FAST_DECODE["coef_s"]}
+    assert {name: list(m.coef[:5]) for name, m in fleet.placer.fleet_model.models.items()} == coef
+    assert {inst.name: inst.actor.connector.sender.bytes_per_token for inst in fleet.instances} == {
+        "prefill-0": 512, "prefill-1": 512, "decode-0": 256}
+    assert fleet.num_pages == 128
+
+    def goodput(label: str) -> float:
+        (c,) = [c for c in planner.candidates(4, (256,), adaptive=False, tensor_parallel=[1, 2]) if c.label == label]
+        return planner.judge(c, planner.base_of(c, profiles, SLOS), planner.role_profiles(c, profiles),
+                             dataset_name="random", slos_ms=SLOS, run_length=TINY_RUN, input_len=32,
+                             output_len=8).goodput_rps
+
+    assert goodput("2P(TP1)+1D(TP2)") > 0 == goodput("1P(TP2)+2D(TP1)")
+
+
+def test_plan_chooses_the_tp_of_each_role_and_writes_the_fleet_it_simulated(tmp_path: Path):
+    tp1, tp2 = write(tmp_path, "tp1.json", dict(TP1, fit=FAST_PREFILL)), write(tmp_path, "tp2.json",
+                                                                                dict(TP2, fit=FAST_DECODE))
+    out = tmp_path / "best.yaml"
+    result = CliRunner().invoke(app, ["plan", "--profile", str(tp1), "--profile", str(tp2), "--dataset-name",
+                                      "random", "--random-input-len", "32", "--random-output-len", "8", "--goodput",
+                                      "ttft:300", "tpot:20", "--gpus", "4", "--chunk-sizes", "256", "--run-seconds",
+                                      "1", "--max-prompts", "40", "--jobs", "1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    screened = [line for line in result.output.splitlines() if line.startswith("  simulate") or
+                line.startswith("  screened out")]
+    assert len(screened) == len(planner.candidates(4, (256,), tensor_parallel=[1, 2]))
+    assert any(line.startswith("  simulate") and "2P(TP1)+1D(TP2):" in line for line in screened)
+    assert any(line.startswith("  screened out") and "1P(TP2)+2D(TP1):" in line for line in screened), result.output
+    best = next(line for line in result.output.splitlines() if line.startswith("best: "))
+    assert best.startswith("best: 2P(TP1)+1D(TP2)"), result.output
+    config = Config.from_yaml(out)
+    assert (config.instances.prefill, config.instances.decode) == (2, 1)
+    assert (config.instances.tensor_parallel_of("prefill"), config.instances.tensor_parallel_of("decode")) == (1, 2)
+    assert config.instances.num_ranks == 4 and config.cache.num_pages == 128  # TP 2's pages: the tightest
+    assert config.model.max_model_len == 2048
+    fleet = planner.fleet_of(config, {"prefill": dict(TP1, fit=FAST_PREFILL), "decode": dict(TP2, fit=FAST_DECODE)})
+    assert fleet.num_pages == config.cache.num_pages  # the YAML launches the pages simulated
+
+
+def test_a_role_at_a_tp_no_profile_timed_is_refused():
+    (cand,) = [c for c in planner.candidates(4, (256,), adaptive=False, tensor_parallel=[1, 2])
+               if c.label == "2P(TP1)+1D(TP2)"]
+    with pytest.raises(ValueError, match=r"no profile of the TP of 2P\(TP1\)\+1D\(TP2\).*profile an instance of TP 2"):
+        planner.role_profiles(cand, {1: TP1})
