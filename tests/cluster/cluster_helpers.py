@@ -90,6 +90,16 @@ def wait_all_free(cluster: Cluster, timeout_s: float = 20.0) -> dict:
         time.sleep(0.1)
 
 
+def every_rank_free(cluster: Cluster, ray_local, timeout_s: float = 60.0) -> None:
+    """Each live instance's every rank has all its pages free, read off each rank's own engine
+    (`InstanceActor.rank_pages`: a follower's loop answers no stats)."""
+    for inst in cluster.fleet.instances:
+        if not inst.alive:
+            continue
+        pages = ray_local.get([actor.rank_pages.remote() for actor in inst.actors], timeout=timeout_s)
+        assert all(p["free_pages"] == p["total_pages"] for p in pages), (inst.name, pages)
+
+
 @contextlib.contextmanager
 def hold_router_loop(cluster: Cluster, timeout_s: float = 30.0):
     """Block the router's event loop for the ``with`` block: what callers send to the router

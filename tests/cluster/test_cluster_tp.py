@@ -10,7 +10,7 @@ float32) with chunked prompts, prefix hits on both sides and aborts mid-push and
 after every test every page is free on every rank (read off each rank's engine, not only the
 leader's). Each launch ends by killing a decode rank where there are two: the instance dies as
 a whole, and what fails names the instance and the rank. SmolLM2-135M (3 KV heads) at (1, 3) and
-(3, 1): test_cluster_tp_split_smollm2.py.
+(3, 1): test_cluster_tp_more.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import random
 import time
 
 import pytest
-from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
+from cluster_helpers import BackgroundStream, every_rank_free, launch, mixed_prompts, reference_tokens, wait_all_free
 from hooked_actor import HookedInstanceActor
 
 from disagg.sampling import SamplingParams
@@ -38,21 +38,12 @@ def cluster(request, ray_local):
     cluster.shutdown()
 
 
-def every_rank_free(cluster, ray_local) -> None:
-    """Each live instance's every rank has all its pages free (each rank's own engine)."""
-    for inst in cluster.fleet.instances:
-        if not inst.alive:
-            continue
-        pages = ray_local.get([actor.rank_pages.remote() for actor in inst.actors], timeout=30)
-        assert all(p["free_pages"] == p["total_pages"] for p in pages), (inst.name, pages)
-
-
 @pytest.fixture(autouse=True)
 def pages_free_after(cluster, ray_local):
     yield
     if any(inst.alive for inst in cluster.fleet.instances):
         wait_all_free(cluster, timeout_s=LEASE_S + 15)
-        every_rank_free(cluster, ray_local)
+        every_rank_free(cluster, ray_local, timeout_s=30)
 
 
 def test_the_fleet_reports_each_instance_s_ranks(cluster):

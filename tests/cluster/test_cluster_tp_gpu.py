@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from cluster_helpers import CONFIGS, launch_config, wait_all_free
+from cluster_helpers import CONFIGS, every_rank_free, launch_config, wait_all_free
 
 from disagg.config import Config
 from disagg.sampling import SamplingParams
@@ -33,47 +33,35 @@ def workload(num: int = 24, seed: int = 0) -> tuple[list[list[int]], list[Sampli
     return prompts, params
 
 
-def test_tp2_1p1d_over_nvshmem_equals_one_unsharded_colocated_instance(ray_local):
-    prompts, params = workload()
-    config = Config.from_yaml(CONFIGS / "llama3-8b-tp2-1gpu-1p1d.yaml").override(OVERRIDES)
+def equals_one_unsharded_colocated_instance(ray_local, config: Config, pes: list[list[int]], seed: int, what: str):
+    """``config``'s fleet serves the workload with every page free afterwards on every rank, and
+    its tokens equal one colocated TP=1 instance's of the same weights on the same GPU."""
+    prompts, params = workload(seed=seed)
     with launch_config(config) as cluster:
         stats = cluster.stats()
         assert (stats["device"], stats["backend"]) == ("cuda", "nvshmem")
-        assert [[r["pe"] for r in inst["ranks"]] for inst in stats["instances"]] == [[0, 1], [2, 3]]
+        assert [[r["pe"] for r in inst["ranks"]] for inst in stats["instances"]] == pes
         sharded = cluster.generate(prompts, params)
         assert all(c.error is None for c in sharded), [c.error for c in sharded if c.error][:3]
         wait_all_free(cluster)
-        for inst in cluster.fleet.instances:
-            pages = ray_local.get([actor.rank_pages.remote() for actor in inst.actors], timeout=60)
-            assert all(p["free_pages"] == p["total_pages"] for p in pages), (inst.name, pages)
+        every_rank_free(cluster, ray_local)
     twin = config.override({"instances.prefill": 0, "instances.decode": 0, "instances.colocated": 1,
                             "instances.tensor_parallel": 1, "transfer.backend": "auto"})
     with launch_config(twin) as cluster:
         whole = cluster.generate(prompts, params)
     mismatched = [i for i, (a, b) in enumerate(zip(sharded, whole)) if a.token_ids != b.token_ids]
-    assert not mismatched, f"requests {mismatched} differ between TP=2 1P1D and TP=1 colocated"
+    assert not mismatched, f"requests {mismatched} differ between {what} and TP=1 colocated"
+
+
+def test_tp2_1p1d_over_nvshmem_equals_one_unsharded_colocated_instance(ray_local):
+    config = Config.from_yaml(CONFIGS / "llama3-8b-tp2-1gpu-1p1d.yaml").override(OVERRIDES)
+    equals_one_unsharded_colocated_instance(ray_local, config, [[0, 1], [2, 3]], seed=0, what="TP=2 1P1D")
 
 
 def test_prefill_tp1_into_decode_tp2_over_nvshmem_equals_one_unsharded_colocated_instance(ray_local):
     """Three PEs on GPU 0: the prefill instance's one rank writes head group [0, 4) of each page into
     decode rank 0's pages and [4, 8) into decode rank 1's (llama3-8b: 8 KV heads), by segment puts
     of each page's head range (`transfer.heads`); the tokens equal an unsharded colocated engine's."""
-    prompts, params = workload(seed=1)
     config = Config.from_yaml(CONFIGS / "llama3-8b-tp2-1gpu-1p1d.yaml").override(
         dict(OVERRIDES, **{"instances.tensor_parallel": {"prefill": 1, "decode": 2}}))
-    with launch_config(config) as cluster:
-        stats = cluster.stats()
-        assert (stats["device"], stats["backend"]) == ("cuda", "nvshmem")
-        assert [[r["pe"] for r in inst["ranks"]] for inst in stats["instances"]] == [[0], [1, 2]]
-        split = cluster.generate(prompts, params)
-        assert all(c.error is None for c in split), [c.error for c in split if c.error][:3]
-        wait_all_free(cluster)
-        for inst in cluster.fleet.instances:
-            pages = ray_local.get([actor.rank_pages.remote() for actor in inst.actors], timeout=60)
-            assert all(p["free_pages"] == p["total_pages"] for p in pages), (inst.name, pages)
-    twin = config.override({"instances.prefill": 0, "instances.decode": 0, "instances.colocated": 1,
-                            "instances.tensor_parallel": 1, "transfer.backend": "auto"})
-    with launch_config(twin) as cluster:
-        whole = cluster.generate(prompts, params)
-    mismatched = [i for i, (a, b) in enumerate(zip(split, whole)) if a.token_ids != b.token_ids]
-    assert not mismatched, f"requests {mismatched} differ between P TP1 + D TP2 and TP=1 colocated"
+    equals_one_unsharded_colocated_instance(ray_local, config, [[0], [1, 2]], seed=1, what="P TP1 + D TP2")
