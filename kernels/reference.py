@@ -77,9 +77,10 @@ def _kv_lens(page_indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: 
             for n, last in zip(num_pages, last_page_len.tolist())]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-            causal_offset: int | None) -> torch.Tensor:
-    """q `[M, H_q, D]`, k/v `[H_kv, L, D]` float32 -> `[M, H_q, D]` float32 (GQA by repetition)."""
+def _scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+            causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled scores `[H_q, M, L]` float32 (causally masked with ``causal_offset``) and v repeated
+    to the q heads `[H_q, L, D]` (GQA by repetition), for `_attend` and `_attend_lse`."""
     group = q.shape[1] // k.shape[0]
     k = k.repeat_interleave(group, dim=0)
     v = v.repeat_interleave(group, dim=0)
@@ -88,6 +89,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
         rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + causal_offset
         keys = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
         scores = scores.masked_fill(keys > rows, -math.inf)
+    return scores, v
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+            causal_offset: int | None) -> torch.Tensor:
+    """q `[M, H_q, D]`, k/v `[H_kv, L, D]` float32 -> `[M, H_q, D]` float32 (GQA by repetition)."""
+    scores, v = _scores(q, k, v, sm_scale, causal_offset)
     if k.shape[1] == 0:
         return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     return torch.einsum("hml,hld->mhd", torch.softmax(scores, dim=-1), v)
@@ -132,14 +140,7 @@ def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: flo
                 causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`_attend` that also returns each query's natural-log log-sum-exp `[H_q, M]` (-inf, and
     an output of 0, for a query that sees no key)."""
-    group = q.shape[1] // k.shape[0]
-    k = k.repeat_interleave(group, dim=0)
-    v = v.repeat_interleave(group, dim=0)
-    scores = torch.einsum("mhd,hld->hml", q.to(torch.float32), k) * sm_scale
-    if causal_offset is not None:
-        rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + causal_offset
-        keys = torch.arange(k.shape[1], device=q.device).unsqueeze(0)
-        scores = scores.masked_fill(keys > rows, -math.inf)
+    scores, v = _scores(q, k, v, sm_scale, causal_offset)
     lse = torch.logsumexp(scores, dim=-1)
     seen = torch.isfinite(lse)
     weights = torch.where(seen[..., None], torch.exp(scores - torch.where(seen, lse, 0.0)[..., None]), 0.0)
