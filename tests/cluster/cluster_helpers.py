@@ -91,13 +91,19 @@ def wait_all_free(cluster: Cluster, timeout_s: float = 20.0) -> dict:
 
 
 def every_rank_free(cluster: Cluster, ray_local, timeout_s: float = 60.0) -> None:
-    """Each live instance's every rank has all its pages free, read off each rank's own engine
-    (`InstanceActor.rank_pages`: a follower's loop answers no stats)."""
+    """Each live instance's every rank has all its pages free within ``timeout_s``, read off each
+    rank's own engine (`InstanceActor.rank_pages`: a follower's loop answers no stats). A
+    follower runs the leader's last pass a moment after the leader (it receives the pass, then
+    runs it), so an idle leader's follower may still be freeing: poll, and fail on what is left
+    at the deadline."""
+    deadline = time.monotonic() + timeout_s
     for inst in cluster.fleet.instances:
-        if not inst.alive:
-            continue
-        pages = ray_local.get([actor.rank_pages.remote() for actor in inst.actors], timeout=timeout_s)
-        assert all(p["free_pages"] == p["total_pages"] for p in pages), (inst.name, pages)
+        while inst.alive:
+            pages = ray_local.get([actor.rank_pages.remote() for actor in inst.actors], timeout=timeout_s)
+            if all(p["free_pages"] == p["total_pages"] for p in pages):
+                break
+            assert time.monotonic() < deadline, (inst.name, pages)
+            time.sleep(0.1)
 
 
 @contextlib.contextmanager
