@@ -394,7 +394,7 @@ class KVConnector(abc.ABC):
                                   f"tensor-parallel rank(s); expected {layout.peer_ranks} receiver PE(s), got "
                                   f"{len(dest.pes)} {list(dest.pes)}", argument="dest.pes")
         tickets = (dest.ticket,) + tuple(ticket for _, ticket in dest.peers)
-        routes = routes_of(layout.num_kv_heads, layout.num_ranks, layout.rank, dest.pes, tickets)
+        routes = routes_of(layout.num_kv_heads, layout.num_ranks, layout.rank, dest.pes, tickets, layout.peer_num_pages)
         first = routes[0] if routes else None
         return dataclasses.replace(dest, pe=first.pe if first else dest.pe, ticket=first.ticket if first else None,
                                    peers=(), routes=routes)

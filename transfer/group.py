@@ -9,6 +9,8 @@ replica acted on its own observations the replicas would part (one admits a requ
 waits), so `GroupConnector` wraps a rank's connector and turns each observation into one the
 ranks share, over the instance's control group:
 
+    alloc_kv             every rank asks for one KV shape (one page count: the replicas' page
+                         ids index every rank's pages), or every rank refuses
     receiver.reserve     every rank reserves (the same slots); the ranks' (pe, ticket) are gathered
                          into one `RecvDest` (``peers``): the prefill side sends rank i's heads to
                          rank i, or, when its tensor parallelism differs, each rank's heads to
@@ -76,6 +78,19 @@ class GroupConnector(KVConnector):
         self._sender: GroupSender | None = None
 
     def alloc_kv(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """This rank's KV tensor, once every rank asks for one of the same shape: the replicas'
+        page ids index every rank's pages alike (one position map for all), so ranks whose pages
+        differ in count or layout are refused on every rank, before the heap allocates.
+
+        Raises:
+            ValueError: the ranks' shapes or dtypes differ (naming each rank's).
+        """
+        every = self.group.all_gather_object((tuple(int(n) for n in shape), str(dtype)))
+        if any(other != every[0] for other in every[1:]):
+            ranks = ", ".join(f"rank {r}: {list(s)} {d}" for r, (s, d) in enumerate(every))
+            raise ValueError(f"alloc_kv: the {self.num_ranks} ranks of a tensor-parallel instance must allocate "
+                             f"one KV shape ([num_layers, num_pages, 2, kv_heads, page_size, head_dim]) and "
+                             f"dtype, got {ranks}")
         return self.inner.alloc_kv(shape, dtype)
 
     def check_dest(self, request_id: Hashable, dest: RecvDest) -> None:

@@ -16,9 +16,10 @@ it (`writer_of`), so each head of each decode rank is written exactly once:
                            prefill 1 [2 3] -> decode 0 [0 1 2 3] at dst head 2
 
 A head range of one page is contiguous for K and for V, so a pair's push is one run per page per
-layer per K/V. `PushRoute` is one (sender, receiver) pair of one request; `HeadLayout` the fleet's
-facts a connector needs (the model's heads, the other side's tensor parallelism). Pure Python:
-run by the connectors of both sides.
+layer per K/V. `PushRoute` is one (sender, receiver) pair of one request; `received_heads` the
+same pairs seen from the receiver (which heads of its pages each sender writes: what
+`transfer.verify` checks per pair); `HeadLayout` the fleet's facts a connector needs (the model's
+heads, the other side's tensor parallelism). Pure Python: run by the connectors of both sides.
 """
 
 from __future__ import annotations
@@ -59,6 +60,18 @@ def senders_of(num_kv_heads: int, src_ranks: int, dst_ranks: int, dst_rank: int)
     return tuple(sorted({writer_of(h, num_kv_heads, src_ranks) for h in heads}))
 
 
+def received_heads(num_kv_heads: int, src_ranks: int, dst_ranks: int, dst_rank: int) -> tuple[tuple[int, int], ...]:
+    """Per sender of ``dst_rank`` (`senders_of` order), the heads it writes there, as ``(first,
+    count)`` in ``dst_rank``'s pages: the receiver's side of each sender's `PushRoute`
+    (``dst_head``, ``num_heads``), which the receiver computes without asking the senders."""
+    theirs = kv_heads_of(num_kv_heads, dst_ranks, dst_rank)
+    ranges = []
+    for sender in senders_of(num_kv_heads, src_ranks, dst_ranks, dst_rank):
+        heads = [h for h in theirs if writer_of(h, num_kv_heads, src_ranks) == sender]
+        ranges.append((heads[0] - theirs.start, len(heads)))
+    return tuple(ranges)
+
+
 @dataclass(frozen=True)
 class PushRoute:
     """One receiver rank a sender rank writes a request's heads into.
@@ -70,6 +83,8 @@ class PushRoute:
         dst_head: where it goes in the receiver's pages (the receiver's local head index).
         num_heads: heads written (a contiguous range on both sides).
         dst_num_kv_heads: the receiver's local KV heads (its page layout).
+        dst_num_pages: the receiver's pages (`HeadLayout.num_pages_of`; its layers are that many
+            of its pages apart); None: as many as the sender's.
     """
 
     pe: int
@@ -78,10 +93,11 @@ class PushRoute:
     dst_head: int
     num_heads: int
     dst_num_kv_heads: int
+    dst_num_pages: int | None = None
 
 
 def routes_of(num_kv_heads: int, src_ranks: int, src_rank: int, dst_pes: tuple[int, ...],
-              dst_tickets: tuple[Any, ...]) -> tuple[PushRoute, ...]:
+              dst_tickets: tuple[Any, ...], dst_num_pages: int | None = None) -> tuple[PushRoute, ...]:
     """The routes of sender ``src_rank`` (of ``src_ranks``) into every decode rank of a destination.
 
     Args:
@@ -90,6 +106,7 @@ def routes_of(num_kv_heads: int, src_ranks: int, src_rank: int, dst_pes: tuple[i
         dst_pes: the receiver PEs, decode rank 0 first (``len`` is the decode tensor parallelism).
         dst_tickets: per decode rank, its doorbell: one ticket (one sender) or a tuple with one per
             sender, in `senders_of` order.
+        dst_num_pages: each decode rank's pages (`HeadLayout.num_pages_of`); None: the sender's.
 
     Returns:
         One route per decode rank this rank writes into (none when other ranks write all its heads).
@@ -105,7 +122,7 @@ def routes_of(num_kv_heads: int, src_ranks: int, src_rank: int, dst_pes: tuple[i
         senders = senders_of(num_kv_heads, src_ranks, dst_ranks, rank)
         mine_ticket = ticket[senders.index(src_rank)] if isinstance(ticket, tuple) else ticket
         routes.append(PushRoute(pe, mine_ticket, heads[0] - mine.start, heads[0] - theirs.start, len(heads),
-                                len(theirs)))
+                                len(theirs), dst_num_pages))
     return tuple(routes)
 
 
@@ -118,12 +135,17 @@ class HeadLayout:
         num_ranks: this instance's tensor parallelism; rank: this engine's rank in it.
         peer_ranks: the tensor parallelism of the other side of this engine's transfers (the
             decode instances' for a prefill engine, the prefill instances' for a decode engine).
+        num_pages: the fleet's page count, in pages of the side with the most heads per rank:
+            every PE's KV allocation holds that many of those pages, and a rank of the other side
+            views the same bytes as more, narrower pages (`num_pages_of`). None: each side views
+            ``num_pages`` pages of its own (what an engine built without a fleet's sizing does).
     """
 
     num_kv_heads: int
     num_ranks: int
     rank: int
     peer_ranks: int
+    num_pages: int | None = None
 
     @property
     def is_split(self) -> bool:
@@ -143,10 +165,31 @@ class HeadLayout:
         (the symmetric heap allocates the same bytes on every PE; each views its own share)."""
         return max(len(kv_heads_of(self.num_kv_heads, k, 0)) for k in (self.num_ranks, self.peer_ranks))
 
+    def num_pages_of(self, num_ranks: int) -> int | None:
+        """The pages of a rank of the side at ``num_ranks`` ranks in its KV allocation: the
+        allocation's ``num_pages`` widest pages, viewed as pages of that rank's heads, e.g. 8 KV
+        heads, prefill TP1 and decode TP4, 1000 pages of 8 heads: a decode rank views 4000 pages of
+        2 heads (the same bytes; each rank's layers are its own page count apart). Both sides
+        compute it alike, so a sender addresses a receiver's layers without asking it."""
+        if self.num_pages is None:
+            return None
+        return self.num_pages * self.max_local_heads // len(kv_heads_of(self.num_kv_heads, num_ranks, 0))
 
-def layout_for(model: Any, peer_ranks: int | None) -> HeadLayout | None:
+    @property
+    def local_num_pages(self) -> int | None:
+        """This rank's pages (`num_pages_of` its own side)."""
+        return self.num_pages_of(self.num_ranks)
+
+    @property
+    def peer_num_pages(self) -> int | None:
+        """A rank's pages on the other side (`num_pages_of` the peers' side)."""
+        return self.num_pages_of(self.peer_ranks)
+
+
+def layout_for(model: Any, peer_ranks: int | None, num_pages: int | None = None) -> HeadLayout | None:
     """The head split of an engine over ``model`` (a `disagg.model` Model: its ``full_config`` and
-    tensor-parallel group ``tp``) whose transfers' other side runs at ``peer_ranks`` ranks.
+    tensor-parallel group ``tp``) whose transfers' other side runs at ``peer_ranks`` ranks, in a
+    fleet of ``num_pages`` pages of its widest side (`HeadLayout.num_pages`).
 
     Returns:
         None when ``peer_ranks`` is None or this instance's own tensor parallelism (rank i sends
@@ -157,4 +200,4 @@ def layout_for(model: Any, peer_ranks: int | None) -> HeadLayout | None:
     if peer_ranks is None or peer_ranks == num_ranks:
         return None
     full = getattr(model, "full_config", None) or model.config
-    return HeadLayout(int(full.num_kv_heads), num_ranks, rank, int(peer_ranks))
+    return HeadLayout(int(full.num_kv_heads), num_ranks, rank, int(peer_ranks), num_pages)

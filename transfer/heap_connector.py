@@ -8,11 +8,11 @@ memory. `HeapSender` is the `KVPusher` (fused append+push per layer on a transfe
 the abort fence; `HeapReceiver` is the doorbell table plus the leases (`lease.py`).
 `HeapConnector` is what the registry returns for both backends (`registry.py`). With ``verify``
 (`transfer.verify`) the sender writes a digest of each request's pushed KV beside its doorbell and
-the receiver checks it before the reservation closes as landed (`verify.py`). With a `HeadLayout`
-whose sides differ in tensor parallelism (`heads.py`), the KV tensor views a flat allocation of
-the wider side's bytes, the sender pushes by head routes and the receiver arms one doorbell word
-per sender rank. Runs in every
-worker process; `KVPusher` (torch and the Triton kernels) is imported when the sender is built.
+the receiver checks it before the reservation closes as landed (`verify.py`; with head routes, one
+digest per sender and receiver rank). With a `HeadLayout` whose sides differ in tensor
+parallelism (`heads.py`), the KV tensor views a flat allocation of the wider side's bytes, the
+sender pushes by head routes and the receiver arms one doorbell word per sender rank. Runs in
+every worker process; `KVPusher` (torch and the Triton kernels) is imported when the sender is built.
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ class HeapSender(KVSender):
     def attach(self, seq_id: int, dest: RecvDest) -> None:
         if dest.routes is not None:  # the two sides' tensor parallelism differs: heads by route
             self.pusher.attach_routes(seq_id, dest.routes)
+            if self.pusher.digests is not None:
+                self.pusher.digests.track_routes(seq_id, dest.pe, dest.routes, dest.cmap)
             return
         self.pusher.attach_doorbell(seq_id, dest.ticket)
         if self.pusher.digests is not None:
@@ -74,8 +76,9 @@ class HeapSender(KVSender):
 
     def detach(self, seq_id: int) -> None:
         ticket = self.pusher.detach_doorbell(seq_id)
-        if self.pusher.digests is not None and ticket is not None:
+        if self.pusher.digests is not None:
             self.pusher.digests.forget(ticket)
+            self.pusher.digests.forget_routes(seq_id)
 
     def fence(self) -> Completion | None:
         """An event after every push issued so far (None on the CPU: the shm pushes ran inline).
@@ -258,22 +261,15 @@ class HeapConnector(KVConnector):
         lease_s, clock: the receiver's leases.
         force_segment_puts: send with segment puts even to load/store-reachable peers.
         verify: `transfer.verify`: digest every push and check it before admission (one more
-            collective allocation in `alloc_kv`: every PE must agree).
+            collective allocation in `alloc_kv`: every PE must agree); with a split layout, one
+            digest per (sender, receiver) route, of its heads (`verify.py`).
         layout: the fleet's head split (`disagg.transfer.heads.HeadLayout`); None: both sides at
             this instance's tensor parallelism.
-
-    Raises:
-        ValueError: ``verify`` with a layout whose sides differ (a digest covers one sender's
-            push of every head of its receiver).
     """
 
     def __init__(self, heap: SymmetricHeap, *, lease_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, force_segment_puts: bool = False,
                  verify: bool = False, layout: HeadLayout | None = None) -> None:
-        if verify and layout is not None and layout.is_split:
-            raise ValueError(f"verify: transfer.verify checks one sender's push of every head of its receiver; "
-                             f"this fleet's sides differ in tensor parallelism ({layout.num_ranks} here, "
-                             f"{layout.peer_ranks} on the other side): turn transfer.verify off")
         self.heap = heap
         self.backend = heap.backend
         self.pe = heap.rank
@@ -294,27 +290,40 @@ class HeapConnector(KVConnector):
         self._kv = self._alloc_kv(shape, dtype)
         if self.verify:
             self._digests = DigestTable(self.heap, int(shape[0]))
-            self._receiver.digests = ReceiverDigests(self._digests, self._kv)
+            self._receiver.digests = ReceiverDigests(self._digests, self._kv, self._sender_heads())
             logger.warning("transfer.verify is on (PE %d): every push is digested and checked before "
                            "admission, a debug mode that costs a read of the pushed KV on both sides", self.pe)
         return self._kv
 
+    def _sender_heads(self) -> tuple[tuple[int, int], ...] | None:
+        """`transfer.verify` with a split layout: per sender rank of this receiver, the heads of
+        its pages that sender writes (`heads.received_heads`); None: one sender, every head."""
+        layout = self.layout
+        if layout is None or not layout.is_split:
+            return None
+        from disagg.transfer.heads import received_heads
+
+        return received_heads(layout.num_kv_heads, layout.peer_ranks, layout.num_ranks, layout.rank)
+
     def _alloc_kv(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """``shape`` from the heap. When the two sides differ in tensor parallelism, every PE
-        allocates the bytes of the side with more heads per rank, flat (the heap's allocations
-        are symmetric), and views its own pages at their start; peers' pages are written at the
-        same start (`KVPusher`'s ``allocation``)."""
+        allocates the bytes of ``layout.num_pages`` pages of the side with more heads per rank,
+        flat (the heap's allocations are symmetric), and views its own pages at their start: a
+        rank of the narrower side as more pages (`HeadLayout.num_pages_of`), so neither side
+        leaves allocated bytes unused; peers' pages are written at the same start (`KVPusher`'s
+        ``allocation``)."""
         layout = self.layout
         if layout is None or not layout.is_split:
             return self.heap.alloc(shape, dtype)
-        if layout.max_local_heads < int(shape[3]):
-            raise ValueError(f"shape: {tuple(shape)} holds {shape[3]} KV heads, more than any rank of the fleet "
-                             f"({layout.max_local_heads}: {layout.num_kv_heads} heads over {layout.num_ranks} "
-                             f"or {layout.peer_ranks} ranks)")
         import math
 
         widest = list(shape)
+        widest[1] = int(shape[1]) if layout.num_pages is None else layout.num_pages
         widest[3] = layout.max_local_heads
+        if math.prod(shape) > math.prod(widest):
+            raise ValueError(f"shape: {tuple(shape)} is more than a PE's allocation of {widest[1]} pages of "
+                             f"{layout.max_local_heads} KV heads (the widest rank of the fleet: "
+                             f"{layout.num_kv_heads} heads over {layout.num_ranks} or {layout.peer_ranks} ranks)")
         self._allocation = self.heap.alloc((math.prod(widest),), dtype)
         return self._allocation[:math.prod(shape)].view(tuple(shape))
 

@@ -25,7 +25,7 @@ from disagg.kernels.checks import check_disjoint_copy_host
 from disagg.plan import ForwardPlan
 from disagg.transfer.doorbell import DoorbellTicket
 from disagg.transfer.heads import PushRoute
-from disagg.transfer.segments import HeadSegments, KVGeometry, LayerSegments, coalesce, coalesce_heads
+from disagg.transfer.segments import KVGeometry, LayerSegments, coalesce, coalesce_heads
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,12 @@ def check_plan(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int,
                doorbells: Mapping[int, DoorbellTicket], routed: Mapping[int, tuple] | None = None) -> None:
     """Raise TransferError/ValueError when ``plan`` cannot run on this heap and KV tensor.
 
-    Checks lengths, slot ranges against the KV geometry (both sides share it), that the fork
-    copies can run as one parallel batch (distinct destinations, none also a source), PE range,
-    push map vs tokens (slot and PE both set or both -1, each token's PE is its sequence's
-    receiver), and that every completed send has a doorbell ticket for its receiver (a sequence
-    in ``routed`` has one per route instead: `build_routed_work`).
+    Checks lengths, slot ranges against the KV geometry (both sides share it; the receivers of
+    head routes have their routes' page count), that the fork copies can run as one parallel
+    batch (distinct destinations, none also a source), PE range, push map vs tokens (slot and PE
+    both set or both -1, each token's PE is its sequence's receiver), and that every completed
+    send has a doorbell ticket for its receiver (a sequence in ``routed`` has one per route
+    instead: `build_routed_work`).
     """
     num_tokens = plan.num_tokens
     for name in ("append_slots", "push_slots", "push_pes"):
@@ -101,9 +102,18 @@ def check_plan(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int,
     if len(fork_dst):
         keep = (fork_src >= 0) & (fork_dst >= 0)
         check_disjoint_copy_host(fork_src[keep], fork_dst[keep], "plan.fork_src_slots/fork_dst_slots")
-    _check_pushes(plan, geo, rank, world_size)
-    _check_copies(plan, geo, rank, world_size)
+    dst_slots = _receiver_slots(geo, routed or {})
+    _check_pushes(plan, geo, rank, world_size, dst_slots)
+    _check_copies(plan, geo, rank, world_size, dst_slots)
     _check_sends(plan, rank, world_size, doorbells, routed or {})
+
+
+def _receiver_slots(geo: KVGeometry, routed: Mapping[int, tuple]) -> int:
+    """The receivers' slots: this PE's geometry's, or with head routes their receivers' page count
+    (every decode rank of a fleet has one; `disagg.transfer.heads.HeadLayout.num_pages_of`)."""
+    pages = {route.dst_num_pages for routes in routed.values() for route in routes}
+    pages.discard(None)
+    return min(pages) * geo.page_size if pages else geo.num_slots
 
 
 def _check_pe(pe: int, rank: int, world_size: int, request: int | None) -> None:
@@ -120,7 +130,7 @@ def distinct(values: np.ndarray) -> list[int]:
     return [lo] if lo == hi else [int(x) for x in np.unique(values)]
 
 
-def _check_pushes(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int) -> None:
+def _check_pushes(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int, dst_slots: int) -> None:
     slots, pes = plan.push_slots, plan.push_pes
     sent_mask = pes >= 0
     bad = np.flatnonzero((slots >= 0) != sent_mask)
@@ -133,10 +143,10 @@ def _check_pushes(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int
         return
     for pe in distinct(pes[sent]):
         _check_pe(pe, rank, world_size, request_of_token(plan, int(sent[pes[sent] == pe][0])))
-    out = sent[slots[sent] >= geo.num_slots]
+    out = sent[slots[sent] >= dst_slots]
     if len(out):
         t = int(out[0])
-        raise _fail(f"push slot {slots[t]} of token {t} is outside the receiver's [0, {geo.num_slots}): "
+        raise _fail(f"push slot {slots[t]} of token {t} is outside the receiver's [0, {dst_slots}): "
                     "plan and heap come from different geometries", request_of_token(plan, t), rank, int(pes[t]))
     # Each pushed token goes to its sequence's receiver (vectorized over the batch: decode
     # batches hold hundreds of sequences).
@@ -153,14 +163,14 @@ def _check_pushes(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int
                     f"its send record names {receiver_of.get(seq)}", seq, rank, int(pes[t]))
 
 
-def _check_copies(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int) -> None:
+def _check_copies(plan: ForwardPlan, geo: KVGeometry, rank: int, world_size: int, dst_slots: int) -> None:
     for pe in distinct(plan.copy_pes):
         _check_pe(pe, rank, world_size, _request_to(plan, pe))
-    for name in ("copy_local_slots", "copy_remote_slots"):
+    for name, limit in (("copy_local_slots", geo.num_slots), ("copy_remote_slots", dst_slots)):
         slots = getattr(plan, name)
-        if len(slots) and (slots.min() < 0 or slots.max() >= geo.num_slots):
-            pe = int(plan.copy_pes[int(np.argmax((slots < 0) | (slots >= geo.num_slots)))])
-            raise _fail(f"plan.{name} must be in [0, {geo.num_slots}), got [{slots.min()}, {slots.max()}]: "
+        if len(slots) and (slots.min() < 0 or slots.max() >= limit):
+            pe = int(plan.copy_pes[int(np.argmax((slots < 0) | (slots >= limit)))])
+            raise _fail(f"plan.{name} must be in [0, {limit}), got [{slots.min()}, {slots.max()}]: "
                         "plan and heap come from different geometries", _request_to(plan, pe), rank, pe)
 
 
@@ -277,12 +287,13 @@ def build_routed_work(plan: ForwardPlan, geo: KVGeometry, rank: int,
                     segment_copies={pe: _joined(runs) for pe, runs in segment_copies.items()}, rings=rings)
 
 
-def _route_runs(src: np.ndarray, dst: np.ndarray, geo: KVGeometry, route: PushRoute) -> HeadSegments:
-    return coalesce_heads(src, dst, geo, route.dst_num_kv_heads, route.src_head, route.dst_head, route.num_heads)
+def _route_runs(src: np.ndarray, dst: np.ndarray, geo: KVGeometry, route: PushRoute) -> LayerSegments:
+    return coalesce_heads(src, dst, geo, route.dst_num_kv_heads, route.src_head, route.dst_head, route.num_heads,
+                          route.dst_num_pages)
 
 
-def _joined(runs: list[HeadSegments]) -> HeadSegments:
+def _joined(runs: list[LayerSegments]) -> LayerSegments:
     """One receiver's runs of several routes (a sender writes one head range per receiver: one)."""
     if len(runs) == 1:
         return runs[0]
-    return HeadSegments(np.concatenate([r.runs for r in runs]), runs[0].src_layer_bytes, runs[0].dst_layer_bytes)
+    return LayerSegments(np.concatenate([r.runs for r in runs]), runs[0].src_layer_bytes, runs[0].dst_layer_bytes)

@@ -56,14 +56,21 @@ class KVGeometry:
 class LayerSegments:
     """Byte runs of one layer (layer 0); `for_layer` shifts them to any layer.
 
+    The two sides' layers may be of different sizes: a receiver whose pages hold another number of
+    heads (prefill and decode at different tensor parallelism, `coalesce_heads`) has layers
+    ``dst_layer_bytes`` apart where the sender's are ``src_layer_bytes`` apart; `for_layer` shifts
+    each side by its own. Same-shaped sides (`coalesce`) have one layer size.
+
     Attributes:
         runs: int64 ``[num_runs, 3]`` rows ``(src_byte, dst_byte, num_bytes)`` from the KV
-            tensor's first byte, for layer 0.
-        layer_bytes: bytes of one layer (the shift between layers).
+            tensor's first byte (for head routes: the start of the symmetric allocation both
+            sides' pages begin at), for layer 0.
+        src_layer_bytes, dst_layer_bytes: bytes of one layer of each side (the shift between layers).
     """
 
     runs: np.ndarray
-    layer_bytes: int
+    src_layer_bytes: int
+    dst_layer_bytes: int
 
     def __len__(self) -> int:
         return len(self.runs)
@@ -75,7 +82,8 @@ class LayerSegments:
     def for_layer(self, layer: int) -> np.ndarray:
         """int64 ``[num_runs, 3]`` for ``layer``."""
         shifted = self.runs.copy()
-        shifted[:, :2] += layer * self.layer_bytes
+        shifted[:, 0] += layer * self.src_layer_bytes
+        shifted[:, 1] += layer * self.dst_layer_bytes
         return shifted
 
     def for_layers(self, num_layers: int) -> np.ndarray:
@@ -110,6 +118,22 @@ def slot_runs(src_slots: np.ndarray, dst_slots: np.ndarray,
     return src[starts], dst[starts], lengths
 
 
+def _checked_slots(src_slots: np.ndarray, dst_slots: np.ndarray, g: KVGeometry,
+                   dst_num_slots: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Both slot lists as int64, checked: 1-D, one length, every slot inside ``g``'s pages (the
+    receiver's inside ``dst_num_slots`` where its pages differ)."""
+    src_slots = np.asarray(src_slots, dtype=np.int64)
+    dst_slots = np.asarray(dst_slots, dtype=np.int64)
+    if src_slots.shape != dst_slots.shape or src_slots.ndim != 1:
+        raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got {src_slots.shape} and "
+                         f"{dst_slots.shape}")
+    limits = (g.num_slots, g.num_slots if dst_num_slots is None else dst_num_slots)
+    for name, slots, limit in (("src_slots", src_slots, limits[0]), ("dst_slots", dst_slots, limits[1])):
+        if len(slots) and (slots.min() < 0 or slots.max() >= limit):
+            raise ValueError(f"{name} must be in [0, {limit}), got range [{slots.min()}, {slots.max()}]")
+    return src_slots, dst_slots
+
+
 def coalesce(src_slots: np.ndarray, dst_slots: np.ndarray, geometry: KVGeometry) -> LayerSegments:
     """Byte runs that move K/V of ``src_slots`` into ``dst_slots`` of the same-shaped tensor.
 
@@ -125,19 +149,13 @@ def coalesce(src_slots: np.ndarray, dst_slots: np.ndarray, geometry: KVGeometry)
         ValueError: lengths differ or a slot is out of range.
     """
     g = geometry
-    src_slots = np.asarray(src_slots, dtype=np.int64)
-    dst_slots = np.asarray(dst_slots, dtype=np.int64)
-    if src_slots.shape != dst_slots.shape or src_slots.ndim != 1:
-        raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got {src_slots.shape} and {dst_slots.shape}")
-    for name, slots in (("src_slots", src_slots), ("dst_slots", dst_slots)):
-        if len(slots) and (slots.min() < 0 or slots.max() >= g.num_slots):
-            raise ValueError(f"{name} must be in [0, {g.num_slots}), got range [{slots.min()}, {slots.max()}]")
+    src_slots, dst_slots = _checked_slots(src_slots, dst_slots, g)
     src0, dst0, length = slot_runs(src_slots, dst_slots, g.page_size)
     full = length == g.page_size
     runs = [_full_page_runs(src0[full] // g.page_size, dst0[full] // g.page_size, g),
             _partial_page_runs(src0[~full], dst0[~full], length[~full], g)]
     merged = np.concatenate(runs) * np.array([g.itemsize, g.itemsize, g.itemsize], dtype=np.int64)
-    return LayerSegments(runs=merged.reshape(-1, 3), layer_bytes=g.layer_bytes)
+    return LayerSegments(runs=merged.reshape(-1, 3), src_layer_bytes=g.layer_bytes, dst_layer_bytes=g.layer_bytes)
 
 
 def _full_page_runs(src_pages: np.ndarray, dst_pages: np.ndarray, g: KVGeometry) -> np.ndarray:
@@ -168,47 +186,8 @@ def _partial_page_runs(src0: np.ndarray, dst0: np.ndarray, length: np.ndarray,
     return np.stack([start(src0), start(dst0), size], axis=1)
 
 
-@dataclass(frozen=True)
-class HeadSegments:
-    """Byte runs of one layer from a sender's head range into a receiver of another page layout.
-
-    The sender's pages hold ``H_src`` heads, the receiver's ``H_dst`` (the two sides' tensor
-    parallelism differs: `disagg.transfer.heads`), so the layers of the two sides are
-    ``src_layer_bytes`` and ``dst_layer_bytes`` apart; `for_layer` shifts each side by its own.
-
-    Attributes:
-        runs: int64 ``[num_runs, 3]`` rows ``(src_byte, dst_byte, num_bytes)``, layer 0, from the
-            start of the symmetric allocation both sides' pages begin at.
-        src_layer_bytes, dst_layer_bytes: one layer of each side.
-    """
-
-    runs: np.ndarray
-    src_layer_bytes: int
-    dst_layer_bytes: int
-
-    def __len__(self) -> int:
-        return len(self.runs)
-
-    @property
-    def num_bytes(self) -> int:
-        return int(self.runs[:, 2].sum()) if len(self.runs) else 0
-
-    def for_layer(self, layer: int) -> np.ndarray:
-        """int64 ``[num_runs, 3]`` for ``layer``."""
-        shifted = self.runs.copy()
-        shifted[:, 0] += layer * self.src_layer_bytes
-        shifted[:, 1] += layer * self.dst_layer_bytes
-        return shifted
-
-    def for_layers(self, num_layers: int) -> np.ndarray:
-        """int64 ``[num_layers * num_runs, 3]``: every layer's runs, layer-major."""
-        if not len(self.runs):
-            return self.runs.copy()
-        return np.concatenate([self.for_layer(layer) for layer in range(num_layers)])
-
-
 def coalesce_heads(src_slots: np.ndarray, dst_slots: np.ndarray, src: KVGeometry, dst_num_kv_heads: int,
-                   src_head: int, dst_head: int, num_heads: int) -> HeadSegments:
+                   src_head: int, dst_head: int, num_heads: int, dst_num_pages: int | None = None) -> LayerSegments:
     """Byte runs that move heads ``[src_head, src_head + num_heads)`` of ``src_slots`` into heads
     ``[dst_head, ..)`` of ``dst_slots`` of a receiver whose pages hold ``dst_num_kv_heads`` heads.
 
@@ -217,23 +196,19 @@ def coalesce_heads(src_slots: np.ndarray, dst_slots: np.ndarray, src: KVGeometry
 
     Args:
         src_slots, dst_slots: int ``[n]`` slots, pair i is ``src_slots[i] -> dst_slots[i]``; the
-            two sides have the same number of pages and page size.
+            two sides have one page size.
         src: the sender's KV geometry.
         dst_num_kv_heads: the receiver's local KV heads.
         src_head, dst_head, num_heads: the head range on each side (`disagg.transfer.heads.PushRoute`).
+        dst_num_pages: the receiver's pages (its layers are that many of its pages apart); None:
+            the sender's.
 
     Raises:
         ValueError: lengths differ, a slot or a head range is out of range.
     """
     g = src
-    src_slots = np.asarray(src_slots, dtype=np.int64)
-    dst_slots = np.asarray(dst_slots, dtype=np.int64)
-    if src_slots.shape != dst_slots.shape or src_slots.ndim != 1:
-        raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got {src_slots.shape} and "
-                         f"{dst_slots.shape}")
-    for name, slots in (("src_slots", src_slots), ("dst_slots", dst_slots)):
-        if len(slots) and (slots.min() < 0 or slots.max() >= g.num_slots):
-            raise ValueError(f"{name} must be in [0, {g.num_slots}), got range [{slots.min()}, {slots.max()}]")
+    dst_num_pages = g.num_pages if dst_num_pages is None else dst_num_pages
+    src_slots, dst_slots = _checked_slots(src_slots, dst_slots, g, dst_num_pages * g.page_size)
     if num_heads < 1 or src_head < 0 or src_head + num_heads > g.num_kv_heads or dst_head < 0 \
             or dst_head + num_heads > dst_num_kv_heads:
         raise ValueError(f"heads: expected {num_heads} head(s) from {src_head} inside the sender's {g.num_kv_heads} "
@@ -261,6 +236,5 @@ def coalesce_heads(src_slots: np.ndarray, dst_slots: np.ndarray, src: KVGeometry
     part = np.stack([start(s0, src_page, rows_src), start(d0, dst_page, rows_dst),
                      np.repeat(n * g.head_dim, 2 * num_heads)], axis=1)
     runs = np.concatenate([whole.reshape(-1, 3), part.reshape(-1, 3)]) * g.itemsize
-    layers = g.num_pages * g.itemsize
-    return HeadSegments(runs=runs.astype(np.int64), src_layer_bytes=layers * src_page,
-                        dst_layer_bytes=layers * dst_page)
+    return LayerSegments(runs=runs.astype(np.int64), src_layer_bytes=g.num_pages * src_page * g.itemsize,
+                         dst_layer_bytes=dst_num_pages * dst_page * g.itemsize)

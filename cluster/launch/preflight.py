@@ -99,7 +99,7 @@ def check_tensor_parallel(config: Config, model: ModelConfig) -> None:
     Raises:
         PreflightError: naming the role, its tensor_parallel (with the other side's when the two
             differ), every shape that does not divide (with the numbers) and the degrees that
-            would; ``transfer.verify`` with prefill and decode at different tensor parallelism.
+            would.
     """
     inst = config.instances
     prefill, decode = inst.tensor_parallel_of("prefill"), inst.tensor_parallel_of("decode")
@@ -113,10 +113,6 @@ def check_tensor_parallel(config: Config, model: ModelConfig) -> None:
             raise PreflightError(
                 f"instances.tensor_parallel: {pair}{role} instances at tensor_parallel {ranks} cannot shard "
                 f"{model.name}: {'; '.join(problems)}; degrees that shard it: {', '.join(fits)}")
-    if pair and config.transfer.verify:
-        raise PreflightError(f"transfer.verify: {pair}a decode rank's pages are written by several prefill ranks, "
-                             "and the digest covers one sender's push of every head; turn transfer.verify off, "
-                             f"or give both sides the same tensor_parallel")
 
 
 def _unsharded(model: ModelConfig, ranks: int) -> list[str]:

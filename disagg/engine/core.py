@@ -89,14 +89,18 @@ class EngineCore:
         self.max_model_len = int(model.config.max_position_embeddings)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Sides of different tensor parallelism: every PE allocates the widest side's pages, and a
+        # rank with fewer heads per page views the same bytes as more pages.
+        layout = layout_for(model, options.peer_tensor_parallel, num_pages) if heap is not None else None
+        if layout is not None and layout.local_num_pages is not None:
+            num_pages = layout.local_num_pages
         self.cache = PagedKVCache(num_pages, page_size, prefix_caching=options.prefix_caching)
         shape, dtype = model.kv_shape(num_pages, page_size), options.kv_dtype or model.dtype
         # The KV transport (None: local requests only): its receiver is built now, its sender on the
         # first pushed prompt (a receive-only instance never needs one).
         self.connector = connector if connector is not None or heap is None else open_connector(
             heap, lease_s=options.lease_s, clock=options.clock, force_segment_puts=options.force_segment_puts,
-            verify=options.verify_transfers, group=getattr(model, "tp", None),
-            layout=layout_for(model, options.peer_tensor_parallel))
+            verify=options.verify_transfers, group=getattr(model, "tp", None), layout=layout)
         self.kv = (self.connector.alloc_kv(shape, dtype) if self.connector is not None
                    else torch.zeros(shape, dtype=dtype, device=model.device))
         self.receiver = None if self.connector is None else self.connector.receiver

@@ -34,7 +34,9 @@ class EngineOptions:
     """An engine's cache, batch budgets and step-pipeline switches.
 
     Attributes:
-        num_pages: pages in the engine's KV cache (None: given as the engine's keyword).
+        num_pages: pages in the engine's KV cache (None: given as the engine's keyword); with a
+            ``peer_tensor_parallel`` other than its own, the fleet's pages of its widest side, of
+            which a narrower rank views more (`disagg.transfer.heads.HeadLayout.num_pages_of`).
         page_size: tokens per page.
         max_num_seqs: sequences per forward (and decoding at once).
         max_num_batched_tokens: tokens per forward (the prefill chunk budget); a decode engine

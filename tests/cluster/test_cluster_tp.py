@@ -56,6 +56,12 @@ def test_the_fleet_reports_each_instance_s_ranks(cluster):
     assert [r["pe"] for r in by_name["decode-0"]["ranks"]] == list(range(prefill, prefill + decode))
     assert all(r["device"] == "cpu" for inst in by_name.values() for r in inst["ranks"])
     assert set(stats["paths"]) == {f"{p}->{d}" for p in range(prefill) for d in range(prefill, prefill + decode)}
+    # Every PE allocates the fleet's pages of its widest side; a side with fewer heads per rank
+    # views those bytes as proportionally more pages (tiny: 2 KV heads).
+    heads = {"prefill-0": 2 // prefill, "decode-0": 2 // decode}
+    widest = max(heads.values())
+    assert {name: inst["total_pages"] for name, inst in by_name.items()} == \
+        {name: stats["num_pages"] * widest // h for name, h in heads.items()}
 
 
 def test_disagg_check_and_metrics_show_every_rank(cluster):

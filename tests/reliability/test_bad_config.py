@@ -144,10 +144,6 @@ UNSHARDED = {
                                                ("instances.tensor_parallel", {"prefill": 2, "decode": 3})]},
                                       "instances.tensor_parallel: prefill 2 pushing into decode 3: prefill instances "
                                       "at tensor_parallel 2 cannot shard dummy:smollm2-135m"),
-    "tp pair with verify": ({"set": [("instances.tensor_parallel", {"prefill": 1, "decode": 2}),
-                                     ("transfer.verify", True)]},
-                            "transfer.verify: prefill 1 pushing into decode 2: a decode rank's pages are written by "
-                            "several prefill ranks"),
 }
 
 

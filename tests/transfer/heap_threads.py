@@ -16,7 +16,7 @@ def collective(fns: list[Callable[[], object]], timeout_s: float = 30.0) -> list
         return [f.result(timeout=timeout_s) for f in futures]
 
 
-def open_shm_heaps(world_size: int, size_bytes: int = 1 << 20, timeout_s: float = 10.0,
+def open_shm_heaps(world_size: int, size_bytes: int = 1 << 20, timeout_s: float = 60.0,
                    num_signals: int = 64) -> list[SymmetricHeap]:
     uid = new_unique_id("shm")
     return collective([lambda r=r: open_heap("shm", uid=uid, rank=r, world_size=world_size,
@@ -29,7 +29,7 @@ class Shared:
     """One gather's state for the ranks of a `ThreadGroup`."""
 
     def __init__(self, size: int) -> None:
-        self.barrier = threading.Barrier(size, timeout=10)
+        self.barrier = threading.Barrier(size, timeout=60)  # a bound on a hang; a loaded CI machine is slow
         self.slots: list = [None] * size
 
 

@@ -73,3 +73,39 @@ def test_runs_move_exactly_what_copy_slots_moves(data):
     apply_runs(src, got, coalesce(src_slots, dst_slots, GEO).for_layers(GEO.num_layers))
     reference.copy_slots(src, torch.from_numpy(src_slots), want, torch.from_numpy(dst_slots))
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("src_heads,dst_heads,src_head,dst_head,num_heads", [(4, 2, 2, 0, 2), (2, 4, 0, 2, 2)])
+def test_head_runs_address_a_receiver_that_views_the_same_bytes_as_more_or_fewer_pages(
+        src_heads, dst_heads, src_head, dst_head, num_heads):
+    """Both sides view one allocation of 8 pages of 4 heads: the 2-head side as 16 pages. The runs
+    of `coalesce_heads` put each (layer, slot, K/V, head) where the receiver's own view reads it,
+    slots past the sender's page count included (a whole page and a partial one)."""
+    from disagg.transfer.segments import coalesce_heads
+
+    layers, page, dim, widest_pages = 3, 4, 8, 8
+    pages = {h: widest_pages * 4 // h for h in (src_heads, dst_heads)}
+    total = layers * widest_pages * 2 * 4 * page * dim
+    src_flat = torch.randn(total)
+    dst_flat = torch.zeros(total)
+    src = src_flat[:layers * pages[src_heads] * 2 * src_heads * page * dim].view(
+        layers, pages[src_heads], 2, src_heads, page, dim)
+    dst = dst_flat[:layers * pages[dst_heads] * 2 * dst_heads * page * dim].view(
+        layers, pages[dst_heads], 2, dst_heads, page, dim)
+    geo = KVGeometry(num_layers=layers, num_pages=pages[src_heads], num_kv_heads=src_heads, page_size=page,
+                     head_dim=dim, itemsize=4)
+    src_slots = np.concatenate([np.arange(4) + 4 * 1, np.arange(2) + 4 * 3])  # page 1 whole, 2 tokens of page 3
+    last = pages[dst_heads] - 1
+    dst_slots = np.concatenate([np.arange(4) + 4 * last, np.arange(2) + 4 * (last - 1) + 1])
+    segs = coalesce_heads(src_slots, dst_slots, geo, dst_heads, src_head, dst_head, num_heads, pages[dst_heads])
+    apply_runs(src_flat, dst_flat, segs.for_layers(layers))
+    for s, d in zip(src_slots.tolist(), dst_slots.tolist()):
+        torch.testing.assert_close(dst[:, d // page, :, dst_head:dst_head + num_heads, d % page],
+                                   src[:, s // page, :, src_head:src_head + num_heads, s % page], rtol=0, atol=0)
+    written = torch.zeros(total, dtype=torch.bool)
+    for s, d, n in segs.for_layers(layers).tolist():
+        written[d // 4:(d + n) // 4] = True
+    assert int(written.sum()) == layers * len(src_slots) * 2 * num_heads * dim  # nothing else is written
+    with pytest.raises(ValueError, match="dst_slots"):
+        coalesce_heads(src_slots, dst_slots + 4 * (pages[dst_heads] - last), geo, dst_heads, src_head, dst_head,
+                       num_heads, pages[dst_heads])

@@ -6,7 +6,12 @@ test_group_connector.py). A prompt goes in chunks, with KV on the sender before 
 page-to-page copies) and a prefix the decode side holds already (`num_cached_tokens`); every
 segment put is recorded, and each decode rank's bytes must be written exactly once -- its heads,
 at its slots, every layer -- and hold the full model's K/V of those heads. Replicated heads (more
-ranks than KV heads) are written by one sender only.
+ranks than KV heads) are written by one sender only. With `transfer.verify`, each (sender,
+receiver) route carries its own digest of its heads: a clean push lands, and a byte flipped in
+one route's puts fails the request on every decode rank, naming that route's two PEs. Every PE
+allocates PAGES pages of the side with more heads per rank and a rank of the other side views
+them as more pages, as a launch does; the requests land in the decode ranks' last pages (past
+PAGES where the decode side is narrower).
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from heap_threads import Shared, ThreadGroup, collective, open_shm_heaps
 
 from disagg.cache import PagedKVCache
 from disagg.transfer import KVPoll, PushState, open_connector
-from disagg.transfer.heads import HeadLayout, kv_heads_of, routes_of, senders_of
+from disagg.transfer.heads import HeadLayout, kv_heads_of, received_heads, routes_of, senders_of
 from disagg.transfer.shm_heap import shm_leftovers
+from disagg.transfer.verify import DIGEST_MISMATCH
 
 LAYERS, PAGES, PAGE, DIM = 2, 8, 4, 8
 LEASE_S = 10.0
@@ -39,35 +45,49 @@ def each(fn, ranks):
 class Fleet:
     """The a + b connectors, their KV tensors, and a record of every segment put."""
 
-    def __init__(self, num_kv_heads: int, a: int, b: int) -> None:
+    def __init__(self, num_kv_heads: int, a: int, b: int, verify: bool = False) -> None:
         self.num_kv_heads, self.a, self.b = num_kv_heads, a, b
         self.heaps = open_shm_heaps(a + b, num_signals=64)
         groups = Shared(a), Shared(b)
 
+        # As a launch sizes it: PAGES pages of the widest side on every PE, which a rank of the
+        # narrower side views as more pages (`HeadLayout.num_pages_of`).
+        layout = HeadLayout(num_kv_heads, a, 0, b, PAGES)
+        self.prefill_pages, self.decode_pages = layout.num_pages_of(a), layout.num_pages_of(b)
+
         def connector(pe: int):
             side, rank, size, peer = (0, pe, a, b) if pe < a else (1, pe - a, b, a)
             group = ThreadGroup(groups[side], rank, size) if size > 1 else None
-            return open_connector(self.heaps[pe], lease_s=LEASE_S, group=group,
-                                  layout=HeadLayout(num_kv_heads, size, rank, peer))
+            return open_connector(self.heaps[pe], lease_s=LEASE_S, group=group, verify=verify,
+                                  layout=HeadLayout(num_kv_heads, size, rank, peer, PAGES))
 
         self.connectors = [connector(pe) for pe in range(a + b)]
         self.prefill, self.decode = self.connectors[:a], self.connectors[a:]
-        shapes = [self.shape(kv_heads_of(num_kv_heads, a, i)) for i in range(a)] + \
-                 [self.shape(kv_heads_of(num_kv_heads, b, j)) for j in range(b)]
+        shapes = [self.shape(kv_heads_of(num_kv_heads, a, i), self.prefill_pages) for i in range(a)] + \
+                 [self.shape(kv_heads_of(num_kv_heads, b, j), self.decode_pages) for j in range(b)]
         self.kv = collective([lambda c=c, s=s: c.alloc_kv(s, torch.float32) for c, s in zip(self.connectors, shapes)])
         self.puts: list[tuple[int, int, np.ndarray]] = []  # (src PE, dst PE, runs)
+        self.corrupt_route: tuple[int, int] | None = None  # (src PE, dst PE): flip a byte its puts land
         for heap in self.heaps[:a]:
             put = heap.put_segments_async
 
             def record(tensor, pe, segments, stream=None, put=put, src=heap.rank):
                 self.puts.append((src, pe, segments.copy()))
                 put(tensor, pe, segments, stream)
+                if (src, pe) == self.corrupt_route and tensor is not self.digest_rows(src):
+                    landed = self.kv[pe].reshape(-1).view(torch.uint8)
+                    landed[int(segments[-1, 1]) + 1] ^= 0x40  # the last run's first value: in flight
 
             heap.put_segments_async = record
 
+    def digest_rows(self, pe: int):
+        """PE ``pe``'s digest rows (`transfer.verify`), or None."""
+        table = getattr(self.connectors[pe], "inner", self.connectors[pe])._digests
+        return None if table is None else table.rows
+
     @staticmethod
-    def shape(heads: range) -> tuple[int, ...]:
-        return (LAYERS, PAGES, 2, len(heads), PAGE, DIM)
+    def shape(heads: range, num_pages: int) -> tuple[int, ...]:
+        return (LAYERS, num_pages, 2, len(heads), PAGE, DIM)
 
     def reserve(self, request_id: str, cmap: list[int], cached: int):
         return each(lambda c: c.receiver.reserve(request_id, cmap, num_cached_tokens=cached), self.decode)[0]
@@ -85,8 +105,8 @@ class Fleet:
 def make_fleet():
     made = []
 
-    def make(num_kv_heads: int, a: int, b: int) -> Fleet:
-        made.append(Fleet(num_kv_heads, a, b))
+    def make(num_kv_heads: int, a: int, b: int, verify: bool = False) -> Fleet:
+        made.append(Fleet(num_kv_heads, a, b, verify))
         return made[-1]
 
     yield make
@@ -131,13 +151,16 @@ def expected_bytes(kv: torch.Tensor, slots: np.ndarray) -> np.ndarray:
 def test_each_decode_rank_gets_exactly_its_heads_once(make_fleet, num_kv_heads: int, a: int, b: int):
     fleet = make_fleet(num_kv_heads, a, b)
     n, cached, before = 19, 4, 6  # prompt tokens; decode-side prefix (a page); computed before the attach
-    recv_cache = PagedKVCache(PAGES, PAGE)
+    recv_cache = PagedKVCache(fleet.decode_pages, PAGE)
+    recv_cache.add_sequence(1)  # the decode side's low pages taken: the request lands in its last ones
+    recv_cache.begin_forward([1], [(fleet.decode_pages - 5) * PAGE])
+    recv_cache.end_forward()
     recv_cache.add_sequence(0)
     cmap = recv_cache.disagg_prepare_recv(0, n - cached)
     recv_cache.end_forward()
     dest = fleet.reserve("r", cmap, cached)
     assert dest.pes == tuple(range(a, a + b))
-    caches = [PagedKVCache(PAGES, PAGE) for _ in range(a)]
+    caches = [PagedKVCache(fleet.prefill_pages, PAGE) for _ in range(a)]
     for cache in caches:  # another sequence first, so the two sides' slots differ
         cache.add_sequence(7)
         cache.begin_forward([7], [3])
@@ -200,11 +223,15 @@ def test_the_routes_cover_every_decode_head_once_and_only_from_a_holder():
                 assert route.ticket == f"t{j}.{i}"  # this sender's word of that receiver
                 assert route.dst_num_kv_heads == len(theirs)
         assert set(cover) == {(j, h) for j in range(b) for h in kv_heads_of(num_kv_heads, b, j)}
+        for j in range(b):  # the receiver's own account of each sender's heads (`transfer.verify`)
+            routed = [(r.dst_head, r.num_heads) for i in senders_of(num_kv_heads, a, b, j)
+                      for r in routes_of(num_kv_heads, a, i, tuple(range(b)), tickets) if r.pe == j]
+            assert received_heads(num_kv_heads, a, b, j) == tuple(routed)
 
 
 def test_a_decode_rank_written_by_two_senders_lands_only_once_both_rang(make_fleet):
     fleet = make_fleet(4, 2, 1)  # both prefill ranks write the one decode rank's page
-    recv_cache = PagedKVCache(PAGES, PAGE)
+    recv_cache = PagedKVCache(fleet.decode_pages, PAGE)
     recv_cache.add_sequence(0)
     dest = fleet.reserve("two", recv_cache.disagg_prepare_recv(0, 3), 0)
     assert isinstance(dest.ticket, tuple) and len(dest.ticket) == 2
@@ -219,7 +246,7 @@ def test_a_decode_rank_written_by_two_senders_lands_only_once_both_rang(make_fle
 
 def test_an_aborted_split_push_never_rings_and_its_reservation_cancels_on_every_rank(make_fleet):
     fleet = make_fleet(4, 1, 2)
-    cache, recv_cache = PagedKVCache(PAGES, PAGE), PagedKVCache(PAGES, PAGE)
+    cache, recv_cache = PagedKVCache(fleet.prefill_pages, PAGE), PagedKVCache(fleet.decode_pages, PAGE)
     recv_cache.add_sequence(0)
     dest = fleet.reserve("x", recv_cache.disagg_prepare_recv(0, 6), 0)
     cache.add_sequence(3)
@@ -235,3 +262,70 @@ def test_an_aborted_split_push_never_rings_and_its_reservation_cancels_on_every_
     assert fleet.poll() == [[], []]
     assert each(lambda c: c.receiver.cancel(dest), fleet.decode) == [None, None]
     assert all(getattr(c, "inner", c).receiver.num_armed == 0 and len(c.receiver) == 0 for c in fleet.decode)
+
+
+def push_verified(fleet: Fleet, n: int = 7, before: int = 3):
+    """With `transfer.verify` on: reserve ``n`` tokens on every decode rank, push them from every
+    prefill rank (a whole page and part of one; the first ``before`` computed before the attach, so
+    they go page to page), and poll; the decode ranks' closed reservations and the reserved slots."""
+    recv_cache = PagedKVCache(fleet.decode_pages, PAGE)
+    recv_cache.add_sequence(1)  # the decode side's low pages taken: the request lands in its last ones
+    recv_cache.begin_forward([1], [(fleet.decode_pages - 3) * PAGE])
+    recv_cache.end_forward()
+    recv_cache.add_sequence(0)
+    dest = fleet.reserve("v", recv_cache.disagg_prepare_recv(0, n), 0)
+    recv_cache.end_forward()
+    caches = [PagedKVCache(fleet.prefill_pages, PAGE) for _ in range(fleet.a)]
+    for connector, cache in zip(fleet.prefill, caches):
+        cache.add_sequence(7)  # another sequence first, so the two sides' slots differ
+        cache.begin_forward([7], [2])
+        cache.end_forward()
+        cache.add_sequence(9)
+    gen = torch.Generator().manual_seed(fleet.a * 10 + fleet.b)
+    full_k, full_v = torch.randn(2, LAYERS, n, fleet.num_kv_heads, DIM, generator=gen)
+    forward(fleet, caches, 9, before, full_k, full_v, 0)
+    for connector, cache in zip(fleet.prefill, caches):
+        mine = connector.local_dest(dest)
+        cache.disagg_mark_send(9, 0, mine.cmap, mine.pe)
+        connector.sender.attach(9, mine)
+    forward(fleet, caches, 9, n - before, full_k, full_v, before)
+    return fleet.poll(), recv_cache.slots(0).astype(np.int64)
+
+
+@pytest.mark.parametrize("a, b", [(1, 2), (2, 1)])
+def test_verify_digests_each_route_and_a_clean_split_push_lands(make_fleet, a: int, b: int):
+    from disagg.transfer.verify import kv_digest
+
+    fleet = make_fleet(4, a, b, verify=True)
+    closed, slots = push_verified(fleet)
+    assert [[(c.request_id, c.state, c.reason) for c in got] for got in closed] == [[("v", KVPoll.LANDED, "")]] * b
+    for j, connector in enumerate(fleet.decode):
+        receiver = getattr(connector, "inner", connector).receiver
+        assert (receiver.num_landed, receiver.num_corrupt) == (1, 0)
+        # One row per sender route, at that sender's doorbell word: its PE, the digest of its heads here.
+        senders = senders_of(4, a, b, j)
+        rows = fleet.digest_rows(a + j)[0]
+        written_by = {int(row[1]): row[2:] for row in rows if row[0] > 0}
+        assert set(written_by) == set(senders)  # the prefill PEs are the sender ranks
+        for sender, heads in zip(senders, received_heads(4, a, b, j)):
+            assert heads != (0, 4) and torch.equal(written_by[sender], kv_digest(fleet.kv[a + j],
+                                                                                 torch.from_numpy(slots), heads))
+
+
+@pytest.mark.parametrize("a, b, route", [(1, 2, (0, 2)), (2, 1, (1, 2)), (2, 1, (0, 2))],
+                         ids=["1to2-into-rank1", "2to1-from-rank1", "2to1-from-rank0"])
+def test_verify_catches_a_page_corrupted_in_one_route_naming_its_pes(make_fleet, a: int, b: int, route):
+    fleet = make_fleet(4, a, b, verify=True)
+    fleet.corrupt_route = route
+    closed, _ = push_verified(fleet)
+    src, dst = route
+    for got in closed:  # every decode rank closes it failed, with the corrupted rank's reason
+        [one] = got
+        assert (one.request_id, one.state) == ("v", KVPoll.EXPIRED)
+        assert one.reason.startswith(DIGEST_MISMATCH), one.reason
+        assert f"(request v, PE {src} -> PE {dst})" in one.reason, one.reason
+        if b > 1:
+            assert one.reason.endswith(f"(rank {dst - a} of this instance)"), one.reason
+    corrupt = [getattr(c, "inner", c).receiver.num_corrupt for c in fleet.decode]
+    assert corrupt == [int(pe == dst) for pe in range(a, a + b)]
+    assert all(len(c.receiver) == 0 for c in fleet.decode)

@@ -108,12 +108,12 @@ def test_the_router_fails_a_digest_mismatch_with_a_transfer_error():
     from disagg.cluster.launch.instance import Instance
     from disagg.cluster.outputs import RequestMetrics
     from disagg.cluster.routing.requests import RoutedRequest
-    from disagg.cluster.routing.router import Router
+    from disagg.cluster.routing.call_errors import engine_ended_error
     from disagg.errors import TransferError
 
     prefill, decode = Instance("prefill-0", "prefill", actor=None, pe=0), Instance("decode-0", "decode", actor=None,
                                                                                     pe=1)
     req = RoutedRequest("r", [1, 2], None, lambda *a: None, RequestMetrics(arrival_time=0.0), stage="decoding",
                         prefill=prefill, decode=decode)
-    err = Router._engine_ended(req, decode, "error", f"{DIGEST_MISMATCH}: the 6 landed slots differ")
+    err = engine_ended_error(req, decode, "error", f"{DIGEST_MISMATCH}: the 6 landed slots differ")
     assert type(err) is TransferError and (err.request_id, err.src_pe, err.dst_pe) == ("r", 0, 1)
