@@ -90,13 +90,24 @@ class Cluster:
 
     @property
     def healthy(self) -> bool:
-        """True while the cluster can serve: the router runs and some instance lives.
+        """True while the cluster can serve: the router runs and some instance lives, or the
+        fleet is being rebuilt (`rebuild_phase`: requests wait in the router's queue for it).
 
         Any one instance serves: a prefill + decode fleet that lost a whole role puts every
         request on the survivors (`degraded_path`: local on decode instances, kept on prefill
         ones). A fleet that lost instances is degraded (`degraded` names them), not unhealthy.
         """
-        return not self._closed and any(inst.alive for inst in self.fleet.instances)
+        return not self._closed and (any(inst.alive for inst in self.fleet.instances)
+                                     or self.rebuild_phase is not None)
+
+    @property
+    def rebuild_phase(self) -> str | None:
+        """None at full strength (or with `cluster.rebuild` off), else the rebuild's phase
+        (`disagg.cluster.routing.rebuild`): "waiting" (the survivors serve degraded until
+        `cluster.rebuild_after_s`), "draining" (new requests queue while those in flight finish),
+        "restarting" (the fresh fleet starts; requests queue). No actor round trip."""
+        rebuild = self._router.rebuilder
+        return None if rebuild is None or self._closed else rebuild.phase
 
     @property
     def degraded(self) -> list[dict]:
@@ -104,8 +115,9 @@ class Cluster:
         (``why``: the reason the router recorded at its death; ``replaced_by``: the name of the
         instance serving in its place, `cluster.restart`, or None); [] at full strength. A
         replaced instance stays listed: its replacement is a colocated instance outside the
-        heap, so the fleet's KV transfer through it is back only once the fleet restarts. No
-        actor round trip."""
+        heap, so the fleet's KV transfer through it is back only once the fleet is rebuilt
+        (`cluster.rebuild`, `rebuild_phase`: every old instance is listed while the fresh fleet
+        starts, none once it serves). No actor round trip."""
         return [{"name": inst.name, "role": inst.role, "why": inst.error or "dead", "replaced_by": inst.replaced_by}
                 for inst in self.fleet.instances if not inst.alive]
 
@@ -267,7 +279,9 @@ class Cluster:
         pages, running, waiting, busy_s, alive, the engine's
         counters: num_preemptions, pushed_bytes/push_s/push_gbps on prefill, doorbell_wait_s and
         num_doorbells_rung on decode) and the router's state (queue, outcomes, aborts and failures
-        by reason), and ``degraded``: the dead instances (`degraded`).
+        by reason), ``degraded``: the dead instances (`degraded`), and ``rebuild``: the rebuild's
+        ``phase`` (`rebuild_phase`), the rebuilds begun and the latest one's seconds, or None
+        when the fleet is not rebuilt (`cluster.rebuild`).
 
         One round trip to every live instance at once; an instance that does not answer within
         ``timeout_s`` (or died) is listed with ``alive: False`` and the reason.
@@ -294,7 +308,8 @@ class Cluster:
         return {"mode": self.config.mode, "device": self.fleet.device, "backend": self.fleet.backend,
                 "num_pages": self.fleet.sizing.num_pages, "max_model_len": self.max_model_len,
                 "paths": {f"{a}->{b}": p for (a, b), p in self.fleet.paths.items()},
-                "instances": instances, "degraded": self.degraded, "router": router}
+                "instances": instances, "degraded": self.degraded, "rebuild": router.get("rebuild"),
+                "router": router}
 
     def reset_prefix_cache(self, timeout_s: float = 30.0) -> dict[str, int]:
         """Forget every live instance's cached prefixes (vLLM's ``/reset_prefix_cache``), and the

@@ -82,7 +82,10 @@ class CacheSection(Section):
     page_size: int = Field(16, gt=0, description=f"tokens per page; a power of two <= {MAX_PAGE_SIZE}")
     num_pages: int | None = Field(
         None, gt=0, description="pages per instance; default: sized from memory (gpu_memory_fraction "
-                                "on GPU, kv_bytes on CPU)")
+                                "on GPU, kv_bytes on CPU). With prefill and decode at different "
+                                "tensor parallelism: pages of the side with more KV heads per rank; "
+                                "a rank of the other side views the same bytes as proportionally "
+                                "more pages")
     kv_bytes: int | None = Field(
         None, gt=0, description="KV memory per instance, bytes (alternative to num_pages); on the "
                                 "CPU the default is 256 MiB")
@@ -274,14 +277,28 @@ class ClusterSection(Section):
                                             "beside them. It is no PE of the symmetric heap (its members are "
                                             "fixed when it is made): it computes and decodes its own "
                                             "requests, like a colocated instance, so its compute is back "
-                                            "but the fleet's KV transfer to or from it is not until a full "
-                                            "restart of the fleet; false: the fleet stays degraded")
+                                            "but the fleet's KV transfer to or from it is not until the "
+                                            "fleet is rebuilt (rebuild); false: nothing restarts and the "
+                                            "fleet stays degraded")
     restart_backoff_s: float = Field(1.0, ge=0.0, description="seconds from a death to its replacement's "
                                                               "start, doubled for each next replacement "
                                                               "of the same instance")
     restart_limit: int = Field(3, ge=0, description="replacements of one instance over the fleet's life "
                                                     "(a start that failed counts); past it that instance "
                                                     "stays dead")
+    rebuild: bool = Field(True, description="with restart, a prefill + decode fleet returns to full strength: "
+                                            "rebuild_after_s after a death its data plane is rebuilt (new "
+                                            "requests queue in the router, those in flight drain, the old "
+                                            "actors are killed, a fresh fleet of the config opens one new heap "
+                                            "over every rank and serves the queue); false: replacements "
+                                            "serve outside the heap for good")
+    rebuild_after_s: float = Field(60.0, ge=0.0, description="seconds from a death to the start of the rebuild; "
+                                                            "the survivors (and a replacement) serve degraded "
+                                                            "meanwhile, and later deaths fold into one rebuild")
+    rebuild_drain_s: float = Field(10.0, ge=0.0, description="seconds the rebuild lets in-flight requests finish "
+                                                            "on the old fleet (new ones queue meanwhile); those "
+                                                            "still running then migrate to the new fleet with "
+                                                            "the tokens they streamed")
 
     @field_validator("address")
     @classmethod

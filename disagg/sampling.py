@@ -8,7 +8,10 @@ step. The sampler that applies these values on the device is `disagg.engine.samp
 Decisions: ``temperature == 0`` is greedy (top-k/top-p/seed ignored); ``top_k == 0`` and
 ``top_p == 1.0`` mean "no cut"; ``seed=None`` lets the engine draw one per request (the request
 still samples the same way whatever batch it lands in); EOS ids come from the model
-(`ModelConfig.eos_token_ids`) unless ``ignore_eos``; the token that stops a request is emitted.
+(`ModelConfig.eos_token_ids`) unless ``ignore_eos``; the token that stops a request is emitted;
+``draw_offset`` numbers the first draw as if that many tokens had been drawn before it (a request
+continued elsewhere with its streamed tokens in its prompt, `disagg.cluster.routing.migration`,
+draws on exactly as an uninterrupted seeded run would).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ class SamplingParams:
         seed: per-request seed in [0, 2**63); same seed, same tokens whatever the batch.
         stop_token_ids: token ids that end the request (emitted, finish_reason "stop").
         ignore_eos: do not stop at the model's EOS ids.
+        draw_offset: tokens this request already generated before its prompt's end (>= 0): its
+            first token is draw number ``draw_offset`` of its seed, not draw 0. Set by migration;
+            callers leave it 0. Greedy rows ignore it.
     """
 
     max_tokens: int = 16
@@ -40,6 +46,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    draw_offset: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +81,7 @@ class SamplingParams:
             _check_int("stop_token_ids", token, 0, None if vocab_size is None else vocab_size - 1)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos: expected a bool, got {type(self.ignore_eos).__name__}")
+        _check_int("draw_offset", self.draw_offset, 0)
         return self
 
     @classmethod

@@ -1,7 +1,10 @@
 """SamplingParams validation and the on-device sampler (CPU): greedy, temperature, top-k/top-p,
-and per-request seeds that give the same draws whatever the batch."""
+per-request seeds that give the same draws whatever the batch, and the draw offset that lets a
+request continued from its streamed tokens draw on as the uninterrupted one would."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -28,7 +31,7 @@ def _batch(params: list[SamplingParams], steps: list[int] | None = None) -> Samp
     ("temperature", float("nan"), ValueError), ("top_k", -1, ValueError), ("top_p", 0.0, ValueError),
     ("top_p", 1.5, ValueError), ("seed", -3, ValueError), ("seed", "7", TypeError),
     ("stop_token_ids", (3, -1), ValueError), ("stop_token_ids", 5, TypeError),
-    ("ignore_eos", 1, TypeError)])
+    ("ignore_eos", 1, TypeError), ("draw_offset", -1, ValueError), ("draw_offset", 2.0, TypeError)])
 def test_validate_names_the_field(field, value, kind):
     with pytest.raises(kind, match=field):
         SamplingParams(**{field: value}).validate(vocab_size=VOCAB)
@@ -141,3 +144,41 @@ def test_all_greedy_batch_packs_nothing_and_takes_the_argmax():
     assert torch.equal(sample(logits, batch), logits.argmax(-1))
     mixed = _batch([SamplingParams(), SamplingParams(temperature=0.7, seed=4)])
     assert mixed.sampled_rows.tolist() == [1] and mixed.temperature.tolist() == pytest.approx([0.0, 0.7])
+
+
+def test_draw_offset_numbers_a_rows_draws_from_it():
+    """A row's step is its ``draw_offset`` plus the tokens it generated: a request with 2 tokens
+    generated and offset 5 draws what one with 7 generated and no offset draws."""
+    params = SamplingParams(temperature=1.0, seed=21)
+    batch = _batch([params, SamplingParams(temperature=1.0, seed=21, draw_offset=5)], steps=[7, 2])
+    assert batch.step.tolist() == [7, 7]
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(1)).expand(2, VOCAB)
+    draws = sample(logits, batch)
+    assert draws[0] == draws[1]
+
+
+def test_a_request_continued_with_its_tokens_and_draw_offset_draws_the_rest_of_the_uninterrupted_run(monkeypatch):
+    """What migration does (`disagg.cluster.routing.migration.resume`): the first ``k`` tokens of a
+    seeded sampled request joined to its prompt, ``max_tokens`` k fewer, ``draw_offset`` k: the
+    engine draws exactly the uninterrupted request's remaining tokens; without the offset it does not."""
+    from disagg.engine import ColocatedEngine
+    from disagg.model import load_model
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels' torch references: the sampler is what is tested
+    model = load_model("dummy:tiny", dtype="float32", device="cpu")
+
+    def run(prompt: list[int], params: SamplingParams) -> list[int]:
+        engine = ColocatedEngine(model, num_pages=16, page_size=4, max_num_seqs=2, max_num_batched_tokens=32)
+        engine.add("r", prompt, params)
+        tokens = []
+        while engine.has_work():
+            tokens += [o.token_id for o in engine.step() if o.token_id is not None]
+        return tokens
+
+    prompt, full = [5, 9, 17, 33], SamplingParams(max_tokens=24, temperature=1.0, top_k=40, seed=7, ignore_eos=True)
+    whole = run(prompt, full)
+    for k in (1, 10):
+        rest = dataclasses.replace(full, max_tokens=24 - k, draw_offset=k)
+        assert run(prompt + whole[:k], rest) == whole[k:], k
+    restarted = run(prompt + whole[:10], dataclasses.replace(full, max_tokens=14))
+    assert restarted != whole[10:]  # draws 0.. again: another continuation

@@ -13,7 +13,9 @@ weights everywhere at once (each rank its shard), runs the preflight
 (`disagg.cluster.launch.preflight`), bootstraps one symmetric heap over every rank of every
 prefill and decode instance (PE 0's unique id travels through Ray; every PE opens concurrently)
 and builds the engines. Every step is one `ray.get` over all actors. Runs in the
-launching process; on any failure everything started so far is torn down.
+launching process; on any failure everything started so far is torn down. A rebuild
+(`disagg.cluster.routing.rebuild`) kills a fleet without closing its heap (`Fleet.kill`), starts
+its config afresh with the same actors' class and environment, and `Fleet.adopt`s the new one.
 """
 
 from __future__ import annotations
@@ -78,6 +80,26 @@ class Fleet:
     def stop(self) -> None:
         """Close heaps, kill the actors, free the placement group; shut Ray down if we started it."""
         stop_actors(self.instances, self.placement_group, self.started_ray)
+
+    def kill(self) -> None:
+        """Kill every actor (replacements included) and free the placement group, closing no heap:
+        once a PE died, NVSHMEM's finalize on a survivor does not return. Ray stays up; the fleet
+        keeps its config and its instances (dead) until `adopt` (a rebuild)."""
+        for inst in self.instances:
+            inst.alive = False
+            for actor in inst.actors:
+                ray.kill(actor, no_restart=True)
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+    def adopt(self, new: Fleet) -> None:
+        """Become ``new`` (a fresh fleet of the same config, `start_fleet`) in place: its instances,
+        heap, paths and placement group; whoever holds this fleet (the router, its placer, the
+        `Cluster`) sees the new instances. Ray stays owned as before (``started_ray``)."""
+        self.instances[:] = new.instances  # the same list: the placer's list is the fleet's
+        self.device, self.backend, self.sizing, self.paths = new.device, new.backend, new.sizing, new.paths
+        self.placement_group = new.placement_group
 
 
 def resolve_source(config: Config) -> Config:
@@ -154,24 +176,28 @@ def count_local_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def start_fleet(config: Config) -> Fleet:
+def start_fleet(config: Config, actor_class: type | None = None, env: dict[str, str] | None = None) -> Fleet:
     """Start, load, check and bootstrap every instance of ``config``; see the module docstring.
 
     Args:
         config: the validated config.
+        actor_class: the actors' class (default `ACTOR_CLASS`; a rebuild passes its fleet's).
+        env: the actors' environment (default `actor_env`; a rebuild passes its fleet's).
 
     Raises:
         PreflightError: a check failed (geometry, memory, devices); the message says which.
         ClusterError: placement, loading or the heap bootstrap failed or timed out.
     """
     config = resolve_source(config).with_environment()  # DISAGG_* switches, read once, travel with it
+    actor_class = ACTOR_CLASS if actor_class is None else actor_class
+    env = actor_env() if env is None else env
     check_model_source(config)  # what this host can check fails in a moment, not after Ray's start-up
     check_local_gpus(config)
     started_ray = connect(config)
     instances, group = [], None
     try:
         device = choose_device(config)
-        group, instances = _place(config, device)
+        group, instances = _place(config, device, actor_class, env)
         timeout_s = config.cluster.startup_timeout_s
         _join_groups(instances, device, timeout_s)
         names = [inst.name if r == 0 else f"{inst.name} rank {r}" for inst in instances
@@ -195,7 +221,7 @@ def start_fleet(config: Config) -> Fleet:
         stop_actors(instances, group, started_ray)
         raise
     logger.info("fleet up: %s on %s, backend %s", ", ".join(inst.name for inst in instances), device, backend)
-    return Fleet(config, device, backend, instances, sizing, paths, group, started_ray, ACTOR_CLASS, actor_env())
+    return Fleet(config, device, backend, instances, sizing, paths, group, started_ray, actor_class, env)
 
 
 def actor_env() -> dict[str, str]:
@@ -235,8 +261,11 @@ def start_replacement(fleet: Fleet, dead: Instance, name: str) -> Instance:
     return inst
 
 
-def _place(config: Config, device: str) -> tuple[Any, list[Instance]]:
-    """One placement-group bundle and one actor (of `ACTOR_CLASS`) per rank of every instance."""
+def _place(config: Config, device: str, actor_class: type | None = None, env: dict[str, str] | None = None
+           ) -> tuple[Any, list[Instance]]:
+    """One placement-group bundle and one actor (of ``actor_class``, default `ACTOR_CLASS`, in
+    ``env``, default `actor_env`) per rank of every instance."""
+    actor_class = ACTOR_CLASS if actor_class is None else actor_class
     inst_cfg = config.instances
     roles = ([("prefill", i) for i in range(inst_cfg.prefill)] + [("decode", i) for i in range(inst_cfg.decode)]
              + [("colocated", i) for i in range(inst_cfg.colocated)])
@@ -255,8 +284,8 @@ def _place(config: Config, device: str) -> tuple[Any, list[Instance]]:
         raise ClusterError(f"the Ray cluster cannot place {len(ranks)} ranks of {len(roles)} instances of {bundle} "
                            f"within {config.cluster.startup_timeout_s:.0f} s (resources: {ray.cluster_resources()})"
                            ) from None
-    return group, _start_ranks(config, device, group, ACTOR_CLASS,
-                               [(role, f"{role}-{i}", r, index) for index, (role, i, r) in enumerate(ranks)])
+    return group, _start_ranks(config, device, group, actor_class,
+                               [(role, f"{role}-{i}", r, index) for index, (role, i, r) in enumerate(ranks)], env)
 
 
 def _start_ranks(config: Config, device: str, group: Any, actor_class: type,

@@ -20,7 +20,16 @@ from typing import TYPE_CHECKING
 from disagg.prefix_index import page_keys
 
 if TYPE_CHECKING:
+    from disagg.cluster.launch.bootstrap import Fleet
     from disagg.config import Config
+
+
+def smallest_cache_pages(fleet: Fleet) -> int:
+    """Pages of the smallest instance cache of ``fleet`` (what the affinity remembers per
+    instance): each instance's KV budget over its page's bytes."""
+    sizes = [inst.info["kv_budget_bytes"] // inst.info["page_bytes"] for inst in fleet.instances
+             if inst.info.get("page_bytes")]
+    return max(1, min(sizes)) if sizes else (fleet.config.cache.num_pages or 4096)
 
 
 def prefix_affinity(config: Config, capacity_pages: int) -> PrefixAffinity | None:

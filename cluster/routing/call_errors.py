@@ -3,7 +3,8 @@ a dead actor is logged with, and the reason each ending is counted under.
 
 The router (`disagg.cluster.routing.router`) calls these on its event loop when an actor call
 raises: `RayTaskError` (the engine raised: `cause_of` unwraps it; `refusal_error` types a
-refused request) or `RayActorError` (the actor is gone: `death_reason`). `failure_reason` names
+refused request) or `RayActorError` (the actor is gone: `death_reason`), and when an engine
+ends a request on its own with an error (`engine_ended_error`). `failure_reason` names
 the counters of `Router.snapshot` (``aborts``, ``failures``) and the ``reason`` label of
 their `/metrics` families.
 """
@@ -15,7 +16,9 @@ import re
 import ray
 
 from disagg.cluster.launch.instance import Instance
-from disagg.errors import ClusterError, RequestRefused
+from disagg.cluster.routing.requests import RoutedRequest, Stage
+from disagg.errors import ClusterError, DisaggError, RequestRefused, SignalTimeout, TransferError
+from disagg.transfer.verify import DIGEST_MISMATCH
 
 
 def failure_reason(error: BaseException | None) -> str:
@@ -44,3 +47,16 @@ def death_reason(err: ray.exceptions.RayActorError) -> str:
     """The reason an instance whose actor is gone died, as `InstanceDied` and the log give it."""
     text = str(err).strip().splitlines()
     return f"its actor exited ({type(err).__name__}: {text[0] if text else 'no detail'})"
+
+
+def engine_ended_error(req: RoutedRequest, inst: Instance, reason: str | None, error: str | None) -> DisaggError:
+    """The typed error of a request ``inst``'s engine ended on its own. A decode engine ends a
+    request whose pages failed their digest check (`transfer.verify`) with a `TransferError`,
+    and one whose first token has not come (still "prefilling") otherwise only when its lease
+    expires: the KV never landed."""
+    message = error or f"{inst.name} ended the request (finish_reason {reason})"
+    if inst is req.decode and req.prefill is not None and message.startswith(DIGEST_MISMATCH):
+        return TransferError(message, request_id=req.request_id, src_pe=req.prefill.pe, dst_pe=inst.pe)
+    if req.stage == Stage.PREFILLING and inst is req.decode and reason == "error":
+        return SignalTimeout(message, request_id=req.request_id, src_pe=req.prefill.pe, dst_pe=inst.pe)
+    return ClusterError(message)

@@ -12,10 +12,11 @@ caller's stream goes on from the next token: none repeated, none lost. A prompt 
 instance had not finished (nothing streamed yet) is simply routed again.
 
 Greedy requests continue with the tokens of an uninterrupted run (the resumed prompt's KV is the
-KV those tokens had). A sampled request keeps the tokens it streamed, but its next draws are not
-those of an uninterrupted run: the engines number a request's draws (`disagg.engine.sampler`,
-noise of ``(seed, step)``) from its prompt's end, so the resumed request draws from step 0 again
-(and, without ``SamplingParams.seed``, with a new seed).
+KV those tokens had). So do seeded sampled ones: the engines number a request's draws
+(`disagg.engine.sampler`, noise of ``(seed, step)``) from its prompt's end plus
+``SamplingParams.draw_offset``, and `resume` raises that offset by the tokens it moves into the
+prompt, so the resumed request's next draw is the one the uninterrupted request would have made.
+A sampled request without ``SamplingParams.seed`` goes on with a seed its new engines draw.
 
 Each placement of a request has its own id on the engines (`RoutedRequest.engine_id`): the dead
 placement's leftovers on a survivor (a quarantined reservation, an aborted push still quiescing)
@@ -56,15 +57,17 @@ def can_migrate(req: RoutedRequest) -> bool:
 
 def resume(req: RoutedRequest) -> None:
     """Make ``req``'s next placement continue its stream (module docstring): its prompt gains the
-    tokens streamed since its last migration, ``max_tokens`` loses them, its engine id is a new
-    one, and it is QUEUED with no instance, no reservation, nothing produced by any placement.
-    The caller took it out of the ledger and released what it held (with the old engine id)."""
+    tokens streamed since its last migration, ``max_tokens`` loses them and ``draw_offset`` gains
+    them (its seeded draws go on where they stopped), its engine id is a new one, and it is
+    QUEUED with no instance, no reservation, nothing produced by any placement. The caller took
+    it out of the ledger and released what it held (with the old engine id)."""
     streamed = req.output_token_ids[req.num_resumed_tokens:]
     params = req.params if req.params is not None else SamplingParams()
     assert params.max_tokens > len(streamed), (
         f"request {req.request_id!r}: a live request has fewer tokens streamed ({len(streamed)}) than max_tokens")
     req.prompt_token_ids = req.prompt_token_ids + streamed
-    req.params = dataclasses.replace(params, max_tokens=params.max_tokens - len(streamed))
+    req.params = dataclasses.replace(params, max_tokens=params.max_tokens - len(streamed),
+                                     draw_offset=params.draw_offset + len(streamed))
     req.num_resumed_tokens = len(req.output_token_ids)
     req.num_migrations += 1
     req.stage = Stage.QUEUED

@@ -7,7 +7,9 @@ instance's GPU share (`disagg.cluster.launch.bootstrap.start_replacement`, on a 
 loading and warming up take seconds and the router's loop keeps serving), and hands it to
 ``on_ready`` on the router's loop, which routes to it from then on. A start that fails is
 retried after the next backoff, up to ``restart_limit`` replacements per instance; past it that
-instance stays dead and the fleet degraded.
+instance stays dead and the fleet degraded. A rebuild of the whole fleet
+(`disagg.cluster.routing.rebuild`) `cancel`s the replacements under way and pauses new ones
+until its fresh fleet serves.
 
 A replacement is no PE of the symmetric heap (its members are fixed once it is made): it is a
 colocated instance ("colocated" role) that computes and decodes its own requests. Its name is
@@ -62,12 +64,16 @@ class Restarter:
         self.pending: set[str] = set()
         self.recovery_s: dict[str, float] = {}
         self.stopped = False
+        self.paused = False  # a rebuild is under way: it restarts every instance itself
+        self._generation = 0  # bumped by `cancel`: a replacement of an older one gives up
 
     def replace(self, dead: Instance, on_ready: Callable[[Instance], None]) -> Coroutine | None:
         """The task that replaces ``dead`` (its caller runs it on the router's loop): it waits
         the backoff, starts the replacement off the loop and hands it to ``on_ready``, retried
         while the limit allows; ``dead`` is `pending` from now until it ends. None when the limit
         was reached already."""
+        if self.paused:
+            return None
         if self.stopped or self.restarts[original_name(dead.name)] >= self.limit:
             logger.error("%s stays dead: cluster.restart_limit (%d) reached; the fleet serves degraded",
                          dead.name, self.limit)
@@ -75,22 +81,38 @@ class Restarter:
         self.pending.add(dead.name)
         return self._replace(dead, on_ready, time.monotonic())
 
+    def cancel(self) -> None:
+        """Give up every replacement under way (one being started is killed once it is up) and
+        start none until `resume`: a rebuild of the fleet restarts every instance itself."""
+        self._generation += 1
+        self.paused = True
+        self.pending.clear()
+
+    def resume(self) -> None:
+        """Replace dead instances again (the rebuilt fleet serves)."""
+        self.paused = False
+
+    def _cancelled(self, generation: int) -> bool:
+        return self.stopped or generation != self._generation
+
     async def _replace(self, dead: Instance, on_ready: Callable[[Instance], None], died_at: float) -> None:
-        slot = original_name(dead.name)
+        slot, generation = original_name(dead.name), self._generation
         try:
-            while self.restarts[slot] < self.limit and not self.stopped:
+            while self.restarts[slot] < self.limit and not self._cancelled(generation):
                 self.restarts[slot] += 1
                 attempt = self.restarts[slot]
                 name = f"{slot}r{attempt}"
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+                if self._cancelled(generation):
+                    return
                 logger.warning("starting %s in the place of %s (restart %d of %d)", name, dead.name, attempt,
                                self.limit)
                 try:
-                    inst = await asyncio.to_thread(self._start, dead, name)
+                    inst = await asyncio.to_thread(self._start, dead, name, generation)
                 except Exception as err:  # a failed start is one of the limit's restarts
                     logger.error("%s did not start: %s", name, err)
                     continue
-                if inst is None:  # the router stopped meanwhile
+                if inst is None:  # the router stopped, or a rebuild began, meanwhile
                     return
                 self.recovery_s[name] = time.monotonic() - died_at
                 dead.replaced_by = name
@@ -99,17 +121,18 @@ class Restarter:
                                self.recovery_s[name])
                 on_ready(inst)
                 return
-            if not self.stopped:
+            if not self._cancelled(generation):
                 logger.error("%s stays dead: cluster.restart_limit (%d) reached; the fleet serves degraded",
                              dead.name, self.limit)
         finally:
-            self.pending.discard(dead.name)
+            if not self._cancelled(generation) or self.stopped:
+                self.pending.discard(dead.name)
 
-    def _start(self, dead: Instance, name: str) -> Instance | None:
-        """On a worker thread: start the replacement; kill it again when the router stopped
-        while it started (nobody would route to it, nor stop it)."""
+    def _start(self, dead: Instance, name: str, generation: int) -> Instance | None:
+        """On a worker thread: start the replacement; kill it again when the router stopped, or
+        a rebuild began, while it started (nobody would route to it, nor stop it)."""
         inst = self.start(dead, name)
-        if self.stopped:
+        if self._cancelled(generation):
             _kill(inst)
             return None
         return inst

@@ -22,7 +22,9 @@ once its in-flight pushes completed); else D quarantines it until the ring or it
 or silent P). An instance that dies is never routed to again; the requests it holds
 (`RoutedRequest.holders`: P and D until D produced a token, then D alone) migrate: routed again
 with the tokens they streamed in their prompt (`disagg.cluster.routing.migration`, each placement
-under its own engine id), up to a bound, then fail `InstanceDied`. An abort that arrives
+under its own engine id), up to a bound, then fail `InstanceDied`. A death also schedules the
+fleet's rebuild (`cluster.rebuild`, `disagg.cluster.routing.rebuild`): the dispatcher holds the
+queue while the old fleet drains and a fresh one starts, `adopt` swaps it in. An abort that arrives
 before its request's submit is remembered (`EARLY_ABORT_TTL_S`, `MAX_REMEMBERED_IDS`) and ends
 that request at its submit. Failures are typed (`disagg.errors`): `submit` raises `QueueFull`; a
 request that ends badly carries `NoLiveInstance`, `InstanceDied`, `RequestRefused`,
@@ -45,19 +47,18 @@ import ray
 from disagg import trace
 from disagg.cluster.launch.bootstrap import Fleet, Instance, start_replacement
 from disagg.cluster.outputs import RequestMetrics, StreamDelta
-from disagg.cluster.routing.affinity import prefix_affinity
-from disagg.cluster.routing.call_errors import cause_of, death_reason, failure_reason, refusal_error
+from disagg.cluster.routing.affinity import prefix_affinity, smallest_cache_pages
+from disagg.cluster.routing.call_errors import cause_of, death_reason, engine_ended_error, failure_reason, refusal_error
 from disagg.cluster.routing.flow import Abort, Action, Add, Cancel, End, Hand, RequestFlow, Requeue, Reserve, Start
 from disagg.cluster.routing.migration import request_of
 from disagg.cluster.routing.placement import Decision
 from disagg.cluster.routing.placement.placer import Placer, Wait
+from disagg.cluster.routing.rebuild import Rebuilder, Starting
 from disagg.cluster.routing.restart import Restarter
 from disagg.cluster.routing.requests import Picker, RecentIds, RoutedRequest, Sink, Stage
 from disagg.config import RouterSection
 from disagg.engine.request import PushState
-from disagg.errors import (ClusterError, DisaggError, NoLiveInstance, OutOfPages, QueueFull, SignalTimeout,
-                           TransferError)
-from disagg.transfer.verify import DIGEST_MISMATCH
+from disagg.errors import ClusterError, DisaggError, NoLiveInstance, OutOfPages, QueueFull
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class Router:
         self.early_aborts = RecentIds(MAX_REMEMBERED_IDS, EARLY_ABORT_TTL_S)
         # An abort of one of these came after its request ended: it must not wait for a submit.
         self.ended_ids = RecentIds(4 * MAX_REMEMBERED_IDS)
-        self.placer = Placer(config, fleet.instances, self.picker, prefix_affinity(config, _cache_pages(fleet)),
+        self.placer = Placer(config, fleet.instances, self.picker, prefix_affinity(config, smallest_cache_pages(fleet)),
                              tracked=True)
         # each request's life (`disagg.cluster.routing.flow`), which keeps the placement's sums (`Ledger`):
         # this module maps its actions to actor calls
@@ -102,7 +103,12 @@ class Router:
         restart = config.cluster  # dead instances replaced (`cluster.restart`); what no one can serve waits
         self.restarter = Restarter(lambda dead, name: start_replacement(fleet, dead, name), restart.restart_backoff_s,
                                    restart.restart_limit) if restart.restart else None
-        self.placer.restarting = self.restarter.pending if self.restarter is not None else ()
+        # the whole data plane restarted into one new heap after a death (`cluster.rebuild`): a
+        # prefill + decode fleet's way back to full strength
+        self.rebuilder = Rebuilder(self, fleet, restart, self.restarter.cancel) if (
+            self.restarter is not None and restart.rebuild and config.mode == "disaggregated") else None
+        self.placer.restarting = Starting(self.restarter.pending, self.rebuilder, fleet.instances) if (
+            self.restarter is not None) else ()
         self._tasks: set[asyncio.Task] = set()
         self._wake: asyncio.Event | None = None
         self._refused: RoutedRequest | None = None  # back at the queue head: every decode instance refused it
@@ -131,6 +137,8 @@ class Router:
         self._stopping = True
         if self.restarter is not None:
             self.restarter.stopped = True
+        if self.rebuilder is not None:
+            self.rebuilder.stopped = True
         for req in list(self.requests.values()):
             self._end(req, "abort", NoLiveInstance("the cluster is shutting down"))
         for task in list(self._tasks):
@@ -216,7 +224,7 @@ class Router:
     async def _dispatch_loop(self) -> None:
         """Place queued requests in order; when the head cannot go yet, wait for a change (or retry)."""
         while not self._stopping:
-            if not self.queue:
+            if not self.queue or self.rebuilder is not None and self.rebuilder.holds:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -396,7 +404,7 @@ class Router:
                 req.stale_end = None
                 continue
             if token_id is None:  # the engine ended it without a token (abort, error, lease expiry)
-                ended = End("error", self._engine_ended(req, inst, reason, error), release=False)
+                ended = End("error", engine_ended_error(req, inst, reason, error), release=False)
                 break
             tokens.append(token_id)
             times.append(emit_time)
@@ -411,19 +419,6 @@ class Router:
             self._act(req, actions, tokens, times)
         elif tokens:
             self._emit(req, StreamDelta(req.request_id, tokens, times))
-
-    @staticmethod
-    def _engine_ended(req: RoutedRequest, inst: Instance, reason: str | None, error: str | None) -> DisaggError:
-        """The typed error of a request ``inst``'s engine ended on its own. A decode engine ends a
-        request whose pages failed their digest check (`transfer.verify`) with a `TransferError`,
-        and one whose first token has not come (still "prefilling") otherwise only when its lease
-        expires: the KV never landed."""
-        message = error or f"{inst.name} ended the request (finish_reason {reason})"
-        if inst is req.decode and req.prefill is not None and message.startswith(DIGEST_MISMATCH):
-            return TransferError(message, request_id=req.request_id, src_pe=req.prefill.pe, dst_pe=inst.pe)
-        if req.stage == Stage.PREFILLING and inst is req.decode and reason == "error":
-            return SignalTimeout(message, request_id=req.request_id, src_pe=req.prefill.pe, dst_pe=inst.pe)
-        return ClusterError(message)
 
     # ------------------------------------------------------------------ endings
     def _end(self, req: RoutedRequest, reason: str, error: DisaggError | None = None, *, tokens: list[int] = (),
@@ -507,6 +502,9 @@ class Router:
         replacing = self.restarter.replace(inst, self._replaced) if self.restarter and not self._stopping else None
         if replacing is not None:  # pending before its requests end: a request left waits for it
             self._spawn(replacing)
+        rebuilding = self.rebuilder.schedule(time.monotonic()) if self.rebuilder and not self._stopping else None
+        if rebuilding is not None:
+            self._spawn(rebuilding)
         for req, actions in self.flow.instance_died(inst, reason):
             if isinstance(actions[-1], Requeue):
                 self.counts["migrated"] += 1
@@ -517,6 +515,34 @@ class Router:
         """``inst``, a replacement (`Restarter`), serves from now on: routed to and polled."""
         self.placer.add(inst)  # into ``fleet.instances`` too: the placer's list is the fleet's
         self._spawn(self._poll(inst))
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the rebuild (`Rebuilder` drives these)
+    def migrate_all(self, reason: str) -> int:
+        """Take every instance out of service as if it died (`RequestFlow.instance_died`): what
+        each holds migrates to the queue's head (the rebuild counts as a replacement on its way,
+        `Starting`); return the requests moved."""
+        moved = 0
+        for inst in self.fleet.instances:
+            for req, actions in self.flow.instance_died(inst, reason):
+                moved += isinstance(actions[-1], Requeue)
+                self._act(req, actions)
+        self.counts["migrated"] += moved
+        return moved
+
+    def adopt(self, fleet: Fleet | None) -> None:
+        """Serve on ``fleet``, a fresh fleet of the config (a rebuild): its instances take the
+        old ones' places (same names) in the fleet, the placer and the ledger; each is polled;
+        the prefix affinity forgets what the old ones held; replacements resume. The queue goes
+        (None: the rebuild gave up, nothing serves, and the queued requests fail)."""
+        if fleet is not None:
+            self.fleet.adopt(fleet)
+            for inst in self.fleet.instances:
+                self.placer.add(inst)
+                if self.placer.affinity is not None:
+                    self.placer.affinity.forget(inst.name)
+                self._spawn(self._poll(inst))
+            self.restarter.resume()
         self._wake.set()
 
     async def _watchdog(self) -> None:
@@ -559,27 +585,12 @@ class Router:
                 "loads": self.picker.loads(self.fleet.instances, live), "placements": dict(placer.placements),
                 "affinity_hits": placer.affinity_hits, "ledger_rebuilds": self.ledger_rebuilds,
                 "restarts": self.restarter.snapshot() if self.restarter is not None else None,
+                "rebuild": self.rebuilder.snapshot() if self.rebuilder is not None else None,
                 "placement": {"mode": self.settings.placement, "models": placer.fleet_model.snapshot(),
-                              "decisions": [_decision_row(d) for d in placer.decisions]}}
+                              "decisions": [d.as_row() for d in placer.decisions]}}
 
     def clear_counts(self) -> None:
         """Forget outcome, abort, failure and placement counts (after the warm-up requests)."""
         for counter in (self.counts, self.aborts, self.failures):
             counter.clear()
         self.placer.clear_counts()
-
-
-def _decision_row(decision: Decision) -> dict:
-    """One adaptive decision as plain data: the chosen path and each candidate's predictions (ms)."""
-    return {"path": decision.path,
-            "candidates": [{"path": p.path, "prefill": p.prefill, "decode": p.decode,
-                            "ttft_ms": round(p.ttft_s * 1e3, 3), "tpot_ms": round(p.tpot_s * 1e3, 3),
-                            "margin": round(p.margin, 3), "admissible": p.admissible, "why": p.why}
-                           for p in decision.predictions]}
-
-
-def _cache_pages(fleet: Fleet) -> int:
-    """Pages of the smallest instance cache (what the prefix affinity remembers per instance)."""
-    sizes = [inst.info["kv_budget_bytes"] // inst.info["page_bytes"] for inst in fleet.instances
-             if inst.info.get("page_bytes")]
-    return max(1, min(sizes)) if sizes else (fleet.config.cache.num_pages or 4096)

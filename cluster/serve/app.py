@@ -83,13 +83,16 @@ class ServerState:
 
     def health(self) -> JSONResponse:
         """/health: 200 ``{"status": "ok" | "degraded", "degraded": [...]}`` while some instance
-        serves (degraded: some died, the survivors took their work over); 503 with the dead
-        instances named when none can serve."""
+        serves (degraded: some died, the survivors took their work over) or the fleet is being
+        rebuilt (then with ``"rebuild"``: its phase, `Cluster.rebuild_phase`; requests queue for
+        it); 503 with the dead instances named when none can serve."""
         degraded = self.degraded
         if not self.healthy:
             response = _unavailable()
             return JSONResponse({**response.body(), "degraded": degraded}, status_code=response.status)
-        return JSONResponse({"status": "degraded" if degraded else "ok", "degraded": degraded})
+        body = {"status": "degraded" if degraded else "ok", "degraded": degraded}
+        phase = getattr(self.cluster, "rebuild_phase", None)
+        return JSONResponse(body if phase is None else {**body, "rebuild": phase})
 
     def admit(self) -> None:
         """Count one more request in flight; 503 when no instance is healthy, 429 when full."""

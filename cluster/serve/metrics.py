@@ -190,6 +190,16 @@ class ClusterCollector(Collector):
                                        "(or were replaced); above 0 the survivors serve their work (degraded).")
             family.add_metric([], len(stats["degraded"]))
             families.append(family)
+        rebuild = stats.get("rebuild")
+        if isinstance(rebuild, dict):
+            family = GaugeMetricFamily("disagg:fleet_rebuild_phase", "1 for the rebuild's phase now (waiting, "
+                                       "draining, restarting; all 0 at full strength).", labels=["phase"])
+            for phase in ("waiting", "draining", "restarting"):
+                family.add_metric([phase], float(rebuild.get("phase") == phase))
+            families.append(family)
+            counter = CounterMetricFamily("disagg:fleet_rebuilds", "Rebuilds of the fleet begun since launch.")
+            counter.add_metric([], float(rebuild.get("rebuilds", 0)))
+            families.append(counter)
         return families
 
 

@@ -1,7 +1,8 @@
 """The sampler: logits of a batch -> one token per row, on the logits' device, no host sync.
 
 Called by `disagg.engine.runner` after each forward, in the engine's process. Each row carries
-its own temperature, top-k, top-p, seed and step (the index of the token being sampled). Greedy
+its own temperature, top-k, top-p, seed and step (the index of the token being sampled, counted
+from ``SamplingParams.draw_offset``: a migrated request's draws go on where they stopped). Greedy
 rows take the argmax. Sampled rows take ``argmax(logits / T + gumbel)`` over the tokens that
 survive top-k/top-p (the Gumbel-max trick: an exact draw from the softmax), with the Gumbel noise
 a counter-based hash of ``(seed, step, token id)``: no generator state, so a request's draws do
@@ -32,7 +33,8 @@ class SamplingBatch:
     Attributes:
         temperature: ``[B]`` float32 (0 for greedy rows).
         top_k: ``[B]`` int64 (0: no cut). top_p: ``[B]`` float32.
-        seed: ``[B]`` int64. step: ``[B]`` int64 (tokens the request has generated so far).
+        seed: ``[B]`` int64. step: ``[B]`` int64 (tokens the request has generated so far, plus
+            its ``draw_offset``).
         sampled_rows: ``[S]`` int64 indices of the non-greedy rows; None when every row is greedy,
             and then the five tensors above are None too (an argmax needs none of them, so the
             usual all-greedy decode step packs and copies nothing).
@@ -53,7 +55,7 @@ class SamplingBatch:
                       step_offset: int | list[int] = 0) -> SamplingBatch:
         """Pack the rows of ``requests`` (in batch order) into one host->device copy; a row's
         step is its request's generated tokens + ``step_offset`` (1 when the previous step's
-        token is not appended yet; a list: one per row)."""
+        token is not appended yet; a list: one per row) + its params' ``draw_offset``."""
         n = len(requests)
         if all(req.params.temperature == 0.0 for req in requests):
             return cls(None, None, None, None, None, None, False, False)
@@ -63,7 +65,8 @@ class SamplingBatch:
         for i, req in enumerate(requests):
             p = req.params
             floats[0, i], floats[1, i] = p.temperature, p.top_p
-            ints[0, i], ints[1, i], ints[2, i] = p.top_k, req.seed, req.num_output_tokens + offsets[i]
+            ints[0, i], ints[1, i], ints[2, i] = (p.top_k, req.seed,
+                                                 p.draw_offset + req.num_output_tokens + offsets[i])
         sampled = np.flatnonzero(floats[0] > 0)
         any_top_k = bool((ints[0, sampled] > 0).any())
         any_top_p = bool((floats[1, sampled] < 1.0).any())

@@ -1,9 +1,11 @@
 """The instance actor of the cluster tests: `InstanceActor` plus the hooks a test drives it with.
 
 `HookedInstanceActor` adds `drop_next` (a prefill instance accepts requests and never runs
-them), `stall`/`unstall` (the step loop holds: no step, no call, as a slow instance) and
+them), `stall`/`unstall` (the step loop holds: no step, no call, as a slow instance),
 `pause_steps`/`resume_steps` (calls run, steps do not, as an engine whose forward is still
-going); `PausableStepLoop` is its step loop. `with_own_environment` makes a subclass whose
+going) and `hold_push`/`wait_push_held`/`release_push` (a prefill forward holds right after its
+first layer's K/V went to the decode instance: a push started and not finished, as a sender
+that died or went silent mid-push); `PausableStepLoop` is its step loop. `with_own_environment` makes a subclass whose
 actors set variables in their own process environment first. The launcher starts the class that
 `disagg.cluster.launch.bootstrap.ACTOR_CLASS` names (`cluster_helpers.launch_config` swaps it in). This
 folder is no installed package, so this module is pickled by value: the classes travel to the
@@ -59,6 +61,7 @@ class HookedInstanceActor(InstanceActor):
         self._num_to_drop = 0
         self._dropped: set = set()
         self._unstall = threading.Event()
+        self._push_held, self._push_release = threading.Event(), threading.Event()
 
     async def add(self, request_id: Any, prompt_token_ids: list[int], params: Any, dest: Any = None) -> None:
         """`InstanceActor.add`, except that a prefill instance told to `drop_next` keeps the
@@ -99,6 +102,42 @@ class HookedInstanceActor(InstanceActor):
     async def unstall(self) -> None:
         """End a `stall` early."""
         self._unstall.set()
+
+    async def hold_push(self, seconds: float) -> None:
+        """Prefill: the next forward that pushes holds its step thread (no step, no call) right
+        after its first layer's K/V went out (`KVSender.save_layer` of layer 0, or a whole-forward
+        `save_written`), for up to ``seconds`` or until `release_push`; then it goes on."""
+        held, release = threading.Event(), threading.Event()
+        self._push_held, self._push_release = held, release
+
+        def arm() -> None:
+            sender = self.loop.engine.sender
+            save_layer, save_written = sender.save_layer, sender.save_written
+
+            def hold() -> None:
+                if not held.is_set():
+                    held.set()
+                    release.wait(seconds)
+
+            def held_save_layer(layer, k, v, **scales):
+                save_layer(layer, k, v, **scales)
+                if layer == 0:
+                    hold()
+
+            def held_save_written(plan):
+                done = save_written(plan)
+                hold()
+                return done
+            sender.save_layer, sender.save_written = held_save_layer, held_save_written
+        await self._run(arm)
+
+    async def wait_push_held(self, timeout_s: float) -> bool:
+        """Whether a forward armed by `hold_push` holds (waits up to ``timeout_s`` for it)."""
+        return await asyncio.get_running_loop().run_in_executor(None, self._push_held.wait, timeout_s)
+
+    async def release_push(self) -> None:
+        """End a `hold_push` hold early (the forward goes on)."""
+        self._push_release.set()
 
     async def pause_steps(self, after_num_steps: int = 0) -> None:
         """Let the engine run ``after_num_steps`` more steps, then hold its steps (calls still

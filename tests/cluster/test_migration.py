@@ -5,9 +5,11 @@ The decode instance killed mid-decode: each streaming greedy request is routed a
 and the tokens it already streamed as the new prompt, and its stream ends with the tokens of an
 in-process colocated engine, none repeated or lost (the concatenation of the stream's deltas),
 whether the prefill instance takes it (kept, ``cluster.restart: false``) or a replacement is on its
-way. The prefill instance killed while prompts are pushing: those are routed again to the decode
-instance (local) and complete; the reservations the dead sender was filling are quarantined until
-their lease, then every page of the survivor is free. The decode instance killed while prompts
+way; a seeded sampled request's stream ends with the uninterrupted request's draws too (its
+``draw_offset`` goes on from the tokens it streamed). The prefill instance killed while prompts
+are pushing: those are routed again to the decode instance (local) and complete; the
+reservations the dead sender was filling are quarantined until their lease, then every page of
+the survivor is free. The decode instance killed while prompts
 wait in the prefill queue for it: each leaves that queue (aborted) and comes back kept. A request
 migrates at most `MAX_MIGRATIONS` times: the death that holds it next fails it with `InstanceDied`
 naming that instance.
@@ -15,13 +17,17 @@ naming that instance.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
-from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
+from cluster_helpers import (BackgroundStream, engine_tokens, environment, launch, mixed_prompts, reference_tokens,
+                             wait_all_free)
 from hooked_actor import HookedInstanceActor
 
+from disagg.cluster.outputs import RequestMetrics
 from disagg.cluster.routing import migration
+from disagg.cluster.routing.requests import RoutedRequest
 from disagg.errors import InstanceDied
 from disagg.sampling import SamplingParams
 
@@ -60,6 +66,36 @@ def test_streams_a_killed_decode_instance_held_continue_on_the_survivors(ray_loc
         assert cluster.healthy
 
 
+def test_seeded_sampled_streams_a_killed_decode_instance_held_draw_on_as_uninterrupted(ray_local):
+    """Sampled (temperature 1, a seed each): the full streams equal an uninterrupted in-process
+    colocated engine's, which only a draw offset that goes on from the streamed tokens gives
+    (restarted draws would give another continuation)."""
+    from disagg.engine import ColocatedEngine
+    from disagg.model import load_model
+
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=100 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    with environment(TRITON_INTERPRET="0"):  # the kernels' torch references, as the actors run them
+        engine = ColocatedEngine(load_model("dummy:tiny", dtype="float32", device="cpu"), num_pages=256,
+                                 page_size=16, max_num_seqs=16, max_num_batched_tokens=256)
+        want = engine_tokens(engine, PROMPTS, params)
+    with launch("tiny-1p1d", HookedInstanceActor, router__lease_s=LEASE_S, cluster__restart=False) as cluster:
+        decode = cluster.instance("decode-0").actor
+        streams = [BackgroundStream(cluster, p, sp, request_id=f"s{i}")
+                   for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+        _wait_until(lambda: all(len(s.token_ids) >= 3 for s in streams))  # decoding on decode-0
+        ray_local.get(decode.pause_steps.remote(0))
+        streamed = [len(s.token_ids) for s in streams]
+        assert all(3 <= n < MAX_TOKENS for n in streamed), streamed
+        ray_local.kill(decode, no_restart=True)
+        for i, (stream, tokens) in enumerate(zip(streams, want)):
+            last = stream.result()
+            assert (last.finish_reason, last.error) == ("length", None), (i, last)
+            assert stream.token_ids == tokens, f"request {i}: streamed {streamed[i]} before the kill"
+        stats = wait_all_free(cluster)
+        assert stats["router"]["counts"]["migrated"] == len(PROMPTS)
+
+
 def test_prompts_a_killed_prefill_instance_was_pushing_are_routed_again(ray_local, want):
     with launch("tiny-1p1d", HookedInstanceActor, router__lease_s=LEASE_S, cluster__restart=False,
                 router__prefill_queue_tokens=4096) as cluster:  # every prompt queued on prefill-0 at once
@@ -93,8 +129,9 @@ def test_prompts_queued_for_a_killed_decode_instance_come_back_kept(ray_local, w
         _wait_until(lambda: ray_local.get(prefill.stats.remote())["waiting"] == len(PROMPTS))
         ray_local.kill(decode, no_restart=True)
         _wait_until(lambda: cluster.router_stats()["stages"] == {"running": len(PROMPTS)})  # kept on prefill-0
-        # each pushed prompt was aborted there (its pushes had nowhere to land): only the kept ones wait
-        assert ray_local.get(prefill.stats.remote())["waiting"] == len(PROMPTS)
+        # each pushed prompt was aborted there (its pushes had nowhere to land): only the kept ones
+        # wait, once the router's adds of them reached the engine (its steps are held)
+        _wait_until(lambda: ray_local.get(prefill.stats.remote())["waiting"] == len(PROMPTS), timeout_s=30)
         ray_local.get(prefill.resume_steps.remote())
         for i, (stream, tokens) in enumerate(zip(streams, want)):
             last = stream.result()
@@ -128,6 +165,21 @@ def test_a_request_migrates_at_most_the_bound(ray_local, monkeypatch, want, boun
             assert (last.finish_reason, last.error) == ("length", None), last
             assert stream.token_ids == want[0]
             assert cluster.router_stats()["counts"]["migrated"] == 2
+
+
+def test_resume_moves_the_streamed_tokens_into_the_prompt_and_the_draw_offset():
+    """Each migration adds the tokens streamed since the last one to the prompt and to
+    ``draw_offset`` and takes them off ``max_tokens`` (no Ray: the request alone)."""
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=3)
+    req = RoutedRequest("r", [1, 2], params, lambda *a: None, RequestMetrics(arrival_time=0.0))
+    req.output_token_ids = [7, 8, 9]
+    migration.resume(req)
+    assert (req.prompt_token_ids, req.params.max_tokens, req.params.draw_offset) == ([1, 2, 7, 8, 9], 7, 3)
+    req.output_token_ids += [10]
+    migration.resume(req)
+    assert (req.prompt_token_ids, req.params.max_tokens, req.params.draw_offset) == ([1, 2, 7, 8, 9, 10], 6, 4)
+    assert req.params == dataclasses.replace(params, max_tokens=6, draw_offset=4)
+    assert req.engine_id == ("r", 2)
 
 
 def _wait_until(predicate, timeout_s: float = 60.0) -> None:

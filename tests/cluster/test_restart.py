@@ -6,7 +6,9 @@ instance: it computes and decodes its own requests, beside the survivors, with t
 in-process colocated engine's (greedy). Requests that arrive while nothing can serve wait for the
 replacement instead of failing; `cluster.restart_limit` bounds the replacements of one instance;
 ``cluster.restart: false`` leaves the fleet degraded. The time from the kill to the replacement
-serving is printed (``-s``) and kept in the router's ``restarts`` snapshot.
+serving is printed (``-s``) and kept in the router's ``restarts`` snapshot. The rebuild of the
+whole fleet (`cluster.rebuild`) waits ``cluster.rebuild_after_s`` (60 s), past each test's end:
+tests/cluster/test_rebuild.py covers it.
 """
 
 from __future__ import annotations

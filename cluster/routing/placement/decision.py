@@ -30,6 +30,15 @@ class Decision:
     def path(self) -> str | None:
         return None if self.chosen is None else self.chosen.path
 
+    def as_row(self) -> dict:
+        """The decision as plain data (the router's stats): the chosen path and each candidate's
+        predictions (ms)."""
+        return {"path": self.path,
+                "candidates": [{"path": p.path, "prefill": p.prefill, "decode": p.decode,
+                                "ttft_ms": round(p.ttft_s * 1e3, 3), "tpot_ms": round(p.tpot_s * 1e3, 3),
+                                "margin": round(p.margin, 3), "admissible": p.admissible, "why": p.why}
+                               for p in self.predictions]}
+
 
 def decide(prompt_len: int, prefills: list[InstanceView], decodes: list[InstanceView],
            targets: Targets = Targets(), cached: Mapping[str, int] | None = None) -> Decision:
