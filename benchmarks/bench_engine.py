@@ -46,23 +46,22 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from disagg.cache import PagedKVCache
 from disagg.engine import ColocatedEngine, DecodeEngine, EngineOptions
-from disagg.engine.request import RequestFactory
-from disagg.engine.runner import ModelRunner
 from disagg.kernels.linear import linear as skinny_linear
 from disagg.model import layers, load_model
 from disagg.sampling import SamplingParams
 from disagg.settings import Settings
 
-GiB = 1 << 30
-PAGE_SIZE = 16
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by path (tests): its kit beside it
+from forward_bench import GiB, PAGE_SIZE, Bench, kv_bytes_per_token, sync, timed  # noqa: E402
+
 GROUPS = ("cold", "decode", "prefill", "mixed", "short", "projections", "idle")
 
 
@@ -87,29 +86,6 @@ class LocalHeap:
         return self.signals.copy()
 
 
-def timed(fn, reps: int, device: torch.device) -> float:
-    """Mean seconds per call of ``fn`` run ``reps`` times back to back (after one warm-up)."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e-3 / reps
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def copy_bandwidth(device: torch.device, num_bytes: int) -> float:
     """Device-to-device copy bandwidth, bytes read + written per second."""
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
@@ -126,11 +102,6 @@ def weight_bytes(model) -> int:
     return (c.num_layers * (layer + 2 * c.hidden_size) + c.vocab_size * c.hidden_size + c.hidden_size) * size
 
 
-def kv_bytes_per_token(model, kv_dtype: torch.dtype) -> int:
-    c = model.config
-    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * kv_dtype.itemsize
-
-
 def prefill_flops(model, lengths: list[int]) -> float:
     """2 x (parameters touched) x tokens + causal attention (QK^T and PV)."""
     c = model.config
@@ -138,39 +109,6 @@ def prefill_flops(model, lengths: list[int]) -> float:
     per_token = c.num_layers * ((q + 2 * kv) * c.hidden_size + c.hidden_size * q + 3 * c.intermediate_size * c.hidden_size)
     attn = sum(4 * c.num_layers * q * s * (s + 1) / 2 for s in lengths)
     return 2.0 * per_token * sum(lengths) + attn + 2.0 * c.vocab_size * c.hidden_size * len(lengths)
-
-
-class Bench:
-    """One model, one KV tensor, one runner; builds page tables per case (no KV is computed for
-    the contexts of decode cases: their pages hold zeros, which costs the same to read)."""
-
-    def __init__(self, model, num_pages: int, max_num_seqs: int) -> None:
-        self.model, self.device = model, model.device
-        self.num_pages = num_pages
-        kv = torch.zeros(model.kv_shape(num_pages, PAGE_SIZE), dtype=model.dtype, device=self.device)
-        self.runner = ModelRunner(model, kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-                                  mixed_graphs=True)
-        self.mixed_graphs, self.runner.mixed_graphs = self.runner.mixed_graphs, None  # `short` rows only
-        self.factory = RequestFactory(())
-
-    def plan(self, contexts: list[int], new_tokens: list[int]):
-        """A cache whose sequences hold ``contexts`` tokens, and the plan appending ``new_tokens``."""
-        cache = PagedKVCache(self.num_pages, PAGE_SIZE)
-        ids = list(range(len(contexts)))
-        for i in ids:
-            cache.add_sequence(i)
-        have = [i for i in ids if contexts[i] > 0]
-        if have:
-            cache.begin_forward(have, [contexts[i] for i in have])
-            cache.end_forward()
-        plan = cache.begin_forward(ids, new_tokens)
-        cache.end_forward()
-        reqs = [self.factory.new(i, [1], SamplingParams()) for i in ids]
-        return plan, reqs
-
-    def forward(self, plan, reqs) -> None:
-        rows = np.arange(plan.batch_size)
-        self.runner.execute(plan, np.ones(plan.num_tokens, dtype=np.int64), rows, reqs)
 
 
 def linear_seconds(model, batch: int, backend: str | None = None) -> float:

@@ -11,19 +11,19 @@ Rows (ratio of one run's two measurements, target):
 - prefill_{n}x{len}_tp{N}: tokens/s of one forward of n prompts of len tokens at TP=N / at TP=1.
   Target >= 1.7 at 8 x 2048 on two GPUs.
 
-Each rank is a process (torch.multiprocessing, spawned): rank r on GPU r, NCCL between them (gloo
-on the CPU). Rank 0 times TP=1 of the model first, alone, and frees it; then every rank loads its
-shard (`load_model(..., tp=)`, dummy weights: TP=1's sliced) and the same shapes are timed at
-TP=N with `bench_engine`'s runner and timer; rank 0's times are the row's (each forward's
-all-reduces keep the ranks in step). A TP=1 model that does not fit one GPU is reported as
-skipped and the TP=N times stand alone.
+Each rank is a process, spawned by `disagg profile`'s launcher (`profile_ranks.run_ranks`): rank
+r on GPU r, NCCL between them (gloo on the CPU). Rank 0 times TP=1 of the model first, alone, and
+frees it; then every rank loads its shard (`load_model(..., tp=)`, dummy weights: TP=1's sliced)
+and the same shapes are timed at TP=N with the engine benchmarks' runner and timer
+(`forward_bench.py`); rank 0's times are the row's (each forward's all-reduces keep the ranks in
+step). A TP=1 model that does not fit one GPU is reported as skipped and the TP=N times stand
+alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import traceback
 from pathlib import Path
 
 import torch
@@ -35,7 +35,7 @@ def measure(model, batch: int, context: int, prefill_seqs: int, prefill_len: int
     """Seconds of one decode step of ``batch`` x ``context`` and of one prefill forward of
     ``prefill_seqs`` x ``prefill_len`` tokens on ``model`` (every rank of a TP model calls it with
     the same arguments: its collectives pair up)."""
-    from bench_engine import PAGE_SIZE, Bench, timed
+    from forward_bench import PAGE_SIZE, Bench, timed
 
     pages = batch * -(-context // PAGE_SIZE) + prefill_seqs * -(-prefill_len // PAGE_SIZE) + 64
     bench = Bench(model, pages, max_num_seqs=batch)
@@ -50,8 +50,8 @@ def measure(model, batch: int, context: int, prefill_seqs: int, prefill_len: int
     return {"decode_s": decode_s, "prefill_s": prefill_s}
 
 
-def _rank_main(rank: int, size: int, address: str, args: dict, results) -> None:
-    """One rank's process: rank 0 times TP=1 first, then all ranks time TP=``size``."""
+def _rank_main(rank: int, size: int, address: str, args: dict) -> dict:
+    """One rank's process (`run_ranks`): rank 0 times TP=1 first, then all ranks time TP=``size``."""
     from disagg.model import load_model
     from disagg.parallel import init_tensor_parallel
 
@@ -62,26 +62,23 @@ def _rank_main(rank: int, size: int, address: str, args: dict, results) -> None:
         torch.cuda.set_device(device)
     dtype = getattr(torch, args["dtype"])
     out: dict = {"rank": rank}
-    try:
-        if rank == 0:
-            try:
-                single = load_model(args["model"], dtype=dtype, device=device)
-                out["tp1"] = measure(single, **shapes)
-                del single
-            except torch.cuda.OutOfMemoryError as err:
-                out["tp1_skipped"] = f"TP=1 does not fit one GPU: {str(err).splitlines()[0]}"
-            if gpu:
-                torch.cuda.empty_cache()
-        tp = init_tensor_parallel(address, rank, size, "nccl" if gpu else "gloo", SINGLE_TIMEOUT_S)
+    if rank == 0:
         try:
-            model = load_model(args["model"], dtype=dtype, device=device, tp=tp)
-            out["tpN"] = measure(model, **shapes)
-            out["backend"] = tp.backend
-        finally:
-            tp.close()
-    except BaseException as err:  # noqa: BLE001 - reported to the parent, which fails with it
-        out["error"] = traceback.format_exception_only(type(err), err)[-1].strip()
-    results.put(out)
+            single = load_model(args["model"], dtype=dtype, device=device)
+            out["tp1"] = measure(single, **shapes)
+            del single
+        except torch.cuda.OutOfMemoryError as err:
+            out["tp1_skipped"] = f"TP=1 does not fit one GPU: {str(err).splitlines()[0]}"
+        if gpu:
+            torch.cuda.empty_cache()
+    tp = init_tensor_parallel(address, rank, size, "nccl" if gpu else "gloo", SINGLE_TIMEOUT_S)
+    try:
+        model = load_model(args["model"], dtype=dtype, device=device, tp=tp)
+        out["tpN"] = measure(model, **shapes)
+        out["backend"] = tp.backend
+    finally:
+        tp.close()
+    return out
 
 
 def run(size: int, *, model: str, device: str, dtype: str | None = None, batch: int = 64, context: int = 1024,
@@ -90,11 +87,9 @@ def run(size: int, *, model: str, device: str, dtype: str | None = None, batch: 
 
     Raises:
         ValueError: fewer than 2 ranks, or fewer visible GPUs than ranks.
-        RuntimeError: a rank failed (its rank and error).
+        ClusterError: a rank failed (its rank and error).
     """
-    import torch.multiprocessing as mp
-
-    from disagg.parallel import local_address
+    from disagg.cluster.simulate.profile_ranks import run_ranks
 
     if size < 2:
         raise ValueError(f"--tensor-parallel: expected at least 2 ranks (TP=N against TP=1), got {size}")
@@ -104,26 +99,7 @@ def run(size: int, *, model: str, device: str, dtype: str | None = None, batch: 
     dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
     args = dict(model=model, device=device, dtype=dtype, batch=batch, context=context,
                 prefill_seqs=prefill_seqs, prefill_len=prefill_len, reps=reps)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    address = local_address("127.0.0.1")
-    procs = [ctx.Process(target=_rank_main, args=(rank, size, address, args, results), daemon=True)
-             for rank in range(size)]
-    for proc in procs:
-        proc.start()
-    answers = {}
-    try:
-        while len(answers) < size:
-            out = results.get(timeout=SINGLE_TIMEOUT_S + 600)
-            if "error" in out:
-                raise RuntimeError(f"tensor-parallel rank {out['rank']} of {size} failed: {out['error']}")
-            answers[out["rank"]] = out
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
-    lead = answers[0]
+    lead = run_ranks(_rank_main, size, (args,), timeout_s=SINGLE_TIMEOUT_S + 600)[0]
     name = device if device != "cuda" else torch.cuda.get_device_name(0)
     return {"model": model, "dtype": dtype, "device": name, "tensor_parallel": size, "backend": lead["backend"],
             "rows": rows_of(lead, size, batch, context, prefill_seqs, prefill_len)}

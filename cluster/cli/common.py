@@ -40,11 +40,20 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class LogLevel(str, Enum):
+    """A ``--log-level`` of every verb (and `serve`'s ``--uvicorn-log-level``): Python's level names,
+    lower case, and uvicorn's ``trace``, which is DEBUG for every other logger (`python_level`)."""
+
     critical = "critical"
     error = "error"
     warning = "warning"
     info = "info"
     debug = "debug"
+    trace = "trace"
+
+
+def python_level(level: str) -> str:
+    """The `logging` level name of a `LogLevel` value (or of $DISAGG_LOG's text): ``trace`` is DEBUG."""
+    return "DEBUG" if level.lower() == LogLevel.trace.value else level.upper()
 
 
 ConfigArg = Annotated[Path, typer.Argument(metavar="CONFIG", help="deployment YAML (see configs/)",
@@ -54,8 +63,8 @@ SetOpt = Annotated[Optional[list[str]], typer.Option(
     help="override a field: section.key=value (value read as YAML), repeatable")]
 LogLevelOpt = Annotated[Optional[LogLevel], typer.Option(
     metavar="LEVEL", show_default=False,
-    help="critical|error|warning|info|debug: disagg's logs here and in the actors, and Ray's; "
-         "default $DISAGG_LOG, else warning")]
+    help="critical|error|warning|info|debug|trace (trace: debug, and uvicorn's own in serve): disagg's logs "
+         "here and in the actors, and Ray's; default $DISAGG_LOG, else warning")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", metavar="", help="INFO logs (--log-level info)")]
 
 # The workload and result flags that `disagg bench` and `disagg simulate` share (vLLM's names);
@@ -238,8 +247,8 @@ def setup_logging(log_level: Optional[LogLevel], verbose: bool = False) -> str:
     """
     import ray  # noqa: F401  (its import installs the "ray" logger's handlers set below)
 
-    level = (log_level.value if log_level else "info" if verbose
-             else os.environ.get("DISAGG_LOG") or "warning").upper()
+    name = (log_level.value if log_level else "info" if verbose else os.environ.get("DISAGG_LOG") or "warning").lower()
+    level = python_level(name)
     logging.basicConfig(format=LOG_FORMAT)
     logging.getLogger("disagg").setLevel(level)
     os.environ["DISAGG_LOG"] = level                  # the actors read it (passed on by the bootstrap)
@@ -250,7 +259,7 @@ def setup_logging(log_level: Optional[LogLevel], verbose: bool = False) -> str:
         handler.setLevel(level)
         if quiet and not any(isinstance(f, _HideTokenAuthNotice) for f in handler.filters):
             handler.addFilter(_HideTokenAuthNotice())
-    return level.lower()
+    return name
 
 
 def launch_or_exit(config: Config) -> Any:

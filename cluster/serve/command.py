@@ -19,12 +19,12 @@ import logging
 import os
 import signal
 import threading
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import typer
 
+from disagg.cluster.cli.common import LogLevel, python_level
 from disagg.cluster.serve.app import build_app
 from disagg.cluster.serve.guards import resolve_api_key
 from disagg.cluster.serve.server import LOOPBACK, BackgroundServer, BindError
@@ -79,15 +79,6 @@ def serve_config(config: Config, *, log_level: str = "info",
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-class LogLevel(str, Enum):
-    critical = "critical"
-    error = "error"
-    warning = "warning"
-    info = "info"
-    debug = "debug"
-    trace = "trace"  # uvicorn's; DEBUG for the rest
 
 
 @add_vllm_options
@@ -164,13 +155,13 @@ def configure_logging(level: str | None) -> str:
     """
     given = level is not None
     level = (level or os.environ.get("DISAGG_LOG") or "info").lower()
-    python_level = "DEBUG" if level == "trace" else level.upper()
+    python_name = python_level(level)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("disagg").setLevel(python_level)
+    logging.getLogger("disagg").setLevel(python_name)
     if given:
-        os.environ["DISAGG_LOG"] = python_level
-        os.environ["RAY_LOGGER_LEVEL"] = python_level.lower()  # read by the Ray processes ray.init starts
+        os.environ["DISAGG_LOG"] = python_name
+        os.environ["RAY_LOGGER_LEVEL"] = python_name.lower()  # read by the Ray processes ray.init starts
         # ray.init sets the "ray" logger's own level; its handlers' levels are left to us.
         for handler in logging.getLogger("ray").handlers:
-            handler.setLevel(python_level)
+            handler.setLevel(python_name)
     return level
