@@ -52,7 +52,8 @@ VERBS: dict[str, tuple[str, tuple[str, ...]]] = {
     "profile": ("Time an instance's steps into a profile JSON", (
         "disagg profile configs/llama3-8b-1gpu-colocated.yaml --out profile.json",
         "disagg profile configs/tiny-colocated.yaml --small-grid --out tiny.json",
-        "disagg profile configs/llama3-8b-tp2-colocated.yaml --out tp2.json")),
+        "disagg profile configs/llama3-8b-tp2-colocated.yaml --out tp2.json",
+        "disagg profile --derive profile.json --tensor-parallel 4 --model dummy:llama3-70b --out 70b-tp4.json")),
     "simulate": ("Simulate CONFIG's fleet from a profile", (
         "disagg simulate configs/llama3-8b-2p2d.yaml --profile profile.json \\\n"
         "    --dataset-name chat --request-rate 8,16",)),

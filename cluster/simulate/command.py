@@ -3,9 +3,12 @@
 
     disagg profile CONFIG --out profile.json [--small-grid]
     disagg profile --refit old.json --out profile.json      (the current model fitted to its samples)
-    disagg simulate CONFIG --profile profile.json [bench's workload, rate and result flags]
+    disagg profile CONFIG --num-layers N --out profile.json (the first N layers timed, scaled to all)
+    disagg profile --derive tp1.json --tensor-parallel K [--model SOURCE] [--allreduce-from tp2.json]
+                   --out derived.json                      (an instance not timed: derive.py)
+    disagg simulate CONFIG --profile profile.json [--profile tp2.json] [bench's workload, rate and result flags]
     disagg plan --profile profile.json [--profile tp2.json] --dataset-name W --goodput ttft:MS tpot:MS --gpus N
-                [--out best.yaml]                      (one --profile per TP degree)
+                [--out best.yaml]                      (one --profile per TP degree, in both)
 
 Exit status: 0 done; 1 the engine could not be built or run; 2 a bad flag, config or profile.
 Runs in the CLI process (no Ray).
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import typing
 from pathlib import Path
@@ -60,26 +64,57 @@ def profile_command(
                                                 "DISAGG_TRACE_DIR)")] = None,
     instance: Annotated[Optional[list[str]], Opt("--instance", help="with --served-steps: only these "
                                                  "instances' steps (e.g. decode-0)")] = None,
+    num_layers: Annotated[Optional[int], Opt("--num-layers", min=1, help="time the first N layers of CONFIG's "
+                                             "dummy model (model.num_layers=N) and scale the profile to "
+                                             "all of its layers (a model too large for the GPU at hand)")] = None,
+    derive: Annotated[Optional[Path], Opt("--derive", metavar="PROFILE", help="derive a profile from PROFILE "
+                                          "(TP 1) instead of timing anything: at --tensor-parallel, of "
+                                          "--model")] = None,
+    tensor_parallel: Annotated[int, Opt("--tensor-parallel", min=1, help="with --derive: the derived "
+                                        "instance's TP")] = 1,
+    model: Annotated[Optional[str], Opt("--model", help="with --derive: the derived instance's model "
+                                        "(dummy:<preset> or a directory with config.json; default the base's)")] = None,
+    allreduce_from: Annotated[Optional[Path], Opt("--allreduce-from", metavar="PROFILE", help="with --derive: "
+                                                  "price the all-reduces from this TP > 1 profile of the "
+                                                  "base's model (else --allreduce-gbps, "
+                                                  "--allreduce-latency-us)")] = None,
+    allreduce_gbps: Annotated[float, Opt("--allreduce-gbps", min=0.001, help="with --derive: bus bandwidth of "
+                                         "the collectives, GB/s (derive.NvlinkModel: H200 NVLink, "
+                                         "conservative)")] = 300.0,
+    allreduce_latency_us: Annotated[float, Opt("--allreduce-latency-us", min=0.0, help="with --derive: "
+                                               "latency of one collective, us")] = 15.0,
     set_: SetOpt = None, log_level: LogLevelOpt = None, verbose: VerboseOpt = False,
 ) -> None:
     """Time CONFIG's instance (its real engine: in this process, or one process per rank at
     instances.tensor_parallel > 1) over a grid of prefill, decode and mixed steps; fit the router's
     step-time model; write the samples, the fit, its error per region and the TP to --out. With --refit PROFILE: refit that profile's samples instead, with
-    --served-steps TRACE_DIR also the steps a serving fleet ran."""
+    --served-steps TRACE_DIR also the steps a serving fleet ran. With --num-layers N: time N layers,
+    scale to the model's. With --derive PROFILE: derive another TP's or model's profile from it."""
+    from disagg.cluster.simulate.derive import scale_layers
     from disagg.cluster.simulate.profile import (SMALL_GRID, Grid, instance_tensor_parallel, refit_profile,
                                                  save_profile, served_samples, summary_lines)
     from disagg.cluster.simulate.profile_ranks import profile_instance
     from disagg.errors import DisaggError
 
     setup_logging(log_level, verbose)
-    if (config is None) == (refit is None):
-        typer.echo("disagg profile: expected CONFIG (to time its engine) or --refit PROFILE (to refit its "
-                   f"samples), got {'neither' if config is None else 'both'}", err=True)
+    modes = [name for name, given in (("CONFIG", config), ("--refit", refit), ("--derive", derive)) if given]
+    if len(modes) != 1:
+        typer.echo("disagg profile: expected CONFIG (to time its engine), --refit PROFILE (to refit its "
+                   f"samples) or --derive PROFILE, got {' and '.join(modes) if modes else 'neither'}", err=True)
         raise typer.Exit(EXIT_USAGE)
     if (served_steps is not None or instance) and refit is None:
         typer.echo("disagg profile: --served-steps and --instance go with --refit PROFILE", err=True)
         raise typer.Exit(EXIT_USAGE)
-    if refit is not None:
+    if num_layers is not None and config is None:
+        typer.echo("disagg profile: --num-layers goes with CONFIG (it times CONFIG's model)", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    if derive is None and (tensor_parallel != 1 or model or allreduce_from):
+        typer.echo("disagg profile: --tensor-parallel, --model and --allreduce-from go with --derive PROFILE "
+                   "(to time a TP instance: --set instances.tensor_parallel=N)", err=True)
+        raise typer.Exit(EXIT_USAGE)
+    if derive is not None:
+        profile = derived_profile(derive, tensor_parallel, model, allreduce_from, allreduce_gbps, allreduce_latency_us)
+    elif refit is not None:
         try:
             served = served_samples(str(served_steps), instance) if served_steps is not None else []
             profile = refit_profile(read_profile(refit, warn_older=False), served, served_from=served_steps and
@@ -88,9 +123,11 @@ def profile_command(
             typer.echo(f"disagg profile --refit: {err}", err=True)
             raise typer.Exit(EXIT_USAGE) from None
     else:
-        cfg = load_config(config, set_)
+        cfg = load_config(config, list(set_ or []) + ([f"model.num_layers={num_layers}"] if num_layers else []))
         try:
             instance_tensor_parallel(cfg)
+            if num_layers is not None:
+                check_layers_timed(cfg.model.source, num_layers)
         except ValueError as err:  # roles at different TPs: one profile is one TP
             typer.echo(f"disagg profile: {err}", err=True)
             raise typer.Exit(EXIT_USAGE) from None
@@ -99,18 +136,79 @@ def profile_command(
         except DisaggError as err:
             typer.echo(f"disagg profile: {type(err).__name__}: {err}", err=True)
             raise typer.Exit(EXIT_RUNTIME) from None
+        if num_layers is not None:
+            try:
+                profile = scale_layers(profile, num_layers)
+            except ValueError as err:
+                typer.echo(f"disagg profile --num-layers: {err}", err=True)
+                raise typer.Exit(EXIT_USAGE) from None
     path = save_profile(profile, out)
     for line in summary_lines(profile):
         typer.echo(line)
     typer.echo(f"profile: {path}")
 
 
-def read_profile(path: Path, warn_older: bool = True) -> dict:
-    """The profile at ``path``; exit 2 naming the problem when it is not one."""
+def check_layers_timed(source: str, num_layers: int) -> None:
+    """Refuse ``--num-layers`` where there is no whole model to scale to: a real checkpoint (the flag
+    builds a dummy preset cut to N layers) or N beyond the preset's layers.
+
+    Raises:
+        ValueError: naming the source or the preset's layers.
+    """
+    from disagg.cluster.simulate.derive import model_config_of
+
+    if not source.startswith("dummy:"):
+        raise ValueError(f"--num-layers: times the first N layers of a dummy:<preset> model (random weights), "
+                         f"got model.source {source!r}; use its preset (e.g. dummy:llama3-70b)")
+    full = model_config_of(source).num_layers
+    if num_layers > full:
+        raise ValueError(f"--num-layers: expected at most the {full} layers of {source}, got {num_layers}")
+
+
+def derived_profile(base_path: Path, tensor_parallel: int, model: Optional[str], allreduce_from: Optional[Path],
+                    allreduce_gbps: float, allreduce_latency_us: float) -> dict:
+    """`disagg profile --derive`'s profile (`derive.derive_profile`); exit 2 naming what is wrong."""
+    from disagg.cluster.simulate import derive as derivation
+
+    base = read_profile(base_path, base_only=True)
+    try:
+        if allreduce_from is not None:
+            collectives = derivation.allreduce_from_profile(read_profile(allreduce_from), base,
+                                                            derivation.base_model_config(base), str(allreduce_from))
+        else:
+            nvlink = derivation.NvlinkModel
+            stated = (math.isclose(allreduce_gbps, nvlink.bus_gbps)
+                      and math.isclose(allreduce_latency_us * 1e-6, nvlink.latency_s))
+            source = nvlink.source if stated else (f"stated: {allreduce_gbps:g} GB/s, {allreduce_latency_us:g} us "
+                                                   "(--allreduce-gbps, --allreduce-latency-us)")
+            collectives = derivation.Collectives(allreduce_latency_us * 1e-6, allreduce_gbps, source)
+        return derivation.derive_profile(base, tensor_parallel=tensor_parallel, model=model, collectives=collectives,
+                                         base_path=str(base_path))
+    except ValueError as err:
+        typer.echo(f"disagg profile --derive: {err}", err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+
+
+def echo_derived(profiles) -> None:
+    """Print `derive.profiles_provenance_lines` (nothing where every profile was measured)."""
+    from disagg.cluster.simulate.derive import profiles_provenance_lines
+
+    for line in profiles_provenance_lines(profiles):
+        typer.echo(line)
+
+
+def derived_yaml_comment(profiles) -> str:
+    from disagg.cluster.simulate.derive import yaml_comment
+
+    return yaml_comment(profiles)
+
+
+def read_profile(path: Path, warn_older: bool = True, base_only: bool = False) -> dict:
+    """The profile at ``path`` (`load_profile`); exit 2 naming the problem when it is not one."""
     from disagg.cluster.simulate.profile import load_profile
 
     try:
-        return load_profile(path, warn_older)
+        return load_profile(path, warn_older, base_only)
     except ValueError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(EXIT_USAGE) from None
@@ -118,8 +216,10 @@ def read_profile(path: Path, warn_older: bool = True) -> dict:
 
 def simulate_command(
     config: ConfigArg,
-    profile: Annotated[Path, Opt("--profile", help="a `disagg profile` JSON (step times of the instance)")],
-    link_gbps: Annotated[float, Opt(help="KV push bandwidth per prefill instance, GB/s (NVLink measured "
+    profile: Annotated[list[Path], Opt("--profile", help="a `disagg profile` JSON (step times of the instance); "
+                                       "once per TP degree the config's roles run (each role timed by the "
+                                       "profile of its instances.tensor_parallel)")],
+    link_gbps: Annotated[float, Opt(help="KV push bandwidth per link (one per prefill rank), GB/s (NVLink measured "
                                          "364; 400/200 Gb/s networks ~50/25)")] = 364.0,
     hop_ms: HopMsOpt = 0.0,
     step_gap_ms: StepGapMsOpt = 0.0,
@@ -150,25 +250,27 @@ def simulate_command(
     log_level: LogLevelOpt = None, verbose: VerboseOpt = False,
 ) -> None:
     """Simulate CONFIG's fleet on a virtual clock (the real scheduler, pages and placement; step
-    times from --profile) under the bench's workload and rates; write `disagg bench`'s result JSON
-    ("simulated": true), which `disagg bench --from-results` compares with measured runs."""
+    times from --profile, each role's from the profile of its TP) under the bench's workload and
+    rates; write `disagg bench`'s result JSON ("simulated": true), which `disagg bench
+    --from-results` compares with measured runs."""
     from rich.console import Console
 
     from disagg.cluster.bench import flags, tables
     from disagg.cluster.bench.report import save_json
     from disagg.cluster.bench.sweep import prompts_at, public_overrides, result_name
-    from disagg.cluster.simulate.fleet import SimFleet
-    from disagg.cluster.simulate.profile import check_profile_tensor_parallel
+    from disagg.cluster.simulate.fleet import SimFleet, profiles_by_role
+    from disagg.cluster.simulate.plan import profiles_by_tp
     from disagg.cluster.simulate.run import simulate_run, simulated_result, workload_spec
 
     setup_logging(log_level, verbose)
     cfg = load_config(config, set_)
-    prof = read_profile(profile)
     try:
-        check_profile_tensor_parallel(prof, cfg)
+        roles = profiles_by_role(cfg, profiles_by_tp([read_profile(path) for path in profile]))
     except ValueError as err:
         typer.echo(f"disagg simulate: {err}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
+    prof = next(iter(roles.values()))  # the model's (every profile's: `profiles_by_tp`)
+    echo_derived({id(p): p for p in roles.values()}.values())  # which numbers were measured, which derived
     datasets = flags.datasets(dataset_name)
     bench = cfg.bench
     rates = flags.rates(request_rate) or list(bench.request_rates)
@@ -192,7 +294,7 @@ def simulate_command(
     try:
         for dataset in datasets:
             for rate in rates:
-                fleet = SimFleet(cfg, prof, link_gbps, hop_ms, step_gap_ms, reserve_ms)
+                fleet = SimFleet(cfg, roles, link_gbps, hop_ms, step_gap_ms, reserve_ms)
                 if trace_dir is not None:
                     fleet.keep_records()
                 spec = workload_spec(
@@ -200,10 +302,10 @@ def simulate_command(
                     seed=bench.seed if seed is None else seed, input_len=input_len or random_input_len
                     or (bench.input_len if random_only else None), output_len=output_len or random_output_len
                     or (bench.output_len if random_only else None), range_ratio=random_range_ratio)
-                sim = simulate_run(cfg, prof, spec, request_rate=rate, burstiness=burstiness or bench.burstiness,
+                sim = simulate_run(cfg, roles, spec, request_rate=rate, burstiness=burstiness or bench.burstiness,
                                    max_concurrency=max_concurrency, seed=spec.seed, link_gbps=link_gbps, fleet=fleet,
                                    num_requests=prompts_at(rate, spec.num_prompts, run_seconds, min_prompts))
-                result = simulated_result(sim, cfg, prof, label=label, config_path=str(config), overrides=shown,
+                result = simulated_result(sim, cfg, roles, label=label, config_path=str(config), overrides=shown,
                                           link_gbps=link_gbps, goodput_slos_ms=slos, percentiles=percentiles,
                                           extra=extra)
                 if trace_dir is not None:
@@ -236,7 +338,7 @@ def plan_command(
     adaptive_prefer: Annotated[Optional[str], Opt(help="router.adaptive_prefer of the adaptive candidates, "
                                                        "comma-separated (fastest, remote, balanced): one candidate "
                                                        "each; default: the config's default (balanced)")] = None,
-    link_gbps: Annotated[float, Opt(help="KV push bandwidth per prefill instance, GB/s")] = 364.0,
+    link_gbps: Annotated[float, Opt(help="KV push bandwidth per link (one per prefill rank), GB/s")] = 364.0,
     hop_ms: HopMsOpt = 0.0,
     step_gap_ms: StepGapMsOpt = 0.0,
     reserve_ms: ReserveMsOpt = 0.0,
@@ -294,6 +396,7 @@ def plan_command(
         typer.echo(f"disagg plan: {err}", err=True)
         raise typer.Exit(EXIT_USAGE) from None
     prof = next(iter(profiles.values()))
+    echo_derived(profiles.values())  # which numbers were measured, which derived
     flags.datasets(dataset_name)
     slos = flags.goodput(goodput)
     if not slos:
@@ -357,6 +460,7 @@ def plan_command(
     text = planner.best_yaml(ranked[0], base, dataset_name=dataset_name, link_gbps=link_gbps, ranked=ranked,
                              hops=hops, extrapolated=extrapolated.get(ranked[0].label, ()),
                              num_screened_out=len(search) - len(kept))
+    text = derived_yaml_comment(profiles.values()) + text
     typer.echo(f"best: {ranked[0].label}")
     typer.echo(text)
     if out is not None:

@@ -18,7 +18,7 @@ After each event every touched instance that is idle and has work runs its engin
 the forward it read, ``StepTimeModel.step_s(shape)`` after that forward's start. A request's life is the
 router's own: the same `RequestFlow` (`disagg.cluster.routing.flow`) moves the same `RoutedRequest` records
 through the same `Placer` (the `Picker`'s order, the prefill queue bound, `router.placement` local
-or adaptive through `placement.decide` over `FleetModel.view`s whose models are the profile's fit)
+or adaptive through `placement.decide` over `FleetModel.view`s whose models are the profiles' fits)
 and keeps the same `Ledger`; `_act` carries its actions out as calls on the simulated instances
 where the router makes Ray calls: decode reservations in the route's order, then the prompt to the
 prefill instance the `Placer` names. Prefix caching (``cache.prefix_caching``): requests carry their
@@ -27,10 +27,18 @@ follows its longest cached prefix, a reservation forks the decode side's cached 
 push carries only what follows them), and the `Placer` has the router's prefix affinity
 (`affinity.prefix_affinity`). Each fleet starts cold, as `disagg bench` resets the prefix cache
 before each run.
+Profiles per role (`fleet_profiles`): each instance runs its role's profile (its step-time
+model, its rank's KV bytes per token), whose TP must be the role's ``instances.tensor_parallel``;
+one profile times every role of a fleet of one TP. The fleet's pages (unless the config gives
+them) are the wider side's count the tightest profile's memory holds, which a narrower side's
+ranks view as more pages (`fleet_pages`, as a launch sizes one heap); the context is the
+tightest profile's.
 Pushes (`link.py`): layer by layer beside the forward that computes the tokens; a prefill
-instance's link carries one forward's tokens after the other at ``link_gbps``, and a push ends no
-earlier than its forward. Not modelled: router and network hops (beyond ``--hop-ms`` before placement and
-``--reserve-ms`` for a remote request's reservation), request timeouts, instance failures.
+instance's links carry one forward's tokens after the other at ``link_gbps`` per rank, each token
+priced by the busiest link of its rank pairs (`link.link_bytes_per_token`: prefill TP a into
+decode TP b), and a push ends no earlier than its forward. Not modelled: router and network
+hops (beyond ``--hop-ms`` before placement and ``--reserve-ms`` for a remote request's
+reservation), request timeouts, instance failures.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from disagg.cluster.launch.instance import Instance
 from disagg.cluster.outputs import RequestMetrics
@@ -49,6 +57,8 @@ from disagg.cluster.routing.flow import Add, End, Hand, RequestFlow, Requeue, Re
 from disagg.cluster.routing.placement.placer import Placer, Wait
 from disagg.cluster.routing.requests import Picker, RoutedRequest
 from disagg.cluster.simulate.instance import SimInstance
+from disagg.cluster.simulate.link import link_bytes_per_token
+from disagg.cluster.simulate.profile import profile_tensor_parallel
 from disagg.cluster.simulate.step_model import StepTimeModel
 from disagg.config import Config
 from disagg.engine.options import EngineOptions
@@ -56,6 +66,7 @@ from disagg.engine.request import pages_for
 from disagg.sampling import SamplingParams
 
 ARRIVAL, STEP_END, PUSH_END, HAND = 0, 1, 2, 3
+ROLES = ("prefill", "decode", "colocated")
 
 
 @dataclass
@@ -83,14 +94,64 @@ def check_hops(**hops: float) -> None:
             raise ValueError(f"{flag}: expected a finite number of milliseconds >= 0, got {value}")
 
 
+def roles_of(config: Config) -> list[str]:
+    """The roles ``config`` runs (those with instances), in `ROLES` order."""
+    return [role for role in ROLES if getattr(config.instances, role)]
+
+
+def fleet_profiles(config: Config, profile: dict | Mapping[str, dict]) -> dict[str, dict]:
+    """The profile of each role ``config`` runs: ``profile`` for every one (a `disagg profile`
+    result), or ``profile[role]`` (one per role).
+
+    Raises:
+        ValueError: a role without a profile, or whose profile timed another TP than the role's
+            ``instances.tensor_parallel`` (its step times are another instance's: a TP-k step
+            all-reduces over k ranks, on a k-th of the heads).
+    """
+    one = "fit" in profile
+    out = {}
+    for role in roles_of(config):
+        if not one and role not in profile:
+            raise ValueError(f"profiles: expected one for each role the config runs ({', '.join(roles_of(config))}), "
+                             f"got none for {role}")
+        prof = profile if one else profile[role]
+        want, got = config.instances.tensor_parallel_of(role), profile_tensor_parallel(prof)
+        if want != got:
+            raise ValueError(f"--profile: the profile timed an instance of tensor_parallel {got}, the config's {role} "
+                             f"instances run at tensor_parallel {want}: profile the config's instance (`disagg "
+                             f"profile CONFIG`) or give a profile of TP {want}")
+        out[role] = prof
+    return out
+
+
+def profiles_by_role(config: Config, profiles: Mapping[int, dict]) -> dict[str, dict]:
+    """The profile of each role ``config`` runs, picked from ``profiles`` (by the TP each timed)
+    by the role's ``instances.tensor_parallel`` (`disagg simulate --profile P1 --profile P2`).
+
+    Raises:
+        ValueError: a role at a TP no profile timed (the message names the role and the TP).
+    """
+    out = {}
+    for role in roles_of(config):
+        tp = config.instances.tensor_parallel_of(role)
+        if tp not in profiles:
+            raise ValueError(f"--profile: the config's {role} instances run at tensor_parallel {tp}, and no profile "
+                             f"timed TP {tp} (profiles of TP {', '.join(map(str, profiles))}): give one more "
+                             f"--profile, of an instance of TP {tp} (`disagg profile CONFIG --set "
+                             f"instances.tensor_parallel={tp}`)")
+        out[role] = profiles[tp]
+    return out
+
+
 class SimFleet:
     """The instances of ``config`` and its router on one virtual clock.
 
     Args:
         config: the deployment (instances, cache, scheduler, router sections).
-        profile: a `disagg profile` result (its fit, and its engine's pages when the config
-            sizes the cache from GPU memory).
-        link_gbps: the push bandwidth, GB/s per prefill instance.
+        profile: a `disagg profile` result for every role, or one per role (`fleet_profiles`):
+            each role's step-time model and KV bytes per token, and the engine's pages when the
+            config sizes the cache from GPU memory (the fewest of the profiles').
+        link_gbps: the push bandwidth, GB/s per link (one per rank of a prefill instance).
         hop_ms: from a request's send to its arrival at the router's placement (HTTP, router and
             Ray hops; the client's clock starts at the send), ms.
         step_gap_ms: host time between two forwards of an instance (the step loop's reading,
@@ -100,8 +161,8 @@ class SimFleet:
             instance; a served trace's remote "submit -> reserved"), ms.
     """
 
-    def __init__(self, config: Config, profile: dict, link_gbps: float = 364.0, hop_ms: float = 0.0,
-                 step_gap_ms: float = 0.0, reserve_ms: float = 0.0) -> None:
+    def __init__(self, config: Config, profile: dict | Mapping[str, dict], link_gbps: float = 364.0,
+                 hop_ms: float = 0.0, step_gap_ms: float = 0.0, reserve_ms: float = 0.0) -> None:
         if not link_gbps > 0:
             raise ValueError(f"--link-gbps: expected a bandwidth > 0 GB/s, got {link_gbps}")
         check_hops(hop_ms=hop_ms, step_gap_ms=step_gap_ms, reserve_ms=reserve_ms)
@@ -109,22 +170,25 @@ class SimFleet:
         self.step_gap_s = step_gap_ms / 1e3
         self.reserve_s = reserve_ms / 1e3
         self.config = config
-        engine = profile["engine"]
+        self.profiles = fleet_profiles(config, profile)
+        engines = [prof["engine"] for prof in self.profiles.values()]
         self.page_size = config.cache.page_size
-        self.num_pages = config.cache.num_pages or _pages_of(profile, config)
-        self.max_model_len = min(config.model.max_model_len or engine["max_model_len"], engine["max_model_len"])
-        self.token_bytes = float(engine["kv_bytes_per_token"])
-        self.vocab_size = int(engine.get("vocab_size") or 32000)
+        self.num_pages, self.role_pages = fleet_pages(self.profiles, config.cache.num_pages,
+                                                      config.instances.gpus_per_instance)
+        self.max_model_len = min([config.model.max_model_len or math.inf] + [e["max_model_len"] for e in engines])
+        self.vocab_size = int(engines[0].get("vocab_size") or 32000)
         self.link_bytes_per_s = link_gbps * 1e9
-        self.model = StepTimeModel.from_dict(profile["fit"])
-        names = [(f"{role}-{i}", role) for role in ("prefill", "decode", "colocated")
-                 for i in range(getattr(config.instances, role))]
-        self.instances = [self._instance(name, role, pe) for pe, (name, role) in enumerate(names)]
+        self.models = {role: StepTimeModel.from_dict(prof["fit"]) for role, prof in self.profiles.items()}
+        self.token_bytes = {role: float(prof["engine"]["kv_bytes_per_token"]) for role, prof in self.profiles.items()}
+        names = [(f"{role}-{i}", role) for role in ROLES for i in range(getattr(config.instances, role))]
+        pes = {pe: role for pe, (_, role) in enumerate(names)}
+        self.instances = [self._instance(name, role, pe, pes) for pe, (name, role) in enumerate(names)]
         self._by_name = {inst.name: inst for inst in self.instances}
         self.picker = Picker(config.router.policy, config.scheduler.max_num_seqs)
-        self.placer = Placer(config, self.instances, self.picker, prefix_affinity(config, self.num_pages),
+        self.placer = Placer(config, self.instances, self.picker,
+                             prefix_affinity(config, min(self.role_pages.values())),
                              clock=lambda: self.now, tracked=True)
-        self.placer.fleet_model.models = {inst.name: self.model for inst in self.instances}
+        self.placer.fleet_model.models = {inst.name: self.models[inst.role] for inst in self.instances}
         self.ledger = self.placer.ledger
         self.flow = RequestFlow(self.placer, config.router)  # each request's life, the router's; it keeps the ledger
         self.now = 0.0
@@ -137,15 +201,23 @@ class SimFleet:
         self.fuse = True  # run the pure-decode forwards no event can change in one event (`SimInstance.fuse`)
         self.step_records: list[dict] | None = None  # `keep_records`: trace records of the run
 
-    def _instance(self, name: str, role: str, pe: int) -> Instance:
+    def _instance(self, name: str, role: str, pe: int, roles: Mapping[int, str]) -> Instance:
+        """The simulated instance ``name`` of ``role`` at PE ``pe``, timed by its role's profile,
+        its pushes into each PE (of ``roles``: every PE's role) priced by their rank pairs."""
         sched = self.config.scheduler
-        options = EngineOptions(num_pages=self.num_pages, page_size=self.page_size, max_num_seqs=sched.max_num_seqs,
+        options = EngineOptions(num_pages=self.role_pages[role], page_size=self.page_size,
+                                max_num_seqs=sched.max_num_seqs,
                                 max_num_batched_tokens=sched.max_num_batched_tokens,
                                 prefix_caching=self.config.cache.prefix_caching, use_cuda_graphs=False,
                                 async_scheduling=sched.async_scheduling, async_prompts=sched.async_prompts)
-        engine = SimInstance(self.model, options, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                             clock=lambda: self.now, pe=pe, bytes_per_token=self.token_bytes,
-                             link_bytes_per_s=self.link_bytes_per_s, step_gap_s=self.step_gap_s)
+        tp_of = self.config.instances.tensor_parallel_of
+        own = self.token_bytes[role]
+        link_bytes = {dst: link_bytes_per_token(own, tp_of(role), self.token_bytes[other], tp_of(other))
+                      for dst, other in roles.items() if other != "colocated" and tp_of(other) != tp_of(role)}
+        engine = SimInstance(self.models[role], options, max_model_len=self.max_model_len,
+                             vocab_size=self.vocab_size, clock=lambda: self.now, pe=pe, bytes_per_token=own,
+                             link_bytes_per_s=self.link_bytes_per_s, link_bytes=link_bytes,
+                             step_gap_s=self.step_gap_s)
         return Instance(name=name, role=role, actor=engine)
 
     def of_role(self, role: str) -> list[Instance]:
@@ -164,7 +236,7 @@ class SimFleet:
             stats = inst.actor.stats()
             out[inst.name] = {"prefix_query_tokens": stats["prefix_query_tokens"],
                               "prefix_hit_tokens": stats["prefix_hit_tokens"],
-                              "pushed_bytes": stats["num_pushed_tokens"] * self.token_bytes}
+                              "pushed_bytes": stats["num_pushed_tokens"] * inst.actor.bytes_per_token}
         return out
 
     # ------------------------------------------------------------------ the clock
@@ -279,9 +351,10 @@ class SimFleet:
         req = RoutedRequest(request_id, ids, params, _sink, RequestMetrics(arrival_time=self.now))
         self.flow.arrived(req)
         longest = pages_for(min(prompt_len + max_tokens, self.max_model_len), self.page_size)
-        if prompt_len + max_tokens > self.max_model_len or longest > self.num_pages:
+        if prompt_len + max_tokens > self.max_model_len or longest > min(self.role_pages.values()):
             self._end(req, "error", f"RequestRefused: prompt {prompt_len} + max_tokens {max_tokens} does not fit "
-                                    f"max_model_len {self.max_model_len} / {self.num_pages} pages of {self.page_size}")
+                                    f"max_model_len {self.max_model_len} / {min(self.role_pages.values())} pages "
+                                    f"of {self.page_size}")
             return set()
         if self.config.mode == "colocated":
             return self._place(req) or set()
@@ -393,7 +466,27 @@ class SimFleet:
         self.flow.check()
 
 
-def _pages_of(profile: dict, config: Config) -> int:
-    """Pages of one instance when the config sizes them from memory: the profiled engine's,
-    divided among the instances sharing a GPU."""
-    return max(1, int(profile["engine"]["num_pages"] * config.instances.gpus_per_instance))
+def fleet_pages(profiles: Mapping[str, dict], num_pages: int | None = None,
+                gpus_per_instance: float = 1.0) -> tuple[int, dict[str, int]]:
+    """The fleet's page count and each role's pages, as a launch sizes them (`disagg.cluster.
+    launch.preflight.size_cache`, `disagg.transfer.heads.HeadLayout.num_pages_of`): every PE
+    allocates the fleet's count of pages of the side with the most KV bytes per token per rank
+    (``num_pages``, else the fewest its memory holds: a profile's pages, divided among the
+    instances sharing a GPU, times its page's share of the widest page), and a rank of a
+    narrower side views the same bytes as proportionally more pages. One TP on both sides: one
+    count for every role.
+
+    Args:
+        profiles: each role's profile (``engine.num_pages``, ``engine.kv_bytes_per_token``).
+        num_pages: the config's ``cache.num_pages`` (None: from the profiles).
+        gpus_per_instance: the config's ``instances.gpus_per_instance``.
+
+    Returns:
+        (the fleet's ``cache.num_pages``, role -> its instances' pages).
+    """
+    token_bytes = {role: float(prof["engine"]["kv_bytes_per_token"]) for role, prof in profiles.items()}
+    widest = max(token_bytes.values())
+    if num_pages is None:
+        num_pages = min(max(1, int(int(prof["engine"]["num_pages"] * gpus_per_instance) * token_bytes[role] / widest))
+                        for role, prof in profiles.items())
+    return num_pages, {role: int(num_pages * widest // token_bytes[role]) for role in profiles}

@@ -21,7 +21,7 @@ pure-decode batch, ending before ``horizon`` (the fleet's next event), runs them
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Mapping
 
 import numpy as np
 import torch
@@ -179,17 +179,20 @@ class SimInstance:
         max_model_len, vocab_size: the stand-in model's.
         clock: the fleet's virtual clock.
         pe: this instance's PE (what its reservations name).
-        bytes_per_token: KV bytes per token; link_bytes_per_s: its push link's bandwidth.
+        bytes_per_token: KV bytes per token of one rank (its heads); link_bytes_per_s: each rank's
+            push link's bandwidth; link_bytes: per receiver PE, the bytes per token of a push's
+            busiest link (`link.link_bytes_per_token`; absent: ``bytes_per_token``).
         step_gap_s: host seconds between two forwards (the served trace's step gap).
     """
 
     def __init__(self, model: StepTimeModel, options: EngineOptions, *, max_model_len: int, vocab_size: int,
                  clock: Callable[[], float], pe: int, bytes_per_token: float, link_bytes_per_s: float,
-                 step_gap_s: float = 0.0) -> None:
+                 link_bytes: Mapping[int, float] | None = None, step_gap_s: float = 0.0) -> None:
         self._clock = clock
         self._host_now: float | None = None  # the launch time of a fused step (the fleet's clock lags it)
         self.runner = SimRunner(model, options.page_size, self.now, step_gap_s)
-        self.connector = SimConnector(pe, self.now, bytes_per_token, link_bytes_per_s)
+        self.connector = SimConnector(pe, self.now, bytes_per_token, link_bytes_per_s, link_bytes)
+        self.bytes_per_token = bytes_per_token
         self.vocab_size = vocab_size
         self.core = SimCore(SimModel(max_model_len, vocab_size), options, self.runner, self.connector)
         self.core.on_gpu_wait = self._mid_step
@@ -200,6 +203,7 @@ class SimInstance:
         self.num_steps = 0
         self.min_free_pages = self.core.scheduler.free_pages()
         self.step_log: list[StepShape] | None = None  # shapes, when a test asks for them
+        self._load: InstanceLoad | None = None  # `load` since the engine last changed
 
     def now(self) -> float:
         return self._clock() if self._host_now is None else self._host_now
@@ -208,6 +212,7 @@ class SimInstance:
     def add(self, request_id: Hashable, prompt_token_ids: list[int], max_tokens: int,
             dest: RecvDest | None = None) -> None:
         """Queue a local request, or (``dest``) a prompt whose KV goes to a decode instance."""
+        self._load = None
         self.core.add(request_id, self._ids(prompt_token_ids), _params(max_tokens), dest)
         if dest is not None:
             self._pushed.add(request_id)
@@ -215,6 +220,7 @@ class SimInstance:
     def reserve(self, request_id: Hashable, prompt_token_ids: list[int], max_tokens: int) -> RecvDest | None:
         """Reserve pages for a pushed prompt and its whole answer (`EngineCore`'s, forked from the
         cached whole pages of its prompt); None when too few pages are free (OutOfPages)."""
+        self._load = None
         try:
             return self.core.reserve(request_id, self._ids(prompt_token_ids), _params(max_tokens))
         except OutOfPages:
@@ -223,6 +229,7 @@ class SimInstance:
     def start(self, request_id: Hashable) -> bool:
         """The prompt's first token came (its KV landed): it decodes here once a step sees the
         landing. True when that token already ended it."""
+        self._load = None
         self.core.start(request_id, 0)
         return request_id not in self.core.requests
 
@@ -237,6 +244,7 @@ class SimInstance:
 
     def begin_step(self) -> SimStep | None:
         """Run the engine's next step; None when it read no forward (nothing can run yet)."""
+        self._load = None
         outputs = self.core.step()
         if self.core.last_step_shape is None:
             assert not outputs, "a simulated engine's step outputs only the tokens of a forward"
@@ -249,6 +257,7 @@ class SimInstance:
         """Run in the step begun the pure-decode steps that surely follow it and end before
         ``horizon`` (the fleet's next event): no event could change them."""
         step = self.current
+        self._load = None
         try:
             while self._surely_same_before(step, horizon):
                 self._host_now = step.forwards[-1].end_s
@@ -307,7 +316,12 @@ class SimInstance:
         return out
 
     def load(self) -> InstanceLoad:
-        return self.core.load()
+        """`EngineCore.load`, kept until the engine next changes: the engine changes only through
+        this object's calls, and the adaptive placement reads every instance's load at each
+        placement (of a burst at one instant, mostly of instances no call touched since)."""
+        if self._load is None:
+            self._load = self.core.load()
+        return self._load
 
     @property
     def cache(self):

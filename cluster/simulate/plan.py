@@ -5,8 +5,8 @@ adaptive) run one instance per GPU (per TP ranks), each with the profiled instan
 pages and budgets. With one profile per TP degree (`disagg plan --profile P1 --profile P2`,
 `profiles_by_tp`) the search spans each degree and each pair of degrees (x prefill instances of
 TP a, y decode instances of TP b), every instance simulated with the step times of its role's TP
-profile (`role_profiles`, `fleet_of`); a fleet of two TPs runs one page count on every instance,
-the tightest of its profiles' (`base_of`), as a launch sizes one heap.
+profile (`role_profiles`, `SimFleet`'s profiles per role); a fleet of two TPs is sized as a launch
+sizes one heap (`base_of`, `fleet.fleet_pages`).
 
 First the screen (`screen_search`, `screen.py`): each candidate's rate from its profiles'
 step-time models, TRT-LLM's rate matching of prefill and decode capacity within the SLOs; only
@@ -38,7 +38,8 @@ from disagg.cluster.routing.placement import DEFAULT_PLACEMENT, policy_of
 from disagg.cluster.simulate import screen
 from disagg.cluster.simulate.candidates import (DEFAULT_CHUNK_SIZES, Candidate, candidates, config_of,  # noqa: F401
                                                 only, prefill_counts, tp_splits)  # the search, as `planner.*`
-from disagg.cluster.simulate.fleet import SimFleet, check_hops
+from disagg.cluster.simulate.fleet import SimFleet, check_hops, fleet_pages, fleet_profiles
+from disagg.cluster.simulate.link import link_bytes_per_token
 from disagg.cluster.simulate.profile import profile_tensor_parallel
 from disagg.cluster.simulate.rate_search import MAX_DOUBLINGS, max_rate, rate_search
 from disagg.cluster.simulate.run import simulate_run, workload_spec
@@ -107,53 +108,19 @@ def role_profiles(candidate: Candidate, profiles: Mapping[int, dict]) -> dict[st
 
 def base_of(candidate: Candidate, profiles: Mapping[int, dict], slos_ms: Mapping[str, float]) -> dict[str, Any]:
     """`base_sections` of ``candidate``'s profile; of a split across two TPs, of its lower TP's,
-    with the context and the page count the tightest of its profiles allows: every instance of a
-    fleet runs one page count (a launch sizes one heap by its tightest PE), so that is the count
-    simulated and written."""
+    with the fleet's page count as a launch sizes it (`fleet.fleet_pages`: pages of the side with
+    more KV heads per rank, which the other side's ranks view as more pages), so that is the
+    count simulated and written, and the context the tightest of its profiles and those pages
+    allow."""
     used = [profiles[tp] for tp in candidate.tensor_parallels]
     base = base_sections(used[0], slos_ms)
     if len(used) > 1:
-        base["cache"]["num_pages"] = min(int(prof["engine"]["num_pages"]) for prof in used)
-        base["model"]["max_model_len"] = min(int(prof["engine"]["max_model_len"]) for prof in used)
+        num_pages = fleet_pages(role_profiles(candidate, profiles))[0]
+        base["cache"]["num_pages"] = num_pages  # a sequence of the wider side fits in as many
+        base["model"]["max_model_len"] = min([int(prof["engine"]["max_model_len"]) for prof in used]
+                                             + [num_pages * int(base["cache"]["page_size"])])
         base["instances"].pop("tensor_parallel", None)  # the candidate's, per role
     return base
-
-
-class _RoleFleet(SimFleet):
-    """A `SimFleet` whose instances of each role take their step times and KV bytes per token from
-    that role's profile (``profiles`` by role; the fleet's other values from the first)."""
-
-    def __init__(self, config: Config, profiles: Mapping[str, dict], link_gbps: float, **hops: float) -> None:
-        self._models = {role: StepTimeModel.from_dict(prof["fit"]) for role, prof in profiles.items()}
-        self._token_bytes = {role: float(prof["engine"]["kv_bytes_per_token"]) for role, prof in profiles.items()}
-        super().__init__(config, next(iter(profiles.values())), link_gbps, **hops)
-        self.placer.fleet_model.models = {inst.name: self._models[inst.role] for inst in self.instances}
-        self.token_bytes = self._token_bytes.get("prefill", self.token_bytes)  # the bytes its pushes carry
-
-    def _instance(self, name: str, role: str, pe: int):
-        # SimFleet builds every instance from ``model`` and ``token_bytes``: set to the role's first.
-        self.model, self.token_bytes = self._models[role], self._token_bytes[role]
-        return super()._instance(name, role, pe)
-
-
-def fleet_of(config: Config, profiles: Mapping[str, dict], link_gbps: float = 364.0, **hops: float) -> SimFleet:
-    """The simulated fleet of ``config`` with each role's instances timed by its profile of
-    ``profiles`` (by role, `role_profiles`); a `SimFleet` of the one profile where they are one."""
-    distinct = {id(prof): prof for prof in profiles.values()}
-    if len(distinct) == 1:
-        return SimFleet(config, next(iter(distinct.values())), link_gbps, **hops)
-    return _RoleFleet(config, profiles, link_gbps, **hops)
-
-
-def _one_tp_config(config: Config, profile: dict) -> Config:
-    """``config`` as `simulate_run`'s check of one TP per fleet reads it: a split across TPs runs
-    in a `fleet_of` that times each role by its own profile, so the check is given ``profile``'s."""
-    tps = {config.instances.tensor_parallel_of(role) for role in ("prefill", "decode", "colocated")
-           if getattr(config.instances, role)}
-    if len(tps) == 1:
-        return config
-    instances = config.instances.model_copy(update={"tensor_parallel": profile_tensor_parallel(profile)})
-    return config.model_copy(update={"instances": instances})
 
 
 # `extrapolations`: a chunk or batch this fraction beyond the range of the steps timed still counts as timed.
@@ -272,9 +239,8 @@ def rate_attainment(config: Config, profile: dict | Mapping[str, dict], rate: fl
                     stop_early: bool = True, **lengths: Any) -> tuple[float, bool]:
     """The SLO attainment of the deployment ``config`` at ``rate`` req/s over ``seeds`` draws,
     pooled (`judge`), and whether its runs stopped at a certain miss (then the attainment is a
-    bound below the target). ``profile``: one for every instance, or one per role (`fleet_of`)."""
-    profiles = _by_role(profile, config)
-    first = next(iter(profiles.values()))
+    bound below the target). ``profile``: one for every instance, or one per role (`SimFleet`'s)."""
+    first = next(iter(fleet_profiles(config, profile).values()))
     outputs: list[RequestOutput] = []
     num_prompts = run_length.prompts_at(rate)
     allowed = misses_allowed(num_prompts * seeds)
@@ -286,21 +252,14 @@ def rate_attainment(config: Config, profile: dict | Mapping[str, dict], rate: fl
         return misses > allowed
 
     for draw in range(seed, seed + seeds):
-        fleet = fleet_of(config, profiles, link_gbps, **(hops or {}))
+        fleet = SimFleet(config, profile, link_gbps, **(hops or {}))
         spec = workload_spec(first, fleet.max_model_len, dataset_name=dataset_name,
                              num_prompts=num_prompts, seed=draw, **lengths)
-        outputs += simulate_run(_one_tp_config(config, first), first, spec, request_rate=rate, seed=draw,
-                                fleet=fleet, stop_when=certain_miss if stop_early else None).run.outputs
+        outputs += simulate_run(config, profile, spec, request_rate=rate, seed=draw, fleet=fleet,
+                                stop_when=certain_miss if stop_early else None).run.outputs
         if misses > allowed:
             break
     return sum(meets_slos(out, slos_ms) for out in outputs) / (num_prompts * seeds), misses > allowed
-
-
-def _by_role(profile: dict | Mapping[str, dict], config: Config) -> dict[str, dict]:
-    """``profile`` by the roles ``config`` runs: itself for each, where it is one profile."""
-    if "fit" in profile:  # one profile
-        return {role: profile for role in ("prefill", "decode", "colocated") if getattr(config.instances, role)}
-    return dict(profile)
 
 
 def judge(candidate: Candidate, base: dict[str, Any], profile: dict | Mapping[str, dict], *, dataset_name: str,
@@ -348,13 +307,21 @@ def workload_shape(profile: dict, *, dataset_name: str, seed: int = 0, num_promp
 def screened(candidate: Candidate, profiles: Mapping[int, dict], slos_ms: Mapping[str, float],
              work: screen.WorkloadShape, link_gbps: float = 364.0) -> screen.Screened:
     """``candidate``'s screen (`screen.py`): each role's instance from its TP's profile, at the
-    candidate's chunk budget, batch and pages."""
+    candidate's chunk budget, batch and pages; a prefill instance's pushes priced as the fleet
+    prices them (`link.link_bytes_per_token`: the busiest link of its rank pairs)."""
     config = config_of(base_of(candidate, profiles, slos_ms), candidate)
     cache, scheduler, counts = config["cache"], config["scheduler"], config["instances"]
+    roles = role_profiles(candidate, profiles)
+    token_bytes = {role: float(prof["engine"]["kv_bytes_per_token"]) for role, prof in roles.items()}
+    if "prefill" in roles:
+        tp_of = candidate.tensor_parallel_of
+        token_bytes["prefill"] = link_bytes_per_token(token_bytes["prefill"], tp_of("prefill"), token_bytes["decode"],
+                                                      tp_of("decode"))
+    pages = fleet_pages(roles, cache["num_pages"])[1]  # a narrower side's ranks view more pages
     shapes = {role: screen.InstanceShape(StepTimeModel.from_dict(prof["fit"]), scheduler["max_num_batched_tokens"],
-                                         scheduler["max_num_seqs"], cache["num_pages"], cache["page_size"],
-                                         float(prof["engine"]["kv_bytes_per_token"]), link_gbps * 1e9)
-              for role, prof in role_profiles(candidate, profiles).items()}
+                                         scheduler["max_num_seqs"], pages[role], cache["page_size"],
+                                         token_bytes[role], link_gbps * 1e9)
+              for role, prof in roles.items()}
     tps = "+".join(f"TP{candidate.tensor_parallel_of(role)}" for role in candidate.roles)
     if "colocated" in shapes:
         rate = counts["colocated"] * screen.colocated_rate(shapes["colocated"], work, slos_ms)
@@ -405,7 +372,8 @@ def plan(profile: dict | Sequence[dict], *, dataset_name: str, slos_ms: Mapping[
     each candidate's screened rate (`screen_search`; 1 req/s per GPU where it has none). No
     candidate's search doubles past the rate at which a run of ``run_length.max_prompts``
     arrives within the TTFT SLO: beyond it every run is one burst the fleet drains within the
-    SLO (a goodput there is named as judged on short runs), the same verdict at any rate.
+    SLO (a goodput there is named as judged on short runs), the same verdict at any rate; a
+    start within `rate_search.CEILING_FIRST` doublings of it judges that doubling first.
 
     Raises:
         ValueError: a bad GPU count, SLOs missing, fewer than one seed or job, a hop below 0 ms,

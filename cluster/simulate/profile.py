@@ -27,6 +27,10 @@ Version 1 profiles (a model without the attention-pair, mixed-step, eager-contex
 terms) still load: their 5 coefficients predict what they did (`StepTimeModel.from_dict`), and `disagg
 profile --refit OLD.json --out NEW.json` refits them on the CPU from their own samples, whose
 attention pairs `replayed_prompt_pairs` derives by replaying the grid's prompts (`refit_profile`).
+
+A profile of an instance not timed (another TP, another model's shapes, the whole model from its
+first N layers: `disagg profile --derive`, `--num-layers N`) is `disagg.cluster.simulate.derive`'s;
+it carries ``derived`` (what was measured, what derived), and is not refitted.
 """
 
 from __future__ import annotations
@@ -231,7 +235,8 @@ def run_profile(config: Config, grid: Grid = Grid(), engine_and_info: tuple[Any,
                    "kv_bytes_per_token": int(engine.token_bytes), "vocab_size": int(info["vocab_size"]),
                    "eos_token_ids": info["eos_token_ids"],
                    "async_scheduling": bool(served_async), "cuda_graphs": config.scheduler.cuda_graphs,
-                   "num_layers": config.model.num_layers},  # these two: `disagg plan`'s YAML, as profiled
+                   "num_layers": config.model.num_layers,  # these two: `disagg plan`'s YAML, as profiled
+                   "kv_pages_from": _pages_sized_from(config, str(engine.model.device))},
         "grid": asdict(grid),
         "sample_fields": SAMPLE_FIELDS,
         "samples": rec.samples,
@@ -241,6 +246,18 @@ def run_profile(config: Config, grid: Grid = Grid(), engine_and_info: tuple[Any,
     }
 
 
+def _pages_sized_from(config: Config, device: str) -> str:
+    """How the instance's pages were sized (`engines.describe`): by its config's ``cache.num_pages``
+    or ``cache.kv_bytes``, by the GPU's memory left after the weights and activations, or the
+    CPU's fixed budget; `derive` keeps the first, the bytes of the second and fourth, and
+    rescales the third."""
+    if config.cache.num_pages is not None:
+        return "num_pages"
+    if config.cache.kv_bytes is not None:
+        return "kv_bytes"
+    return "gpu_memory" if device.startswith("cuda") else "cpu_default"
+
+
 def save_profile(profile: dict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -248,9 +265,10 @@ def save_profile(profile: dict, path: str | Path) -> Path:
     return path
 
 
-def load_profile(path: str | Path, warn_older: bool = True) -> dict:
+def load_profile(path: str | Path, warn_older: bool = True, base_only: bool = False) -> dict:
     """Read a profile written by `disagg profile` (an older version's: with a warning naming
-    `--refit`, unless ``warn_older`` is False).
+    `--refit`, unless ``warn_older`` is False). One without pages (a model scaled past its GPU by
+    `--num-layers`) only with ``base_only`` (what `--derive` reads).
 
     Raises:
         ValueError: not a readable JSON profile (the message names the file and what is wrong).
@@ -271,6 +289,9 @@ def load_profile(path: str | Path, warn_older: bool = True) -> dict:
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"--profile: {str(path)!r} has tensor_parallel {tp!r}, expected an integer >= 1 "
                          "(the ranks of the profiled instance)")
+    if not base_only and int(data["engine"].get("num_pages", 1)) < 1:
+        raise ValueError(f"--profile: {str(path)!r} holds no pages ({data.get('model')} does not fit its GPU at "
+                         f"TP {tp}): derive a TP that fits, `disagg profile --derive {path} --tensor-parallel K`")
     if warn_older and data.get("version", 1) < PROFILE_VERSION:
         logger.warning("%s: a version %s profile; its fit lacks the attention-pair, mixed-step and "
                        "knee terms (prompt and mixed steps ~25%% off): `disagg profile --refit %s --out NEW.json` refits "
@@ -359,6 +380,10 @@ def refit_profile(profile: dict, served: Sequence[list] = (), served_from: str |
     """``profile`` with the current model fitted to its samples (a version 1 profile's samples
     gain their `replayed_prompt_pairs`) and to ``served`` samples (`served_samples`: steps a
     serving fleet ran, scenario "served"); the fit and errors it had are kept under ``refit``."""
+    if profile.get("derived"):
+        raise ValueError(f"a derived profile ({profile['derived']['how']}): its samples are the base's steps, "
+                         f"not its own; refit the base profile ({profile['derived']['from']['profile']}) and "
+                         f"derive again")
     samples = profile["samples"]
     if profile.get("version", 1) < 2:
         samples = [s[:3] + [pairs] + s[3:] for s, pairs in zip(samples, replayed_prompt_pairs(profile))]
@@ -413,8 +438,17 @@ def summary_lines(profile: dict) -> list[str]:
     coef, knee = model.coef, model.knee_tokens
     tp = profile_tensor_parallel(profile)
     at = f" at tensor_parallel {tp} ({profile.get('tp_backend')})" if tp > 1 else ""
-    lines = [f"{profile['model']} ({profile['dtype']}){at} on {profile['device'].get('torch_device')}: "
-             f"{len(profile['samples'])} steps timed in {profile['wall_s']:.1f} s",
+    record = profile.get("derived")
+    if record and profile.get("num_layers_timed"):  # `disagg profile --num-layers N`: timed here, scaled
+        head = (f"{profile['model']} ({profile['dtype']}){at} on {profile['device'].get('torch_device')}: "
+                f"{len(profile['samples'])} steps timed in {profile['wall_s']:.1f} s, {record['how']}")
+    elif record:
+        head = (f"{profile['model']} ({profile['dtype']}) at tensor_parallel {tp}: derived from "
+                f"{record['from']['model']} at TP {record['from']['tensor_parallel']} ({record['from']['profile']})")
+    else:
+        head = (f"{profile['model']} ({profile['dtype']}){at} on {profile['device'].get('torch_device')}: "
+                f"{len(profile['samples'])} steps timed in {profile['wall_s']:.1f} s")
+    lines = [head,
              f"step_s = ({coef[4]:.3e} with prompt tokens, else {coef[0]:.3e}) + {coef[1]:.3e} * prompt_tokens "
              f"+ {coef[8]:.3e} * max(prompt_tokens - {knee}, 0) + {coef[5]:.3e} * prompt_pairs "
              f"+ {coef[2]:.3e} * decode_seqs + {coef[3]:.3e} * context_tokens "
@@ -427,4 +461,8 @@ def summary_lines(profile: dict) -> list[str]:
             line += (f" ({'-' if rest is None else f'{100 * rest:.1f}%'} without the {err['num_outliers']} "
                      f"outside 1/{OUTLIER_RATIO:g}-{OUTLIER_RATIO:g}x the fit, not fitted)")
         lines.append(line)
+    if record:
+        from disagg.cluster.simulate.derive import provenance_lines
+
+        lines += ["  (those errors: of the fit as timed, before it was derived)"] + provenance_lines(profile)
     return lines

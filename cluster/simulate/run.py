@@ -26,8 +26,8 @@ from disagg.cluster.bench.report import build_result
 from disagg.cluster.bench.runner import RunResult
 from disagg.cluster.bench.sweep import prefix_cache_of
 from disagg.cluster.bench.workloads import WorkloadSpec, sample_lengths, sample_prompts
-from disagg.cluster.simulate.fleet import SimFleet, Timeline
-from disagg.cluster.simulate.profile import check_profile_tensor_parallel, profile_tensor_parallel
+from disagg.cluster.simulate.fleet import SimFleet, Timeline, fleet_profiles
+from disagg.cluster.simulate.profile import profile_tensor_parallel
 from disagg.config import SECRET_FIELDS, Config
 
 
@@ -52,7 +52,7 @@ def workload_spec(profile: dict, fleet_max_model_len: int, *, dataset_name: str,
                         tuple(int(t) for t in engine.get("eos_token_ids") or ())).resolved()
 
 
-def simulate_run(config: Config, profile: dict, spec: WorkloadSpec, *, request_rate: float,
+def simulate_run(config: Config, profile: dict | Mapping[str, dict], spec: WorkloadSpec, *, request_rate: float,
                  burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
                  link_gbps: float = 364.0, hop_ms: float = 0.0, fleet: SimFleet | None = None,
                  num_requests: int | None = None,
@@ -62,12 +62,13 @@ def simulate_run(config: Config, profile: dict, spec: WorkloadSpec, *, request_r
     prompts it sampled. ``stop_when(output)`` hears each request's client record as it ends; once
     it answers True the run stops (`SimFleet.halt`), and every request not ended by then is a
     failed one in the result (`disagg plan` stops a run whose SLO miss is already certain).
+    ``profile``: one for every role, or one per role (`SimFleet`'s).
 
     Raises:
-        ValueError: a bad rate, burstiness, concurrency or link bandwidth, or a profile of another
-            TP than the config's instances (`profile.check_profile_tensor_parallel`).
+        ValueError: a bad rate, burstiness, concurrency or link bandwidth, or a role without a
+            profile of its TP (`fleet.fleet_profiles`).
     """
-    check_profile_tensor_parallel(profile, config)
+    fleet_profiles(config, profile)
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"--max-concurrency: expected an integer >= 1, got {max_concurrency}")
     started = time.perf_counter()
@@ -127,14 +128,18 @@ def client_output(timeline: Timeline) -> RequestOutput:
     return out
 
 
-def simulated_result(sim: Simulation, config: Config, profile: dict, *, label: str, config_path: str | None,
+def simulated_result(sim: Simulation, config: Config, profile: dict | Mapping[str, dict], *, label: str,
+                     config_path: str | None,
                      overrides: Mapping[str, Any] | None = None, link_gbps: float = 364.0,
                      goodput_slos_ms: Mapping[str, float] | None = None,
                      percentiles: Sequence[float] = DEFAULT_PERCENTILES,
                      extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`disagg bench`'s result object of a simulated run (vLLM's names, per-request lists), with
-    ``"simulated": true``, the profile's device as the device, and the simulation's assumptions."""
+    ``"simulated": true``, the profile's device as the device, and the simulation's assumptions
+    (``simulation``: the first role's profile, and under ``roles`` each role's TP and fit)."""
     fleet = sim.fleet
+    by_role = fleet_profiles(config, profile)
+    profile = next(iter(by_role.values()))
     duration = sim.run.duration_s
     busy = {inst.name: inst.actor.busy_s / duration for inst in fleet.instances} if duration > 0 else None
     on_cpu = str((profile.get("device") or {}).get("torch_device", "cuda")).startswith("cpu")
@@ -147,6 +152,9 @@ def simulated_result(sim: Simulation, config: Config, profile: dict, *, label: s
             "simulation": {"profile_date": profile.get("date"), "profile_commit": profile.get("commit"),
                            "profile_model": profile.get("model"), "fit": profile["fit"],
                            "tensor_parallel": profile_tensor_parallel(profile),
+                           "roles": {role: {"tensor_parallel": profile_tensor_parallel(prof), "fit": prof["fit"],
+                                            "profile_date": prof.get("date"), "profile_commit": prof.get("commit")}
+                                     for role, prof in by_role.items()},
                            "link_gbps": link_gbps, "hop_ms": fleet.hop_s * 1e3,
                            "step_gap_ms": fleet.step_gap_s * 1e3,
                            "reserve_ms": fleet.reserve_s * 1e3, "num_pages": fleet.num_pages, "num_events": fleet.num_events,

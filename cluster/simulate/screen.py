@@ -71,8 +71,9 @@ class WorkloadShape:
 @dataclass(frozen=True)
 class InstanceShape:
     """What the screen reads of one instance: its step-time model, chunk budget (tokens per
-    step), batch (sequences per step), pages and their size, and one rank's KV bytes per token
-    with the link bandwidth each rank pushes over."""
+    step), batch (sequences per step), pages and their size, and the KV bytes per token of its
+    busiest push link (one rank's share at equal TPs: `link.link_bytes_per_token`) with the
+    link bandwidth each rank pushes over."""
 
     model: StepTimeModel
     chunk_tokens: int

@@ -2,9 +2,9 @@
 
 A dummy model has the preset's shapes and seeded random weights (see `disagg.model.weights.
 random_weights`), no tokenizer. Used by CPU tests ("tiny"), by benchmarks and GPU sizing
-("llama3-8b"; "llama3.1-8b" for contexts past 8192 tokens; "qwen2.5-32b" and "llama3-70b",
-the models that need a tensor-parallel instance), and to run the real SmolLM2's shape without
-its weights ("smollm2-135m").
+("llama3-8b"; "llama3.1-8b" for contexts past 8192 tokens; "qwen2.5-32b", "llama3-70b" and
+"llama3.1-70b", the models that need a tensor-parallel instance or a derived profile), and to
+run the real SmolLM2's shape without its weights ("smollm2-135m").
 """
 
 from __future__ import annotations
@@ -60,6 +60,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
         vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
         tie_word_embeddings=False, bos_token_id=128000, eos_token_id=[128001, 128009],
+    ),
+    # meta-llama/Llama-3.1-70B(-Instruct): llama3-70b's shapes with a 128k context by llama3 RoPE
+    # scaling (for planning the 8k-32k long-prompt workload).
+    "llama3.1-70b": dict(
+        architectures=["LlamaForCausalLM"], num_hidden_layers=80, hidden_size=8192,
+        intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+        vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
     ),
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,7 @@ def test_a_wider_rate_search_finds_the_one_at_a_time_rate_whatever_the_attainmen
     rng = random.Random(width)
     for trial in range(300):
         knee, noise, start = rng.uniform(0.01, 500), rng.random() * 0.3, rng.choice([0.5, 1.0, 4.0, 64.0])
+        ceiling = rng.choice([math.inf, start * rng.uniform(0.5, 6.0)])  # some within `CEILING_FIRST`
         table: dict[float, float] = {}
 
         def attainment(rate: float) -> float:  # the same answer for a rate however often asked
@@ -61,15 +63,34 @@ def test_a_wider_rate_search_finds_the_one_at_a_time_rate_whatever_the_attainmen
                 table[rate] = min(1.0, max(0.0, (0.95 if rate <= knee else 0.8) + rng.uniform(-noise, noise)))
             return table[rate]
 
-        one, one_batches = _drive(planner.rate_search(start, 1), attainment)
-        wide, wide_batches = _drive(planner.rate_search(start, width), attainment)
-        assert wide == one == planner.max_rate(attainment, start), (trial, knee, noise, start)
+        one, one_batches = _drive(planner.rate_search(start, 1, ceiling=ceiling), attainment)
+        wide, wide_batches = _drive(planner.rate_search(start, width, ceiling=ceiling), attainment)
+        assert wide == one == planner.max_rate(attainment, start, ceiling=ceiling), (trial, knee, noise, start)
         assert all(len(b) <= width for b in wide_batches)
         assert {r for b in one_batches for r in b} <= {r for b in wide_batches for r in b}
         assert len(wide_batches) <= len(one_batches)
-        assert width < 3 or len(wide_batches) < len(one_batches)  # >= 2 bisection levels a round
+        # >= 2 bisection levels a round (a hold at the ceiling, judged first, is one round either way)
+        assert width < 3 or len(wide_batches) < len(one_batches) or one_batches == wide_batches == [[one]]
     with pytest.raises(ValueError, match="width"):
         next(planner.rate_search(1.0, 0))
+
+
+def test_a_start_near_the_ceiling_judges_the_ceiling_first():
+    """Two doublings below the ceiling: the doubling past it is judged first, and a hold there
+    is the rate the doubling from the start finds (one run instead of three); a miss there is
+    kept, not judged again, and the search goes on from the start to the same rate."""
+    def judged(attainment, start: float, ceiling: float) -> tuple[float, list[float]]:
+        asked: list[float] = []
+        rate = planner.max_rate(lambda r: asked.append(r) or attainment(r), start, ceiling=ceiling)
+        return rate, asked
+
+    assert judged(lambda r: 1.0, 10.0, 35.0) == (40.0, [40.0])
+    assert judged(lambda r: 1.0, 10.0, 20.0) == (20.0, [20.0])
+    assert judged(lambda r: 1.0, 10.0, 50.0) == (80.0, [10.0, 20.0, 40.0, 80.0])  # three doublings: as ever
+    rate, asked = judged(lambda r: 1.0 if r <= 30.0 else 0.0, 10.0, 35.0)
+    assert asked[:3] == [40.0, 10.0, 20.0] and asked.count(40.0) == 1 and 28.0 < rate <= 30.0
+    with_ceiling_last = planner.max_rate(lambda r: 1.0 if r <= 30.0 else 0.0, 10.0)
+    assert rate == with_ceiling_last
 
 
 @pytest.mark.parametrize("lengths, best, worst", [

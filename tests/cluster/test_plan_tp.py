@@ -59,21 +59,24 @@ def test_the_search_spans_each_pair_of_profiled_tps():
 
 def test_a_split_across_tps_times_each_role_by_its_profile():
     """Each instance runs its role's step-time model and pushes its role's KV bytes; the fleet
-    runs the tightest profile's pages; a split whose decode side is the slow one misses."""
+    runs the pages a launch sizes (TP 2's 128 pages of half the bytes hold 64 of TP 1's, which the
+    TP 2 rank views as 128); a split whose decode side is the slow one misses."""
     (cand,) = [c for c in planner.candidates(4, (256,), adaptive=False, tensor_parallel=[1, 2])
                if c.label == "2P(TP1)+1D(TP2)"]
     profiles = {1: dict(TP1, fit=FAST_PREFILL), 2: dict(TP2, fit=FAST_DECODE)}
     base = planner.base_of(cand, profiles, SLOS)
-    assert base["cache"]["num_pages"] == 128 and "tensor_parallel" not in base["instances"]
+    assert base["cache"]["num_pages"] == 64 and "tensor_parallel" not in base["instances"]
     config = Config.from_dict(planner.config_of(base, cand))
-    fleet = planner.fleet_of(config, planner.role_profiles(cand, profiles))
+    fleet = planner.SimFleet(config, planner.role_profiles(cand, profiles))
     coef = {inst.name: list(inst.actor.runner.model.coef[:5]) for inst in fleet.instances}
     assert coef == {"prefill-0": FAST_PREFILL["coef_s"], "prefill-1": FAST_PREFILL["coef_s"],
                     "decode-0": FAST_DECODE["coef_s"]}
     assert {name: list(m.coef[:5]) for name, m in fleet.placer.fleet_model.models.items()} == coef
     assert {inst.name: inst.actor.connector.sender.bytes_per_token for inst in fleet.instances} == {
         "prefill-0": 512, "prefill-1": 512, "decode-0": 256}
-    assert fleet.num_pages == 128
+    assert fleet.num_pages == 64
+    assert {inst.name: inst.actor.cache.num_pages for inst in fleet.instances} == {
+        "prefill-0": 64, "prefill-1": 64, "decode-0": 128}
 
     def goodput(label: str) -> float:
         (c,) = [c for c in planner.candidates(4, (256,), adaptive=False, tensor_parallel=[1, 2]) if c.label == label]
@@ -103,9 +106,11 @@ def test_plan_chooses_the_tp_of_each_role_and_writes_the_fleet_it_simulated(tmp_
     config = Config.from_yaml(out)
     assert (config.instances.prefill, config.instances.decode) == (2, 1)
     assert (config.instances.tensor_parallel_of("prefill"), config.instances.tensor_parallel_of("decode")) == (1, 2)
-    assert config.instances.num_ranks == 4 and config.cache.num_pages == 128  # TP 2's pages: the tightest
-    assert config.model.max_model_len == 2048
-    fleet = planner.fleet_of(config, {"prefill": dict(TP1, fit=FAST_PREFILL), "decode": dict(TP2, fit=FAST_DECODE)})
+    # TP 2's memory is the tightest: its 128 pages of half the bytes hold 64 of TP 1's, which a
+    # sequence of TP 1's must fit in
+    assert config.instances.num_ranks == 4 and config.cache.num_pages == 64
+    assert config.model.max_model_len == 64 * 16
+    fleet = planner.SimFleet(config, {"prefill": dict(TP1, fit=FAST_PREFILL), "decode": dict(TP2, fit=FAST_DECODE)})
     assert fleet.num_pages == config.cache.num_pages  # the YAML launches the pages simulated
 
 
@@ -114,3 +119,13 @@ def test_a_role_at_a_tp_no_profile_timed_is_refused():
                if c.label == "2P(TP1)+1D(TP2)"]
     with pytest.raises(ValueError, match=r"no profile of the TP of 2P\(TP1\)\+1D\(TP2\).*profile an instance of TP 2"):
         planner.role_profiles(cand, {1: TP1})
+
+
+def test_the_screen_prices_a_push_across_tps_by_its_busiest_link():
+    """1P(TP2)+2D(TP1): each prefill rank holds 256 B a token, but the one decode rank it fills
+    takes 512 B a token from the two of them; on a slow link the split is bound by that link."""
+    (cand,) = [c for c in planner.candidates(4, (256,), adaptive=False, tensor_parallel=[1, 2])
+               if c.label == "1P(TP2)+2D(TP1)"]
+    work = planner.screen.WorkloadShape.of([32], [8])
+    got = planner.screened(cand, {1: TP1, 2: TP2}, SLOS, work, link_gbps=1e-6)
+    assert got.bound == "prefill" and got.rate_rps == pytest.approx(1e3 / (32 * 512))

@@ -80,11 +80,14 @@ def test_every_request_ends_once_and_every_page_comes_back(name: str):
 
 def checked_at_every_decision(fleet: SimFleet) -> list[int]:
     """Check ``fleet``'s tracked work and loads (`SimFleet.check_ledger`) before each
-    adaptive decision; the number of decisions checked, in a list that grows."""
+    adaptive decision, and that the loads it reads are the engines' now (`SimInstance.load`
+    keeps one until its engine changes); the number of decisions checked, in a list that grows."""
     checked, decide = [0], fleet.placer.decide
 
     def checking(*args, **kwargs):
         fleet.check_ledger()
+        for inst in fleet.instances:
+            assert fleet.placer.fleet_model.loads[inst.name] == inst.actor.core.load(), f"{inst.name}'s load is stale"
         checked[0] += 1
         return decide(*args, **kwargs)
 
@@ -331,7 +334,7 @@ def test_a_reservation_made_mid_forward_answers_when_the_forward_ends(overlap):
 
     alone, _ = first_token_of_b(False)
     behind, fleet = first_token_of_b(True)
-    d_step = fleet.model.step_s(0, 1, 30 + 30, 0)  # a decode forward of "a" near t = 0.05
+    d_step = fleet.models["decode"].step_s(0, 1, 30 + 30, 0)  # a decode forward of "a" near t = 0.05
     if overlap:  # only the prefill instance's own work for "b" is in its way
         assert behind - alone == pytest.approx(0.0, abs=1e-9)
     else:

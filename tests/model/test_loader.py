@@ -118,7 +118,8 @@ def test_errors_are_disagg_errors():
 
 def test_presets_and_dtypes():
     with pytest.raises(ModelConfigError, match="unknown preset 'huge'; expected one of llama3-70b, "
-                                               "llama3-8b, llama3.1-8b, qwen2.5-32b, smollm2-135m, tiny"):
+                                               "llama3-8b, llama3.1-70b, llama3.1-8b, qwen2.5-32b, smollm2-135m, "
+                                               "tiny"):
         load_model("dummy:huge", device="cpu")
     with pytest.raises(ModelConfigError, match="dtype: expected one of auto"):
         load_model("dummy:tiny", device="cpu", dtype="int8")
