@@ -292,7 +292,9 @@ class StepLoop:
 
     def _has_work(self) -> bool:
         """Whether to run a step now: an engine is set, has not failed, and has work (a subclass
-        may say False more often; the thread asks again after each call and idle wait)."""
+        may say False more often; the thread asks again after each call and idle wait). A
+        follower steps when its replica has work, so a subclass that narrows this holds a
+        tensor-parallel leader's steps but not its followers': they would part from it."""
         if self.engine is None or self.fatal is not None:
             return False
         try:

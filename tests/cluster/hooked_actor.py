@@ -141,7 +141,9 @@ class HookedInstanceActor(InstanceActor):
 
     async def pause_steps(self, after_num_steps: int = 0) -> None:
         """Let the engine run ``after_num_steps`` more steps, then hold its steps (calls still
-        run: the engine takes requests and aborts but computes nothing)."""
+        run: the engine takes requests and aborts but computes nothing). One-rank instances only:
+        a tensor-parallel leader's followers step by their own replicas (`stall` holds a TP
+        instance)."""
         await self._run(self.loop.pause_steps, after_num_steps)
 
     async def resume_steps(self) -> None:
