@@ -121,6 +121,10 @@ def ray_local():
     """
     global _ray_ours
     ray = pytest.importorskip("ray")
+    if ray.is_initialized() and not _ray_ours and ray.cluster_resources().get("CPU", 0.0) < RAY_INIT["num_cpus"]:
+        # A Ray an earlier test's launch left in this process (an embedded head of os.cpu_count()
+        # CPUs): too small for the fleets here (a TP fleet's four ranks would wait for CPUs).
+        ray.shutdown()
     if not ray.is_initialized():
         ray.init(**RAY_INIT)
         _ray_ours = True
