@@ -48,20 +48,8 @@ def want() -> list[list[int]]:
 def test_streams_a_killed_decode_instance_held_continue_on_the_survivors(ray_local, want, restart):
     with launch("tiny-1p1d", HookedInstanceActor, router__lease_s=LEASE_S, cluster__restart=restart,
                 cluster__restart_backoff_s=0.1) as cluster:
-        decode = cluster.instance("decode-0").actor
         params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-        streams = [BackgroundStream(cluster, p, params, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
-        _wait_until(lambda: all(len(s.token_ids) >= 3 for s in streams))  # decoding on decode-0
-        ray_local.get(decode.pause_steps.remote(0))
-        streamed = [len(s.token_ids) for s in streams]
-        assert all(3 <= n < MAX_TOKENS for n in streamed), streamed
-        ray_local.kill(decode, no_restart=True)
-        for i, (stream, tokens) in enumerate(zip(streams, want)):
-            last = stream.result()
-            assert (last.finish_reason, last.error) == ("length", None), (i, last)
-            assert stream.token_ids == tokens, f"request {i}: streamed {streamed[i]} before the kill"
-        stats = wait_all_free(cluster)
-        assert stats["router"]["counts"]["migrated"] == len(PROMPTS)
+        stats = _kill_decode_while_streaming(cluster, ray_local, [params] * len(PROMPTS), want, "r")
         assert stats["router"]["failures"] == {}
         assert cluster.healthy
 
@@ -80,20 +68,7 @@ def test_seeded_sampled_streams_a_killed_decode_instance_held_draw_on_as_uninter
                                  page_size=16, max_num_seqs=16, max_num_batched_tokens=256)
         want = engine_tokens(engine, PROMPTS, params)
     with launch("tiny-1p1d", HookedInstanceActor, router__lease_s=LEASE_S, cluster__restart=False) as cluster:
-        decode = cluster.instance("decode-0").actor
-        streams = [BackgroundStream(cluster, p, sp, request_id=f"s{i}")
-                   for i, (p, sp) in enumerate(zip(PROMPTS, params))]
-        _wait_until(lambda: all(len(s.token_ids) >= 3 for s in streams))  # decoding on decode-0
-        ray_local.get(decode.pause_steps.remote(0))
-        streamed = [len(s.token_ids) for s in streams]
-        assert all(3 <= n < MAX_TOKENS for n in streamed), streamed
-        ray_local.kill(decode, no_restart=True)
-        for i, (stream, tokens) in enumerate(zip(streams, want)):
-            last = stream.result()
-            assert (last.finish_reason, last.error) == ("length", None), (i, last)
-            assert stream.token_ids == tokens, f"request {i}: streamed {streamed[i]} before the kill"
-        stats = wait_all_free(cluster)
-        assert stats["router"]["counts"]["migrated"] == len(PROMPTS)
+        _kill_decode_while_streaming(cluster, ray_local, params, want, "s")
 
 
 def test_prompts_a_killed_prefill_instance_was_pushing_are_routed_again(ray_local, want):
@@ -180,6 +155,26 @@ def test_resume_moves_the_streamed_tokens_into_the_prompt_and_the_draw_offset():
     assert (req.prompt_token_ids, req.params.max_tokens, req.params.draw_offset) == ([1, 2, 7, 8, 9, 10], 6, 4)
     assert req.params == dataclasses.replace(params, max_tokens=6, draw_offset=4)
     assert req.engine_id == ("r", 2)
+
+def _kill_decode_while_streaming(cluster, ray_local, params: list, want: list, prefix: str) -> dict:
+    """Stream `PROMPTS` (one ``params`` each), kill decode-0 once every stream decoded 3 tokens
+    there (its steps held), and check that every stream ends as ``want`` with none lost or
+    repeated, each migrated; the stats once every page is free."""
+    decode = cluster.instance("decode-0").actor
+    streams = [BackgroundStream(cluster, p, sp, request_id=f"{prefix}{i}")
+               for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+    _wait_until(lambda: all(len(s.token_ids) >= 3 for s in streams))  # decoding on decode-0
+    ray_local.get(decode.pause_steps.remote(0))
+    streamed = [len(s.token_ids) for s in streams]
+    assert all(3 <= n < MAX_TOKENS for n in streamed), streamed
+    ray_local.kill(decode, no_restart=True)
+    for i, (stream, tokens) in enumerate(zip(streams, want)):
+        last = stream.result()
+        assert (last.finish_reason, last.error) == ("length", None), (i, last)
+        assert stream.token_ids == tokens, f"request {i}: streamed {streamed[i]} before the kill"
+    stats = wait_all_free(cluster)
+    assert stats["router"]["counts"]["migrated"] == len(PROMPTS)
+    return stats
 
 
 def _wait_until(predicate, timeout_s: float = 60.0) -> None:
