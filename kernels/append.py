@@ -53,10 +53,10 @@ def append_kv_kernel(
     k_ptr, v_ptr, kv_ptr, slots_ptr,
     dst_slots_ptr, dst_index_ptr, dst_table_ptr,
     k_scale, v_scale,
-    num_tokens, stride_kt, stride_kh, stride_vt, stride_vh, stride_page,
+    num_tokens, stride_kt, stride_kh, stride_vt, stride_vh, stride_page, dst_stride_page,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    PUSH: tl.constexpr, QUANT: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr,
+    PUSH: tl.constexpr, ROUTES: tl.constexpr, QUANT: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr,
 ):
     # Program (i, j) moves tokens [i*BLOCK_T, (i+1)*BLOCK_T) x kv heads [j*BLOCK_H, (j+1)*BLOCK_H)
     # as one [BLOCK_T, BLOCK_H, BLOCK_D] tile of K and one of V. Masks cover the ragged token
@@ -86,31 +86,54 @@ def append_kv_kernel(
 
     if PUSH:
         dst_slot = tl.load(dst_slots_ptr + t, mask=t_ok, other=-1).to(tl.int64)
-        receiver = tl.load(dst_index_ptr + t, mask=t_ok, other=-1)
-        remote_ok = (dst_slot >= 0) & (receiver >= 0)
-        # Element distance from this cache to the receiver's (build_dst_table keeps it aligned).
-        base = tl.load(dst_table_ptr + receiver, mask=remote_ok, other=0)
-        base = tl.multiple_of(base, 16)
-        remote = base + (dst_slot // PAGE_SIZE) * stride_page + (dst_slot % PAGE_SIZE) * HEAD_DIM
-        remote = remote[:, None, None] + inner
-        remote_ok = remote_ok[:, None, None] & col_ok
-        _store_tile(kv_ptr, remote, k, remote_ok, ks, QUANT)
-        _store_tile(kv_ptr, remote + v_shift, v, remote_ok, vs, QUANT)
+        if ROUTES == 0:  # one receiver per token, pages shaped like the local ones
+            receiver = tl.load(dst_index_ptr + t, mask=t_ok, other=-1)
+            remote_ok = (dst_slot >= 0) & (receiver >= 0)
+            # Element distance from this cache to the receiver's (build_dst_table keeps it aligned).
+            base = tl.load(dst_table_ptr + receiver, mask=remote_ok, other=0)
+            base = tl.multiple_of(base, 16)
+            remote = base + (dst_slot // PAGE_SIZE) * stride_page + (dst_slot % PAGE_SIZE) * HEAD_DIM
+            remote = remote[:, None, None] + inner
+            remote_ok = remote_ok[:, None, None] & col_ok
+            _store_tile(kv_ptr, remote, k, remote_ok, ks, QUANT)
+            _store_tile(kv_ptr, remote + v_shift, v, remote_ok, vs, QUANT)
+        else:  # head routes: up to ROUTES receivers per token, each takes a head range of it
+            # into its pages of dst_stride_page elements (another head count than the local ones).
+            dst_at = (dst_slot // PAGE_SIZE) * dst_stride_page + (dst_slot % PAGE_SIZE) * HEAD_DIM
+            for r in tl.static_range(ROUTES):
+                receiver = tl.load(dst_index_ptr + r * num_tokens + t, mask=t_ok, other=-1)
+                route_ok = (dst_slot >= 0) & (receiver >= 0)
+                # The receiver's row (`ROUTE_COLUMNS`): offset, first head, head count, head shift.
+                row = dst_table_ptr + receiver.to(tl.int64) * 4
+                base = tl.multiple_of(tl.load(row, mask=route_ok, other=0), 16)
+                first = tl.load(row + 1, mask=route_ok, other=0)
+                count = tl.load(row + 2, mask=route_ok, other=0)
+                shift = tl.load(row + 3, mask=route_ok, other=0)
+                head_ok = (h[None, :] >= first[:, None]) & (h[None, :] < (first + count)[:, None])
+                remote = (base + dst_at)[:, None, None] + d[None, None, :] \
+                    + (h[None, :, None] + shift[:, None, None]) * (PAGE_SIZE * HEAD_DIM)
+                remote_ok = route_ok[:, None, None] & head_ok[:, :, None] & col_ok
+                _store_tile(kv_ptr, remote, k, remote_ok, ks, QUANT)
+                _store_tile(kv_ptr, remote + dst_stride_page // 2, v, remote_ok, vs, QUANT)
 
 
 def _launch_args(k: torch.Tensor, v: torch.Tensor, geo: checks.CacheLayout, scales: Scales,
-                 push: bool) -> tuple[tuple[int, int, int], tuple, int]:
+                 push: bool, routes: int = 0,
+                 dst_stride_page: int | None = None) -> tuple[tuple[int, int, int], tuple, int]:
     """The grid, the kernel's arguments after the 9 tensors and scales (sizes, strides,
-    constexprs) in signature order, and the warps, for new K/V `k`, `v` `[T, H_kv, D]`."""
+    constexprs) in signature order, and the warps, for new K/V `k`, `v` `[T, H_kv, D]`; with
+    ``routes``, up to that many head-routed receivers per token whose pages are
+    ``dst_stride_page`` elements apart."""
     num_tokens = k.shape[0]
     tile_elements, num_warps = LAUNCH["push" if push else "append"]
     block_h = min(triton.next_power_of_2(geo.num_kv_heads), 8)
     block_d = triton.next_power_of_2(geo.head_dim)
     block_t = max(1, min(64, tile_elements // (block_h * block_d)))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(geo.num_kv_heads, block_h), 1)
-    tail = (num_tokens, k.stride(0), k.stride(1), v.stride(0), v.stride(1), geo.stride_page,
+    dst_stride_page = geo.stride_page if dst_stride_page is None else dst_stride_page
+    tail = (num_tokens, k.stride(0), k.stride(1), v.stride(0), v.stride(1), geo.stride_page, dst_stride_page,
             geo.num_kv_heads, geo.head_dim, geo.page_size, block_t, block_h, block_d,
-            push, scales.is_fp8, scales.is_tensor)
+            push, routes, scales.is_fp8, scales.is_tensor)
     return grid, tail, num_warps
 
 
@@ -268,6 +291,7 @@ def prepare_append_push(
     dst_slots: torch.Tensor | np.ndarray | None = None,
     dst_index: torch.Tensor | np.ndarray | None = None,
     *,
+    heads: Sequence[tuple[int, int, int]] | None = None,
     check_indices: bool | None = None,
 ) -> PreparedAppend:
     """Check one forward's append (and push) once; return its per-layer launcher.
@@ -286,7 +310,15 @@ def prepare_append_push(
             and page stride (peer views of other GPUs, or CPU tensors mapping another process's
             memory); empty for a local append only.
         dst_slots: `[T]` int32/int64 receiver slot of each token, -1 = not sent (receivers only).
-        dst_index: `[T]` int32/int64 index into dst_kv, -1 = not sent (receivers only).
+        dst_index: `[T]` int32/int64 index into dst_kv, -1 = not sent (receivers only); with
+            ``heads``, `[routes, T]`: up to ``routes`` receivers of each token.
+        heads: head routes (prefill and decode at different tensor parallelism,
+            `disagg.transfer.heads`): per receiver ``(first, count, dst_first)``, heads
+            ``[first, first + count)`` of each token sent to it land at its heads from
+            ``dst_first``; the receivers' pages then hold another number of heads than kv's (one
+            number for all of them), with kv's page size, head_dim and dtype. Each receiver's
+            stores stay one run per page per K/V of its head range. None: every receiver takes
+            every head, into pages shaped like kv's.
         check_indices: for index tensors: range-check their values (a host sync on CUDA); see
             `dispatch.should_check_values`. Numpy index arrays are checked on the host unless
             this is False (a caller that validated them already, as `KVPusher` does with
@@ -304,16 +336,41 @@ def prepare_append_push(
         raise ValueError(f"kv: expected shape [num_layers, num_pages, 2, num_kv_heads, page_size, "
                          f"head_dim], got {got}")
     geo = checks.check_kv_layer("kv", kv, lead_ok=True)
-    geos = checks.check_receivers("dst_kv", kv, geo, dst_kv, local="kv", stacked=True)
-    indices = _prepare_indices(kv, geo, dst_kv, geos, slots, dst_slots, dst_index, check_indices)
-    return PreparedAppend(kv, geo, list(dst_kv), geos, indices)
+    geos = checks.check_receivers("dst_kv", kv, geo, dst_kv, local="kv", stacked=True, routed=heads is not None)
+    routes = None if heads is None else _check_heads(heads, geo, geos)
+    indices = _prepare_indices(kv, geo, dst_kv, geos, slots, dst_slots, dst_index, check_indices, routes=routes)
+    return PreparedAppend(kv, geo, list(dst_kv), geos, indices, routes)
+
+
+def _check_heads(heads: object, geo: checks.CacheLayout, geos: list[checks.CacheLayout]) -> tuple[tuple[int, int, int], ...]:
+    """``heads`` as a tuple of ``(first, count, dst_first)`` ints, one per receiver, inside both sides' heads.
+
+    Raises:
+        TypeError, ValueError: not one triple of ints per receiver, or a head range outside kv's or
+            its receiver's heads.
+    """
+    if isinstance(heads, (str, bytes)) or not isinstance(heads, Sequence) or len(heads) != len(geos):
+        got = len(heads) if isinstance(heads, Sequence) else type(heads).__name__
+        raise ValueError(f"heads: expected one (first, count, dst_first) per receiver ({len(geos)}), got {got}")
+    checked = []
+    for i, (triple, dst_geo) in enumerate(zip(heads, geos)):
+        if not isinstance(triple, Sequence) or len(triple) != 3 or not all(isinstance(x, (int, np.integer)) for x in triple):
+            raise TypeError(f"heads[{i}]: expected (first, count, dst_first) ints, got {triple!r}")
+        first, count, dst_first = (int(x) for x in triple)
+        if count < 1 or first < 0 or first + count > geo.num_kv_heads or dst_first < 0 \
+                or dst_first + count > dst_geo.num_kv_heads:
+            raise ValueError(f"heads[{i}]: expected {count} head(s) from {first} inside kv's {geo.num_kv_heads} "
+                             f"and from {dst_first} inside the receiver's {dst_geo.num_kv_heads}, got {triple!r}")
+        checked.append((first, count, dst_first))
+    return tuple(checked)
 
 
 def _prepare_indices(kv, geo, dst_kv, geos, slots, dst_slots, dst_index,
-                     check_indices, with_table: bool = True) -> list[torch.Tensor]:
+                     check_indices, with_table: bool = True, routes=None) -> list[torch.Tensor]:
     """Check the index arrays (shapes, dtypes, values) and build the receiver offset table;
     return `[slots]`, or with receivers `[slots, dst_slots, dst_index, table]` (no table unless
-    `with_table`), on kv's device."""
+    `with_table`), on kv's device. With head ``routes``, dst_index is `[routes, T]` and the table
+    carries each receiver's head range (`_offset_table`)."""
     if bool(geos) != (dst_slots is not None) or bool(geos) != (dst_index is not None):
         raise ValueError("dst_slots, dst_index: expected both with receivers (dst_kv) and neither "
                          f"without, got {len(geos)} receivers, dst_slots "
@@ -329,14 +386,18 @@ def _prepare_indices(kv, geo, dst_kv, geos, slots, dst_slots, dst_index,
     where = torch.device("cpu") if host else kv.device
     tensors = [torch.from_numpy(x) if host else x for x in given]
     num_tokens = checks.check_index("slots", tensors[0], length=None, device=where).shape[0]
+    if routes is not None and geos:
+        tensors[2] = _flat_routes(tensors[2], num_tokens)
     for name, tensor in zip(names[1:], tensors[1:]):
-        checks.check_index(name, tensor, length=num_tokens, device=where)
+        checks.check_index(name, tensor, length=tensor.shape[0] if name == "dst_index" and routes else num_tokens,
+                           device=where)
     if check_indices is not False if host else dispatch.should_check_values(kv.device, check_indices):
         checks.check_slot_values("slots", tensors[0], geo.num_slots)
         if geos:
-            checks.check_push_values(tensors[1], tensors[2], geos)
+            repeat = tensors[2].shape[0] // max(num_tokens, 1) if routes else 1
+            checks.check_push_values(tensors[1].repeat(repeat), tensors[2], geos)
     if geos and with_table:
-        tensors.append(_offset_table(kv, geo, dst_kv, geos))
+        tensors.append(_offset_table(kv, geo, dst_kv, geos, routes))
     if not kv.is_cuda:
         return tensors
     if host:
@@ -344,13 +405,29 @@ def _prepare_indices(kv, geo, dst_kv, geos, slots, dst_slots, dst_index,
     return tensors[:3] + (_to_device(tensors[3:], kv.device) if len(tensors) > 3 else [])
 
 
+def _flat_routes(dst_index: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """A routed dst_index `[routes, T]` as the kernel reads it: `[routes * T]`, route-major."""
+    if not isinstance(dst_index, torch.Tensor) or dst_index.dim() != 2 or dst_index.shape[1] != num_tokens \
+            or dst_index.shape[0] < 1:
+        got = tuple(dst_index.shape) if isinstance(dst_index, torch.Tensor) else type(dst_index).__name__
+        raise ValueError(f"dst_index: expected [routes, {num_tokens}] with head routes (routes >= 1), got {got}")
+    return dst_index.contiguous().reshape(-1)
+
+
+# A routed receiver's row of the offset table: its element offset, then its head range
+# (first head, head count, and the shift from kv's head index to the receiver's).
+ROUTE_COLUMNS = 4
+
+
 def _offset_table(kv: torch.Tensor, geo: checks.CacheLayout, dst_kv: Sequence[torch.Tensor],
-                  geos: list[checks.CacheLayout]) -> torch.Tensor:
-    """Element offsets of each receiver's layer l from local layer l (as `build_dst_table`).
+                  geos: list[checks.CacheLayout], routes=None) -> torch.Tensor:
+    """Element offsets of each receiver's layer l from local layer l (as `build_dst_table`); with
+    head ``routes``, each receiver's `ROUTE_COLUMNS` (offset, first, count, dst_first - first).
 
     Returns:
         CPU int64 `[1, R']` when they are the same for every layer (receivers with kv's layer
-        stride, as on a symmetric heap), else `[L, R']`; R' = R rounded up to even (16-byte rows).
+        stride, as on a symmetric heap), else `[L, R']`; R' = R rounded up to even (16-byte rows)
+        (with routes: `ROUTE_COLUMNS` * R).
     """
     elem = kv.element_size()
     columns = []
@@ -366,6 +443,10 @@ def _offset_table(kv: torch.Tensor, geo: checks.CacheLayout, dst_kv: Sequence[to
     rows = [list(row) for row in zip(*columns)]
     if all(row == rows[0] for row in rows):
         rows = rows[:1]
+    if routes is not None:
+        rows = [[x for offset, (first, count, dst_first) in zip(row, routes)
+                 for x in (offset, first, count, dst_first - first)] for row in rows]
+        return torch.tensor(rows, dtype=torch.int64)
     pad = [0] * (len(columns) % 2)
     return torch.tensor([row + pad for row in rows], dtype=torch.int64)
 
@@ -438,9 +519,12 @@ class PreparedAppend:
     """
 
     def __init__(self, kv: torch.Tensor, geo: checks.CacheLayout, dst_kv: list[torch.Tensor],
-                 geos: list[checks.CacheLayout], indices: list[torch.Tensor]) -> None:
+                 geos: list[checks.CacheLayout], indices: list[torch.Tensor],
+                 routes: tuple[tuple[int, int, int], ...] | None = None) -> None:
         # What depends on the caches and receivers only (shared with `rebind`'s copies).
         self.num_layers, self.num_receivers = geo.num_lead, len(geos)
+        self._routes = routes if geos else None
+        self._dst_stride_page = geos[0].stride_page if geos else geo.stride_page
         self.device = kv.device
         self._kv, self._dst_kv, self._geo, self._geos = kv, dst_kv, geo, geos
         self._fp8 = geo.dtype == FP8_DTYPE
@@ -464,8 +548,11 @@ class PreparedAppend:
         """Take one forward's index tensors (`[slots]` or `[slots, dst_slots, dst_index]`)."""
         self.num_tokens = indices[0].shape[0]
         self._slots = indices[0]
+        self._num_routes = 0
         if self.num_receivers:
             self._dst_slots, self._dst_index = indices[1:3]
+            # Route slots per token (the kernel's ROUTES; 0: one receiver per token, no head routes).
+            self._num_routes = self._dst_index.shape[0] // max(self.num_tokens, 1) if self._routes else 0
         else:  # unused by the kernel without receivers (PUSH=False)
             self._dst_slots = self._dst_index = self._slots
             self._tables = [self._slots] * self.num_layers
@@ -486,7 +573,7 @@ class PreparedAppend:
             TypeError, ValueError: as `prepare_append_push` for the index arrays.
         """
         indices = _prepare_indices(self._kv, self._geo, self._dst_kv, self._geos, slots, dst_slots,
-                                   dst_index, check_indices, with_table=False)
+                                   dst_index, check_indices, with_table=False, routes=self._routes)
         other = copy.copy(self)
         other._bind(indices)
         return other
@@ -521,7 +608,7 @@ class PreparedAppend:
             self._check_stream(stream)
         key = _variant_key(k, v)
         if key is not None:
-            key += (self._layer_keys[layer], self._index_key, scale_key)
+            key += (self._layer_keys[layer], self._index_key, scale_key, self._num_routes)
         variant = self._variants.get(key)
         if variant is None:
             variant = self._new_variant(key, layer, k, v, scales)
@@ -540,7 +627,8 @@ class PreparedAppend:
         if num_tokens != self.num_tokens:
             raise ValueError(f"k: expected {self.num_tokens} tokens (the length of the prepared "
                              f"slots), got {num_tokens}")
-        grid, tail, num_warps = _launch_args(k, v, self._geo, scales, self.num_receivers > 0)
+        grid, tail, num_warps = _launch_args(k, v, self._geo, scales, self.num_receivers > 0,
+                                             self._num_routes if self.num_receivers else 0, self._dst_stride_page)
         runner = None
         if self._compile and num_tokens:
             runner = _compiled(self._kernel, self.device, grid, self._args(layer, k, v, scales), tail,
@@ -557,7 +645,11 @@ class PreparedAppend:
     def _launch_slow(self, layer, k, v, scales, grid, tail, num_warps, stream) -> None:
         """The torch reference, or Triton's usual launch (interpreter, or no compiled kernel)."""
         if self._reference:
-            if self._dst_layers is not None:
+            if self._dst_layers is not None and self._routes is not None:
+                reference.append_push_heads(k, v, self._layers[layer], self._slots, self._dst_layers[layer],
+                                            self._dst_slots, self._dst_index.view(-1, self.num_tokens),
+                                            self._routes, *scales.host())
+            elif self._dst_layers is not None:
                 reference.append_push_kv(k, v, self._layers[layer], self._slots, self._dst_layers[layer],
                                          self._dst_slots, self._dst_index, *scales.host())
             else:

@@ -9,7 +9,7 @@ one device-to-host copy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -188,7 +188,7 @@ def check_new_kv(k: object, v: object, geo: CacheLayout, device: torch.device) -
 
 
 def check_receivers(name: str, kv: torch.Tensor, geo: CacheLayout, dst: object, *,
-                    local: str = "kv_layer", stacked: bool = False) -> list[CacheLayout]:
+                    local: str = "kv_layer", stacked: bool = False, routed: bool = False) -> list[CacheLayout]:
     """Check receiver caches against the local cache `kv` (geometry `geo`); return theirs.
 
     Args:
@@ -198,6 +198,8 @@ def check_receivers(name: str, kv: torch.Tensor, geo: CacheLayout, dst: object, 
         dst: a sequence of R receiver caches shaped like `kv` (num_pages may differ).
         local: `kv`'s argument name, for messages.
         stacked: receivers are `[L, num_pages_r, 2, H_kv, P, D]` stacks with kv's L.
+        routed: receivers of head routes: their pages may hold another number of heads than kv's
+            (one number for all of them), with kv's page size, head_dim and dtype.
 
     Raises:
         TypeError: `dst` not a sequence of tensors, or a receiver of another dtype.
@@ -213,10 +215,15 @@ def check_receivers(name: str, kv: torch.Tensor, geo: CacheLayout, dst: object, 
             raise ValueError(f"{item}: expected shape [num_layers, num_pages, 2, num_kv_heads, "
                              f"page_size, head_dim], got {tuple(tensor.shape)}")
         dst_geo = check_kv_layer(item, tensor, lead_ok=stacked)
-        if not dst_geo.same_layout(geo) or dst_geo.stride_page != geo.stride_page:
+        if routed:
+            heads = geos[0].num_kv_heads if geos else dst_geo.num_kv_heads
+            like = replace(geo, num_kv_heads=heads, stride_page=2 * heads * geo.page_size * geo.head_dim)
+        else:
+            like = geo
+        if not dst_geo.same_layout(like) or dst_geo.stride_page != like.stride_page:
             raise ValueError(
-                f"{item}: expected {local}'s geometry (H_kv={geo.num_kv_heads}, "
-                f"P={geo.page_size}, D={geo.head_dim}, {geo.dtype}, page stride {geo.stride_page}), "
+                f"{item}: expected {local}'s geometry (H_kv={like.num_kv_heads}, "
+                f"P={like.page_size}, D={like.head_dim}, {like.dtype}, page stride {like.stride_page}), "
                 f"got (H_kv={dst_geo.num_kv_heads}, P={dst_geo.page_size}, D={dst_geo.head_dim}, "
                 f"{dst_geo.dtype}, page stride {dst_geo.stride_page})"
             )

@@ -52,6 +52,20 @@ def append_push_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slo
         _write_slots(dst, torch.where(mine, dst_slots, -1), k, v, k_scale, v_scale)
 
 
+def append_push_heads(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor,
+                      dst_layers: Sequence[torch.Tensor], dst_slots: torch.Tensor, dst_index: torch.Tensor,
+                      heads: Sequence[tuple[int, int, int]], k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """`append_kv` locally, and for each route row r of `dst_index` `[routes, T]`, token t's heads
+    `[first, first + count)` into `dst_layers[dst_index[r, t]]` at `dst_slots[t]`, heads from
+    `dst_first` (`heads[receiver] = (first, count, dst_first)`)."""
+    _write_slots(kv_layer, slots, k, v, k_scale, v_scale)
+    for row in dst_index:
+        for receiver, (dst, (first, count, dst_first)) in enumerate(zip(dst_layers, heads)):
+            mine = row == receiver
+            _write_slots(dst[:, :, dst_first:dst_first + count], torch.where(mine, dst_slots, -1),
+                         k[:, first:first + count], v[:, first:first + count], k_scale, v_scale)
+
+
 def copy_slots(src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor,
                dst_slots: torch.Tensor) -> None:
     """dst[..., slot d] = src[..., slot s] for every pair where neither slot is -1, all leading dims."""

@@ -7,8 +7,10 @@ raises and leaves every cache untouched. Splits the plan's transfers by path:
                                        copy_slots for KV that existed at mark_send
     receiver not reachable / forced -> coalesced segment puts from the local pages, per layer,
                                        and for the existing KV, every layer
-    head routes (the two sides'     -> segment puts of each route's head range from the local
-    tensor parallelism differs)        pages, per layer (`build_routed_work`)
+    head routes (the two sides'     -> per route as above: the fused append+push storing the
+    tensor parallelism differs)        route's head range at its head offset into the receiver's
+                                       pages (reachable), else segment puts of that head range;
+                                       the existing KV by segment puts (`build_routed_work`)
 
 Pure numpy (the pusher moves the arrays to the device).
 """
@@ -35,7 +37,10 @@ class PushWork:
     Attributes:
         append_slots: int32 ``[T]`` local slot of each new token (-1: not stored).
         peer_pes: receivers written by the fused kernel; ``dst_index`` indexes this tuple.
-        dst_index: int32 ``[T]`` position in ``peer_pes`` of each token's receiver, -1 if none.
+        dst_index: int32 ``[T]`` position in ``peer_pes`` of each token's receiver, -1 if none;
+            with ``peer_routes``, ``[routes, T]``: up to that many receivers per token.
+        peer_routes: head routes only: the route of each ``peer_pes`` entry (the head range it
+            takes and its pages' shape); empty: every receiver takes every head.
         dst_slots: int32 ``[T]`` receiver slot for the fused kernel, -1 if none.
         segment_pushes: receiver PE -> runs from local to remote pages of this forward's tokens.
         peer_copies: receiver PE -> (local slots, remote slots) int32 of existing KV.
@@ -47,6 +52,7 @@ class PushWork:
     peer_pes: tuple[int, ...] = ()
     dst_index: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     dst_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    peer_routes: tuple[PushRoute, ...] = ()
     segment_pushes: dict[int, LayerSegments] = field(default_factory=dict)
     peer_copies: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     segment_copies: dict[int, LayerSegments] = field(default_factory=dict)
@@ -243,19 +249,23 @@ def build_push_work(plan: ForwardPlan, geo: KVGeometry, rank: int,
 
 
 def build_routed_work(plan: ForwardPlan, geo: KVGeometry, rank: int,
-                      routed: Mapping[int, tuple[PushRoute, ...]]) -> PushWork:
+                      routed: Mapping[int, tuple[PushRoute, ...]],
+                      reachable: Callable[[PushRoute], bool] | None = None) -> PushWork:
     """The transfers of a checked plan whose sequences all go by head routes (the two sides'
-    tensor parallelism differs: `disagg.transfer.heads`): every route takes segment runs of its
-    head range from the local pages (`segments.coalesce_heads`), the new tokens per layer and the
-    KV present at mark_send every layer; each completed sequence rings every route's ticket.
+    tensor parallelism differs: `disagg.transfer.heads`). A route whose receiver is ``reachable``
+    takes the new tokens' head range in the fused append+push (``peer_routes``; a token goes to
+    each of its sequence's reachable routes: ``dst_index`` has a row per route); any other takes
+    segment runs of its head range from the local pages (`segments.coalesce_heads`) per layer. The
+    KV present at mark_send goes by segment runs every layer, whatever the route; each completed
+    sequence rings every route's ticket.
 
     The plan names one PE per sequence (its first route's; `KVConnector.local_dest`); all the
     sequences sent to one PE share their routes' heads and PEs (they go to one decode instance),
     so the copies of existing KV, which the plan keys by PE, take any such sequence's routes.
 
     Raises:
-        TransferError: a pushed sequence has no routes attached, or a pushed token has no local
-            slot to read from.
+        TransferError: a pushed sequence has no routes attached, or a token pushed by segment
+            puts has no local slot to read from.
     """
     by_pe: dict[int, tuple[PushRoute, ...]] = {}
     for seq, pe in zip(plan.send_seq_ids.tolist(), plan.send_pes.tolist()):
@@ -265,15 +275,33 @@ def build_routed_work(plan: ForwardPlan, geo: KVGeometry, rank: int,
         by_pe.setdefault(pe, routed[seq])
     pes = plan.push_pes
     segment_pushes: dict[int, list] = {}
+    peer_routes: list[PushRoute] = []
+    index_of: dict[int, int] = {}  # receiver PE -> its position in peer_routes
+    rows: list[np.ndarray] = []  # per route position of a sequence: each token's receiver
     for pe in distinct(pes[pes >= 0]):
         mine = np.flatnonzero(pes == pe)
-        unstored = mine[plan.append_slots[mine] < 0]
-        if len(unstored):
-            raise _fail(f"token {int(unstored[0])} has no local slot, so a segment put cannot read it",
-                        request_of_token(plan, int(unstored[0])), rank, pe)
+        position = 0
         for route in by_pe.get(pe, ()):
+            if reachable is not None and reachable(route):
+                if route.pe not in index_of:
+                    index_of[route.pe] = len(peer_routes)
+                    peer_routes.append(route)
+                if position == len(rows):
+                    rows.append(np.full(plan.num_tokens, -1, dtype=np.int32))
+                rows[position][mine] = index_of[route.pe]
+                position += 1
+                continue
+            unstored = mine[plan.append_slots[mine] < 0]
+            if len(unstored):
+                raise _fail(f"token {int(unstored[0])} has no local slot, so a segment put cannot read it",
+                            request_of_token(plan, int(unstored[0])), rank, route.pe)
             segment_pushes.setdefault(route.pe, []).append(_route_runs(
                 plan.append_slots[mine], plan.push_slots[mine], geo, route))
+    fused = {}
+    if peer_routes:
+        dst_index = np.stack(rows)
+        fused = dict(peer_pes=tuple(r.pe for r in peer_routes), peer_routes=tuple(peer_routes), dst_index=dst_index,
+                     dst_slots=np.where((dst_index >= 0).any(axis=0), plan.push_slots, -1).astype(np.int32))
     segment_copies: dict[int, list] = {}
     for pe in distinct(plan.copy_pes):
         mine = plan.copy_pes == pe
@@ -282,7 +310,7 @@ def build_routed_work(plan: ForwardPlan, geo: KVGeometry, rank: int,
                 plan.copy_local_slots[mine], plan.copy_remote_slots[mine], geo, route))
     rings = tuple(route.ticket for seq, complete in zip(plan.send_seq_ids.tolist(), plan.send_complete.tolist())
                   if complete for route in routed[seq])
-    return PushWork(append_slots=plan.append_slots.astype(np.int32),
+    return PushWork(append_slots=plan.append_slots.astype(np.int32), **fused,
                     segment_pushes={pe: _joined(runs) for pe, runs in segment_pushes.items()},
                     segment_copies={pe: _joined(runs) for pe, runs in segment_copies.items()}, rings=rings)
 

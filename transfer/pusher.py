@@ -25,9 +25,11 @@ all layers (the doorbells) waits on both. Receivers that `SymmetricHeap.peer` ca
 node), or every receiver when ``force_segment_puts``, take coalesced segment puts from the local
 pages instead: one put per contiguous run per layer. On CPU (shm heap) everything runs inline.
 A sequence attached with head routes (`attach_routes`: prefill and decode at different tensor
-parallelism, `disagg.transfer.heads`) goes by segment puts of each route's head range
-(`push_plan.build_routed_work`), addressed in ``allocation`` (the symmetric allocation every PE's
-pages start at) and rung on every route's ticket.
+parallelism, `disagg.transfer.heads`) goes, per route, by the same fused launch storing the
+route's head range at its head offset into the receiver's pages (a view of ``allocation``, the
+symmetric allocation every PE's pages start at, in the receiver's page shape), or by segment
+puts of that head range where the receiver is not load/store reachable
+(`push_plan.build_routed_work`), and is rung on every route's ticket.
 
 Where the local pages are written: by default the fused launch on the transfer stream writes
 them along with the receivers' pages (each K/V tile loaded once), so a caller that reads this
@@ -50,6 +52,7 @@ allocation, no host sync).
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from dataclasses import dataclass
 
@@ -138,7 +141,9 @@ class KVPusher:
         self._ready_events = [torch.cuda.Event() for _ in range(num_events)]
         self._done_events = [torch.cuda.Event() for _ in range(num_events)]
         self._peer_kv: dict[int, torch.Tensor | None] = {}
-        self._appends: dict[tuple[int, ...], PreparedAppend] = {}  # by receiver PEs
+        self._appends: dict[tuple, PreparedAppend] = {}  # by receiver PEs (and head routes)
+        # Head routes' receivers: their pages seen from here, by `_route_key` (None: segment puts).
+        self._route_views: dict[tuple, torch.Tensor | None] = {}
         self._doorbells: dict[int, DoorbellTicket] = {}
         self._routes: dict[int, tuple[PushRoute, ...]] = {}  # sequences sent by head routes
         self._forward: _Forward | None = None
@@ -325,7 +330,7 @@ class KVPusher:
             raise TransferError(f"token {token} is pushed but has no local slot to copy from after the forward "
                                 "(push it layer by layer: begin_forward)", request_id=request_of_token(plan, token),
                                 src_pe=rank, dst_pe=int(plan.push_pes[token]))
-        work = self._build_work(plan)
+        work = self._build_work(plan, fused=False)
         if self.digests is not None:
             self.digests.note_plan(plan)
         num_layers = self.geometry.num_layers
@@ -353,9 +358,12 @@ class KVPusher:
             stream.synchronize()
 
     # ------------------------------------------------------------------ internals
-    def _build_work(self, plan: ForwardPlan) -> PushWork:
+    def _build_work(self, plan: ForwardPlan, fused: bool = True) -> PushWork:
+        """``plan``'s transfers; not ``fused``: no head route takes the fused launch (what
+        `push_written` sends page to page from the local pages)."""
         if self._routes and plan.has_transfers:
-            return build_routed_work(plan, self.geometry, self.heap.rank, self._routes)
+            return build_routed_work(plan, self.geometry, self.heap.rank, self._routes,
+                                     self._route_reachable if fused else None)
         return build_push_work(plan, self.geometry, self.heap.rank, self._reachable, self._doorbells)
 
     def _ring_async(self, ticket: DoorbellTicket, stream: torch.cuda.Stream | None) -> None:
@@ -389,29 +397,51 @@ class KVPusher:
 
         check_plan has range-checked every slot against this geometry: not again here.
         """
-        peers = work.peer_pes
+        peers, routes = work.peer_pes, work.peer_routes
         if not self.append_on_caller_stream:
-            return self._prepared(peers, work.append_slots, work.dst_slots, work.dst_index), None
+            return self._prepared(peers, work.append_slots, work.dst_slots, work.dst_index, routes), None
         local = self._prepared((), work.append_slots, None, None)
         if not peers:
             return None, local
         no_local = np.full_like(work.append_slots, -1)
-        return self._prepared(peers, no_local, work.dst_slots, work.dst_index), local
+        return self._prepared(peers, no_local, work.dst_slots, work.dst_index, routes), local
 
     def _prepared(self, peer_pes: tuple[int, ...], slots: np.ndarray, dst_slots: np.ndarray | None,
-                  dst_index: np.ndarray | None) -> PreparedAppend:
+                  dst_index: np.ndarray | None, routes: tuple[PushRoute, ...] = ()) -> PreparedAppend:
         """A PreparedAppend for this forward's indices. What it shares across forwards depends on
-        the receivers alone, so the first one built for a receiver set is kept and later
-        forwards rebind it (shared geometry checks, offset table, compiled kernels)."""
+        the receivers alone (and their head routes), so the first one built for a receiver set is
+        kept and later forwards rebind it (shared geometry checks, offset table, compiled kernels)."""
         if not peer_pes:
             dst_slots = dst_index = None
-        base = self._appends.get(peer_pes)
+        heads = tuple((r.src_head, r.num_heads, r.dst_head) for r in routes) or None
+        key = (peer_pes, heads)
+        base = self._appends.get(key)
         if base is not None:
             return base.rebind(slots, dst_slots, dst_index, check_indices=False)
-        base = prepare_append_push(self.kv, slots, [self._peer_kv[pe] for pe in peer_pes], dst_slots,
-                                   dst_index, check_indices=False)
-        self._appends[peer_pes] = base
+        dst_kv = [self._route_views[self._route_key(r)] for r in routes] if routes else \
+            [self._peer_kv[pe] for pe in peer_pes]
+        base = prepare_append_push(self.kv, slots, dst_kv, dst_slots, dst_index, heads=heads, check_indices=False)
+        self._appends[key] = base
         return base
+
+    def _route_key(self, route: PushRoute) -> tuple[int, tuple[int, ...]]:
+        """A route's receiver and the shape of its pages: ``[L, pages, 2, its heads, P, D]``."""
+        g = self.geometry
+        pages = g.num_pages if route.dst_num_pages is None else route.dst_num_pages
+        return route.pe, (g.num_layers, pages, 2, route.dst_num_kv_heads, g.page_size, g.head_dim)
+
+    def _route_reachable(self, route: PushRoute) -> bool:
+        """Whether the fused launch writes ``route``'s receiver (a load/store peer view of its pages)."""
+        key = self._route_key(route)
+        if key not in self._route_views:
+            pe, shape = key
+            if math.prod(shape) > self._segment_base.numel():
+                raise TransferError(f"the receiver's pages {shape} are more than this PE's allocation of "
+                                    f"{self._segment_base.numel()} elements: the two sides' page counts disagree",
+                                    request_id=None, src_pe=self.heap.rank, dst_pe=pe)
+            view = self._segment_base.reshape(-1)[:math.prod(shape)].view(shape)
+            self._route_views[key] = None if self.force_segment_puts else self.heap.peer(view, pe)
+        return self._route_views[key] is not None
 
     def _reachable(self, pe: int) -> bool:
         if pe not in self._peer_kv:

@@ -5,7 +5,10 @@ decode instance's), each rank's collective calls on its own thread (`ThreadGroup
 test_group_connector.py). A prompt goes in chunks, with KV on the sender before it is attached (the
 page-to-page copies) and a prefix the decode side holds already (`num_cached_tokens`); every
 segment put is recorded, and each decode rank's bytes must be written exactly once -- its heads,
-at its slots, every layer -- and hold the full model's K/V of those heads. Replicated heads (more
+at its slots, every layer -- and hold the full model's K/V of those heads. The new tokens go by
+the fused append+push into the receivers' peer views (each route's head range at its head
+offset), or, forced, by segment puts; the KV on the sender before the attach by segment puts.
+Either way every byte of a decode rank outside its request's slots keeps its poison. Replicated heads (more
 ranks than KV heads) are written by one sender only. With `transfer.verify`, each (sender,
 receiver) route carries its own digest of its heads: a clean push lands, and a byte flipped in
 one route's puts fails the request on every decode rank, naming that route's two PEs. Every PE
@@ -45,7 +48,8 @@ def each(fn, ranks):
 class Fleet:
     """The a + b connectors, their KV tensors, and a record of every segment put."""
 
-    def __init__(self, num_kv_heads: int, a: int, b: int, verify: bool = False) -> None:
+    def __init__(self, num_kv_heads: int, a: int, b: int, verify: bool = False,
+                 force_segment_puts: bool = True) -> None:
         self.num_kv_heads, self.a, self.b = num_kv_heads, a, b
         self.heaps = open_shm_heaps(a + b, num_signals=64)
         groups = Shared(a), Shared(b)
@@ -59,6 +63,7 @@ class Fleet:
             side, rank, size, peer = (0, pe, a, b) if pe < a else (1, pe - a, b, a)
             group = ThreadGroup(groups[side], rank, size) if size > 1 else None
             return open_connector(self.heaps[pe], lease_s=LEASE_S, group=group, verify=verify,
+                                  force_segment_puts=force_segment_puts,
                                   layout=HeadLayout(num_kv_heads, size, rank, peer, PAGES))
 
         self.connectors = [connector(pe) for pe in range(a + b)]
@@ -66,6 +71,8 @@ class Fleet:
         shapes = [self.shape(kv_heads_of(num_kv_heads, a, i), self.prefill_pages) for i in range(a)] + \
                  [self.shape(kv_heads_of(num_kv_heads, b, j), self.decode_pages) for j in range(b)]
         self.kv = collective([lambda c=c, s=s: c.alloc_kv(s, torch.float32) for c, s in zip(self.connectors, shapes)])
+        for kv in self.kv[a:]:
+            kv.fill_(float("nan"))  # the poison: what no push writes keeps it
         self.puts: list[tuple[int, int, np.ndarray]] = []  # (src PE, dst PE, runs)
         self.corrupt_route: tuple[int, int] | None = None  # (src PE, dst PE): flip a byte its puts land
         for heap in self.heaps[:a]:
@@ -105,8 +112,8 @@ class Fleet:
 def make_fleet():
     made = []
 
-    def make(num_kv_heads: int, a: int, b: int, verify: bool = False) -> Fleet:
-        made.append(Fleet(num_kv_heads, a, b, verify))
+    def make(num_kv_heads: int, a: int, b: int, verify: bool = False, force_segment_puts: bool = True) -> Fleet:
+        made.append(Fleet(num_kv_heads, a, b, verify, force_segment_puts))
         return made[-1]
 
     yield make
@@ -138,18 +145,24 @@ def written(fleet: Fleet) -> dict[int, np.ndarray]:
     return counts
 
 
-def expected_bytes(kv: torch.Tensor, slots: np.ndarray) -> np.ndarray:
-    """A mask of the bytes of ``kv`` (from its first byte) at ``slots``: every layer, K and V, head."""
+def expected_marks(kv: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+    """A mask of ``kv``'s elements at ``slots``: every layer, K and V, head."""
     marks = torch.zeros(kv.shape, dtype=torch.bool)
     slots = torch.from_numpy(slots.astype(np.int64))
     marks[:, slots // PAGE, :, :, slots % PAGE, :] = True
-    flat = marks.reshape(-1).numpy()
-    return np.repeat(flat, kv.element_size())
+    return marks
 
 
+def expected_bytes(kv: torch.Tensor, slots: np.ndarray) -> np.ndarray:
+    """`expected_marks` as a mask of ``kv``'s bytes (from its first byte)."""
+    return np.repeat(expected_marks(kv, slots).reshape(-1).numpy(), kv.element_size())
+
+
+@pytest.mark.parametrize("segment_puts", [True, False], ids=["segment-puts", "fused"])
 @pytest.mark.parametrize("num_kv_heads, a, b", PAIRS)
-def test_each_decode_rank_gets_exactly_its_heads_once(make_fleet, num_kv_heads: int, a: int, b: int):
-    fleet = make_fleet(num_kv_heads, a, b)
+def test_each_decode_rank_gets_exactly_its_heads_once(make_fleet, num_kv_heads: int, a: int, b: int,
+                                                      segment_puts: bool):
+    fleet = make_fleet(num_kv_heads, a, b, force_segment_puts=segment_puts)
     n, cached, before = 19, 4, 6  # prompt tokens; decode-side prefix (a page); computed before the attach
     recv_cache = PagedKVCache(fleet.decode_pages, PAGE)
     recv_cache.add_sequence(1)  # the decode side's low pages taken: the request lands in its last ones
@@ -184,16 +197,23 @@ def test_each_decode_rank_gets_exactly_its_heads_once(make_fleet, num_kv_heads: 
     counts = written(fleet)
     for j, kv in enumerate(fleet.kv[a:]):
         heads = list(kv_heads_of(num_kv_heads, b, j))
-        want = expected_bytes(kv, slots)
-        got = counts[a + j][:len(want)]
-        assert got[want].min() == 1 and got[want].max() == 1, f"decode rank {j}: a head range missing or twice"
-        assert got[~want].max() == 0 and counts[a + j][len(want):].max() == 0, f"decode rank {j}: wrote elsewhere"
+        assert kv[~expected_marks(kv, slots)].isnan().all(), f"decode rank {j}: wrote outside the request's slots"
         t = torch.from_numpy(slots.astype(np.int64))
         for layer in range(LAYERS):
             torch.testing.assert_close(kv[layer, t // PAGE, 0, :, t % PAGE], full_k[layer, cached:][:, heads],
                                        rtol=0, atol=0)
             torch.testing.assert_close(kv[layer, t // PAGE, 1, :, t % PAGE], full_v[layer, cached:][:, heads],
                                        rtol=0, atol=0)
+        if not segment_puts:  # only the KV of the attach went by (recorded) puts, the new tokens by fused stores
+            put = sum(int(runs[:, 2].sum()) for _, pe, runs in fleet.puts if pe == a + j)
+            assert put == (before - cached) * LAYERS * 2 * len(heads) * DIM * 4, f"decode rank {j}: {put} bytes put"
+            continue
+        want = expected_bytes(kv, slots)
+        got = counts[a + j][:len(want)]
+        assert got[want].min() == 1 and got[want].max() == 1, f"decode rank {j}: a head range missing or twice"
+        assert got[~want].max() == 0 and counts[a + j][len(want):].max() == 0, f"decode rank {j}: wrote elsewhere"
+    if not segment_puts:
+        return
     # Bytes per (sender, receiver) pair: each decode head's bytes come from exactly one sender.
     sent = {}
     for src, pe, runs in fleet.puts:
@@ -292,11 +312,12 @@ def push_verified(fleet: Fleet, n: int = 7, before: int = 3):
     return fleet.poll(), recv_cache.slots(0).astype(np.int64)
 
 
+@pytest.mark.parametrize("segment_puts", [True, False], ids=["segment-puts", "fused"])
 @pytest.mark.parametrize("a, b", [(1, 2), (2, 1)])
-def test_verify_digests_each_route_and_a_clean_split_push_lands(make_fleet, a: int, b: int):
+def test_verify_digests_each_route_and_a_clean_split_push_lands(make_fleet, a: int, b: int, segment_puts: bool):
     from disagg.transfer.verify import kv_digest
 
-    fleet = make_fleet(4, a, b, verify=True)
+    fleet = make_fleet(4, a, b, verify=True, force_segment_puts=segment_puts)
     closed, slots = push_verified(fleet)
     assert [[(c.request_id, c.state, c.reason) for c in got] for got in closed] == [[("v", KVPoll.LANDED, "")]] * b
     for j, connector in enumerate(fleet.decode):
