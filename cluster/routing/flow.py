@@ -11,6 +11,7 @@ calls an instance, waits, or reads a clock other than the `Placer`'s.
     arrived(req)                     QUEUED                 -
     route(req[, decide])             RUNNING, RESERVING     Add | Reserve | Wait | End
     reserved(req, inst, dest)        RESERVING, QUEUED      Hand | Cancel, Requeue | Cancel (ended)
+                                                            | as refused (inst died meanwhile)
     refused(req, inst[, error])      RESERVING, QUEUED      Reserve (the next) | Requeue | End
     handed(req)                      PREFILLING             Add(prefill, dest)
     first_token(req, inst, ...)      DECODING               Start[, End]
@@ -193,8 +194,14 @@ class RequestFlow:
             (`Hand`,); (`Cancel`, `Requeue`) when no prefill instance is alive any more (QUEUED
             again, out of the ledger: routed again, it takes the survivors' path,
             `degraded_path`); (`Cancel`,) when ``req`` ended while reserving (``dest`` never left
-            the driver).
+            the driver); what `refused` returns when ``inst`` died while its answer was on its
+            way (``dest`` is never handed on).
         """
+        if not inst.alive and not req.done:
+            # Answered, then taken out of service before the answer was heard (dead, or swapped
+            # for a rebuilt fleet's instance of the same name, `Router.adopt`): its pages died
+            # with it, and ``dest`` may name pages of a live successor that nobody reserved.
+            return self.refused(req, inst)
         self._untried.pop(req.request_id, None)
         if req.done:
             return (Cancel(inst, dest),)

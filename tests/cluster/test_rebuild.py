@@ -9,6 +9,10 @@ ends with the tokens of an in-process colocated engine, none failed; the rebuilt
 strength: the config's instance names, new actors, no degraded entry, and a new request goes
 prefill -> decode with its KV pushed; every page is free afterwards. The time from the kill to
 full strength is printed (``-s``) and kept in the router's ``rebuild`` snapshot.
+
+The rebuild's race, without Ray (`RequestFlow` on constructed instances, test_flow.py's): a
+reservation answered by an instance that was taken out of service while the answer was on its
+way (killed, or swapped for the new fleet's instance of the same name) is dropped.
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ import httpx
 import pytest
 from cluster_helpers import BackgroundStream, launch, mixed_prompts, reference_tokens, wait_all_free
 from hooked_actor import HookedInstanceActor
+from test_flow import DEST, PROMPT, empty, fleet, request, sums
 
 from disagg.cluster.launch import bootstrap
+from disagg.cluster.launch.instance import Instance
 from disagg.cluster.routing import migration
+from disagg.cluster.routing.flow import Add, Hand, Requeue, Reserve
+from disagg.cluster.routing.requests import Stage
 from disagg.cluster.serve import BackgroundServer, build_app
 from disagg.errors import ClusterError
 from disagg.sampling import SamplingParams
@@ -147,6 +155,49 @@ def test_a_replacement_serves_until_the_rebuild_and_health_says_the_phase(ray_lo
         assert (again.metrics.prefill_instance, again.metrics.decode_instance) == ("prefill-0", "decode-0")
         stats = wait_all_free(cluster)
         assert stats["instances"][0]["pushed_bytes"] > 0 and stats["router"]["restarts"]["pending"] == []
+
+
+def test_a_reservation_answered_by_a_swapped_out_instance_is_dropped_and_the_request_routed_again():
+    """The rebuild takes the fleet out of service (`Router.migrate_all`) while a reservation is
+    on its way to decode-0: the request holds no instance yet, so it does not migrate. The new
+    fleet is adopted (`Router.adopt`: same names, new instances), then the old decode-0's answer
+    comes. Taken as valid, the new prefill-0 would push the prompt's KV into the old heap's
+    reservation: pages of the new decode-0 that nobody reserved. Dropped, the request is queued
+    again out of the ledger, and routed onto the new fleet."""
+    flow, _, old = fleet(decode=1)
+    req = request()
+    flow.arrived(req)
+    assert flow.route(req) == (Reserve(old["decode-0"]),)
+    for inst in old.values():
+        assert flow.instance_died(inst, "stopped for the fleet's rebuild (cluster.rebuild)") == []
+    new = {name: Instance(name, inst.role, actor=None, pe=inst.pe) for name, inst in old.items()}
+    flow.placer.instances[:] = new.values()  # `Fleet.adopt`: the placer's list is the fleet's
+    for inst in new.values():
+        flow.placer.add(inst)
+
+    assert flow.reserved(req, old["decode-0"], DEST) == (Requeue(),)
+    assert (req.stage, req.decode, req.prefill, req.dest) == (Stage.QUEUED, None, None, None)
+    assert sums(flow) == empty() and flow.placed == {}
+    (reserve,) = flow.route(req)
+    assert reserve.instance is new["decode-0"]
+    (hand,) = flow.reserved(req, new["decode-0"], "new-dest")
+    assert hand.instance is new["prefill-0"]
+    assert flow.handed(req) == (Add(new["prefill-0"], "new-dest", "remote"),)
+
+
+def test_a_reservation_answered_by_an_instance_that_died_meanwhile_asks_the_next_one():
+    """decode-0 answers, then dies before its answer is heard: the route's next decode
+    instance is asked, as when the call itself failed (`Router._reserve`)."""
+    flow, _, by = fleet(decode=2)
+    req = request()
+    flow.arrived(req)
+    assert flow.route(req) == (Reserve(by["decode-0"]),)
+    assert flow.instance_died(by["decode-0"], "its actor exited") == []
+    assert flow.reserved(req, by["decode-0"], DEST) == (Reserve(by["decode-1"]),)
+    assert req.decode is None and req.stage == Stage.RESERVING
+    assert flow.reserved(req, by["decode-1"], "dest-1") == (Hand(by["prefill-0"]),)
+    assert (req.decode, req.dest) == (by["decode-1"], "dest-1")
+    assert sums(flow)["loads"] == {"prefill-0": PROMPT, "decode-1": PROMPT}
 
 
 def _wait_until(predicate, timeout_s: float = 60.0) -> None:
