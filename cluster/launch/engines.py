@@ -35,7 +35,8 @@ def torch_dtype(name: str):
 
 def load(config: Config, device: str, tp: Any = None) -> Any:
     """Load the weights named by ``config.model`` on ``device`` ("cuda" or "cpu"): with ``tp`` (a
-    `disagg.parallel.TPGroup`) this rank's shard of them. The model runs with ``config.kernels``
+    `disagg.parallel.TPGroup`) this rank's shard of them; a dummy preset with
+    ``model.num_layers`` decoder layers when that is set. The model runs with ``config.kernels``
     as given (the launcher applied its environment: no actor reads its own)."""
     import torch
 
@@ -44,29 +45,8 @@ def load(config: Config, device: str, tp: Any = None) -> Any:
     if device == "cuda":
         torch.cuda.set_device(0)  # Ray shows each actor exactly its own GPU
     target = "cuda:0" if device == "cuda" else "cpu"
-    if config.model.num_layers is not None:
-        return _dummy_with_layers(config.model.source, config.model.num_layers, config.model.dtype, target,
-                                  config.kernels, tp)
     return load_model(config.model.source, dtype=torch_dtype(config.model.dtype), device=target,
-                      settings=config.kernels, tp=tp)
-
-
-def _dummy_with_layers(source: str, num_layers: int, dtype: str, device: str, settings: Any, tp: Any = None) -> Any:
-    """A dummy preset cut (or grown) to ``num_layers`` decoder layers, other shapes unchanged."""
-    import torch
-
-    from disagg.model import Model, ModelConfig
-    from disagg.model.presets import PRESETS, preset_config
-    from disagg.model.weights import random_weights
-
-    name = source.removeprefix("dummy:")
-    preset_config(name)  # raises naming the known presets
-    config = ModelConfig.from_hf_dict(dict(PRESETS[name], num_hidden_layers=num_layers),
-                                      name=f"{source}-{num_layers}l", source=f"preset {name!r}")
-    resolved = torch_dtype(dtype) or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    weights = random_weights(config, resolved, torch.device(device), tp=tp)
-    return Model(config, weights, dtype=resolved, device=torch.device(device), tokenizer=None,
-                 settings=settings, tp=tp)
+                      settings=config.kernels, tp=tp, num_layers=config.model.num_layers)
 
 
 def kv_torch_dtype(config: Config, model: Any):

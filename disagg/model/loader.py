@@ -1,4 +1,5 @@
-"""`load_model(source, *, dtype=None, device=None, tp=None) -> Model`: the one entry point to a model.
+"""`load_model(source, *, dtype=None, device=None, tp=None, num_layers=None) -> Model`: the one entry
+point to a model.
 
 `source` is an HF directory (config.json, *.safetensors, optional tokenizer files) or
 "dummy:<preset>" (see `disagg.model.presets`). Called once per worker process (engine actors,
@@ -31,7 +32,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None,
                device: torch.device | str | None = None, seed: int = 0,
-               settings: Settings | None = None, tp: TPGroup | None = None) -> Model:
+               settings: Settings | None = None, tp: TPGroup | None = None,
+               num_layers: int | None = None) -> Model:
     """Load a model directory or build a dummy preset.
 
     Args:
@@ -45,10 +47,14 @@ def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None,
         tp: this process's tensor-parallel group (`SINGLE` when None): the model is rank
             `tp.rank`'s shard, its forwards communicate over `tp`. Every rank of a group loads
             the same source with the same seed.
+        num_layers: dummy presets only: decoder layers instead of the preset's, every other
+            shape unchanged (`preset_config`; the config's ``model.num_layers``). None: the
+            preset's.
 
     Raises:
         ModelConfigError, UnsupportedArchitecture: bad or unsupported config / preset / dtype,
-            or a `tp.size` that does not split the model's heads or MLP width.
+            ``num_layers`` with a source that is no dummy preset, or a `tp.size` that does not
+            split the model's heads or MLP width.
         WeightsError: missing or unreadable weights, missing/unexpected/misshaped tensors.
         ConfigError: a DISAGG_* kernel switch holds a value it does not have.
     """
@@ -57,10 +63,13 @@ def load_model(source: str | Path, *, dtype: torch.dtype | str | None = None,
     device = _resolve_device(device)
     source = str(source)
     if source.startswith(DUMMY_PREFIX):
-        config = preset_config(source[len(DUMMY_PREFIX):])
+        config = preset_config(source[len(DUMMY_PREFIX):], num_layers)
         dtype = _resolve_dtype(dtype, config, device)
         weights = random_weights(config, dtype, device, seed=seed, tp=tp)
         tokenizer = None
+    elif num_layers is not None:
+        raise ModelConfigError(f"num_layers ({num_layers}): applies to '{DUMMY_PREFIX}<preset>' sources only, "
+                               f"got source {source!r}; leave it None to load the checkpoint's layers")
     else:
         model_dir = Path(source).expanduser()
         if not model_dir.is_dir():

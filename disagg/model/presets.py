@@ -74,8 +74,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def preset_config(name: str) -> ModelConfig:
+def preset_config(name: str, num_layers: int | None = None) -> ModelConfig:
     """The `ModelConfig` of preset `name` (named "dummy:<name>").
+
+    Args:
+        num_layers: decoder layers, cut (or grown) from the preset's with every other shape
+            unchanged (named "dummy:<name>-<num_layers>l"); None: the preset's.
 
     Raises:
         ModelConfigError: an unknown preset; the message lists the known ones.
@@ -83,4 +87,7 @@ def preset_config(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ModelConfigError(f"source 'dummy:{name}': unknown preset {name!r}; expected one of "
                                f"{', '.join(sorted(PRESETS))}")
-    return ModelConfig.from_hf_dict(PRESETS[name], name=f"dummy:{name}", source=f"preset {name!r}")
+    if num_layers is None:
+        return ModelConfig.from_hf_dict(PRESETS[name], name=f"dummy:{name}", source=f"preset {name!r}")
+    return ModelConfig.from_hf_dict(dict(PRESETS[name], num_hidden_layers=num_layers),
+                                    name=f"dummy:{name}-{num_layers}l", source=f"preset {name!r}")
