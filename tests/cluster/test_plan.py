@@ -2,31 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
+from plan_profiles import PROFILE, SLOS, TINY_RUN, write_profile
 from typer.testing import CliRunner
 
 from disagg.cluster.cli.app import app
 from disagg.cluster.simulate import plan as planner
 from disagg.config import Config
 
-PROFILE = {
-    "kind": "disagg-profile", "version": 1, "model": "dummy:tiny", "dtype": "float32",
-    "device": {"host": "test", "gpus": [], "torch_device": "cpu"},
-    "engine": {"num_pages": 256, "page_size": 16, "max_num_seqs": 16, "max_num_batched_tokens": 256,
-               "max_model_len": 4096, "kv_bytes_per_token": 512, "vocab_size": 256, "eos_token_ids": [2]},
-    "fit": {"coef_s": [1.5e-3, 2e-5, 1.8e-4, 5e-8], "error": 0.1}, "samples": [],
-}
 SHORT = planner.RunLength(seconds=3.0, min_prompts=40, max_prompts=150)
 # 3 s of arrivals up to 600 requests: at the splits' knees (200-850 req/s) a run's requests do not
 # all arrive within the TTFT SLO (the search's ceiling, `plan`), so the runs load the fleet.
 LOADED = planner.RunLength(seconds=3.0, min_prompts=40, max_prompts=600)
-# Runs for what holds at any size (labels, flags, a hop past the TTFT target): 40 requests at most.
-TINY_RUN = planner.RunLength(seconds=1.0, min_prompts=10, max_prompts=40)
-TINY_RUN_ARGS = ["--run-seconds", "1", "--max-prompts", "40"]
+TINY_RUN_ARGS = ["--run-seconds", "1", "--max-prompts", "40"]  # `TINY_RUN` as `disagg plan` flags
 
 
 def test_max_rate_brackets_and_bisects():
@@ -99,7 +90,7 @@ def test_a_start_near_the_ceiling_judges_the_ceiling_first():
 ])
 def test_plan_finds_the_known_best_split(lengths, best, worst):
     search = [c for c in planner.candidates(4, adaptive=False, colocated=False)]
-    ranked = planner.plan(PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=4,
+    ranked = planner.plan(PROFILE, dataset_name="random", slos_ms=SLOS, num_gpus=4,
                           search=search, run_length=LOADED, **lengths)
     assert [c.label for c in search] == ["1P3D", "2P2D", "3P1D"]
     assert ranked[0].label == best and ranked[-1].label == worst
@@ -108,14 +99,13 @@ def test_plan_finds_the_known_best_split(lengths, best, worst):
 
 def test_tiny_chunks_lose_to_the_budget():
     search = planner.candidates(2, chunk_sizes=(16, 256), splits=False, adaptive=False)
-    ranked = planner.plan(PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=2,
+    ranked = planner.plan(PROFILE, dataset_name="random", slos_ms=SLOS, num_gpus=2,
                           search=search, run_length=SHORT, input_len=200, output_len=8)
     assert [c.label for c in ranked] == ["colocated-2[chunk=256]", "colocated-2[chunk=16]"]
 
 
 def test_cli_prints_every_candidate_and_writes_a_loadable_yaml(tmp_path: Path):
-    profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps(PROFILE))
+    profile = write_profile(tmp_path, PROFILE)
     out = tmp_path / "best.yaml"
     result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--dataset-name", "random",
                                       "--random-input-len", "64", "--random-output-len", "16", "--goodput",
@@ -133,17 +123,16 @@ def test_hops_are_given_to_every_simulated_fleet_and_named_in_the_yaml(tmp_path:
     """A hop longer than the TTFT target leaves no rate within it: the judged fleets ran with it."""
     def goodput(**hops):
         (cand,) = [c for c in planner.candidates(2, adaptive=False, colocated=False)]
-        base = planner.base_sections(PROFILE, {"ttft": 300, "tpot": 20})
-        return planner.judge(cand, base, PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20},
+        base = planner.base_sections(PROFILE, SLOS)
+        return planner.judge(cand, base, PROFILE, dataset_name="random", slos_ms=SLOS,
                              run_length=TINY_RUN, input_len=64, output_len=8, hops=hops).goodput_rps
 
     assert goodput() > 0 and goodput(hop_ms=400.0) < goodput()
     assert goodput(reserve_ms=400.0) < goodput()  # 1P1D: every request is pushed, every one reserves
     with pytest.raises(ValueError, match="--step-gap-ms"):
-        planner.plan(PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=2,
+        planner.plan(PROFILE, dataset_name="random", slos_ms=SLOS, num_gpus=2,
                      hops={"step_gap_ms": -1.0}, search=[])
-    profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps(PROFILE))
+    profile = write_profile(tmp_path, PROFILE)
     result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--dataset-name", "random",
                                       "--random-input-len", "64", "--random-output-len", "16", "--goodput",
                                       "ttft:300", "tpot:20", "--gpus", "1", "--chunk-sizes", "256",
@@ -154,8 +143,7 @@ def test_hops_are_given_to_every_simulated_fleet_and_named_in_the_yaml(tmp_path:
 
 def _small_plan(tmp_path: Path) -> list[str]:
     """`disagg plan` on two GPUs of PROFILE, short random prompts, 3-s runs (add the options)."""
-    profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps(PROFILE))
+    profile = write_profile(tmp_path, PROFILE)
     return ["plan", "--profile", str(profile), "--dataset-name", "random", "--random-input-len", "64",
             "--random-output-len", "16", "--goodput", "ttft:300", "tpot:20", "--gpus", "2", "--chunk-sizes", "256",
             "--run-seconds", "3"]
@@ -195,8 +183,7 @@ def test_runs_send_the_same_seconds_of_arrivals_at_any_fleet_size_and_a_cut_run_
 
 
 def test_cli_needs_slos(tmp_path: Path):
-    profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps(PROFILE))
+    profile = write_profile(tmp_path, PROFILE)
     result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--gpus", "2"])
     assert result.exit_code == 2 and "--goodput" in result.output
     for bad in ("fastest,local", "fastest,fastest", ","):
@@ -228,11 +215,11 @@ def test_search_space_every_split_up_to_8_gpus_then_ratios():
 
 def test_seeds_pool_the_requests_of_several_draws():
     """``seeds=2``: a rate's attainment is over both draws' requests (equal counts: the mean)."""
-    base = planner.base_sections(PROFILE, {"ttft": 300, "tpot": 20})
+    base = planner.base_sections(PROFILE, SLOS)
     judged = {}
     for seed, seeds in ((0, 1), (1, 1), (0, 2)):
         (cand,) = [c for c in planner.candidates(2, adaptive=False, colocated=False)]
-        judged[seed, seeds] = planner.judge(cand, base, PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20},
+        judged[seed, seeds] = planner.judge(cand, base, PROFILE, dataset_name="random", slos_ms=SLOS,
                                             run_length=SHORT, seed=seed, seeds=seeds, input_len=200, output_len=8,
                                             stop_early=False)
     rates = set(judged[0, 1].attainment_at) & set(judged[1, 1].attainment_at) & set(judged[0, 2].attainment_at)
@@ -242,7 +229,7 @@ def test_seeds_pool_the_requests_of_several_draws():
         assert judged[0, 2].attainment_at[rate] == pytest.approx(
             (judged[0, 1].attainment_at[rate] + judged[1, 1].attainment_at[rate]) / 2)
     with pytest.raises(ValueError, match="--seeds"):
-        planner.plan(PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=2, seeds=0)
+        planner.plan(PROFILE, dataset_name="random", slos_ms=SLOS, num_gpus=2, seeds=0)
 
 
 @pytest.mark.parametrize("seeds", [1, 2])
@@ -250,11 +237,11 @@ def test_runs_stop_at_a_certain_miss_with_the_same_verdicts(seeds):
     """``stop_early`` (the default): the same goodput and, rate by rate, the same verdict as runs
     played to the end; a cut rate's attainment is a bound below the target, and the search cuts
     the rates past the knee."""
-    base = planner.base_sections(PROFILE, {"ttft": 300, "tpot": 20})
+    base = planner.base_sections(PROFILE, SLOS)
     judged = {}
     for stop_early in (False, True):
         (cand,) = [c for c in planner.candidates(2, adaptive=False, colocated=False)]
-        judged[stop_early] = planner.judge(cand, base, PROFILE, dataset_name="random", slos_ms={"ttft": 300, "tpot": 20},
+        judged[stop_early] = planner.judge(cand, base, PROFILE, dataset_name="random", slos_ms=SLOS,
                                            run_length=SHORT, seeds=seeds, input_len=200, output_len=8,
                                            stop_early=stop_early)
     full, cut = judged[False], judged[True]
@@ -271,7 +258,7 @@ def test_runs_stop_at_a_certain_miss_with_the_same_verdicts(seeds):
 def test_a_start_rate_near_the_knee_skips_the_low_rates_with_the_same_goodput(tmp_path: Path):
     """--start-rate: the bracket the search doubles to from 1 req/s per GPU is found from a start
     inside it without the rates below; the same goodput. A start of 0 is refused."""
-    kwargs = dict(dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=2, run_length=SHORT,
+    kwargs = dict(dataset_name="random", slos_ms=SLOS, num_gpus=2, run_length=SHORT,
                   input_len=200, output_len=8)
     search = lambda: planner.candidates(2, splits=False, adaptive=False, chunk_sizes=(256,))  # noqa: E731
     (whole,) = planner.plan(PROFILE, search=search(), **kwargs)
@@ -282,8 +269,7 @@ def test_a_start_rate_near_the_knee_skips_the_low_rates_with_the_same_goodput(tm
     (started,) = planner.plan(PROFILE, search=search(), start_rate_per_gpu=start / 2, **kwargs)
     assert started.goodput_rps == whole.goodput_rps > 0
     assert min(started.attainment_at) == start and len(started.attainment_at) < len(whole.attainment_at)
-    profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps(PROFILE))
+    profile = write_profile(tmp_path, PROFILE)
     result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--dataset-name", "random", "--goodput",
                                       "ttft:300", "tpot:20", "--gpus", "2", "--start-rate", "0"])
     assert result.exit_code == 2 and "--start-rate" in result.output
@@ -292,7 +278,7 @@ def test_a_start_rate_near_the_knee_skips_the_low_rates_with_the_same_goodput(tm
 def test_more_jobs_than_candidates_judge_rates_at_once_with_the_same_goodput():
     """--jobs beyond the candidates: each candidate's rates in batches across the workers; the same
     goodput as one process, every rate that one judged judged alike, and each candidate heard once."""
-    kwargs = dict(dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=2, run_length=SHORT,
+    kwargs = dict(dataset_name="random", slos_ms=SLOS, num_gpus=2, run_length=SHORT,
                   input_len=200, output_len=8)
     search = lambda: planner.candidates(2, chunk_sizes=(256,), splits=False, adaptive=False) + \
         [c for c in planner.candidates(2, adaptive=False, colocated=False)]  # noqa: E731
@@ -308,7 +294,7 @@ def test_more_jobs_than_candidates_judge_rates_at_once_with_the_same_goodput():
 
 def test_jobs_judge_in_worker_processes_with_the_same_result():
     search = lambda: planner.candidates(2, chunk_sizes=(16, 256), splits=False, adaptive=False)  # noqa: E731
-    kwargs = dict(dataset_name="random", slos_ms={"ttft": 300, "tpot": 20}, num_gpus=2, run_length=SHORT,
+    kwargs = dict(dataset_name="random", slos_ms=SLOS, num_gpus=2, run_length=SHORT,
                   input_len=200, output_len=8)
     seen = []
     alone = planner.plan(PROFILE, search=search(), **kwargs)
@@ -333,7 +319,7 @@ def test_candidates_outside_the_profiled_steps_are_named_with_the_values_and_the
     fit's extrapolation; a chunk within a tenth of the largest step timed is not."""
     profile = dict(PROFILE, samples=SMALL_GRID_SAMPLES)
     assert planner.sampled_ranges(profile) == {"prompt_tokens": (8, 32), "decode_seqs": (1, 2)}
-    base = planner.base_sections(profile, {"ttft": 300, "tpot": 20})
+    base = planner.base_sections(profile, SLOS)
     search = planner.candidates(2, chunk_sizes=(32, 8192), adaptive=False)
     notes = planner.extrapolations(profile, base, search)
     batches = "batches up to 16 sequences (the profile timed 1-2)"
@@ -354,8 +340,7 @@ def test_plan_says_where_it_extrapolated_and_writes_the_fleet_it_simulated(tmp_p
     """`disagg plan` on a --small-grid profile recommended chunk 8192 without a word, and its YAML
     left cache.num_pages out: the launched fleet sized its pages from memory (32768 per instance
     on a GPU), not the profile's 256 that were simulated."""
-    profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps(dict(PROFILE, samples=SMALL_GRID_SAMPLES)))
+    profile = write_profile(tmp_path, dict(PROFILE, samples=SMALL_GRID_SAMPLES))
     out = tmp_path / "best.yaml"
     result = CliRunner().invoke(app, ["plan", "--profile", str(profile), "--dataset-name", "random",
                                       "--random-input-len", "64", "--random-output-len", "16", "--goodput",
@@ -377,7 +362,7 @@ def test_the_written_yaml_carries_what_the_profiled_instance_ran():
     is the one whose step times were simulated."""
     profile = dict(PROFILE, kv_dtype="torch.float8_e4m3fn", device={"torch_device": "cuda:0"},
                    engine=dict(PROFILE["engine"], cuda_graphs="full_decode_only", num_layers=2))
-    base = planner.base_sections(profile, {"ttft": 300, "tpot": 20})
+    base = planner.base_sections(profile, SLOS)
     config = Config.from_dict(planner.config_of(base, planner.candidates(2, adaptive=False, colocated=False)[0]))
     assert (config.cache.kv_dtype, config.scheduler.cuda_graphs, config.model.num_layers) == (
         "fp8_e4m3", "full_decode_only", 2)

@@ -7,23 +7,17 @@ their own step times); `test_simulate_tp.py` profiles a real TP 2 instance."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+from plan_profiles import PROFILE as TP1
+from plan_profiles import SLOS, TINY_RUN, write_profile
 from typer.testing import CliRunner
 
 from disagg.cluster.cli.app import app
 from disagg.cluster.simulate import plan as planner
 from disagg.config import Config
 
-TP1 = {
-    "kind": "disagg-profile", "version": 1, "model": "dummy:tiny", "dtype": "float32",
-    "device": {"host": "test", "gpus": [], "torch_device": "cpu"},
-    "engine": {"num_pages": 256, "page_size": 16, "max_num_seqs": 16, "max_num_batched_tokens": 256,
-               "max_model_len": 4096, "kv_bytes_per_token": 512, "vocab_size": 256, "eos_token_ids": [2]},
-    "fit": {"coef_s": [1.5e-3, 2e-5, 1.8e-4, 5e-8], "error": 0.1}, "samples": [],
-}
 TP2 = dict(TP1, tensor_parallel=2, engine=dict(TP1["engine"], kv_bytes_per_token=256, num_pages=128,
                                                max_model_len=2048))
 # Coefficients (decode step, per prompt token, per decoding sequence, per context token, prompt
@@ -31,14 +25,6 @@ TP2 = dict(TP1, tensor_parallel=2, engine=dict(TP1["engine"], kv_bytes_per_token
 # prompt tokens takes 0.5 s, past a TTFT of 300 ms. Only prefill at TP 1 and decode at TP 2 meets both.
 FAST_PREFILL = {"coef_s": [1.5e-3, 2e-5, 0.025, 5e-8, 1.5e-3], "error": 0.1}
 FAST_DECODE = {"coef_s": [1.5e-3, 2e-5, 1.8e-4, 5e-8, 0.5], "error": 0.1}
-SLOS = {"ttft": 300, "tpot": 20}
-TINY_RUN = planner.RunLength(seconds=1.0, min_prompts=10, max_prompts=40)
-
-
-def write(tmp_path: Path, name: str, profile: dict) -> Path:
-    path = tmp_path / name
-    path.write_text(json.dumps(profile))
-    return path
 
 
 def test_the_search_spans_each_pair_of_profiled_tps():
@@ -88,8 +74,8 @@ def test_a_split_across_tps_times_each_role_by_its_profile():
 
 
 def test_plan_chooses_the_tp_of_each_role_and_writes_the_fleet_it_simulated(tmp_path: Path):
-    tp1, tp2 = write(tmp_path, "tp1.json", dict(TP1, fit=FAST_PREFILL)), write(tmp_path, "tp2.json",
-                                                                                dict(TP2, fit=FAST_DECODE))
+    tp1 = write_profile(tmp_path, dict(TP1, fit=FAST_PREFILL), "tp1.json")
+    tp2 = write_profile(tmp_path, dict(TP2, fit=FAST_DECODE), "tp2.json")
     out = tmp_path / "best.yaml"
     result = CliRunner().invoke(app, ["plan", "--profile", str(tp1), "--profile", str(tp2), "--dataset-name",
                                       "random", "--random-input-len", "32", "--random-output-len", "8", "--goodput",
