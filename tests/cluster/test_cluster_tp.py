@@ -24,7 +24,7 @@ from hooked_actor import HookedInstanceActor
 
 from disagg.sampling import SamplingParams
 
-LEASE_S = 3.0
+LEASE_S = 8.0  # the lease runs from the reservation: generous for 11 prompts queued on interpreted TP ranks
 PAIRS = [(2, 2), (1, 2), (2, 1)]
 
 
