@@ -415,7 +415,8 @@ def _flat_routes(dst_index: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 # A routed receiver's row of the offset table: its element offset, then its head range
-# (first head, head count, and the shift from kv's head index to the receiver's).
+# (first head, head count, and the shift from kv's head index to the receiver's). The kernel
+# steps through the table by this many int64s (the literal 4 in `append_kv_kernel`).
 ROUTE_COLUMNS = 4
 
 
