@@ -629,7 +629,7 @@ class PreparedAppend:
             raise ValueError(f"k: expected {self.num_tokens} tokens (the length of the prepared "
                              f"slots), got {num_tokens}")
         grid, tail, num_warps = _launch_args(k, v, self._geo, scales, self.num_receivers > 0,
-                                             self._num_routes if self.num_receivers else 0, self._dst_stride_page)
+                                             self._num_routes, self._dst_stride_page)
         runner = None
         if self._compile and num_tokens:
             runner = _compiled(self._kernel, self.device, grid, self._args(layer, k, v, scales), tail,

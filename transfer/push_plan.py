@@ -280,6 +280,7 @@ def build_routed_work(plan: ForwardPlan, geo: KVGeometry, rank: int,
     rows: list[np.ndarray] = []  # per route position of a sequence: each token's receiver
     for pe in distinct(pes[pes >= 0]):
         mine = np.flatnonzero(pes == pe)
+        unstored = mine[plan.append_slots[mine] < 0]  # segment puts read the local pages
         position = 0
         for route in by_pe.get(pe, ()):
             if reachable is not None and reachable(route):
@@ -291,7 +292,6 @@ def build_routed_work(plan: ForwardPlan, geo: KVGeometry, rank: int,
                 rows[position][mine] = index_of[route.pe]
                 position += 1
                 continue
-            unstored = mine[plan.append_slots[mine] < 0]
             if len(unstored):
                 raise _fail(f"token {int(unstored[0])} has no local slot, so a segment put cannot read it",
                             request_of_token(plan, int(unstored[0])), rank, route.pe)
