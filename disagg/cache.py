@@ -111,6 +111,12 @@ class PagedKVCache(DisaggSends):
         return self._pool.num_free + self._num_evictable()
 
     @property
+    def version(self) -> int:
+        """A count bumped by every call that may change the cache's state (before it changes
+        anything): a value computed from the cache between two calls holds while it is unchanged."""
+        return self._epoch
+
+    @property
     def prefix_caching(self) -> bool:
         return self._cached.enabled
 

@@ -339,7 +339,7 @@ class EngineCore:
             self.ready.remove(req)
         self.scheduler.remove(req, release=False)
         if landing:
-            req.committed_pages = 0  # it will not decode: only the pages it holds stay taken
+            self.scheduler.withdraw_promise(req)  # it will not decode: only the pages it holds stay taken
             self.receiver.quarantine(req.request_id, req)
         else:
             self._release_when_safe(req)

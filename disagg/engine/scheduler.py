@@ -71,17 +71,30 @@ class Scheduler:
         self.running: list[Request] = []
         self.committed: dict[int, Request] = {}  # seq id -> committed request in the cache
         self.num_preemptions = 0
+        self._outstanding: tuple[int, int] | None = None  # (cache version, pages) of the last count
 
     def commit(self, req: Request) -> None:
         """Count ``req`` (in the cache, ``committed_pages`` set) against everyone else's pages."""
         assert req.in_cache and req.committed_pages > 0, "commit: a committed request is in the cache"
         self.committed[req.seq_id] = req
+        self._outstanding = None
+
+    def withdraw_promise(self, req: Request) -> None:
+        """``req`` will not decode here: it keeps the pages it holds and draws no more."""
+        req.committed_pages = 0
+        self._outstanding = None
 
     def outstanding_pages(self) -> int:
-        """Pages promised to committed requests and not yet taken by them."""
-        size = self.cache.page_size
-        return sum(max(0, r.committed_pages - pages_for(self.cache.seq_length(r.seq_id), size))
-                   for r in self.committed.values())
+        """Pages promised to committed requests and not yet taken by them. Counted once per
+        state of the cache (`PagedKVCache.version`) and of the promises: a decode instance's
+        steps, reservations and load reports read it several times in between, and the count
+        walks every committed request (hundreds on a busy decode instance)."""
+        version = self.cache.version
+        if self._outstanding is None or self._outstanding[0] != version:
+            size, length = self.cache.page_size, self.cache.seq_length
+            pages = sum(max(0, r.committed_pages - pages_for(length(r.seq_id), size)) for r in self.committed.values())
+            self._outstanding = (version, pages)
+        return self._outstanding[1]
 
     def free_pages(self) -> int:
         """Free pages that no committed request has been promised."""
@@ -269,4 +282,5 @@ class Scheduler:
         if req.in_cache:
             self.cache.remove_sequence(req.seq_id)
         self.committed.pop(req.seq_id, None)
+        self._outstanding = None
         req.leave_cache()

@@ -15,7 +15,8 @@ from engine_helpers import assert_all_free, close_heaps, collective, reference_t
 from test_disagg import FakeClock
 
 from disagg.engine import DecodeEngine, EngineOptions, PrefillEngine
-from disagg.engine.request import PushState
+from disagg.engine.request import PushState, pages_for
+from disagg.engine.scheduler import Scheduler
 from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id, open_heap
 from disagg.transfer.shm_heap import shm_leftovers
@@ -121,7 +122,23 @@ def test_page_pressure_preempts_local_requests_only(tiny_model, torch_reference,
     assert shm_leftovers(uid) == []
 
 
-def test_aborts_in_every_state_free_every_page(engines):
+@pytest.fixture
+def fresh_promises(monkeypatch):
+    """Every `Scheduler.outstanding_pages` read checked against a count made afresh (its count
+    is kept per cache version: a promise changed without a cache call must drop it)."""
+    kept = Scheduler.outstanding_pages
+
+    def checked(self) -> int:
+        size = self.cache.page_size
+        fresh = sum(max(0, r.committed_pages - pages_for(self.cache.seq_length(r.seq_id), size))
+                    for r in self.committed.values())
+        assert kept(self) == fresh, f"outstanding pages kept {kept(self)}, counted afresh {fresh}"
+        return fresh
+
+    monkeypatch.setattr(Scheduler, "outstanding_pages", checked)
+
+
+def test_aborts_in_every_state_free_every_page(engines, fresh_promises):
     prefill, decode = engines
     dest = decode.reserve("r1", len(PROMPTS["r1"]), GREEDY)
     prefill.add("r1", PROMPTS["r1"], GREEDY, dest)
@@ -132,7 +149,9 @@ def test_aborts_in_every_state_free_every_page(engines):
     assert prefill.abort("k1") is PushState.QUIESCED  # a kept request never pushed
     assert decode.abort("l1")
     assert prefill.abort("r1") is PushState.QUIESCED  # CPU: its pushes ran inline
+    promised = decode.scheduler.outstanding_pages()
     assert decode.abort("r1") and decode.stats()["quarantined"] == 1  # until the prefill side's word
+    assert decode.scheduler.outstanding_pages() < promised  # it draws no more pages
     decode.cancel_reservation(dest)
     ended = [(o.request_id, o.finish_reason) for o in prefill.step() + decode.step()]
     assert sorted(ended) == [("k1", "abort"), ("l1", "abort"), ("r1", "abort"), ("r1", "abort")]  # both sides
