@@ -20,6 +20,8 @@ labels name the TPs: ``colocated-n(TPa)[chunk=C]``, ``xP(TPa)+yD(TPb)``,
 
 from __future__ import annotations
 
+import difflib
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -43,7 +45,7 @@ class Candidate:
     sections: dict[str, Any]  # the YAML sections that make it (instances, scheduler, router)
     goodput_rps: float = 0.0
     attainment_at: dict[float, float] = field(default_factory=dict)
-    cut_at: set[float] = field(default_factory=set)  # rates whose runs stopped at a certain miss
+    cut_at: set[float] = field(default_factory=set)  # rates whose runs stopped at a certain verdict
     screened: Screened | None = None  # its analytic rate (`plan.screen`), None until screened
 
     @property
@@ -77,7 +79,8 @@ class Candidate:
         return self.goodput_rps / self.num_gpus
 
     def note(self, rate: float, attained: float, cut: bool) -> float:
-        """Its attainment at ``rate`` (``cut``: the run stopped at a certain miss); returns it."""
+        """Its attainment at ``rate`` (``cut``: the run stopped at a certain miss or hold, and
+        ``attained`` is a bound below the whole run's); returns it."""
         self.attainment_at[rate] = attained
         if cut:
             self.cut_at.add(rate)
@@ -181,9 +184,24 @@ def only(search: Sequence[Candidate], labels: Sequence[str]) -> list[Candidate]:
     known = [c.label for c in search]
     unknown = [label for label in labels if label not in known]
     if unknown or not labels:
-        raise ValueError(f"--only: expected labels of this search ({', '.join(known)}), got "
+        raise ValueError(f"--only: expected labels of this search ({_some_labels(known, unknown)}), got "
                          f"{', '.join(unknown) if unknown else 'none'}")
     return [c for c in search if c.label in labels]
+
+
+# `only`'s message lists every label of a search up to this many, else the closest to those asked.
+MAX_LISTED_LABELS = 12
+
+
+def _some_labels(known: Sequence[str], asked: Sequence[str]) -> str:
+    """The labels of a search, for `only`'s message: all of them, or (of a large search, 264 at
+    64 GPUs and four TPs) the closest to each label asked and how many there are."""
+    if len(known) <= MAX_LISTED_LABELS:
+        return ", ".join(known)
+    close = list(dict.fromkeys(match for label in asked
+                               for match in difflib.get_close_matches(label, known, n=4, cutoff=0.0)))
+    shown = close[:MAX_LISTED_LABELS] or list(known[:MAX_LISTED_LABELS])
+    return f"{len(known)} in all; {'closest' if close else 'the first'}: {', '.join(shown)}"
 
 
 def config_of(base: dict[str, Any], candidate: Candidate) -> dict[str, Any]:
