@@ -120,9 +120,10 @@ class SimRunner:
         new = np.diff(plan.qo_indptr)
         lengths = (np.diff(plan.page_indptr) - 1) * self.page_size + plan.last_page_len
         decodes = np.zeros(len(new), dtype=bool)
-        for row, req in zip(np.asarray(sample_rows).tolist(), sample_requests):
-            decodes[row] = req.decoding
+        decodes[np.asarray(sample_rows, dtype=np.int64)] = [req.decoding for req in sample_requests]
         before = lengths - new
+        if decodes.all():  # a pure decode step: no chunk
+            return StepShape(0, len(new), int(before.sum()), 0)
         chunks = ~decodes
         pairs = sum(prompt_pairs(int(done), int(n)) for done, n in zip(before[chunks], new[chunks]))
         return StepShape(int(new[chunks].sum()), int(decodes.sum()), int(before[decodes].sum()), pairs)
@@ -236,7 +237,7 @@ class SimInstance:
     def _ids(self, prompt_token_ids: list[int]) -> list[int]:
         """The engine's ids of a prompt: a negative id (the fleet's own prefix of a prompt given
         by its length) becomes one of the vocabulary's last ones."""
-        return [t % self.vocab_size for t in prompt_token_ids]
+        return np.remainder(np.asarray(prompt_token_ids, dtype=np.int64), self.vocab_size).tolist()
 
     # ------------------------------------------------------------------ steps
     def has_work(self) -> bool:
