@@ -48,7 +48,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from disagg.cluster.launch.instance import Instance
 from disagg.cluster.outputs import RequestMetrics
@@ -66,6 +66,9 @@ from disagg.engine.request import pages_for
 from disagg.sampling import SamplingParams
 
 ARRIVAL, STEP_END, PUSH_END, HAND = 0, 1, 2, 3
+# `watch_first_tokens` calls a first token late past its deadline plus this much: a token at the
+# deadline exactly meets the SLO, and the two sides of that test round on their own.
+LATE_MARGIN_S = 1e-9
 ROLES = ("prefill", "decode", "colocated")
 
 
@@ -199,6 +202,9 @@ class SimFleet:
         self.num_events = 0
         self.halted = False
         self.fuse = True  # run the pure-decode forwards no event can change in one event (`SimInstance.fuse`)
+        self._late_after_s: float | None = None  # `watch_first_tokens`
+        self._on_late: Callable[[str], None] | None = None
+        self._deadlines: list[tuple[float, str]] = []  # (when a request's first token is late, its id)
         self.step_records: list[dict] | None = None  # `keep_records`: trace records of the run
 
     def _instance(self, name: str, role: str, pe: int, roles: Mapping[int, str]) -> Instance:
@@ -249,18 +255,45 @@ class SimFleet:
                 (its first id is negative and its own, the rest 0).
         """
         self._push(t + self.hop_s, ARRIVAL, (request_id, prompt, max_tokens, t))
+        if self._on_late is not None:
+            heapq.heappush(self._deadlines, (t + self._late_after_s, request_id))
+
+    def watch_first_tokens(self, within_s: float, on_late: Callable[[str], None]) -> None:
+        """Call ``on_late(request_id)`` once for each request submitted from now on whose first
+        token surely comes more than ``within_s`` after its send (a TTFT SLO's certain miss), as
+        soon as the clock passes that time with no first token recorded (`_check_deadlines`).
+        The run's events are not touched: the simulation is the one it is unwatched."""
+        if not within_s >= 0:
+            raise ValueError(f"watch_first_tokens: expected a time >= 0 s, got {within_s}")
+        self._late_after_s, self._on_late = within_s + LATE_MARGIN_S, on_late
 
     def run(self, on_end: Any = None) -> None:
         """Process events until none is left, or until `halt`. ``on_end(request_id, now)`` hears
         each request end."""
         self._on_end, self.halted = on_end, False
         while self._events and not self.halted:
+            if self._deadlines:
+                self._check_deadlines(self._events[0][0])
+                if self.halted:
+                    break
             t, _, kind, payload = heapq.heappop(self._events)
             self.now = t
             self.num_events += 1
             touched = self._handle(kind, payload)
             self._dispatch(touched)
             self._launch([self._by_name[name] for name in sorted(touched)])
+
+    def _check_deadlines(self, until: float) -> None:
+        """Tell `watch_first_tokens`'s ``on_late`` of each request whose deadline is at or before
+        ``until`` (the next event's time: nothing happens before it) and that has no first token
+        recorded by then: a first token is recorded at the end of the forward that computes it
+        (the step ending there, `_step_end`: a forward computing a prompt's chunk is the last of
+        its step, `SimInstance.fuse`), so this one's comes from a forward ending after ``until``."""
+        while self._deadlines and self._deadlines[0][0] <= until and not self.halted:
+            _, request_id = heapq.heappop(self._deadlines)
+            timeline = self.timelines.get(request_id)
+            if timeline is None or not (timeline.ended or timeline.token_times):
+                self._on_late(request_id)
 
     def halt(self) -> None:
         """Stop `run` after the event being processed: what has not ended by then never ends

@@ -56,12 +56,16 @@ def simulate_run(config: Config, profile: dict | Mapping[str, dict], spec: Workl
                  burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
                  link_gbps: float = 364.0, hop_ms: float = 0.0, fleet: SimFleet | None = None,
                  num_requests: int | None = None,
-                 stop_when: Callable[[RequestOutput], bool] | None = None) -> Simulation:
+                 stop_when: Callable[[RequestOutput], bool] | None = None,
+                 late_after_s: float | None = None) -> Simulation:
     """Run ``spec`` at ``request_rate`` through the fleet of ``config`` (module docstring): its
     first ``num_requests`` requests (default all), as `disagg bench` runs the first ones of the
     prompts it sampled. ``stop_when(output)`` hears each request's client record as it ends; once
     it answers True the run stops (`SimFleet.halt`), and every request not ended by then is a
     failed one in the result (`disagg plan` stops a run whose SLO miss is already certain).
+    ``late_after_s`` (with ``stop_when``): a request whose first token surely comes later than
+    that after its send (`SimFleet.watch_first_tokens`) is heard as a failed record at once,
+    and not again when it ends (a TTFT SLO's miss is known long before the request ends).
     ``profile``: one for every role, or one per role (`SimFleet`'s).
 
     Raises:
@@ -91,8 +95,19 @@ def simulate_run(config: Config, profile: dict | Mapping[str, dict], spec: Workl
     for i in itertools.islice(sent, limit):
         send(i, 0.0)
 
+    late: set[str] = set()
+
+    def on_late(request_id: str) -> None:
+        late.add(request_id)
+        if stop_when(late_output(request_id)):
+            fleet.halt()
+
+    if stop_when is not None and late_after_s is not None:
+        fleet.watch_first_tokens(late_after_s, on_late)
+
     def on_end(request_id: str, now: float) -> None:
-        if stop_when is not None and stop_when(client_output(fleet.timelines[request_id])):
+        if (stop_when is not None and request_id not in late
+                and stop_when(client_output(fleet.timelines[request_id]))):
             fleet.halt()
             return
         nxt = next(sent, None)
@@ -105,6 +120,11 @@ def simulate_run(config: Config, profile: dict | Mapping[str, dict], spec: Workl
     duration = max(ends + [float(offsets[-1]), 1e-9])
     run = RunResult(outputs, duration, request_rate, burstiness, max_concurrency)
     return Simulation(run, fleet, spec, time.perf_counter() - started)
+
+
+def late_output(request_id: str) -> RequestOutput:
+    """What ``stop_when`` hears of a request whose first token is surely late (a failed record)."""
+    return RequestOutput(error=f"{request_id}'s first token surely comes past the TTFT SLO")
 
 
 def unsent_output(request_id: str) -> RequestOutput:

@@ -315,6 +315,36 @@ def test_stop_when_ends_the_run_and_fails_every_request_not_ended(max_concurrenc
     assert all(out.error.startswith("the simulated run stopped before") for out in failed)
 
 
+@pytest.mark.parametrize("name", ["colocated", "1p1d", "adaptive", "3p1d-tight"])
+def test_a_first_token_called_late_is_late_and_the_run_unchanged(name: str):
+    """`SimFleet.watch_first_tokens`: every request it calls late before it ends has its first
+    token past the deadline in the whole run (or none), it calls most of those late once, each
+    once, and the run is the unwatched one exactly. Overloaded (queues at the router and in the
+    engines) so that many are late."""
+    ttft_s = 0.05
+    path, overrides = FLEETS[name]
+    config = Config.from_yaml(CONFIGS / path)
+    config = config.override(overrides) if overrides else config
+    spec = workload_spec(PROFILE, 512, dataset_name="chat", num_prompts=80, seed=3)
+    runs, late = [], []
+    for watch in (False, True):
+        fleet = SimFleet(config, copy.deepcopy(PROFILE))
+        if watch:
+            fleet.watch_first_tokens(ttft_s, lambda rid: late.append(
+                (rid, fleet.now, rid in fleet.timelines and fleet.timelines[rid].ended)))
+        runs.append(simulate_run(config, PROFILE, spec, request_rate=400.0, seed=3, fleet=fleet))
+    whole, watched = runs
+    assert [t.token_times for t in watched.fleet.timelines.values()] == \
+        [t.token_times for t in whole.fleet.timelines.values()]
+    assert len({rid for rid, _, _ in late}) == len(late)
+    timelines = whole.fleet.timelines
+    for rid, _, _ in late:  # late in the whole run
+        assert timelines[rid].token_times[0] - timelines[rid].sent > ttft_s, rid
+    missed = [rid for rid, t in timelines.items() if t.token_times[0] - t.sent > ttft_s]
+    assert len(late) >= 0.5 * len(missed) > 5, (len(late), len(missed))
+    assert not any(ended for _, _, ended in late)  # heard before its end
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_reservation_made_mid_forward_answers_when_the_forward_ends(overlap):
     """1P1D: "b" arrives while the decode instance runs a forward (decoding "a"); its prompt
