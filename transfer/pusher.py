@@ -164,12 +164,19 @@ class KVPusher:
     def attach_routes(self, seq_id: int, routes: tuple[PushRoute, ...]) -> None:
         """Send ``seq_id``'s heads by ``routes`` (the two sides' tensor parallelism differs:
         `disagg.transfer.heads`) and ring every route's ticket after the forward that writes its
-        last token. No routes: other ranks write every head of it; only the local pages are."""
+        last token. No routes: other ranks write every head of it; only the local pages are.
+
+        Raises:
+            TransferError: a route names a PE that is not a receiver, or more receiver pages than
+                this PE's symmetric allocation holds (the two sides' page counts disagree: every
+                layer past the first would land at the wrong offset). Nothing is attached.
+        """
         for route in routes:
             if not 0 <= route.pe < self.heap.world_size or route.pe == self.heap.rank or route.ticket.pe != route.pe:
                 raise TransferError(f"route names PE {route.pe} (ticket PE {route.ticket.pe}), expected a receiver in "
                                     f"[0, {self.heap.world_size}) other than the sender",
                                     request_id=seq_id, src_pe=self.heap.rank, dst_pe=route.pe)
+            self._check_route_pages(seq_id, route)
         self._routes[seq_id] = tuple(routes)
         logger.debug("request %s: PE %d -> %s", seq_id, self.heap.rank,
                      ", ".join(f"PE {r.pe} heads {r.src_head}+{r.num_heads} at {r.dst_head}" for r in routes))
@@ -430,15 +437,25 @@ class KVPusher:
         pages = g.num_pages if route.dst_num_pages is None else route.dst_num_pages
         return route.pe, (g.num_layers, pages, 2, route.dst_num_kv_heads, g.page_size, g.head_dim)
 
+    def _check_route_pages(self, seq_id: int, route: PushRoute) -> None:
+        """Refuse a route whose receiver's pages (`_route_key`) the symmetric allocation cannot
+        hold: every PE's allocation is alike, so neither can the receiver's."""
+        pe, shape = self._route_key(route)
+        num_layers, num_pages, page_elements = shape[0], shape[1], math.prod(shape[2:])
+        room = self._segment_base.numel() // (num_layers * page_elements)
+        if num_pages > room:
+            raise TransferError(f"the route into PE {pe} names {num_pages} receiver pages of {shape[3]} KV heads "
+                                f"per layer, expected at most {room}: this PE's allocation of "
+                                f"{self._segment_base.numel()} elements holds {room} such pages for each of "
+                                f"{num_layers} layers (the two sides' page counts disagree: "
+                                "HeadLayout.num_pages)", request_id=seq_id, src_pe=self.heap.rank, dst_pe=pe)
+
     def _route_reachable(self, route: PushRoute) -> bool:
-        """Whether the fused launch writes ``route``'s receiver (a load/store peer view of its pages)."""
+        """Whether the fused launch writes ``route``'s receiver (a load/store peer view of its pages;
+        `attach_routes` checked that the allocation holds them)."""
         key = self._route_key(route)
         if key not in self._route_views:
             pe, shape = key
-            if math.prod(shape) > self._segment_base.numel():
-                raise TransferError(f"the receiver's pages {shape} are more than this PE's allocation of "
-                                    f"{self._segment_base.numel()} elements: the two sides' page counts disagree",
-                                    request_id=None, src_pe=self.heap.rank, dst_pe=pe)
             view = self._segment_base.reshape(-1)[:math.prod(shape)].view(shape)
             self._route_views[key] = None if self.force_segment_puts else self.heap.peer(view, pe)
         return self._route_views[key] is not None
