@@ -66,8 +66,8 @@ from disagg.engine.request import pages_for
 from disagg.sampling import SamplingParams
 
 ARRIVAL, STEP_END, PUSH_END, HAND = 0, 1, 2, 3
-# `watch_first_tokens` calls a first token late past its deadline plus this much: a token at the
-# deadline exactly meets the SLO, and the two sides of that test round on their own.
+# `watch_slos` calls a token late past its deadline plus this much: a token at the deadline
+# exactly meets the SLO, and the two sides of that test round on their own.
 LATE_MARGIN_S = 1e-9
 ROLES = ("prefill", "decode", "colocated")
 
@@ -202,9 +202,10 @@ class SimFleet:
         self.num_events = 0
         self.halted = False
         self.fuse = True  # run the pure-decode forwards no event can change in one event (`SimInstance.fuse`)
-        self._late_after_s: float | None = None  # `watch_first_tokens`
+        self._slos_s: dict[str, float] = {}  # `watch_slos`: the SLOs watched, seconds (margin added)
         self._on_late: Callable[[str], None] | None = None
-        self._deadlines: list[tuple[float, str]] = []  # (when a request's first token is late, its id)
+        self._deadlines: list[tuple[float, str, str]] = []  # (when, request id, the SLO it would miss by then)
+        self._late: set[str] = set()  # the requests `watch_slos` called late
         self.step_records: list[dict] | None = None  # `keep_records`: trace records of the run
 
     def _instance(self, name: str, role: str, pe: int, roles: Mapping[int, str]) -> Instance:
@@ -255,17 +256,22 @@ class SimFleet:
                 (its first id is negative and its own, the rest 0).
         """
         self._push(t + self.hop_s, ARRIVAL, (request_id, prompt, max_tokens, t))
-        if self._on_late is not None:
-            heapq.heappush(self._deadlines, (t + self._late_after_s, request_id))
+        for slo in ("ttft", "e2el"):
+            if slo in self._slos_s:
+                heapq.heappush(self._deadlines, (t + self._slos_s[slo], request_id, slo))
 
-    def watch_first_tokens(self, within_s: float, on_late: Callable[[str], None]) -> None:
-        """Call ``on_late(request_id)`` once for each request submitted from now on whose first
-        token surely comes more than ``within_s`` after its send (a TTFT SLO's certain miss), as
-        soon as the clock passes that time with no first token recorded (`_check_deadlines`).
-        The run's events are not touched: the simulation is the one it is unwatched."""
-        if not within_s >= 0:
-            raise ValueError(f"watch_first_tokens: expected a time >= 0 s, got {within_s}")
-        self._late_after_s, self._on_late = within_s + LATE_MARGIN_S, on_late
+    def watch_slos(self, slos_s: Mapping[str, float], on_late: Callable[[str], None]) -> None:
+        """Call ``on_late(request_id)`` once for each request submitted from now on that surely
+        misses one of ``slos_s`` (``ttft``, ``tpot``, ``e2el``: seconds, `bench.metrics.meets_slos`'s),
+        as soon as the clock passes the time by which it would have had to have its first token
+        (TTFT) or its last (E2EL; TPOT: its first token's time plus the SLO for each token after
+        it) and that token is not recorded (`_check_deadlines`). The run's events are not
+        touched: the simulation is the one it is unwatched."""
+        unknown = sorted(set(slos_s) - {"ttft", "tpot", "e2el"})
+        if unknown or not all(v >= 0 for v in slos_s.values()):
+            raise ValueError(f"watch_slos: expected ttft, tpot or e2el >= 0 s, got {dict(slos_s)}")
+        self._slos_s = {slo: float(v) + LATE_MARGIN_S for slo, v in slos_s.items()}
+        self._on_late = on_late
 
     def run(self, on_end: Any = None) -> None:
         """Process events until none is left, or until `halt`. ``on_end(request_id, now)`` hears
@@ -284,15 +290,19 @@ class SimFleet:
             self._launch([self._by_name[name] for name in sorted(touched)])
 
     def _check_deadlines(self, until: float) -> None:
-        """Tell `watch_first_tokens`'s ``on_late`` of each request whose deadline is at or before
-        ``until`` (the next event's time: nothing happens before it) and that has no first token
-        recorded by then: a first token is recorded at the end of the forward that computes it
-        (the step ending there, `_step_end`: a forward computing a prompt's chunk is the last of
-        its step, `SimInstance.fuse`), so this one's comes from a forward ending after ``until``."""
+        """Tell `watch_slos`'s ``on_late`` of each request whose deadline is at or before
+        ``until`` (the next event's time: nothing happens before it) and whose token due by then
+        is not recorded: a token is recorded at the end of the forward that computes it (the step
+        ending there, `_step_end`: a forward computing a prompt's chunk, or ending a request, is
+        the last of its step, `SimInstance.fuse`), so this one comes from a forward ending after
+        ``until``, past the SLO."""
         while self._deadlines and self._deadlines[0][0] <= until and not self.halted:
-            _, request_id = heapq.heappop(self._deadlines)
+            _, request_id, slo = heapq.heappop(self._deadlines)
             timeline = self.timelines.get(request_id)
-            if timeline is None or not (timeline.ended or timeline.token_times):
+            if request_id in self._late or (timeline is not None and timeline.ended):
+                continue
+            if slo != "ttft" or timeline is None or not timeline.token_times:
+                self._late.add(request_id)
                 self._on_late(request_id)
 
     def halt(self) -> None:
@@ -463,7 +473,11 @@ class SimFleet:
     def _step_end(self, inst: Instance) -> set[str]:
         for request_id, finished, times, pushed in inst.actor.finish_step():
             req = self.flow.placed[request_id]
-            self.timelines[request_id].token_times.extend(times)
+            timeline = self.timelines[request_id]
+            if not timeline.token_times and "tpot" in self._slos_s and timeline.max_tokens > 1:
+                heapq.heappush(self._deadlines, (times[0] + self._slos_s["tpot"] * (timeline.max_tokens - 1),
+                                                 request_id, "tpot"))
+            timeline.token_times.extend(times)
             reason = "length" if finished else None  # requests run to max_tokens: EOS is ignored
             if not pushed:
                 actions = self.flow.tokens(req, len(times), reason)

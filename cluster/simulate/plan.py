@@ -248,7 +248,7 @@ def rate_attainment(config: Config, profile: dict | Mapping[str, dict], rate: fl
     allowed = misses_allowed(num_prompts * seeds)
     needed = num_prompts * seeds - allowed  # requests within the SLOs that make the target certain
     misses = met = 0
-    late_after_s = slos_ms["ttft"] / 1e3 if "ttft" in slos_ms else None  # a certain miss before its end
+    slos_s = {slo: limit / 1e3 for slo, limit in slos_ms.items()}  # a certain miss, known before its end
 
     def certain(out: RequestOutput) -> bool:
         nonlocal misses, met
@@ -263,7 +263,7 @@ def rate_attainment(config: Config, profile: dict | Mapping[str, dict], rate: fl
         spec = workload_spec(first, fleet.max_model_len, dataset_name=dataset_name,
                              num_prompts=num_prompts, seed=draw, **lengths)
         outputs += simulate_run(config, profile, spec, request_rate=rate, seed=draw, fleet=fleet,
-                                stop_when=certain if stop_early else None, late_after_s=late_after_s).run.outputs
+                                stop_when=certain if stop_early else None, slos_s=slos_s).run.outputs
         if stop_early and (misses > allowed or met >= needed):
             break
     stopped = stop_early and (misses > allowed or met + misses < num_prompts * seeds)

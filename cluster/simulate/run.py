@@ -57,15 +57,16 @@ def simulate_run(config: Config, profile: dict | Mapping[str, dict], spec: Workl
                  link_gbps: float = 364.0, hop_ms: float = 0.0, fleet: SimFleet | None = None,
                  num_requests: int | None = None,
                  stop_when: Callable[[RequestOutput], bool] | None = None,
-                 late_after_s: float | None = None) -> Simulation:
+                 slos_s: Mapping[str, float] | None = None) -> Simulation:
     """Run ``spec`` at ``request_rate`` through the fleet of ``config`` (module docstring): its
     first ``num_requests`` requests (default all), as `disagg bench` runs the first ones of the
     prompts it sampled. ``stop_when(output)`` hears each request's client record as it ends; once
     it answers True the run stops (`SimFleet.halt`), and every request not ended by then is a
     failed one in the result (`disagg plan` stops a run whose SLO miss is already certain).
-    ``late_after_s`` (with ``stop_when``): a request whose first token surely comes later than
-    that after its send (`SimFleet.watch_first_tokens`) is heard as a failed record at once,
-    and not again when it ends (a TTFT SLO's miss is known long before the request ends).
+    ``slos_s`` (with ``stop_when``; ``ttft``, ``tpot``, ``e2el`` in seconds): a request that surely
+    misses one (`SimFleet.watch_slos`) is heard as a failed record at once, and not again when
+    it ends (a miss is known long before the request ends: its first token late, or its decode
+    past the TPOT its tokens can still make).
     ``profile``: one for every role, or one per role (`SimFleet`'s).
 
     Raises:
@@ -102,8 +103,8 @@ def simulate_run(config: Config, profile: dict | Mapping[str, dict], spec: Workl
         if stop_when(late_output(request_id)):
             fleet.halt()
 
-    if stop_when is not None and late_after_s is not None:
-        fleet.watch_first_tokens(late_after_s, on_late)
+    if stop_when is not None and slos_s:
+        fleet.watch_slos(slos_s, on_late)
 
     def on_end(request_id: str, now: float) -> None:
         if (stop_when is not None and request_id not in late
@@ -123,8 +124,8 @@ def simulate_run(config: Config, profile: dict | Mapping[str, dict], spec: Workl
 
 
 def late_output(request_id: str) -> RequestOutput:
-    """What ``stop_when`` hears of a request whose first token is surely late (a failed record)."""
-    return RequestOutput(error=f"{request_id}'s first token surely comes past the TTFT SLO")
+    """What ``stop_when`` hears of a request that surely misses an SLO (a failed record)."""
+    return RequestOutput(error=f"{request_id} surely misses an SLO")
 
 
 def unsent_output(request_id: str) -> RequestOutput:
