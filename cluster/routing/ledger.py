@@ -16,9 +16,12 @@ O(instances):
 
 A request's share is those same functions of it alone (`tally` of one request, `load_of`,
 `queued_prompt`, `seat_holders`), so the sums equal the sums over the live requests whenever every
-move was made; `audit` compares them field by field (the tests `check` it at every placement and
-end of the router's fleets and at every decision of the simulator's; the router's watchdog audits
-it every few seconds). The request flow (`disagg.cluster.routing.flow`) makes every move, for the router
+move was made. Each instance's decodes' progress (`InstanceView.decode_progress`) is kept the
+same way, a row per decode in a `ProgressTable` written at `touch`, `advance` and `drop`: a
+decision copies it as arrays and rebuilds no row. `audit` compares the sums and the rows with
+those over the live requests field by field (the tests `check` it at every placement and end of
+the router's fleets and at every decision of the simulator's; the router's watchdog audits it
+every few seconds). The request flow (`disagg.cluster.routing.flow`) makes every move, for the router
 and the simulator alike: a request counts from its placement to its end.
 """
 
@@ -29,6 +32,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from disagg.cluster.routing.placement import InstanceWork, tally
+from disagg.cluster.routing.placement.progress import NO_PROGRESS, ProgressTable
 from disagg.cluster.routing.requests import Picker, RoutedRequest, load_of, queued_prompt, seat_holders
 
 WORK_FIELDS = ("queued", "pairs", "decoding", "context", "remaining", "seated", "incoming")
@@ -67,8 +71,8 @@ class Ledger:
 
     def _clear(self) -> None:
         self.work = {id(inst): InstanceWork() for inst in self.instances}
-        # instance -> request id -> (request, first token's time, max_tokens): its decodes' progress
-        self.decoding: dict[int, dict[str, tuple[RoutedRequest, float, int]]] = {key: {} for key in self.work}
+        # instance -> its decodes' progress, a row per decode whose first token the router has seen
+        self.progress: dict[int, ProgressTable] = {key: ProgressTable() for key in self.work}
         self.loads: collections.Counter[str] = collections.Counter()
         self.seats: collections.Counter[str] = collections.Counter()
         self.queued: collections.Counter[str] = collections.Counter()
@@ -80,7 +84,7 @@ class Ledger:
         """Count ``inst``, an instance that joined the fleet (a replacement, `cluster.restart`)."""
         self.instances.append(inst)
         self._by_name[inst.name] = inst
-        self.work[id(inst)], self.decoding[id(inst)] = InstanceWork(), {}
+        self.work[id(inst)], self.progress[id(inst)] = InstanceWork(), ProgressTable()
 
     def __len__(self) -> int:
         """The requests counted."""
@@ -110,7 +114,7 @@ class Ledger:
             if part.decoding:
                 share.decoding, share.decoding_work = key, part
                 if req.first_token_at is not None:
-                    self.decoding[key][req.request_id] = (req, req.first_token_at, share.max_tokens)
+                    self.progress[key].add(req.request_id, req.first_token_at, req.num_output, share.max_tokens)
         self.loads.update(loads)
         self.seats.update(share.seats)
         if queued is not None:
@@ -136,6 +140,7 @@ class Ledger:
             total.remaining += remaining - part.remaining
             part.context += num_tokens
             part.remaining = remaining
+            self.progress[share.decoding].set_output(req.request_id, req.num_output)
 
     def drop(self, req: RoutedRequest) -> None:
         """``req`` ended (or is about to be touched again): its share comes off."""
@@ -144,7 +149,7 @@ class Ledger:
             return
         for key, part in share.work.items():
             _add(self.work[key], part, -1)
-            self.decoding[key].pop(req.request_id, None)
+            self.progress[key].remove(req.request_id)
         self.loads.subtract(share.loads)
         self.seats.subtract(share.seats)
         if share.queued is not None:
@@ -159,10 +164,8 @@ class Ledger:
         work = {}
         for inst in instances:
             key = id(inst)
-            view = InstanceWork()
-            _add(view, self.work[key], 1)
-            if now is not None:
-                view.progress = [(now - first, r.num_output, n) for r, first, n in self.decoding[key].values()]
+            view = self.work[key].copy()
+            view.progress = NO_PROGRESS if now is None else self.progress[key].snapshot(now)
             work[key] = view
         return work, (self.outputs / self.count if self.count else None)
 
@@ -171,6 +174,10 @@ class Ledger:
         `Picker`'s), as a sentence; None when every one is. O(live requests)."""
         live = list(live)
         instances = self.instances
+        for inst in instances:
+            problem = self.progress[id(inst)].audit()
+            if problem is not None:
+                return f"{inst.name}: {problem}"
         expected, expected_out = tally(instances, live, now, self.routed)
         tracked, tracked_out = self.tally(instances, now)
         for inst in instances:

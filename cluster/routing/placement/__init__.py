@@ -59,8 +59,8 @@ behind each rule. Pure Python, in the router's (or the simulator's) process.
 
 from disagg.cluster.routing.placement.admission import (ADMISSION_RULES, TPOT_SLACK, Judging, admit, fits, pages_fit,
                                                         slack_breaks, spares_expected_pushes, spares_slack,
-                                                        sparing_prefills, stall_past_slack, tpot_bound,
-                                                        tpot_within_bound, ttft_within_target)
+                                                        sparing_prefills, stall_past_slack, stalls_past_slack,
+                                                        tpot_bound, tpot_within_bound, ttft_within_target)
 from disagg.cluster.routing.placement.choose import (CHOOSERS, KEEP_SHARE, PREFERENCE, decode_on_prefill, fastest,
                                                      prefer_balanced, prefer_fastest, prefer_remote,
                                                      remote_within_targets)
@@ -74,16 +74,18 @@ from disagg.cluster.routing.placement.policy import (ADAPTIVE, DEFAULT_PLACEMENT
                                                      PlacementPolicy, degraded_path, policy_of)
 from disagg.cluster.routing.placement.prediction import (DEFAULT_OVERLOAD, DEFAULT_PREFER, PATHS, Prediction, Targets,
                                                          cached_tokens, local_tpot, predict, pushed_tpot, running_tpot)
-from disagg.cluster.routing.placement.view import HORIZON_SHARE, InstanceView
+from disagg.cluster.routing.placement.progress import DecodeProgress, ProgressTable
+from disagg.cluster.routing.placement.view import HORIZON_SHARE, InstanceView, fleet_tpot_slacks_s
 
 __all__ = [
     "ADAPTIVE", "ADMISSION_RULES", "CHOOSERS", "DEFAULT_OVERLOAD", "DEFAULT_PLACEMENT", "DEFAULT_PREFER",
     "DISAGGREGATED", "FALLBACKS", "HOP_WINDOW", "HORIZON_SHARE", "KEEP_SHARE", "LOCAL", "PATHS", "POLICIES",
     "PREFERENCE", "PUSH_RATE_WINDOW_S", "STALL_WINDOW_STEPS", "TPOT_SLACK", "TTFT_MISS_WEIGHT", "Decision",
-    "FleetModel", "HopMeter", "InstanceView", "InstanceWork", "Judging", "PlacementPolicy", "Prediction", "RateMeter",
-    "StallMeter", "Targets", "admit", "avoid_breaking", "cached_tokens", "decide", "decode_on_prefill",
-    "degraded_path", "fastest", "fits", "least_violation", "local_tpot", "no_push", "pages_fit", "policy_of",
-    "predict", "prefer_balanced", "prefer_fastest", "prefer_remote", "pushed_tpot", "remote_within_targets", "running_tpot", "saturated_decodes",
-    "slack_breaks", "spares_expected_pushes", "spares_slack", "sparing_prefills", "stall_past_slack", "tally",
+    "DecodeProgress", "FleetModel", "HopMeter", "InstanceView", "InstanceWork", "Judging", "PlacementPolicy",
+    "Prediction", "ProgressTable", "RateMeter", "StallMeter", "Targets", "admit", "avoid_breaking", "cached_tokens",
+    "decide", "decode_on_prefill", "degraded_path", "fastest", "fits", "fleet_tpot_slacks_s", "least_violation",
+    "local_tpot", "no_push", "pages_fit", "policy_of", "predict", "prefer_balanced", "prefer_fastest",
+    "prefer_remote", "pushed_tpot", "remote_within_targets", "running_tpot", "saturated_decodes", "slack_breaks",
+    "spares_expected_pushes", "spares_slack", "sparing_prefills", "stall_past_slack", "stalls_past_slack", "tally",
     "tpot_bound", "tpot_within_bound", "ttft_within_target", "violation", "violation_cost", "without_pushes",
 ]

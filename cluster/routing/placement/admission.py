@@ -8,11 +8,13 @@ it reads which pushes the others admitted. Pure functions, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from disagg.cluster.routing.placement.prediction import Prediction, Targets, cached_tokens
-from disagg.cluster.routing.placement.view import InstanceView
+from disagg.cluster.routing.placement.view import InstanceView, fleet_tpot_slacks_s
 from disagg.engine.steps import prompt_pairs
 
 TPOT_SLACK = 1.1  # without a TPOT target: a decode step may grow to 1.1 x the remote path's step
@@ -61,7 +63,8 @@ def fits(cand: Prediction, views: Mapping[str, InstanceView], prompt_len: int) -
     return d.fits(prompt_len + answer)
 
 
-def stall_past_slack(d: InstanceView, prompt_len: int, bound_s: float, cached: int = 0) -> tuple[float, str]:
+def stall_past_slack(d: InstanceView, prompt_len: int, bound_s: float, cached: int = 0, *,
+                     incoming: int | None = None, push_rate: float | None = None) -> tuple[float, str]:
     """How many of the requests decoding on ``d`` (and on their way there) a prompt of
     ``prompt_len`` computed on ``d`` (``cached`` of its tokens found in its cache) takes past
     their TPOT (its chunks' stall, beyond the prompts queued there, exceeds their
@@ -69,25 +72,41 @@ def stall_past_slack(d: InstanceView, prompt_len: int, bound_s: float, cached: i
     ``push_rate`` per second, those expected to arrive while more of the stall than their slack is
     ahead of them count too (``push_rate`` x (stall - slack), each a request of ``output_tokens``
     not yet started): else a long local prompt on a lone decode instance breaks every push
-    decided while it runs."""
-    slacks = d.tpot_slacks_s(bound_s)
-    expected_slack = None
-    if d.push_rate and d.output_tokens and d.output_tokens > 1:
-        n = d.output_tokens
-        expected_slack = bound_s * (n - 1) - n * d.decode_gap_s(d.num_decoding, d.context_tokens)
-    if not slacks and expected_slack is None:
-        return 0, ""
-    queued, pairs = d.queued_prompt_tokens, d.queued_prompt_pairs
-    stall = (d.stall_s(queued + prompt_len - cached, pairs + prompt_pairs(cached, prompt_len - cached))
-             - d.stall_s(queued, pairs))
-    broken = sum(1 for slack in slacks if slack < stall)
-    expected = d.push_rate * max(stall - max(expected_slack, 0.0), 0.0) if expected_slack is not None else 0.0
-    if not broken and expected < 0.5:
-        return 0, ""
-    known = (f"their TPOT slack {min(slacks) * 1e3:.1f} ms ({broken} of {len(slacks)})" if broken
-             else f"the slack of the pushes decided meanwhile, {max(expected_slack, 0.0) * 1e3:.1f} ms")
-    more = f", {expected:.1f} pushes expected meanwhile" if expected >= 0.05 else ""
-    return broken + expected, f"its chunks stall {d.name}'s decodes {stall * 1e3:.1f} ms > {known}{more}"
+    decided while it runs. ``incoming``, ``push_rate``: those of ``d`` counted (None: its own; 0
+    leaves them out). `stalls_past_slack` of ``d`` alone."""
+    return stalls_past_slack([d], prompt_len, bound_s, [cached], incoming=incoming, push_rate=push_rate)[0]
+
+
+def stalls_past_slack(views: Sequence[InstanceView], prompt_len: int, bound_s: float, cached: Sequence[int], *,
+                      incoming: int | None = None, push_rate: float | None = None) -> list[tuple[float, str]]:
+    """`stall_past_slack` of each of ``views`` (``cached``: the prompt's tokens in each one's
+    cache), their decodes' slacks taken in one pass (`fleet_tpot_slacks_s`)."""
+    slacks, owner = fleet_tpot_slacks_s(views, bound_s, incoming)
+    num_slacks = np.bincount(owner, minlength=len(views)).tolist()
+    rates = [d.push_rate if push_rate is None else push_rate for d in views]
+    expected_slacks = [d.fresh_slack_s(bound_s) if rate else None for d, rate in zip(views, rates)]
+    stalls = [0.0] * len(views)  # what the prompt's chunks stall each one's decodes, where anyone's slack is known
+    for i, (d, hit) in enumerate(zip(views, cached)):
+        if num_slacks[i] or expected_slacks[i] is not None:
+            queued, pairs = d.queued_prompt_tokens, d.queued_prompt_pairs
+            stalls[i] = (d.stall_s(queued + prompt_len - hit, pairs + prompt_pairs(hit, prompt_len - hit))
+                         - d.stall_s(queued, pairs))
+    num_broken = np.bincount(owner[slacks < np.array(stalls)[owner]], minlength=len(views)).tolist()
+    out = []
+    for i, (d, rate, expected_slack, stall, broken) in enumerate(zip(views, rates, expected_slacks, stalls,
+                                                                    num_broken)):
+        if not num_slacks[i] and expected_slack is None:
+            out.append((0, ""))
+            continue
+        expected = rate * max(stall - max(expected_slack, 0.0), 0.0) if expected_slack is not None else 0.0
+        if not broken and expected < 0.5:
+            out.append((0, ""))
+            continue
+        known = (f"their TPOT slack {float(slacks[owner == i].min()) * 1e3:.1f} ms ({broken} of {num_slacks[i]})"
+                 if broken else f"the slack of the pushes decided meanwhile, {max(expected_slack, 0.0) * 1e3:.1f} ms")
+        more = f", {expected:.1f} pushes expected meanwhile" if expected >= 0.05 else ""
+        out.append((broken + expected, f"its chunks stall {d.name}'s decodes {stall * 1e3:.1f} ms > {known}{more}"))
+    return out
 
 
 def slack_breaks(instances: list[InstanceView], prompt_len: int, targets: Targets,
@@ -97,9 +116,8 @@ def slack_breaks(instances: list[InstanceView], prompt_len: int, targets: Target
     them where they matter); empty without a TPOT target."""
     if targets.tpot_s is None:
         return {}
-    return {v.name: stall_past_slack(replace(v, push_rate=0.0) if v.push_rate else v, prompt_len, targets.tpot_s,
-                                     hit(v))
-            for v in instances}
+    stalls = stalls_past_slack(instances, prompt_len, targets.tpot_s, [hit(v) for v in instances], push_rate=0.0)
+    return {v.name: stall for v, stall in zip(instances, stalls)}
 
 
 def sparing_prefills(prefills: list[InstanceView], judging: Judging) -> set[str] | None:
@@ -160,7 +178,7 @@ def admit(cand: Prediction, judging: Judging) -> Prediction:
     for rule in ADMISSION_RULES:
         why = rule(cand, judging)
         if why:
-            return replace(cand, admissible=False, why=why)
+            return cand.refused(why)
     return cand
 
 
@@ -178,12 +196,12 @@ def spares_expected_pushes(judged: list[Prediction], decodes: list[InstanceView]
     if not judging.stalls:
         return judged, judging
     stalls, broken = dict(judging.stalls), dict(judging.broken)
-    for d in decodes:
-        if not d.push_rate or any(c.admissible and c.path == "remote" and c.decode != d.name for c in judged):
-            continue
-        stall = stall_past_slack(d, judging.prompt_len, judging.targets.tpot_s, judging.hit(d))
+    pushable = {c.decode for c in judged if c.admissible and c.path == "remote"}
+    alone = [d for d in decodes if d.push_rate and not pushable - {d.name}]  # no push can go elsewhere
+    with_pushes = stalls_past_slack(alone, judging.prompt_len, judging.targets.tpot_s, [judging.hit(d) for d in alone])
+    for d, stall in zip(alone, with_pushes):
         if stall[0] > broken[d.name]:
             stalls[d.name], broken[d.name] = stall, stall[0]
-            judged = [replace(c, admissible=False, why=stall[1]) if c.admissible and c.path == "local"
+            judged = [c.refused(stall[1]) if c.admissible and c.path == "local"
                       and c.decode == d.name else c for c in judged]
     return judged, replace(judging, stalls=stalls, broken=broken)

@@ -11,6 +11,7 @@ import collections
 from collections.abc import Collection, Mapping
 
 from disagg.cluster.routing.placement.meters import HopMeter, RateMeter, StallMeter
+from disagg.cluster.routing.placement.progress import DecodeProgress
 from disagg.cluster.routing.placement.view import InstanceView
 from disagg.cluster.routing.requests import seat_holders
 from disagg.cluster.simulate.step_model import StepTimeModel
@@ -21,13 +22,21 @@ TTFT_MISS_WEIGHT = 1 / 16  # `FleetModel.note_ttft`: the miss follows about the 
 
 class InstanceWork:
     """One instance's share of the live requests, summed by `FleetModel.views`: the fields of
-    its `InstanceView` that the requests give."""
+    its `InstanceView` that the requests give. ``progress``: its decodes' rows as they are
+    summed (`add`), a `DecodeProgress` once `tally` (or `Ledger.tally`) returns it."""
 
     __slots__ = ("queued", "pairs", "decoding", "context", "remaining", "progress", "seated", "incoming")
 
     def __init__(self) -> None:
         self.queued = self.pairs = self.decoding = self.context = self.remaining = self.seated = self.incoming = 0
-        self.progress: list[tuple[float, int, int]] = []
+        self.progress: list[tuple[float, int, int]] | DecodeProgress = []
+
+    def copy(self) -> InstanceWork:
+        """These sums, ``progress`` left empty (`Ledger.tally`, at every decision)."""
+        new = InstanceWork()
+        new.queued, new.pairs, new.decoding, new.context = self.queued, self.pairs, self.decoding, self.context
+        new.remaining, new.seated, new.incoming = self.remaining, self.seated, self.incoming
+        return new
 
     def add(self, req, computing: bool, max_tokens: int, now: float | None) -> None:
         """``req`` (of ``max_tokens``) placed here: its prompt queued (``computing``: not yet
@@ -91,6 +100,8 @@ def tally(instances: list, requests: Collection, now: float | None = None,
             w = of(id(decode))
             if w is not None:
                 w.add(req, False, max_tokens, now)
+    for w in work.values():
+        w.progress = DecodeProgress.of(w.progress)
     return work, (outputs / count if count else None)
 
 
@@ -219,7 +230,7 @@ class FleetModel:
         hops = (self.reserve_extra[name].median, self.relay[name].median) if self.measured_hops else (0.0, 0.0)
         return InstanceView(name, self.model_of(name), self.chunk_tokens, work.queued, work.decoding, work.context,
                             None if load is None else load.free_pages, self.page_size, work.pairs, work.remaining,
-                            output_tokens, self.stalls[name].factor, self.reserve_waits, tuple(work.progress),
+                            output_tokens, self.stalls[name].factor, self.reserve_waits, work.progress,
                             self.max_seqs, work.seated, self.launches_ahead, *hops, incoming=work.incoming,
                             push_rate=self.pushes[name].rate(now) if name in self.pushes else 0.0)
 

@@ -11,9 +11,7 @@ no I/O.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
-
-from disagg.cluster.routing.placement.admission import Judging, stall_past_slack
+from disagg.cluster.routing.placement.admission import Judging, stalls_past_slack
 from disagg.cluster.routing.placement.prediction import Prediction, Targets
 
 
@@ -40,11 +38,12 @@ def saturated_decodes(judged: list[Prediction], judging: Judging) -> set[str]:
     breaks (pushes on their way, or expected, are not yet decoding there)."""
     bound, views = judging.bound, judging.views
     saturated = {c.decode for c in judged if c.path == "remote" and bound is not None and c.tpot_s > bound}
-    saturated |= {name for name, count in judging.broken.items()
-                  if count and (not (views[name].incoming or views[name].push_rate)
-                                or stall_past_slack(replace(views[name], incoming=0, push_rate=0.0),
-                                                    judging.prompt_len, judging.targets.tpot_s,
-                                                    judging.hit(views[name]))[0])}
+    broken = [views[name] for name, count in judging.broken.items() if count]
+    saturated |= {v.name for v in broken if not (v.incoming or v.push_rate)}
+    awaited = [v for v in broken if v.incoming or v.push_rate]  # would the running decodes alone break?
+    running = stalls_past_slack(awaited, judging.prompt_len, judging.targets.tpot_s, [judging.hit(v) for v in awaited],
+                                incoming=0, push_rate=0.0)
+    saturated |= {v.name for v, (count, _) in zip(awaited, running) if count}
     return saturated
 
 

@@ -69,6 +69,13 @@ class Prediction:
     # this prompt's chunks beside them; local and kept count their instance's decodes in ``tpot_s``.
     prefill_tpot_s: float = 0.0
 
+    def refused(self, why: str) -> Prediction:
+        """This candidate marked inadmissible for ``why``: ``replace(self, admissible=False,
+        why=why)``, without the frozen ``__init__`` (a decision refuses most of its candidates)."""
+        new = object.__new__(Prediction)
+        new.__dict__.update(self.__dict__, admissible=False, why=why)
+        return new
+
     @property
     def worst_tpot_s(self) -> float:
         """The worst TPOT this placement predicts for anyone: the request's own, and that of
@@ -92,9 +99,10 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
     # ... and waits for the decodes' steps ahead of it there (`InstanceView.prompt_wait_s`), as a
     # local prompt on D does (below): a prefill instance that keeps requests decodes them too.
     start_of = {p.name: max(p.prompt_wait_s(), seat_of[p.name]) for p in prefills}
+    done_of = {p.name: p.prefill_s(prompt_len, hit(p)) for p in prefills}  # its queue and then the prompt
 
     def first_token_s(p: InstanceView) -> float:
-        return start_of[p.name] + p.prefill_s(prompt_len, hit(p))
+        return start_of[p.name] + done_of[p.name]
 
     best_p = min(prefills, key=first_token_s, default=None)
     vias = [best_p] if best_p is not None else []
@@ -107,8 +115,8 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
     # Through each: its queue's seconds and then this prompt's own, the same for every D; the
     # requests P keeps decode beside this prompt's chunks, as D's do beside a local one's: what the
     # push costs them counts where nothing is admissible (`overload.violation`).
-    through = [(p, start_of[p.name], p.prefill_s(0), p.prefill_s(prompt_len, hit(p)),
-                running_tpot(p, prompt_len, hit(p))) for p in vias]
+    through = [(p, start_of[p.name], p.prefill_s(0), done_of[p.name], running_tpot(p, prompt_len, hit(p)))
+               for p in vias]
     for d in decodes:
         out.extend(remote_prediction(d, *via, seat_of[d.name], prompt_len) for via in through)
         # D's running decodes hold the step in flight (and, launched ahead, the next): a local
@@ -122,7 +130,7 @@ def predict(prompt_len: int, prefills: list[InstanceView], decodes: list[Instanc
         # decoded between the chunks P goes on computing), judged by the local rule: its stalls
         # spread over the tokens they delay, P's recent stalls stretching its gaps (`StallMeter`);
         # priced as if every gap held a chunk, P would never decode, where colocated uses both GPUs.
-        out.append(Prediction("kept", p.name, p.name, start_of[p.name] + p.prefill_s(prompt_len, hit(p)) + p.relay_s,
+        out.append(Prediction("kept", p.name, p.name, first_token_s(p) + p.relay_s,
                               local_tpot(p, prompt_len, hit(p)), p.model.error))
     return out
 

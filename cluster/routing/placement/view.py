@@ -1,14 +1,21 @@
 """`InstanceView`: one instance as the placement sees it, its step-time model and live load.
 
 Built by `FleetModel.views` for each decision; every prediction of a path's TTFT and TPOT
-(`predict`) and every admission rule (`admission`) reads instances through it. Pure, no I/O.
+(`predict`) and every admission rule (`admission`) reads instances through it. A view is one
+decision's snapshot: it takes its decodes' pure step as it is made and each chunk shape's
+seconds once (`chunks`; a decision prices the same steps in many rules), so its model is not to
+be refitted while it is read. Pure, no I/O.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
+
+from disagg.cluster.routing.placement.progress import NO_PROGRESS, DecodeProgress
 from disagg.cluster.simulate.step_model import StepTimeModel
 from disagg.engine.steps import prompt_pairs
 
@@ -43,7 +50,8 @@ class InstanceView:
         launches_ahead: its engine launches each pure-decode step before reading the one in
             flight (`scheduler.async_scheduling`; `prompt_wait_s`).
         decode_progress: per decode whose first token the router has seen, ``(seconds since that
-            token, tokens so far, max_tokens)`` (`tpot_slack_s`); empty: unknown.
+            token, tokens so far, max_tokens)`` (`tpot_slack_s`): a `DecodeProgress` (rows given
+            as tuples become one); empty: unknown.
         max_seqs: scheduler.max_num_seqs (None: no limit; `seat_wait_s`).
         seated: the sequences holding or awaiting a seat: the decodes, the prompts queued here,
             and pushes reserved here whose prompt is still computed elsewhere.
@@ -70,7 +78,7 @@ class InstanceView:
     output_tokens: float | None = None
     stall_factor: float = 1.0
     reserve_waits: bool = True
-    decode_progress: tuple = ()
+    decode_progress: DecodeProgress = NO_PROGRESS
     max_seqs: int | None = None
     seated: int = 0
     launches_ahead: bool = False
@@ -78,11 +86,21 @@ class InstanceView:
     relay_s: float = 0.0
     incoming: int = 0
     push_rate: float = 0.0
+    # A pure decode step of the sequences decoding here, taken as the view is made: what most
+    # rules price (the step in flight, the decodes' gap, the stall beyond it), many times a decision.
+    pure_step_s: float = field(init=False, repr=False, compare=False)
+    _chunks: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.decode_progress, DecodeProgress):  # rows given as tuples
+            object.__setattr__(self, "decode_progress", DecodeProgress.of(self.decode_progress))
+        object.__setattr__(self, "pure_step_s", self.model.step_s(0, self.num_decoding, self.context_tokens, 0))
+        object.__setattr__(self, "_chunks", {})  # (prompt tokens, pairs, seqs, context) -> `chunks`
 
     def step_in_flight_s(self) -> float:
         """What a call waits for the forward running here at most (its decodes' step; 0 when none
         decode)."""
-        return self.model.step_s(0, self.num_decoding, self.context_tokens, 0) if self.num_decoding else 0.0
+        return self.pure_step_s if self.num_decoding else 0.0
 
     def reserve_step_s(self) -> float:
         """The step in flight a reservation made here now is predicted to wait for: none when
@@ -111,11 +129,12 @@ class InstanceView:
         if over <= 0:
             return 0.0
         gap = self.decode_gap_s(self.num_decoding, self.context_tokens)
-        ends = sorted(max(n - k, 0) * gap for _, k, n in self.decode_progress)
+        progress = self.decode_progress
+        ends = np.maximum(progress.max_tokens - progress.num_output, 0) * gap  # each decode's, unsorted
         if len(ends) >= over:
-            return ends[over - 1]
+            return float(np.partition(ends, over - 1)[over - 1])
         mean = self.remaining_tokens / self.num_decoding if self.remaining_tokens and self.num_decoding else 0.0
-        return max(ends[-1] if ends else 0.0, mean * gap)
+        return max(float(ends.max()) if len(ends) else 0.0, mean * gap)
 
     def fits(self, prompt_len: int) -> bool:
         return self.free_pages is None or self.free_pages >= math.ceil((prompt_len + 1) / self.page_size)
@@ -141,11 +160,18 @@ class InstanceView:
         """The steps and seconds of ``prompt_tokens`` (of ``num_prompt_pairs`` attention pairs)
         computed here in chunks of ``chunk_tokens`` beside ``seqs`` decoding sequences of
         ``context`` tokens (the model is linear: the steps' sum is their number times the mean
-        step); (0, 0.0) for no tokens."""
-        steps = -(-prompt_tokens // self.chunk_tokens)
-        if not steps:
-            return 0, 0.0
-        return steps, steps * self.model.step_s(prompt_tokens / steps, seqs, context, num_prompt_pairs / steps)
+        step); (0, 0.0) for no tokens. Each shape computed once per view: a decision prices the
+        same chunks in a prompt's TTFT, in the TPOT of the decodes beside them and in their stall."""
+        key = (prompt_tokens, num_prompt_pairs, seqs, context)
+        priced = self._chunks.get(key)
+        if priced is None:
+            steps = -(-prompt_tokens // self.chunk_tokens)
+            if steps:
+                mean_step_s = self.model.step_s(prompt_tokens / steps, seqs, context, num_prompt_pairs / steps)
+                priced = self._chunks[key] = (steps, steps * mean_step_s)
+            else:
+                priced = self._chunks[key] = (0, 0.0)
+        return priced
 
     def decode_step_s(self, extra_seqs: int = 0, extra_context: int = 0, prompt_tokens: int = 0) -> float:
         """Seconds of one decode step here with that much more work in it (``prompt_tokens``: a
@@ -173,7 +199,7 @@ class InstanceView:
         (of ``num_prompt_pairs`` pairs) are computed here in chunks beside them."""
         seqs, context = self.num_decoding, self.context_tokens
         steps, chunks_s = self.chunks(prompt_tokens, num_prompt_pairs, seqs, context)
-        return chunks_s - steps * (self.model.step_s(0, seqs, context, 0) if seqs else 0.0)
+        return chunks_s - steps * (self.pure_step_s if seqs else 0.0)
 
     def tpot_slack_s(self, bound_s: float) -> float | None:
         """The most seconds of stall its decodes can all still absorb within a TPOT of ``bound_s``
@@ -182,21 +208,29 @@ class InstanceView:
         each request on its way (``incoming``), one of ``output_tokens`` not yet started,
         ``bound_s (n - 1) - n gap``. The least of those that hold the bound (a stall cannot save
         the rest); None: none known to hold it."""
-        return min(self.tpot_slacks_s(bound_s), default=None)
+        slacks = self.tpot_slacks_s(bound_s)
+        return float(slacks.min()) if len(slacks) else None
 
-    def tpot_slacks_s(self, bound_s: float) -> list[float]:
-        """Each slack `tpot_slack_s` takes the least of: one per running decode predicted to hold
-        ``bound_s``, one per request on its way (``incoming``)."""
-        gap = self.decode_gap_s(self.num_decoding, self.context_tokens)
-        slacks = [bound_s * (n - 1) - elapsed - (n - k) * gap for elapsed, k, n in self.decode_progress if n > 1]
-        if self.incoming and self.output_tokens and self.output_tokens > 1:
-            n = self.output_tokens
-            slacks += [bound_s * (n - 1) - n * gap] * self.incoming
-        return [s for s in slacks if s >= 0]
+    def tpot_slacks_s(self, bound_s: float, incoming: int | None = None) -> np.ndarray:
+        """Each slack `tpot_slack_s` takes the least of, ``[num_slacks]`` float64 in no order: one
+        per running decode of 2 tokens or more predicted to hold ``bound_s``, one per request on
+        its way (``incoming``; None: this view's) (`fleet_tpot_slacks_s` of this view alone)."""
+        return fleet_tpot_slacks_s([self], bound_s, incoming)[0]
+
+    def fresh_slack_s(self, bound_s: float) -> float | None:
+        """The TPOT slack (`tpot_slack_s`) of a request of ``output_tokens`` that starts decoding
+        here now: ``bound_s (n - 1) - n gap``; None where its TPOT is unknown (``output_tokens``
+        unknown, or under 2)."""
+        n = self.output_tokens
+        if not n or n <= 1:
+            return None
+        return bound_s * (n - 1) - n * self.decode_gap_s(self.num_decoding, self.context_tokens)
 
     def decode_gap_s(self, seqs: int, context: int) -> float:
         """The seconds between two tokens of ``seqs`` sequences decoding here from now on: a pure
         decode step, stretched by the prompt chunks that keep coming (``stall_factor``)."""
+        if seqs == self.num_decoding and context == self.context_tokens:
+            return self.stall_factor * self.pure_step_s
         return self.stall_factor * self.model.step_s(0, seqs, context, 0)
 
     @property
@@ -207,3 +241,40 @@ class InstanceView:
             return None
         return HORIZON_SHARE * self.remaining_tokens / self.num_decoding
 
+
+def fleet_tpot_slacks_s(views: Sequence[InstanceView], bound_s: float, incoming: int | None = None
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Every slack `InstanceView.tpot_slacks_s` takes of each of ``views``, in one numpy pass
+    over all their decodes (a decision judges every instance: numpy's per-call cost, paid per
+    instance, would outweigh the arithmetic). Each decode's slack is its row's own arithmetic, in
+    its order: the one a decode-by-decode sum computes, bit for bit.
+
+    Args:
+        views: the instances.
+        bound_s: the TPOT bound.
+        incoming: the requests on their way counted on each (None: each view's ``incoming``).
+
+    Returns:
+        ``(slacks, owner)``, ``[num_slacks]`` float64 and int64: the slacks that hold the bound
+        (>= 0), in no order, and the index in ``views`` of the instance of each.
+    """
+    if not views:
+        return np.empty(0), np.empty(0, dtype=np.int64)
+    progress = [v.decode_progress for v in views]
+    gaps = [v.decode_gap_s(v.num_decoding, v.context_tokens) for v in views]
+    owner = np.repeat(np.arange(len(views)), [len(p) for p in progress])
+    n = np.concatenate([p.max_tokens for p in progress])
+    k = np.concatenate([p.num_output for p in progress])
+    elapsed = np.concatenate([p.elapsed_s for p in progress])
+    slacks = bound_s * (n - 1) - elapsed - (n - k) * np.array(gaps)[owner]
+    several = n > 1  # a TPOT needs two tokens
+    counts = [v.incoming if incoming is None else incoming for v in views]  # the requests on their way
+    fresh = [(i, v.fresh_slack_s(bound_s), count) for i, (v, count) in enumerate(zip(views, counts)) if count]
+    fresh = [(i, slack, count) for i, slack, count in fresh if slack is not None]
+    if fresh:
+        at, value, count = zip(*fresh)
+        owner = np.concatenate((owner, np.repeat(np.array(at, dtype=owner.dtype), count)))
+        slacks = np.concatenate((slacks, np.repeat(np.array(value), count)))
+        several = np.concatenate((several, np.ones(sum(count), dtype=bool)))
+    held = several & (slacks >= 0)
+    return slacks[held], owner[held]
