@@ -114,7 +114,8 @@ class StepTimeModel:
     max_samples: int = 512
     prior_weight: float = PRIOR_WEIGHT
     relative: bool = False  # fit relative errors (each step weighs 1 / seconds): a profile's 7 ms and 200 ms steps alike
-    coef: np.ndarray = field(init=False)
+    coef: np.ndarray = field(init=False)  # set by `_set_coef` only
+    _terms: tuple[float, ...] = field(init=False, repr=False)  # ``coef`` as Python floats, for `step_s`
     error: float = field(init=False, default=0.3)  # relative RMS error of the fit, outliers aside (the margin)
     num_outliers: int = field(init=False, default=0)
     _samples: collections.deque = field(init=False)
@@ -122,7 +123,7 @@ class StepTimeModel:
 
     def __post_init__(self) -> None:
         self.prior = _coefficients(self.prior, "prior")
-        self.coef = np.asarray(self.prior, dtype=np.float64)
+        self._set_coef(np.asarray(self.prior, dtype=np.float64))
         self._samples = collections.deque(maxlen=self.max_samples)
 
     def observe(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int,
@@ -151,11 +152,14 @@ class StepTimeModel:
         kept = np.ones(len(y), dtype=bool)
         for _ in range(2):  # fit, then fit again without the outliers of the first
             scaled = _nonnegative_ridge(x[kept], y[kept] * weight[kept], lam, prior)
-            self.coef = scaled / FEATURE_SCALE
+            self._set_coef(scaled / FEATURE_SCALE)
             predicted = np.maximum(raw @ self.coef, 1e-9)
             kept = _inliers(y, predicted)
         self.num_outliers = int(np.count_nonzero(~kept))
         self.error = float(np.sqrt(np.mean(((predicted[kept] - y[kept]) / y[kept]) ** 2))) if kept.any() else 1.0
+
+    def _set_coef(self, coef: np.ndarray) -> None:
+        self.coef, self._terms = coef, tuple(coef.tolist())
 
     @classmethod
     def from_samples(cls, samples: list[tuple], prior: tuple[float, ...] | None = None) -> StepTimeModel:
@@ -200,9 +204,10 @@ class StepTimeModel:
 
     def step_s(self, num_prefill_tokens: float, num_decode_seqs: float, num_context_tokens: float,
                num_prompt_pairs: float) -> float:
-        """Predicted seconds of one step computing that much (`features` @ ``coef``, in scalars:
-        the simulator calls it once a step)."""
-        c = self.coef
+        """Predicted seconds of one step computing that much (`features` @ ``coef``, in Python
+        floats, the same IEEE arithmetic as numpy's: the simulator calls it once a step, the
+        adaptive placement hundreds of times a decision)."""
+        c = self._terms
         seconds = c[1] * num_prefill_tokens + c[2] * num_decode_seqs + c[3] * num_context_tokens + c[5] * num_prompt_pairs
         if num_prefill_tokens <= 0:
             return float(c[0] + seconds)
