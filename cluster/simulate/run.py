@@ -93,9 +93,6 @@ def simulate_run(config: Config, profile: dict | Mapping[str, dict], spec: Workl
     def send(i: int, not_before: float) -> None:
         fleet.submit_at(max(float(offsets[i]), not_before), ids[i], prompts[i], int(output_lens[i]))
 
-    for i in itertools.islice(sent, limit):
-        send(i, 0.0)
-
     late: set[str] = set()
 
     def on_late(request_id: str) -> None:
@@ -103,8 +100,11 @@ def simulate_run(config: Config, profile: dict | Mapping[str, dict], spec: Workl
         if stop_when(late_output(request_id)):
             fleet.halt()
 
-    if stop_when is not None and slos_s:
+    if stop_when is not None and slos_s:  # before the first send: it watches the requests sent after it
         fleet.watch_slos(slos_s, on_late)
+
+    for i in itertools.islice(sent, limit):
+        send(i, 0.0)
 
     def on_end(request_id: str, now: float) -> None:
         if (stop_when is not None and request_id not in late

@@ -351,6 +351,22 @@ def test_a_request_called_late_misses_its_slos_and_the_run_is_unchanged(name: st
         SimFleet(config, copy.deepcopy(PROFILE)).watch_slos({"itl": 0.1}, print)
 
 
+def test_simulate_run_hears_a_certain_miss_before_the_request_ends():
+    """`simulate_run(slos_s=)`: ``stop_when`` hears each request that surely misses a TTFT SLO
+    as a failed record while it is still running, once (not again at its end), every request
+    sent (none before the watch starts), and the run's records are those of an unwatched run."""
+    config = Config.from_yaml(CONFIGS / "tiny-colocated.yaml")
+    spec = workload_spec(PROFILE, 512, dataset_name="chat", num_prompts=80, seed=3)
+    whole = simulate_run(config, PROFILE, spec, request_rate=400.0, seed=3)
+    heard = []
+    watched = simulate_run(config, PROFILE, spec, request_rate=400.0, seed=3,
+                           stop_when=lambda out: heard.append(out) and False, slos_s={"ttft": 0.05})
+    late = [out for out in heard if "surely misses" in out.error]
+    missed = [out for out in whole.run.outputs if not meets_slos(out, {"ttft": 50.0})]
+    assert len(late) >= 0.5 * len(missed) > 5, (len(late), len(missed))
+    assert len(heard) == 80 and watched.run.outputs == whole.run.outputs
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_reservation_made_mid_forward_answers_when_the_forward_ends(overlap):
     """1P1D: "b" arrives while the decode instance runs a forward (decoding "a"); its prompt
