@@ -96,6 +96,18 @@ class PushRoute:
     dst_num_pages: int | None = None
 
 
+
+def route_pages(route: PushRoute, shape: tuple[int, ...], allocation_elements: int) -> tuple[int, int]:
+    """``(named, room)``: the receiver pages ``route`` names (``dst_num_pages``, or the sender's
+    own where None) and the most that an allocation of ``allocation_elements`` holds in the
+    receiver's page shape, for a sender whose pages are ``shape`` (``[L, N, 2, H, P, D]``). Every
+    PE's symmetric allocation is alike, so a route with ``named > room`` would write past the
+    receiver's (its layers are ``named`` pages apart): refused at add (`HeapConnector.check_dest`)
+    and at attach (`KVPusher.attach_routes`)."""
+    num_layers, own_pages, two, _, page_size, head_dim = (int(n) for n in shape)
+    named = own_pages if route.dst_num_pages is None else int(route.dst_num_pages)
+    return named, allocation_elements // (num_layers * two * route.dst_num_kv_heads * page_size * head_dim)
+
 def routes_of(num_kv_heads: int, src_ranks: int, src_rank: int, dst_pes: tuple[int, ...],
               dst_tickets: tuple[Any, ...], dst_num_pages: int | None = None) -> tuple[PushRoute, ...]:
     """The routes of sender ``src_rank`` (of ``src_ranks``) into every decode rank of a destination.

@@ -328,11 +328,27 @@ class HeapConnector(KVConnector):
         return self._allocation[:math.prod(shape)].view(tuple(shape))
 
     def check_dest(self, request_id: Hashable, dest: RecvDest) -> None:
-        if dest.routes is not None:
-            for route in dest.routes:
-                self._check_receiver(route.pe, getattr(route.ticket, "pe", None))
+        """Each receiver a PE of the heap other than this one, its ticket's; each head route's
+        receiver pages within the symmetric allocation (`heads.route_pages`; once `alloc_kv` made
+        it): a rank whose layout disagrees with the allocation it made is refused at add, before
+        the request has pages, not at the step that attaches it."""
+        if dest.routes is None:
+            self._check_receiver(dest.pe, getattr(dest.ticket, "pe", None))
             return
-        self._check_receiver(dest.pe, getattr(dest.ticket, "pe", None))
+        for route in dest.routes:
+            self._check_receiver(route.pe, getattr(route.ticket, "pe", None))
+            if self._kv is None:
+                continue
+            from disagg.transfer.heads import route_pages
+
+            base = self._kv if self._allocation is None else self._allocation
+            named, room = route_pages(route, tuple(self._kv.shape), base.numel())
+            if named > room:
+                raise InvalidArgument(f"dest.routes: request {request_id!r}: the route into PE {route.pe} names "
+                                      f"{named} receiver pages of {route.dst_num_kv_heads} KV heads per layer; "
+                                      f"expected at most {room}, what this PE's allocation of {base.numel()} "
+                                      f"elements holds (the two sides' page counts disagree: "
+                                      f"HeadLayout.num_pages)", argument="dest.routes")
 
     def _check_receiver(self, pe: int, ticket_pe: int | None) -> None:
         heap = self.heap

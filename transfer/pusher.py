@@ -65,7 +65,7 @@ from disagg.kernels.append import PreparedAppend, prepare_append_push
 from disagg.plan import ForwardPlan
 from disagg.transfer.doorbell import DoorbellTicket, ring_async
 from disagg.transfer.heap import SymmetricHeap
-from disagg.transfer.heads import PushRoute
+from disagg.transfer.heads import PushRoute, route_pages
 from disagg.transfer.push_plan import PushWork, build_push_work, build_routed_work, check_plan, request_of_token
 from disagg.transfer.segments import KVGeometry, LayerSegments
 from disagg.transfer.verify import SenderDigests
@@ -441,8 +441,8 @@ class KVPusher:
         """Refuse a route whose receiver's pages (`_route_key`) the symmetric allocation cannot
         hold: every PE's allocation is alike, so neither can the receiver's."""
         pe, shape = self._route_key(route)
-        num_layers, num_pages, page_elements = shape[0], shape[1], math.prod(shape[2:])
-        room = self._segment_base.numel() // (num_layers * page_elements)
+        num_layers = shape[0]
+        num_pages, room = route_pages(route, self.kv.shape, self._segment_base.numel())
         if num_pages > room:
             raise TransferError(f"the route into PE {pe} names {num_pages} receiver pages of {shape[3]} KV heads "
                                 f"per layer, expected at most {room}: this PE's allocation of "

@@ -7,15 +7,17 @@ runs it (a + b connectors on one shm heap), where the two sides' page counts dis
   `alloc_kv` refuses on every PE (a `HeapError` naming both byte counts) before any is made;
 - a prefill rank's layout disagrees with the allocation it made, so the routes `local_dest` builds
   name more receiver pages than any PE holds (every layer past the first would land at the wrong
-  offset of the receiver's pages): `KVSender.attach` refuses that request with a `TransferError`
+  offset of the receiver's pages): `KVConnector.check_dest`, which `EngineCore.add` asks before the
+  request exists, refuses it (`InvalidArgument` on ``dest.routes``, naming both page counts), and
+  `KVSender.attach`, for a caller that attaches without asking, refuses it with a `TransferError`
   naming both page counts, the request and the two PEs, before any forward. Nothing is attached
   and nothing of the receivers is written; the prefill side drops the request (abort, then its
   sequence and pages) and each decode rank cancels its reservation and frees its pages; a request
   already in flight on the same receivers lands its exact KV, by the fused launch, segment puts,
   or a push after the forward (`save_written`).
 
-The engine does not catch the error: it fails the step that attaches the request
-(`EngineCore._launch`), and with it the instance.
+Past `check_dest` the engine does not catch the sender's error: it would fail the step that
+attaches the request (`EngineCore._launch`), and with it the instance.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from heap_threads import Shared, ThreadGroup, collective, open_shm_heaps
 from test_split_heads import DIM, LAYERS, PAGE, PAGES, Fleet, each, expected_marks, forward, make_fleet  # noqa: F401
 
 from disagg.cache import PagedKVCache
-from disagg.errors import HeapError, TransferError
+from disagg.errors import HeapError, InvalidArgument, TransferError
 from disagg.transfer import KVPoll, PushState, open_connector
 from disagg.transfer.heads import HeadLayout, kv_heads_of
 from disagg.transfer.shm_heap import shm_leftovers
@@ -116,14 +118,20 @@ def test_a_route_naming_more_receiver_pages_than_the_allocation_is_refused_at_at
         connector.layout = dataclasses.replace(sized, num_pages=misread_pages)
         mine = connector.local_dest(bad)
         connector.layout = sized
-        connector.check_dest("bad", mine)  # (checks the PEs only)
+        with pytest.raises(InvalidArgument) as at_add:  # what `EngineCore.add` asks first
+            connector.check_dest("bad", mine)
+        route = mine.routes[0]
+        room = PAGES * sized.max_local_heads // route.dst_num_kv_heads  # the receiver's pages
+        named = misread_pages * sized.max_local_heads // route.dst_num_kv_heads
+        assert at_add.value.argument == "dest.routes" and "'bad'" in str(at_add.value), str(at_add.value)
+        assert f"names {named} receiver pages of {route.dst_num_kv_heads} KV heads per layer; expected at most " \
+               f"{room}" in str(at_add.value), str(at_add.value)
+        connector.check_dest("good", connector.local_dest(good))  # the rank's own layout: fine
+        # A caller that attaches without asking (the sender's own check, the last line):
         cache.add_sequence(11)
         cache.disagg_mark_send(11, 0, mine.cmap, mine.pe)  # the engine's order: mark, then attach
         with pytest.raises(TransferError) as refused:
             connector.sender.attach(11, mine)
-        route = mine.routes[0]
-        room = PAGES * sized.max_local_heads // route.dst_num_kv_heads  # the receiver's pages
-        named = misread_pages * sized.max_local_heads // route.dst_num_kv_heads
         assert room == fleet.decode_pages and route.dst_num_pages == named > room
         err = refused.value
         assert (err.request_id, err.src_pe, err.dst_pe) == (11, i, route.pe)
