@@ -149,8 +149,13 @@ class HeadLayout:
             decode instances' for a prefill engine, the prefill instances' for a decode engine).
         num_pages: the fleet's page count, in pages of the side with the most heads per rank:
             every PE's KV allocation holds that many of those pages, and a rank of the other side
-            views the same bytes as more, narrower pages (`num_pages_of`). None: each side views
-            ``num_pages`` pages of its own (what an engine built without a fleet's sizing does).
+            views the same bytes as more, narrower pages (`num_pages_of`). None only where the
+            sides do not differ (each side views its pages as its own).
+
+    Raises:
+        ValueError: the sides differ and ``num_pages`` is None: each side would view the
+            allocation as pages of its own heads, so a sender would address a receiver's layers
+            at its own page count, not the receiver's (the wrong bytes, or past its allocation).
     """
 
     num_kv_heads: int
@@ -158,6 +163,11 @@ class HeadLayout:
     rank: int
     peer_ranks: int
     num_pages: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.is_split and self.num_pages is None:
+            raise ValueError(f"HeadLayout.num_pages: expected the fleet's page count where the sides differ "
+                             f"(TP {self.num_ranks} here, {self.peer_ranks} on the other side), got None")
 
     @property
     def is_split(self) -> bool:

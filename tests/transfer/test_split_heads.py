@@ -249,6 +249,17 @@ def test_the_routes_cover_every_decode_head_once_and_only_from_a_holder():
             assert received_heads(num_kv_heads, a, b, j) == tuple(routed)
 
 
+def test_a_split_layout_without_the_fleets_page_count_is_refused():
+    # Each side would view the allocation as pages of its own heads: TP1 -> TP2 would address the
+    # receiver's layers 1000 pages apart where they lie 2000 apart.
+    with pytest.raises(ValueError, match=r"HeadLayout.num_pages: .*TP 1 here, 2 on the other side.*got None"):
+        HeadLayout(4, 1, 0, 2)
+    with pytest.raises(ValueError, match=r"TP 2 here, 1 on the other side"):
+        HeadLayout(4, 2, 1, 1, None)
+    assert HeadLayout(4, 2, 0, 2).local_num_pages is None  # the sides agree: no fleet count needed
+    assert HeadLayout(4, 1, 0, 2, 1000).peer_num_pages == 2000
+
+
 def test_a_decode_rank_written_by_two_senders_lands_only_once_both_rang(make_fleet):
     fleet = make_fleet(4, 2, 1)  # both prefill ranks write the one decode rank's page
     recv_cache = PagedKVCache(fleet.decode_pages, PAGE)
