@@ -48,7 +48,7 @@ are never evicted.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence as SequenceLike
+from collections.abc import Iterable, Sequence as SequenceLike
 
 import numpy as np
 
@@ -117,6 +117,11 @@ class PagedKVCache(DisaggSends):
         return self._epoch
 
     @property
+    def has_sends(self) -> bool:
+        """Some sequence is marked for sending (`disagg_mark_send`): plans carry its pushes and copies."""
+        return bool(self._senders)
+
+    @property
     def prefix_caching(self) -> bool:
         return self._cached.enabled
 
@@ -153,6 +158,10 @@ class PagedKVCache(DisaggSends):
     def seq_length(self, seq_id: int) -> int:
         """Tokens of `seq_id` held in the cache (for a sliding window, at most the window)."""
         return self._get(seq_id, "seq_length").seq_length
+
+    def seq_lengths(self, seq_ids: Iterable[int]) -> list[int]:
+        """`seq_length` of each of ``seq_ids``, in order (raises as `seq_length` does)."""
+        return [seq.seq_length for seq in self._get_many(seq_ids, "seq_lengths")]
 
     def slots(self, seq_id: int, start: int = 0, end: int | None = None) -> np.ndarray:
         """Slots of positions ``start .. end - 1`` of `seq_id`.
@@ -417,7 +426,7 @@ class PagedKVCache(DisaggSends):
         """
         self._require_closed("begin_forward")
         ids, lens = forward.check_batch(seq_ids, append_lengths)
-        seqs = [self._get(i, "begin_forward") for i in ids]
+        seqs = self._get_many(ids, "begin_forward")
         if self._senders:
             forward.check_send_room(seqs, lens)
         len_before, windowed = reserve_batch(
@@ -444,7 +453,7 @@ class PagedKVCache(DisaggSends):
         if self._senders:
             raise CacheError("append_without_plan: sends are pending; they need begin_forward's plan")
         ids, lens = forward.check_batch(seq_ids, append_lengths)
-        seqs = [self._get(i, "append_without_plan") for i in ids]
+        seqs = self._get_many(ids, "append_without_plan")
         reserve_batch(self._blocks, self._pool, seqs, lens, self.page_size, "append_without_plan", self._room())
         if self._copies.fork:
             self._copies.drain(self._senders, {})  # the forward runs them before its appends
@@ -476,6 +485,17 @@ class PagedKVCache(DisaggSends):
             _as_int(seq_id, "seq_id")
             raise SequenceNotFound(f"{op}: sequence {seq_id} is not in the cache")
         return seq
+
+    def _get_many(self, seq_ids: Iterable[object], op: str) -> list[Sequence]:
+        """`_get` of each of ``seq_ids`` (live ones only), in one pass over a batch when all are."""
+        ids = list(seq_ids)
+        try:
+            seqs = list(map(self._seqs.get, ids))
+        except TypeError:  # an unhashable id: `_get` names it
+            seqs = [None]
+        if None in seqs or (self._cached.lru and not self._cached.lru.keys().isdisjoint(ids)):
+            return [self._get(i, op) for i in ids]  # raises for the first id that is not live
+        return seqs
 
     def _num_evictable(self) -> int:
         return self._cached.num_evictable(self._blocks, self._pool, self._seqs) if self._cached.lru else 0

@@ -10,6 +10,7 @@ Called by `disagg.cache`.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Callable
 
 import numpy as np
@@ -69,11 +70,11 @@ def reserve_batch(
         OutOfPages: the batch needs more pages than are free (at its peak, for windowed batches).
     """
     count = len(seqs)
-    len_before = np.fromiter((s.seq_length for s in seqs), dtype=np.int64, count=count)
-    num_pages = np.fromiter((len(s.table) for s in seqs), dtype=np.int64, count=count)
+    len_before = np.fromiter(map(_seq_length, seqs), dtype=np.int64, count=count)
+    num_pages = np.fromiter(map(len, map(_table, seqs)), dtype=np.int64, count=count)
     # Without a window, a sequence's pages cover exactly ceil(seq_length / page_size).
     need = (len_before + lens + page_size - 1) // page_size - num_pages
-    if any(s.sliding_window_size > 0 for s in seqs):
+    if count and max(map(_window_size, seqs)) > 0:  # a sliding window (off: -1)
         need_list = need.tolist()
         if make_room is not None:  # best effort: the in-order check below decides
             gross = sum(
@@ -106,6 +107,9 @@ def reserve_batch(
         seq.seq_length += length
         block_of[seq.last_block_idx].seq_length += length
     return len_before, []
+
+
+_seq_length, _table, _window_size = attrgetter("seq_length"), attrgetter("table"), attrgetter("sliding_window_size")
 
 
 def _last_page(seq: Sequence, block_of: list[Block]) -> int | None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from operator import attrgetter, is_
 from typing import Callable, Hashable
 
 import numpy as np
@@ -48,10 +49,12 @@ from disagg.cache import PagedKVCache
 from disagg.engine.options import EngineOptions
 from disagg.engine.request import (PushState, RecvDest, Request, RequestFactory, TokenOutput, check_dest, check_fits,
                                    check_new_request, check_reserve, pages_for)
+from disagg.engine.ahead import StepsAhead
 from disagg.engine.runner import ModelRunner, PendingTokens
 from disagg.engine.scheduler import ScheduledBatch, Scheduler
 from disagg.engine.steps import ForwardTimer, InstanceLoad, Launched, NextStep, StepShape, TimedForward, same_requests
 from disagg.errors import InvalidArgument, InvalidArgumentType, OutOfPages
+from disagg.plan import ForwardPlan
 from disagg.sampling import SamplingParams
 from disagg.transfer.connector import KVPoll, KVSender
 from disagg.transfer.heads import layout_for
@@ -59,8 +62,10 @@ from disagg.transfer.registry import open_connector
 
 logger = logging.getLogger(__name__)
 
+_request_id = attrgetter("request_id")
 
-class EngineCore:
+
+class EngineCore(StepsAhead):
     """Continuous batching of local, pushed and received requests over one paged KV cache.
 
     Args:
@@ -72,7 +77,8 @@ class EngineCore:
             and holds reservations in its receiver.
         runner: what runs each forward, ``runner(model, kv, options)`` -> an object with
             `ModelRunner`'s ``execute`` and counters (None: a `ModelRunner`; the simulator's
-            runs no model: `disagg.cluster.simulate.instance`).
+            runs no model: `disagg.cluster.simulate.instance`). One whose ``needs_plan`` is
+            False gets ``execute(None, ..., shape=StepShape)`` for a forward that moves no KV.
         connector: a `KVConnector` to use instead of opening one over ``heap`` (the simulator's
             virtual one).
     """
@@ -109,6 +115,7 @@ class EngineCore:
             model, self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             use_cuda_graphs=options.use_cuda_graphs, prompt_graphs=options.prompt_graphs,
             mixed_graphs=options.mixed_graphs, push_after=options.push_after)
+        self._needs_plan = getattr(self.runner, "needs_plan", True)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.requests: dict[Hashable, Request] = {}
         self._factory = RequestFactory(tuple(model.config.eos_token_ids))
@@ -287,6 +294,10 @@ class EngineCore:
             req.start_decoding()
             self.running.append(req)
 
+    def _all_live(self, reqs: list[Request]) -> bool:
+        """Each of ``reqs`` is still this engine's (none aborted or ended since, its id then free)."""
+        return all(map(is_, map(self.requests.get, map(_request_id, reqs)), reqs))
+
     def _joining(self) -> bool:
         """Someone waits to join the next step (so it will not be this step's batch again)."""
         return bool(self.scheduler.waiting) or bool(self.ready and len(self.running) < self.max_num_seqs)
@@ -433,17 +444,18 @@ class EngineCore:
         if current.num_pushed_tokens:
             self.push_s += time.perf_counter() - current.start_s
             self.pushed_bytes += current.num_pushed_tokens * self.token_bytes
+        requests, max_model_len = self.requests, self.max_model_len
         for req, token in zip(current.sampled, tokens):
-            if self.requests.get(req.request_id) is not req:
+            if requests.get(req.request_id) is not req:
                 continue  # aborted, or ended on the previous token, since this step's launch
-            out = req.append(token, self.max_model_len)
+            out = req.append(token, max_model_len)
             outputs.append(out)
-            if req.num_output_tokens == 1:
-                trace.event("first_emit", req.request_id)
-            if req.dest is not None:
-                self._leave_after_push(req, current.pending.push_done)
-                continue
-            if not req.decoding:
+            if not req.decoding:  # its prompt (or a preempted request's recompute) is computed
+                if req.num_output_tokens == 1:
+                    trace.event("first_emit", req.request_id)
+                if req.dest is not None:
+                    self._leave_after_push(req, current.pending.push_done)
+                    continue
                 self.scheduler.finish_prompt(req)
             if out.finished:
                 self._drop(req)
@@ -453,7 +465,7 @@ class EngineCore:
         if ahead is not None:
             if not polled:
                 self._poll_reservations(outputs)  # while the step launched ahead runs
-            self._reserve_next([r for r in ahead.sampled if self.requests.get(r.request_id) is r])
+            self._reserve_next([r for r in ahead.sampled if requests.get(r.request_id) is r])
         elif self._next is not None and same_requests(self._next.requests, current.sampled):
             self._next.device_ids = current.pending.device_tokens  # row i is request i's next input
         return outputs
@@ -484,8 +496,10 @@ class EngineCore:
                 self.cache.disagg_mark_send(req.seq_id, req.dest.num_cached_tokens, req.dest.cmap, req.dest.pe)
                 self.sender.attach(req.seq_id, req.dest)
                 req.start_sending()
-        ids = np.concatenate([np.asarray(r.token_ids[r.num_computed: r.num_computed + n], dtype=np.int64)
-                              for r, n in zip(reqs[k:], counts[k:])])
+        tokens: list[int] = []
+        for r, n in zip(reqs[k:], counts[k:]):
+            tokens += r.token_ids[r.num_computed: r.num_computed + n]
+        ids = np.array(tokens, dtype=np.int64)
         # (the first k decode rows compute the token the step in flight samples: not appended yet)
         rows = [i for i, (r, n) in enumerate(zip(reqs, counts)) if i < k or r.num_computed + n == len(r.token_ids)]
         sampled = [reqs[i] for i in rows]
@@ -497,99 +511,37 @@ class EngineCore:
                 if not r.decoding and r.num_computed == r.num_cached_tokens:  # its first prompt chunk
                     trace.event("prompt_start", r.request_id, cached=r.num_cached_tokens)
         start = time.perf_counter()
-        plan = self.cache.begin_forward([r.seq_id for r in reqs], counts)
-        num_pushed = int(np.count_nonzero(plan.push_slots >= 0)) + len(plan.copy_remote_slots)
+        seq_ids = [r.seq_id for r in reqs]
+        plan = self._begin_forward(seq_ids, counts)
+        num_pushed = 0 if plan is None else int(np.count_nonzero(plan.push_slots >= 0)) + len(plan.copy_remote_slots)
         timed = self.timer.begin()
         try:
             offsets = [1 if i < k else 0 for i in rows] if k else 0  # their tokens: not appended yet
-            pending = self.runner.execute(plan, ids, np.asarray(rows, dtype=np.int64), sampled,
-                                          sender=self.sender if plan.has_transfers else None,
-                                          step_offset=offsets, device_prefix=device_ids)
+            pending = self._execute(plan, shape, ids, np.asarray(rows, dtype=np.int64), sampled,
+                                    sender=self.sender if plan is not None and plan.has_transfers else None,
+                                    step_offset=offsets, device_prefix=device_ids)
         finally:
-            self.cache.end_forward()
+            if plan is not None:
+                self.cache.end_forward()
         self.timer.end(timed, shape, prompt_ids)
+        prefix_caching = self.cache.prefix_caching
         for r, n in zip(reqs, counts):
             r.num_computed += n
-            if not r.decoding and self.cache.prefix_caching:  # a prompt chunk: its KV is written
+            if prefix_caching and not r.decoding:  # a prompt chunk: its KV is written
                 self.cache.cache_tokens(r.seq_id, r.token_ids[:r.num_computed])
-        return Launched(reqs, sampled, pending, frozenset(r.seq_id for r in reqs), num_pushed, start, shape,
-                        prompt_ids)
+        return Launched(reqs, sampled, pending, frozenset(seq_ids), num_pushed, start, shape, prompt_ids)
 
-    def _launch_reserved(self, reserved: NextStep, ids: torch.Tensor, step_offset: int) -> Launched:
-        reqs = list(reserved.requests)
-        shape = StepShape.of(reqs, [1] * len(reqs))
-        timed = self.timer.begin()
-        pending = self.runner.execute(reserved.plan, ids, np.arange(len(reqs)), reqs, step_offset=step_offset)
-        self.timer.end(timed, shape, ())
-        for req in reqs:
-            req.num_computed += 1
-        return Launched(reqs, reqs, pending, frozenset(r.seq_id for r in reqs), shape=shape)
-
-    def _launch_ahead(self, current: Launched) -> Launched | None:
-        """Launch the next step before ``current``'s ids are read, when the reserved one holds
-        exactly ``current``'s requests (all running): that reserved step when none waits to join,
-        else (``async_prompts``) those decodes plus the waiting prompts' chunks (`_launch_behind`);
-        the decodes' input ids are ``current``'s sampled ids on the device."""
-        nxt = self._next
-        if nxt is None or not same_requests(nxt.requests, current.sampled):
-            return None
-        if not same_requests(nxt.requests, self.running) or any(
-                self.requests.get(r.request_id) is not r for r in nxt.requests):
-            return None
-        if self._joining():
-            return self._launch_behind(current) if self.async_prompts else None
-        self._next = None
-        self.num_steps_ahead += 1
-        return self._launch_reserved(nxt, current.pending.device_tokens, step_offset=1)
-
-    def _launch_behind(self, current: Launched) -> Launched | None:
-        """The mixed step launched ahead: the reserved decodes' slots are rolled back, and the
-        scheduler takes them again with the waiting local prompts (`Scheduler.schedule_behind`).
-        None (nothing launched) when received requests wait to join, a chunk would push, or no
-        chunk fits; the next step is then scheduled once ``current``'s tokens are read."""
-        if self.ready or (current.pending.push_done is not None):
-            return None
-        nxt, self._next = self._next, None
-        self._roll_back(nxt)
-        batch = self.scheduler.schedule_behind(nxt.requests)
-        if batch is None or any(r.dest is not None for r in batch.requests[len(nxt.requests):]):
-            return None
-        self.num_steps_ahead += 1
-        self.num_prompt_steps_ahead += 1
-        return self._launch(batch, current.pending.device_tokens)
-
-    def _roll_back(self, nxt: NextStep) -> None:
-        """Give back the slots a reserved step took (its requests stay in the cache)."""
-        for req in nxt.requests:
-            if req.in_cache and req.seq_id in self.cache:
-                self.cache.popn(req.seq_id, 1)
-
-    def _reserve_next(self, reqs: list[Request]) -> None:
-        """Reserve the next step's slots when it will surely be this pure-decode batch again:
-        ``reqs`` are exactly the running requests (so decodes only, one token each: a prompt chunk
-        belongs to a waiting request), nobody waits to join, none at its length limit."""
-        if (self._joining() or not same_requests(reqs, self.running)
-                or any(r.num_output_tokens + 1 >= r.params.max_tokens
-                       or len(r.token_ids) + 1 >= self.max_model_len for r in reqs)):
-            return
-        size = self.cache.page_size
-        lengths = [self.cache.seq_length(r.seq_id) for r in reqs if not r.committed_pages]
-        need = sum(pages_for(n + 1, size) - pages_for(n, size) for n in lengths)  # committed ones
-        if need > self.scheduler.free_pages():                                     # draw on their promise
-            return  # the scheduler will preempt at the next step
-        plan = self.cache.begin_forward([r.seq_id for r in reqs], [1] * len(reqs))
-        self.cache.end_forward()
-        self._next = NextStep(list(reqs), plan)
-
-    def _take_reserved(self) -> NextStep | None:
-        """The reserved step if the scheduler would pick exactly its batch now, else None (its
-        slots rolled back)."""
-        nxt, self._next = self._next, None
-        if nxt is None:
-            return None
-        if (nxt.device_ids is not None and not self._joining() and same_requests(nxt.requests, self.running)
-                and all(self.requests.get(r.request_id) is r for r in nxt.requests)):
-            return nxt
-        self._roll_back(nxt)
+    def _begin_forward(self, seq_ids: list[int], counts: list[int]) -> ForwardPlan | None:
+        """Reserve a forward's slots: `PagedKVCache.begin_forward`'s plan (the forward left open),
+        or None (the same pages taken, nothing left open: `append_without_plan`) for a runner that
+        runs without plans (`ModelRunner.needs_plan`) while no KV is sent (a plan lists the sends)."""
+        if self._needs_plan or self.cache.has_sends:
+            return self.cache.begin_forward(seq_ids, counts)
+        self.cache.append_without_plan(seq_ids, counts)
         return None
 
+    def _execute(self, plan: ForwardPlan | None, shape: StepShape, *args, **kwargs) -> PendingTokens:
+        """`runner.execute` of a forward: with its plan, or (None) with its shape instead."""
+        if plan is None:
+            return self.runner.execute(None, *args, shape=shape, **kwargs)
+        return self.runner.execute(plan, *args, **kwargs)

@@ -180,10 +180,12 @@ class Request:
 
     def append(self, token_id: int, max_model_len: int) -> TokenOutput:
         """Append a sampled token, decide whether the request is done, and report it."""
-        self.token_ids.append(token_id)
+        token_ids = self.token_ids
+        token_ids.append(token_id)
+        num_tokens = len(token_ids)
         if token_id in self.stop_ids:
             self.finish_reason = "stop"
-        elif self.num_output_tokens >= self.params.max_tokens or len(self.token_ids) >= max_model_len:
+        elif num_tokens - self.num_prompt_tokens >= self.params.max_tokens or num_tokens >= max_model_len:
             self.finish_reason = "length"
         return TokenOutput(self.request_id, token_id, self.finish_reason is not None, self.finish_reason)
 

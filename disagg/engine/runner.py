@@ -83,6 +83,11 @@ class ModelRunner:
             layer; "always": after every forward (the path the graphs take, on any device).
     """
 
+    # The engine hands `execute` every forward's plan. A runner that runs no model (the
+    # simulator's) sets this False: a forward that moves no KV then comes as ``plan=None`` plus
+    # ``shape=`` its `StepShape`, its slots reserved without a plan (`PagedKVCache.append_without_plan`).
+    needs_plan = True
+
     def __init__(self, model, kv: torch.Tensor, *, max_num_seqs: int, max_num_batched_tokens: int | None = None,
                  use_cuda_graphs: bool | None = None, prompt_graphs: bool | None = None,
                  mixed_graphs: bool | None = None, kv_scales=None, push_after: str = "graphs") -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from operator import attrgetter, is_
 from typing import NamedTuple
 
 import torch
@@ -40,10 +41,20 @@ class StepShape:
     def of(cls, reqs: list[Request], counts: list[int]) -> StepShape:
         """The shape of a forward over ``reqs`` computing ``counts`` tokens each, taken before
         their ``num_computed`` advance."""
-        chunks = [(r.num_computed, n) for r, n in zip(reqs, counts) if not r.decoding]
-        decodes = [r for r in reqs if r.decoding]
-        return cls(sum(n for _, n in chunks), len(decodes), sum(r.num_computed for r in decodes),
-                   sum(prompt_pairs(done, n) for done, n in chunks))
+        num_prefill = num_decodes = num_context = num_pairs = 0
+        for r, n in zip(reqs, counts):
+            if r.decoding:
+                num_decodes += 1
+                num_context += r.num_computed
+            else:
+                num_prefill += n
+                num_pairs += prompt_pairs(r.num_computed, n)
+        return cls(num_prefill, num_decodes, num_context, num_pairs)
+
+    @classmethod
+    def of_decodes(cls, reqs: list[Request]) -> StepShape:
+        """`of` a pure-decode forward: every one of ``reqs`` decoding, one token each."""
+        return cls(0, len(reqs), sum(map(_num_computed, reqs)), 0)
 
 
 class TimedForward(NamedTuple):
@@ -118,7 +129,7 @@ class NextStep:
     """A pure-decode step reserved while the GPU ran the one before it (core.py's module docstring)."""
 
     requests: list[Request]
-    plan: ForwardPlan
+    plan: ForwardPlan | None  # None: its slots reserved without one (`ModelRunner.needs_plan`)
     device_ids: torch.Tensor | None = None
 
 
@@ -138,4 +149,7 @@ class Launched:
 
 def same_requests(a: list[Request], b: list[Request]) -> bool:
     """The same request objects in the same order."""
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return len(a) == len(b) and all(map(is_, a, b))
+
+
+_num_computed = attrgetter("num_computed")

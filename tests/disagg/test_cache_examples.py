@@ -268,3 +268,28 @@ def test_copy_source_page_is_parked_across_prepare_recv_until_drained() -> None:
     assert cache.num_free_pages == 1
     assert cache.disagg_prepare_recv(3, 1) == [1, 0, 1]
     cache.end_forward()
+
+
+def test_seq_lengths_reads_live_sequences_only() -> None:
+    from disagg.errors import CacheError, SequenceNotFound
+
+    cache = PagedKVCache(16, 4, prefix_caching=True)
+    for i, n in enumerate([5, 8, 1]):
+        cache.add_sequence(i)
+        cache.begin_forward([i], [n])
+        cache.end_forward()
+    assert cache.seq_lengths([2, 0, 1]) == [1, 5, 8] == [cache.seq_length(i) for i in (2, 0, 1)]
+    assert cache.seq_lengths([]) == []
+    cache.cache_tokens(1, list(range(8)))
+    cache.remove_sequence(1)  # kept cached under a negative id, invisible to callers
+    cached = min(cache._seqs)
+    assert cached < 0
+    for ids, error in (([0, 1], SequenceNotFound), ([0, cached], SequenceNotFound), ([0, "x"], CacheError),
+                       ([[0]], CacheError)):  # as `seq_length` raises for each
+        with pytest.raises(error):
+            cache.seq_lengths(ids)
+        with pytest.raises(error):
+            cache.seq_length(ids[-1])
+    with pytest.raises(SequenceNotFound, match=f"begin_forward: sequence {cached} is not in the cache"):
+        cache.begin_forward([0, cached], [1, 1])
+    assert cache.seq_lengths([0]) == [5]
