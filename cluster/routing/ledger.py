@@ -38,9 +38,12 @@ from disagg.cluster.routing.requests import Picker, RoutedRequest, load_of, queu
 WORK_FIELDS = ("queued", "pairs", "decoding", "context", "remaining", "seated", "incoming")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Share:
-    """One request's part of the sums, as last reported."""
+    """One request's part of the sums, as last reported. ``work`` and ``loads`` are as `Ledger.
+    touch` took them but for ``decoding_work.remaining``: `Ledger.advance` moves the sums and
+    counts the tokens in ``advanced``, which `Ledger.drop` adds back where they went before it
+    takes the share off (the step end writes one share per token, not its dicts)."""
 
     work: dict[int, InstanceWork]  # id(instance) -> its `tally` share there
     loads: dict[str, int]  # instance name -> tokens (`load_of`)
@@ -49,8 +52,11 @@ class _Share:
     queued: tuple[str, int] | None  # (instance, prompt tokens) queued there (`Picker.prompt_queues`)
     unnamed: int  # prompt tokens of its reservation on its way, no prefill instance named
     max_tokens: int
-    decoding: int | None = None  # id(instance) it decodes on, once the router has seen its first token
-    decoding_work: InstanceWork | None = field(default=None, repr=False)
+    advanced: int = 0  # output tokens `advance` counted since `touch`
+    # Where it decodes, once the router has seen its first token (what `advance` moves):
+    decoding_work: InstanceWork | None = field(default=None, repr=False)  # its share there
+    decoding_total: InstanceWork | None = field(default=None, repr=False)  # that instance's sums
+    decoding_progress: ProgressTable | None = field(default=None, repr=False)  # that instance's rows
 
 
 class Ledger:
@@ -112,7 +118,8 @@ class Ledger:
         for key, part in work.items():
             _add(self.work[key], part, 1)
             if part.decoding:
-                share.decoding, share.decoding_work = key, part
+                share.decoding_work, share.decoding_total = part, self.work[key]
+                share.decoding_progress = self.progress[key]
                 if req.first_token_at is not None:
                     self.progress[key].add(req.request_id, req.first_token_at, req.num_output, share.max_tokens)
         self.loads.update(loads)
@@ -129,24 +136,32 @@ class Ledger:
         share = self._shares.get(req.request_id)
         if share is None:
             return
+        share.advanced += num_tokens
+        loads = self.loads
         for name in share.growing:
-            share.loads[name] += num_tokens
-            self.loads[name] += num_tokens
+            loads[name] += num_tokens
         part = share.decoding_work
         if part is not None:
-            total = self.work[share.decoding]
-            remaining = max(share.max_tokens - req.num_output, 1)
+            num_output = req.num_output
+            remaining = share.max_tokens - num_output
+            if remaining < 1:  # max(..., 1) without the call: this runs once per request per step
+                remaining = 1
+            total = share.decoding_total
             total.context += num_tokens
             total.remaining += remaining - part.remaining
-            part.context += num_tokens
             part.remaining = remaining
-            self.progress[share.decoding].set_output(req.request_id, req.num_output)
+            share.decoding_progress.set_output(req.request_id, num_output)
 
     def drop(self, req: RoutedRequest) -> None:
         """``req`` ended (or is about to be touched again): its share comes off."""
         share = self._shares.pop(req.request_id, None)
         if share is None:
             return
+        if share.advanced:  # the tokens `advance` added since the share was taken
+            for name in share.growing:
+                share.loads[name] += share.advanced
+            if share.decoding_work is not None:
+                share.decoding_work.context += share.advanced
         for key, part in share.work.items():
             _add(self.work[key], part, -1)
             self.progress[key].remove(req.request_id)

@@ -72,7 +72,7 @@ LATE_MARGIN_S = 1e-9
 ROLES = ("prefill", "decode", "colocated")
 
 
-@dataclass
+@dataclass(slots=True)
 class Timeline:
     """What the client sees of one request: send time and each token's time (virtual seconds)."""
 
@@ -199,6 +199,7 @@ class SimFleet:
         self._order = itertools.count()
         self._queue: collections.deque[RoutedRequest] = collections.deque()
         self.timelines: dict[str, Timeline] = {}
+        self._live: dict[str, tuple[RoutedRequest, Timeline]] = {}  # request id -> the two, until its end
         self.num_events = 0
         self.halted = False
         self.fuse = True  # run the pure-decode forwards no event can change in one event (`SimInstance.fuse`)
@@ -389,9 +390,10 @@ class SimFleet:
         else:
             ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
         prompt_len = len(ids)
-        self.timelines[request_id] = Timeline(prompt_len, max_tokens, sent)
+        timeline = self.timelines[request_id] = Timeline(prompt_len, max_tokens, sent)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         req = RoutedRequest(request_id, ids, params, _sink, RequestMetrics(arrival_time=self.now))
+        self._live[request_id] = req, timeline
         self.flow.arrived(req)
         longest = pages_for(min(prompt_len + max_tokens, self.max_model_len), self.page_size)
         if prompt_len + max_tokens > self.max_model_len or longest > min(self.role_pages.values()):
@@ -471,19 +473,19 @@ class SimFleet:
 
     # ------------------------------------------------------------------ outputs
     def _step_end(self, inst: Instance) -> set[str]:
+        live, flow = self._live, self.flow
+        tpot_s = self._slos_s.get("tpot")
         for request_id, finished, times, pushed in inst.actor.finish_step():
-            req = self.flow.placed[request_id]
-            timeline = self.timelines[request_id]
-            if not timeline.token_times and "tpot" in self._slos_s and timeline.max_tokens > 1:
-                heapq.heappush(self._deadlines, (times[0] + self._slos_s["tpot"] * (timeline.max_tokens - 1),
-                                                 request_id, "tpot"))
-            timeline.token_times.extend(times)
+            req, timeline = live[request_id]
+            if tpot_s is not None and not timeline.token_times and timeline.max_tokens > 1:
+                heapq.heappush(self._deadlines, (times[0] + tpot_s * (timeline.max_tokens - 1), request_id, "tpot"))
+            timeline.token_times += times
             reason = "length" if finished else None  # requests run to max_tokens: EOS is ignored
             if not pushed:
-                actions = self.flow.tokens(req, len(times), reason)
+                actions = flow.tokens(req, len(times), reason)
             else:  # pushed: the first token; decoding waits for the push
                 assert len(times) == 1, "a forward computing a prompt is never fused"
-                actions = self.flow.first_token(req, inst, reason)
+                actions = flow.first_token(req, inst, reason)
             for action in actions:
                 if isinstance(action, Start):  # when the push of its last token is done (`link.SimSender`)
                     self._push(max(self.now, req.dest.ticket.at), PUSH_END, (req, inst))
@@ -497,7 +499,7 @@ class SimFleet:
         if req.done:
             return
         self.flow.end(req, reason, release=False)
-        timeline = self.timelines[req.request_id]
+        _, timeline = self._live.pop(req.request_id)
         assert not timeline.ended, f"request {req.request_id} ended twice"
         timeline.ended, timeline.error = True, error
         if self._on_end is not None:

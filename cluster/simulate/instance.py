@@ -85,6 +85,7 @@ class SimRunner:
     """
 
     num_graph_replays = num_prompt_graph_replays = num_mixed_graph_replays = num_pushes_after = 0
+    needs_plan = False  # a forward that moves no KV comes as its `StepShape`, no plan (`EngineCore`)
 
     def __init__(self, model: StepTimeModel, page_size: int, clock: Callable[[], float], step_gap_s: float) -> None:
         self.model = model
@@ -96,9 +97,11 @@ class SimRunner:
         self.num_forwards = 0
 
     def execute(self, plan, input_ids, sample_rows: np.ndarray, sample_requests: list, *, sender=None,
-                step_offset=0, device_prefix=None) -> PendingTokens:
-        """Put ``plan``'s forward on the stream (its pushes on ``sender``'s link); sample 0s."""
-        shape = self.shape_of(plan, sample_rows, sample_requests)
+                step_offset=0, device_prefix=None, shape: StepShape | None = None) -> PendingTokens:
+        """Put the forward on the stream (its pushes on ``sender``'s link); sample 0s. ``plan`` is
+        None (``shape`` given) for a forward that moves no KV (`needs_plan`)."""
+        if plan is not None:
+            shape = self.shape_of(plan, sample_rows, sample_requests)
         start = max(self.clock(), self.free_at)
         end = start + self.forward_s(shape)
         self.free_at = end
@@ -116,17 +119,23 @@ class SimRunner:
     def shape_of(self, plan, sample_rows: np.ndarray, sample_requests: list) -> StepShape:
         """`StepShape.of` from the plan: a row is a decode when its sampled request decodes (a row
         not sampled is a prompt chunk); each row's tokens before the forward are its length after
-        the append less its new tokens."""
-        new = np.diff(plan.qo_indptr)
-        lengths = (np.diff(plan.page_indptr) - 1) * self.page_size + plan.last_page_len
-        decodes = np.zeros(len(new), dtype=bool)
-        decodes[np.asarray(sample_rows, dtype=np.int64)] = [req.decoding for req in sample_requests]
-        before = lengths - new
-        if decodes.all():  # a pure decode step: no chunk
-            return StepShape(0, len(new), int(before.sum()), 0)
-        chunks = ~decodes
-        pairs = sum(prompt_pairs(int(done), int(n)) for done, n in zip(before[chunks], new[chunks]))
-        return StepShape(int(new[chunks].sum()), int(decodes.sum()), int(before[decodes].sum()), pairs)
+        the append less its new tokens. Their sum over every row telescopes (the index pointers'
+        ends, the last pages' lengths), so only the few chunk rows are read one by one."""
+        qo, pages, last = plan.qo_indptr.tolist(), plan.page_indptr.tolist(), plan.last_page_len.tolist()
+        num_rows, size = len(last), self.page_size
+        rows = np.asarray(sample_rows, dtype=np.int64).tolist()
+        chunks = [row for row, req in zip(rows, sample_requests) if not req.decoding]
+        if len(rows) < num_rows:
+            chunks += set(range(num_rows)).difference(rows)
+        before_all = (pages[-1] - pages[0] - num_rows) * size + sum(last) - (qo[-1] - qo[0])
+        num_prefill = chunks_before = pairs = 0
+        for row in chunks:
+            new = qo[row + 1] - qo[row]
+            before = (pages[row + 1] - pages[row] - 1) * size + last[row] - new
+            num_prefill += new
+            chunks_before += before
+            pairs += prompt_pairs(before, new)
+        return StepShape(num_prefill, num_rows - len(chunks), before_all - chunks_before, pairs)
 
 
 class SimCore(EngineCore):
@@ -301,20 +310,29 @@ class SimInstance:
 
     def finish_step(self) -> list[tuple[Hashable, bool, list[float], bool]]:
         """The step's outputs reach the fleet: per request sampled, ``(request_id, finished,
-        token times, pushed)`` (pushed: a pushed prompt's first token, which ends its stay here)."""
+        token times, pushed)`` (pushed: a pushed prompt's first token, which ends its stay here),
+        in the order of their first outputs."""
         step, self.current = self.current, None
-        times: dict[Hashable, list[float]] = {}
-        finished: dict[Hashable, bool] = {}
-        for forward, outputs in zip(step.forwards, step.outputs):
-            for out in outputs:
-                times.setdefault(out.request_id, []).append(forward.end_s)
-                finished[out.request_id] = out.finished
-        out = []
-        for request_id, token_times in times.items():
-            pushed = request_id in self._pushed
-            self._pushed.discard(request_id)
-            out.append((request_id, finished[request_id], token_times, pushed))
-        return out
+        pushed = self._pushed
+        first = step.outputs[0]
+        if len(step.forwards) == 1 and len({out.request_id for out in first}) == len(first):  # one output each
+            end_s = step.forwards[0].end_s
+            rows = [(out.request_id, out.finished, [end_s], False) for out in first]
+        else:
+            times: dict[Hashable, list[float]] = {}
+            finished: dict[Hashable, bool] = {}
+            for forward, outputs in zip(step.forwards, step.outputs):
+                end_s = forward.end_s
+                for out in outputs:
+                    times.setdefault(out.request_id, []).append(end_s)
+                    finished[out.request_id] = out.finished
+            rows = [(request_id, finished[request_id], token_times, False) for request_id, token_times in times.items()]
+        if pushed:
+            for i, (request_id, done, token_times, _) in enumerate(rows):
+                if request_id in pushed:
+                    pushed.discard(request_id)
+                    rows[i] = (request_id, done, token_times, True)
+        return rows
 
     def load(self) -> InstanceLoad:
         """`EngineCore.load`, kept until the engine next changes: the engine changes only through

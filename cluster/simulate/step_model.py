@@ -207,12 +207,13 @@ class StepTimeModel:
         """Predicted seconds of one step computing that much (`features` @ ``coef``, in Python
         floats, the same IEEE arithmetic as numpy's: the simulator calls it once a step, the
         adaptive placement hundreds of times a decision)."""
-        c = self._terms
-        seconds = c[1] * num_prefill_tokens + c[2] * num_decode_seqs + c[3] * num_context_tokens + c[5] * num_prompt_pairs
+        c0, c1, c2, c3, c4, c5, c6, c7, c8 = self._terms
+        seconds = c1 * num_prefill_tokens + c2 * num_decode_seqs + c3 * num_context_tokens + c5 * num_prompt_pairs
         if num_prefill_tokens <= 0:
-            return float(c[0] + seconds)
-        return float(c[4] + seconds + (c[6] if num_decode_seqs > 0 else 0.0) + c[7] * num_context_tokens
-                     + c[8] * max(num_prefill_tokens - self.knee_tokens, 0))
+            return float(c0 + seconds)
+        over = num_prefill_tokens - self.knee_tokens
+        return float(c4 + seconds + (c6 if num_decode_seqs > 0 else 0.0) + c7 * num_context_tokens
+                     + c8 * (0 if over < 0 else over))  # max(over, 0), as `features`, without the call
 
     def to_dict(self) -> dict:
         return {"coef_s": [float(v) for v in self.coef], "features": list(FEATURES), "knee_tokens": self.knee_tokens,

@@ -24,9 +24,11 @@ from disagg.engine.steps import prompt_pairs
 HORIZON_SHARE = 0.5
 
 
-@dataclass(frozen=True)
+@dataclass
 class InstanceView:
-    """One instance as the decision sees it: its model and live load.
+    """One instance as the decision sees it: its model and live load. Not written once made
+    (a plain dataclass, not a frozen one: a decision makes one per instance, and a frozen
+    dataclass's ``__init__`` costs several times a plain one's).
 
     Attributes:
         name: the instance's name.
@@ -93,9 +95,9 @@ class InstanceView:
 
     def __post_init__(self) -> None:
         if not isinstance(self.decode_progress, DecodeProgress):  # rows given as tuples
-            object.__setattr__(self, "decode_progress", DecodeProgress.of(self.decode_progress))
-        object.__setattr__(self, "pure_step_s", self.model.step_s(0, self.num_decoding, self.context_tokens, 0))
-        object.__setattr__(self, "_chunks", {})  # (prompt tokens, pairs, seqs, context) -> `chunks`
+            self.decode_progress = DecodeProgress.of(self.decode_progress)
+        self.pure_step_s = self.model.step_s(0, self.num_decoding, self.context_tokens, 0)
+        self._chunks = {}  # (prompt tokens, pairs, seqs, context) -> `chunks`
 
     def step_in_flight_s(self) -> float:
         """What a call waits for the forward running here at most (its decodes' step; 0 when none
@@ -261,20 +263,20 @@ def fleet_tpot_slacks_s(views: Sequence[InstanceView], bound_s: float, incoming:
     if not views:
         return np.empty(0), np.empty(0, dtype=np.int64)
     progress = [v.decode_progress for v in views]
-    gaps = [v.decode_gap_s(v.num_decoding, v.context_tokens) for v in views]
+    # per view: its decodes' gap, the tokens of a request on its way, how many are on their way
+    gaps, outputs, counts = np.array([(v.decode_gap_s(v.num_decoding, v.context_tokens), v.output_tokens or 0.0,
+                                       v.incoming if incoming is None else incoming) for v in views]).T
     owner = np.repeat(np.arange(len(views)), [len(p) for p in progress])
     n = np.concatenate([p.max_tokens for p in progress])
     k = np.concatenate([p.num_output for p in progress])
     elapsed = np.concatenate([p.elapsed_s for p in progress])
-    slacks = bound_s * (n - 1) - elapsed - (n - k) * np.array(gaps)[owner]
+    slacks = bound_s * (n - 1) - elapsed - (n - k) * gaps[owner]
     several = n > 1  # a TPOT needs two tokens
-    counts = [v.incoming if incoming is None else incoming for v in views]  # the requests on their way
-    fresh = [(i, v.fresh_slack_s(bound_s), count) for i, (v, count) in enumerate(zip(views, counts)) if count]
-    fresh = [(i, slack, count) for i, slack, count in fresh if slack is not None]
-    if fresh:
-        at, value, count = zip(*fresh)
-        owner = np.concatenate((owner, np.repeat(np.array(at, dtype=owner.dtype), count)))
-        slacks = np.concatenate((slacks, np.repeat(np.array(value), count)))
-        several = np.concatenate((several, np.ones(sum(count), dtype=bool)))
+    fresh = (counts > 0) & (outputs > 1)  # the requests on their way whose TPOT is known (`fresh_slack_s`)
+    if fresh.any():
+        count = counts[fresh].astype(np.int64)
+        owner = np.concatenate((owner, np.repeat(np.flatnonzero(fresh), count)))
+        slacks = np.concatenate((slacks, np.repeat((bound_s * (outputs - 1) - outputs * gaps)[fresh], count)))
+        several = np.concatenate((several, np.ones(int(count.sum()), dtype=bool)))
     held = several & (slacks >= 0)
     return slacks[held], owner[held]
