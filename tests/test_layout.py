@@ -1,7 +1,7 @@
 """The layout and import rules of docs/ARCHITECTURE.md §1, checked on the installed package.
 
-- one import root: `kernels/`, `transfer/`, `cluster/` install as `disagg.kernels` etc., and no
-  top-level `kernels`, `transfer` or `cluster` module is importable;
+- one import root: `kernels/`, `transfer/`, `cluster/` install as `disagg.kernels` etc., and none
+  of them as a top-level `kernels`, `transfer` or `cluster` module;
 - `import disagg` (and the numpy-only core) pulls in no torch, triton, ray or nvshmem;
 - imports only point down: triton only in disagg.kernels, nvshmem only in disagg.transfer,
   ray only in disagg.cluster, and the core never imports disagg.cluster.
@@ -44,9 +44,14 @@ def test_folders_install_under_one_root(folder: str, module: str, tmp_path: Path
 
 @pytest.mark.parametrize("name", ["kernels", "transfer", "cluster"])
 def test_no_top_level_module_collides(name: str, tmp_path: Path):
-    result = _run_python(f"import {name}", tmp_path)
-    assert result.returncode != 0, f"`import {name}` must fail after install; it found a module"
-    assert "ModuleNotFoundError" in result.stderr
+    # Our folders install only under `disagg`: a top-level module of that name, where one is found,
+    # is another distribution's (transformers >= 5.25 depends on Hugging Face's `kernels`).
+    result = _run_python(f"import importlib.util; spec = importlib.util.find_spec({name!r}); "
+                         f"print(spec.origin if spec is not None else '')", tmp_path)
+    assert result.returncode == 0, result.stderr
+    origin = result.stdout.strip()
+    assert not origin or ROOT / name not in Path(origin).resolve().parents, (
+        f"`import {name}` after install: expected no module from {ROOT / name}, got {origin}")
 
 
 @pytest.mark.parametrize("module", ["disagg", "disagg.cache", "disagg.posmap", "disagg.errors",
