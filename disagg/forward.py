@@ -10,7 +10,6 @@ batch's argument checks (`check_batch`, `check_send_room`) run before anything i
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceLike
-from operator import attrgetter
 
 import numpy as np
 
@@ -47,18 +46,12 @@ def build_plan(
         The `ForwardPlan` (see `disagg.plan` for every array's shape).
     """
     batch = len(seqs)
-    num_tokens = int(np.add.reduce(lens))
-    page_indptr, page_indices = page_tables(seqs)
-    if num_tokens == batch and not windowed:  # a decode: one token per sequence
-        qo_indptr = np.arange(batch + 1, dtype=np.int32)
-        slots, positions, last_page_len = decode_slots(len_before, page_indptr, page_indices, page_size)
-    else:
-        qo_indptr = np.zeros(batch + 1, dtype=np.int32)
-        lens.cumsum(out=qo_indptr[1:])
-        last_page_len = ((len_before + lens - 1) % page_size + 1).astype(np.int32)
-        slots, positions = append_slots(
-            qo_indptr, lens, len_before, page_indptr, page_indices, page_size, [w.index for w in windowed]
-        )
+    qo_indptr = np.zeros(batch + 1, dtype=np.int32)
+    np.cumsum(lens, out=qo_indptr[1:])
+    page_indptr, page_indices, last_page_len = page_tables(seqs, len_before + lens, page_size)
+    slots, positions = append_slots(
+        qo_indptr, lens, len_before, page_indptr, page_indices, page_size, [w.index for w in windowed]
+    )
     sink_size = np.zeros(batch, dtype=np.int32)
     window_offset = np.zeros(batch, dtype=np.int32)
     if windowed:
@@ -73,6 +66,7 @@ def build_plan(
             sink_size,
             window_offset,
         )
+    num_tokens = int(qo_indptr[-1])
     push_slots = np.full(num_tokens, -1, dtype=np.int32)
     push_pes = np.full(num_tokens, -1, dtype=np.int32)
     pushed = {}
@@ -95,56 +89,25 @@ def build_plan(
     )
 
 
-def page_tables(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+def page_tables(seqs: list[Sequence], lens_after: np.ndarray, page_size: int) -> tuple[np.ndarray, ...]:
     """CSR page tables of the batch after the append.
 
     Args:
         seqs: the batch, B sequences (reservation done).
-
-    Returns:
-        ``(page_indptr [B+1], page_indices [nnz])``, int32. (Each row's last page length is the
-        caller's: from its length after the append, assuming identity slot offsets; windowed
-        sequences are fixed up by `fix_windowed`.)
-    """
-    tables = list(map(_table, seqs))
-    counts = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    page_indptr = np.zeros(len(tables) + 1, dtype=np.int32)
-    counts.cumsum(out=page_indptr[1:])
-    page_indices = np.concatenate(tables) if tables else np.empty(0, dtype=np.int32)
-    return page_indptr, page_indices
-
-
-def decode_slots(
-    len_before: np.ndarray, page_indptr: np.ndarray, page_indices: np.ndarray, page_size: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`append_slots` and the last page lengths of a batch that appends one token to each
-    sequence, none windowed (the decode path: fewer array operations than the general one).
-
-    Args:
-        len_before: ``[B]`` int64 sequence lengths before the append (each new token's position).
-        page_indptr, page_indices: the batch's page tables after the append.
+        lens_after: ``[B]`` int64 sequence lengths after the append.
         page_size: tokens per page.
 
     Returns:
-        ``(append_slots [B], positions [B], last_page_len [B])`` int32.
-
-    Raises:
-        CacheIntegrityError: a token falls outside its sequence's page table (as `append_slots`).
+        ``(page_indptr [B+1], page_indices [nnz], last_page_len [B])``, int32; `last_page_len`
+        assumes identity slot offsets (windowed sequences are fixed up by `fix_windowed`).
     """
-    page, offset = np.divmod(len_before, page_size)
-    index = page_indptr[:-1] + page
-    over = index >= page_indptr[1:]
-    if over.any():
-        row = int(np.flatnonzero(over)[0])
-        raise CacheIntegrityError(
-            f"plan: batch row {row} appends positions up to {int(len_before[row])} but its page "
-            f"table holds {int(page_indptr[row + 1] - page_indptr[row])} pages of {page_size}"
-        )
-    slots = page_indices[index].astype(np.int64) * page_size + offset
-    return slots.astype(np.int32), len_before.astype(np.int32), (offset + 1).astype(np.int32)
-
-
-_table = attrgetter("table")
+    tables = [s.table for s in seqs]
+    counts = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    page_indptr = np.zeros(len(tables) + 1, dtype=np.int32)
+    np.cumsum(counts, out=page_indptr[1:])
+    page_indices = np.concatenate(tables) if tables else np.empty(0, dtype=np.int32)
+    last_page_len = ((lens_after - 1) % page_size + 1).astype(np.int32)
+    return page_indptr, page_indices, last_page_len
 
 
 def append_slots(

@@ -30,21 +30,3 @@ def test_decode_rows_inside_their_tables() -> None:
     with pytest.raises(CacheIntegrityError, match="batch row 1"):
         forward.append_slots(np.array([0, 1, 2], I32), np.array([1, 1]), np.array([3, 8]),
                              np.array([0, 1, 3], I32), np.array([6, 2, 9], I32), 4)
-
-
-@pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_decode_slots_are_the_general_paths(page_size) -> None:
-    rng = np.random.default_rng(page_size)
-    len_before = rng.integers(0, 5 * page_size, 40).astype(np.int64)
-    counts = len_before // page_size + 1 + rng.integers(0, 2, 40)  # a row may hold a spare page
-    page_indptr = np.concatenate(([0], np.cumsum(counts))).astype(I32)
-    page_indices = rng.permutation(int(counts.sum())).astype(I32)
-    ones = np.ones(40, dtype=np.int64)
-    slots, positions = forward.append_slots(np.arange(41, dtype=I32), ones, len_before, page_indptr,
-                                            page_indices, page_size)
-    last = ((len_before + ones - 1) % page_size + 1).astype(I32)
-    got = forward.decode_slots(len_before, page_indptr, page_indices, page_size)
-    for a, b in zip(got, (slots, positions, last)):
-        assert a.dtype == b.dtype and a.tolist() == b.tolist()
-    with pytest.raises(CacheIntegrityError, match="batch row 1 appends positions up to 8 but its page table holds 2 pages of 4"):
-        forward.decode_slots(np.array([3, 8]), np.array([0, 1, 3], I32), np.array([6, 2, 9], I32), 4)
