@@ -370,8 +370,9 @@ def plan(profile: dict | Sequence[dict], *, dataset_name: str, slos_ms: Mapping[
          jobs: int = 1, on_judged: Callable[[Candidate], None] | None = None,
          start_rate_per_gpu: float | None = 1.0, **lengths: Any) -> list[Candidate]:
     """Judge every candidate (each role against ``profile``'s of its TP: one profile, or one per
-    TP degree, `profiles_by_tp`, `role_profiles`), ``jobs`` at a time in worker processes (each
-    simulation is one core's work: 19 candidates of 64 GPUs take ~75 minutes of one); with more
+    TP degree, `profiles_by_tp`, `role_profiles`), ``jobs`` runs at a time in worker processes (each
+    simulation is one core's work: 19 candidates of 64 GPUs take ~75 minutes of one), every
+    candidate's runs in one pool, so no core idles while another ends a long search; with more
     ``jobs`` than candidates, each candidate's rates ``jobs // candidates`` at a time
     (`rate_search`: the same goodput, a knee in a few rounds of runs instead of ~11 runs one after
     the other). Return them best first (goodput per GPU, then the order searched). ``on_judged``
@@ -420,10 +421,8 @@ def plan(profile: dict | Sequence[dict], *, dataset_name: str, slos_ms: Mapping[
             judged.append(judge(cand, base, prof, start_rate=start, max_doublings=doublings, ceiling=top, **kwargs))
             if on_judged is not None:
                 on_judged(judged[-1])
-    elif jobs > len(search):
-        judged = _judge_rates_in_workers(search, bases, roles, starts, jobs, kwargs, on_judged)
     else:
-        judged = _judge_in_workers(search, bases, roles, starts, jobs, kwargs, on_judged)
+        judged = _judge_rates_in_workers(search, bases, roles, starts, jobs, kwargs, on_judged)
     order = {id(c): i for i, c in enumerate(judged)}
     return sorted(judged, key=lambda c: (-round(c.goodput_per_gpu, 9), order[id(c)]))
 
@@ -452,34 +451,17 @@ def _worker_pool(workers: int):
     return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
 
 
-def _judge_in_workers(search: list[Candidate], bases: list[dict[str, Any]], roles: list[dict[str, dict]],
-                      starts: list[tuple[float, int, float]], jobs: int, kwargs: dict[str, Any],
-                      on_judged: Callable[[Candidate], None] | None) -> list[Candidate]:
-    """`judge` of every candidate (against its base, its roles' profiles, from its start rate) in
-    ``jobs`` forked worker processes (the candidates, profiles and settings are copied into them;
-    a result comes back as the judged candidate); in search order."""
-    import concurrent.futures
-
-    out: list[Candidate | None] = [None] * len(search)
-    with _worker_pool(min(jobs, len(search))) as pool:
-        futures = {pool.submit(judge, cand, bases[i], roles[i], start_rate=starts[i][0], max_doublings=starts[i][1],
-                               ceiling=starts[i][2], **kwargs): i for i, cand in enumerate(search)}
-        for future in concurrent.futures.as_completed(futures):
-            out[futures[future]] = future.result()
-            if on_judged is not None:
-                on_judged(out[futures[future]])
-    return [cand for cand in out if cand is not None]
-
-
 def _judge_rates_in_workers(search: list[Candidate], bases: list[dict[str, Any]], roles: list[dict[str, dict]],
                             starts: list[tuple[float, int, float]], jobs: int, kwargs: dict[str, Any],
                             on_judged: Callable[[Candidate], None] | None) -> list[Candidate]:
-    """`judge` of every candidate with its rates judged ``jobs // len(search)`` at a time
-    (`rate_search`'s batches; each run one task, `rate_attainment`) in ``jobs`` forked worker
-    processes; in search order."""
+    """`judge` of every candidate with its rates judged ``jobs // len(search)`` at a time (at
+    least one: `rate_search`'s batches; each run one task, `rate_attainment`) in ``jobs`` forked
+    worker processes, every candidate's runs in the one pool: a core that ends a run takes the next
+    one asked, of whichever candidate (a pool of whole searches, one candidate a task, left a core
+    idle while the other ended the longest search); in search order."""
     import concurrent.futures
 
-    width = max(1, jobs // len(search))
+    width = max(1, jobs // max(1, len(search)))
     configs = [Config.from_dict(config_of(base, cand), origin=cand.label) for cand, base in zip(search, bases)]
     searches = [rate_search(start, width, max_doublings=doublings, ceiling=top) for start, doublings, top in starts]
     batches: list[list[float]] = [[] for _ in search]
