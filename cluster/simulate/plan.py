@@ -442,13 +442,21 @@ def _start(candidate: Candidate, per_gpu: float | None) -> tuple[float, int]:
 
 
 def _worker_pool(workers: int):
-    """A pool of ``workers`` processes, forked where the platform can (each starts with the
-    parent's imports instead of loading them again)."""
+    """A pool of ``workers`` processes, forked from a server process that has imported this
+    module and nothing of the caller's (``forkserver``, where the platform has it; else spawned).
+    Forked from the caller itself, a worker would share its heap and its threads: a run's full
+    collection (`run.collections_deferred`) would then copy every page it inherited, and would
+    run the finalizers of the caller's garbage in it, Ray's handles among them, which then speak
+    on the caller's connections (a test process with a local Ray lost its workers so)."""
     import concurrent.futures
     import multiprocessing
 
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method))
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__])
+    else:
+        context = multiprocessing.get_context("spawn")
+    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
 
 
 def _judge_rates_in_workers(search: list[Candidate], bases: list[dict[str, Any]], roles: list[dict[str, dict]],
