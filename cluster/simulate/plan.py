@@ -447,7 +447,7 @@ def _worker_pool(workers: int):
     Forked from the caller itself, a worker would share its heap and its threads: a run's full
     collection (`run.collections_deferred`) would then copy every page it inherited, and would
     run the finalizers of the caller's garbage in it, Ray's handles among them, which then speak
-    on the caller's connections (a test process with a local Ray lost its workers so)."""
+    on the caller's connections."""
     import concurrent.futures
     import multiprocessing
 
@@ -463,10 +463,10 @@ def _judge_rates_in_workers(search: list[Candidate], bases: list[dict[str, Any]]
                             starts: list[tuple[float, int, float]], jobs: int, kwargs: dict[str, Any],
                             on_judged: Callable[[Candidate], None] | None) -> list[Candidate]:
     """`judge` of every candidate with its rates judged ``jobs // len(search)`` at a time (at
-    least one: `rate_search`'s batches; each run one task, `rate_attainment`) in ``jobs`` forked
-    worker processes, every candidate's runs in the one pool: a core that ends a run takes the next
-    one asked, of whichever candidate (a pool of whole searches, one candidate a task, left a core
-    idle while the other ended the longest search); in search order."""
+    least one: `rate_search`'s batches; each run one task, `rate_attainment`) in ``jobs`` worker
+    processes (`_worker_pool`), every candidate's runs in the one pool: a core that ends a run
+    takes the next one asked, of whichever candidate, so none idles while another ends the
+    longest search; in search order."""
     import concurrent.futures
 
     width = max(1, jobs // max(1, len(search)))

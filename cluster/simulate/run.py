@@ -137,8 +137,8 @@ def collections_deferred(threshold: int = GC_THRESHOLD):
     rescanning them). Restored after, whatever the run raised. The cycles earlier runs left (a
     fleet, its engines and requests refer to each other) are collected first: frozen, they
     would outlive the run unscanned, and the full collections that reach them afterwards are
-    rare, so a planner worker's runs one after another grew by a run's garbage each (~1 GB
-    for 10,000 requests of a 64-instance fleet) until the machine's memory ran out."""
+    rare: a planner worker making runs one after another would keep every run's garbage (~1 GB
+    for 10,000 requests of a 64-instance fleet)."""
     old = gc.get_threshold()
     gc.collect()
     gc.freeze()

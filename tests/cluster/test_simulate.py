@@ -153,8 +153,7 @@ def test_same_seed_same_run_and_another_seed_another():
 def test_a_run_leaves_no_garbage_of_the_runs_before_it():
     """A planner worker makes runs one after another: each starts by collecting what the last
     left in cycles (its fleet refers to itself), so its own freeze of the objects alive does not
-    keep the last run's unscanned (the workers of a 64-GPU plan grew ~1 GB a run until the machine's
-    memory ran out)."""
+    keep the last run's unscanned (~1 GB a run for a 64-GPU plan's worker)."""
     import weakref
 
     _, first = simulate("1p1d", num_prompts=20)
