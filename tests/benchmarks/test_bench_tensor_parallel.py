@@ -18,7 +18,6 @@ def bench(benchmark_script):
     return benchmark_script("bench_tensor_parallel")
 
 
-@pytest.mark.slow
 def test_tp2_over_gloo_reports_both_sides_and_their_ratios(bench, benchmark_script, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels' torch references: the path is checked, not them
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # the spawned ranks import the scripts by name

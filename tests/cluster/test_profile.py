@@ -123,7 +123,6 @@ def test_profile_wants_a_config_or_a_refit():
     assert result.exit_code == 2 and "expected CONFIG" in result.output
 
 
-@pytest.mark.slow
 def test_profile_of_the_tiny_instance(tmp_path: Path, monkeypatch):
     # The kernels' torch references: what is checked is the profile's content, not the kernels
     # (the Triton interpreter took ~6 s; the kernels are tested under it on their own).

@@ -97,7 +97,6 @@ def test_a_killed_instance_s_fleet_is_rebuilt_to_full_strength_and_no_request_fa
         assert after["router"]["placements"]["remote"] >= 1
 
 
-@pytest.mark.slow
 def test_a_fleet_start_that_fails_is_tried_again_and_a_replacement_under_way_is_given_up(ray_local, monkeypatch,
                                                                                           want):
     real, calls = bootstrap.start_fleet, []

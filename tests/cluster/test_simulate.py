@@ -182,7 +182,6 @@ def test_refused_request_fails_with_the_reason():
     assert len(fleet.timelines["small"].token_times) == 5
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_simulated_engine_schedules_the_real_engines_steps(async_scheduling: bool, monkeypatch):
     """Given the same arrivals per step, the real colocated engine and the simulated one (its

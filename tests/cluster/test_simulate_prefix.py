@@ -258,7 +258,6 @@ def test_cli_reports_the_hits_as_the_bench_does(tmp_path: Path):
     assert "prefix hits" in result.output and f"{100 * cache['hit_rate']:.1f}%" in result.output
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("first_max_tokens", [(8, 6), (30, 20)])
 def test_simulated_engine_hits_evicts_and_preempts_as_the_real_engine(first_max_tokens: tuple[int, int],

@@ -49,7 +49,6 @@ def tiny_colocated(tp: int) -> Config:
                              "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 256}})
 
 
-@pytest.mark.slow
 def test_a_tp2_profile_times_two_rank_processes_and_records_the_tp(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels' torch references (as test_profile.py)
     one = run_profile(tiny_colocated(1), SMALL_GRID)

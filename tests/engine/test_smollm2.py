@@ -17,7 +17,6 @@ from disagg.sampling import SamplingParams
 from disagg.transfer import new_unique_id, open_heap
 from disagg.transfer.shm_heap import shm_leftovers
 
-pytestmark = pytest.mark.slow
 
 TEXTS = ["The capital of France is",
          "Write a haiku about the sea. The waves",

@@ -27,7 +27,7 @@ from disagg.cluster.serve import BackgroundServer, build_app  # noqa: E402
 from disagg.config import Config  # noqa: E402
 from disagg.sampling import SamplingParams  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
+pytestmark = pytest.mark.timeout(400)
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-1p1d.yaml"
 LEASE_S = 8.0
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
