@@ -95,7 +95,10 @@ def _gpu_prompts(lengths: list[int], seed: int) -> list[list[int]]:
     return [[rng.randrange(10, 128000) for _ in range(n)] for n in lengths]
 
 
-CPU = Fleet("tiny-1p1d", {"router.lease_s": 2.0, "cluster.restart": False},
+# The lease covers the silent case's late requests too: handed to prefill-0 while its forward is
+# held, they wait for the test to release it, which takes over 2 s on a loaded runner (measured:
+# three pytest workers on two cores failed them with `SignalTimeout`).
+CPU = Fleet("tiny-1p1d", {"router.lease_s": 4.0, "cluster.restart": False},
             prompts=mixed_prompts(4, seed=7),
             long_prompts=[[3 + (11 * i + 5 * j) % 250 for j in range(420 + 45 * i)] for i in range(3)],  # 2 chunks
             max_tokens=12, reference=_in_process_colocated)
