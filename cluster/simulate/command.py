@@ -370,7 +370,8 @@ def plan_command(
                                                "GPU; the search doubles (or halves) from it to the knee, then "
                                                "bisects: a rate near the knee skips the runs below it (the same "
                                                "result wherever they would all have held); default: each "
-                                               "candidate's screened rate")] = None,
+                                               "candidate's screened rate, its search probed near it "
+                                               "(docs/planning.md)")] = None,
     only: Annotated[Optional[str], Opt("--only", help="judge only these candidates of the search, comma-separated "
                                        "labels as printed, e.g. '56P8D,56P8D-adaptive,colocated-64[chunk=8192]' "
                                        "(a fleet too large to search whole)")] = None,

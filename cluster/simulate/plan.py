@@ -274,13 +274,14 @@ def judge(candidate: Candidate, base: dict[str, Any], profile: dict | Mapping[st
           slos_ms: Mapping[str, float], run_length: RunLength = RunLength(), seed: int = 0, seeds: int = 1,
           link_gbps: float = 364.0, hops: Mapping[str, float] | None = None, start_rate: float | None = None,
           stop_early: bool = True, start_rate_per_gpu: float = 1.0, max_doublings: int = MAX_DOUBLINGS,
-          ceiling: float = math.inf, **lengths: Any) -> Candidate:
+          ceiling: float = math.inf, probe: bool = False, **lengths: Any) -> Candidate:
     """Simulate ``candidate`` at the rates `max_rate` asks for (each over ``seeds`` draws, pooled:
     `rate_attainment`); set its goodput. ``profile``: one, or one per role (`role_profiles`).
     ``hops``: `SimFleet`'s ``hop_ms``, ``step_gap_ms``,
     ``reserve_ms``. The search starts at ``start_rate`` req/s (default ``start_rate_per_gpu`` per
     GPU of the candidate) and doubles or halves it at most ``max_doublings`` times, doubling no
-    further once a rate at or past ``ceiling`` holds (`rate_search`).
+    further once a rate at or past ``ceiling`` holds (`rate_search`; ``probe``: a start near the
+    knee, its probed search).
 
     ``stop_early``: a rate's runs stop as soon as more requests have missed an SLO than
     `TARGET_ATTAINMENT` allows of them all (`misses_allowed`), or as soon as so many met them that
@@ -300,7 +301,7 @@ def judge(candidate: Candidate, base: dict[str, Any], profile: dict | Mapping[st
         return candidate.note(rate, *rate_attainment(config, profile, rate, **settings))
 
     candidate.goodput_rps = max_rate(attainment, start_rate or start_rate_per_gpu * candidate.num_gpus,
-                                     max_doublings=max_doublings, ceiling=ceiling)
+                                     max_doublings=max_doublings, ceiling=ceiling, probe=probe)
     return candidate
 
 
@@ -379,7 +380,8 @@ def plan(profile: dict | Sequence[dict], *, dataset_name: str, slos_ms: Mapping[
     sees each as it is judged. ``start_rate_per_gpu``: each candidate's first rate (`max_rate`'s
     start) per GPU; one near the knee skips the runs of the rates doubled through below it (the
     same goodput wherever those would all have held: the same bracket is then bisected); None:
-    each candidate's screened rate (`screen_search`; 1 req/s per GPU where it has none). No
+    each candidate's screened rate (`screen_search`; 1 req/s per GPU where it has none), its
+    search probed (`_start`, `rate_search`). No
     candidate's search doubles past the rate at which a run of ``run_length.max_prompts``
     arrives within the TTFT SLO: beyond it every run is one burst the fleet drains within the
     SLO (a goodput there is named as judged on short runs), the same verdict at any rate; a
@@ -417,8 +419,9 @@ def plan(profile: dict | Sequence[dict], *, dataset_name: str, slos_ms: Mapping[
                   link_gbps=link_gbps, hops=hops, **lengths)
     judged = []
     if jobs == 1:
-        for cand, base, prof, (start, doublings, top) in zip(search, bases, roles, starts):
-            judged.append(judge(cand, base, prof, start_rate=start, max_doublings=doublings, ceiling=top, **kwargs))
+        for cand, base, prof, (start, doublings, probe, top) in zip(search, bases, roles, starts):
+            judged.append(judge(cand, base, prof, start_rate=start, max_doublings=doublings, ceiling=top,
+                                probe=probe, **kwargs))
             if on_judged is not None:
                 on_judged(judged[-1])
     else:
@@ -432,13 +435,14 @@ def plan(profile: dict | Sequence[dict], *, dataset_name: str, slos_ms: Mapping[
 SCREENED_DOUBLINGS = 5
 
 
-def _start(candidate: Candidate, per_gpu: float | None) -> tuple[float, int]:
-    """``candidate``'s first rate judged and the most doublings (or halvings) from it: ``per_gpu``
-    per GPU and `MAX_DOUBLINGS`; None: its screened rate, where it has one above 0, and
-    `SCREENED_DOUBLINGS` (else 1 req/s per GPU)."""
+def _start(candidate: Candidate, per_gpu: float | None) -> tuple[float, int, bool]:
+    """``candidate``'s first rate judged, the most doublings (or halvings) from it and whether its
+    search is probed (`rate_search`): ``per_gpu`` per GPU, `MAX_DOUBLINGS`, unprobed; None: its
+    screened rate, where it has one above 0, `SCREENED_DOUBLINGS`, probed (a screened rate is
+    meant to be near the knee) (else 1 req/s per GPU, unprobed)."""
     if per_gpu is None and candidate.screened is not None and candidate.screened.rate_rps > 0:
-        return candidate.screened.rate_rps, SCREENED_DOUBLINGS
-    return (per_gpu or 1.0) * candidate.num_gpus, MAX_DOUBLINGS
+        return candidate.screened.rate_rps, SCREENED_DOUBLINGS, True
+    return (per_gpu or 1.0) * candidate.num_gpus, MAX_DOUBLINGS, False
 
 
 def _worker_pool(workers: int):
@@ -460,7 +464,7 @@ def _worker_pool(workers: int):
 
 
 def _judge_rates_in_workers(search: list[Candidate], bases: list[dict[str, Any]], roles: list[dict[str, dict]],
-                            starts: list[tuple[float, int, float]], jobs: int, kwargs: dict[str, Any],
+                            starts: list[tuple[float, int, bool, float]], jobs: int, kwargs: dict[str, Any],
                             on_judged: Callable[[Candidate], None] | None) -> list[Candidate]:
     """`judge` of every candidate with its rates judged ``jobs // len(search)`` at a time (at
     least one: `rate_search`'s batches; each run one task, `rate_attainment`) in ``jobs`` worker
@@ -471,7 +475,8 @@ def _judge_rates_in_workers(search: list[Candidate], bases: list[dict[str, Any]]
 
     width = max(1, jobs // max(1, len(search)))
     configs = [Config.from_dict(config_of(base, cand), origin=cand.label) for cand, base in zip(search, bases)]
-    searches = [rate_search(start, width, max_doublings=doublings, ceiling=top) for start, doublings, top in starts]
+    searches = [rate_search(start, width, max_doublings=doublings, ceiling=top, probe=probe)
+                for start, doublings, probe, top in starts]
     batches: list[list[float]] = [[] for _ in search]
     held: list[list[float | None]] = [[] for _ in search]
     with _worker_pool(jobs) as pool:

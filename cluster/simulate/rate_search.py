@@ -13,13 +13,18 @@ from disagg.cluster.bench.compare import TARGET_ATTAINMENT
 
 MAX_DOUBLINGS = 12
 BISECTIONS = 5
+# A probed search (`rate_search`'s ``probe``) judges, right after its start, the midpoint its
+# bisection would reach this many levels down where the knee is just past the start (held: the
+# third of [start, 2 start], 1.125 start) or just below it (missed: the second of [start/2,
+# start], 0.875 start).
+PROBE_LEVELS = {True: 3, False: 2}
 # A search whose start is at most this many doublings below its ceiling judges the ceiling's
 # doubling first (`rate_search`): past the ceiling every run is one burst, its most expensive run.
 CEILING_FIRST = 2
 
 
 def rate_search(start: float, width: int = 1, target: float = TARGET_ATTAINMENT,
-                max_doublings: int = MAX_DOUBLINGS, ceiling: float = math.inf
+                max_doublings: int = MAX_DOUBLINGS, ceiling: float = math.inf, probe: bool = False
                 ) -> Generator[list[float], list[float], float]:
     """The search for the highest rate whose attainment holds ``target`` (0.0 when even a rate
     2^-``max_doublings`` of ``start`` misses; the highest judged when every doubling held, up to
@@ -36,7 +41,17 @@ def rate_search(start: float, width: int = 1, target: float = TARGET_ATTAINMENT,
     ``start``, the search judges that doubling alone first; if it holds, it is the rate (the
     doubling would have stopped there, the rates below it loading the fleet less); else its
     verdict is kept for when the doubling reaches it. A fleet whose knee is past the ceiling (the
-    runs drain a burst within the TTFT SLO) is then judged in one run instead of three."""
+    runs drain a burst within the TTFT SLO) is then judged in one run instead of three.
+
+    Probed (``probe``: a start near the knee, such as a screened rate): right after the start,
+    the search judges the rate its bisection reaches where the knee lies just past the start
+    (`PROBE_LEVELS`: 1.125 x start when the start held) or just below it (0.875 x start when it
+    missed), computed as the bisection computes it. Its verdict decides every rate the search
+    would judge on its side, as an attainment that falls with the rate would: a miss there, every
+    rate at or above it; a hold, every rate at or below it. With the knee within those rates of
+    the start, the doublings (or the halving) and the bisection's first levels are not run: 4 or
+    5 runs instead of 7; beyond them the probe is one run more. Where the attainment does fall
+    with the rate, the rate found is the unprobed search's."""
     if width < 1:
         raise ValueError(f"rate_search: expected a width of at least 1, got {width}")
     known: dict[float, float] = {}
@@ -48,6 +63,26 @@ def rate_search(start: float, width: int = 1, target: float = TARGET_ATTAINMENT,
             return top
         known[top] = at_top
     (first,) = yield [start]
+    side: tuple[float, bool] | None = None  # the probe's rate and whether it held
+
+    def implied(rate: float) -> float | None:
+        """The attainment ``rate`` is taken to have without a run (the probe's side of it, or
+        judged before); None: to be judged."""
+        if side is not None and (rate >= side[0] if not side[1] else rate <= side[0]):
+            return target if side[1] else -1.0
+        return known.get(rate)
+
+    def judge(rates: list[float]):
+        """The attainments of ``rates``, those not `implied` judged (one batch)."""
+        asked = [rate for rate in rates if implied(rate) is None]
+        judged = iter((yield asked) if asked else [])
+        return [a if (a := implied(rate)) is not None else next(judged) for rate in rates]
+
+    if probe:
+        at = _probe_rate(start, first >= target)
+        if at < ceiling:
+            (at_probe,) = yield [at]
+            side = (at, at_probe >= target)
     low: float | None = None
     high: float | None = None
     if first >= target:
@@ -55,9 +90,7 @@ def rate_search(start: float, width: int = 1, target: float = TARGET_ATTAINMENT,
         while high is None and done < max_doublings and low < ceiling:
             batch = [low * 2 ** (i + 1) for i in range(min(width, max_doublings - done))]
             batch = batch[:next((i + 1 for i, rate in enumerate(batch) if rate >= ceiling), len(batch))]
-            asked = [rate for rate in batch if rate not in known]
-            judged = iter((yield asked) if asked else [])
-            held = [known[rate] if rate in known else next(judged) for rate in batch]
+            held = yield from judge(batch)
             done += len(batch)
             missed = next((i for i, a in enumerate(held) if a < target), None)
             if missed is None:
@@ -70,7 +103,7 @@ def rate_search(start: float, width: int = 1, target: float = TARGET_ATTAINMENT,
         high, done = start, 0
         while low is None and done < max_doublings:
             batch = [high / 2 ** (i + 1) for i in range(min(width, max_doublings - done))]
-            held = yield batch
+            held = yield from judge(batch)
             done += len(batch)
             met = next((i for i, a in enumerate(held) if a >= target), None)
             if met is None:
@@ -81,9 +114,14 @@ def rate_search(start: float, width: int = 1, target: float = TARGET_ATTAINMENT,
             return 0.0
     levels = BISECTIONS
     while levels:
+        mid = (low + high) / 2
+        if (a := implied(mid)) is not None:  # a level the probe (or a verdict before) decides: no run
+            low, high = (mid, high) if a >= target else (low, mid)
+            levels -= 1
+            continue
         depth = min(levels, max(1, (width + 1).bit_length() - 1))  # 2^depth - 1 <= width
         tree = _midpoints(low, high, depth)
-        held = yield [rate for rate, _ in tree]
+        held = yield from judge([rate for rate, _ in tree])
         verdicts = {path: a >= target for (_, path), a in zip(tree, held)}
         path = ""
         for _ in range(depth):  # the one-at-a-time walk down the judged midpoints
@@ -93,6 +131,21 @@ def rate_search(start: float, width: int = 1, target: float = TARGET_ATTAINMENT,
             else:
                 high, path = mid, path + "0"
         levels -= depth
+    return low
+
+
+def _probe_rate(start: float, held: bool) -> float:
+    """The probe of a search from ``start`` (`PROBE_LEVELS`), as its bisection computes it: held,
+    the midpoints of [start, 2 start] toward start; missed, those of [start / 2, start] toward
+    start."""
+    if held:
+        low, high = start, start * 2
+        for _ in range(PROBE_LEVELS[True]):
+            high = (low + high) / 2
+        return high
+    low, high = start / 2, start
+    for _ in range(PROBE_LEVELS[False]):
+        low = (low + high) / 2
     return low
 
 
@@ -112,9 +165,9 @@ def _midpoints(low: float, high: float, depth: int) -> list[tuple[float, str]]:
 
 
 def max_rate(attainment: Callable[[float], float], start: float, target: float = TARGET_ATTAINMENT,
-             max_doublings: int = MAX_DOUBLINGS, ceiling: float = math.inf) -> float:
+             max_doublings: int = MAX_DOUBLINGS, ceiling: float = math.inf, probe: bool = False) -> float:
     """`rate_search` one rate at a time: the highest rate whose ``attainment(rate)`` holds ``target``."""
-    search = rate_search(start, 1, target, max_doublings, ceiling)
+    search = rate_search(start, 1, target, max_doublings, ceiling, probe)
     rates = next(search)
     while True:
         try:

@@ -54,9 +54,11 @@ def test_a_wider_rate_search_finds_the_one_at_a_time_rate_whatever_the_attainmen
                 table[rate] = min(1.0, max(0.0, (0.95 if rate <= knee else 0.8) + rng.uniform(-noise, noise)))
             return table[rate]
 
-        one, one_batches = _drive(planner.rate_search(start, 1, ceiling=ceiling), attainment)
-        wide, wide_batches = _drive(planner.rate_search(start, width, ceiling=ceiling), attainment)
-        assert wide == one == planner.max_rate(attainment, start, ceiling=ceiling), (trial, knee, noise, start)
+        probe = trial % 2 == 1  # probed searches too: the one-at-a-time one's rate, whatever the attainments
+        one, one_batches = _drive(planner.rate_search(start, 1, ceiling=ceiling, probe=probe), attainment)
+        wide, wide_batches = _drive(planner.rate_search(start, width, ceiling=ceiling, probe=probe), attainment)
+        assert wide == one == planner.max_rate(attainment, start, ceiling=ceiling, probe=probe), (
+            trial, knee, noise, start)
         assert all(len(b) <= width for b in wide_batches)
         assert {r for b in one_batches for r in b} <= {r for b in wide_batches for r in b}
         assert len(wide_batches) <= len(one_batches)
@@ -64,6 +66,39 @@ def test_a_wider_rate_search_finds_the_one_at_a_time_rate_whatever_the_attainmen
         assert width < 3 or len(wide_batches) < len(one_batches) or one_batches == wide_batches == [[one]]
     with pytest.raises(ValueError, match="width"):
         next(planner.rate_search(1.0, 0))
+
+
+def test_a_probed_search_finds_the_unprobed_rate_where_attainment_falls_with_the_rate():
+    """``probe``: for any knee and any attainment that falls with the rate (steps and slopes), the
+    rate of the search without it; from a start within 0.875-1.125x of the knee 4 or 5 runs
+    instead of 7, else at most one run more; the probe is the rate the bisection computes."""
+    import random
+    rng = random.Random(3)
+    for trial in range(400):
+        start = rng.choice([1.0, 3.0, 64.0, 300.0])
+        knee = start * rng.choice([rng.uniform(0.9, 1.1), rng.uniform(0.01, 40.0)])
+        ceiling = rng.choice([math.inf, start * rng.uniform(0.5, 6.0)])
+        slope = rng.choice([0.0, rng.uniform(0.01, 2.0)])  # 0: a step at the knee
+
+        def attainment(rate: float) -> float:  # non-increasing in the rate, the target at the knee
+            return 1.0 if rate <= knee else max(0.0, 0.9 - 1e-9 - slope * (rate / knee - 1))
+
+        runs = {}
+        for probe in (False, True):
+            asked = []
+            found = planner.max_rate(lambda r: asked.append(r) or attainment(r), start, ceiling=ceiling, probe=probe)
+            runs[probe] = (found, asked)
+        (plain, plain_asked), (probed, probed_asked) = runs[False], runs[True]
+        assert probed == plain, (trial, start, knee, ceiling)
+        assert len(probed_asked) <= len(plain_asked) + 1, (trial, plain_asked, probed_asked)
+        if 0.875 * start < knee < 1.125 * start and ceiling == math.inf:
+            assert len(probed_asked) in (4, 5) and len(plain_asked) == 7, (trial, plain_asked, probed_asked)
+    # The probe is the bisection's own midpoint: a held start's search reaches it, bit for bit.
+    asked = []
+    planner.max_rate(lambda r: asked.append(r) or (1.0 if r <= 1.01 * 300.0 else 0.0), 300.0)
+    assert planner.max_rate(lambda r: 1.0 if r <= 1.01 * 300.0 else 0.0, 300.0, probe=True) == max(
+        r for r in asked if r <= 1.01 * 300.0)
+    assert 300.0 * 1.125 in asked
 
 
 def test_a_start_near_the_ceiling_judges_the_ceiling_first():
