@@ -273,7 +273,8 @@ def test_seeds_pool_the_requests_of_several_draws():
         planner.plan(PROFILE, dataset_name="random", slos_ms=SLOS, num_gpus=2, seeds=0)
 
 
-@pytest.mark.parametrize("seeds", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: pooled draws, as test_seeds_pool
+# 1: a single draw's cut, which two pooled draws (the stop across draws too) cover: out of `make test`
+@pytest.mark.parametrize("seeds", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_runs_stop_at_a_certain_miss_with_the_same_verdicts(seeds):
     """``stop_early`` (the default): the same goodput and, rate by rate, the same verdict as runs
     played to the end; a cut rate's attainment is a bound below the whole run's on the same side
