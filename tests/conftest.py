@@ -105,7 +105,13 @@ _ray_ours = False      # the running Ray was started by `ray_local`
 def _shutdown_ours() -> None:
     global _ray_ours
     if _ray_ours:
+        import gc
+
         import ray
+        # The tests' cyclic garbage that holds Ray handles is freed while Ray still runs: a full
+        # collection after the shutdown (a simulated run's, `run.collections_deferred`) would run
+        # their finalizers against a Ray that is gone (suspected: a worker lost mid-test).
+        gc.collect()
         ray.shutdown()
         _ray_ours = False
 
