@@ -26,6 +26,7 @@ best one's YAML is what `disagg launch` / `disagg bench` run. Pure Python; no GP
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from disagg.cluster.bench.compare import TARGET_ATTAINMENT
 from disagg.cluster.bench.metrics import RequestOutput, meets_slos
 from disagg.cluster.bench.workloads import sample_lengths
 from disagg.cluster.routing.placement import DEFAULT_PLACEMENT, policy_of
-from disagg.cluster.simulate import screen
+from disagg.cluster.simulate import run_pool, screen
 from disagg.cluster.simulate.candidates import (DEFAULT_CHUNK_SIZES, Candidate, candidates, config_of,  # noqa: F401
                                                 only, prefill_counts, tp_splits)  # the search, as `planner.*`
 from disagg.cluster.simulate.fleet import SimFleet, check_hops, fleet_pages, fleet_profiles
@@ -445,63 +446,26 @@ def _start(candidate: Candidate, per_gpu: float | None) -> tuple[float, int, boo
     return (per_gpu or 1.0) * candidate.num_gpus, MAX_DOUBLINGS, False
 
 
-def _worker_pool(workers: int):
-    """A pool of ``workers`` processes, forked from a server process that has imported this
-    module and nothing of the caller's (``forkserver``, where the platform has it; else spawned).
-    Forked from the caller itself, a worker would share its heap and its threads: a run's full
-    collection (`run.collections_deferred`) would then copy every page it inherited, and would
-    run the finalizers of the caller's garbage in it, Ray's handles among them, which then speak
-    on the caller's connections."""
-    import concurrent.futures
-    import multiprocessing
-
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([__name__])
-    else:
-        context = multiprocessing.get_context("spawn")
-    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=context)
-
-
 def _judge_rates_in_workers(search: list[Candidate], bases: list[dict[str, Any]], roles: list[dict[str, dict]],
                             starts: list[tuple[float, int, bool, float]], jobs: int, kwargs: dict[str, Any],
                             on_judged: Callable[[Candidate], None] | None) -> list[Candidate]:
     """`judge` of every candidate with its rates judged ``jobs // len(search)`` at a time (at
-    least one: `rate_search`'s batches; each run one task, `rate_attainment`) in ``jobs`` worker
-    processes (`_worker_pool`), every candidate's runs in the one pool: a core that ends a run
-    takes the next one asked, of whichever candidate, so none idles while another ends the
-    longest search; in search order."""
-    import concurrent.futures
-
+    least one: `rate_search`'s batches; each run one task, `rate_attainment`) in one pool of
+    ``jobs`` worker processes (`run_pool.search_in_pool`: a free core takes the waiting run of the
+    slowest search, else a run a search may ask next); in search order."""
     width = max(1, jobs // max(1, len(search)))
     configs = [Config.from_dict(config_of(base, cand), origin=cand.label) for cand, base in zip(search, bases)]
-    searches = [rate_search(start, width, max_doublings=doublings, ceiling=top, probe=probe)
+    searches = [run_pool.Search(functools.partial(rate_search, start, width, max_doublings=doublings, ceiling=top,
+                                                  probe=probe))
                 for start, doublings, probe, top in starts]
-    batches: list[list[float]] = [[] for _ in search]
-    held: list[list[float | None]] = [[] for _ in search]
-    with _worker_pool(jobs) as pool:
-        futures: dict[concurrent.futures.Future, tuple[int, int]] = {}
 
-        def submit(i: int, rates: list[float]) -> None:
-            batches[i], held[i] = rates, [None] * len(rates)
-            for j, rate in enumerate(rates):
-                futures[pool.submit(rate_attainment, configs[i], roles[i], rate, **kwargs)] = (i, j)
+    def ended(i: int, goodput: float) -> None:
+        search[i].goodput_rps = goodput
+        if on_judged is not None:
+            on_judged(search[i])
 
-        for i, rates in enumerate(next(s) for s in searches):
-            submit(i, rates)
-        while futures:
-            done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in done:
-                i, j = futures.pop(future)
-                held[i][j] = search[i].note(batches[i][j], *future.result())
-                if any(a is None for a in held[i]):
-                    continue
-                try:
-                    submit(i, searches[i].send(held[i]))
-                except StopIteration as end:
-                    search[i].goodput_rps = end.value
-                    if on_judged is not None:
-                        on_judged(search[i])
+    run_pool.search_in_pool(searches, rate_attainment, list(zip(configs, roles)), kwargs, jobs,
+                            lambda i, rate, run: search[i].note(rate, *run), ended)
     return search
 
 
