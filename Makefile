@@ -35,7 +35,7 @@ demo: venv
 # `slow` (longer runs of paths the suite covers faster: the soak, the fault variants, the bench's
 # end-to-end runs); `make test-all` runs them too.
 TEST_WORKERS ?= 2
-PYTEST := TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := TRITON_INTERPRET=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 test: venv
 	$(PYTEST) -m "not slow"
 
