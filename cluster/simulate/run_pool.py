@@ -106,9 +106,9 @@ def search_in_pool(searches: Sequence[Search], run: Callable[..., Run], args: Se
     search i's run at a rate is ``run(*args[i], rate, **kwargs)``. Each asked rate's run goes to
     ``on_run(i, rate, run)`` (in the order the search asked them), which returns the attainment the
     search is sent; each search's goodput to ``on_end(i, goodput)`` as it ends. ``pool``: the
-    executor (default `worker_pool`, shut down at the end, the runs no search asked stopped)."""
-    own = pool is None
-    if own:
+    executor of at least ``jobs`` workers (default `worker_pool`), shut down at the end, the runs
+    no search asked stopped."""
+    if pool is None:
         pool = worker_pool(jobs, run.__module__)
     judged: list[dict[float, Run]] = [{} for _ in searches]
     taken: list[set[float]] = [set() for _ in searches]  # submitted or judged
@@ -129,8 +129,7 @@ def search_in_pool(searches: Sequence[Search], run: Callable[..., Run], args: Se
                     if goodput is not None:
                         on_end(i, goodput)
     finally:
-        if own:
-            _stop(pool, bool(running))
+        _stop(pool, bool(running))
 
 
 def _fill(searches: Sequence[Search], judged: list[dict[float, Run]], taken: list[set[float]],
@@ -147,10 +146,10 @@ def _fill(searches: Sequence[Search], judged: list[dict[float, Run]], taken: lis
             running[submit(i, rate)] = (i, rate, time.monotonic())
 
 
-def _stop(pool: concurrent.futures.ProcessPoolExecutor, guessing: bool) -> None:
+def _stop(pool: concurrent.futures.Executor, guessing: bool) -> None:
     """Shut ``pool`` down; runs still going (guessed ones no search asked, or an error's siblings)
-    are stopped, not waited for (`terminate_workers` where Python has it, 3.14; else its
-    processes, which the pool then reaps)."""
+    are stopped, not waited for (a process pool's `terminate_workers` where Python has it, 3.14;
+    else its processes, which the pool then reaps; a thread pool's run to their end)."""
     if guessing:
         terminate = getattr(pool, "terminate_workers", None)
         if terminate is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import multiprocessing
 import random
 import threading
 import time
@@ -102,8 +103,15 @@ def test_worker_processes_stop_the_guessed_runs_nobody_asked_and_raise_a_runs_er
     expected = max_rate(lambda r: asked.append(r) or _knee(37.0, r), 10.0)
     began = time.monotonic()
     run_pool.search_in_pool([run_pool.Search(make)], _slow_unless_asked, [(37.0, frozenset(asked))], {}, 2,
-                            lambda i, rate, run: run[0], ended.__setitem__)
+                            lambda i, rate, run: run[0], ended.__setitem__, pool=_forked(2))
     assert ended == {0: expected} and time.monotonic() - began < 30.0
     with pytest.raises(RuntimeError, match="failed"):
         run_pool.search_in_pool([run_pool.Search(make)], _failing, [()], {}, 2, lambda i, rate, run: run[0],
-                                ended.__setitem__)
+                                ended.__setitem__, pool=_forked(2))
+
+
+def _forked(workers: int) -> concurrent.futures.ProcessPoolExecutor:
+    """A process pool forked from this one: this module's functions unpickle in it (the suite
+    imports test modules by path, `--import-mode=importlib`, so a forkserver's workers cannot
+    import them by name)."""
+    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
