@@ -25,7 +25,7 @@ from typing import Any
 # missed run when `next_rates` asks what it would ask after them.
 HELD, MISSED = math.inf, -math.inf
 # `next_rates`: the verdicts of at most this many of the rates a search waits for are guessed
-# (2^n next batches); the rest of a wider batch is not looked past.
+# (2^n next batches); the rest of a wider batch are taken as missed.
 GUESSED_RATES = 3
 
 Run = tuple[float, bool]  # a run's (attainment, stopped early): `plan.rate_attainment`
@@ -35,11 +35,14 @@ Run = tuple[float, bool]  # a run's (attainment, stopped early): `plan.rate_atta
 class Search:
     """One candidate's search in the pool: ``make`` starts it afresh (the same search every time:
     `rate_search` is a function of what it is sent), ``sent`` what it has been sent, ``asked``
-    the rates it waits for, ``seconds`` its runs' times."""
+    the rates it waits for, ``judged`` its runs' results by rate (asked or guessed), ``taken``
+    the rates submitted (judged or running), ``seconds`` its runs' times."""
 
     make: Callable[[], Generator[list[float], list[float], float]]
     sent: list[list[float]] = field(default_factory=list)
     asked: list[float] = field(default_factory=list)
+    judged: dict[float, Run] = field(default_factory=dict)
+    taken: set[float] = field(default_factory=set)
     seconds: list[float] = field(default_factory=list)
     live: Generator[list[float], list[float], float] | None = None
 
@@ -58,9 +61,10 @@ class Search:
             return end.value
         return None
 
-    def next_rates(self, judged: dict[float, Run]) -> list[float]:
-        """The rates it would ask next under each verdict of the asked rates not in ``judged``
-        (held first), replayed on a fresh search: none where every verdict ends it."""
+    def next_rates(self) -> list[float]:
+        """The rates it would ask next under each verdict of the asked rates not yet judged (held
+        first), replayed on a fresh search: none where every verdict ends it."""
+        judged = self.judged
         unknown = [rate for rate in self.asked if rate not in judged][:GUESSED_RATES]
         out: list[float] = []
         for guess in itertools.product((HELD, MISSED), repeat=len(unknown)):
@@ -110,39 +114,37 @@ def search_in_pool(searches: Sequence[Search], run: Callable[..., Run], args: Se
     no search asked stopped."""
     if pool is None:
         pool = worker_pool(jobs, run.__module__)
-    judged: list[dict[float, Run]] = [{} for _ in searches]
-    taken: list[set[float]] = [set() for _ in searches]  # submitted or judged
     running: dict[concurrent.futures.Future, tuple[int, float, float]] = {}
     try:
         for search in searches:
             search.start()
         while any(search.live is not None for search in searches):
-            _fill(searches, judged, taken, running, jobs, lambda i, rate: pool.submit(run, *args[i], rate, **kwargs))
+            _fill(searches, running, jobs, lambda i, rate: pool.submit(run, *args[i], rate, **kwargs))
             done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
             for future in done:
                 i, rate, began = running.pop(future)
-                judged[i][rate] = future.result()
+                searches[i].judged[rate] = future.result()
                 searches[i].seconds.append(time.monotonic() - began)
             for i, search in enumerate(searches):
-                while search.live is not None and all(rate in judged[i] for rate in search.asked):
-                    goodput = search.send([on_run(i, rate, judged[i][rate]) for rate in search.asked])
+                while search.live is not None and all(rate in search.judged for rate in search.asked):
+                    goodput = search.send([on_run(i, rate, search.judged[rate]) for rate in search.asked])
                     if goodput is not None:
                         on_end(i, goodput)
     finally:
         _stop(pool, bool(running))
 
 
-def _fill(searches: Sequence[Search], judged: list[dict[float, Run]], taken: list[set[float]],
-          running: dict, jobs: int, submit: Callable[[int, float], concurrent.futures.Future]) -> None:
+def _fill(searches: Sequence[Search], running: dict, jobs: int,
+          submit: Callable[[int, float], concurrent.futures.Future]) -> None:
     """Submit runs while fewer than ``jobs`` run: the asked ones by priority, then the next rates."""
     live = sorted((i for i, s in enumerate(searches) if s.live is not None), key=lambda i: searches[i].priority(i))
     asked = ((i, rate) for i in live for rate in searches[i].asked)
-    guessed = ((i, rate) for i in live for rate in searches[i].next_rates(judged[i]))
+    guessed = ((i, rate) for i in live for rate in searches[i].next_rates())
     for i, rate in itertools.chain(asked, guessed):
         if len(running) >= jobs:
             return
-        if rate not in taken[i]:
-            taken[i].add(rate)
+        if rate not in searches[i].taken:
+            searches[i].taken.add(rate)
             running[submit(i, rate)] = (i, rate, time.monotonic())
 
 
